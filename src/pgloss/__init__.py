@@ -1,0 +1,33 @@
+"""pgloss: policy-gradient losses for reinforcement learning of language models.
+
+    import pgloss
+    algorithm = pgloss.get("dapo")
+    out = algorithm(log_prob=lp, old_log_prob=old, advantages=adv, mask=mask)
+    out.loss.backward()
+"""
+
+from . import advantages, kl
+from .aggregate import AGG_MODES, Normalizer, aggregate
+from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, get, names
+from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
+
+__all__ = [
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "Algorithm",
+    "CISPO",
+    "ClippedPolicy",
+    "FIPO",
+    "FixedKLController",
+    "LossOutput",
+    "Normalizer",
+    "SAPO",
+    "advantages",
+    "aggregate",
+    "get",
+    "kl",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "names",
+]

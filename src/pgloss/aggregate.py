@@ -1,0 +1,180 @@
+"""Reducing per-token values to the loss: the `loss_agg_mode`s and the global `Normalizer`.
+
+With per-token values ℓ_{i,t}, mask m_{i,t}, |y_i| = Σ_t m_{i,t}, and the counts of one optimizer
+step over every micro-batch and data-parallel rank (N_tok tokens, N_seq non-empty sequences,
+N_grp non-empty groups, n_g tokens in group g):
+
+    token-mean                ( Σ_i Σ_t m ℓ ) / N_tok                         (DAPO, BNPO, CISPO)
+    seq-mean-token-mean       ( Σ_i (Σ_t m ℓ) / |y_i| ) / N_seq                (GRPO, GSPO, SAPO)
+    seq-mean-token-sum        ( Σ_i Σ_t m ℓ ) / N_seq
+    seq-mean-token-sum-norm   ( Σ_i Σ_t m ℓ ) / (N_seq · C)                    (Dr.GRPO, C = norm_constant)
+    group-mean-token-mean     ( Σ_g (Σ_{i∈g} Σ_t m ℓ) / n_g ) / N_grp          (per prompt)
+
+Dr.GRPO (https://arxiv.org/abs/2503.20783, sec. 3.1) replaces GRPO's 1/|y_i| by a constant, the
+generation budget: (1/G) Σ_i (1/C) Σ_t ℓ. C is `norm_constant` and is required: it is never the
+padded width of the batch (verl's default, `loss_mask.shape[-1]`), which changes from batch to
+batch. TRL and ms-swift divide by B·max_completion_length, the same thing. verl divides the token
+sum by C alone, without 1/N_seq: its loss is N_seq times ours.
+
+Every mode is a weighted sum Σ w_{i,t} ℓ_{i,t} whose weights depend only on the mask and the
+global counts, so a micro-batch's loss is its exact share of the step's loss: summing micro-batch
+losses gives the whole-batch loss, and so does summing gradients. A sequence (and, for the group
+mode, its count n_g) is never split, since the counts are global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "group-mean-token-mean",
+)
+
+
+def _as_list(value: Tensor | Sequence[Tensor] | None) -> list[Tensor] | None:
+    if value is None:
+        return None
+    return [value] if isinstance(value, Tensor) else list(value)
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """The token, sequence and group counts of one optimizer step, global over ranks.
+
+    Build it once per optimizer step with `Normalizer.count` over all of the step's micro-batch
+    masks, and pass it to every micro-batch's loss call. When the counts were all-reduced over a
+    data-parallel group of `world_size` ranks, each rank's loss is multiplied by `world_size`, so
+    that the gradient average of DDP and FSDP yields the gradient of the global loss.
+    """
+
+    tokens: Tensor
+    sequences: Tensor
+    group_tokens: Tensor | None = None
+    world_size: int = 1
+
+    @property
+    def groups(self) -> Tensor:
+        """Number of groups with at least one valid token."""
+        if self.group_tokens is None:
+            raise ValueError("this Normalizer was counted without group_ids")
+        return (self.group_tokens > 0).sum()
+
+    @classmethod
+    def count(
+        cls,
+        masks: Tensor | Sequence[Tensor],
+        *,
+        group_ids: Tensor | Sequence[Tensor] | None = None,
+        process_group: "dist.ProcessGroup | None" = None,
+        reduce: bool = True,
+    ) -> "Normalizer":
+        """Count valid tokens, non-empty sequences and (with `group_ids`) tokens per group.
+
+        Args:
+            masks: the `[B, T]` mask of each micro-batch of the step (or one mask).
+            group_ids: the `[B]` integer group (prompt) id of each row, one tensor per micro-batch.
+                Ids are global: the same prompt has the same id on every rank.
+            process_group: the data-parallel group (None: the default group).
+            reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
+        """
+        mask_list = _as_list(masks)
+        if not mask_list:
+            raise ValueError("masks must hold at least one [B, T] mask")
+        for k, mask in enumerate(mask_list):
+            if not isinstance(mask, Tensor) or mask.ndim != 2:
+                raise ValueError(f"masks[{k}] must be a [B, T] tensor, got {getattr(mask, 'shape', type(mask))}")
+        device = mask_list[0].device
+        lengths = [(m != 0).sum(dim=-1).to(torch.float64) for m in mask_list]
+        counts = torch.stack([
+            sum(length.sum() for length in lengths),
+            sum((length > 0).sum() for length in lengths).to(torch.float64),
+        ])
+        group_tokens = None
+        if group_ids is not None:
+            id_list = _as_list(group_ids)
+            if len(id_list) != len(mask_list):
+                raise ValueError(f"group_ids has {len(id_list)} tensors but masks has {len(mask_list)}")
+            for k, (ids, length) in enumerate(zip(id_list, lengths)):
+                if ids.shape != length.shape or ids.dtype.is_floating_point:
+                    raise ValueError(f"group_ids[{k}] must be integers of shape {tuple(length.shape)}")
+                if ids.numel() and bool((ids < 0).any()):
+                    raise ValueError(f"group_ids[{k}] must be non-negative")
+            size = torch.tensor(max(int(ids.max()) + 1 if ids.numel() else 0 for ids in id_list), device=device)
+            distributed = reduce and dist.is_available() and dist.is_initialized()
+            if distributed:
+                dist.all_reduce(size, op=dist.ReduceOp.MAX, group=process_group)
+            group_tokens = torch.zeros(int(size), dtype=torch.float64, device=device)
+            for ids, length in zip(id_list, lengths):
+                group_tokens.index_add_(0, ids.to(device).long(), length)
+        world_size = 1
+        if reduce and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts, group=process_group)
+            if group_tokens is not None:
+                dist.all_reduce(group_tokens, group=process_group)
+            world_size = dist.get_world_size(process_group)
+        return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size)
+
+
+def token_weights(
+    mask: Tensor,
+    mode: str,
+    normalizer: Normalizer,
+    *,
+    norm_constant: float | None = None,
+    group_ids: Tensor | None = None,
+) -> Tensor:
+    """w_{i,t} with loss = Σ w ℓ for `mode` (see the module docstring); `[B, T]`, float64.
+
+    Every denominator is clamped at 1, so an all-masked batch gives a zero loss, never NaN.
+    """
+    m = mask.to(torch.float64)
+    if mode == "token-mean":
+        return m / normalizer.tokens.clamp(min=1)
+    if mode == "group-mean-token-mean":
+        if group_ids is None:
+            raise ValueError("loss_agg_mode 'group-mean-token-mean' needs group_ids")
+        if normalizer.group_tokens is None:
+            raise ValueError("loss_agg_mode 'group-mean-token-mean' needs a Normalizer counted with group_ids")
+        per_row = normalizer.group_tokens[group_ids.to(mask.device).long()].clamp(min=1)
+        return m / (per_row[:, None] * normalizer.groups.clamp(min=1))
+    sequences = normalizer.sequences.clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return m / (m.sum(dim=-1, keepdim=True).clamp(min=1) * sequences)
+    if mode == "seq-mean-token-sum":
+        return m / sequences
+    if mode == "seq-mean-token-sum-norm":
+        if norm_constant is None or not norm_constant > 0:
+            raise ValueError(f"seq-mean-token-sum-norm needs norm_constant > 0, got {norm_constant!r}")
+        return m / (sequences * norm_constant)
+    raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    normalizer: Normalizer | None = None,
+    norm_constant: float | None = None,
+    group_ids: Tensor | None = None,
+) -> Tensor:
+    """Reduce `[B, T]` per-token `values` to a scalar with `loss_agg_mode` `mode`.
+
+    Without a `normalizer` the counts come from `mask` alone (this batch is the whole step).
+    Masked positions must already be finite: the weight there is 0, and 0·NaN is NaN.
+    """
+    if normalizer is None:
+        normalizer = Normalizer.count(
+            mask, group_ids=None if group_ids is None else group_ids, reduce=False
+        )
+    weights = token_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids)
+    return (values * weights.to(values.dtype)).sum() * normalizer.world_size

@@ -1,0 +1,134 @@
+"""The checked, masked inputs of one loss call.
+
+Every algorithm starts from `TokenBatch.prepare`, which is where bad input is refused and where
+the one effective mask is applied: values at masked positions (NaN and inf included) are replaced
+by zeros with `torch.where`, so they reach neither the loss nor the gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other floating dtype is upcast to float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_tensor(name: str, value: object, *, ndim: tuple[int, ...], floating: bool = True) -> Tensor:
+    """Refuse a non-tensor, a wrong rank or (when `floating`) a non-floating dtype, naming `name`."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.ndim not in ndim:
+        ranks = " or ".join(str(n) for n in ndim)
+        raise ValueError(f"{name} must have {ranks} dimensions, got shape {tuple(value.shape)}")
+    if floating and value.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be a floating tensor, got dtype {value.dtype}")
+    return value
+
+
+def check_mask(mask: object, shape: torch.Size, device: torch.device) -> Tensor:
+    """A `[B, T]` bool or 0/1 mask, returned as bool."""
+    mask = check_tensor("mask", mask, ndim=(2,), floating=False)
+    if mask.shape != shape:
+        raise ValueError(f"mask must have shape {tuple(shape)}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but log_prob is on {device}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("mask must hold only 0 and 1 (or be bool)")
+        return mask != 0
+    raise TypeError(f"mask must be bool or 0/1 numbers, got dtype {mask.dtype}")
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Inputs of one loss call, checked, upcast and zeroed at masked positions.
+
+    Token tensors are `[B, T]` in the compute dtype (float32, or float64 for float64 input);
+    `advantages` is `[B, T]` (a `[B]` input is broadcast over tokens) and `seq_advantages` keeps
+    the `[B]` form when one was given.
+    """
+
+    log_prob: Tensor
+    old_log_prob: Tensor
+    advantages: Tensor
+    mask: Tensor
+    seq_advantages: Tensor | None = None
+    ref_log_prob: Tensor | None = None
+    entropy: Tensor | None = None
+    rollout_log_prob: Tensor | None = None
+    group_ids: Tensor | None = None
+
+    @classmethod
+    def prepare(
+        cls,
+        log_prob: Tensor,
+        old_log_prob: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        ref_log_prob: Tensor | None = None,
+        entropy: Tensor | None = None,
+        rollout_log_prob: Tensor | None = None,
+        group_ids: Tensor | None = None,
+    ) -> "TokenBatch":
+        log_prob = check_tensor("log_prob", log_prob, ndim=(2,))
+        shape, device, dtype = log_prob.shape, log_prob.device, log_prob.dtype
+        bool_mask = check_mask(mask, shape, device)
+        cdtype = compute_dtype(dtype)
+
+        def token(name: str, value: Tensor | None, *, same_dtype: bool) -> Tensor | None:
+            if value is None:
+                return None
+            value = check_tensor(name, value, ndim=(2,))
+            if value.shape != shape:
+                raise ValueError(f"{name} must have the shape of log_prob {tuple(shape)}, got {tuple(value.shape)}")
+            if value.device != device:
+                raise ValueError(f"{name} is on {value.device} but log_prob is on {device}")
+            if same_dtype and value.dtype != dtype:
+                raise TypeError(
+                    f"{name} has dtype {value.dtype} but log_prob has {dtype}; cast the log-probabilities to one dtype"
+                )
+            return torch.where(bool_mask, value.to(cdtype), 0.0)
+
+        advantages = check_tensor("advantages", advantages, ndim=(1, 2))
+        if advantages.device != device:
+            raise ValueError(f"advantages is on {advantages.device} but log_prob is on {device}")
+        seq_advantages = None
+        if advantages.ndim == 1:
+            if advantages.shape[0] != shape[0]:
+                raise ValueError(f"advantages of shape [B] must have B={shape[0]}, got {tuple(advantages.shape)}")
+            seq_advantages = advantages.detach().to(cdtype)
+            advantages = seq_advantages[:, None].expand(shape)
+        advantages = token("advantages", advantages, same_dtype=False).detach()
+        if seq_advantages is not None:
+            valid_rows = bool_mask.any(dim=1)
+            seq_advantages = torch.where(valid_rows, seq_advantages, 0.0)
+
+        if group_ids is not None:
+            group_ids = check_tensor("group_ids", group_ids, ndim=(1,), floating=False)
+            if group_ids.shape[0] != shape[0] or group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
+                raise ValueError(f"group_ids must be an integer tensor of shape [{shape[0]}], got "
+                                 f"{group_ids.dtype} {tuple(group_ids.shape)}")
+
+        return cls(
+            log_prob=token("log_prob", log_prob, same_dtype=True),
+            old_log_prob=token("old_log_prob", old_log_prob, same_dtype=True).detach(),
+            advantages=advantages,
+            mask=bool_mask,
+            seq_advantages=seq_advantages,
+            ref_log_prob=None if ref_log_prob is None else token("ref_log_prob", ref_log_prob, same_dtype=True).detach(),
+            entropy=token("entropy", entropy, same_dtype=False),
+            rollout_log_prob=None
+            if rollout_log_prob is None
+            else token("rollout_log_prob", rollout_log_prob, same_dtype=True).detach(),
+            group_ids=group_ids,
+        )

@@ -1,0 +1,28 @@
+"""SAPO: a soft, sign-dependent gate instead of a hard clip (Gao et al. 2025, https://arxiv.org/abs/2511.20347).
+
+Per token (minimisation form):
+
+    L = -f_τ(r) · A,     f_τ(r) = (4/τ) · σ(τ·(r - 1)),     τ = τ_pos if A > 0 else τ_neg
+
+The factor 4/τ makes the on-policy gradient REINFORCE's: d f_τ / d r = 4·σ(1-σ) = 1 at r = 1, so
+∇L = -A·∇log π_θ when π_θ = π_old, whatever τ. Away from r = 1 the gradient weight
+4·σ(τ(r-1))·(1-σ(τ(r-1)))·r decays smoothly instead of dropping to zero as in PPO.
+Seed 002 writes the gate as σ(τ(ρ-1)) without 4/τ; that scales the on-policy gradient by τ/4.
+A larger τ_neg (paper: 1.05 vs 1.0) attenuates negative-advantage updates faster.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def sapo_gate(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
+    """f_τ(r) = (4/τ)·σ(τ(r-1)) with τ chosen by the sign of A; `[B, T]`."""
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+
+
+def sapo_loss(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
+    """-f_τ(r)·A per token."""
+    return -sapo_gate(ratio, advantages, tau_pos=tau_pos, tau_neg=tau_neg) * advantages
