@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
 
 demo: $(STAMP)
-	$(VENV)/bin/pgloss demo
+	$(VENV)/bin/pgloss losses
 
 list: $(STAMP)
 	$(VENV)/bin/pgloss list

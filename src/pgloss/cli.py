@@ -1,0 +1,99 @@
+"""The `pgloss` command: `pgloss list`, `pgloss losses` (every loss on one synthetic batch)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+from . import algorithms
+
+# Hyperparameters shared by every algorithm; `list` shows them once per row only when they differ
+# from the base default, so each row reads as "what makes this algorithm itself".
+_BASE = {f.name: f.default for f in dataclasses.fields(algorithms.Algorithm)}
+
+
+def _defaults(algorithm: algorithms.Algorithm) -> str:
+    shown = []
+    for f in dataclasses.fields(algorithm):
+        value = getattr(algorithm, f.name)
+        if f.name in ("name", "loss_agg_mode") or value is None or (f.name in _BASE and _BASE[f.name] == value):
+            continue
+        shown.append(f"{f.name}={value}")
+    return ", ".join(shown)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print every named algorithm with its family, aggregation and defaults."""
+    rows = []
+    for name in algorithms.names():
+        family, _ = algorithms.NAMED[name]
+        needs = {"dr_grpo": {"norm_constant": 1024}}.get(name, {})
+        algorithm = algorithms.get(name, **needs)
+        agg = algorithm.loss_agg_mode + (" (norm_constant required)" if needs else "")
+        rows.append((name, family.__name__, agg, _defaults(algorithm)))
+    widths = [max(len(r[i]) for r in rows + [("name", "family", "loss_agg_mode", "")]) for i in range(3)]
+    print(f"{'name':<{widths[0]}}  {'family':<{widths[1]}}  {'loss_agg_mode':<{widths[2]}}  defaults")
+    for row in rows:
+        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
+    return 0
+
+
+def synthetic_batch(batch: int = 8, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A reproducible batch of uneven-length sequences with ratios near one and group advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    old = -torch.rand(batch, length, generator=gen) * 3
+    log_prob = old + 0.15 * torch.randn(batch, length, generator=gen)
+    ref = old + 0.05 * torch.randn(batch, length, generator=gen)
+    scores = (torch.rand(batch, generator=gen) > 0.5).float()
+    group_ids = torch.arange(batch) // 4
+    from .advantages import group_advantages
+
+    return {
+        "log_prob": log_prob, "old_log_prob": old, "ref_log_prob": ref, "mask": mask,
+        "advantages": group_advantages(scores, group_ids), "entropy": torch.rand(batch, length, generator=gen),
+    }
+
+
+def cmd_losses(args: argparse.Namespace) -> int:
+    """Compute every algorithm's loss on one synthetic batch and print the loss with its metrics."""
+    data = synthetic_batch(args.batch, args.length, args.seed)
+    keys = ["loss", "pg_loss", "kl", "pg_clipfrac", "ppo_kl", "ratio_mean", "ratio_max", "entropy"]
+    print(f"synthetic batch: B={args.batch}, T={args.length}, seed={args.seed}, "
+          f"{int(data['mask'].sum())} valid tokens")
+    print(f"{'algorithm':<14}" + "".join(f"{k:>12}" for k in keys) + "   grad_norm")
+    for name in algorithms.names():
+        algorithm = algorithms.get(name, **({"norm_constant": args.length} if name == "dr_grpo" else {}))
+        log_prob = data["log_prob"].clone().requires_grad_(True)
+        out = algorithm(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
+                        ref_log_prob=data["ref_log_prob"], entropy=data["entropy"])
+        out.loss.backward()
+        values = {"loss": out.loss.detach(), **out.metrics}
+        cells = "".join(f"{float(values[k]):>12.4f}" if k in values else f"{'-':>12}" for k in keys)
+        print(f"{name:<14}{cells}   {float(log_prob.grad.norm()):.4f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pgloss", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the named algorithms and their defaults").set_defaults(func=cmd_list)
+    losses = sub.add_parser("losses", help="every loss and its metrics on one synthetic batch")
+    losses.add_argument("--batch", type=int, default=8, help="sequences in the batch")
+    losses.add_argument("--length", type=int, default=24, help="padded length; also Dr.GRPO's norm_constant")
+    losses.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch")
+    losses.set_defaults(func=cmd_losses)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
