@@ -1,0 +1,231 @@
+"""Log-probabilities and entropy from logits, tempered, chunked over tokens.
+
+With tempered logits z = logits / τ over a vocabulary of size V, for each token:
+
+    lse(z)  = log Σᵥ exp(zᵥ)
+    log π(y) = z_y − lse(z)                       (log-probability of the target y)
+    H(π)     = −Σᵥ πᵥ log πᵥ = lse(z) − Σᵥ πᵥ zᵥ      (entropy, π = softmax(z))
+
+and the gradients with respect to z (the backward pass below uses them):
+
+    ∂ log π(y) / ∂zᵥ = 1[v = y] − πᵥ
+    ∂ H / ∂zᵥ        = −πᵥ (log πᵥ + H)
+
+so ∂/∂logits = (1/τ) ∂/∂z. The math runs in float32 (float64 stays float64) one chunk of
+tokens at a time: the forward pass keeps only the per-token lse, and the backward pass
+recomputes the softmax of each chunk from the saved logits, so no second [N, V] tensor
+(log-softmax, softmax or their gradients) is ever held besides the logits gradient itself.
+The per-chunk helpers are shared with the fused hidden-state path (`pgloss.fused`).
+
+Temperature-scaled sampling and its log-probabilities: Ackley, Hinton & Sejnowski (1985);
+the entropy bonus in policy gradients: Williams & Peng (1991); Mnih et al., "Asynchronous
+Methods for Deep Reinforcement Learning" (2016), https://arxiv.org/abs/1602.01783.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .batch import compute_dtype
+
+__all__ = ["log_prob_and_entropy", "default_chunk_size"]
+
+# Default chunk: about 2²⁵ logits (128 MiB in float32) per chunk buffer.
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk so that one float32 chunk of logits holds about 2²⁵ values."""
+    return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def check_temperature(temperature: float) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return float(temperature)
+
+
+def check_chunk_size(chunk_size: int | None, vocab_size: int) -> int:
+    if chunk_size is None:
+        return default_chunk_size(vocab_size)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size
+
+
+def check_targets(targets: Tensor, shape: torch.Size, name: str = "targets") -> None:
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(targets).__name__}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {targets.dtype}")
+    if targets.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(targets.shape)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Per-chunk math, shared with pgloss.fused. `z` is an [n, V] buffer holding the tempered
+# logits in the compute dtype (finite: callers clamp −inf); `work` is a scratch buffer of the
+# same shape. Both are overwritten; reusing them across chunks avoids re-faulting fresh pages.
+# ---------------------------------------------------------------------------------------
+
+
+def chunk_log_prob_entropy(z: Tensor, targets: Tensor, work: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(log π(y), H, lse) per row of the tempered logits `z` [n, V].
+
+    log π = log_softmax(z) (fused, max-shifted), lse = z_y − log π(y), and
+    H = −Σᵥ πᵥ log πᵥ, a sum of non-negative terms (no cancellation between lse and Σ π z).
+    """
+    log_pi = torch.log_softmax(z, dim=-1, out=work)
+    index = targets.unsqueeze(-1)
+    log_prob = log_pi.gather(-1, index).squeeze(-1)
+    lse = z.gather(-1, index).squeeze(-1) - log_prob
+    entropy = torch.exp(log_pi, out=z).mul_(log_pi).sum(dim=-1).neg_()
+    return log_prob, entropy, lse
+
+
+def chunk_grad_logits(
+    z: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_log_prob: Tensor | None,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    work: Tensor,
+) -> Tensor:
+    """∂L/∂logits [n, V] for one chunk, from ∂L/∂log π(y) and ∂L/∂H (either may be None).
+
+        ∂L/∂logitsᵥ = (1/τ) [ g_logp (1[v = y] − πᵥ) − g_H πᵥ (log πᵥ + H) ]
+
+    The result is written into `z` (recomputed tempered logits) and returned.
+    """
+    log_pi = z.sub_(lse.unsqueeze(-1))
+    p = torch.exp(log_pi, out=work)
+    if grad_entropy is not None:
+        grad = log_pi.add_(entropy.unsqueeze(-1)).mul_(p).mul_((grad_entropy / -temperature).unsqueeze(-1))
+        if grad_log_prob is not None:
+            grad.addcmul_(p, grad_log_prob.unsqueeze(-1), value=-1.0 / temperature)
+    else:
+        grad = torch.mul(p, (grad_log_prob / -temperature).unsqueeze(-1), out=z)
+    if grad_log_prob is not None:
+        grad.scatter_add_(-1, targets.unsqueeze(-1), (grad_log_prob / temperature).unsqueeze(-1))
+    return grad
+
+
+def _tempered(chunk: Tensor, temperature: float, out: Tensor) -> Tensor:
+    """`chunk` / τ written into `out` (compute dtype), with −inf logits (banned tokens)
+    clamped to the lowest finite value so that their π is exactly 0 and 0 · log π stays 0."""
+    if temperature == 1.0:
+        out.copy_(chunk)
+    else:
+        torch.div(chunk, temperature, out=out)
+    return out.clamp_(min=torch.finfo(out.dtype).min)
+
+
+class _LogProbEntropy(torch.autograd.Function):
+    """[N, V] logits → (log π(y), H) [N]; saves the logits and the per-token lse only."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunk_size):
+        n, vocab = logits.shape
+        dtype = compute_dtype(logits.dtype)
+        log_prob = logits.new_empty(n, dtype=dtype)
+        entropy = logits.new_empty(n, dtype=dtype)
+        lse = logits.new_empty(n, dtype=dtype)
+        rows_max = min(n, chunk_size)
+        z = logits.new_empty(rows_max, vocab, dtype=dtype)
+        work = torch.empty_like(z)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            m = min(chunk_size, n - start)
+            zc = _tempered(logits[rows], temperature, z[:m])
+            log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(zc, targets[rows], work[:m])
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_log_prob, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if grad_log_prob is None and grad_entropy is None:
+            return None, None, None, None
+        n, vocab = logits.shape
+        dtype, temperature, chunk_size = lse.dtype, ctx.temperature, ctx.chunk_size
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        in_place = grad_logits.dtype == dtype  # compute straight into the gradient rows
+        rows_max = min(n, chunk_size)
+        z = None if in_place else logits.new_empty(rows_max, vocab, dtype=dtype)
+        work = logits.new_empty(rows_max, vocab, dtype=dtype)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            m = min(chunk_size, n - start)
+            zc = _tempered(logits[rows], temperature, grad_logits[rows] if in_place else z[:m])
+            grad = chunk_grad_logits(
+                zc,
+                targets[rows],
+                lse[rows],
+                entropy[rows],
+                None if grad_log_prob is None else grad_log_prob[rows],
+                None if grad_entropy is None else grad_entropy[rows],
+                temperature,
+                work[:m],
+            )
+            if not in_place:
+                grad_logits[rows] = grad
+        return grad_logits, None, None, None
+
+
+def log_prob_and_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Target log-probabilities and entropies of tempered logits, chunked over tokens.
+
+    With z = logits / τ and π = softmax(z):
+
+        log π(y) = z_y − lse(z),        H(π) = lse(z) − Σᵥ πᵥ zᵥ
+
+    Both outputs carry gradients to `logits`. Only the logits and one float per token are
+    saved for backward; the softmax is recomputed per chunk, so memory beyond the logits and
+    their gradient is O(chunk_size · V).
+
+    Args:
+        logits: [..., V] floating logits (any float dtype; the math runs in float32, or
+            float64 for float64 input).
+        targets: [...] integer token ids in [0, V), the same leading shape as `logits`.
+            Out-of-range ids raise from the gather (replace padding ids before calling).
+        temperature: τ > 0, the sampling temperature the logits are divided by.
+        chunk_size: tokens per chunk; None picks about 2²⁵ / V.
+
+    Returns:
+        (log_prob, entropy), each [...] in float32 (float64 for float64 logits).
+    """
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"logits must be a Tensor, got {type(logits).__name__}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"logits must be a floating tensor, got dtype {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    check_targets(targets, logits.shape[:-1])
+    if targets.device != logits.device:
+        raise ValueError(f"targets must be on {logits.device}, got {targets.device}")
+    temperature = check_temperature(temperature)
+    vocab = logits.shape[-1]
+    chunk_size = check_chunk_size(chunk_size, vocab)
+    lead = logits.shape[:-1]
+    log_prob, entropy = _LogProbEntropy.apply(
+        logits.reshape(-1, vocab), targets.reshape(-1).long(), temperature, chunk_size
+    )
+    return log_prob.view(lead), entropy.view(lead)

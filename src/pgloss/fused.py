@@ -1,0 +1,236 @@
+"""The loss straight from hidden states, without materialising the N × V logits.
+
+For hidden states x [B, T, H] and the output projection W [V, H], the tempered logits of token
+n are z_n = W x_n / τ. `loss_from_hidden` computes, chunk by chunk over the N = B·T tokens,
+
+    log π(y_n) = z_{n,y} − lse(z_n),        H_n = lse(z_n) − Σᵥ π_{n,v} z_{n,v}
+
+keeping only the per-token lse, then runs the algorithm on these [B, T] tensors exactly as the
+unfused path would (so sequence-coupled losses such as GSPO and FIPO, and the `Normalizer`,
+work unchanged). Backward recomputes each chunk's logits and, with G = ∂L/∂logits of the chunk
+(`pgloss.entropy.chunk_grad_logits`),
+
+    ∂L/∂x = G W,        ∂L/∂W = Σ_chunks Gᵀ x
+
+Cost: four N·H·V matmuls (forward, recompute, ∂x, ∂W), i.e. 8NHV flops against the 6NHV
+floor; memory: O(chunk · V) working buffers instead of several [N, V] tensors.
+
+The same idea: Liger-Kernel's fused linear losses (Hsu et al. 2024, https://arxiv.org/abs/2410.10989)
+and "Cut Your Losses in Large-Vocabulary Language Models" (Wijmans et al. 2024,
+https://arxiv.org/abs/2411.09009).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .batch import check_mask, compute_dtype
+from .entropy import (
+    check_chunk_size,
+    check_targets,
+    check_temperature,
+    chunk_grad_logits,
+    chunk_log_prob_entropy,
+)
+
+if TYPE_CHECKING:
+    from .aggregate import Normalizer
+    from .algorithms import Algorithm, LossOutput
+
+__all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden"]
+
+
+class _Chunks:
+    """Reusable [chunk, V] buffers and the chunk's tempered logits z = x Wᵀ / τ."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype) -> None:
+        rows = min(hidden.shape[0], chunk_size)
+        self.z = weight.new_empty(rows, weight.shape[0], dtype=dtype)
+        self.work = torch.empty_like(self.z)
+        # Low-precision parameters: the matmul writes in their dtype, the softmax runs in float32.
+        self.raw = None if weight.dtype == dtype else weight.new_empty(rows, weight.shape[0])
+
+    def logits(self, x: Tensor, weight: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+        m = x.shape[0]
+        z, work = self.z[:m], self.work[:m]
+        if self.raw is None:
+            torch.mm(x, weight.t(), out=z)
+        else:
+            z.copy_(torch.mm(x, weight.t(), out=self.raw[:m]))
+        if temperature != 1.0:
+            z.div_(temperature)
+        return z, work
+
+
+class _FusedLogProbEntropy(torch.autograd.Function):
+    """(x [N, H], W [V, H]) → (log π(y), H) [N]; saves x, W, y and the per-token lse only."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
+        n = hidden.shape[0]
+        dtype = compute_dtype(weight.dtype)
+        log_prob = hidden.new_empty(n, dtype=dtype)
+        entropy = hidden.new_empty(n, dtype=dtype)
+        lse = hidden.new_empty(n, dtype=dtype)
+        chunks = _Chunks(hidden, weight, chunk_size, dtype)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            z, work = chunks.logits(hidden[rows], weight, temperature)
+            log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(z, targets[rows], work)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_log_prob, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if (grad_log_prob is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return None, None, None, None, None
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        chunks = _Chunks(hidden, weight, chunk_size, lse.dtype)
+        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
+        # ∂L/∂W accumulates over chunks: in place for float32/64, in float32 for half precision.
+        grad_weight = None
+        if need_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            x = hidden[rows]
+            z, work = chunks.logits(x, weight, temperature)
+            grad = chunk_grad_logits(
+                z,
+                targets[rows],
+                lse[rows],
+                entropy[rows],
+                None if grad_log_prob is None else grad_log_prob[rows],
+                None if grad_entropy is None else grad_entropy[rows],
+                temperature,
+                work,
+            )
+            if chunks.raw is not None:
+                grad = chunks.raw[: grad.shape[0]].copy_(grad)
+            if need_hidden:
+                torch.mm(grad, weight, out=grad_hidden[rows])
+            if need_weight:
+                if grad_weight.dtype == grad.dtype:
+                    grad_weight.addmm_(grad.t(), x)
+                else:
+                    grad_weight.add_(torch.mm(grad.t(), x))
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor) -> None:
+    for name, value, rank in (("hidden", hidden, 3), ("weight", weight, 2)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(value).__name__}")
+        if not value.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor, got dtype {value.dtype}")
+        if value.dim() != rank:
+            raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(value.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must have shape [V, {hidden.shape[-1]}] to match hidden, got {tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight must have at least one row (V >= 1), got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    check_targets(targets, hidden.shape[:-1])
+    if targets.device != hidden.device:
+        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+
+
+def log_prob_and_entropy_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """log π(y) and H of the logits hidden @ weightᵀ / τ, each [B, T], without the [B, T, V] logits.
+
+    Args:
+        hidden: [B, T, H] floating hidden states.
+        weight: [V, H] output projection of the same dtype and device.
+        targets: [B, T] integer token ids in [0, V).
+        temperature: τ > 0.
+        chunk_size: tokens per chunk; None picks about 2²⁵ / V.
+
+    Returns:
+        (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
+        hidden and weight (whichever requires grad).
+    """
+    _check_inputs(hidden, weight, targets)
+    temperature = check_temperature(temperature)
+    chunk_size = check_chunk_size(chunk_size, weight.shape[0])
+    batch, length, size = hidden.shape
+    log_prob, entropy = _FusedLogProbEntropy.apply(
+        hidden.reshape(batch * length, size), weight, targets.reshape(-1).long(), temperature, chunk_size
+    )
+    return log_prob.view(batch, length), entropy.view(batch, length)
+
+
+def loss_from_hidden(
+    algorithm: Algorithm,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    temperature: float = 1.0,
+    ref_log_prob: Tensor | None = None,
+    rollout_log_prob: Tensor | None = None,
+    normalizer: Normalizer | None = None,
+    group_ids: Tensor | None = None,
+    chunk_size: int | None = None,
+) -> LossOutput:
+    """`algorithm`'s loss on the logits hidden @ weightᵀ / τ, computed without materialising them.
+
+    Equal to `algorithm(log_prob=log π(y), entropy=H, ...)` with log π and H from the full
+    logits (see the module docstring), with gradients for `hidden` and `weight`. The entropy
+    gets a gradient only when `algorithm.entropy_coef` ≠ 0; otherwise it feeds the metric only.
+
+    Args:
+        algorithm: a `pgloss.Algorithm`, e.g. `pgloss.get("grpo")`.
+        hidden: [B, T, H] final hidden states of the policy (the positions that predict `targets`).
+        weight: [V, H] output projection (the LM head), same dtype and device as `hidden`.
+        targets: [B, T] integer token ids; values at masked positions are ignored (e.g. -100).
+        old_log_prob, advantages, mask, ref_log_prob, rollout_log_prob, normalizer, group_ids:
+            as for `algorithm(...)`; floating token tensors are cast to the compute dtype
+            (float32, or float64 for float64 parameters).
+        temperature: τ > 0, the sampling temperature.
+        chunk_size: tokens per chunk; None picks about 2²⁵ / V (≈ 128 MiB per float32 buffer).
+    """
+    _check_inputs(hidden, weight, targets)
+    valid = check_mask(mask, targets.shape, targets.device)
+    safe_targets = torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device))
+    log_prob, entropy = log_prob_and_entropy_from_hidden(
+        hidden, weight, safe_targets, temperature=temperature, chunk_size=chunk_size
+    )
+
+    def cast(value: Tensor | None) -> Tensor | None:
+        floating = isinstance(value, Tensor) and value.dtype.is_floating_point
+        return value.to(log_prob.dtype) if floating else value
+
+    return algorithm(
+        log_prob=log_prob,
+        old_log_prob=cast(old_log_prob),
+        advantages=advantages,
+        mask=mask,
+        ref_log_prob=cast(ref_log_prob),
+        entropy=entropy,
+        rollout_log_prob=cast(rollout_log_prob),
+        normalizer=normalizer,
+        group_ids=group_ids,
+    )
