@@ -19,7 +19,7 @@ from torch import Tensor
 
 def sapo_gate(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
     """f_τ(r) = (4/τ)·σ(τ(r-1)) with τ chosen by the sign of A; `[B, T]`."""
-    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    tau = torch.full_like(advantages, tau_neg).masked_fill(advantages > 0, tau_pos)
     return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 

@@ -1,0 +1,38 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def make_batch(batch=5, length=7, *, seed=0, spread=0.3, dtype=torch.float64, per_token_adv=False):
+    """Uneven lengths (one row empty when batch >= 5), ratios around one, mixed-sign advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    if batch >= 5:
+        lengths[3] = 0
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    old = -torch.rand(batch, length, generator=gen, dtype=dtype) * 2 - 0.1
+    log_prob = old + spread * torch.randn(batch, length, generator=gen, dtype=dtype)
+    ref = old + 0.2 * torch.randn(batch, length, generator=gen, dtype=dtype)
+    shape = (batch, length) if per_token_adv else (batch,)
+    advantages = torch.randn(shape, generator=gen, dtype=dtype)
+    entropy = torch.rand(batch, length, generator=gen, dtype=dtype)
+    group_ids = torch.arange(batch) % 2
+    return dict(log_prob=log_prob, old_log_prob=old, ref_log_prob=ref, advantages=advantages, mask=mask,
+                entropy=entropy, group_ids=group_ids)
+
+
+def algorithm(name, **overrides):
+    import pgloss
+
+    if name == "dr_grpo":
+        overrides.setdefault("norm_constant", 9.0)
+    return pgloss.get(name, **overrides)
+
+
+@pytest.fixture
+def batch():
+    return make_batch()
