@@ -128,7 +128,8 @@ class Algorithm:
         """The loss of one (micro-)batch. Token tensors `[B, T]`, `advantages` `[B]` or `[B, T]`.
 
         Pass the step's `Normalizer` when the step has several micro-batches or ranks; without it
-        this batch is the whole step. `group_ids` `[B]` is needed by `group-mean-token-mean`.
+        this batch is the whole step (counted locally, even under torch.distributed).
+        `group_ids` `[B]` is needed by `group-mean-token-mean`.
         """
         if self.uses_reference and ref_log_prob is None:
             raise ValueError(f"{self.name} has kl_coef={self.kl_coef} and needs ref_log_prob")
@@ -150,6 +151,8 @@ class Algorithm:
             per_token = per_token * tis
             metrics["rollout_is_weight"] = masked_mean(tis, mask)
         per_token = torch.where(mask, per_token, 0.0)
+        if normalizer is None:  # this batch is the whole step: count it once for every term
+            normalizer = Normalizer.count(mask, group_ids=batch.group_ids, reduce=False)
 
         def reduce(values: Tensor) -> Tensor:
             return aggregate(values, mask, self.loss_agg_mode, normalizer=normalizer,
