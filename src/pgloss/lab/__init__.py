@@ -1,0 +1,8 @@
+"""The lab: train a tiny causal transformer with each pgloss algorithm and compare them.
+
+One concept per module: ``tokenizer`` and ``model`` (built in code, nothing downloaded),
+``tasks`` (verifiable rewards, length that varies and matters), ``sampling`` (group
+sampling), ``trainer`` (warm start and the RL loop), ``distributed`` (data parallel),
+``plots`` and ``report`` (the comparison's files), ``config`` and ``commands`` (the
+``pgloss train`` and ``pgloss compare`` commands). Importing ``pgloss`` does not import the lab.
+"""

@@ -1,0 +1,87 @@
+"""Synthetic tasks with verifiable rewards, where the response length varies and matters.
+
+Every response ends in ``|ANSWER``. Before the bar the policy may write a scratchpad of
+running results, one per step of the problem, so the scratchpad's length depends on the
+problem. The reward is 1 when the answer after the last bar is right and 0 otherwise; the
+scratchpad itself is not graded, so whether to write it (and how long) is the policy's choice.
+
+- ``sum``: add 2 to 6 single digits. ``3+5+2+7=`` -> ``8,10,17|17`` (or ``|17``).
+  Summing six digits in one token is hard for a tiny model, so the scratchpad pays.
+- ``mul``: a digit times a digit by repeated addition. ``7*4=`` -> ``7,14,21,28|28`` (or ``|28``).
+  The times table can be memorised, so here the short answer can be as good as the long one.
+
+The warm start shows both forms (with and without scratchpad), so RL starts from a policy
+that can write either and learns which one pays.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its answer and the running results its scratchpad lists."""
+
+    prompt: str
+    answer: str
+    steps: tuple[str, ...]
+
+
+def reward(response: str, problem: Problem) -> float:
+    """1.0 when the text after the response's last ``|`` is the answer, else 0.0."""
+    if "|" not in response:
+        return 0.0
+    return float(response.rsplit("|", 1)[1] == problem.answer)
+
+
+def demonstration(problem: Problem, scratchpad: bool) -> str:
+    """The target response of the warm start: with the scratchpad, or the bare answer."""
+    pad = ",".join(problem.steps) if scratchpad else ""
+    return f"{pad}|{problem.answer}"
+
+
+class SumTask:
+    """Sum of `min_terms` to `max_terms` digits; the scratchpad lists the running sums."""
+
+    name = "sum"
+
+    def __init__(self, min_terms: int = 2, max_terms: int = 6) -> None:
+        if not 2 <= min_terms <= max_terms:
+            raise ValueError(f"min_terms, max_terms: need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
+        self.min_terms, self.max_terms = min_terms, max_terms
+
+    def sample(self, rng: random.Random) -> Problem:
+        terms = [rng.randrange(10) for _ in range(rng.randint(self.min_terms, self.max_terms))]
+        running = [sum(terms[: i + 1]) for i in range(1, len(terms))]
+        return Problem("+".join(map(str, terms)) + "=", str(running[-1]), tuple(map(str, running)))
+
+    @property
+    def max_response_chars(self) -> int:
+        """Longest demonstration: running sums (up to 2 digits) with commas, bar, answer."""
+        return 3 * (self.max_terms - 1) - 1 + 1 + 2
+
+
+class MulTask:
+    """A digit times a digit (1-9 each); the scratchpad counts up by the first factor."""
+
+    name = "mul"
+
+    def sample(self, rng: random.Random) -> Problem:
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        return Problem(f"{a}*{b}=", str(a * b), tuple(str(a * k) for k in range(1, b + 1)))
+
+    @property
+    def max_response_chars(self) -> int:
+        return 3 * 9 - 1 + 1 + 2
+
+
+TASKS = {"sum": SumTask, "mul": MulTask}
+
+
+def make_task(name: str):
+    """The task called `name` (one of ``TASKS``)."""
+    if name not in TASKS:
+        raise ValueError(f"task: unknown task {name!r}; valid names: {sorted(TASKS)}")
+    return TASKS[name]()

@@ -1,0 +1,244 @@
+"""The RL loop: sample a group per prompt, score it, update with a pgloss loss, log diagnostics.
+
+Read top to bottom:
+
+1. ``build``: tokenizer, task and a seeded tiny transformer.
+2. ``warm_start``: a short supervised phase on demonstrations (with and without scratchpad),
+   so that RL starts above zero reward.
+3. ``collect``: G completions per prompt at the sampling temperature; rewards; group
+   advantages (scaled by the group std unless the algorithm says not to); DAPO's dynamic
+   sampling when the algorithm asks for it; old, reference and entropy values under no_grad.
+4. ``update``: ``epochs`` passes over the batch, each cut into ``minibatches`` optimizer steps
+   of whole groups, each step made of ``micro_batches`` combined by one ``pgloss.Normalizer``
+   (counted over the step's micro-batches and all ranks). Ratios move away from one after the
+   first optimizer step, so clipping matters.
+5. ``train``: the loop, yielding one dict of numbers per step (seed 004's diagnostics: reward,
+   greedy accuracy, response length, entropy, KL to the reference, clip fraction, ppo_kl,
+   gradient norm). Every diagnostic is a tensor until the single ``tolist`` of the step.
+
+PPO in the papers learns a critic and uses GAE; the lab has no critic and gives ``ppo`` and
+``dual_clip_ppo`` the same group advantages as the GRPO family (one reward per response).
+DAPO's dynamic sampling drops the groups whose rewards are all equal, without refilling the
+batch; a response that is cut off at ``max_new_tokens`` gets reward 0 for every algorithm.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import pgloss
+from pgloss.advantages import dynamic_sampling_keep, group_advantages
+from pgloss.kl import kl_estimate
+from pgloss.lab import distributed as dist
+from pgloss.lab.config import LabConfig
+from pgloss.lab.model import ModelConfig, TinyGPT
+from pgloss.lab.sampling import Rollout, response_log_probs, sample, teacher_forced
+from pgloss.lab.tasks import Problem, demonstration, make_task, reward
+from pgloss.lab.tokenizer import Tokenizer
+
+METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "ppo_kl", "grad_norm",
+           "scratchpad", "kept", "loss")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's training data, on this rank."""
+
+    rollout: Rollout
+    old_log_prob: Tensor
+    """[N, R] log-probabilities of the sampling policy."""
+    ref_log_prob: Tensor
+    """[N, R] log-probabilities of the frozen reference (the warm-start model)."""
+    advantages: Tensor
+    """[N] group-relative advantages."""
+
+    def select(self, index: Tensor) -> "Batch":
+        return Batch(self.rollout.select(index), self.old_log_prob[index], self.ref_log_prob[index],
+                     self.advantages[index])
+
+
+def make_algorithm(cfg: LabConfig):
+    """The named pgloss algorithm; Dr.GRPO's constant divisor is the response budget."""
+    if cfg.algorithm == "dr_grpo":
+        return pgloss.get(cfg.algorithm, norm_constant=float(cfg.max_new_tokens))
+    return pgloss.get(cfg.algorithm)
+
+
+def build(cfg: LabConfig):
+    """Tokenizer, task and a freshly initialised policy (seeded by ``cfg.seed``)."""
+    tokenizer, task = Tokenizer(), make_task(cfg.task)
+    torch.manual_seed(cfg.seed)
+    longest_prompt = 2 * max(getattr(task, "max_terms", 2), 2) + 1
+    model_cfg = ModelConfig(tokenizer.vocab_size, block_size=longest_prompt + 1 + cfg.max_new_tokens,
+                            d_model=cfg.d_model, n_layer=cfg.n_layer, n_head=cfg.n_head)
+    return tokenizer, task, TinyGPT(model_cfg).to(cfg.device)
+
+
+def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig) -> float:
+    """Supervised steps on demonstrations (scratchpad with probability ``scratchpad_prob``);
+    returns the last loss. Deterministic given ``cfg.seed``."""
+    rng = random.Random(f"warm-{cfg.seed}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warm_lr)
+    loss = torch.tensor(float("nan"))
+    for step in range(cfg.warm_steps):
+        problems = [task.sample(rng) for _ in range(cfg.warm_batch)]
+        answers = [demonstration(p, rng.random() < cfg.scratchpad_prob) for p in problems]
+        batch = teacher_forced([tokenizer.encode(p.prompt) for p in problems],
+                               [tokenizer.encode(a) for a in answers], cfg.device)
+        for group in optimizer.param_groups:  # cosine decay to zero
+            group["lr"] = cfg.warm_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.warm_steps))
+        log_prob, _ = response_log_probs(model, batch, temperature=1.0)
+        loss = -(log_prob * batch.mask).sum() / batch.mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return float(loss.detach())
+
+
+def score(rollout: Rollout, problems: list[Problem], tokenizer: Tokenizer, group_size: int) -> tuple[Tensor, list[str]]:
+    """Rewards ``[N]`` (0 for a response cut off before its end token) and the response texts."""
+    texts = [tokenizer.decode(row) for row in rollout.responses.tolist()]
+    rewards = [reward(t, problems[i // group_size]) if done else 0.0
+               for i, (t, done) in enumerate(zip(texts, rollout.finished.tolist()))]
+    return torch.tensor(rewards, device=rollout.tokens.device), texts
+
+
+@torch.no_grad()
+def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, generator: torch.Generator,
+            rank: int = 0, world: int = 1) -> tuple[Batch, dict[str, Tensor], list[str]]:
+    """Sample, score and prepare one step's batch. This rank holds the step's prompts
+    ``rank, rank + world, ...``; group ids are those global prompt indices."""
+    prompts = [tokenizer.encode(p.prompt) for p in problems]
+    rollout = sample(policy, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                     temperature=cfg.temperature, generator=generator)
+    rollout = Rollout(rollout.tokens, rollout.valid, rollout.prompt_len, rollout.mask, rollout.finished,
+                      rollout.group_ids * world + rank)
+    rewards, texts = score(rollout, problems, tokenizer, cfg.group_size)
+    old_log_prob, entropy = response_log_probs(policy, rollout, temperature=cfg.temperature)
+    ref_log_prob, _ = response_log_probs(reference, rollout, temperature=cfg.temperature)
+    advantages = group_advantages(rewards, rollout.group_ids, scale=algorithm.scale_rewards)
+    batch = Batch(rollout, old_log_prob, ref_log_prob, advantages)
+    mask = rollout.mask.float()
+    tokens = mask.sum()
+    keep = torch.ones_like(rewards, dtype=torch.bool)
+    if algorithm.dynamic_sampling:
+        keep = dynamic_sampling_keep(rewards, rollout.group_ids)
+        batch = batch.select(keep)
+    first = rollout.responses[:, 0]
+    stats = {
+        "reward": rewards.mean(),
+        "length": tokens / mask.shape[0],
+        "entropy": (entropy * mask).sum() / tokens,
+        "kl_ref": (kl_estimate(old_log_prob, ref_log_prob, "k3") * mask).sum() / tokens,
+        "scratchpad": (first != tokenizer.stoi["|"]).float().mean(),
+        "kept": keep.float().mean(),
+    }
+    return batch, stats, texts
+
+
+def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups: int,
+           generator: torch.Generator) -> dict[str, Tensor]:
+    """``epochs`` x ``minibatches`` optimizer steps on one batch; returns mean diagnostics.
+
+    Minibatches are cut from a permutation of the global group ids (the same on every rank),
+    so one process and several processes make the same optimizer steps.
+    """
+    use_groups = algorithm.loss_agg_mode == "group-mean-token-mean"
+    sums: dict[str, Tensor] = {}
+    n_updates = 0
+    for _ in range(cfg.epochs):
+        order = torch.randperm(n_groups, generator=generator).to(batch.advantages.device)
+        for chunk in order.tensor_split(cfg.minibatches):
+            rows = torch.isin(batch.rollout.group_ids, chunk).nonzero().squeeze(1)
+            micros = [batch.select(r) for r in rows.tensor_split(cfg.micro_batches)]
+            normalizer = pgloss.Normalizer.count([m.rollout.mask for m in micros],
+                                                 group_ids=[m.rollout.group_ids for m in micros] if use_groups else None)
+            if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            for micro in micros:
+                if micro.advantages.numel() == 0:
+                    continue
+                log_prob, entropy = response_log_probs(policy, micro.rollout, temperature=cfg.temperature)
+                out = algorithm(log_prob=log_prob, old_log_prob=micro.old_log_prob, advantages=micro.advantages,
+                                mask=micro.rollout.mask, entropy=entropy, normalizer=normalizer,
+                                ref_log_prob=micro.ref_log_prob if algorithm.uses_reference else None,
+                                group_ids=micro.rollout.group_ids if use_groups else None)
+                out.loss.backward()
+                share = micro.advantages.numel() / rows.numel()
+                for key, name in (("pg_clipfrac", "clip_frac"), ("ppo_kl", "ppo_kl")):
+                    sums[name] = sums.get(name, 0) + share * out.metrics[key]
+                sums["loss"] = sums.get("loss", 0) + out.loss.detach()
+            dist.average_gradients(policy)
+            sums["grad_norm"] = sums.get("grad_norm", 0) + torch.nn.utils.clip_grad_norm_(policy.parameters(),
+                                                                                           cfg.max_grad_norm)
+            optimizer.step()
+            n_updates += 1
+    nan = torch.tensor(float("nan"))
+    return {k: sums[k] / n_updates if n_updates else nan for k in ("clip_frac", "ppo_kl", "grad_norm", "loss")}
+
+
+@torch.no_grad()
+def greedy_accuracy(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) -> Tensor:
+    """Share of `problems` answered right by greedy decoding."""
+    rollout = sample(policy, [tokenizer.encode(p.prompt) for p in problems], group_size=1,
+                     max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+    return score(rollout, problems, tokenizer, 1)[0].mean()
+
+
+@torch.no_grad()
+def show(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) -> list[tuple[str, str, float]]:
+    """One sampled completion per problem, with a fixed generator: (prompt, response, reward)."""
+    rollout = sample(policy, [tokenizer.encode(p.prompt) for p in problems], group_size=1,
+                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                     generator=torch.Generator(cfg.device).manual_seed(cfg.seed))
+    rewards, texts = score(rollout, problems, tokenizer, 1)
+    return [(p.prompt, t + ("" if done else " ..."), r) for p, t, done, r in
+            zip(problems, texts, rollout.finished.tolist(), rewards.tolist())]
+
+
+def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None) -> dict:
+    """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}}.
+
+    `warm_state` is a warm-started policy's state dict (computed here when None); `on_step`
+    is called after each step. Under torchrun every rank takes every world-size-th prompt.
+    """
+    torch.set_num_threads(cfg.threads)
+    rank, world = dist.rank(), dist.world_size()
+    tokenizer, task, policy = build(cfg)
+    if warm_state is None:
+        warm_start(policy, task, tokenizer, cfg)
+    else:
+        policy.load_state_dict(warm_state)
+    dist.broadcast_parameters(policy)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    algorithm = make_algorithm(cfg)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    prompt_rng = random.Random(f"prompts-{cfg.seed}")
+    eval_rng = random.Random(f"eval-{cfg.seed}")
+    eval_problems = [task.sample(eval_rng) for _ in range(cfg.eval_prompts)]
+    generator = torch.Generator(cfg.device).manual_seed(cfg.seed * 1009 + rank)
+    shuffle = torch.Generator().manual_seed(cfg.seed)
+    samples, metrics = {}, []
+    for step in range(cfg.steps + 1):  # the last pass only measures the final policy
+        problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
+        mine = problems[rank::world]
+        batch, stats, _ = collect(policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world)
+        stats["accuracy"] = greedy_accuracy(policy, eval_problems, tokenizer, cfg)
+        if step in (0, cfg.steps):
+            samples["start" if step == 0 else "end"] = show(policy, eval_problems[: cfg.samples], tokenizer, cfg)
+        if step < cfg.steps:
+            stats.update(update(policy, optimizer, algorithm, batch, cfg, cfg.prompts_per_step, shuffle))
+        values = dist.mean(torch.stack([stats.get(k, torch.tensor(float("nan"))).float().cpu() for k in METRICS]))
+        record = {"algorithm": cfg.algorithm, "seed": cfg.seed, "step": step,
+                  **dict(zip(METRICS, values.tolist()))}
+        metrics.append(record)
+        if on_step is not None:
+            on_step(record)
+    return {"metrics": metrics, "samples": samples}
