@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     losses.add_argument("--length", type=int, default=24, help="padded length; also Dr.GRPO's norm_constant")
     losses.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch")
     losses.set_defaults(func=cmd_losses)
+    from .lab.commands import add_commands  # the lab's `train` and `compare`
+
+    add_commands(sub)
     return parser
 
 
