@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import pgloss.entropy
 from pgloss.entropy import default_chunk_size, log_prob_and_entropy
 
 V = 37
@@ -34,9 +35,18 @@ def value_and_grads(fn, logits, w_lp, w_h):
     return log_prob, entropy, x.grad
 
 
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Cache blocks of 2 rows (instead of ~2²² elements), so that chunks hold several blocks."""
+    monkeypatch.setattr(pgloss.entropy, "_BLOCK_ELEMENTS", 2 * V)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_size", [1, 4, None, 100])
-def test_matches_plain_float64(temperature, chunk_size):
+@pytest.mark.parametrize("blocks", ["default", "small"])
+def test_matches_plain_float64(temperature, chunk_size, blocks, request):
+    if blocks == "small":
+        request.getfixturevalue("small_blocks")
     logits, targets = make()
     gen = torch.Generator().manual_seed(1)
     w_lp, w_h = torch.randn(3, 5, generator=gen, dtype=torch.float64), torch.randn(3, 5, generator=gen, dtype=torch.float64)

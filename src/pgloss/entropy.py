@@ -71,22 +71,37 @@ def check_targets(targets: Tensor, shape: torch.Size, name: str = "targets") -> 
 
 # ---------------------------------------------------------------------------------------
 # Per-chunk math, shared with pgloss.fused. `z` is an [n, V] buffer holding the tempered
-# logits in the compute dtype (finite: callers clamp −inf); `work` is a scratch buffer of the
-# same shape. Both are overwritten; reusing them across chunks avoids re-faulting fresh pages.
+# logits in the compute dtype (finite: callers clamp −inf) and is overwritten. The math walks
+# `z` in blocks of a few rows so that its temporaries stay in cache: one pass over `z` in
+# memory, not one per elementwise operation, and O(block · V) extra memory.
 # ---------------------------------------------------------------------------------------
 
+_BLOCK_ELEMENTS = 1 << 22
 
-def chunk_log_prob_entropy(z: Tensor, targets: Tensor, work: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(log π(y), H, lse) per row of the tempered logits `z` [n, V].
 
-    log π = log_softmax(z) (fused, max-shifted), lse = z_y − log π(y), and
-    H = −Σᵥ πᵥ log πᵥ, a sum of non-negative terms (no cancellation between lse and Σ π z).
+def _blocks(z: Tensor):
+    """Row slices of `z` of about 2²² elements, and one scratch buffer of that size."""
+    rows = max(1, _BLOCK_ELEMENTS // max(1, z.shape[-1]))
+    work = z.new_empty(min(rows, z.shape[0]), z.shape[-1])
+    for start in range(0, z.shape[0], rows):
+        block = slice(start, start + rows)
+        yield block, work[: min(rows, z.shape[0] - start)]
+
+
+def chunk_log_prob_entropy(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(log π(y), H, lse) per row of the tempered logits `z` [n, V]; `z` is overwritten.
+
+    log π = log_softmax(z) (max-shifted), lse = z_y − log π(y), and H = −Σᵥ πᵥ log πᵥ,
+    a sum of non-negative terms (no cancellation between lse and Σ π z).
     """
-    log_pi = torch.log_softmax(z, dim=-1, out=work)
-    index = targets.unsqueeze(-1)
-    log_prob = log_pi.gather(-1, index).squeeze(-1)
-    lse = z.gather(-1, index).squeeze(-1) - log_prob
-    entropy = torch.exp(log_pi, out=z).mul_(log_pi).sum(dim=-1).neg_()
+    n = z.shape[0]
+    log_prob, entropy, lse = z.new_empty(n), z.new_empty(n), z.new_empty(n)
+    for rows, work in _blocks(z):
+        zb, index = z[rows], targets[rows].unsqueeze(-1)
+        log_pi = torch.log_softmax(zb, dim=-1, out=work)
+        log_prob[rows] = log_pi.gather(-1, index).squeeze(-1)
+        lse[rows] = zb.gather(-1, index).squeeze(-1) - log_prob[rows]
+        entropy[rows] = torch.exp(log_pi, out=zb).mul_(log_pi).sum(dim=-1).neg_()
     return log_prob, entropy, lse
 
 
@@ -98,25 +113,28 @@ def chunk_grad_logits(
     grad_log_prob: Tensor | None,
     grad_entropy: Tensor | None,
     temperature: float,
-    work: Tensor,
 ) -> Tensor:
     """∂L/∂logits [n, V] for one chunk, from ∂L/∂log π(y) and ∂L/∂H (either may be None).
 
         ∂L/∂logitsᵥ = (1/τ) [ g_logp (1[v = y] − πᵥ) − g_H πᵥ (log πᵥ + H) ]
 
-    The result is written into `z` (recomputed tempered logits) and returned.
+    The result is written into `z` (the recomputed tempered logits) and returned.
     """
-    log_pi = z.sub_(lse.unsqueeze(-1))
-    p = torch.exp(log_pi, out=work)
-    if grad_entropy is not None:
-        grad = log_pi.add_(entropy.unsqueeze(-1)).mul_(p).mul_((grad_entropy / -temperature).unsqueeze(-1))
-        if grad_log_prob is not None:
-            grad.addcmul_(p, grad_log_prob.unsqueeze(-1), value=-1.0 / temperature)
-    else:
-        grad = torch.mul(p, (grad_log_prob / -temperature).unsqueeze(-1), out=z)
-    if grad_log_prob is not None:
-        grad.scatter_add_(-1, targets.unsqueeze(-1), (grad_log_prob / temperature).unsqueeze(-1))
-    return grad
+    g_lp = None if grad_log_prob is None else (grad_log_prob / temperature).unsqueeze(-1)
+    neg_g_lp = None if g_lp is None else -g_lp
+    g_h = None if grad_entropy is None else (grad_entropy / -temperature).unsqueeze(-1)
+    for rows, p in _blocks(z):
+        log_pi = z[rows].sub_(lse[rows].unsqueeze(-1))
+        torch.exp(log_pi, out=p)
+        if g_h is not None:
+            grad = log_pi.add_(entropy[rows].unsqueeze(-1)).mul_(p).mul_(g_h[rows])  # −g_H π (log π + H)
+            if g_lp is not None:
+                grad.addcmul_(p, neg_g_lp[rows])
+        else:
+            grad = torch.mul(p, neg_g_lp[rows], out=log_pi)
+        if g_lp is not None:
+            grad.scatter_add_(-1, targets[rows].unsqueeze(-1), g_lp[rows])
+    return z
 
 
 def _tempered(chunk: Tensor, temperature: float, out: Tensor) -> Tensor:
@@ -139,14 +157,11 @@ class _LogProbEntropy(torch.autograd.Function):
         log_prob = logits.new_empty(n, dtype=dtype)
         entropy = logits.new_empty(n, dtype=dtype)
         lse = logits.new_empty(n, dtype=dtype)
-        rows_max = min(n, chunk_size)
-        z = logits.new_empty(rows_max, vocab, dtype=dtype)
-        work = torch.empty_like(z)
+        z = logits.new_empty(min(n, chunk_size), vocab, dtype=dtype)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            m = min(chunk_size, n - start)
-            zc = _tempered(logits[rows], temperature, z[:m])
-            log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(zc, targets[rows], work[:m])
+            zc = _tempered(logits[rows], temperature, z[: min(chunk_size, n - start)])
+            log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(zc, targets[rows])
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)
@@ -162,13 +177,10 @@ class _LogProbEntropy(torch.autograd.Function):
         dtype, temperature, chunk_size = lse.dtype, ctx.temperature, ctx.chunk_size
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
         in_place = grad_logits.dtype == dtype  # compute straight into the gradient rows
-        rows_max = min(n, chunk_size)
-        z = None if in_place else logits.new_empty(rows_max, vocab, dtype=dtype)
-        work = logits.new_empty(rows_max, vocab, dtype=dtype)
+        z = None if in_place else logits.new_empty(min(n, chunk_size), vocab, dtype=dtype)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            m = min(chunk_size, n - start)
-            zc = _tempered(logits[rows], temperature, grad_logits[rows] if in_place else z[:m])
+            zc = _tempered(logits[rows], temperature, grad_logits[rows] if in_place else z[: min(chunk_size, n - start)])
             grad = chunk_grad_logits(
                 zc,
                 targets[rows],
@@ -177,7 +189,6 @@ class _LogProbEntropy(torch.autograd.Function):
                 None if grad_log_prob is None else grad_log_prob[rows],
                 None if grad_entropy is None else grad_entropy[rows],
                 temperature,
-                work[:m],
             )
             if not in_place:
                 grad_logits[rows] = grad

@@ -44,25 +44,24 @@ __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden"]
 
 
 class _Chunks:
-    """Reusable [chunk, V] buffers and the chunk's tempered logits z = x Wᵀ / τ."""
+    """A reusable [chunk, V] buffer for the chunk's tempered logits z = x Wᵀ / τ."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype) -> None:
         rows = min(hidden.shape[0], chunk_size)
         self.z = weight.new_empty(rows, weight.shape[0], dtype=dtype)
-        self.work = torch.empty_like(self.z)
         # Low-precision parameters: the matmul writes in their dtype, the softmax runs in float32.
         self.raw = None if weight.dtype == dtype else weight.new_empty(rows, weight.shape[0])
 
-    def logits(self, x: Tensor, weight: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    def logits(self, x: Tensor, weight: Tensor, temperature: float) -> Tensor:
         m = x.shape[0]
-        z, work = self.z[:m], self.work[:m]
+        z = self.z[:m]
         if self.raw is None:
             torch.mm(x, weight.t(), out=z)
         else:
             z.copy_(torch.mm(x, weight.t(), out=self.raw[:m]))
         if temperature != 1.0:
             z.div_(temperature)
-        return z, work
+        return z
 
 
 class _FusedLogProbEntropy(torch.autograd.Function):
@@ -78,8 +77,8 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         chunks = _Chunks(hidden, weight, chunk_size, dtype)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            z, work = chunks.logits(hidden[rows], weight, temperature)
-            log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(z, targets[rows], work)
+            z = chunks.logits(hidden[rows], weight, temperature)
+            log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(z, targets[rows])
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)
@@ -98,11 +97,11 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         # ∂L/∂W accumulates over chunks: in place for float32/64, in float32 for half precision.
         grad_weight = None
         if need_weight:
-            grad_weight = torch.zeros(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device)
+            grad_weight = torch.empty(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             x = hidden[rows]
-            z, work = chunks.logits(x, weight, temperature)
+            z = chunks.logits(x, weight, temperature)
             grad = chunk_grad_logits(
                 z,
                 targets[rows],
@@ -111,14 +110,16 @@ class _FusedLogProbEntropy(torch.autograd.Function):
                 None if grad_log_prob is None else grad_log_prob[rows],
                 None if grad_entropy is None else grad_entropy[rows],
                 temperature,
-                work,
             )
             if chunks.raw is not None:
                 grad = chunks.raw[: grad.shape[0]].copy_(grad)
             if need_hidden:
                 torch.mm(grad, weight, out=grad_hidden[rows])
-            if need_weight:
-                if grad_weight.dtype == grad.dtype:
+            if need_weight:  # the first chunk writes, the others accumulate
+                if start == 0:
+                    grad_weight.copy_(torch.mm(grad.t(), x)) if grad_weight.dtype != grad.dtype \
+                        else torch.mm(grad.t(), x, out=grad_weight)
+                elif grad_weight.dtype == grad.dtype:
                     grad_weight.addmm_(grad.t(), x)
                 else:
                     grad_weight.add_(torch.mm(grad.t(), x))
