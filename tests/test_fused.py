@@ -78,12 +78,18 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(pgloss.entropy, "_BLOCK_ELEMENTS", 3 * V)
 
 
+# chunk_size 4 < T: token chunks, logits recomputed in backward; 11: two whole sequences per chunk,
+# gradients formed in the forward pass (the last chunk holds one sequence).
+PATHS = {"recompute": 4, "one_pass": 11}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("name", pgloss.names())
-def test_every_algorithm_matches_unfused_float64(name, temperature, small_blocks):
+def test_every_algorithm_matches_unfused_float64(name, temperature, path, small_blocks):
     alg = algorithm(name, kl_coef=0.05, entropy_coef=0.01)
     inputs = leaves(make())
-    out, gh, gw = run(fused, alg, inputs, temperature=temperature, chunk_size=4)
+    out, gh, gw = run(fused, alg, inputs, temperature=temperature, chunk_size=PATHS[path])
     ref, gh_ref, gw_ref = run(unfused, alg, inputs, temperature=temperature)
     torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=1e-12)
     torch.testing.assert_close(out.per_token, ref.per_token, rtol=0, atol=1e-12)
@@ -96,13 +102,14 @@ def test_every_algorithm_matches_unfused_float64(name, temperature, small_blocks
     assert (gh[~inputs["mask"]] == 0).all()  # masked tokens (NaN/inf old log-probs, -100 ids) give no gradient
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", ["grpo", "gspo", "cispo"])
-def test_defaults_and_rollout_correction(name):
+def test_defaults_and_rollout_correction(name, path):
     # Paper defaults (entropy_coef 0: the entropy feeds the metric only) and a rollout log-prob.
     alg = algorithm(name)
     inputs = leaves(make(seed=3))
     kw = dict(rollout_log_prob=inputs["rollout_log_prob"])
-    out, gh, gw = run(fused, alg, inputs, chunk_size=6, **kw)
+    out, gh, gw = run(fused, alg, inputs, chunk_size=PATHS[path], **kw)
     ref, gh_ref, gw_ref = run(unfused, alg, inputs, **kw)
     torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=1e-12)
     torch.testing.assert_close(out.metrics["entropy"], ref.metrics["entropy"], rtol=0, atol=1e-12)
@@ -110,12 +117,13 @@ def test_defaults_and_rollout_correction(name):
     torch.testing.assert_close(gw, gw_ref, rtol=0, atol=1e-12)
 
 
-def test_from_hidden_method_and_normalizer_micro_batches():
+@pytest.mark.parametrize("path", PATHS)
+def test_from_hidden_method_and_normalizer_micro_batches(path):
     # Two micro-batches with the step's Normalizer sum to the whole batch, in value and gradient.
     alg = algorithm("grpo", loss_agg_mode="group-mean-token-mean", entropy_coef=0.02)
     inputs = leaves(make(seed=4))
     group_ids = torch.tensor([0, 0, 1])
-    whole, gh, gw = run(fused, alg, inputs, group_ids=group_ids, chunk_size=4)
+    whole, gh, gw = run(fused, alg, inputs, group_ids=group_ids, chunk_size=PATHS[path])
     parts = [slice(0, 1), slice(1, 3)]
     normalizer = pgloss.Normalizer.count([inputs["mask"][p] for p in parts], group_ids=[group_ids[p] for p in parts])
     hidden, weight = inputs["hidden"].detach().clone().requires_grad_(), inputs["weight"].detach().clone().requires_grad_()
@@ -124,7 +132,7 @@ def test_from_hidden_method_and_normalizer_micro_batches():
         out = alg.from_hidden(hidden[p], weight, inputs["targets"][p], old_log_prob=inputs["old_log_prob"][p],
                               advantages=inputs["advantages"][p], mask=inputs["mask"][p],
                               ref_log_prob=inputs["ref_log_prob"][p], normalizer=normalizer, group_ids=group_ids[p],
-                              temperature=1.0, chunk_size=3)
+                              temperature=1.0, chunk_size=PATHS[path])
         total = total + out.loss
     total.backward()
     torch.testing.assert_close(total, whole.loss, rtol=0, atol=1e-12)
@@ -132,12 +140,13 @@ def test_from_hidden_method_and_normalizer_micro_batches():
     torch.testing.assert_close(weight.grad, gw, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", ["dapo", "gspo"])
-def test_float32_agrees_with_float64(name):
+def test_float32_agrees_with_float64(name, path):
     alg = algorithm(name, entropy_coef=0.01)
     inputs32 = leaves(make(dtype=torch.float32, seed=5))
     inputs64 = leaves({k: v.double() if v.is_floating_point() else v for k, v in inputs32.items()})
-    out, gh, gw = run(fused, alg, inputs32, temperature=0.7, chunk_size=4)
+    out, gh, gw = run(fused, alg, inputs32, temperature=0.7, chunk_size=PATHS[path])
     ref, gh_ref, gw_ref = run(unfused, alg, inputs64, temperature=0.7)
     assert out.loss.dtype == gh.dtype == gw.dtype == torch.float32
     torch.testing.assert_close(out.loss, ref.loss.float(), rtol=1e-5, atol=1e-6)
@@ -146,27 +155,50 @@ def test_float32_agrees_with_float64(name):
     torch.testing.assert_close(gw, gw_ref.float(), rtol=1e-4, atol=1e-5 * scale)
 
 
-def test_bfloat16_parameters():
+@pytest.mark.parametrize("path", PATHS)
+def test_bfloat16_parameters(path):
     alg = algorithm("dapo", entropy_coef=0.01)
     inputs = leaves(make(dtype=torch.bfloat16, seed=6))
     inputs32 = leaves({k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
-    out, gh, gw = run(fused, alg, inputs, chunk_size=4)
-    ref, gh_ref, gw_ref = run(fused, alg, inputs32, chunk_size=4)  # the same bf16 values in float32
+    out, gh, gw = run(fused, alg, inputs, chunk_size=PATHS[path])
+    ref, gh_ref, gw_ref = run(unfused, alg, inputs32)  # the same bf16 values in float32
     assert gh.dtype == gw.dtype == torch.bfloat16
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-2, atol=1e-3)
     torch.testing.assert_close(gw.float(), gw_ref, rtol=2e-2, atol=2e-2 * gw_ref.abs().max())
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("hidden, weight", [(True, False), (False, True)])
-def test_frozen_inputs_get_no_gradient(hidden, weight):
+def test_frozen_inputs_get_no_gradient(hidden, weight, path):
     alg = algorithm("ppo", entropy_coef=0.01)
     inputs = leaves(make(seed=7), hidden=hidden, weight=weight)
-    out, gh, gw = run(fused, alg, inputs, chunk_size=4)
+    out, gh, gw = run(fused, alg, inputs, chunk_size=PATHS[path])
     ref, gh_ref, gw_ref = run(unfused, alg, inputs)
     assert (gh is None) == (not hidden) and (gw is None) == (not weight)
     for got, expected in ((gh, gh_ref), (gw, gw_ref)):
         if got is not None:
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_scaled_loss_no_grad_and_single_backward(path):
+    # A caller's scale reaches the gradients; under no_grad nothing is built; the value is the same.
+    alg = algorithm("gspo_token", entropy_coef=0.01)
+    inputs = leaves(make(seed=9))
+    ref, gh_ref, gw_ref = run(unfused, alg, inputs)
+    hidden, weight = inputs["hidden"].detach().clone().requires_grad_(), inputs["weight"].detach().clone().requires_grad_()
+    out = fused(alg, {**inputs, "hidden": hidden, "weight": weight}, chunk_size=PATHS[path])
+    (-2.5 * out.loss).backward()
+    torch.testing.assert_close(hidden.grad, -2.5 * gh_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weight.grad, -2.5 * gw_ref, rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError):
+        out.loss.backward()
+    with torch.no_grad():
+        quiet = fused(alg, inputs, chunk_size=PATHS[path])
+    assert not quiet.loss.requires_grad
+    torch.testing.assert_close(quiet.loss, ref.loss, rtol=0, atol=1e-12)
+    for key in ref.metrics:
+        torch.testing.assert_close(quiet.metrics[key], ref.metrics[key], rtol=0, atol=1e-12, msg=key)
 
 
 def test_gradcheck():

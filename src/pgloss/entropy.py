@@ -79,29 +79,29 @@ def check_targets(targets: Tensor, shape: torch.Size, name: str = "targets") -> 
 _BLOCK_ELEMENTS = 1 << 22
 
 
-def _blocks(z: Tensor):
-    """Row slices of `z` of about 2²² elements, and one scratch buffer of that size."""
+def _blocks(z: Tensor, temporaries: int = 1):
+    """Row slices of `z` of about 2²² elements, and scratch buffers of that size."""
     rows = max(1, _BLOCK_ELEMENTS // max(1, z.shape[-1]))
-    work = z.new_empty(min(rows, z.shape[0]), z.shape[-1])
+    work = [z.new_empty(min(rows, z.shape[0]), z.shape[-1]) for _ in range(temporaries)]
     for start in range(0, z.shape[0], rows):
         block = slice(start, start + rows)
-        yield block, work[: min(rows, z.shape[0] - start)]
+        yield block, [w[: min(rows, z.shape[0] - start)] for w in work]
 
 
 def chunk_log_prob_entropy(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(log π(y), H, lse) per row of the tempered logits `z` [n, V]; `z` is overwritten.
+    """(log π(y), H, lse) per row of the tempered logits `z` [n, V]; `z` is left unchanged.
 
     log π = log_softmax(z) (max-shifted), lse = z_y − log π(y), and H = −Σᵥ πᵥ log πᵥ,
     a sum of non-negative terms (no cancellation between lse and Σ π z).
     """
     n = z.shape[0]
     log_prob, entropy, lse = z.new_empty(n), z.new_empty(n), z.new_empty(n)
-    for rows, work in _blocks(z):
+    for rows, (log_pi, p) in _blocks(z, 2):
         zb, index = z[rows], targets[rows].unsqueeze(-1)
-        log_pi = torch.log_softmax(zb, dim=-1, out=work)
+        torch.log_softmax(zb, dim=-1, out=log_pi)
         log_prob[rows] = log_pi.gather(-1, index).squeeze(-1)
         lse[rows] = zb.gather(-1, index).squeeze(-1) - log_prob[rows]
-        entropy[rows] = torch.exp(log_pi, out=zb).mul_(log_pi).sum(dim=-1).neg_()
+        entropy[rows] = torch.exp(log_pi, out=p).mul_(log_pi).sum(dim=-1).neg_()
     return log_prob, entropy, lse
 
 
@@ -123,7 +123,7 @@ def chunk_grad_logits(
     g_lp = None if grad_log_prob is None else (grad_log_prob / temperature).unsqueeze(-1)
     neg_g_lp = None if g_lp is None else -g_lp
     g_h = None if grad_entropy is None else (grad_entropy / -temperature).unsqueeze(-1)
-    for rows, p in _blocks(z):
+    for rows, (p,) in _blocks(z):
         log_pi = z[rows].sub_(lse[rows].unsqueeze(-1))
         torch.exp(log_pi, out=p)
         if g_h is not None:
