@@ -1,19 +1,28 @@
 """The loss straight from hidden states, without materialising the N × V logits.
 
 For hidden states x [B, T, H] and the output projection W [V, H], the tempered logits of token
-n are z_n = W x_n / τ. `loss_from_hidden` computes, chunk by chunk over the N = B·T tokens,
+n are z_n = W x_n / τ, and chunk by chunk over the N = B·T tokens
 
     log π(y_n) = z_{n,y} − lse(z_n),        H_n = lse(z_n) − Σᵥ π_{n,v} z_{n,v}
 
-keeping only the per-token lse, then runs the algorithm on these [B, T] tensors exactly as the
-unfused path would (so sequence-coupled losses such as GSPO and FIPO, and the `Normalizer`,
-work unchanged). Backward recomputes each chunk's logits and, with G = ∂L/∂logits of the chunk
+(`pgloss.entropy` holds the per-chunk math). With G = ∂L/∂logits of a chunk
 (`pgloss.entropy.chunk_grad_logits`),
 
-    ∂L/∂x = G W,        ∂L/∂W = Σ_chunks Gᵀ x
+    ∂L/∂x = G W,        ∂L/∂W = Σ_chunks Gᵀ x.
 
-Cost: four N·H·V matmuls (forward, recompute, ∂x, ∂W), i.e. 8NHV flops against the 6NHV
-floor; memory: O(chunk · V) working buffers instead of several [N, V] tensors.
+`loss_from_hidden` takes one of two paths; both give the loss of `algorithm(log_prob=log π,
+entropy=H, ...)` on the full logits, for every algorithm and `Normalizer`:
+
+- one pass (whole sequences fit in a chunk, T ≤ chunk_size): chunks of whole rows. Every
+  aggregation weight depends only on the mask and the step's global counts, and every
+  sequence-level coupling (GSPO's ratio, FIPO's future KL) stays inside a row, so a row chunk's
+  loss under the step's `Normalizer` is its exact share of the batch loss (the split invariance
+  of `pgloss.aggregate`). Its ∂L/∂log π and ∂L/∂H are therefore known as soon as its logits
+  are, and G W and Gᵀ x are formed in the forward pass: three N·H·V matmuls, the 6NHV floor.
+- recompute (longer sequences, chunks of tokens): forward keeps only the per-token lse;
+  backward recomputes each chunk's logits: four matmuls, 8NHV.
+
+Memory beyond the inputs and their gradients: one [chunk, V] buffer and cache-sized blocks.
 
 The same idea: Liger-Kernel's fused linear losses (Hsu et al. 2024, https://arxiv.org/abs/2410.10989)
 and "Cut Your Losses in Large-Vocabulary Language Models" (Wijmans et al. 2024,
@@ -165,7 +174,7 @@ def log_prob_and_entropy_from_hidden(
         weight: [V, H] output projection of the same dtype and device.
         targets: [B, T] integer token ids in [0, V).
         temperature: τ > 0.
-        chunk_size: tokens per chunk; None picks about 2²⁵ / V.
+        chunk_size: tokens per chunk; None picks about 2²⁶ / V.
 
     Returns:
         (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
@@ -277,6 +286,11 @@ def loss_from_hidden(
     logits (see the module docstring), with gradients for `hidden` and `weight`. The entropy
     gets a gradient only when `algorithm.entropy_coef` ≠ 0; otherwise it feeds the metric only.
 
+    When whole sequences fit in a chunk (T ≤ chunk_size) and a gradient is wanted, the gradients
+    are computed during this call (6NHV flops) and handed out by `loss.backward()`, scaled by the
+    caller's ∂/∂loss; backward then runs once, and `per_token` carries no gradient. Otherwise
+    the logits are recomputed in backward (8NHV flops).
+
     Args:
         algorithm: a `pgloss.Algorithm`, e.g. `pgloss.get("grpo")`.
         hidden: [B, T, H] final hidden states of the policy (the positions that predict `targets`).
@@ -286,7 +300,8 @@ def loss_from_hidden(
             as for `algorithm(...)`; floating token tensors are cast to the compute dtype
             (float32, or float64 for float64 parameters).
         temperature: τ > 0, the sampling temperature.
-        chunk_size: tokens per chunk; None picks about 2²⁵ / V (≈ 128 MiB per float32 buffer).
+        chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
+            None picks about 2²⁶ / V (≈ 256 MiB of float32 logits per chunk).
     """
     _check_inputs(hidden, weight, targets)
     temperature = check_temperature(temperature)

@@ -1,0 +1,329 @@
+"""Peak memory and time of a policy-gradient loss from hidden states, fused against unfused.
+
+Each variant runs in its own process, so that its peak memory is its own. Inside the process the
+baseline is the resident memory with the inputs and buffers the size of their gradients
+allocated; the peak reported is the high-water mark above that baseline.
+
+Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
+  naive    logits = hidden @ weightᵀ materialised, log_softmax + gather, then the algorithm
+  fused    pgloss.fused.loss_from_hidden (chunked, logits recomputed in backward)
+  liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss)
+  lce      torch.nn.functional.linear_cross_entropy (chunked options) for log π, then the algorithm
+  floor    the three matmuls no loss can avoid: x Wᵀ, G W and Gᵀ x (6·N·H·V flops)
+
+    python benchmarks/fused.py --tokens 4096 --hidden 1024 --vocab 151936
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+VARIANTS = ("naive", "fused", "liger", "lce", "floor")
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float64": "float64"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="N, tokens in the batch")
+    parser.add_argument("--seq-len", type=int, default=256, help="T, tokens per sequence (B = N / T)")
+    parser.add_argument("--hidden", type=int, default=1024, help="H, hidden size")
+    parser.add_argument("--vocab", type=int, default=151936, help="V, vocabulary size")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per variant (the minimum is reported)")
+    parser.add_argument("--algorithm", default="grpo", help="a name from pgloss.names()")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--chunk-size", type=int, default=None, help="pgloss chunk (tokens); default ≈ 2²⁵ / V")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tokens % args.seq_len:
+        parser.error(f"--tokens ({args.tokens}) must be a multiple of --seq-len ({args.seq_len})")
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; valid: {VARIANTS}")
+    return args
+
+
+# ------------------------------------------------------------------------------------------
+# Child: one variant, one process.
+# ------------------------------------------------------------------------------------------
+
+
+def _rss_mib(field: str) -> float:
+    """VmRSS / VmHWM of this process in MiB (Linux); ru_maxrss as a fallback for the peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Memory:
+    """Peak memory above a baseline, on CPU (process RSS) or CUDA (the caching allocator)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.cuda = torch, device.type == "cuda"
+        self.baseline = 0.0
+
+    def set_baseline(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.baseline = self.torch.cuda.memory_allocated() / 2**20
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            self.baseline = _rss_mib("VmRSS")
+
+    def peak_above_baseline(self) -> float:
+        if self.cuda:
+            return self.torch.cuda.max_memory_allocated() / 2**20 - self.baseline
+        return _rss_mib("VmHWM") - self.baseline
+
+
+def make_inputs(args, torch):
+    device, dtype = torch.device(args.device), getattr(torch, DTYPES[args.dtype])
+    gen = torch.Generator().manual_seed(0)
+    batch, length = args.tokens // args.seq_len, args.seq_len
+    hidden = torch.randn(batch, length, args.hidden, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen) / math.sqrt(args.hidden)).to(device, dtype)
+    weight.requires_grad_()
+    targets = torch.randint(0, args.vocab, (batch, length), generator=gen).to(device)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=gen)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(device)
+    # Old and reference log-probs near the current ones, as after a few optimizer steps.
+    from pgloss.fused import log_prob_and_entropy_from_hidden
+
+    with torch.no_grad():
+        current, _ = log_prob_and_entropy_from_hidden(hidden, weight, targets, temperature=args.temperature)
+    current = current.cpu()
+    old_log_prob = (current + 0.1 * torch.randn(batch, length, generator=gen)).to(device)
+    ref_log_prob = (current + 0.05 * torch.randn(batch, length, generator=gen)).to(device)
+    advantages = torch.randn(batch, generator=gen).to(device)
+    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, old_log_prob=old_log_prob,
+                ref_log_prob=ref_log_prob, advantages=advantages)
+
+
+def _head(inputs, rows):
+    """The first `rows` sequences of every tensor (a small warm-up batch)."""
+    out = {}
+    for key, value in inputs.items():
+        if key == "weight":
+            out[key] = value
+        else:
+            head = value[:rows].detach()
+            out[key] = head.requires_grad_() if key == "hidden" else head
+    return out
+
+
+def build_variant(name, args, algorithm):
+    """A function inputs -> scalar loss (forward only), or raise RuntimeError with the reason."""
+    import torch
+    import torch.nn.functional as F
+
+    from pgloss.fused import loss_from_hidden
+
+    tau = args.temperature
+
+    def common(inputs):
+        return dict(old_log_prob=inputs["old_log_prob"], advantages=inputs["advantages"], mask=inputs["mask"],
+                    ref_log_prob=inputs["ref_log_prob"] if algorithm.uses_reference else None)
+
+    if name == "naive":
+        def run(inputs):
+            logits = inputs["hidden"] @ inputs["weight"].t()
+            log_softmax = torch.log_softmax(logits.float() / tau, dim=-1)
+            del logits
+            targets = torch.where(inputs["mask"], inputs["targets"], 0)
+            log_prob = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            grad_entropy = torch.enable_grad() if algorithm.entropy_coef != 0 else torch.no_grad()
+            with grad_entropy:
+                entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+            return algorithm(log_prob=log_prob, entropy=entropy, **common(inputs)).loss
+        return run
+
+    if name == "fused":
+        def run(inputs):
+            return loss_from_hidden(algorithm, inputs["hidden"], inputs["weight"], inputs["targets"],
+                                    temperature=tau, chunk_size=args.chunk_size, **common(inputs)).loss
+        return run
+
+    if name == "lce":
+        if not hasattr(F, "linear_cross_entropy"):
+            raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
+        options = torch.nn.LinearCrossEntropyOptions() if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
+
+        def run(inputs):
+            hidden = inputs["hidden"]
+            batch, length, size = hidden.shape
+            targets = torch.where(inputs["mask"], inputs["targets"], -100)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a silent fallback to the unchunked path would mislead
+                nll = F.linear_cross_entropy((hidden / tau).reshape(-1, size), inputs["weight"], targets.reshape(-1),
+                                             reduction="none", options=options)
+            log_prob = -nll.view(batch, length).float()
+            return algorithm(log_prob=log_prob, **common(inputs)).loss  # no entropy: no entropy metric
+        return run
+
+    if name == "liger":
+        try:
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+            raise RuntimeError(f"liger-kernel does not import: {type(error).__name__}: {error}") from None
+        modes = {"seq-mean-token-mean": "grpo", "token-mean": "bnpo"}
+        family = type(algorithm).__name__
+        if family != "ClippedPolicy" or getattr(algorithm, "ratio_level", "token") != "token" \
+                or algorithm.loss_agg_mode not in modes or getattr(algorithm, "dual_clip", None):
+            raise RuntimeError(f"{algorithm.name} has no LigerFusedLinearGRPOLoss counterpart")
+        if algorithm.kl_coef and algorithm.kl_estimator != "k3":
+            raise RuntimeError("Liger's KL term is k3 only")
+        loss_fn = LigerFusedLinearGRPOLoss(
+            beta=algorithm.kl_coef, use_ref_model=algorithm.kl_coef != 0, loss_type=modes[algorithm.loss_agg_mode],
+            epsilon_low=algorithm.clip_low, epsilon_high=algorithm.clip_high, temperature=tau, chunk_size=1,
+            compiled=True,
+        )
+
+        def run(inputs):
+            loss, _ = loss_fn(inputs["hidden"], inputs["weight"], inputs["targets"].masked_fill(~inputs["mask"], 0),
+                              inputs["mask"].long(), inputs["advantages"],
+                              ref_per_token_logps=inputs["ref_log_prob"] if algorithm.kl_coef else None,
+                              old_per_token_logps=inputs["old_log_prob"])
+            return loss
+        return run
+
+    raise ValueError(name)
+
+
+def time_floor(inputs, args, torch, sync):
+    """Seconds of logits = x Wᵀ, grad_x = G W, grad_W = Gᵀ x with G the size of the logits."""
+    x = inputs["hidden"].detach().reshape(-1, args.hidden)
+    w = inputs["weight"].detach()
+    sync()
+    start = time.perf_counter()
+    logits = torch.mm(x, w.t())
+    torch.mm(logits, w)
+    torch.mm(logits.t(), x)
+    sync()
+    return time.perf_counter() - start, None
+
+
+def child(args) -> dict:
+    import torch
+
+    import pgloss
+
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    hyper = {"norm_constant": float(args.seq_len)} if args.algorithm == "dr_grpo" else {}
+    algorithm = pgloss.get(args.algorithm, **hyper)
+    result = {"variant": args.child, "time_s": None, "peak_mib": None, "loss": None, "note": ""}
+
+    inputs = make_inputs(args, torch)
+    memory = Memory(device)
+    placeholders = [torch.ones_like(inputs["hidden"]), torch.ones_like(inputs["weight"])]  # the gradients' room
+    memory.set_baseline()
+    del placeholders
+
+    if args.child == "floor":
+        times = [time_floor(inputs, args, torch, sync)[0] for _ in range(args.repeats)]
+        result.update(time_s=min(times), note="three matmuls, logits-sized G: time only")
+        return result
+    try:
+        run = build_variant(args.child, args, algorithm)
+        warm = _head(inputs, 1)  # warm-up on one sequence: thread pools, compilation
+        run(warm).backward()
+        del warm
+    except Exception as error:  # noqa: BLE001 - the table carries on with the reason
+        result["note"] = f"skipped: {str(error).splitlines()[0][:150]}"
+        return result
+
+    times = []
+    for _ in range(args.repeats):
+        inputs["hidden"].grad = inputs["weight"].grad = None
+        sync()
+        start = time.perf_counter()
+        loss = run(inputs)
+        loss.backward()
+        sync()
+        times.append(time.perf_counter() - start)
+    result.update(time_s=min(times), peak_mib=memory.peak_above_baseline(), loss=float(loss))
+    # The floor again, in this process right after the variant: on a shared machine the ratio of
+    # two timings taken side by side is steadier than one against another process's floor.
+    inputs["hidden"].grad = inputs["weight"].grad = None
+    result["floor_s"] = min(time_floor(inputs, args, torch, sync)[0] for _ in range(args.repeats))
+    return result
+
+
+# ------------------------------------------------------------------------------------------
+# Parent: one subprocess per variant, then the table.
+# ------------------------------------------------------------------------------------------
+
+
+def _cell(value, spec, width):
+    return ("-" if value is None else format(value, spec)).rjust(width)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    import torch
+
+    print(f"N={args.tokens} (B={args.tokens // args.seq_len} x T={args.seq_len}) H={args.hidden} V={args.vocab} "
+          f"{args.dtype} on {args.device}, algorithm={args.algorithm}, temperature={args.temperature}, "
+          f"repeats={args.repeats}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    results = []
+    forwarded = list(argv if argv is not None else sys.argv[1:])
+    for variant in args.variants.split(","):
+        command = [sys.executable, os.path.abspath(__file__), *forwarded, "--child", variant]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            results.append({"variant": variant, "time_s": None, "peak_mib": None, "loss": None,
+                            "note": f"failed: {reason[:150]}"})
+        else:
+            results.append(json.loads(lines[-1]))
+
+    by_name = {r["variant"]: r for r in results}
+    naive = by_name.get("naive", {})
+    columns = ["variant", "peak above inputs+grads (MiB)", "mem: naive / this", "time (s)", "vs naive",
+               "floor, same process (s)", "vs floor", "loss", "note"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("-" * (len(c) + 2) for c in columns) + "|")
+    for r in results:
+        t, peak, floor = r["time_s"], r["peak_mib"], r.get("floor_s") or r["time_s"] if r["variant"] == "floor" \
+            else r.get("floor_s")
+        cells = [
+            r["variant"].ljust(len(columns[0])),
+            _cell(peak, ".0f", len(columns[1])),
+            _cell(naive["peak_mib"] / peak if peak and naive.get("peak_mib") else None, ".1f", len(columns[2])),
+            _cell(t, ".2f", len(columns[3])),
+            _cell(t / naive["time_s"] if t and naive.get("time_s") else None, ".2f", len(columns[4])),
+            _cell(floor, ".2f", len(columns[5])),
+            _cell(t / floor if t and floor else None, ".2f", len(columns[6])),
+            _cell(r["loss"], ".6f", len(columns[7])),
+            r["note"],
+        ]
+        print("| " + " | ".join(cells) + " |")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
