@@ -24,9 +24,9 @@ class LabConfig:
     """Synthetic task: sum (add 2-6 digits) or mul (digit times digit)."""
     seed: int = 0
     """Seeds the model, the warm start, the prompts and the sampling."""
-    steps: int = 50
+    steps: int = 60
     """RL steps; each samples a fresh batch and updates on it."""
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     """Prompts sampled per RL step (split over data-parallel ranks)."""
     group_size: int = 8
     """Completions sampled per prompt (the G of GRPO)."""
@@ -40,11 +40,13 @@ class LabConfig:
     """Optimizer steps per pass; the batch is cut into this many minibatches of whole groups."""
     micro_batches: int = 1
     """Micro-batches per optimizer step, combined through one pgloss.Normalizer."""
-    lr: float = 1e-3
+    lr: float = 2e-4
     """AdamW learning rate of the RL phase."""
+    warmup: int = 20
+    """Optimizer steps of linear learning-rate warmup at the start of RL (Adam's first steps are otherwise full-size)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip of each optimizer step."""
-    warm_steps: int = 400
+    warm_steps: int = 800
     """Supervised steps on demonstrations before RL, so that RL starts above zero reward."""
     warm_batch: int = 64
     """Demonstrations per warm-start step."""

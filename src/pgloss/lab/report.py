@@ -41,21 +41,26 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
             row[f"{key}_end_max"] = max(_mean(r[key] for r in run[-TAIL:]) for run in runs)
         for key in ("clip_frac", "ppo_kl", "grad_norm"):
             row[key] = _mean(r[key] for run in runs for r in run)
-        row["beat_warm_start"] = all(_mean(r["reward"] for r in run[-TAIL:]) > run[0]["reward"] for run in runs)
+        row["eval_start"] = _mean(run[0]["eval_reward"] for run in runs)
+        row["eval_end"] = _mean(run[-1]["eval_reward"] for run in runs)
+        row["seeds_beat"] = sum(run[-1]["eval_reward"] > run[0]["eval_reward"] for run in runs)
+        row["beat_warm_start"] = row["seeds_beat"] == len(runs)
         rows[algorithm] = row
     return rows
 
 
 def table(rows: dict[str, dict[str, float]]) -> str:
     """Markdown summary table."""
-    head = ("| algorithm | reward start -> end | greedy acc. start -> end | length start -> end | entropy end "
-            "| KL to ref end | clip frac. | ppo_kl | beat warm start |\n|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| algorithm | eval reward start -> end | beat warm start (seeds) | train reward start -> end "
+            "| greedy acc. start -> end | length start -> end | entropy start -> end | KL to ref end | clip frac. "
+            "| ppo_kl |\n|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for a, r in rows.items():
         lines.append(
-            f"| {a} | {r['reward_start']:.3f} -> {r['reward_end']:.3f} | {r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f} "
-            f"| {r['length_start']:.2f} -> {r['length_end']:.2f} | {r['entropy_end']:.3f} | {r['kl_ref_end']:.3f} "
-            f"| {r['clip_frac']:.3f} | {r['ppo_kl']:.4f} | {'yes' if r['beat_warm_start'] else 'no'} |")
+            f"| {a} | {r['eval_start']:.3f} -> {r['eval_end']:.3f} | {r['seeds_beat']}/{r['seeds']} "
+            f"| {r['reward_start']:.3f} -> {r['reward_end']:.3f} | {r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f} "
+            f"| {r['length_start']:.2f} -> {r['length_end']:.2f} | {r['entropy_start']:.3f} -> {r['entropy_end']:.3f} "
+            f"| {r['kl_ref_end']:.3f} | {r['clip_frac']:.3f} | {r['ppo_kl']:.4f} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -109,8 +114,11 @@ def write_report(out: Path, records: list[dict], config: dict, plots: list[Path]
         f"Task `{config['base']['task']}`, {config['base']['steps']} RL steps of {config['base']['prompts_per_step']} prompts "
         f"x {config['base']['group_size']} completions, {config['base']['epochs']} epochs x "
         f"{config['base']['minibatches']} minibatches per batch, seeds {config['seeds']}. Start = the warm-start policy "
-        f"(step 0); end = mean of the last {TAIL} steps; both averaged over seeds. Reward is the sampled "
-        "(temperature) reward; greedy accuracy is on a fixed held-out set. Full config: `config.json`.",
+        f"(step 0); end = mean of the last {TAIL} steps; both averaged over seeds. *Eval reward* is the sampled "
+        f"reward on {config['base']['eval_prompts']} fixed held-out prompts x {config['base']['group_size']} samples, "
+        "drawn with the same random numbers before RL and after it: a seed beats its warm start when its eval "
+        "reward rises. *Train reward* is the sampled reward of each step's fresh prompts; greedy accuracy is on the "
+        "held-out prompts. Lengths count response tokens, the end token included. Full config: `config.json`.",
         "",
         "## Summary",
         "",

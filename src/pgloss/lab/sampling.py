@@ -75,8 +75,8 @@ def sample(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: 
     """Sample `group_size` completions of each prompt, at most `max_new_tokens` tokens each
     (temperature 0: greedy decoding).
 
-    Row ``i * group_size + j`` is the j-th completion of prompt i. Each step re-runs the
-    (tiny) model over the whole prefix; sampling stops early once every row has ended.
+    Row ``i * group_size + j`` is the j-th completion of prompt i. Keys and values of earlier
+    tokens are cached; sampling stops early once every row has ended.
     """
     device = next(model.parameters()).device
     prompt_tokens, prompt_valid = left_pad(prompts, device)
@@ -84,8 +84,10 @@ def sample(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: 
     valid = prompt_valid.repeat_interleave(group_size, 0)
     n, width = tokens.shape
     done = torch.zeros(n, dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
-        logits = model(tokens, valid)[:, -1].float()
+    logits, cache = model(tokens, valid, return_cache=True)
+    logits = logits[:, -1].float()
+    position = valid.sum(1) - 1
+    for t in range(max_new_tokens):
         if temperature > 0:
             nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator).squeeze(1)
         else:
@@ -94,8 +96,11 @@ def sample(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: 
         tokens = torch.cat([tokens, nxt[:, None]], 1)
         valid = torch.cat([valid, ~done[:, None]], 1)
         done = done | (nxt == EOS)
-        if bool(done.all()):
+        if bool(done.all()) or t == max_new_tokens - 1:
             break
+        position = position + 1
+        logits, cache = model.decode(nxt, position, valid, cache)  # keys and values of earlier tokens are reused
+        logits = logits[:, -1].float()
     group_ids = torch.arange(len(prompts), device=device).repeat_interleave(group_size)
     return Rollout(tokens, valid, width, valid[:, width:], done, group_ids)
 

@@ -43,7 +43,7 @@ from pgloss.lab.tasks import Problem, demonstration, make_task, reward
 from pgloss.lab.tokenizer import Tokenizer
 
 METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "ppo_kl", "grad_norm",
-           "scratchpad", "kept", "loss")
+           "scratchpad", "kept", "loss", "eval_reward")
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
 
 
 def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups: int,
-           generator: torch.Generator) -> dict[str, Tensor]:
+           generator: torch.Generator, scheduler=None) -> dict[str, Tensor]:
     """``epochs`` x ``minibatches`` optimizer steps on one batch; returns mean diagnostics.
 
     Minibatches are cut from a permutation of the global group ids (the same on every rank),
@@ -179,6 +179,8 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
             sums["grad_norm"] = sums.get("grad_norm", 0) + torch.nn.utils.clip_grad_norm_(policy.parameters(),
                                                                                            cfg.max_grad_norm)
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             n_updates += 1
     nan = torch.tensor(float("nan"))
     return {k: sums[k] / n_updates if n_updates else nan for k in ("clip_frac", "ppo_kl", "grad_norm", "loss")}
@@ -190,6 +192,16 @@ def greedy_accuracy(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: 
     rollout = sample(policy, [tokenizer.encode(p.prompt) for p in problems], group_size=1,
                      max_new_tokens=cfg.max_new_tokens, temperature=0.0)
     return score(rollout, problems, tokenizer, 1)[0].mean()
+
+
+@torch.no_grad()
+def sampled_reward(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) -> Tensor:
+    """Mean reward of ``group_size`` sampled completions of each of `problems`, drawn with a
+    fixed generator, so that the start and the end of a run are measured alike."""
+    rollout = sample(policy, [tokenizer.encode(p.prompt) for p in problems], group_size=cfg.group_size,
+                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                     generator=torch.Generator(cfg.device).manual_seed(cfg.seed + 1))
+    return score(rollout, problems, tokenizer, cfg.group_size)[0].mean()
 
 
 @torch.no_grad()
@@ -206,6 +218,10 @@ def show(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) 
 def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None) -> dict:
     """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}}.
 
+    Step k's record holds the rollout of the policy before update k and that update's
+    diagnostics; the record of step ``cfg.steps`` measures the final policy (no update, so its
+    update diagnostics are None, as are those of a step whose every group DAPO dropped).
+
     `warm_state` is a warm-started policy's state dict (computed here when None); `on_step`
     is called after each step. Under torchrun every rank takes every world-size-th prompt.
     """
@@ -220,6 +236,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None) -> dict:
     reference = copy.deepcopy(policy).requires_grad_(False)
     algorithm = make_algorithm(cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, cfg.warmup)))
     prompt_rng = random.Random(f"prompts-{cfg.seed}")
     eval_rng = random.Random(f"eval-{cfg.seed}")
     eval_problems = [task.sample(eval_rng) for _ in range(cfg.eval_prompts)]
@@ -233,11 +250,12 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None) -> dict:
         stats["accuracy"] = greedy_accuracy(policy, eval_problems, tokenizer, cfg)
         if step in (0, cfg.steps):
             samples["start" if step == 0 else "end"] = show(policy, eval_problems[: cfg.samples], tokenizer, cfg)
+            stats["eval_reward"] = sampled_reward(policy, eval_problems, tokenizer, cfg)
         if step < cfg.steps:
-            stats.update(update(policy, optimizer, algorithm, batch, cfg, cfg.prompts_per_step, shuffle))
+            stats.update(update(policy, optimizer, algorithm, batch, cfg, cfg.prompts_per_step, shuffle, warmup))
         values = dist.mean(torch.stack([stats.get(k, torch.tensor(float("nan"))).float().cpu() for k in METRICS]))
         record = {"algorithm": cfg.algorithm, "seed": cfg.seed, "step": step,
-                  **dict(zip(METRICS, values.tolist()))}
+                  **{k: None if math.isnan(v) else v for k, v in zip(METRICS, values.tolist())}}
         metrics.append(record)
         if on_step is not None:
             on_step(record)

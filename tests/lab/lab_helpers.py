@@ -1,0 +1,40 @@
+"""A fixed batch for the trainer tests: demonstrations and wrong answers of a few sum problems."""
+
+import random
+
+import torch
+
+from pgloss.advantages import group_advantages
+from pgloss.lab.config import LabConfig
+from pgloss.lab.sampling import Rollout, response_log_probs, teacher_forced
+from pgloss.lab.tasks import SumTask, demonstration, reward
+from pgloss.lab.tokenizer import Tokenizer
+from pgloss.lab.trainer import Batch, build
+
+TINY = dict(d_model=32, n_layer=1, n_head=2, max_new_tokens=20)
+
+
+def tiny_policy(seed: int = 0):
+    return build(LabConfig(seed=seed, **TINY))[2]
+
+
+def fixed_batch(policy, reference=None, n_prompts: int = 6, group: int = 4, seed: int = 0) -> Batch:
+    """Responses of varied length, half right and half wrong, as one group per prompt."""
+    tok, task, rng = Tokenizer(), SumTask(), random.Random(seed)
+    problems = [task.sample(rng) for _ in range(n_prompts)]
+    prompts, responses, rewards = [], [], []
+    for p in problems:
+        for j in range(group):
+            text = demonstration(p, rng.random() < 0.5)
+            if j % 2:
+                text = text[:-1] + str((int(text[-1]) + 1) % 10)
+            prompts.append(tok.encode(p.prompt))
+            responses.append(tok.encode(text))
+            rewards.append(reward(text, p))
+    r = teacher_forced(prompts, responses)
+    group_ids = torch.arange(n_prompts).repeat_interleave(group)
+    r = Rollout(r.tokens, r.valid, r.prompt_len, r.mask, r.finished, group_ids)
+    with torch.no_grad():
+        old, _ = response_log_probs(policy, r, temperature=1.0)
+        ref = old if reference is None else response_log_probs(reference, r, temperature=1.0)[0]
+    return Batch(r, old, ref, group_advantages(torch.tensor(rewards), group_ids))
