@@ -20,6 +20,7 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/pgloss losses
+	$(VENV)/bin/pgloss compare
 
 list: $(STAMP)
 	$(VENV)/bin/pgloss list
