@@ -54,11 +54,15 @@ def broadcast_parameters(model: torch.nn.Module) -> None:
 
 
 def mean(values: torch.Tensor) -> torch.Tensor:
-    """Average a tensor over ranks (identity on one process)."""
+    """Average a tensor over ranks, elementwise, skipping NaN (a rank without data); identity on one process."""
     if active():
-        values = values.clone()
-        dist.all_reduce(values)
-        values /= dist.get_world_size()
+        device = values.device
+        present = ~values.isnan()
+        both = torch.stack([torch.where(present, values, 0.0), present.to(values.dtype)])
+        if dist.get_backend() == "nccl":
+            both = both.cuda()
+        dist.all_reduce(both)
+        values = (both[0] / both[1]).to(device)  # NaN where no rank had a value
     return values
 
 

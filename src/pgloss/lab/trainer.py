@@ -151,7 +151,12 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     """
     use_groups = algorithm.loss_agg_mode == "group-mean-token-mean"
     sums: dict[str, Tensor] = {}
-    n_updates = 0
+    counts: dict[str, int] = {}
+
+    def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
+        sums[name] = sums.get(name, 0) + value
+        counts[name] = counts.get(name, 0) + 1
+
     for _ in range(cfg.epochs):
         order = torch.randperm(n_groups, generator=generator).to(batch.advantages.device)
         for chunk in order.tensor_split(cfg.minibatches):
@@ -162,6 +167,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
             if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
                 continue
             optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros(())
             for micro in micros:
                 if micro.advantages.numel() == 0:
                     continue
@@ -171,19 +177,17 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                                 ref_log_prob=micro.ref_log_prob if algorithm.uses_reference else None,
                                 group_ids=micro.rollout.group_ids if use_groups else None)
                 out.loss.backward()
-                share = micro.advantages.numel() / rows.numel()
                 for key, name in (("pg_clipfrac", "clip_frac"), ("ppo_kl", "ppo_kl")):
-                    sums[name] = sums.get(name, 0) + share * out.metrics[key]
-                sums["loss"] = sums.get("loss", 0) + out.loss.detach()
+                    add(name, out.metrics[key])
+                step_loss = step_loss + out.loss.detach().cpu()
+            add("loss", step_loss)  # the micro-batch losses sum to the step's loss
             dist.average_gradients(policy)
-            sums["grad_norm"] = sums.get("grad_norm", 0) + torch.nn.utils.clip_grad_norm_(policy.parameters(),
-                                                                                           cfg.max_grad_norm)
+            add("grad_norm", torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-            n_updates += 1
     nan = torch.tensor(float("nan"))
-    return {k: sums[k] / n_updates if n_updates else nan for k in ("clip_frac", "ppo_kl", "grad_norm", "loss")}
+    return {k: sums[k] / counts[k] if k in sums else nan for k in ("clip_frac", "ppo_kl", "grad_norm", "loss")}
 
 
 @torch.no_grad()
