@@ -42,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--chunk-size", type=int, default=None, help="pgloss chunk (tokens); default ≈ 2²⁵ / V")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--timeout", type=int, default=300, help="seconds allowed to one variant's process")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tokens % args.seq_len:
@@ -207,17 +208,26 @@ def build_variant(name, args, algorithm):
     raise ValueError(name)
 
 
-def time_floor(inputs, args, torch, sync):
-    """Seconds of logits = x Wᵀ, grad_x = G W, grad_W = Gᵀ x with G the size of the logits."""
+def timed(fn, sync):
+    """(wall seconds, CPU seconds of this process) of fn(); CPU time is steadier on a shared machine."""
+    sync()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    sync()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def floor_step(inputs, args, torch):
+    """logits = x Wᵀ, grad_x = G W, grad_W = Gᵀ x with G the size of the logits: 6·N·H·V flops."""
     x = inputs["hidden"].detach().reshape(-1, args.hidden)
     w = inputs["weight"].detach()
-    sync()
-    start = time.perf_counter()
-    logits = torch.mm(x, w.t())
-    torch.mm(logits, w)
-    torch.mm(logits.t(), x)
-    sync()
-    return time.perf_counter() - start, None
+
+    def step():
+        logits = torch.mm(x, w.t())
+        torch.mm(logits, w)
+        torch.mm(logits.t(), x)
+
+    return step
 
 
 def child(args) -> dict:
@@ -230,7 +240,7 @@ def child(args) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     hyper = {"norm_constant": float(args.seq_len)} if args.algorithm == "dr_grpo" else {}
     algorithm = pgloss.get(args.algorithm, **hyper)
-    result = {"variant": args.child, "time_s": None, "peak_mib": None, "loss": None, "note": ""}
+    result = {"variant": args.child, "time_s": None, "cpu_s": None, "peak_mib": None, "loss": None, "note": ""}
 
     inputs = make_inputs(args, torch)
     memory = Memory(device)
@@ -239,8 +249,9 @@ def child(args) -> dict:
     del placeholders
 
     if args.child == "floor":
-        times = [time_floor(inputs, args, torch, sync)[0] for _ in range(args.repeats)]
-        result.update(time_s=min(times), note="three matmuls, logits-sized G: time only")
+        times = [timed(floor_step(inputs, args, torch), sync) for _ in range(args.repeats)]
+        result.update(time_s=min(t[0] for t in times), cpu_s=min(t[1] for t in times),
+                      note="three matmuls, logits-sized G: time only")
         return result
     try:
         run = build_variant(args.child, args, algorithm)
@@ -251,20 +262,18 @@ def child(args) -> dict:
         result["note"] = f"skipped: {str(error).splitlines()[0][:150]}"
         return result
 
-    times = []
-    for _ in range(args.repeats):
+    times, losses = [], []
+
+    def step():
         inputs["hidden"].grad = inputs["weight"].grad = None
-        sync()
-        start = time.perf_counter()
         loss = run(inputs)
         loss.backward()
-        sync()
-        times.append(time.perf_counter() - start)
-    result.update(time_s=min(times), peak_mib=memory.peak_above_baseline(), loss=float(loss))
-    # The floor again, in this process right after the variant: on a shared machine the ratio of
-    # two timings taken side by side is steadier than one against another process's floor.
-    inputs["hidden"].grad = inputs["weight"].grad = None
-    result["floor_s"] = min(time_floor(inputs, args, torch, sync)[0] for _ in range(args.repeats))
+        losses.append(float(loss.detach()))
+
+    for _ in range(args.repeats):
+        times.append(timed(step, sync))
+    result.update(time_s=min(t[0] for t in times), cpu_s=min(t[1] for t in times),
+                  peak_mib=memory.peak_above_baseline(), loss=losses[-1])
     return result
 
 
@@ -292,7 +301,12 @@ def main(argv=None) -> None:
     forwarded = list(argv if argv is not None else sys.argv[1:])
     for variant in args.variants.split(","):
         command = [sys.executable, os.path.abspath(__file__), *forwarded, "--child", variant]
-        proc = subprocess.run(command, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            results.append({"variant": variant, "time_s": None, "peak_mib": None, "loss": None,
+                            "note": f"stopped after {args.timeout} s (--timeout)"})
+            continue
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
             reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
@@ -302,24 +316,30 @@ def main(argv=None) -> None:
             results.append(json.loads(lines[-1]))
 
     by_name = {r["variant"]: r for r in results}
-    naive = by_name.get("naive", {})
-    columns = ["variant", "peak above inputs+grads (MiB)", "mem: naive / this", "time (s)", "vs naive",
-               "floor, same process (s)", "vs floor", "loss", "note"]
+    naive, floor = by_name.get("naive", {}), by_name.get("floor", {})
+
+    def ratio(r, key, base):
+        return r.get(key) / base[key] if r.get(key) and base.get(key) else None
+
+    columns = ["variant", "peak above inputs+grads (MiB)", "naive / this (mem)", "wall (s)", "CPU (s)",
+               "vs naive (wall / CPU)", "vs floor (wall / CPU)", "loss", "note"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "|".join("-" * (len(c) + 2) for c in columns) + "|")
     for r in results:
-        t, peak, floor = r["time_s"], r["peak_mib"], r.get("floor_s") or r["time_s"] if r["variant"] == "floor" \
-            else r.get("floor_s")
+        peak = r.get("peak_mib")
+        mem = naive["peak_mib"] / peak if peak and naive.get("peak_mib") else None
         cells = [
             r["variant"].ljust(len(columns[0])),
             _cell(peak, ".0f", len(columns[1])),
-            _cell(naive["peak_mib"] / peak if peak and naive.get("peak_mib") else None, ".1f", len(columns[2])),
-            _cell(t, ".2f", len(columns[3])),
-            _cell(t / naive["time_s"] if t and naive.get("time_s") else None, ".2f", len(columns[4])),
-            _cell(floor, ".2f", len(columns[5])),
-            _cell(t / floor if t and floor else None, ".2f", len(columns[6])),
-            _cell(r["loss"], ".6f", len(columns[7])),
-            r["note"],
+            _cell(mem, ".1f", len(columns[2])),
+            _cell(r.get("time_s"), ".2f", len(columns[3])),
+            _cell(r.get("cpu_s"), ".2f", len(columns[4])),
+            (_cell(ratio(r, "time_s", naive), ".2f", 0) + " / " + _cell(ratio(r, "cpu_s", naive), ".2f", 0)
+             ).rjust(len(columns[5])),
+            (_cell(ratio(r, "time_s", floor), ".2f", 0) + " / " + _cell(ratio(r, "cpu_s", floor), ".2f", 0)
+             ).rjust(len(columns[6])),
+            _cell(r.get("loss"), ".6f", len(columns[7])),
+            r.get("note", ""),
         ]
         print("| " + " | ".join(cells) + " |")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")

@@ -43,6 +43,7 @@ def default_chunk_size(vocab_size: int) -> int:
 
 
 def check_temperature(temperature: float) -> float:
+    """τ as a float; TypeError for a non-number, ValueError unless 0 < τ < ∞."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
     if not math.isfinite(temperature) or temperature <= 0:
@@ -51,6 +52,7 @@ def check_temperature(temperature: float) -> float:
 
 
 def check_chunk_size(chunk_size: int | None, vocab_size: int) -> int:
+    """Tokens per chunk: the default for `vocab_size` when None, else an int >= 1."""
     if chunk_size is None:
         return default_chunk_size(vocab_size)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
@@ -61,6 +63,7 @@ def check_chunk_size(chunk_size: int | None, vocab_size: int) -> int:
 
 
 def check_targets(targets: Tensor, shape: torch.Size, name: str = "targets") -> None:
+    """An integer tensor of token ids with the given shape."""
     if not isinstance(targets, Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(targets).__name__}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
@@ -71,9 +74,9 @@ def check_targets(targets: Tensor, shape: torch.Size, name: str = "targets") -> 
 
 # ---------------------------------------------------------------------------------------
 # Per-chunk math, shared with pgloss.fused. `z` is an [n, V] buffer holding the tempered
-# logits in the compute dtype (finite: callers clamp −inf) and is overwritten. The math walks
-# `z` in blocks of a few rows so that its temporaries stay in cache: one pass over `z` in
-# memory, not one per elementwise operation, and O(block · V) extra memory.
+# logits in the compute dtype (finite: callers clamp −inf). The math walks `z` in blocks of a
+# few rows so that its temporaries stay in cache: one pass over `z` in memory rather than one
+# per elementwise operation, and O(block · V) extra memory.
 # ---------------------------------------------------------------------------------------
 
 _BLOCK_ELEMENTS = 1 << 22

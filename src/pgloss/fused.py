@@ -73,6 +73,27 @@ class _Chunks:
             z.div_(temperature)
         return z
 
+    def apply_grad(self, grad: Tensor, x: Tensor, weight: Tensor, grad_hidden: Tensor | None,
+                   grad_weight: Tensor | None, first: bool) -> None:
+        """grad_hidden ← G W for this chunk's rows; grad_weight ← Gᵀ x (first chunk) or += Gᵀ x.
+
+        `grad_weight` is in the compute dtype: in place for float32/64 parameters, a float32
+        accumulator for half-precision ones (whose matmuls run in their own dtype)."""
+        if self.raw is not None:
+            grad = self.raw[: grad.shape[0]].copy_(grad)
+        if grad_hidden is not None:
+            torch.mm(grad, weight, out=grad_hidden)
+        if grad_weight is None:
+            return
+        if grad_weight.dtype != grad.dtype and first:
+            grad_weight.copy_(torch.mm(grad.t(), x))
+        elif grad_weight.dtype != grad.dtype:
+            grad_weight.add_(torch.mm(grad.t(), x))
+        elif first:
+            torch.mm(grad.t(), x, out=grad_weight)
+        else:
+            grad_weight.addmm_(grad.t(), x)
+
 
 class _FusedLogProbEntropy(torch.autograd.Function):
     """(x [N, H], W [V, H]) → (log π(y), H) [N]; saves x, W, y and the per-token lse only."""
@@ -104,10 +125,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         chunks = _Chunks(hidden, weight, chunk_size, lse.dtype)
         grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        # ∂L/∂W accumulates over chunks: in place for float32/64, in float32 for half precision.
-        grad_weight = None
-        if need_weight:
-            grad_weight = torch.empty(weight.shape, dtype=compute_dtype(weight.dtype), device=weight.device)
+        grad_weight = torch.empty(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             x = hidden[rows]
@@ -121,18 +139,8 @@ class _FusedLogProbEntropy(torch.autograd.Function):
                 None if grad_entropy is None else grad_entropy[rows],
                 temperature,
             )
-            if chunks.raw is not None:
-                grad = chunks.raw[: grad.shape[0]].copy_(grad)
-            if need_hidden:
-                torch.mm(grad, weight, out=grad_hidden[rows])
-            if need_weight:  # the first chunk writes, the others accumulate
-                if start == 0:
-                    grad_weight.copy_(torch.mm(grad.t(), x)) if grad_weight.dtype != grad.dtype \
-                        else torch.mm(grad.t(), x, out=grad_weight)
-                elif grad_weight.dtype == grad.dtype:
-                    grad_weight.addmm_(grad.t(), x)
-                else:
-                    grad_weight.add_(torch.mm(grad.t(), x))
+            chunks.apply_grad(grad, x, weight, None if grad_hidden is None else grad_hidden[rows], grad_weight,
+                              first=start == 0)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
@@ -212,6 +220,7 @@ class _AttachGradients(torch.autograd.Function):
 
 
 def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
+    """`value[rows]` (the sequences of one chunk), or None."""
     return None if value is None else value[rows]
 
 
@@ -232,9 +241,9 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
     x_all, w, y_all = hidden.detach().reshape(-1, size), weight.detach(), targets.reshape(-1)
     chunks = _Chunks(x_all, w, chunk_rows * length, dtype)
     with_entropy = algorithm.entropy_coef != 0
-    for first in range(0, n_rows, chunk_rows):
-        rows = slice(first, first + chunk_rows)
-        tokens = slice(first * length, (first + chunk_rows) * length)
+    for start in range(0, n_rows, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        tokens = slice(start * length, (start + chunk_rows) * length)
         x, y = x_all[tokens], y_all[tokens]
         z = chunks.logits(x, w, temperature)
         lp, ent, lse = chunk_log_prob_entropy(z, y)
@@ -248,17 +257,8 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
             grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
         grad = chunk_grad_logits(z, y, lse, ent, grads[0].reshape(-1),
                                  grads[1].reshape(-1) if with_entropy else None, temperature)
-        if chunks.raw is not None:
-            grad = chunks.raw[: grad.shape[0]].copy_(grad)
-        if need_hidden:
-            torch.mm(grad, w, out=grad_hidden.view(-1, size)[tokens])
-        if need_weight:
-            if first == 0:
-                torch.mm(grad.t(), x, out=grad_weight) if grad.dtype == dtype else grad_weight.copy_(grad.t() @ x)
-            elif grad.dtype == dtype:
-                grad_weight.addmm_(grad.t(), x)
-            else:
-                grad_weight.add_(grad.t() @ x)
+        chunks.apply_grad(grad, x, w, None if grad_hidden is None else grad_hidden.view(-1, size)[tokens],
+                          grad_weight, first=start == 0)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return log_prob, entropy, grad_hidden, grad_weight
