@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 PLOTS = {
-    "reward": "reward (sampled, mean per response)",
+    "reward": "reward per sampled response (circles: held-out eval reward)",
     "length": "response length (tokens)",
     "entropy": "entropy (nats per token)",
     "clip_frac": "clip fraction",
@@ -45,6 +45,13 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH) -> list[Path]
     import matplotlib.pyplot as plt
 
     data = curves(records)
+    evals: dict[str, list[tuple[int, float]]] = {}
+    for step in sorted({r["step"] for r in records}):
+        for algorithm in data["reward"]:
+            values = [r["eval_reward"] for r in records if r["algorithm"] == algorithm and r["step"] == step
+                      and r.get("eval_reward") is not None]
+            if values:
+                evals.setdefault(algorithm, []).append((step, sum(values) / len(values)))
     paths = []
 
     def draw(ax, metric):
@@ -57,6 +64,8 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH) -> list[Path]
             ax.plot(list(steps), mean, color=color, label=algorithm, lw=1.6)
             if len(runs) > 1:
                 ax.fill_between(list(steps), [min(c) for c in cols], [max(c) for c in cols], color=color, alpha=0.18, lw=0)
+            if metric == "reward" and algorithm in evals:  # held-out eval reward before and after RL
+                ax.plot(*zip(*evals[algorithm]), ls="none", marker="o", ms=6, mfc="white", color=color)
         ax.set_xlabel("RL step")
         ax.set_title(PLOTS[metric], fontsize=10)
         ax.grid(alpha=0.3)

@@ -34,7 +34,8 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
     for algorithm, seeds in by_alg.items():
         runs = [sorted(rs, key=lambda r: r["step"]) for rs in seeds.values()]
         row = {"seeds": len(runs)}
-        for key in ("reward", "accuracy", "length", "entropy", "kl_ref", "scratchpad"):
+        for key in ("reward", "accuracy", "length", "entropy", "kl_ref", "scratchpad", "reward_scratchpad",
+                    "reward_direct"):
             row[f"{key}_start"] = _mean(run[0][key] for run in runs)
             row[f"{key}_end"] = _mean(_mean(r[key] for r in run[-TAIL:]) for run in runs)
             row[f"{key}_end_min"] = min(_mean(r[key] for r in run[-TAIL:]) for run in runs)
@@ -92,6 +93,11 @@ def read_length(rows: dict[str, dict[str, float]]) -> str:
             f"({ds:+.2f}), grpo's from {g['length_start']:.2f} to {g['length_end']:.2f} ({dg:+.2f}); "
             f"at the end the seeds span {s['length_end_min']:.2f}-{s['length_end_max']:.2f} for sample_grpo and "
             f"{g['length_end_min']:.2f}-{g['length_end_max']:.2f} for grpo. ")
+    text += (f"At the start, {s['scratchpad_start']:.0%} of the responses wrote a scratchpad; those earned "
+             f"{s['reward_scratchpad_start']:.3f} on average and the direct answers {s['reward_direct_start']:.3f}, "
+             f"so the reward itself favoured {'long' if s['reward_scratchpad_start'] > s['reward_direct_start'] else 'short'} "
+             f"responses. At the end {s['scratchpad_end']:.0%} (sample_grpo) and {g['scratchpad_end']:.0%} (grpo) "
+             "wrote one. ")
     if lengthened and dg <= 0.5:
         text += "Seed 003's effect appeared: the sample-level loss lengthened responses, token-level GRPO kept them short."
     elif lengthened:

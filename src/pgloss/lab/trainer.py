@@ -43,7 +43,7 @@ from pgloss.lab.tasks import Problem, demonstration, make_task, reward
 from pgloss.lab.tokenizer import Tokenizer
 
 METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "ppo_kl", "grad_norm",
-           "scratchpad", "kept", "loss", "eval_reward")
+           "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss", "eval_reward")
 
 
 @dataclass(frozen=True)
@@ -130,13 +130,15 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
     if algorithm.dynamic_sampling:
         keep = dynamic_sampling_keep(rewards, rollout.group_ids)
         batch = batch.select(keep)
-    first = rollout.responses[:, 0]
+    scratch = rollout.responses[:, 0] != tokenizer.stoi["|"]  # the response writes a scratchpad
     stats = {
         "reward": rewards.mean(),
         "length": tokens / mask.shape[0],
         "entropy": (entropy * mask).sum() / tokens,
         "kl_ref": (kl_estimate(old_log_prob, ref_log_prob, "k3") * mask).sum() / tokens,
-        "scratchpad": (first != tokenizer.stoi["|"]).float().mean(),
+        "scratchpad": scratch.float().mean(),
+        "reward_scratchpad": rewards[scratch].mean(),  # NaN (None in the record) when no response has one
+        "reward_direct": rewards[~scratch].mean(),
         "kept": keep.float().mean(),
     }
     return batch, stats, texts
