@@ -119,12 +119,18 @@ def _command_line() -> str:
 
 def cmd_compare(args) -> int:
     """Train every algorithm of ``--algorithms`` for every seed and write the comparison."""
+    from pgloss.lab.tasks import make_task
     from pgloss.lab.trainer import make_algorithm
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     base = config_from_args(args)
-    for a in algorithms:  # fail before any training on an unknown name
-        make_algorithm(dataclasses.replace(base, algorithm=a))
+    try:  # fail before any training on an unknown name
+        make_task(base.task)
+        for a in algorithms:
+            make_algorithm(dataclasses.replace(base, algorithm=a))
+    except (ValueError, TypeError) as err:
+        print(f"pgloss compare: {err}", file=sys.stderr)
+        return 2
     seeds = list(range(args.seeds))
     workers = max(1, min(args.workers, len(algorithms) * len(seeds)))
     out = Path(args.out)
