@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from pgloss.lab.tasks import MulTask, Problem, SumTask, demonstration, make_task, reward
+from pgloss.lab.tasks import ChainTask, MulTask, Problem, SumTask, demonstration, make_task, reward
 from pgloss.lab.tokenizer import EOS, Tokenizer
 
 
@@ -26,6 +26,19 @@ def test_mul_problem_is_consistent():
         assert p.answer == str(a * b) and len(p.steps) == b and p.steps[-1] == p.answer
 
 
+def test_chain_problem_is_evaluated_left_to_right_mod_10():
+    rng = random.Random(0)
+    for _ in range(200):
+        p = ChainTask().sample(rng)
+        text = p.prompt[:-1]
+        value = int(text[0])
+        expected = []
+        for op, d in zip(text[1::2], text[2::2]):
+            value = eval(f"{value}{op}{d}") % 10
+            expected.append(str(value))
+        assert 3 <= len(text) // 2 + 1 <= 6 and list(p.steps) == expected and p.answer == expected[-1]
+
+
 def test_reward_reads_the_answer_after_the_last_bar():
     p = Problem("3+5+2=", "10", ("8", "10"))
     assert reward("8,10|10", p) == 1.0
@@ -37,7 +50,7 @@ def test_reward_reads_the_answer_after_the_last_bar():
     assert reward("", p) == 0.0
 
 
-@pytest.mark.parametrize("name", ["sum", "mul"])
+@pytest.mark.parametrize("name", ["sum", "mul", "chain"])
 def test_demonstrations_earn_full_reward_and_length_depends_on_the_problem(name):
     task, rng = make_task(name), random.Random(1)
     problems = [task.sample(rng) for _ in range(100)]

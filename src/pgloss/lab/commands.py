@@ -160,7 +160,15 @@ def cmd_train(args) -> int:
     from pgloss.lab import distributed as dist
     from pgloss.lab import trainer
 
+    from pgloss.lab.tasks import make_task
+
     cfg = config_from_args(args)
+    try:  # fail before any training on an unknown name
+        make_task(cfg.task)
+        trainer.make_algorithm(cfg)
+    except (ValueError, TypeError) as err:
+        print(f"pgloss train: {err}", file=sys.stderr)
+        return 2
     rank, world = dist.init(cfg.device)
     start = time.time()
     bar = _progress(cfg.steps + 1, f"train {cfg.algorithm}") if rank == 0 else None

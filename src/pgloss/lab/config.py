@@ -21,7 +21,7 @@ class LabConfig:
     algorithm: str = "grpo"
     """Name of the pgloss algorithm whose loss trains the policy."""
     task: str = "sum"
-    """Synthetic task: sum (add 2-6 digits) or mul (digit times digit)."""
+    """Synthetic task: sum (add 2-6 digits), chain (+ and * left to right, mod 10) or mul (digit times digit)."""
     seed: int = 0
     """Seeds the model, the warm start, the prompts and the sampling."""
     steps: int = 60

@@ -9,6 +9,8 @@ scratchpad itself is not graded, so whether to write it (and how long) is the po
   Summing six digits in one token is hard for a tiny model, so the scratchpad pays.
 - ``mul``: a digit times a digit by repeated addition. ``7*4=`` -> ``7,14,21,28|28`` (or ``|28``).
   The times table can be memorised, so here the short answer can be as good as the long one.
+- ``chain``: digits joined by ``+`` and ``*``, left to right modulo 10. ``3+5*2+7=`` -> ``8,6,3|3``.
+  The order matters, so a direct answer is hard and the scratchpad pays.
 
 The warm start shows both forms (with and without scratchpad), so RL starts from a policy
 that can write either and learns which one pays.
@@ -77,7 +79,35 @@ class MulTask:
         return 3 * 9 - 1 + 1 + 2
 
 
-TASKS = {"sum": SumTask, "mul": MulTask}
+class ChainTask:
+    """Digits joined by ``+`` and ``*``, evaluated left to right modulo 10; the scratchpad lists
+    the running value. ``3+5*2+7=`` -> ``8,6,3|3`` (or ``|3``). The order of the operations
+    matters, so the answer cannot be read off an average of the digits: here the scratchpad pays."""
+
+    name = "chain"
+
+    def __init__(self, min_terms: int = 3, max_terms: int = 6) -> None:
+        if not 2 <= min_terms <= max_terms:
+            raise ValueError(f"min_terms, max_terms: need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
+        self.min_terms, self.max_terms = min_terms, max_terms
+
+    def sample(self, rng: random.Random) -> Problem:
+        n = rng.randint(self.min_terms, self.max_terms)
+        digits = [rng.randrange(10) for _ in range(n)]
+        ops = [rng.choice("+*") for _ in range(n - 1)]
+        value, running = digits[0], []
+        for op, d in zip(ops, digits[1:]):
+            value = (value + d if op == "+" else value * d) % 10
+            running.append(str(value))
+        prompt = str(digits[0]) + "".join(op + str(d) for op, d in zip(ops, digits[1:])) + "="
+        return Problem(prompt, running[-1], tuple(running))
+
+    @property
+    def max_response_chars(self) -> int:
+        return 2 * (self.max_terms - 1) - 1 + 2
+
+
+TASKS = {"sum": SumTask, "mul": MulTask, "chain": ChainTask}
 
 
 def make_task(name: str):
