@@ -8,7 +8,8 @@ Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
   naive    logits = hidden @ weightᵀ materialised, log_softmax + gather, then the algorithm
   fused    pgloss.fused.loss_from_hidden (chunked, logits recomputed in backward)
   liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss)
-  lce      torch.nn.functional.linear_cross_entropy (chunked options) for log π, then the algorithm
+  lce      torch.nn.functional.linear_cross_entropy (chunked, pgloss's chunk size) for log π, then
+           the algorithm (no entropy: that metric is missing)
   floor    the three matmuls no loss can avoid: x Wᵀ, G W and Gᵀ x (6·N·H·V flops)
 
     python benchmarks/fused.py --tokens 4096 --hidden 1024 --vocab 151936
@@ -43,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=None, help="pgloss chunk (tokens); default ≈ 2²⁵ / V")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--timeout", type=int, default=300, help="seconds allowed to one variant's process")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tokens % args.seq_len:
@@ -165,7 +167,12 @@ def build_variant(name, args, algorithm):
     if name == "lce":
         if not hasattr(F, "linear_cross_entropy"):
             raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
-        options = torch.nn.LinearCrossEntropyOptions() if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
+        options = None
+        if hasattr(torch.nn, "LinearCrossEntropyOptions"):  # chunked, with pgloss's chunk size
+            from pgloss.entropy import default_chunk_size
+
+            chunk = args.chunk_size or default_chunk_size(args.vocab)
+            options = torch.nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=chunk)
 
         def run(inputs):
             hidden = inputs["hidden"]
@@ -235,6 +242,8 @@ def child(args) -> dict:
 
     import pgloss
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -293,9 +302,10 @@ def main(argv=None) -> None:
         return
     import torch
 
+    threads = args.threads or torch.get_num_threads()
     print(f"N={args.tokens} (B={args.tokens // args.seq_len} x T={args.seq_len}) H={args.hidden} V={args.vocab} "
           f"{args.dtype} on {args.device}, algorithm={args.algorithm}, temperature={args.temperature}, "
-          f"repeats={args.repeats}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"repeats={args.repeats}, torch {torch.__version__}, {threads} threads, "
           f"load average {os.getloadavg()[0]:.2f}")
     results = []
     forwarded = list(argv if argv is not None else sys.argv[1:])

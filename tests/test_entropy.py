@@ -164,7 +164,7 @@ def test_saves_only_the_logits_and_one_float_per_token():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(151936) == (1 << 26) // 151936 == 441
+    assert default_chunk_size(151936) == (1 << 27) // 151936 == 883
     assert default_chunk_size(1 << 30) == 1
 
 

@@ -33,12 +33,12 @@ from .batch import compute_dtype
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
-# Default chunk: about 2²⁶ logits (256 MiB in float32) per chunk buffer.
-_CHUNK_ELEMENTS = 1 << 26
+# Default chunk: about 2²⁷ logits (512 MiB in float32) per chunk buffer.
+_CHUNK_ELEMENTS = 1 << 27
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Tokens per chunk so that one float32 chunk of logits holds about 2²⁶ values."""
+    """Tokens per chunk so that one float32 chunk of logits holds about 2²⁷ values."""
     return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
 
 
@@ -221,7 +221,7 @@ def log_prob_and_entropy(
         targets: [...] integer token ids in [0, V), the same leading shape as `logits`.
             Out-of-range ids raise from the gather (replace padding ids before calling).
         temperature: τ > 0, the sampling temperature the logits are divided by.
-        chunk_size: tokens per chunk; None picks about 2²⁶ / V.
+        chunk_size: tokens per chunk; None picks about 2²⁷ / V.
 
     Returns:
         (log_prob, entropy), each [...] in float32 (float64 for float64 logits).

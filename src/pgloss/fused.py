@@ -182,7 +182,7 @@ def log_prob_and_entropy_from_hidden(
         weight: [V, H] output projection of the same dtype and device.
         targets: [B, T] integer token ids in [0, V).
         temperature: τ > 0.
-        chunk_size: tokens per chunk; None picks about 2²⁶ / V.
+        chunk_size: tokens per chunk; None picks about 2²⁷ / V.
 
     Returns:
         (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
@@ -301,7 +301,7 @@ def loss_from_hidden(
             (float32, or float64 for float64 parameters).
         temperature: τ > 0, the sampling temperature.
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
-            None picks about 2²⁶ / V (≈ 256 MiB of float32 logits per chunk).
+            None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
     """
     _check_inputs(hidden, weight, targets)
     temperature = check_temperature(temperature)
