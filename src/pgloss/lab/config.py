@@ -20,7 +20,7 @@ class LabConfig:
 
     algorithm: str = "grpo"
     """Name of the pgloss algorithm whose loss trains the policy."""
-    task: str = "sum"
+    task: str = "chain"
     """Synthetic task: sum (add 2-6 digits), chain (+ and * left to right, mod 10) or mul (digit times digit)."""
     seed: int = 0
     """Seeds the model, the warm start, the prompts and the sampling."""
@@ -46,7 +46,7 @@ class LabConfig:
     """Optimizer steps of linear learning-rate warmup at the start of RL (Adam's first steps are otherwise full-size)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip of each optimizer step."""
-    warm_steps: int = 800
+    warm_steps: int = 1500
     """Supervised steps on demonstrations before RL, so that RL starts above zero reward."""
     warm_batch: int = 64
     """Demonstrations per warm-start step."""
@@ -54,7 +54,7 @@ class LabConfig:
     """AdamW learning rate of the warm start."""
     scratchpad_prob: float = 0.5
     """Share of warm-start demonstrations that show the scratchpad (the rest answer directly)."""
-    d_model: int = 64
+    d_model: int = 96
     """Width of the transformer."""
     n_layer: int = 2
     """Transformer blocks."""
