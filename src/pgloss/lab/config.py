@@ -24,7 +24,7 @@ class LabConfig:
     """Synthetic task: sum (add 2-6 digits), chain (+ and * left to right, mod 10) or mul (digit times digit)."""
     seed: int = 0
     """Seeds the model, the warm start, the prompts and the sampling."""
-    steps: int = 60
+    steps: int = 50
     """RL steps; each samples a fresh batch and updates on it."""
     prompts_per_step: int = 32
     """Prompts sampled per RL step (split over data-parallel ranks)."""
