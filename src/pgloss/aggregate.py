@@ -79,6 +79,9 @@ class Normalizer:
     ) -> "Normalizer":
         """Count valid tokens, non-empty sequences and (with `group_ids`) tokens per group.
 
+        Under torch.distributed this is a collective: every rank of `process_group` must call it
+        at every optimizer step, in the same order, even a rank whose micro-batches are empty.
+
         Args:
             masks: the `[B, T]` mask of each micro-batch of the step (or one mask).
             group_ids: the `[B]` integer group (prompt) id of each row, one tensor per micro-batch.

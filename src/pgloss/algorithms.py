@@ -129,7 +129,8 @@ class Algorithm:
 
         Pass the step's `Normalizer` when the step has several micro-batches or ranks; without it
         this batch is the whole step (counted locally, even under torch.distributed).
-        `group_ids` `[B]` is needed by `group-mean-token-mean`.
+        `group_ids` `[B]` is needed by `group-mean-token-mean`. The metrics are means over this
+        call's valid tokens; average them over micro-batches and ranks for a step's figure.
         """
         if self.uses_reference and ref_log_prob is None:
             raise ValueError(f"{self.name} has kl_coef={self.kl_coef} and needs ref_log_prob")
