@@ -314,7 +314,8 @@ def loss_from_hidden(
         floating = isinstance(value, Tensor) and value.dtype.is_floating_point
         return value.to(dtype) if floating else value
 
-    batch = dict(old_log_prob=cast(old_log_prob), advantages=advantages, mask=mask, ref_log_prob=cast(ref_log_prob),
+    # The mask as bool, checked once here rather than again by every chunk's call.
+    batch = dict(old_log_prob=cast(old_log_prob), advantages=advantages, mask=valid, ref_log_prob=cast(ref_log_prob),
                  rollout_log_prob=cast(rollout_log_prob), group_ids=group_ids)
     length = hidden.shape[1]
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
