@@ -9,6 +9,8 @@
 from . import advantages, kl
 from .aggregate import AGG_MODES, Normalizer, aggregate
 from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, get, names
+from .entropy import log_prob_and_entropy
+from .fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 
 __all__ = [
@@ -29,5 +31,8 @@ __all__ = [
     "kl",
     "kl_estimate",
     "kl_penalized_rewards",
+    "log_prob_and_entropy",
+    "log_prob_and_entropy_from_hidden",
+    "loss_from_hidden",
     "names",
 ]

@@ -72,6 +72,8 @@ class Algorithm:
     """Weight of the entropy bonus; the entropy gets a gradient only when this is non-zero."""
     max_log_ratio: float = 20.0
     """Log-ratios are clamped to ±max_log_ratio before exp (zero gradient beyond)."""
+    max_kl: float = 10.0
+    """The k3 estimate is clamped to ±max_kl, as verl does (zero gradient beyond)."""
     rollout_is_cap: float = 2.0
     """Cap of the truncated importance weight min(π_old/π_rollout, cap), used when rollout_log_prob is given."""
     scale_rewards: bool = True
@@ -101,6 +103,7 @@ class Algorithm:
         _check(self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.max_log_ratio > 0, f"max_log_ratio must be > 0, got {self.max_log_ratio}")
+        _check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
         _check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
 
     @property
@@ -162,7 +165,8 @@ class Algorithm:
         loss = reduce(per_token)
         metrics["pg_loss"] = loss.detach()
         if batch.ref_log_prob is not None:
-            kl = kl_estimate(batch.log_prob, batch.ref_log_prob, self.kl_estimator, max_log_ratio=self.max_log_ratio)
+            kl = kl_estimate(batch.log_prob, batch.ref_log_prob, self.kl_estimator,
+                             max_log_ratio=self.max_log_ratio, max_kl=self.max_kl)
             kl = torch.where(mask, kl, 0.0)
             metrics["kl"] = masked_mean(kl, mask)
             if self.kl_coef != 0:
