@@ -333,6 +333,6 @@ def loss_from_hidden(
         log_prob, entropy, grad_hidden, grad_weight = _loss_one_pass(
             algorithm, hidden, weight, safe_targets, temperature, chunk_size // length, step, batch
         )
-        out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
+        out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=step, **batch)
     loss = _AttachGradients.apply(out.loss, hidden, weight, grad_hidden, grad_weight)
     return LossOutput(loss=loss, metrics=out.metrics, per_token=out.per_token)
