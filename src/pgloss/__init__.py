@@ -6,12 +6,19 @@
     out.loss.backward()
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from . import advantages, kl
 from .aggregate import AGG_MODES, Normalizer, aggregate
 from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, get, names
 from .entropy import log_prob_and_entropy
 from .fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
+
+try:
+    __version__ = version("pgloss")
+except PackageNotFoundError:  # a source tree that was not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AGG_MODES",
