@@ -1,0 +1,135 @@
+"""Clip-Cov and KL-Cov: act on the few tokens whose covariance drives entropy collapse
+(Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
+https://arxiv.org/abs/2505.22617).
+
+Both score each valid token by the centred product of its advantage and log-probability, with
+means over the valid tokens of the call:
+
+    cov_t = (A_t - mean_m A) · (log π_θ(y_t) - mean_m log π_θ)        (detached)
+
+Clip-Cov (verl `compute_policy_loss_clip_cov`): among the valid tokens that PPO's clip left alone
+and whose cov lies strictly inside (lb, ub), pick k = max(⌊ratio·N⌋, 1) uniformly at random
+(all of them if fewer) and detach them from the gradient:
+
+    L_t = max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high)) · c_t,      c_t = 0 if picked else 1
+
+KL-Cov (verl `compute_policy_loss_kl_cov`): the k = max(⌊ratio·N⌋, 1) tokens of largest cov get a
+penalty on the log-ratio δ = log r, the other tokens the unclipped surrogate:
+
+    L_t = -A·r + κ·|δ|·1[t in top-k]
+
+Defaults (verl `PolicyLossConfig`): clip_cov_ratio 2e-4, clip_cov_lb 1, clip_cov_ub 5,
+kl_cov_ratio 2e-4, κ = ppo_kl_coef 0.1 (the code's fallback 1.0 applies only without a config).
+verl's Clip-Cov draws with `torch.randperm` from the global generator; here the draw takes an
+explicit `torch.Generator`, so a step can be replayed exactly (None: the global generator, as verl).
+
+The selection is a function of the tokens of one call: the means, N and the draw couple every
+token of the batch it is given. Split a step into micro-batches and each selects among its own
+tokens, as in verl. Everything else (the surrogate, the aggregation) is split-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def token_covariance(log_prob: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
+    """cov_t = (A - mean_m A)(log π - mean_m log π) over the valid tokens, detached, `[B, T]`."""
+    m = mask.to(log_prob.dtype)
+    count = m.sum().clamp(min=1)
+    lp = log_prob.detach()
+    mean_a = (advantages * m).sum() / count
+    mean_lp = (lp * m).sum() / count
+    return (advantages - mean_a) * (lp - mean_lp)
+
+
+def selection_size(ratio: float, mask: Tensor) -> int:
+    """k = max(⌊ratio · N_valid⌋, 1), as verl (one host sync: the selection needs a count)."""
+    return max(int(ratio * int(mask.sum())), 1)
+
+
+def clip_cov_selection(candidates: Tensor, *, count: int, generator: torch.Generator | None = None) -> Tensor:
+    """The bool `[B, T]` map of `count` candidates drawn uniformly without replacement (all if fewer).
+
+    The candidates are ordered row-major and permuted with `torch.randperm` (on the CPU), as verl
+    does: with the same generator state the same tokens are drawn.
+
+    Args:
+        candidates: bool `[B, T]`: valid, not clipped by PPO, and lb < cov < ub.
+        count: k = `selection_size(clip_cov_ratio, mask)`.
+        generator: the draw's CPU `torch.Generator`; None uses the global one.
+    """
+    picked = torch.zeros_like(candidates)
+    index = candidates.reshape(-1).nonzero().squeeze(-1)
+    if index.numel() == 0:
+        return picked
+    order = torch.randperm(index.numel(), generator=generator, device="cpu").to(index.device)
+    return picked.reshape(-1).index_fill(0, index[order[:count]], True).view_as(candidates)
+
+
+def clip_cov_loss(
+    ratio: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    cov_ratio: float,
+    cov_lb: float,
+    cov_ub: float,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(L_t `[B, T]`, the map of detached tokens, the map of PPO-clipped tokens), both bool `[B, T]`.
+
+    Args:
+        ratio: r = π_θ/π_old, `[B, T]`.
+        log_prob: log π_θ, `[B, T]` (only its detached value enters cov).
+        advantages: A, `[B, T]`, detached.
+        mask: bool `[B, T]`.
+        clip_low, clip_high: PPO's ε_low, ε_high.
+        cov_ratio: the fraction of valid tokens to detach (at least one).
+        cov_lb, cov_ub: the open interval of cov a candidate must lie in.
+        generator: the random draw's generator (None: the global one).
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    by_clip = (clipped > unclipped) & mask
+    cov = token_covariance(log_prob, advantages, mask)
+    candidates = mask & ~by_clip & (cov > cov_lb) & (cov < cov_ub)
+    k = selection_size(cov_ratio, mask)
+    picked = clip_cov_selection(candidates, count=k, generator=generator)
+    loss = torch.where(picked, 0.0, torch.maximum(unclipped, clipped))
+    return loss, picked, by_clip
+
+
+def kl_cov_loss(
+    ratio: Tensor,
+    log_prob: Tensor,
+    token_log_ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    cov_ratio: float,
+    kl_coef: float,
+) -> tuple[Tensor, Tensor]:
+    """(L_t `[B, T]`, the bool `[B, T]` map of the top-k tokens that carry the |δ| penalty).
+
+    Args:
+        ratio: r = π_θ/π_old, `[B, T]`.
+        log_prob: log π_θ, `[B, T]` (only its detached value enters cov).
+        token_log_ratio: δ = log π_θ - log π_old, `[B, T]`, with gradient.
+        advantages: A, `[B, T]`, detached.
+        mask: bool `[B, T]`.
+        cov_ratio: the fraction of valid tokens to penalise (at least one).
+        kl_coef: κ, verl's `ppo_kl_coef`.
+    """
+    surrogate = -advantages * ratio
+    cov = torch.where(mask, token_covariance(log_prob, advantages, mask), -torch.inf)
+    top = torch.zeros_like(mask)
+    valid = int(mask.sum())
+    if valid:
+        k = min(selection_size(cov_ratio, mask), valid)
+        top = top.reshape(-1).index_fill(0, cov.reshape(-1).topk(k).indices, True).view_as(mask)
+    return torch.where(top, surrogate + kl_coef * token_log_ratio.abs(), surrogate), top

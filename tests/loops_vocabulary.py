@@ -1,0 +1,215 @@
+"""Plain loops, written from the formulas of the losses and KL terms of issue 9, in Python floats.
+
+Nothing here imports pgloss. Inputs are nested lists `[B][T]` (advantages per token), `mask[i][t]`
+a bool. Each function returns the per-token values `[B][T]` (masked positions: 0.0) unless said.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def clip(x, low, high):
+    return min(max(x, low), high)
+
+
+def sign(x):
+    return (x > 0) - (x < 0)
+
+
+def gmpo(lp, old, adv, mask, *, clip_low, clip_high, max_log_ratio=20.0):
+    """L_i = -Â_i · exp(mean_t δ*_t) on every token of row i; δ* the one-sided log-space clip."""
+    out = []
+    for i in range(len(lp)):
+        valid = [t for t in range(len(lp[i])) if mask[i][t]]
+        n = max(len(valid), 1)
+        total = 0.0
+        for t in valid:
+            d = lp[i][t] - old[i][t]
+            s = sign(adv[i][t])
+            if s > 0:
+                d_star = min(d, clip_high)
+            elif s < 0:
+                d_star = max(d, -clip_low)
+            else:
+                d_star = 0.0
+            total += d_star
+        rho = math.exp(clip(total / n, -max_log_ratio, max_log_ratio))
+        a_hat = sum(adv[i][t] for t in valid) / n
+        out.append([-a_hat * rho if mask[i][t] else 0.0 for t in range(len(lp[i]))])
+    return out
+
+
+def covariance(lp, adv, mask):
+    cells = [(i, t) for i in range(len(lp)) for t in range(len(lp[i])) if mask[i][t]]
+    n = max(len(cells), 1)
+    mean_a = sum(adv[i][t] for i, t in cells) / n
+    mean_lp = sum(lp[i][t] for i, t in cells) / n
+    return {(i, t): (adv[i][t] - mean_a) * (lp[i][t] - mean_lp) for i, t in cells}
+
+
+def clip_cov(lp, old, adv, mask, *, clip_low, clip_high, ratio, lb, ub, draw):
+    """verl's Clip-Cov; `draw(n)` returns a permutation of range(n) (the random step, injected)."""
+    cov = covariance(lp, adv, mask)
+    n_valid = len(cov)
+    candidates = []
+    base = {}
+    for i in range(len(lp)):
+        for t in range(len(lp[i])):
+            if not mask[i][t]:
+                continue
+            r = math.exp(lp[i][t] - old[i][t])
+            l1 = -adv[i][t] * r
+            l2 = -adv[i][t] * clip(r, 1 - clip_low, 1 + clip_high)
+            base[i, t] = max(l1, l2)
+            if not l2 > l1 and lb < cov[i, t] < ub:
+                candidates.append((i, t))  # row-major order
+    k = max(int(ratio * n_valid), 1)
+    picked = {candidates[j] for j in draw(len(candidates))[:k]} if candidates else set()
+    return [[0.0 if (i, t) in picked or not mask[i][t] else base[i, t] for t in range(len(lp[i]))]
+            for i in range(len(lp))], picked
+
+
+def kl_cov(lp, old, adv, mask, *, ratio, kl_coef):
+    cov = covariance(lp, adv, mask)
+    k = max(int(ratio * len(cov)), 1)
+    top = set(sorted(cov, key=lambda c: -cov[c])[:k])
+    out = []
+    for i in range(len(lp)):
+        row = []
+        for t in range(len(lp[i])):
+            d = lp[i][t] - old[i][t]
+            value = -adv[i][t] * math.exp(d) + (kl_coef * abs(d) if (i, t) in top else 0.0)
+            row.append(value if mask[i][t] else 0.0)
+        out.append(row)
+    return out, top
+
+
+def per_token(fn, lp, old, adv, mask):
+    return [[fn(lp[i][t], old[i][t], adv[i][t], i) if mask[i][t] else 0.0 for t in range(len(lp[i]))]
+            for i in range(len(lp))]
+
+
+def gpg(lp, old, adv, mask):
+    return per_token(lambda p, o, a, i: -a * p, lp, old, adv, mask)
+
+
+def tis_pg(lp, old, adv, mask, *, low, high):
+    return per_token(lambda p, o, a, i: -clip(math.exp(p - o), low, high) * a * p, lp, old, adv, mask)
+
+
+def topr(lp, old, adv, mask, scores, *, low, high):
+    def f(p, o, a, i):
+        w = 1.0 if scores[i] > 0 else clip(math.exp(p - o), low, high)
+        return -w * a * p
+    return per_token(f, lp, old, adv, mask)
+
+
+def dppo(lp, old, adv, mask, *, divergence, clip_low, clip_high, truncation):
+    def f(p_log, o_log, a, i):
+        p, q = math.exp(p_log), math.exp(o_log)
+        if divergence == "tv":
+            valid = p - q <= clip_high if a > 0 else p - q >= -clip_low
+        else:
+            d = q * (o_log - p_log) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+            valid = (d <= clip_high or p <= q) if a > 0 else (d <= clip_low or p >= q)
+        w = min(math.exp(clip(p_log - o_log, -20, 20)), truncation)
+        return -a * w * p_log if valid else 0.0
+    return per_token(f, lp, old, adv, mask)
+
+
+def dro(lp, old, adv, mask, *, beta):
+    return per_token(lambda p, o, a, i: -a * p + 0.5 * beta * (p - o) ** 2, lp, old, adv, mask)
+
+
+def vespo(lp, old, adv, mask, *, k_pos, lambda_pos, k_neg, lambda_neg):
+    out = []
+    for i in range(len(lp)):
+        s = sum(clip(lp[i][t] - old[i][t], -20, 20) for t in range(len(lp[i])) if mask[i][t])
+        log_w = clip(s, math.log(1e-8), 20.0)
+        row = []
+        for t in range(len(lp[i])):
+            if not mask[i][t]:
+                row.append(0.0)
+                continue
+            k, lam = (k_pos, lambda_pos) if adv[i][t] >= 0 else (k_neg, lambda_neg)
+            phi = math.exp(lam) * math.exp(log_w) ** k * math.exp(-lam * math.exp(log_w))
+            row.append(-phi * adv[i][t] * lp[i][t])
+        out.append(row)
+    return out
+
+
+def luspo_loss(lp, old, adv, mask, *, clip_low, clip_high):
+    """mean over non-empty rows of Σ_t ℓ_it, ℓ = -min(s·A, clip(s)·A), s the GSPO sequence ratio."""
+    rows = []
+    for i in range(len(lp)):
+        valid = [t for t in range(len(lp[i])) if mask[i][t]]
+        if not valid:
+            continue
+        s = math.exp(sum(lp[i][t] - old[i][t] for t in valid) / len(valid))
+        rows.append(sum(-min(s * adv[i][t], clip(s, 1 - clip_low, 1 + clip_high) * adv[i][t]) for t in valid))
+    return sum(rows) / max(len(rows), 1)
+
+
+def ce_gppo(lp, old, adv, mask, *, clip_low, clip_high, beta_low, beta_high, dual_clip):
+    """Values and the per-token gradient d L / d log π (the r/sg[r] factor has value 1, gradient 1)."""
+    values, grads = [], []
+    for i in range(len(lp)):
+        vr, gr = [], []
+        for t in range(len(lp[i])):
+            a, r = adv[i][t], math.exp(lp[i][t] - old[i][t])
+            if not mask[i][t]:
+                vr.append(0.0)
+                gr.append(0.0)
+                continue
+            if a < 0 and r < 1 - clip_low:
+                v, g = -beta_low * (1 - clip_low) * a, -beta_low * (1 - clip_low) * a
+            elif a > 0 and r > 1 + clip_high:
+                v, g = -beta_high * (1 + clip_high) * a, -beta_high * (1 + clip_high) * a
+            else:
+                v, g = -r * a, -r * a
+            if a < 0 and v > -dual_clip * a:
+                v, g = -dual_clip * a, 0.0
+            vr.append(v)
+            gr.append(g)
+        values.append(vr)
+        grads.append(gr)
+    return values, grads
+
+
+def real_loss(lp, old, adv, mask, group_ids, *, tau):
+    """Σ_g L_g / (number of groups with a valid row)."""
+    groups = {}
+    for i in range(len(lp)):
+        valid = [t for t in range(len(lp[i])) if mask[i][t]]
+        if not valid:
+            continue
+        s = sum(lp[i][t] - old[i][t] for t in valid) / len(valid)
+        a = sum(adv[i][t] for t in valid) / len(valid)
+        groups.setdefault(group_ids[i], []).append((s, a))
+    total = 0.0
+    for members in groups.values():
+        neg = [s for s, a in members if a <= 0]
+        pos = [s for s, a in members if a > 0]
+        if neg and pos:
+            total += math.log(1 + sum(math.exp(s / tau) for s in neg)) + math.log(1 + sum(math.exp(-s / tau) for s in pos))
+    return total / max(len(groups), 1)
+
+
+def full_kl(logits_row, ref_row, temperature=1.0):
+    """Σ_v π_v (log π_v - log ρ_v) for one position."""
+    def log_softmax(row):
+        z = [x / temperature for x in row]
+        m = max(z)
+        lse = m + math.log(sum(math.exp(x - m) for x in z))
+        return [x - lse for x in z]
+    lp, lr = log_softmax(logits_row), log_softmax(ref_row)
+    return sum(math.exp(a) * (a - b) for a, b in zip(lp, lr))
+
+
+def lists(data):
+    """(log_prob, old_log_prob, per-token advantages, mask) of a conftest batch as nested lists."""
+    adv = data["advantages"]
+    if adv.ndim == 1:
+        adv = adv[:, None].expand_as(data["log_prob"])
+    return data["log_prob"].tolist(), data["old_log_prob"].tolist(), adv.tolist(), data["mask"].tolist()

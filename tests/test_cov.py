@@ -1,0 +1,104 @@
+"""Clip-Cov and KL-Cov (losses/cov.py) against the plain loops, their draws and gradients."""
+
+import pytest
+import torch
+
+import loops_vocabulary as loops
+from conftest import make_batch
+from pgloss.losses.cov import clip_cov_loss, kl_cov_loss, selection_size, token_covariance
+
+CLIP = dict(clip_low=0.2, clip_high=0.2)
+
+
+def inputs(seed, spread=0.4):
+    data = make_batch(batch=6, length=8, seed=seed, spread=spread, per_token_adv=True)
+    data["advantages"] = 2 * data["advantages"]  # covariances of order one, some inside (lb, ub)
+    mask = data["mask"]
+    lp = torch.where(mask, data["log_prob"], 0.0)
+    old = torch.where(mask, data["old_log_prob"], 0.0)
+    return data, lp, old, data["advantages"], mask
+
+
+def ratio(lp, old):
+    return torch.exp(lp - old)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clip_cov_matches_loop_with_the_same_draw(seed):
+    data, lp, old, adv, mask = inputs(seed)
+    cov_ratio, lb, ub = 0.1, 0.05, 5.0
+    loss, picked, by_clip = clip_cov_loss(ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=cov_ratio, cov_lb=lb,
+                                          cov_ub=ub, generator=torch.Generator().manual_seed(seed))
+    draw = lambda n: torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    expected, expected_picked = loops.clip_cov(*loops.lists(data), **CLIP, ratio=cov_ratio, lb=lb, ub=ub, draw=draw)
+    torch.testing.assert_close(torch.where(mask, loss, 0.0), torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-12, atol=1e-14)
+    assert {tuple(ix) for ix in picked.nonzero().tolist()} == expected_picked
+    assert len(expected_picked) == selection_size(cov_ratio, mask) >= 2  # k = ⌊0.1·N⌋ tokens were detached
+    assert not (picked & by_clip).any() and not (picked & ~mask).any()
+
+
+def test_clip_cov_generator_makes_a_step_reproducible_and_none_uses_the_global_one():
+    _, lp, old, adv, mask = inputs(0)
+    run = lambda gen: clip_cov_loss(ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=0.05, cov_lb=0.05, cov_ub=5.0,
+                                    generator=gen)[1]
+    first, again = run(torch.Generator().manual_seed(7)), run(torch.Generator().manual_seed(7))
+    assert torch.equal(first, again)
+    draws = {tuple(run(torch.Generator().manual_seed(s)).nonzero().flatten().tolist()) for s in range(8)}
+    assert len(draws) > 1  # the draw is random across seeds
+    torch.manual_seed(7)  # verl's draw: torch.randperm on the global generator
+    assert torch.equal(run(None), first)
+
+
+def test_clip_cov_gradient_is_ppo_gradient_except_on_picked_tokens():
+    _, lp, old, adv, mask = inputs(1)
+    kw = dict(**CLIP, cov_ratio=0.1, cov_lb=0.05, cov_ub=5.0)
+
+    def fn(x):
+        loss = clip_cov_loss(ratio(x, old), x, adv, mask, **kw, generator=torch.Generator().manual_seed(0))[0]
+        return torch.where(mask, loss, 0.0).sum()
+
+    assert torch.autograd.gradcheck(fn, (lp.clone().requires_grad_(),))
+    x = lp.clone().requires_grad_()
+    _, picked, _ = clip_cov_loss(ratio(x, old), x, adv, mask, **kw, generator=torch.Generator().manual_seed(0))
+    fn(x).backward()
+    assert picked.any() and (x.grad[picked] == 0).all()
+
+
+def test_clip_cov_without_candidates_is_ppo():
+    _, lp, old, adv, mask = inputs(2)
+    loss, picked, _ = clip_cov_loss(ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=2e-4, cov_lb=1e6, cov_ub=1e7)
+    r = ratio(lp, old)
+    assert not picked.any()
+    torch.testing.assert_close(loss, torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.parametrize("cov_ratio", [2e-4, 0.2])
+def test_kl_cov_matches_loop(seed, cov_ratio):
+    data, lp, old, adv, mask = inputs(seed)
+    loss, top = kl_cov_loss(ratio(lp, old), lp, lp - old, adv, mask, cov_ratio=cov_ratio, kl_coef=0.1)
+    expected, expected_top = loops.kl_cov(*loops.lists(data), ratio=cov_ratio, kl_coef=0.1)
+    torch.testing.assert_close(torch.where(mask, loss, 0.0), torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-12, atol=1e-14)
+    assert {tuple(ix) for ix in top.nonzero().tolist()} == expected_top
+    assert len(expected_top) == max(int(cov_ratio * int(mask.sum())), 1)
+
+
+def test_kl_cov_gradient():
+    _, lp, old, adv, mask = inputs(4)
+
+    def fn(x):
+        return torch.where(mask, kl_cov_loss(ratio(x, old), x, x - old, adv, mask, cov_ratio=0.2, kl_coef=0.5)[0], 0.0).sum()
+
+    assert torch.autograd.gradcheck(fn, (lp.clone().requires_grad_(),))
+
+
+def test_covariance_is_centred_over_valid_tokens_only():
+    _, lp, _, adv, mask = inputs(5)
+    poisoned = torch.where(mask, lp, 1e6)
+    cov = token_covariance(poisoned, torch.where(mask, adv, -1e6), mask)
+    torch.testing.assert_close(cov[mask], token_covariance(lp, adv, mask)[mask])
+    i, t = mask.nonzero()[0].tolist()
+    expected = (adv[i, t] - adv[mask].mean()) * (lp[i, t] - lp[mask].mean())
+    torch.testing.assert_close(cov[i, t], expected)
