@@ -221,7 +221,7 @@ def show(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) 
             zip(problems, texts, rollout.finished.tolist(), rewards.tolist())]
 
 
-def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None) -> dict:
+def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollout=None) -> dict:
     """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}}.
 
     Step k's record holds the rollout of the policy before update k and that update's
@@ -230,6 +230,8 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None) -> dict:
 
     `warm_state` is a warm-started policy's state dict (computed here when None); `on_step`
     is called after each step. Under torchrun every rank takes every world-size-th prompt.
+    `on_rollout(step, problems, texts)`, if given, sees each step's sampled responses (this rank's
+    problems and the decoded texts, ``group_size`` per problem, before any dynamic sampling).
     """
     torch.set_num_threads(cfg.threads)
     rank, world = dist.rank(), dist.world_size()
@@ -252,7 +254,9 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None) -> dict:
     for step in range(cfg.steps + 1):  # the last pass only measures the final policy
         problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
         mine = problems[rank::world]
-        batch, stats, _ = collect(policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world)
+        batch, stats, texts = collect(policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world)
+        if on_rollout is not None:
+            on_rollout(step, mine, texts)
         stats["accuracy"] = greedy_accuracy(policy, eval_problems, tokenizer, cfg)
         if step in (0, cfg.steps):
             samples["start" if step == 0 else "end"] = show(policy, eval_problems[: cfg.samples], tokenizer, cfg)
