@@ -107,7 +107,9 @@ class ChainTask:
         return 2 * (self.max_terms - 1) - 1 + 2
 
 
-TASKS = {"sum": SumTask, "mul": MulTask, "chain": ChainTask}
+from pgloss.lab.trace import TraceTask  # noqa: E402  (free-length traces; imports Problem lazily)
+
+TASKS = {"sum": SumTask, "mul": MulTask, "chain": ChainTask, "trace": TraceTask}
 
 
 def make_task(name: str):
