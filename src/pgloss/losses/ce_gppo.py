@@ -1,0 +1,73 @@
+"""CE-GPPO: PPO's clip in the forward pass, a bounded gradient kept outside the clip band
+("CE-GPPO: Controlling Entropy via Gradient-Preserving Clipping Policy Optimization in
+Reinforcement Learning", Su et al. 2025, paper/CE-GPPO.pdf in https://github.com/Kwai-Klear/CE-GPPO).
+
+PPO zeroes the gradient of a token once its ratio leaves [1-ε_low, 1+ε_high] in the direction its
+advantage pushes. CE-GPPO keeps the clipped value but lets a scaled gradient through, with
+r/sg[r] = 1 in value and ∇log π_θ in gradient:
+
+    low  = A < 0 and r < 1 - ε_low
+    high = A > 0 and r > 1 + ε_high
+    L = -β₁·(1 - ε_low)·(r/sg[r])·A       on low
+    L = -β₂·(1 + ε_high)·(r/sg[r])·A      on high
+    L = -r·A                               elsewhere
+    then for A < 0:  L = min(L, -c·A)      (dual clip, no gradient where it binds)
+
+The gradient on low tokens is -β₁(1-ε_low)·A·∇log π_θ, on high ones -β₂(1+ε_high)·A·∇log π_θ.
+Defaults of the reference code: β₁ = 0.75, β₂ = 1, c = 3. It reads ε from its trainer config; ours
+is DAPO's band ε_low = 0.2, ε_high = 0.28. β₁ = β₂ = 1 is GPPO (Klear-Reasoner, Su et al. 2025,
+https://arxiv.org/abs/2508.07629); with β = 1 the forward value equals the clipped surrogate's.
+
+Reference: `compute_gppo_loss_general_beta` in Kwai-Klear/CE-GPPO (README.md, commit d5abd5c);
+no framework ships it. At r = 1 no bound is active: the gradient is REINFORCE's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class GradientPreservingClip:
+    """Per-token loss and where each branch was taken (bool, `[B, T]`)."""
+
+    loss: Tensor
+    clipped_high: Tensor
+    clipped_low: Tensor
+    clipped_dual: Tensor
+
+
+def ce_gppo_loss(
+    ratio: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    beta_low: float,
+    beta_high: float,
+    dual_clip: float | None,
+) -> GradientPreservingClip:
+    """CE-GPPO's per-token loss; see the module docstring.
+
+    Args:
+        ratio: r = π_θ/π_old, `[B, T]`.
+        advantages: A, `[B, T]`, detached.
+        clip_low, clip_high: ε_low, ε_high ≥ 0.
+        beta_low, beta_high: β₁, β₂ ≥ 0, the gradient scales on the low and high branches.
+        dual_clip: c > 1 or None.
+    """
+    negative, positive = advantages < 0, advantages > 0
+    low = negative & (ratio.detach() < 1.0 - clip_low)
+    high = positive & (ratio.detach() > 1.0 + clip_high)
+    straight = ratio / ratio.detach()
+    loss = torch.where(low, -beta_low * (1.0 - clip_low) * straight * advantages,
+                       torch.where(high, -beta_high * (1.0 + clip_high) * straight * advantages, -ratio * advantages))
+    dual = torch.zeros_like(low)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual = negative & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+    return GradientPreservingClip(loss=loss, clipped_high=high, clipped_low=low, clipped_dual=dual)

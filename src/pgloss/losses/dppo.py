@@ -1,0 +1,59 @@
+"""DPPO-Binary-TV and DPPO-Binary-KL: a trust region on the probability of the sampled token
+instead of on the ratio ("Divergence Proximal Policy Optimization", https://arxiv.org/abs/2602.04879).
+
+With p = π_θ(y_t), p_old = π_old(y_t), r = p/p_old and the truncated, detached weight
+r̃ = sg[min(r, c)], per token (minimisation form):
+
+    L = -A · r̃ · log π_θ(y_t) · sg[valid_t]
+
+A token leaves the trust region (valid = 0, no gradient) only when it moves in the direction its
+advantage pushes it, further than the threshold:
+
+    TV:   valid = (p - p_old ≤ ε_high)               if A > 0
+          valid = (p - p_old ≥ -ε_low)               otherwise
+    KL:   D = p_old·log(p_old/p) + (1 - p_old)·log((1 - p_old + 1e-8)/(1 - p + 1e-8))
+          valid = (D ≤ ε_high) or (p ≤ p_old)        if A > 0
+          valid = (D ≤ ε_low) or (p ≥ p_old)         otherwise
+
+D is the KL divergence between the two Bernoulli distributions "sample y_t or not". Here ε_low and
+ε_high are divergence thresholds, not ratio widths (verl reads them from `clip_ratio_low/high`,
+default 0.2).
+
+Reference: verl `compute_policy_loss_dppo_tv`, `compute_policy_loss_dppo_kl`
+(verl/trainer/ppo/core_algos.py). The truncation c: verl's code reads `config.get("clip_ratio_c", 20.0)`,
+but its `ActorConfig` defines `clip_ratio_c = 3.0`, so a verl run truncates at c = 3.0 unless the
+user sets it; that is our default. The paper (sec. 5.4, quoted in verl's comment) recommends a
+large c, to limit the truncation's bias. log r is clamped to ±20 before exp, as verl.
+prime-rl's `default_loss_fn` applies the same TV mask against the inference policy, with c = ∞.
+
+Metrics as verl: pg_clipfrac = mean(1 - valid), pg_clipfrac_lower = mean(valid and r > c).
+At r = 1 every token is valid and r̃ = 1: the gradient is REINFORCE's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DPPO_DIVERGENCES = ("tv", "kl")
+
+
+def dppo_valid(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, *, divergence: str, clip_low: float, clip_high: float
+) -> Tensor:
+    """The bool `[B, T]` trust-region mask of DPPO-Binary-TV (`divergence="tv"`) or -KL (`"kl"`)."""
+    with torch.no_grad():
+        p, p_old = torch.exp(log_prob), torch.exp(old_log_prob)
+        positive = advantages > 0
+        if divergence == "tv":
+            return torch.where(positive, p - p_old <= clip_high, p - p_old >= -clip_low)
+        if divergence == "kl":
+            binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+            return torch.where(positive, (binary_kl <= clip_high) | (p <= p_old), (binary_kl <= clip_low) | (p >= p_old))
+    raise ValueError(f"divergence must be one of {DPPO_DIVERGENCES}, got {divergence!r}")
+
+
+def dppo_loss(log_prob: Tensor, ratio: Tensor, advantages: Tensor, valid: Tensor, *, truncation: float) -> Tensor:
+    """-A · sg[min(r, c)] · log π_θ · sg[valid] per token, `[B, T]`."""
+    weight = ratio.detach().clamp(max=truncation) * valid.to(ratio.dtype)
+    return -advantages * weight * log_prob

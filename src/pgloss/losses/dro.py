@@ -1,0 +1,26 @@
+"""DRO, Kimi-1.5's policy loss: REINFORCE with a quadratic penalty on the log-ratio
+(Kimi Team 2025, "Kimi k1.5: Scaling Reinforcement Learning with LLMs", https://arxiv.org/abs/2501.12599,
+sec. 2.3.2; Direct Reward Optimization, Richemond et al. 2024, https://arxiv.org/abs/2405.19107).
+
+Per token (minimisation form), with δ = log π_θ(y_t) - log π_old(y_t):
+
+    L = -A · log π_θ(y_t) + (β/2) · δ²
+
+One loss under two names:
+- verl `compute_policy_loss_dro` (verl/trainer/ppo/core_algos.py, policy loss `dro`):
+  -(log π·A - ½β·δ²), with β = `policy_loss.dro_beta`, which verl requires (> 0) and does not default;
+- ROLL `_compute_kimi15_loss` (roll/pipeline/rlvr/actor_pg_worker.py, `pg_variant: kimi15`):
+  -A·log π + ½τ·δ², τ = 0.1.
+They are identical with β = τ; the default here is ROLL's 0.1.
+
+The penalty's gradient β·δ·∇log π_θ vanishes at δ = 0, so at r = 1 the gradient is REINFORCE's.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def dro_loss(log_prob: Tensor, token_log_ratio: Tensor, advantages: Tensor, *, beta: float) -> Tensor:
+    """-A · log π_θ + (β/2)·δ² per token, `[B, T]`."""
+    return -advantages * log_prob + 0.5 * beta * token_log_ratio.square()

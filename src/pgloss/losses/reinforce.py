@@ -1,0 +1,54 @@
+"""REINFORCE on log π_θ: plain (GPG), with a truncated importance weight (TIS-PG), and tapered by
+the sign of the reward (TOPR).
+
+Per token (minimisation form), with r = π_θ/π_old and sg the stop-gradient:
+
+    gpg     L = -A · log π_θ(y_t)
+    tis_pg  L = -sg[clip(r, lo, hi)] · A · log π_θ(y_t)
+    topr    L = -A · log π_θ(y_t)                            if score_i > 0
+            L = -sg[clip(r, lo, hi)] · A · log π_θ(y_t)      otherwise
+
+- GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+  Reasoning", https://arxiv.org/abs/2504.02546): verl `compute_policy_loss_gpg`
+  (verl/trainer/ppo/core_algos.py); the same loss is verl's bypass-mode `reinforce`, ROLL's
+  `vanilla` and NeMo-RL's `disable_ppo_ratio`. There is no ratio: the gradient is REINFORCE's
+  -A·∇log π_θ whatever π_old, so the loss is only unbiased on-policy.
+- TIS-PG: ROLL `_compute_tis_loss` (roll/pipeline/rlvr/actor_pg_worker.py), bounds
+  `tis_lower_bound` = 0 and `tis_upper_bound` = 1: the off-policy gradient r·A·∇log π_θ with the
+  weight truncated, so stale samples are down-weighted and never up-weighted.
+- TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", https://arxiv.org/abs/2503.14286):
+  ROLL `_compute_topr_loss`. Trajectories with a positive *raw score* (the reward, not the
+  advantage) get the SFT-like update, the others the truncated-IS one; both weights w₊ = w₋ = 1.
+
+At r = 1 (π_θ = π_old) all three give the REINFORCE gradient -A·∇log π_θ. Their values are not
+those of a ratio loss: they depend on log π_θ itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def reinforce_loss(log_prob: Tensor, advantages: Tensor) -> Tensor:
+    """GPG: -A · log π_θ per token, `[B, T]`."""
+    return -advantages * log_prob
+
+
+def truncated_weight(ratio: Tensor, *, low: float, high: float) -> Tensor:
+    """sg[clip(r, low, high)], `[B, T]`."""
+    return ratio.detach().clamp(low, high)
+
+
+def tis_pg_loss(log_prob: Tensor, ratio: Tensor, advantages: Tensor, *, low: float, high: float) -> Tensor:
+    """TIS-PG: -sg[clip(r, low, high)] · A · log π_θ per token, `[B, T]`."""
+    return -truncated_weight(ratio, low=low, high=high) * advantages * log_prob
+
+
+def topr_loss(
+    log_prob: Tensor, ratio: Tensor, advantages: Tensor, positive: Tensor, *, low: float, high: float
+) -> Tensor:
+    """TOPR per token, `[B, T]`: REINFORCE where `positive` (bool, `[B, 1]` or `[B, T]`: score > 0),
+    TIS-PG elsewhere."""
+    weight = torch.where(positive, torch.ones_like(ratio), truncated_weight(ratio, low=low, high=high))
+    return -weight * advantages * log_prob
