@@ -1,0 +1,230 @@
+"""The exact KL over the whole vocabulary, per position, from logits or from hidden states.
+
+For policy logits z and reference logits z_ref at one position, tempered by τ,
+π = softmax(z/τ), ρ = softmax(z_ref/τ):
+
+    KL(π‖ρ) = Σᵥ πᵥ (log πᵥ - log ρᵥ)
+
+and its gradient with respect to the policy logits (the reference is frozen):
+
+    ∂KL/∂zᵥ = (1/τ) · πᵥ · (log πᵥ - log ρᵥ - KL)
+
+The sampled-token estimators of `pgloss.kl` (k1, k2, k3) estimate this sum from one token;
+here it is computed exactly, with no variance. verl's `kl_penalty="full"` raises
+NotImplementedError; no other framework computes it.
+
+Memory: both functions walk the positions in chunks and keep only two floats per position
+(the two log-normalisers) besides the inputs; the backward pass recomputes each chunk's
+softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: per chunk it
+forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads
+(the chunk helpers of `pgloss.entropy` and `pgloss.fused`), so memory beyond the inputs and
+their gradients is two [chunk, V] buffers. Masked positions are the caller's to drop
+(`torch.where(mask, kl, 0)`); their logits need only be finite.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .batch import compute_dtype
+from .entropy import _blocks, _tempered, check_chunk_size, check_temperature
+
+__all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
+
+
+def chunk_full_kl(z: Tensor, z_ref: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(KL(π‖ρ), lse(z), lse(z_ref)) per row of tempered logits `z`, `z_ref` [n, V]; both unchanged."""
+    n = z.shape[0]
+    kl, lse, lse_ref = z.new_empty(n), z.new_empty(n), z.new_empty(n)
+    for rows, (log_pi, log_rho) in _blocks(z, 2):
+        torch.logsumexp(z[rows], dim=-1, out=lse[rows])
+        torch.logsumexp(z_ref[rows], dim=-1, out=lse_ref[rows])
+        torch.sub(z[rows], lse[rows].unsqueeze(-1), out=log_pi)
+        torch.sub(z_ref[rows], lse_ref[rows].unsqueeze(-1), out=log_rho)
+        log_rho.sub_(log_pi).neg_()  # log π - log ρ
+        kl[rows] = (log_pi.exp_() * log_rho).sum(dim=-1)
+    return kl, lse, lse_ref
+
+
+def chunk_full_kl_grad(z: Tensor, z_ref: Tensor, lse: Tensor, lse_ref: Tensor, kl: Tensor, grad_kl: Tensor,
+                       temperature: float) -> Tensor:
+    """∂L/∂logits [n, V] = (g/τ)·π·(log π - log ρ - KL), written into `z` (and `z_ref` used as scratch)."""
+    scale = (grad_kl / temperature).unsqueeze(-1)
+    for rows, _ in _blocks(z, 0):
+        log_pi = z[rows].sub_(lse[rows].unsqueeze(-1))
+        diff = z_ref[rows].sub_(lse_ref[rows].unsqueeze(-1)).sub_(log_pi).neg_()  # log π - log ρ
+        diff.sub_(kl[rows].unsqueeze(-1))
+        log_pi.exp_().mul_(diff).mul_(scale[rows])
+    return z
+
+
+class _FullKLFromLogits(torch.autograd.Function):
+    """(logits, ref_logits) [N, V] → KL [N]; saves both logits and two floats per row."""
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, temperature, chunk_size):
+        n, vocab = logits.shape
+        dtype = compute_dtype(logits.dtype)
+        kl, lse, lse_ref = (logits.new_empty(n, dtype=dtype) for _ in range(3))
+        z = logits.new_empty(min(n, chunk_size), vocab, dtype=dtype)
+        z_ref = logits.new_empty(min(n, chunk_size), vocab, dtype=dtype)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            m = min(chunk_size, n - start)
+            zc = _tempered(logits[rows], temperature, z[:m])
+            zr = _tempered(ref_logits[rows], temperature, z_ref[:m])
+            kl[rows], lse[rows], lse_ref[rows] = chunk_full_kl(zc, zr)
+        ctx.save_for_backward(logits, ref_logits, lse, lse_ref, kl)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_kl):
+        logits, ref_logits, lse, lse_ref, kl = ctx.saved_tensors
+        n, vocab = logits.shape
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        z = logits.new_empty(min(n, chunk_size), vocab, dtype=lse.dtype)
+        z_ref = logits.new_empty(min(n, chunk_size), vocab, dtype=lse.dtype)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            m = min(chunk_size, n - start)
+            zc = _tempered(logits[rows], temperature, z[:m])
+            zr = _tempered(ref_logits[rows], temperature, z_ref[:m])
+            grad_logits[rows] = chunk_full_kl_grad(zc, zr, lse[rows], lse_ref[rows], kl[rows], grad_kl[rows],
+                                                   temperature)
+        return grad_logits, None, None, None
+
+
+def _check_pair(name: str, value: object, ref_name: str, ref: object, rank: int | None) -> None:
+    for label, tensor in ((name, value), (ref_name, ref)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{label} must be a Tensor, got {type(tensor).__name__}")
+        if not tensor.dtype.is_floating_point:
+            raise TypeError(f"{label} must be a floating tensor, got dtype {tensor.dtype}")
+        if rank is not None and tensor.dim() != rank:
+            raise ValueError(f"{label} must have {rank} dimensions, got shape {tuple(tensor.shape)}")
+    if value.device != ref.device:
+        raise ValueError(f"{ref_name} is on {ref.device} but {name} is on {value.device}")
+
+
+def full_kl_from_logits(
+    logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> Tensor:
+    """KL(π‖π_ref) = Σᵥ πᵥ (log πᵥ - log π_ref,ᵥ) at every position, chunked; gradient to `logits` only.
+
+    Args:
+        logits: [..., V] policy logits (any float dtype; the math runs in float32, float64 stays).
+        ref_logits: [..., V] reference logits of the same shape (never differentiated).
+        temperature: τ > 0, dividing both logits.
+        chunk_size: positions per chunk; None picks about 2²⁷ / V.
+
+    Returns:
+        [...] the exact KL per position, float32 (float64 for float64 logits).
+    """
+    _check_pair("logits", logits, "ref_logits", ref_logits, None)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"ref_logits must have the shape of logits {tuple(logits.shape)}, got {tuple(ref_logits.shape)}")
+    temperature = check_temperature(temperature)
+    vocab = logits.shape[-1]
+    chunk_size = check_chunk_size(chunk_size, vocab)
+    kl = _FullKLFromLogits.apply(logits.reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab),
+                                 temperature, chunk_size)
+    return kl.view(logits.shape[:-1])
+
+
+class _FullKLFromHidden(torch.autograd.Function):
+    """(x [N, H], W [V, H], x_ref [N, H'], W_ref [V, H']) → KL [N]; saves the inputs and two floats per row."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, temperature, chunk_size):
+        from .fused import _Chunks
+
+        n = hidden.shape[0]
+        dtype = compute_dtype(weight.dtype)
+        kl, lse, lse_ref = (hidden.new_empty(n, dtype=dtype) for _ in range(3))
+        chunks, ref_chunks = _Chunks(hidden, weight, chunk_size, dtype), _Chunks(ref_hidden, ref_weight, chunk_size, dtype)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = chunks.logits(hidden[rows], weight, temperature)
+            z_ref = ref_chunks.logits(ref_hidden[rows], ref_weight, temperature)
+            kl[rows], lse[rows], lse_ref[rows] = chunk_full_kl(z, z_ref)
+        ctx.save_for_backward(hidden, weight, ref_hidden, ref_weight, lse, lse_ref, kl)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_kl):
+        from .fused import _Chunks
+
+        hidden, weight, ref_hidden, ref_weight, lse, lse_ref, kl = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if not (need_hidden or need_weight):
+            return None, None, None, None, None, None
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        chunks, ref_chunks = _Chunks(hidden, weight, chunk_size, lse.dtype), _Chunks(ref_hidden, ref_weight, chunk_size, lse.dtype)
+        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
+        grad_weight = torch.empty(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            x = hidden[rows]
+            z = chunks.logits(x, weight, temperature)
+            z_ref = ref_chunks.logits(ref_hidden[rows], ref_weight, temperature)
+            grad = chunk_full_kl_grad(z, z_ref, lse[rows], lse_ref[rows], kl[rows], grad_kl[rows], temperature)
+            chunks.apply_grad(grad, x, weight, None if grad_hidden is None else grad_hidden[rows], grad_weight,
+                              first=start == 0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def full_kl_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """KL(π‖π_ref) per position from the final hidden states and LM heads of both models, [B, T].
+
+    π = softmax(hidden @ weightᵀ / τ), π_ref = softmax(ref_hidden @ ref_weightᵀ / τ); the logits of
+    either model are never materialised beyond one [chunk, V] buffer each. Gradients flow to
+    `hidden` and `weight` (whichever requires grad); the reference gets none.
+
+    Args:
+        hidden: [B, T, H] policy hidden states.
+        weight: [V, H] policy output projection, same dtype and device.
+        ref_hidden: [B, T, H'] reference hidden states (H' may differ from H).
+        ref_weight: [V, H'] reference output projection, the dtype of `ref_hidden`.
+        temperature: τ > 0.
+        chunk_size: positions per chunk; None picks about 2²⁷ / V.
+    """
+    _check_pair("hidden", hidden, "ref_hidden", ref_hidden, 3)
+    _check_pair("weight", weight, "ref_weight", ref_weight, 2)
+    for name, x, w in (("weight", hidden, weight), ("ref_weight", ref_hidden, ref_weight)):
+        if w.shape[1] != x.shape[-1]:
+            raise ValueError(f"{name} must have shape [V, {x.shape[-1]}], got {tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but its hidden states have {x.dtype}")
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but its hidden states are on {x.device}")
+    if ref_hidden.shape[:2] != hidden.shape[:2]:
+        raise ValueError(f"ref_hidden must have shape [{hidden.shape[0]}, {hidden.shape[1]}, H'], got {tuple(ref_hidden.shape)}")
+    if ref_weight.shape[0] != weight.shape[0] or weight.shape[0] < 1:
+        raise ValueError(f"weight and ref_weight must share a vocabulary V >= 1, got {weight.shape[0]} and {ref_weight.shape[0]}")
+    if compute_dtype(ref_weight.dtype) != compute_dtype(weight.dtype):
+        raise TypeError(f"ref_weight computes in {compute_dtype(ref_weight.dtype)} but weight in {compute_dtype(weight.dtype)}")
+    temperature = check_temperature(temperature)
+    chunk_size = check_chunk_size(chunk_size, weight.shape[0])
+    batch, length, size = hidden.shape
+    kl = _FullKLFromHidden.apply(hidden.reshape(batch * length, size), weight,
+                                 ref_hidden.detach().reshape(batch * length, -1), ref_weight.detach(),
+                                 temperature, chunk_size)
+    return kl.view(batch, length)
