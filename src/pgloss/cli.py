@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .lab.commands import add_commands  # the lab's `train` and `compare`
 
     add_commands(sub)
+    from .experiments.command import add_experiment_command  # `experiment length`
+
+    add_experiment_command(sub)
     return parser
 
 

@@ -1,0 +1,251 @@
+"""The length experiment: which losses lengthen responses when length is the policy's free choice?
+
+Published claims under test (docs/experiments.md states each with its prediction and verdict):
+
+- "OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)": a sample-level loss
+  (one whole-sequence ratio per response, ``sample_grpo``) and BNPO's token mean lengthen the
+  chain of thought and bring repetition of frequent tokens, while GRPO's per-sequence token
+  mean keeps it short.
+- Dr.GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783, sec. 3.1): GRPO's 1/|y_i| gives a
+  long wrong answer a smaller per-token penalty than a short one, so wrong answers grow longer
+  (and right ones shorter) than under a constant divisor (``dr_grpo``).
+
+Design: the lab's ``trace`` task (a times table answered after a free-length trace of digits,
+lab/trace.py), a warm start per seed shared by every algorithm of that seed, then RL with each
+algorithm from it. Each step records, besides the lab's diagnostics, the mean length of right and
+of wrong responses, the repetition of the traces (rep-4, the share of repeated 4-grams) and the
+gradient weight g = ∂L/∂log π per token (`pgloss.inspect`) by response length and advantage
+sign, at ratio one (the first minibatch of the step is on-policy).
+
+``run`` writes one JSON line per (algorithm, seed, step) into ``OUT/runs/ALGORITHM-SEED.jsonl``
+as it goes and skips runs already complete, so an interrupted experiment resumes where it
+stopped; ``length_report`` turns whatever is there into the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+LENGTH_BINS = (1, 8, 16, 32, 64)
+"""Lower edges of the response-length bins (tokens, end token included) of the gradient weight."""
+
+
+@dataclass(frozen=True)
+class LengthExperiment:
+    """The experiment's scale: algorithms, seeds, steps and the lab settings they share."""
+
+    algorithms: tuple[str, ...] = ("grpo", "bnpo", "dapo", "dr_grpo", "sample_grpo", "gspo")
+    """Algorithms trained from each seed's warm start."""
+    seeds: int = 5
+    """Seeds 0..seeds-1 (each its own warm start, prompts and sampling)."""
+    steps: int = 100
+    """RL steps per run."""
+    prompts_per_step: int = 16
+    """Prompts per RL step."""
+    group_size: int = 8
+    """Completions per prompt."""
+    max_new_tokens: int = 128
+    """Response budget; the warm start shows responses of at most 35 tokens."""
+    warm_steps: int = 450
+    """Supervised warm-start steps (about half the sampled answers right at the start)."""
+    warm_batch: int = 32
+    """Demonstrations per warm-start step."""
+    d_model: int = 64
+    """Width of the transformer."""
+    lr: float = 2e-4
+    """AdamW learning rate of RL."""
+    eval_prompts: int = 16
+    """Held-out prompts answered greedily every step."""
+    workers: int = 2
+    """Runs trained at once, one process and one thread each."""
+
+    def __post_init__(self) -> None:
+        if not self.algorithms:
+            raise ValueError("algorithms: need at least one algorithm name")
+        for name in ("seeds", "steps", "prompts_per_step", "group_size", "max_new_tokens", "warm_batch",
+                     "d_model", "eval_prompts", "workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: need an int >= 1, got {value!r}")
+        if not isinstance(self.warm_steps, int) or self.warm_steps < 0:
+            raise ValueError(f"warm_steps: need an int >= 0, got {self.warm_steps!r}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size: need >= 2 for group advantages, got {self.group_size}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: need > 0, got {self.lr}")
+
+    def lab_config(self, algorithm: str, seed: int):
+        """The lab's configuration of one run."""
+        from pgloss.lab.config import LabConfig
+
+        return LabConfig(algorithm=algorithm, task="trace", seed=seed, steps=self.steps,
+                         prompts_per_step=self.prompts_per_step, group_size=self.group_size,
+                         max_new_tokens=self.max_new_tokens, warm_steps=self.warm_steps, warm_batch=self.warm_batch,
+                         d_model=self.d_model, lr=self.lr, eval_prompts=self.eval_prompts, samples=4, threads=1)
+
+
+QUICK = LengthExperiment(seeds=2, steps=12)
+"""``--quick``: every algorithm on two seeds for 12 steps (a check that it all runs, not a result)."""
+
+
+def repeated_ngrams(texts: list[str], n: int = 4) -> float:
+    """rep-n (Welleck et al. 2019, https://arxiv.org/abs/1908.04319): 1 - unique/total n-grams of
+    each text, pooled over the texts with at least n tokens (one character is one token); NaN if none."""
+    if n < 1:
+        raise ValueError(f"n: need >= 1, got {n}")
+    unique = total = 0
+    for text in texts:
+        grams = [text[k : k + n] for k in range(len(text) - n + 1)]
+        unique, total = unique + len(set(grams)), total + len(grams)
+    return 1.0 - unique / total if total else math.nan
+
+
+def response_lengths(texts: list[str], max_new_tokens: int) -> torch.Tensor:
+    """Tokens each response holds in the loss's mask, `[N]`: the text and its end token, or the
+    whole budget for a response cut off before its end token (its text fills the budget)."""
+    return torch.tensor([min(len(t) + 1, max_new_tokens) for t in texts], dtype=torch.float64)
+
+
+def gradient_weights(algorithm, rewards: torch.Tensor, lengths: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The per-token gradient weight g·N = N·∂L/∂log π of each response at ratio one, `[N]`, with the
+    step's group advantages and dynamic sampling (dropped responses get NaN); N is the number of
+    responses the loss sees, so that weights of different aggregations share one scale."""
+    from pgloss.advantages import dynamic_sampling_keep, group_advantages
+    from pgloss.inspect import token_gradients
+
+    group_ids = torch.arange(len(rewards)) // group_size
+    advantages = group_advantages(rewards, group_ids, scale=algorithm.scale_rewards).to(torch.float64)
+    keep = dynamic_sampling_keep(rewards, group_ids) if algorithm.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
+    weights = torch.full((len(rewards),), math.nan, dtype=torch.float64)
+    if not bool(keep.any()):
+        return weights
+    width = int(lengths.max())
+    mask = torch.arange(width)[None, :] < lengths[keep, None]
+    zeros = torch.zeros(mask.shape, dtype=torch.float64)  # log π = log π_old = log π_ref: ratio one
+    extra = {"ref_log_prob": zeros} if algorithm.uses_reference else {}
+    if algorithm.entropy_coef != 0:
+        extra["entropy"] = zeros
+    if algorithm.loss_agg_mode == "group-mean-token-mean":
+        extra["group_ids"] = torch.unique(group_ids[keep], return_inverse=True)[1]
+    grad = token_gradients(algorithm, zeros, zeros, advantages[keep], mask, **extra)
+    # at ratio one every token of a response has the same weight for these losses: its mean
+    weights[keep] = (grad.sum(1) / mask.sum(1)) * int(keep.sum())
+    return weights
+
+
+def measure(problems, texts: list[str], algorithm, group_size: int, max_new_tokens: int) -> dict:
+    """One step's length, repetition and gradient measures from its sampled responses."""
+    from pgloss.lab.tasks import reward
+
+    lengths = response_lengths(texts, max_new_tokens)
+    finished = lengths < max_new_tokens
+    rewards = torch.tensor([reward(t, problems[i // group_size]) if done else 0.0
+                            for i, (t, done) in enumerate(zip(texts, finished.tolist()))], dtype=torch.float64)
+    right, wrong = rewards > 0.5, rewards <= 0.5
+    weights = gradient_weights(algorithm, rewards, lengths, group_size)
+    advantages_sign = rewards - rewards.view(-1, group_size).mean(1).repeat_interleave(group_size)
+    bins = torch.bucketize(lengths, torch.tensor(LENGTH_BINS[1:], dtype=torch.float64), right=True)
+
+    def mean(values: torch.Tensor, where: torch.Tensor) -> float | None:
+        where = where & ~values.isnan()
+        return float(values[where].mean()) if bool(where.any()) else None
+
+    traces = [t.rsplit("|", 1)[0] if "|" in t else t for t in texts]
+    return {
+        "length_right": mean(lengths, right),
+        "length_wrong": mean(lengths, wrong),
+        "truncated": float((~finished).double().mean()),
+        "rep4": None if math.isnan(r := repeated_ngrams(traces, 4)) else r,
+        "grad_pos": [mean(weights.abs(), (bins == b) & (advantages_sign > 0)) for b in range(len(LENGTH_BINS))],
+        "grad_neg": [mean(weights.abs(), (bins == b) & (advantages_sign < 0)) for b in range(len(LENGTH_BINS))],
+    }
+
+
+def _warm(experiment: LengthExperiment, seed: int, path: str) -> str:
+    from pgloss.lab import trainer
+
+    if not Path(path).exists():
+        cfg = experiment.lab_config(experiment.algorithms[0], seed)
+        torch.set_num_threads(1)
+        tokenizer, task, model = trainer.build(cfg)
+        trainer.warm_start(model, task, tokenizer, cfg)
+        torch.save(model.state_dict(), path + ".tmp")
+        Path(path + ".tmp").rename(path)
+    return path
+
+
+def _run(experiment: LengthExperiment, algorithm: str, seed: int, warm_path: str, path: str) -> tuple[str, int, float]:
+    from pgloss.lab import trainer
+
+    start = time.time()
+    cfg = experiment.lab_config(algorithm, seed)
+    loss = trainer.make_algorithm(cfg)
+    extra: dict[int, dict] = {}
+    tmp = Path(path + ".tmp")
+    with open(tmp, "w") as f:
+        def on_rollout(step, problems, texts):
+            extra[step] = measure(problems, texts, loss, cfg.group_size, cfg.max_new_tokens)
+
+        def on_step(record):
+            f.write(json.dumps({**record, **extra.pop(record["step"])}) + "\n")
+            f.flush()
+
+        trainer.train(cfg, torch.load(warm_path), on_step=on_step, on_rollout=on_rollout)
+    tmp.rename(path)  # only a complete run gets its final name
+    return algorithm, seed, time.time() - start
+
+
+def run(experiment: LengthExperiment, out: Path, log=print) -> float:
+    """Warm-start every seed, then train every (algorithm, seed) not yet complete in `out`,
+    ``experiment.workers`` at a time; returns the seconds taken."""
+    import multiprocessing as mp
+
+    from pgloss.lab.tasks import make_task
+    from pgloss.lab.trainer import make_algorithm
+
+    for a in experiment.algorithms:  # fail before any training on an unknown name
+        make_algorithm(experiment.lab_config(a, 0))
+    make_task("trace")
+    start = time.time()
+    (out / "warm").mkdir(parents=True, exist_ok=True)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "experiment.json").write_text(json.dumps(dataclasses.asdict(experiment), indent=2) + "\n")
+    warm = [(experiment, s, str(out / "warm" / f"seed{s}.pt")) for s in range(experiment.seeds)]
+    jobs = [(experiment, a, s, str(out / "warm" / f"seed{s}.pt"), str(out / "runs" / f"{a}-{s}.jsonl"))
+            for s in range(experiment.seeds) for a in experiment.algorithms]
+    jobs = [j for j in jobs if not Path(j[-1]).exists()]
+    workers = min(experiment.workers, max(1, len(jobs)))
+    if workers == 1:
+        for job in warm:
+            _warm(*job)
+        done = (_run(*job) for job in jobs)
+        for k, (a, s, seconds) in enumerate(done, 1):
+            log(f"[{time.time() - start:7.0f} s] {k}/{len(jobs)} {a} seed {s} ({seconds:.0f} s)")
+        return time.time() - start
+    with mp.get_context("spawn").Pool(workers) as pool:
+        pool.starmap(_warm, warm)
+        log(f"[{time.time() - start:7.0f} s] warm starts done")
+        for k, (a, s, seconds) in enumerate(pool.imap_unordered(_star_run, jobs), 1):
+            log(f"[{time.time() - start:7.0f} s] {k}/{len(jobs)} {a} seed {s} ({seconds:.0f} s)")
+    return time.time() - start
+
+
+def _star_run(job):
+    return _run(*job)
+
+
+def load(out: Path) -> dict[tuple[str, int], list[dict]]:
+    """Every complete run in ``out/runs``: (algorithm, seed) -> its per-step records."""
+    runs = {}
+    for path in sorted((out / "runs").glob("*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if records:
+            runs[(records[0]["algorithm"], records[0]["seed"])] = records
+    return runs

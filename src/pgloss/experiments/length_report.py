@@ -1,0 +1,248 @@
+"""The length experiment's report: curves with 95% intervals over seeds, the table, the verdicts.
+
+Every interval is a Student-t interval over seeds, mean ± t_{0.975, n-1}·sd/√n, of one number per
+seed (a curve: per step; a table cell: the run's mean over its last `window` steps). A claim
+compares two algorithms through the paired difference per seed (both start from that seed's
+warm start): reproduced when the interval of the difference lies on the predicted side of 0,
+refuted when it lies on the other side, not resolved when it holds 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pgloss.experiments.length import LENGTH_BINS
+
+# t_{0.975, df} for df = 1..30; beyond, the normal quantile.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% t-interval) of `values`, NaNs left out; the half-width is NaN
+    for fewer than two values and the mean NaN for none."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.960
+    return mean, t * sd / math.sqrt(n)
+
+
+def _nanmean(values) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def window_mean(records: list[dict], key: str, steps: range) -> float:
+    """Mean of `key` over the records of `steps` (None values left out)."""
+    return _nanmean(r[key] for r in records if r["step"] in steps)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A published claim as a paired comparison: `sign` · (Δ_a - Δ_b) > 0 is what it predicts."""
+
+    source: str
+    statement: str
+    key: str
+    a: str
+    b: str
+    sign: int
+    unit: str
+
+
+CLAIMS = (
+    Claim("OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
+          "the sample-level loss lengthens responses more than GRPO's per-sequence token mean",
+          "length", "sample_grpo", "grpo", +1, "tokens"),
+    Claim("OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
+          "BNPO's token mean lengthens responses more than GRPO's per-sequence token mean",
+          "length", "bnpo", "grpo", +1, "tokens"),
+    Claim("OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
+          "the sample-level loss brings more repetition (rep-4 of the traces) than GRPO",
+          "rep4", "sample_grpo", "grpo", +1, "rep-4"),
+    Claim("Dr.GRPO (arXiv 2503.20783, sec. 3.1)",
+          "GRPO's 1/length lets wrong answers grow longer than Dr.GRPO's constant divisor does",
+          "length_wrong", "grpo", "dr_grpo", +1, "tokens"),
+    Claim("Dr.GRPO (arXiv 2503.20783, sec. 3.1)",
+          "GRPO's 1/length keeps right answers shorter than Dr.GRPO's constant divisor does",
+          "length_right", "grpo", "dr_grpo", -1, "tokens"),
+)
+
+
+def change(records: list[dict], key: str, window: int) -> float:
+    """End minus start of `key` in one run: the mean over the last `window` steps minus over the first."""
+    last = records[-1]["step"]
+    return window_mean(records, key, range(last - window + 1, last + 1)) - window_mean(records, key, range(window))
+
+
+def verdict(claim: Claim, runs: dict, window: int) -> dict | None:
+    """The paired difference of the claim's changes over the seeds both algorithms ran; None if none."""
+    seeds = sorted(s for (a, s) in runs if a == claim.a and (claim.b, s) in runs)
+    if not seeds:
+        return None
+    diffs = [change(runs[(claim.a, s)], claim.key, window) - change(runs[(claim.b, s)], claim.key, window) for s in seeds]
+    mean, half = interval(diffs)
+    low, high = mean - half, mean + half
+    if math.isnan(half):
+        result = "not resolved (fewer than two seeds)"
+    elif claim.sign * low > 0 and claim.sign * high > 0:
+        result = "reproduced"
+    elif claim.sign * low < 0 and claim.sign * high < 0:
+        result = "refuted (the opposite holds)"
+    else:
+        result = "not resolved at this scale"
+    return {"claim": claim, "seeds": len(seeds), "mean": mean, "low": low, "high": high, "verdict": result}
+
+
+def summary_rows(runs: dict, algorithms: list[str], window: int) -> list[dict]:
+    """Per algorithm: start and end means of each measure with their intervals over seeds."""
+    rows = []
+    for a in algorithms:
+        seeds = sorted(s for (name, s) in runs if name == a)
+        if not seeds:
+            continue
+        row = {"algorithm": a, "seeds": len(seeds)}
+        for key in ("reward", "length", "length_right", "length_wrong", "rep4", "truncated"):
+            starts, ends = [], []
+            for s in seeds:
+                records = runs[(a, s)]
+                last = records[-1]["step"]
+                starts.append(window_mean(records, key, range(window)))
+                ends.append(window_mean(records, key, range(last - window + 1, last + 1)))
+            row[key] = (interval(starts), interval(ends))
+        rows.append(row)
+    return rows
+
+
+def gradient_by_length(runs: dict, algorithm: str, key: str) -> list[tuple[float, float]]:
+    """Per length bin: the interval over seeds of the run's mean gradient weight (`grad_pos` or `grad_neg`)."""
+    seeds = sorted(s for (a, s) in runs if a == algorithm)
+    out = []
+    for b in range(len(LENGTH_BINS)):
+        per_seed = [_nanmean(r[key][b] for r in runs[(algorithm, s)] if r.get(key)) for s in seeds]
+        out.append(interval(per_seed))
+    return out
+
+
+def _fmt(pair: tuple[float, float], digits: int = 2) -> str:
+    mean, half = pair
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {half:.{digits}f}")
+
+
+def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
+    """The report's PNGs in `out`: reward, lengths of right and wrong answers, repetition, gradient weight by length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {a: plt.get_cmap("tab10")(k) for k, a in enumerate(algorithms)}
+    paths = []
+
+    def curves(ax, key: str, title: str) -> None:
+        for a in algorithms:
+            seeds = sorted(s for (name, s) in runs if name == a)
+            if not seeds:
+                continue
+            steps = [r["step"] for r in runs[(a, seeds[0])]]
+            stats = [interval([_value(runs[(a, s)], step, key) for s in seeds]) for step in steps]
+            mean = [m for m, _ in stats]
+            half = [0.0 if math.isnan(h) else h for _, h in stats]
+            ax.plot(steps, mean, color=colors[a], label=f"{a} (n={len(seeds)})", lw=1.4)
+            ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
+                            color=colors[a], alpha=0.15, lw=0)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+
+    for name, panels in (
+        ("reward", [("reward", "sampled reward (mean, 95% CI over seeds)")]),
+        ("length", [("length_right", "length of right answers (tokens)"),
+                    ("length_wrong", "length of wrong answers (tokens)")]),
+        ("repetition", [("rep4", "repeated 4-grams in the traces (rep-4)"),
+                        ("truncated", "share of responses cut off at the budget")]),
+    ):
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+        for ax, (key, title) in zip(axes[0], panels):
+            curves(ax, key, title)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / f"length_{name}.png")
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.6), sharey=True)
+    centers = list(range(len(LENGTH_BINS)))
+    labels = [f"{lo}-{hi - 1}" for lo, hi in zip(LENGTH_BINS, LENGTH_BINS[1:])] + [f"{LENGTH_BINS[-1]}+"]
+    for ax, key, title in ((axes[0], "grad_pos", "Â > 0"), (axes[1], "grad_neg", "Â < 0")):
+        positive = False
+        for k, a in enumerate(algorithms):
+            if not any(name == a for name, _ in runs):
+                continue
+            stats = gradient_by_length(runs, a, key)
+            positive = positive or any(m > 0 for m, _ in stats)
+            shift = (k - (len(algorithms) - 1) / 2) * 0.12
+            ax.errorbar([c + shift for c in centers], [m for m, _ in stats],
+                        yerr=[0.0 if math.isnan(h) else h for _, h in stats], fmt="o-", ms=3, lw=1,
+                        capsize=2, color=colors[a], label=a)
+        ax.set_xticks(centers, labels)
+        if positive:  # the weights span decades; an empty panel (no such response) stays linear
+            ax.set_yscale("log")
+        ax.set_xlabel("response length (tokens)")
+        ax.set_title(f"per-token gradient weight |∂L/∂log π|·N, {title}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "length_gradient.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    return paths
+
+
+def _value(records: list[dict], step: int, key: str) -> float:
+    value = records[step][key] if step < len(records) else None
+    return math.nan if value is None else value
+
+
+def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, seconds: float | None,
+                 window: int) -> Path:
+    """report.md with the table, the verdicts and the plots, in `out`; returns its path."""
+    plots = plot(runs, algorithms, out)
+    rows = summary_rows(runs, algorithms, window)
+    lines = ["# The length experiment", "", f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
+             "", f"Start: mean of the first {window} steps; end: of the last {window}; ± the 95% interval over seeds.", "",
+             "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "
+             "rep-4 start → end | cut off at end |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        def arrow(key, digits=2):
+            start, end = row[key]
+            return f"{_fmt(start, digits)} → {_fmt(end, digits)}"
+        lines.append(f"| {row['algorithm']} | {row['seeds']} | {arrow('reward')} | {arrow('length', 1)} | "
+                     f"{arrow('length_right', 1)} | {arrow('length_wrong', 1)} | {arrow('rep4', 3)} | "
+                     f"{_fmt(row['truncated'][1], 3)} |")
+    lines += ["", "## Claims", "",
+              "Paired by seed: the change (end minus start) under the first algorithm minus under the second.", "",
+              "| source | claim | predicts | measured (95% CI) | verdict |", "|---|---|---|---|---|"]
+    for claim in CLAIMS:
+        v = verdict(claim, runs, window)
+        if v is None:
+            continue
+        side = ">" if claim.sign > 0 else "<"
+        lines.append(f"| {claim.source} | {claim.statement} | Δ{claim.key}({claim.a}) - Δ{claim.key}({claim.b}) "
+                     f"{side} 0 | {v['mean']:+.3f} [{v['low']:+.3f}, {v['high']:+.3f}] {claim.unit}, "
+                     f"{v['seeds']} seeds | {v['verdict']} |")
+    lines += [""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
