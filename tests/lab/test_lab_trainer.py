@@ -30,7 +30,7 @@ def test_update_lowers_the_loss_on_a_fixed_batch(name):
     metrics = update(policy, optimizer, algorithm, batch, cfg, 6, torch.Generator().manual_seed(0))
     after = loss_of(policy, algorithm, batch)
     assert after < before - 1e-3, (before, after)
-    assert set(metrics) == {"clip_frac", "ppo_kl", "grad_norm", "loss"}
+    assert set(metrics) == {"clip_frac", "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "loss"}
     assert all(torch.isfinite(v) for v in metrics.values())
     assert float(metrics["ppo_kl"]) != 0.0  # later optimizer steps saw ratios away from one
 

@@ -4,6 +4,10 @@
 that seed's warm start, ``--workers`` runs at a time in separate processes (one torch thread
 each, so results do not depend on the number of workers). ``train`` runs one algorithm in this
 process and works under ``torchrun`` (data parallel; rank 0 writes the files).
+
+Both check every argument before any training, write ``metrics.jsonl`` as the runs go, keep
+the other runs when one fails (exit status 1, its traceback in ``errors.log``), and on Ctrl-C
+stop within seconds, writing the report and plots of the runs that finished (exit status 130).
 """
 
 from __future__ import annotations
@@ -12,51 +16,110 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import shlex
+import signal
+import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from pgloss.lab.config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args
 
-_TICK = None  # progress callback: the bar's update in this process, a queue's put in a worker
+LAB_FILES = ("metrics.jsonl", "config.json", "samples.md", "report.md", "errors.log")
+
+_EMIT = None  # where a run's progress goes: this process's stream, or a queue's put in a worker
 
 
 def _init_worker(queue) -> None:
-    global _TICK
-    _TICK = queue.put
+    global _EMIT
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    _EMIT = queue.put
 
 
-def _tick(_record=None) -> None:
-    if _TICK is not None:
-        _TICK(1)
+def _emit(item=None) -> None:
+    if _EMIT is not None:
+        _EMIT(item)
+
+
+def _failure(err: BaseException, **extra) -> dict:
+    return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(), **extra}
 
 
 def warm_state(cfg: LabConfig) -> dict:
-    """The warm-started policy of ``cfg.seed`` (a CPU state dict)."""
+    """``{"state": the warm-started policy of cfg.seed}`` (a CPU state dict), or ``{"error": ...}``."""
     import torch
 
     from pgloss.lab import trainer
 
-    torch.set_num_threads(cfg.threads)
-    tokenizer, task, model = trainer.build(cfg)
-    trainer.warm_start(model, task, tokenizer, cfg)
-    _tick()
-    return {k: v.cpu() for k, v in model.state_dict().items()}
+    try:
+        torch.set_num_threads(cfg.threads)
+        tokenizer, task, model = trainer.build(cfg)
+        trainer.warm_start(model, task, tokenizer, cfg)
+        return {"state": {k: v.cpu() for k, v in model.state_dict().items()}}
+    except Exception as err:  # noqa: BLE001 (reported per run, the other seeds go on)
+        return _failure(err)
+    finally:
+        _emit()
 
 
-def run(cfg: LabConfig, state: dict) -> dict:
-    """One RL run from a warm state; progress ticks once per step."""
+def run(cfg: LabConfig, warm: dict) -> dict:
+    """One RL run from a warm state: ``{"metrics", "samples"}``, or ``{"error", "traceback", "metrics"}``
+    with the records of the steps it made. Every step's record is emitted as it is made."""
     from pgloss.lab import trainer
 
-    return trainer.train(cfg, state, on_step=_tick)
+    records: list[dict] = []
+    if "error" in warm:
+        return {"error": f"warm start failed: {warm['error']}", "traceback": warm["traceback"], "metrics": records}
+
+    def on_step(record: dict) -> None:
+        records.append(record)
+        _emit(record)
+
+    try:
+        return trainer.train(cfg, warm["state"], on_step=on_step)
+    except Exception as err:  # noqa: BLE001 (one algorithm failing does not lose the others)
+        return _failure(err, metrics=records)
+
+
+def _clean(value):
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+class _Stream:
+    """``metrics.jsonl``, one line per step, written as the runs go; ticks the progress bar."""
+
+    def __init__(self, path: Path, bar=None) -> None:
+        self.file, self.bar, self.written = open(path, "w"), bar, set()
+
+    def __call__(self, item: dict | None) -> None:
+        if item is not None:
+            self.write(item)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def write(self, record: dict) -> None:
+        key = (record["algorithm"], record["seed"], record["step"])
+        if key not in self.written:  # a run's result repeats the records its worker streamed
+            self.written.add(key)
+            self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            self.file.flush()
+
+    def steps_done(self, algorithm: str, seed: int) -> int:
+        return sum(1 for a, s, _ in self.written if (a, s) == (algorithm, seed))
+
+    def close(self) -> None:
+        self.file.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _Runner:
-    """Runs jobs in this process (one worker) or in a pool of spawned processes, ticking a bar."""
+    """Runs jobs in this process (one worker) or in a pool of spawned processes."""
 
-    def __init__(self, workers: int, bar) -> None:
-        self.bar, self.pool, self.queue = bar, None, None
+    def __init__(self, workers: int, stream: _Stream) -> None:
+        self.stream, self.pool, self.queue = stream, None, None
         if workers > 1:
             import multiprocessing as mp
 
@@ -64,47 +127,112 @@ class _Runner:
             self.queue = ctx.Queue()
             self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(self.queue,))
 
-    def map(self, fn, jobs: list[tuple]) -> list:
-        """``[fn(*job) for job in jobs]``."""
-        global _TICK
+    def map(self, fn, jobs: list[tuple], done: dict) -> None:
+        """``done[i] = fn(*jobs[i])`` as each job finishes: after a KeyboardInterrupt, `done`
+        holds the jobs that finished."""
+        global _EMIT
         if self.pool is None:
-            _TICK = self.bar.update
-            return [fn(*job) for job in jobs]
+            _EMIT = self.stream
+            for i, job in enumerate(jobs):
+                done[i] = fn(*job)
+            return
         import queue as queue_module
 
-        pending = [self.pool.apply_async(fn, job) for job in jobs]
-        while not all(p.ready() for p in pending):
+        pending = {i: self.pool.apply_async(fn, job) for i, job in enumerate(jobs)}
+        while pending:
             try:
-                self.bar.update(self.queue.get(timeout=0.2))
+                self.stream(self.queue.get(timeout=0.2))
             except queue_module.Empty:
                 pass
-        while not self.queue.empty():
-            self.bar.update(self.queue.get())
-        return [p.get() for p in pending]
+            for i in [i for i, p in pending.items() if p.ready()]:
+                done[i] = pending.pop(i).get()
+                for record in done[i].get("metrics", []) if isinstance(done[i], dict) else []:
+                    self.stream.write(record)
 
-    def close(self) -> None:
+    def close(self, terminate: bool = False) -> None:
         if self.pool is not None:
-            self.pool.close()
+            self.pool.terminate() if terminate else self.pool.close()
             self.pool.join()
 
 
-def _clean(value):
-    return None if isinstance(value, float) and math.isnan(value) else value
+def prepare_out(path: str) -> Path:
+    """The output directory, created; the lab's files of an earlier run in it are removed.
+    ValueError when it cannot be used."""
+    from pgloss.lab.plots import plot_names
+
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {path}: is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {path}: cannot create the directory ({err.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: the directory is not writable")
+    for name in (*LAB_FILES, *(f"{n}.png" for n in plot_names())):
+        (out / name).unlink(missing_ok=True)
+    return out
 
 
-def write_outputs(out: Path, records: list[dict], samples: dict, config: dict, command: str) -> Path:
-    """metrics.jsonl, config.json, samples.md, PNG plots and report.md in `out`; returns the report."""
+def _git_version() -> str | None:
+    """``git describe --always --dirty`` of the checkout pgloss runs from; None outside one."""
+    import pgloss
+
+    src = Path(pgloss.__file__).resolve().parent
+    try:
+        tracked = subprocess.run(["git", "-C", str(src), "ls-files", "--error-unmatch", "__init__.py"],
+                                 capture_output=True, timeout=10)
+        if tracked.returncode != 0:
+            return None
+        done = subprocess.run(["git", "-C", str(src), "describe", "--always", "--dirty", "--abbrev=12"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def versions() -> dict:
+    """pgloss, torch, Python and the git commit of the source, for ``config.json``."""
+    import torch
+
+    import pgloss
+
+    return {"pgloss": pgloss.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "git": _git_version()}
+
+
+def _write_config(out: Path, config: dict) -> None:
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def finish(out: Path, runs: list[dict], config: dict) -> Path:
+    """samples.md, PNG plots of the finished runs, errors.log, config.json and report.md; returns the report."""
     from pgloss.lab.plots import plot_all
     from pgloss.lab.report import write_report, write_samples
 
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "metrics.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n")
-    (out / "config.json").write_text(json.dumps({"command": command, **config}, indent=2) + "\n")
-    write_samples(out, samples)
-    plots = plot_all(records, out)
-    return write_report(out, records, config, plots, samples, command)
+    finished = [r for r in runs if r["status"] == "finished"]
+    write_samples(out, {(r["algorithm"], r["seed"]): r["samples"] for r in finished})
+    plots = plot_all([m for r in finished for m in r["metrics"]], out, max_grad_norm=config["base"]["max_grad_norm"]) \
+        if finished else []
+    failed = [r for r in runs if r["status"] == "failed"]
+    if failed:
+        (out / "errors.log").write_text("".join(f"== {r['algorithm']}, seed {r['seed']}\n{r['traceback']}\n"
+                                                for r in failed))
+    config["runs"] = [{k: r[k] for k in ("algorithm", "seed", "status", "steps_done", "error")} for r in runs]
+    _write_config(out, config)
+    return write_report(out, runs, config, plots)
+
+
+def _outcome(cfg: LabConfig, result: dict | None, stream: _Stream) -> dict:
+    """A run's status (finished, failed, interrupted, not started) with what it produced."""
+    if result is None:
+        steps = stream.steps_done(cfg.algorithm, cfg.seed)
+        return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": "interrupted" if steps else "not started",
+                "steps_done": steps, "error": None, "metrics": [], "samples": {}}
+    status = "failed" if "error" in result else "finished"
+    return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": status, "steps_done": len(result["metrics"]),
+            "error": result.get("error"), "traceback": result.get("traceback"), "metrics": result["metrics"],
+            "samples": result.get("samples", {})}
 
 
 def _progress(total: int, desc: str):
@@ -117,42 +245,78 @@ def _command_line() -> str:
     return "pgloss " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
+def _specs(items: list[str], loss_args: list[str] | None):
+    import pgloss
+    from pgloss.lab.spec import parse_algorithms
+
+    return parse_algorithms(items, pgloss.names(), loss_args or [])
+
+
+def _summary_line(command: str, runs: list[dict], report: Path, seconds: float, interrupted: bool) -> str:
+    done = sum(r["status"] == "finished" for r in runs)
+    failed = [f"{r['algorithm']} seed {r['seed']}" for r in runs if r["status"] == "failed"]
+    text = f"pgloss {command}: " + ("interrupted; " if interrupted else "")
+    text += f"{done} of {len(runs)} runs finished in {seconds:.0f} s; report: {report}"
+    if failed:
+        text += f"; failed: {', '.join(failed)} (see errors.log)"
+    return text
+
+
 def cmd_compare(args) -> int:
     """Train every algorithm of ``--algorithms`` for every seed and write the comparison."""
-    from pgloss.lab.tasks import make_task
-    from pgloss.lab.trainer import make_algorithm
-
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    base = config_from_args(args)
-    try:  # fail before any training on an unknown name
-        make_task(base.task)
-        for a in algorithms:
-            make_algorithm(dataclasses.replace(base, algorithm=a))
+    start = time.time()
+    try:  # every argument is checked before any training
+        base = config_from_args(args)
+        if args.seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        specs = _specs(args.algorithms, args.loss_arg)
+        for spec in specs:
+            spec.build(base.max_new_tokens)
+        out = prepare_out(args.out)
     except (ValueError, TypeError) as err:
         print(f"pgloss compare: {err}", file=sys.stderr)
         return 2
     seeds = list(range(args.seeds))
-    workers = max(1, min(args.workers, len(algorithms) * len(seeds)))
-    out = Path(args.out)
-    start = time.time()
-    bar = _progress(len(seeds) + len(algorithms) * len(seeds) * (base.steps + 1), "compare")
-    runner = _Runner(workers, bar)
+    runs = [dataclasses.replace(base, algorithm=s.label, seed=seed) for s in specs for seed in seeds]
+    workers = min(args.workers, len(runs))
+    config = {"command": _command_line(), "versions": versions(), "algorithms": [s.label for s in specs],
+              "seeds": seeds, "workers": workers, "base": dataclasses.asdict(base), "status": "running"}
+    _write_config(out, config)
+    stream = _Stream(out / "metrics.jsonl", _progress(len(seeds) + len(runs) * (base.steps + 1), "compare"))
+    runner, warm, results, interrupted = None, {}, {}, False
     try:
-        bar.set_postfix_str("warm start")
-        states = runner.map(warm_state, [(dataclasses.replace(base, seed=s),) for s in seeds])
-        runs = [dataclasses.replace(base, algorithm=a, seed=s) for a in algorithms for s in seeds]
-        bar.set_postfix_str("RL")
-        results = runner.map(run, [(cfg, states[cfg.seed]) for cfg in runs])
+        runner = _Runner(workers, stream)
+        stream.bar.set_postfix_str("warm start")
+        runner.map(warm_state, [(dataclasses.replace(base, seed=s),) for s in seeds], warm)
+        stream.bar.set_postfix_str("RL")
+        runner.map(run, [(cfg, warm[cfg.seed]) for cfg in runs], results)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
-        runner.close()
-        bar.close()
-    records = [r for result in results for r in result["metrics"]]
-    samples = {(cfg.algorithm, cfg.seed): result["samples"] for cfg, result in zip(runs, results)}
-    config = {"algorithms": algorithms, "seeds": seeds, "workers": workers, "base": dataclasses.asdict(base),
-              "seconds": round(time.time() - start, 1)}
-    report = write_outputs(out, records, samples, config, _command_line())
-    print(f"wrote {report} ({config['seconds']} s)")
-    return 0
+        if runner is not None:
+            runner.close(terminate=interrupted)
+        stream.close()
+    return _conclude("compare", out, [_outcome(cfg, results.get(i), stream) for i, cfg in enumerate(runs)],
+                     config, start, interrupted)
+
+
+def _conclude(command: str, out: Path, runs: list[dict], config: dict, start: float, interrupted: bool) -> int:
+    """Write the files of what finished and print one line; the exit status (0, 1 failed, 130 interrupted)."""
+    config["seconds"] = round(time.time() - start, 1)
+    config["status"] = "interrupted" if interrupted else "finished"
+    try:
+        report = finish(out, runs, config)
+    except KeyboardInterrupt:
+        print(f"pgloss {command}: interrupted again while writing the report; metrics.jsonl in {out} is complete "
+              "up to the first interruption", file=sys.stderr)
+        return 130
+    line = _summary_line(command, runs, report, config["seconds"], interrupted)
+    print(line, file=sys.stderr if interrupted else sys.stdout)
+    if interrupted:
+        return 130
+    return 1 if any(r["status"] != "finished" for r in runs) else 0
 
 
 def cmd_train(args) -> int:
@@ -160,41 +324,67 @@ def cmd_train(args) -> int:
     from pgloss.lab import distributed as dist
     from pgloss.lab import trainer
 
-    from pgloss.lab.tasks import make_task
-
-    cfg = config_from_args(args)
-    try:  # fail before any training on an unknown name
-        make_task(cfg.task)
-        trainer.make_algorithm(cfg)
+    start = time.time()
+    try:
+        specs = _specs([args.algorithm], args.loss_arg)
+        if len(specs) != 1:
+            raise ValueError(f"--algorithm: train runs one algorithm, got {', '.join(s.label for s in specs)} "
+                             "(use pgloss compare for several)")
+        cfg = config_from_args(args, algorithm=specs[0].label)
+        specs[0].build(cfg.max_new_tokens)
+        rank, world = dist.init(cfg.device)
+        out = prepare_out(args.out) if rank == 0 else None
     except (ValueError, TypeError) as err:
         print(f"pgloss train: {err}", file=sys.stderr)
         return 2
-    rank, world = dist.init(cfg.device)
-    start = time.time()
-    bar = _progress(cfg.steps + 1, f"train {cfg.algorithm}") if rank == 0 else None
-    result = trainer.train(cfg, on_step=(lambda _r: bar.update(1)) if bar else None)
-    if bar:
-        bar.close()
+    config = {"command": _command_line(), "versions": versions(), "algorithms": [cfg.algorithm], "seeds": [cfg.seed],
+              "world_size": world, "base": dataclasses.asdict(cfg), "status": "running"}
+    stream = None
     if rank == 0:
-        config = {"algorithms": [cfg.algorithm], "seeds": [cfg.seed], "world_size": world,
-                  "base": dataclasses.asdict(cfg), "seconds": round(time.time() - start, 1)}
-        report = write_outputs(Path(args.out), result["metrics"], {(cfg.algorithm, cfg.seed): result["samples"]},
-                               config, _command_line())
-        print(f"wrote {report} ({config['seconds']} s)")
+        _write_config(out, config)
+        stream = _Stream(out / "metrics.jsonl", _progress(cfg.steps + 1, f"train {cfg.algorithm}"))
+    records: list[dict] = []
+
+    def on_step(record: dict) -> None:
+        records.append(record)
+        if stream is not None:
+            stream(record)
+
+    result, interrupted = None, False
+    try:
+        result = trainer.train(cfg, on_step=on_step)
+    except KeyboardInterrupt:
+        interrupted = True
+    except Exception as err:  # noqa: BLE001 (the partial metrics and the traceback are written)
+        result = _failure(err, metrics=records)
+    finally:
+        if stream is not None:
+            stream.close()
+    status = 0
+    if rank == 0:
+        status = _conclude("train", out, [_outcome(cfg, result, stream)], config, start, interrupted)
     dist.cleanup()
-    return 0
+    return status
 
 
 def add_commands(subparsers) -> None:
     """Add ``train`` and ``compare`` to the ``pgloss`` command's subparsers."""
+    loss_arg = dict(action="append", metavar="KEY=VALUE",
+                    help="a loss hyperparameter of pgloss.get for every algorithm of the run, e.g. clip_high=0.28 "
+                         "or kl_coef=0 (repeatable; NAME:KEY=VALUE in the algorithm sets one algorithm's)")
     train = subparsers.add_parser("train", help="train a tiny policy with one algorithm (torchrun for data parallel)")
     add_config_arguments(train)
+    train.add_argument("--loss-arg", **loss_arg)
     train.add_argument("--out", default="runs/train", help="output directory (default: runs/train)")
     train.set_defaults(func=cmd_train)
 
     compare = subparsers.add_parser("compare", help="train a tiny policy with each algorithm and compare them")
-    compare.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
-                         help=f"comma-separated pgloss algorithm names (default: {','.join(DEFAULT_ALGORITHMS)})")
+    compare.add_argument("--algorithms", nargs="+", default=list(DEFAULT_ALGORITHMS), metavar="SPEC",
+                         help="pgloss algorithm names, space- or comma-separated, 'all' for every name; "
+                              "NAME:KEY=VALUE[,KEY=VALUE] sets that run's loss hyperparameters, so "
+                              "'dapo dapo:clip_high=0.3' compares two settings of one loss "
+                              f"(default: {' '.join(DEFAULT_ALGORITHMS)})")
+    compare.add_argument("--loss-arg", **loss_arg)
     compare.add_argument("--seeds", type=int, default=2, help="seeds 0..K-1 per algorithm (default: 2)")
     compare.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                          help="runs trained at once, one process each (default: min(2, CPUs))")

@@ -19,9 +19,9 @@ class LabConfig:
     """One RL run: task, model, sampling, optimisation and warm start."""
 
     algorithm: str = "grpo"
-    """Name of the pgloss algorithm whose loss trains the policy."""
+    """The pgloss algorithm whose loss trains the policy, with optional hyperparameters: dapo or dapo:clip_high=0.3."""
     task: str = "chain"
-    """Synthetic task: sum (add 2-6 digits), chain (+ and * left to right, mod 10) or mul (digit times digit)."""
+    """Synthetic task (tasks.TASKS): chain (+ and * left to right, mod 10), sum (add 2-6 digits), mul (digit times digit)."""
     seed: int = 0
     """Seeds the model, the warm start, the prompts and the sampling."""
     steps: int = 50
@@ -68,6 +68,61 @@ class LabConfig:
     """Fixed held-out prompts answered greedily every step for the accuracy metric."""
     samples: int = 8
     """Completions written to the samples file at the start and at the end."""
+
+    def __post_init__(self) -> None:
+        """Refuse impossible settings here, before any training, naming the flag."""
+        for name, ok, rule in (
+            ("seed", self.seed >= 0, ">= 0"),
+            ("steps", self.steps >= 1, ">= 1"),
+            ("prompts_per_step", self.prompts_per_step >= 1, ">= 1"),
+            ("group_size", self.group_size >= 2, ">= 2 (group advantages compare completions of one prompt)"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("epochs", self.epochs >= 1, ">= 1"),
+            ("minibatches", 1 <= self.minibatches <= self.prompts_per_step,
+             f"between 1 and --prompts-per-step ({self.prompts_per_step}): a minibatch holds whole groups"),
+            ("micro_batches", self.micro_batches >= 1, ">= 1"),
+            ("lr", self.lr > 0, "> 0"),
+            ("warmup", self.warmup >= 0, ">= 0"),
+            ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
+            ("warm_steps", self.warm_steps >= 0, ">= 0"),
+            ("warm_batch", self.warm_batch >= 1, ">= 1"),
+            ("warm_lr", self.warm_lr > 0, "> 0"),
+            ("scratchpad_prob", 0 <= self.scratchpad_prob <= 1, "in [0, 1]"),
+            ("n_layer", self.n_layer >= 1, ">= 1"),
+            ("n_head", self.n_head >= 1, ">= 1"),
+            ("d_model", self.d_model >= 1 and self.d_model % max(self.n_head, 1) == 0,
+             f">= 1 and a multiple of --n-head ({self.n_head})"),
+            ("threads", self.threads >= 1, ">= 1"),
+            ("eval_prompts", self.eval_prompts >= 1, ">= 1"),
+            ("samples", 0 <= self.samples <= self.eval_prompts, f"between 0 and --eval-prompts ({self.eval_prompts})"),
+        ):
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
+        from pgloss.lab.tasks import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"--task: unknown task {self.task!r}; valid names: {', '.join(sorted(TASKS))}")
+        longest = TASKS[self.task]().max_response_chars + 1  # the warm start's longest demonstration, end token included
+        if self.max_new_tokens < longest:
+            raise ValueError(f"--max-new-tokens must be >= {longest} for --task {self.task} (its longest "
+                             f"demonstration with the end token), got {self.max_new_tokens}")
+        check_device(self.device)
+
+
+def check_device(device: str) -> None:
+    """``cpu``, or ``cuda``/``cuda:N`` on a machine where torch sees that GPU; ValueError otherwise."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch {torch.__version__} sees no CUDA device on this machine")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def field_docs(cls=LabConfig) -> dict[str, str]:

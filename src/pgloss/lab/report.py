@@ -1,6 +1,12 @@
-"""``report.md``: the summary table, the plots, and a reading of the curves in seed 004's terms.
+"""``report.md``: the summary tables, the plots, and a rule-based reading of the curves.
 
-The reading is rule-based and says which rule fired, with its thresholds:
+Every column says its window: the warm start is step 0; a rollout statistic at the end is the
+mean of the last ``TAIL`` steps; an update diagnostic is the mean over every update of the run;
+the eval reward compares the warm-start policy with the final one. A cell is the mean over seeds
+followed by each seed's value.
+
+The reading of clip fraction against ``ppo_kl`` follows "an article on the components of PG
+losses in verl's conventions" and says which rule fired, with its thresholds:
 
 - clip fraction high (>= 0.10) and ppo_kl high (>= 0.02): steps too large (learning rate,
   epochs, advantage scale);
@@ -8,6 +14,10 @@ The reading is rule-based and says which rule fired, with its thresholds:
   edge while the distribution as a whole moves little);
 - clip fraction near zero (< 0.01): steps too small (or a KL/entropy term holding them back);
 - otherwise: moderate, inside the usual range.
+
+The rules assume a token ratio clipped to a band near 1 ± 0.2. They are not applied where the
+clip means something else: GSPO's band of 3e-4/4e-4 on a sequence ratio clips many responses
+by design, CISPO clips a weight and keeps the gradient, SAPO has no hard clip.
 """
 
 from __future__ import annotations
@@ -15,9 +25,16 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-TAIL = 5  # final values are means over the last TAIL steps
+TAIL = 5  # rollout statistics at the end are means over the last TAIL steps
 
 HIGH_CLIP, LOW_CLIP, HIGH_PPO_KL = 0.10, 0.01, 0.02
+NARROW_BAND = 0.01  # clip_low + clip_high below this: a band the article's thresholds were not made for
+
+ROLLOUT = ("reward", "accuracy", "length", "entropy", "kl_ref", "scratchpad", "reward_scratchpad", "reward_direct")
+UPDATE = ("clip_frac", "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "kept")
+
+VERL_ARTICLE = "an article on the components of PG losses in verl's conventions"
+OPENR1_ARTICLE = '"OpenR1 in practice (6): sample-level vs token-level loss" (2025-06-04)'
 
 
 def _mean(values) -> float:
@@ -25,132 +42,232 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
-    """Per algorithm (averaged over seeds): start (step 0) and final (last TAIL steps) values."""
-    by_alg: dict[str, dict[int, list[dict]]] = {}
+def run_values(records: list[dict]) -> dict[str, float]:
+    """One run's numbers: ``<metric>_start`` (step 0) and ``<metric>_end`` (last TAIL steps) for the
+    rollout statistics, whole-run means of the update diagnostics, eval reward before and after."""
+    run = sorted(records, key=lambda r: r["step"])
+    updates = run[:-1]  # the last record measures the final policy and makes no update
+    values = {}
+    for key in ROLLOUT:
+        values[f"{key}_start"] = _mean([run[0].get(key)])
+        values[f"{key}_end"] = _mean(r.get(key) for r in run[-TAIL:])
+    for key in UPDATE:
+        values[key] = _mean(r.get(key) for r in updates)
+    values["eval_start"] = _mean([run[0].get("eval_reward")])
+    values["eval_end"] = _mean([run[-1].get("eval_reward")])
+    values["beat"] = float(values["eval_end"] > values["eval_start"])
+    return values
+
+
+def summarize(records: list[dict]) -> dict[str, dict]:
+    """Per algorithm: ``seeds`` (sorted) and ``values`` {key: [one value per seed]} of `run_values`."""
+    runs: dict[str, dict[int, list[dict]]] = {}
     for r in records:
-        by_alg.setdefault(r["algorithm"], {}).setdefault(r["seed"], []).append(r)
+        runs.setdefault(r["algorithm"], {}).setdefault(r["seed"], []).append(r)
     rows = {}
-    for algorithm, seeds in by_alg.items():
-        runs = [sorted(rs, key=lambda r: r["step"]) for rs in seeds.values()]
-        row = {"seeds": len(runs)}
-        for key in ("reward", "accuracy", "length", "entropy", "kl_ref", "scratchpad", "reward_scratchpad",
-                    "reward_direct"):
-            row[f"{key}_start"] = _mean(run[0][key] for run in runs)
-            row[f"{key}_end"] = _mean(_mean(r[key] for r in run[-TAIL:]) for run in runs)
-            row[f"{key}_end_min"] = min(_mean(r[key] for r in run[-TAIL:]) for run in runs)
-            row[f"{key}_end_max"] = max(_mean(r[key] for r in run[-TAIL:]) for run in runs)
-        for key in ("clip_frac", "ppo_kl", "grad_norm"):
-            row[key] = _mean(r[key] for run in runs for r in run)
-        row["eval_start"] = _mean(run[0]["eval_reward"] for run in runs)
-        row["eval_end"] = _mean(run[-1]["eval_reward"] for run in runs)
-        row["seeds_beat"] = sum(run[-1]["eval_reward"] > run[0]["eval_reward"] for run in runs)
-        row["beat_warm_start"] = row["seeds_beat"] == len(runs)
-        rows[algorithm] = row
+    for algorithm, seeds in runs.items():
+        per_seed = [run_values(seeds[s]) for s in sorted(seeds)]
+        rows[algorithm] = {"seeds": sorted(seeds), "values": {k: [v[k] for v in per_seed] for k in per_seed[0]}}
     return rows
 
 
-def table(rows: dict[str, dict[str, float]]) -> str:
-    """Markdown summary table."""
-    head = ("| algorithm | eval reward start -> end | beat warm start (seeds) | train reward start -> end "
-            "| greedy acc. start -> end | length start -> end | entropy start -> end | KL to ref end | clip frac. "
-            "| ppo_kl |\n|---|---|---|---|---|---|---|---|---|---|\n")
-    lines = []
-    for a, r in rows.items():
-        lines.append(
-            f"| {a} | {r['eval_start']:.3f} -> {r['eval_end']:.3f} | {r['seeds_beat']}/{r['seeds']} "
-            f"| {r['reward_start']:.3f} -> {r['reward_end']:.3f} | {r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f} "
-            f"| {r['length_start']:.2f} -> {r['length_end']:.2f} | {r['entropy_start']:.3f} -> {r['entropy_end']:.3f} "
-            f"| {r['kl_ref_end']:.3f} | {r['clip_frac']:.3f} | {r['ppo_kl']:.4f} |")
-    return head + "\n".join(lines) + "\n"
+def _fmt(value: float, digits: int) -> str:
+    if value is None or math.isnan(value):
+        return "–"
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text  # no "-0.000"
 
 
-def read_clipping(algorithm: str, r: dict[str, float]) -> str:
-    """Seed 004's reading of clip fraction against KL, for one algorithm."""
-    clip, kl = r["clip_frac"], r["ppo_kl"]
-    if clip >= HIGH_CLIP and kl >= HIGH_PPO_KL:
-        verdict = "high clip fraction with high ppo_kl: the steps are large (learning rate, epochs or advantage scale)"
-    elif clip >= HIGH_CLIP:
-        verdict = ("high clip fraction with low ppo_kl: the batch is reused a lot, ratios reach the clip edge while "
-                   "the distribution as a whole moves little")
-    elif clip < LOW_CLIP:
-        verdict = "clip fraction near zero: the steps are small, clipping hardly acts"
+def cell(values: list[float], digits: int = 3) -> str:
+    """The mean over seeds, then each seed's value: ``0.626 (0.612, 0.640)``."""
+    text = _fmt(_mean(values), digits)
+    if len(values) > 1 and text != "–":
+        text += " (" + ", ".join(_fmt(v, digits) for v in values) + ")"
+    return text
+
+
+def _span(row: dict, key: str, digits: int = 3) -> str:
+    v = row["values"]
+    return f"{_fmt(_mean(v[key + '_start']), digits)} → {cell(v[key + '_end'], digits)}"
+
+
+def tables(rows: dict[str, dict]) -> str:
+    """The outcome table and the update table (Markdown), each column with its window."""
+    out = ["| algorithm | eval reward: warm start → final policy | beat warm start (seeds) "
+           f"| train reward: step 0 → last {TAIL} steps | greedy accuracy: step 0 → last {TAIL} "
+           f"| length (tokens): step 0 → last {TAIL} | entropy: step 0 → last {TAIL} | KL to ref.: last {TAIL} |",
+           "|---|---|---|---|---|---|---|---|"]
+    for a, row in rows.items():
+        v = row["values"]
+        out.append(f"| {a} | {_fmt(_mean(v['eval_start']), 3)} → {cell(v['eval_end'])} "
+                   f"| {int(sum(v['beat']))}/{len(row['seeds'])} | {_span(row, 'reward')} | {_span(row, 'accuracy')} "
+                   f"| {_span(row, 'length', 2)} | {_span(row, 'entropy')} | {cell(v['kl_ref_end'])} |")
+    out += ["", "Update diagnostics, each a mean over every update of the run:", "",
+            "| algorithm | clip fraction | clipped high | clipped low | ppo_kl | gradient norm "
+            "| steps with the gradient clipped | kept (share of responses trained on) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for a, row in rows.items():
+        v = row["values"]
+        out.append(f"| {a} | {cell(v['clip_frac'])} | {cell(v['clip_frac_high'], 4)} | {cell(v['clip_frac_low'], 4)} "
+                   f"| {cell(v['ppo_kl'], 4)} | {cell(v['grad_norm'], 2)} | {cell(v['grad_clipped'], 2)} "
+                   f"| {cell(v['kept'], 2)} |")
+    return "\n".join(out) + "\n"
+
+
+def _algorithm(label: str, config: dict):
+    """The pgloss algorithm behind a run's label, or None when it cannot be built here."""
+    from pgloss.lab.spec import parse_spec
+
+    try:
+        return parse_spec(label).build(config["base"]["max_new_tokens"])
+    except (ValueError, TypeError):
+        return None
+
+
+def read_clipping(label: str, row: dict, algorithm=None) -> str:
+    """The article's reading of clip fraction against ppo_kl for one algorithm, unless its clip
+    means something else (see the module docstring), with the gradient norm beside it."""
+    v = row["values"]
+    clip, kl = _mean(v["clip_frac"]), _mean(v["ppo_kl"])
+    level = getattr(algorithm, "ratio_level", "token")
+    low, high = getattr(algorithm, "clip_low", None), getattr(algorithm, "clip_high", None)
+    family = type(algorithm).__name__
+    if math.isnan(clip):
+        verdict = "the loss reports no clip fraction (no hard clip: SAPO gates the ratio softly), so the rules do not apply"
+    elif family == "CISPO":
+        verdict = ("CISPO clips the importance weight, not the gradient: a clipped token still trains with the capped "
+                   "weight, so the rules for PPO's clip do not apply")
+    elif level in ("sequence", "sequence_token") and low is not None and high is not None and low + high < NARROW_BAND:
+        verdict = (f"high by design, not a sign of batch reuse: the band is {low:g}/{high:g} on a length-normalised "
+                   "sequence ratio, so after the first optimizer step of a batch many responses sit outside it; the "
+                   "thresholds below assume a token band near 0.2 and do not apply")
     else:
-        verdict = "moderate clip fraction: clipping acts on a minority of tokens, the usual regime"
-    return (f"- **{algorithm}**: clip fraction {clip:.3f}, ppo_kl {kl:.4f}, KL to the reference at the end "
-            f"{r['kl_ref_end']:.3f}, entropy {r['entropy_start']:.3f} -> {r['entropy_end']:.3f}: {verdict}.")
+        if clip >= HIGH_CLIP and kl >= HIGH_PPO_KL:
+            verdict = "high clip fraction with high ppo_kl: the steps are large (learning rate, epochs or advantage scale)"
+        elif clip >= HIGH_CLIP:
+            verdict = ("high clip fraction with low ppo_kl: the batch is reused a lot, ratios reach the clip edge while "
+                       "the distribution as a whole moves little")
+        elif clip < LOW_CLIP:
+            verdict = "clip fraction near zero: the steps are small, clipping hardly acts"
+        else:
+            verdict = "moderate clip fraction: clipping acts on a minority of tokens, the usual regime"
+        if level == "sequence_product":
+            verdict += " (its ratio is a whole response's: a clipped response clips all its tokens)"
+    return (f"- **{label}**: clip fraction {_fmt(clip, 3)} (high {_fmt(_mean(v['clip_frac_high']), 4)}, "
+            f"low {_fmt(_mean(v['clip_frac_low']), 4)}), ppo_kl {_fmt(kl, 4)}: {verdict}. Gradient norm "
+            f"{_fmt(_mean(v['grad_norm']), 2)}, clipped on {_fmt(100 * _mean(v['grad_clipped']), 0)}% of the optimizer "
+            f"steps; KL to the reference at the end {_fmt(_mean(v['kl_ref_end']), 3)}; entropy "
+            f"{_span(row, 'entropy')}.")
 
 
-def read_length(rows: dict[str, dict[str, float]]) -> str:
-    """Whether seed 003's effects appeared: sample-level loss lengthening, token-level GRPO keeping short."""
+def read_kept(rows: dict[str, dict]) -> list[str]:
+    """One line per algorithm that trained on part of its batches (DAPO's dynamic sampling)."""
+    lines = []
+    for label, row in rows.items():
+        kept = _mean(row["values"]["kept"])
+        if kept < 1:
+            lines.append(f"- **{label}** trained on {kept:.0%} of the sampled responses on average "
+                         f"(per seed: {', '.join(_fmt(k, 2) for k in row['values']['kept'])}): dynamic sampling "
+                         "drops the groups whose rewards are all equal, and the lab does not sample more to refill "
+                         "the batch, so its updates see fewer responses than the others'.")
+    return lines
+
+
+def read_length(rows: dict[str, dict]) -> str:
+    """Whether the effects of the OpenR1 article appeared: the sample-level loss lengthening
+    responses while token-level GRPO keeps them short."""
     if "sample_grpo" not in rows or "grpo" not in rows:
-        return "Seed 003's comparison needs both grpo and sample_grpo in the run; it was not made here."
-    s, g = rows["sample_grpo"], rows["grpo"]
-    ds, dg = s["length_end"] - s["length_start"], g["length_end"] - g["length_start"]
-    apart = s["length_end_min"] > g["length_end_max"]
-    lengthened = ds > 0.5 and apart
-    text = (f"sample_grpo's responses went from {s['length_start']:.2f} to {s['length_end']:.2f} tokens "
-            f"({ds:+.2f}), grpo's from {g['length_start']:.2f} to {g['length_end']:.2f} ({dg:+.2f}); "
-            f"at the end the seeds span {s['length_end_min']:.2f}-{s['length_end_max']:.2f} for sample_grpo and "
-            f"{g['length_end_min']:.2f}-{g['length_end_max']:.2f} for grpo. ")
-    text += (f"At the start, {s['scratchpad_start']:.0%} of the responses wrote a scratchpad; those earned "
-             f"{s['reward_scratchpad_start']:.3f} on average and the direct answers {s['reward_direct_start']:.3f}, "
-             f"so the reward itself favoured {'long' if s['reward_scratchpad_start'] > s['reward_direct_start'] else 'short'} "
-             f"responses. At the end {s['scratchpad_end']:.0%} (sample_grpo) and {g['scratchpad_end']:.0%} (grpo) "
-             "wrote one. ")
+        return f"The comparison of {OPENR1_ARTICLE} needs both grpo and sample_grpo in the run; it was not made here."
+    s, g = rows["sample_grpo"]["values"], rows["grpo"]["values"]
+    s0, s1, g0, g1 = _mean(s["length_start"]), _mean(s["length_end"]), _mean(g["length_start"]), _mean(g["length_end"])
+    ds, dg = s1 - s0, g1 - g0
+    lengthened = ds > 0.5 and min(s["length_end"]) > max(g["length_end"])
+    text = (f"sample_grpo's responses went from {s0:.2f} to {s1:.2f} tokens ({ds:+.2f}), grpo's from {g0:.2f} to "
+            f"{g1:.2f} ({dg:+.2f}); at the end the seeds span {min(s['length_end']):.2f}-{max(s['length_end']):.2f} "
+            f"for sample_grpo and {min(g['length_end']):.2f}-{max(g['length_end']):.2f} for grpo. ")
+    pad, direct = _mean(s["reward_scratchpad_start"]), _mean(s["reward_direct_start"])
+    text += (f"At the start, {_mean(s['scratchpad_start']):.0%} of the responses wrote a scratchpad; those earned "
+             f"{pad:.3f} on average and the direct answers {direct:.3f}, so the reward itself favoured "
+             f"{'long' if pad > direct else 'short'} responses. At the end {_mean(s['scratchpad_end']):.0%} "
+             f"(sample_grpo) and {_mean(g['scratchpad_end']):.0%} (grpo) wrote one. ")
     if lengthened and dg <= 0.5:
-        text += "Seed 003's effect appeared: the sample-level loss lengthened responses, token-level GRPO kept them short."
+        text += "The article's effect appeared: the sample-level loss lengthened responses, token-level GRPO kept them short."
     elif lengthened:
         text += ("The sample-level loss ended longer than token-level GRPO, but GRPO's responses grew too, so only "
-                 "half of seed 003's effect appeared.")
+                 "half of the article's effect appeared.")
     else:
-        text += ("Seed 003's effect did not appear at this scale: the sample-level loss did not end with clearly "
+        text += ("The article's effect did not appear at this scale: the sample-level loss did not end with clearly "
                  "(every seed) longer responses than token-level GRPO.")
     return text
 
 
-def write_report(out: Path, records: list[dict], config: dict, plots: list[Path], samples: dict, command: str) -> Path:
-    """Write ``report.md`` into `out` and return its path."""
-    rows = summarize(records)
+def unfinished(runs: list[dict]) -> list[str]:
+    """One line per run that did not finish, saying why."""
+    steps = lambda r: f"after {r['steps_done']} of {r['steps']} steps"  # noqa: E731
+    reasons = {"failed": lambda r: f"failed {steps(r)}: {r['error']} (traceback in `errors.log`)",
+               "interrupted": lambda r: f"interrupted {steps(r)} (its steps are in `metrics.jsonl`)",
+               "not started": lambda r: "not started"}
+    return [f"- {r['algorithm']}, seed {r['seed']}: {reasons[r['status']](r)}" for r in runs if r["status"] in reasons]
+
+
+def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path]) -> Path:
+    """Write ``report.md`` for `runs` (dicts with algorithm, seed, status, steps_done, error, metrics;
+    only finished runs enter the tables and plots) into `out`; returns its path."""
+    base = config["base"]
+    finished = [r for r in runs if r["status"] == "finished"]
+    rows = summarize([m for r in finished for m in r["metrics"]])
+    lost = unfinished([{**r, "steps": base["steps"], "steps_done": min(r["steps_done"], base["steps"])} for r in runs])
     lines = [
         "# pgloss lab: comparison",
         "",
-        f"Command: `{command}`",
+        f"Command: `{config['command']}`",
         "",
-        f"Task `{config['base']['task']}`, {config['base']['steps']} RL steps of {config['base']['prompts_per_step']} prompts "
-        f"x {config['base']['group_size']} completions, {config['base']['epochs']} epochs x "
-        f"{config['base']['minibatches']} minibatches per batch, seeds {config['seeds']}. Start = the warm-start policy "
-        f"(step 0); end = mean of the last {TAIL} steps; both averaged over seeds. *Eval reward* is the sampled "
-        f"reward on {config['base']['eval_prompts']} fixed held-out prompts x {config['base']['group_size']} samples, "
-        "drawn with the same random numbers before RL and after it: a seed beats its warm start when its eval "
-        "reward rises. *Train reward* is the sampled reward of each step's fresh prompts; greedy accuracy is on the "
-        "held-out prompts. Lengths count response tokens, the end token included. Full config: `config.json`.",
+        f"pgloss {config['versions']['pgloss']}, torch {config['versions']['torch']}, git "
+        f"{config['versions']['git'] or 'unknown'}. Full config: `config.json`.",
+        "",
+    ]
+    if lost:
+        status = "was interrupted" if config.get("status") == "interrupted" else "did not finish every run"
+        lines += [f"**This comparison {status}: {len(finished)} of {len(runs)} runs finished.** The tables and "
+                  "plots show the finished runs only.", "", *lost, ""]
+    lines += [
+        f"Task `{base['task']}`, {base['steps']} RL steps of {base['prompts_per_step']} prompts x {base['group_size']} "
+        f"completions, {base['epochs']} epochs x {base['minibatches']} minibatches per batch, seeds {config['seeds']}.",
+        "",
+        "Windows: *warm start* and *step 0* are the warm-start policy before any update; *last "
+        f"{TAIL}* is the mean of the last {TAIL} steps (the final policy's rollout and the {TAIL - 1} before it); "
+        "the *update diagnostics* are means over every update of the run. *Eval reward* is the sampled reward on "
+        f"{base['eval_prompts']} fixed held-out prompts x {base['group_size']} samples, drawn with the same random "
+        "numbers for the warm-start policy and the final one: a seed beats its warm start when it rises. *Train "
+        "reward* is the sampled reward of each step's fresh prompts; greedy accuracy is on the held-out prompts. "
+        "Lengths count response tokens, the end token included. Each cell is the mean over seeds, then each "
+        "seed's value in parentheses.",
         "",
         "## Summary",
         "",
-        table(rows),
-        "## Curves",
-        "",
-        *[f"![{p.stem}]({p.name})" for p in plots],
-        "",
-        "## Reading the curves (seed 004: clip fraction against KL)",
-        "",
-        "Rules: clip fraction >= 0.10 with ppo_kl >= 0.02 means steps too large; >= 0.10 with lower ppo_kl means "
-        "too much reuse of the batch; < 0.01 means steps too small. Sequence-level ratios (gspo, sample_grpo) clip "
-        "whole responses, so their clip fraction counts all tokens of a clipped response and is not directly "
-        "comparable with the token-level methods'.",
-        "",
-        *[read_clipping(a, r) for a, r in rows.items()],
-        "",
-        "## Response length (seed 003)",
-        "",
-        read_length(rows),
-        "",
-        "## Samples",
-        "",
-        "See `samples.md` for completions at the start and at the end of every run.",
-        "",
     ]
+    if rows:
+        lines += [tables(rows), *read_kept(rows), ""]
+    else:
+        lines += ["No run finished.", ""]
+    lines += ["## Curves", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    if rows:
+        lines += [
+            f"## Reading the curves (clip fraction against KL, after {VERL_ARTICLE})",
+            "",
+            f"Rules: clip fraction >= {HIGH_CLIP} with ppo_kl >= {HIGH_PPO_KL} means steps too large; >= {HIGH_CLIP} "
+            f"with lower ppo_kl means too much reuse of the batch; < {LOW_CLIP} means steps too small. They assume "
+            "a token ratio clipped near 1 ± 0.2 and are not applied where the clip means something else (GSPO's "
+            "narrow sequence band, CISPO's clipped weight, SAPO's soft gate).",
+            "",
+            *[read_clipping(a, r, _algorithm(a, config)) for a, r in rows.items()],
+            "",
+            f"## Response length ({OPENR1_ARTICLE})",
+            "",
+            read_length(rows),
+            "",
+        ]
+    lines += ["## Samples", "", "See `samples.md` for completions at the start and at the end of every finished run.", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

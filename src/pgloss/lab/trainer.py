@@ -12,9 +12,11 @@ Read top to bottom:
    of whole groups, each step made of ``micro_batches`` combined by one ``pgloss.Normalizer``
    (counted over the step's micro-batches and all ranks). Ratios move away from one after the
    first optimizer step, so clipping matters.
-5. ``train``: the loop, yielding one dict of numbers per step (seed 004's diagnostics: reward,
-   greedy accuracy, response length, entropy, KL to the reference, clip fraction, ppo_kl,
-   gradient norm). Every diagnostic is a tensor until the single ``tolist`` of the step.
+5. ``train``: the loop, yielding one dict of numbers per step (the diagnostics that "an article
+   on the components of PG losses in verl's conventions" tells you to watch: reward, greedy
+   accuracy, response length, entropy, KL to the reference, clip fraction with its high/low
+   split, ppo_kl, gradient norm and the share of clipped gradients). Every diagnostic is a
+   tensor until the single ``tolist`` of the step.
 
 PPO in the papers learns a critic and uses GAE; the lab has no critic and gives ``ppo`` and
 ``dual_clip_ppo`` the same group advantages as the GRPO family (one reward per response).
@@ -39,11 +41,17 @@ from pgloss.lab import distributed as dist
 from pgloss.lab.config import LabConfig
 from pgloss.lab.model import ModelConfig, TinyGPT
 from pgloss.lab.sampling import Rollout, response_log_probs, sample, teacher_forced
+from pgloss.lab.spec import parse_spec
 from pgloss.lab.tasks import Problem, demonstration, make_task, reward
 from pgloss.lab.tokenizer import Tokenizer
 
-METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "ppo_kl", "grad_norm",
-           "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss", "eval_reward")
+METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "clip_frac_high", "clip_frac_low",
+           "ppo_kl", "grad_norm", "grad_clipped", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",
+           "eval_reward")
+# the loss's metric behind each update diagnostic; an algorithm without one (SAPO has no clipping) logs None
+LOSS_METRICS = {"clip_frac": "pg_clipfrac", "clip_frac_high": "pg_clipfrac_high", "clip_frac_low": "pg_clipfrac_low",
+                "ppo_kl": "ppo_kl"}
+UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss")
 
 
 @dataclass(frozen=True)
@@ -64,10 +72,9 @@ class Batch:
 
 
 def make_algorithm(cfg: LabConfig):
-    """The named pgloss algorithm; Dr.GRPO's constant divisor is the response budget."""
-    if cfg.algorithm == "dr_grpo":
-        return pgloss.get(cfg.algorithm, norm_constant=float(cfg.max_new_tokens))
-    return pgloss.get(cfg.algorithm)
+    """The pgloss algorithm of ``cfg.algorithm`` (a spec: ``dapo`` or ``dapo:clip_high=0.3``);
+    Dr.GRPO's constant divisor is the response budget unless the spec sets ``norm_constant``."""
+    return parse_spec(cfg.algorithm).build(cfg.max_new_tokens)
 
 
 def build(cfg: LabConfig):
@@ -146,18 +153,18 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
 
 def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups: int,
            generator: torch.Generator, scheduler=None) -> dict[str, Tensor]:
-    """``epochs`` x ``minibatches`` optimizer steps on one batch; returns mean diagnostics.
+    """``epochs`` x ``minibatches`` optimizer steps on one batch; returns mean diagnostics
+    (``UPDATE_METRICS``; NaN for a metric the algorithm does not report).
 
     Minibatches are cut from a permutation of the global group ids (the same on every rank),
-    so one process and several processes make the same optimizer steps.
+    so one process and several processes make the same optimizer steps. ``grad_clipped`` is
+    the share of optimizer steps whose gradient norm exceeded ``max_grad_norm``.
     """
     use_groups = algorithm.loss_agg_mode == "group-mean-token-mean"
-    sums: dict[str, Tensor] = {}
-    counts: dict[str, int] = {}
+    values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
 
     def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
-        sums[name] = sums.get(name, 0) + value
-        counts[name] = counts.get(name, 0) + 1
+        values[name].append(value.detach().float().cpu())
 
     for _ in range(cfg.epochs):
         order = torch.randperm(n_groups, generator=generator).to(batch.advantages.device)
@@ -179,17 +186,20 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                                 ref_log_prob=micro.ref_log_prob if algorithm.uses_reference else None,
                                 group_ids=micro.rollout.group_ids if use_groups else None)
                 out.loss.backward()
-                for key, name in (("pg_clipfrac", "clip_frac"), ("ppo_kl", "ppo_kl")):
-                    add(name, out.metrics[key])
+                for name, key in LOSS_METRICS.items():
+                    if key in out.metrics:
+                        add(name, out.metrics[key])
                 step_loss = step_loss + out.loss.detach().cpu()
             add("loss", step_loss)  # the micro-batch losses sum to the step's loss
             dist.average_gradients(policy)
-            add("grad_norm", torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            add("grad_norm", norm)
+            add("grad_clipped", norm > cfg.max_grad_norm)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-    nan = torch.tensor(float("nan"))
-    return {k: sums[k] / counts[k] if k in sums else nan for k in ("clip_frac", "ppo_kl", "grad_norm", "loss")}
+    nan = torch.tensor(float("nan"))  # nanmean: a micro-batch without valid tokens has NaN metrics
+    return {k: torch.stack(v).nanmean() if v else nan for k, v in values.items()}
 
 
 @torch.no_grad()

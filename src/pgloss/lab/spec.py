@@ -1,0 +1,145 @@
+"""Algorithm specs of the command line: a pgloss name with optional loss hyperparameters.
+
+A spec is ``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE``, e.g. ``dapo:clip_high=0.3``. Its canonical
+text is the run's label (in ``metrics.jsonl``, the report and the plots), so two settings of one
+loss are two distinct runs: ``--algorithms dapo dapo:clip_high=0.3``. Values are numbers,
+``true``/``false``, ``none`` or words (``loss_agg_mode=token-mean``); every key and value is
+checked against ``pgloss.get`` before any training, so a typo fails at once and names the valid
+hyperparameters.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SUM_NORM = "seq-mean-token-sum-norm"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One algorithm of a run: its pgloss name and the hyperparameters set on the command line."""
+
+    name: str
+    args: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The canonical text: ``name`` or ``name:key=value,...`` (keys in the order given)."""
+        if not self.args:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={_show(v)}" for k, v in self.args)
+
+    def with_args(self, args: dict[str, Any]) -> "Spec":
+        """This spec with `args` added; its own settings win over `args`."""
+        own = dict(self.args)
+        merged = {**{k: v for k, v in args.items() if k not in own}, **own}
+        return Spec(self.name, tuple(merged.items()))
+
+    def build(self, max_new_tokens: int):
+        """The pgloss algorithm. A sum-norm aggregation (Dr.GRPO) without a given ``norm_constant``
+        divides by the response budget, `max_new_tokens`. Raises ValueError/TypeError like ``pgloss.get``."""
+        import pgloss
+        from pgloss.algorithms import NAMED
+
+        kwargs = dict(self.args)
+        if self.name in NAMED:
+            family, defaults = NAMED[self.name]
+            fields = {f.name: f for f in dataclasses.fields(family)}
+            for key, value in kwargs.items():
+                if key in fields:
+                    kind = fields[key].type
+                    _check_type(self.label, key, value, kind if isinstance(kind, str) else kind.__name__)
+            mode = kwargs.get("loss_agg_mode", defaults.get("loss_agg_mode", fields["loss_agg_mode"].default))
+            if mode == SUM_NORM and kwargs.get("norm_constant") is None:
+                kwargs["norm_constant"] = float(max_new_tokens)
+        try:
+            return pgloss.get(self.name, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{self.label}: {err}") from None
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _value(text: str) -> Any:
+    """``none`` -> None, ``true``/``false`` -> bool, a number -> int/float, anything else: the text."""
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else text
+
+
+def _check_type(label: str, key: str, value: Any, annotation: str) -> None:
+    """Refuse a value of the wrong kind for a hyperparameter annotated `annotation` (e.g. ``float | None``)."""
+    kinds = {part.strip() for part in annotation.split("|")}
+    if value is None:
+        ok = "None" in kinds
+    elif isinstance(value, bool):
+        ok = "bool" in kinds
+    elif isinstance(value, (int, float)):
+        ok = bool(kinds & {"float", "int"})
+    else:
+        ok = "str" in kinds
+    if not ok:
+        raise TypeError(f"{label}: {key} takes {annotation}, got {value!r}")
+
+
+def parse_setting(text: str, where: str) -> tuple[str, Any]:
+    """``key=value`` -> (key, value); `where` names the argument in the error."""
+    key, sep, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key or not value.strip():
+        raise ValueError(f"{where}: expected KEY=VALUE, got {text!r}")
+    return key, _value(value.strip())
+
+
+def parse_spec(text: str) -> Spec:
+    """``name`` or ``name:key=value,key=value`` (``:`` also separates settings)."""
+    name, _, rest = text.strip().partition(":")
+    if not name:
+        raise ValueError(f"algorithm spec {text!r}: no algorithm name before ':'")
+    pieces = [p for p in rest.replace(":", ",").split(",") if p.strip()]
+    args = dict(parse_setting(p, f"algorithm spec {text!r}") for p in pieces)
+    return Spec(name.strip(), tuple(args.items()))
+
+
+def parse_algorithms(items: list[str], every: list[str], loss_args: list[str] = ()) -> list[Spec]:
+    """The specs of ``--algorithms`` (space- or comma-separated; ``all`` is every name in `every`),
+    each with the ``--loss-arg`` settings added. A comma-separated ``key=value`` continues the
+    previous spec's settings: ``dapo:clip_high=0.3,clip_low=0.1``. Duplicate labels are refused."""
+    texts: list[str] = []
+    for piece in (p.strip() for item in items for p in item.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece:
+            if not texts:
+                raise ValueError(f"--algorithms: setting {piece!r} comes before any algorithm name")
+            texts[-1] += "," + piece
+        elif piece == "all":
+            texts += every
+        else:
+            texts.append(piece)
+    if not texts:
+        raise ValueError("--algorithms: no algorithm given")
+    shared = dict(parse_setting(a, "--loss-arg") for a in loss_args)
+    specs = [parse_spec(t).with_args(shared) for t in texts]
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.label in seen:
+            raise ValueError(f"--algorithms: {spec.label} is listed twice (two runs need distinct settings)")
+        seen.add(spec.label)
+    return specs
