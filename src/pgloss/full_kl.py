@@ -169,7 +169,8 @@ class _FullKLFromHidden(torch.autograd.Function):
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         chunks, ref_chunks = _Chunks(hidden, weight, chunk_size, lse.dtype), _Chunks(ref_hidden, ref_weight, chunk_size, lse.dtype)
         grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        grad_weight = torch.empty(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
+        empty = torch.empty if hidden.shape[0] else torch.zeros  # the first chunk writes ∂L/∂W; no chunk: zeros
+        grad_weight = empty(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             x = hidden[rows]

@@ -29,6 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..algorithms import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import clip_metrics, ratio_metrics
+from ..ratios import importance_ratio, log_ratio
+
 
 @dataclass(frozen=True)
 class GradientPreservingClip:
@@ -71,3 +76,38 @@ def ce_gppo_loss(
         dual = negative & (loss > bound)
         loss = torch.where(dual, bound, loss)
     return GradientPreservingClip(loss=loss, clipped_high=high, clipped_low=low, clipped_dual=dual)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CEGPPO(Algorithm):
+    """CE-GPPO's gradient-preserving clip (`ce_gppo_loss`)."""
+
+    clip_low: float = 0.2
+    """ε_low: the lower bound is 1 - clip_low."""
+    clip_high: float = 0.28
+    """ε_high: the upper bound is 1 + clip_high."""
+    gppo_beta_low: float = 0.75
+    """β₁, the gradient scale of clipped tokens with Â < 0 (reference `gppo_loss_beta1`)."""
+    gppo_beta_high: float = 1.0
+    """β₂, the gradient scale of clipped tokens with Â > 0 (reference `gppo_loss_beta2`)."""
+    dual_clip: float | None = 3.0
+    """c > 1: for Â < 0 the loss is at most -c·Â (reference `clip_ratio_c`); None disables it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        _check(self.gppo_beta_low >= 0 and self.gppo_beta_high >= 0,
+               f"gppo_beta_low and gppo_beta_high must be >= 0, got {self.gppo_beta_low}, {self.gppo_beta_high}")
+        if self.dual_clip is not None:
+            _check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        out = ce_gppo_loss(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
+                           beta_low=self.gppo_beta_low, beta_high=self.gppo_beta_high, dual_clip=self.dual_clip)
+        metrics = clip_metrics(out.clipped_high, out.clipped_low, batch.mask,
+                               None if self.dual_clip is None else out.clipped_dual)
+        metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
+        return PolicyTerms(out.loss, metrics)

@@ -30,8 +30,15 @@ tokens, as in verl. Everything else (the surrogate, the aggregation) is split-in
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
+
+from ..algorithms import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import clip_metrics, masked_mean, ratio_metrics
+from ..ratios import importance_ratio, log_ratio
 
 
 def token_covariance(log_prob: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
@@ -133,3 +140,81 @@ def kl_cov_loss(
         k = min(selection_size(cov_ratio, mask), valid)
         top = top.reshape(-1).index_fill(0, cov.reshape(-1).topk(k).indices, True).view_as(mask)
     return torch.where(top, surrogate + kl_coef * token_log_ratio.abs(), surrogate), top
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipCov(Algorithm):
+    """PPO's clipped surrogate with k random high-covariance tokens detached (`clip_cov_loss`).
+
+    The draw uses `generator` (compared by identity, not value); pass a seeded CPU `torch.Generator`
+    to make the step reproducible. The selection couples the tokens of one call (`couples_rows`).
+    """
+
+    clip_low: float = 0.2
+    """ε_low of PPO's clip (verl `clip_ratio_low`)."""
+    clip_high: float = 0.2
+    """ε_high of PPO's clip (verl `clip_ratio_high`)."""
+    clip_cov_ratio: float = 2e-4
+    """Fraction of the call's valid tokens to detach; at least one is (verl `clip_cov_ratio`)."""
+    clip_cov_lb: float = 1.0
+    """Candidates have cov > clip_cov_lb (verl `clip_cov_lb`)."""
+    clip_cov_ub: float = 5.0
+    """Candidates have cov < clip_cov_ub (verl `clip_cov_ub`)."""
+    generator: torch.Generator | None = field(default=None, compare=False)
+    """The CPU generator of the random draw; None: torch's global generator, as verl."""
+
+    couples_rows = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        _check(self.clip_cov_ratio > 0, f"clip_cov_ratio must be > 0, got {self.clip_cov_ratio}")
+        _check(self.clip_cov_lb < self.clip_cov_ub,
+               f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}")
+        if self.generator is not None and not isinstance(self.generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        loss, picked, by_clip = clip_cov_loss(
+            ratio, batch.log_prob, batch.advantages, batch.mask, clip_low=self.clip_low, clip_high=self.clip_high,
+            cov_ratio=self.clip_cov_ratio, cov_lb=self.clip_cov_lb, cov_ub=self.clip_cov_ub, generator=self.generator,
+        )
+        positive = batch.advantages > 0
+        metrics = clip_metrics(by_clip & positive, by_clip & ~positive, batch.mask)
+        metrics["clip_cov_fraction"] = masked_mean(picked.to(ratio.dtype), batch.mask)
+        metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
+        return PolicyTerms(loss, metrics)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLCov(Algorithm):
+    """The unclipped surrogate, with κ·|δ| on the top-k covariance tokens (`kl_cov_loss`).
+
+    The selection couples the tokens of one call (`couples_rows`).
+    """
+
+    kl_cov_ratio: float = 2e-4
+    """Fraction of the call's valid tokens that get the penalty; at least one does (verl `kl_cov_ratio`)."""
+    ppo_kl_coef: float = 0.1
+    """κ, the weight of |log r| on the selected tokens (verl `ppo_kl_coef`, config default 0.1)."""
+
+    couples_rows = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.kl_cov_ratio > 0, f"kl_cov_ratio must be > 0, got {self.kl_cov_ratio}")
+        _check(self.ppo_kl_coef >= 0, f"ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        loss, top = kl_cov_loss(ratio, batch.log_prob, delta, batch.advantages, batch.mask,
+                                cov_ratio=self.kl_cov_ratio, kl_coef=self.ppo_kl_coef)
+        metrics = ratio_metrics(ratio, delta, batch.mask)
+        metrics["kl_cov_fraction"] = masked_mean(top.to(ratio.dtype), batch.mask)
+        metrics["ppo_kl_abs"] = masked_mean(delta.abs(), batch.mask)
+        return PolicyTerms(loss, metrics)

@@ -32,8 +32,15 @@ At r = 1 every token is valid and r̃ = 1: the gradient is REINFORCE's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from ..algorithms import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import masked_mean, ratio_metrics
+from ..ratios import importance_ratio, log_ratio
 
 DPPO_DIVERGENCES = ("tv", "kl")
 
@@ -57,3 +64,38 @@ def dppo_loss(log_prob: Tensor, ratio: Tensor, advantages: Tensor, valid: Tensor
     """-A · sg[min(r, c)] · log π_θ · sg[valid] per token, `[B, T]`."""
     weight = ratio.detach().clamp(max=truncation) * valid.to(ratio.dtype)
     return -advantages * weight * log_prob
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPPO(Algorithm):
+    """ℓ_{i,t} = -Â·sg[min(r, c)]·log π_θ·sg[valid] (`dppo_loss`, `dppo_valid`)."""
+
+    divergence: str = "tv"
+    """The trust region: "tv" (DPPO-Binary-TV) or "kl" (DPPO-Binary-KL)."""
+    clip_low: float = 0.2
+    """ε_low, the divergence threshold for Â ≤ 0 (verl `clip_ratio_low`)."""
+    clip_high: float = 0.2
+    """ε_high, the divergence threshold for Â > 0 (verl `clip_ratio_high`)."""
+    truncation: float = 3.0
+    """c, the cap of the detached ratio weight (verl `clip_ratio_c`, 3.0 in its ActorConfig)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.divergence in DPPO_DIVERGENCES,
+               f"divergence must be one of {DPPO_DIVERGENCES}, got {self.divergence!r}")
+        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        _check(self.truncation > 0, f"truncation must be > 0, got {self.truncation}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        valid = dppo_valid(batch.log_prob, batch.old_log_prob, batch.advantages, divergence=self.divergence,
+                           clip_low=self.clip_low, clip_high=self.clip_high)
+        metrics = ratio_metrics(ratio, delta, batch.mask)
+        metrics["pg_clipfrac"] = masked_mean((~valid).to(ratio.dtype), batch.mask)
+        metrics["pg_clipfrac_lower"] = masked_mean((valid & (ratio.detach() > self.truncation)).to(ratio.dtype),
+                                                   batch.mask)
+        return PolicyTerms(dppo_loss(batch.log_prob, ratio, batch.advantages, valid, truncation=self.truncation),
+                           metrics)

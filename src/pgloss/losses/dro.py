@@ -18,9 +18,35 @@ The penalty's gradient β·δ·∇log π_θ vanishes at δ = 0, so at r = 1 the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
+
+from ..algorithms import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import ratio_metrics
+from ..ratios import importance_ratio, log_ratio
 
 
 def dro_loss(log_prob: Tensor, token_log_ratio: Tensor, advantages: Tensor, *, beta: float) -> Tensor:
     """-A · log π_θ + (β/2)·δ² per token, `[B, T]`."""
     return -advantages * log_prob + 0.5 * beta * token_log_ratio.square()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DRO(Algorithm):
+    """ℓ_{i,t} = -Â·log π_θ + (β/2)·δ² (`dro_loss`)."""
+
+    dro_beta: float = 0.1
+    """β of the quadratic penalty (verl `policy_loss.dro_beta`, required there; ROLL's τ = 0.1)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.dro_beta > 0, f"dro_beta must be > 0, got {self.dro_beta}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        return PolicyTerms(dro_loss(batch.log_prob, delta, batch.advantages, beta=self.dro_beta),
+                           ratio_metrics(ratio, delta, batch.mask))

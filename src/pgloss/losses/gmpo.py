@@ -26,8 +26,15 @@ max). The paper's ε is 0.4 on both sides. Deliberate differences from verl:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from ..algorithms import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import clip_metrics, ratio_metrics
+from ..ratios import log_ratio
 
 
 def gmpo_clipped_log_ratio(token_log_ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float) -> Tensor:
@@ -63,3 +70,31 @@ def gmpo_loss(
     seq_advantage = (advantages * m).sum(dim=-1, keepdim=True) / length
     clipped = (starred != token_log_ratio).detach() & (advantages != 0) & mask
     return (-seq_advantage * ratio).expand_as(token_log_ratio), ratio, clipped
+
+
+@dataclass(frozen=True, kw_only=True)
+class GMPO(Algorithm):
+    """ℓ_{i,t} = L_i = -Â_i · exp(mean_t δ*_t) (this module); the mean over sequences is fixed."""
+
+    loss_agg_mode: str = "seq-mean-token-mean"
+    clip_low: float = 0.4
+    """ε_low: log-ratios below -ε_low are cut for Â < 0 (the paper's 0.4; verl `clip_ratio_low`)."""
+    clip_high: float = 0.4
+    """ε_high: log-ratios above ε_high are cut for Â > 0 (the paper's 0.4; verl `clip_ratio_high`)."""
+
+    @property
+    def fixed_agg_mode(self) -> str | None:
+        return "seq-mean-token-mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        per_token, ratio, clipped = gmpo_loss(delta, batch.advantages, batch.mask, clip_low=self.clip_low,
+                                              clip_high=self.clip_high, max_log_ratio=self.max_log_ratio)
+        metrics = clip_metrics(clipped & (batch.advantages > 0), clipped & (batch.advantages < 0), batch.mask)
+        metrics |= ratio_metrics(ratio, delta, batch.mask)
+        return PolicyTerms(per_token, metrics)

@@ -24,8 +24,15 @@ There is no REINFORCE identity at r = 1: the gradient of L_g there is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from ..algorithms import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import ratio_metrics
+from ..ratios import importance_ratio, log_ratio, sequence_log_ratio
 
 
 def real_group_loss(seq_log_ratio: Tensor, seq_advantages: Tensor, valid_rows: Tensor, group_ids: Tensor,
@@ -52,3 +59,37 @@ def real_group_loss(seq_log_ratio: Tensor, seq_advantages: Tensor, valid_rows: T
     both = (members & positive).any(1) & (members & negative).any(1)
     loss = torch.where(both, loss, 0.0)
     return torch.where(valid_rows, loss[group], 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class REAL(Algorithm):
+    """ℓ_{i,t} = L_{g(i)} (`real_group_loss`), reduced with group-mean-token-mean: Σ_g L_g / N_groups.
+
+    Needs `group_ids`; a call must hold every row of each group it sees (`couples_rows`).
+    """
+
+    loss_agg_mode: str = "group-mean-token-mean"
+    real_tau: float = 0.5
+    """τ, the temperature of the sequence scores (ms-swift `real_tau`)."""
+
+    couples_rows = True
+
+    @property
+    def fixed_agg_mode(self) -> str | None:
+        return "group-mean-token-mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.real_tau > 0, f"real_tau must be > 0, got {self.real_tau}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        if batch.group_ids is None:
+            raise ValueError(f"{self.name} contrasts the completions of a prompt and needs group_ids=[B] in the call")
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        m = batch.mask.to(delta.dtype)
+        seq = sequence_log_ratio(delta, batch.mask, length_normalized=True).squeeze(-1)
+        seq_adv = (batch.advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
+        per_row = real_group_loss(seq, seq_adv, batch.mask.any(-1), batch.group_ids, tau=self.real_tau)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        return PolicyTerms(per_row[:, None].expand_as(delta), ratio_metrics(ratio, delta, batch.mask))

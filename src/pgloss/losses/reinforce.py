@@ -26,8 +26,15 @@ those of a ratio loss: they depend on log π_θ itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from ..algorithms import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import masked_mean, ratio_metrics
+from ..ratios import importance_ratio, log_ratio
 
 
 def reinforce_loss(log_prob: Tensor, advantages: Tensor) -> Tensor:
@@ -52,3 +59,58 @@ def topr_loss(
     TIS-PG elsewhere."""
     weight = torch.where(positive, torch.ones_like(ratio), truncated_weight(ratio, low=low, high=high))
     return -weight * advantages * log_prob
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPG(Algorithm):
+    """ℓ_{i,t} = -Â·log π_θ (`reinforce_loss`): REINFORCE, no ratio."""
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        return PolicyTerms(reinforce_loss(batch.log_prob, batch.advantages), ratio_metrics(ratio, delta, batch.mask))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TISPG(Algorithm):
+    """ℓ_{i,t} = -sg[clip(r, lo, hi)]·Â·log π_θ (`tis_pg_loss`)."""
+
+    tis_lower_bound: float = 0.0
+    """lo, the truncated weight's lower bound (ROLL `tis_lower_bound`)."""
+    tis_upper_bound: float = 1.0
+    """hi, the truncated weight's upper bound (ROLL `tis_upper_bound`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(0 <= self.tis_lower_bound <= self.tis_upper_bound and self.tis_upper_bound > 0,
+               f"tis bounds must satisfy 0 <= tis_lower_bound <= tis_upper_bound, tis_upper_bound > 0; got "
+               f"{self.tis_lower_bound}, {self.tis_upper_bound}")
+
+    def weights(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
+        """The detached per-token weight of -Â·log π_θ."""
+        return truncated_weight(ratio, low=self.tis_lower_bound, high=self.tis_upper_bound)
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        weight = self.weights(batch, ratio)
+        metrics = ratio_metrics(ratio, delta, batch.mask)
+        metrics["is_weight_mean"] = masked_mean(weight, batch.mask)
+        metrics["is_truncated_fraction"] = masked_mean((weight != ratio.detach()).to(ratio.dtype), batch.mask)
+        return PolicyTerms(-weight * batch.advantages * batch.log_prob, metrics)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TOPR(TISPG):
+    """REINFORCE on sequences whose raw score is > 0, TIS-PG on the others (`topr_loss`).
+
+    Needs `scores`, the `[B]` raw rewards, in the call: the split is on the score, not on Â.
+    """
+
+    def weights(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
+        if batch.scores is None:
+            raise ValueError(f"{self.name} splits on the raw reward and needs scores=[B] in the call")
+        positive = (batch.scores > 0)[:, None]
+        return torch.where(positive, torch.ones_like(ratio), super().weights(batch, ratio))

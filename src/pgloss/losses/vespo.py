@@ -23,9 +23,15 @@ At r = 1, w = 1 and φ = 1: the gradient is REINFORCE's.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from ..algorithms import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import masked_mean, ratio_metrics
+from ..ratios import importance_ratio, log_ratio
 
 _LOG_MIN_WEIGHT = math.log(1e-8)
 
@@ -66,3 +72,40 @@ def vespo_phi(
 def vespo_loss(log_prob: Tensor, phi: Tensor, advantages: Tensor) -> Tensor:
     """-sg[φ] · A · log π_θ per token, `[B, T]`."""
     return -phi.detach() * advantages * log_prob
+
+
+@dataclass(frozen=True, kw_only=True)
+class VESPO(Algorithm):
+    """ℓ_{i,t} = -sg[φ(w_i)]·Â·log π_θ (`vespo_phi`, `vespo_loss`).
+
+    With `rollout_log_prob`, log(π_old/π_rollout) enters w_i (as TRL) and the loss is not multiplied
+    by the truncated rollout weight again (`consumes_rollout_log_prob`).
+    """
+
+    vespo_k_pos: float = 2.0
+    """k for Â ≥ 0 (TRL `vespo_k_pos`)."""
+    vespo_lambda_pos: float = 3.0
+    """λ for Â ≥ 0 (TRL `vespo_lambda_pos`)."""
+    vespo_k_neg: float = 3.0
+    """k for Â < 0 (TRL `vespo_k_neg`)."""
+    vespo_lambda_neg: float = 2.0
+    """λ for Â < 0 (TRL `vespo_lambda_neg`)."""
+
+    consumes_rollout_log_prob = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        rollout = None if batch.rollout_log_prob is None else batch.old_log_prob - batch.rollout_log_prob
+        phi = vespo_phi(delta, batch.advantages, batch.mask, k_pos=self.vespo_k_pos,
+                        lambda_pos=self.vespo_lambda_pos, k_neg=self.vespo_k_neg, lambda_neg=self.vespo_lambda_neg,
+                        rollout_log_ratio=rollout)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        metrics = ratio_metrics(ratio, delta, batch.mask)
+        metrics["vespo_phi_mean"] = masked_mean(phi, batch.mask)
+        return PolicyTerms(vespo_loss(batch.log_prob, phi, batch.advantages), metrics)
