@@ -7,7 +7,7 @@ import torch
 
 import loops
 from pgloss.kl import kl_estimate
-from pgloss.kl_variants import ratio_weighted, straight_through, unbiased_gradient
+from pgloss.kl_variants import kl_term, ratio_weighted, straight_through, unbiased_gradient
 
 
 def inputs(seed=0):
@@ -72,3 +72,27 @@ def test_k2_gradient_is_the_exact_kl_gradient_on_policy():
         (expectations[name],) = torch.autograd.grad((pi * per_token).sum(), z)
     torch.testing.assert_close(expectations["k3+"], exact, rtol=1e-12, atol=1e-14)
     assert (expectations["k3"] - exact).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3", "k3+", "abs+"])
+@pytest.mark.parametrize("correction", [None, "ratio_weighted", "unbiased_gradient"])
+def test_kl_term_composes_the_estimator_and_the_correction(estimator, correction):
+    lp, ref, old = inputs(4)
+    value, grad = value_and_grad(lambda x: kl_term(x, ref, old, estimator=estimator, correction=correction), lp)
+    base = estimator.rstrip("+")
+    d, r = lp - ref, torch.exp(lp - old)
+    k = torch.tensor([[loops.kl(a, b, base) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), ref.tolist())],
+                     dtype=torch.float64)
+    own = {"k1": torch.ones_like(d), "k3": 1 - torch.exp(-d), "abs": torch.sign(d)}[base]  # ∂k/∂log π
+    grad_k = d if estimator.endswith("+") else own
+    expected_value = k * r if correction == "ratio_weighted" else k
+    expected_grad = {None: grad_k, "ratio_weighted": grad_k * r + k * r,
+                     "unbiased_gradient": r.clamp(max=10.0) * d}[correction]
+    torch.testing.assert_close(value, expected_value, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-14)
+
+
+def test_kl_term_refuses_an_unknown_correction():
+    lp, ref, old = inputs()
+    with pytest.raises(ValueError, match="kl_correction must be None or one of"):
+        kl_term(lp, ref, old, estimator="k3", correction="bias")

@@ -25,7 +25,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .kl import KL_ESTIMATORS, kl_estimate
+
 KL_CORRECTIONS = ("ratio_weighted", "unbiased_gradient")
+STRAIGHT_THROUGH = tuple(f"{name}+" for name in KL_ESTIMATORS)
+"""verl's suffix: "k3+" is k3's value with k2's gradient."""
+FULL = "full"
+"""The exact KL over the vocabulary (`pgloss.full_kl`), passed to an algorithm as `full_kl=`."""
+KL_OPTIONS = KL_ESTIMATORS + STRAIGHT_THROUGH + (FULL,)
 
 
 def straight_through(value: Tensor, log_prob: Tensor, ref_log_prob: Tensor, weight: Tensor | None = None) -> Tensor:
@@ -46,3 +53,35 @@ def unbiased_gradient(value: Tensor, log_prob: Tensor, ref_log_prob: Tensor, tok
     """sg[k] + w·½d² - sg[w·½d²], w = sg[min(r, cap)], `[B, T]`."""
     weight = torch.exp(token_log_ratio.detach().clamp(-max_log_ratio, max_log_ratio)).clamp(max=cap)
     return straight_through(value, log_prob, ref_log_prob, weight)
+
+
+def kl_term(
+    log_prob: Tensor,
+    ref_log_prob: Tensor,
+    old_log_prob: Tensor,
+    *,
+    estimator: str,
+    correction: str | None = None,
+    correction_cap: float = 10.0,
+    max_log_ratio: float = 20.0,
+    max_kl: float = 10.0,
+) -> Tensor:
+    """The per-token KL term an algorithm adds: `estimator` (k1, abs, k2, k3 or their "+" forms)
+    with an optional `correction` ("ratio_weighted" or "unbiased_gradient"), `[B, T]`.
+
+    The sampled-token value is `pgloss.kl.kl_estimate` with its clamps; "+" swaps in k2's gradient;
+    the correction then re-weights by r = π_θ/π_old (see the module docstring).
+    """
+    base = estimator[:-1] if estimator in STRAIGHT_THROUGH else estimator
+    value = kl_estimate(log_prob, ref_log_prob, base, max_log_ratio=max_log_ratio, max_kl=max_kl)
+    if estimator in STRAIGHT_THROUGH:
+        value = straight_through(value, log_prob, ref_log_prob)
+    token_log_ratio = log_prob - old_log_prob
+    if correction == "ratio_weighted":
+        return ratio_weighted(value, token_log_ratio, max_log_ratio=max_log_ratio)
+    if correction == "unbiased_gradient":
+        return unbiased_gradient(value, log_prob, ref_log_prob, token_log_ratio, cap=correction_cap,
+                                 max_log_ratio=max_log_ratio)
+    if correction is not None:
+        raise ValueError(f"kl_correction must be None or one of {KL_CORRECTIONS}, got {correction!r}")
+    return value
