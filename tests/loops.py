@@ -119,11 +119,12 @@ def fipo_weights(lp, old, adv, mask, *, decay_rate, clip_range, clip_high_only, 
                 row.append(1.0)
                 continue
             future = sum(gamma ** (k - t) * shift[k] for k in range(t, T))
-            low = 1.0 if clip_high_only else 1.0 - clip_range
-            f = clip(math.exp(future), low, 1.0 + clip_range)
+            f = math.exp(future)
+            if clip_range is not None:  # None: no clipping
+                f = clip(f, 1.0 if clip_high_only else 1.0 - clip_range, 1.0 + clip_range)
             r = math.exp(lp[i][t] - old[i][t])
             if safety_threshold is not None and adv[i][t] < 0 and r > safety_threshold:
-                f = clip(f, 1.0 - clip_range, 1.0)
+                f = clip(f, 1.0 - (0.2 if clip_range is None else clip_range), 1.0)  # ms-swift's [0.8, 1]
             row.append(f)
         out.append(row)
     return out

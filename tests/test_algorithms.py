@@ -74,6 +74,23 @@ def test_every_aggregation_matches_loop(name, mode):
     assert call(alg, data).loss.item() == pytest.approx(reference_loss(alg, data), rel=1e-10, abs=1e-12)
 
 
+@pytest.mark.parametrize("setting", [
+    dict(),  # the 32B headline run: [1, 1.2], safety threshold 10, delta 10
+    dict(fipo_clip_high_only=False, fipo_safety_threshold=3.0),  # the 7B run
+    dict(fipo_safety_threshold=4.0, delta=None),  # ms-swift's defaults
+    dict(fipo_clip_range=None, fipo_safety_threshold=1.5),  # no clipping: the safety interval is [0.8, 1]
+])
+def test_fipo_settings_match_loop(setting):
+    data = make_batch(seed=6, spread=1.2, per_token_adv=True)
+    alg = pgloss.get("fipo", **setting)
+    assert call(alg, data).loss.item() == pytest.approx(reference_loss(alg, data), rel=1e-10, abs=1e-12)
+
+
+def test_fipo_defaults_are_the_32b_run():
+    alg = pgloss.get("fipo")
+    assert (alg.fipo_clip_range, alg.fipo_clip_high_only, alg.fipo_safety_threshold, alg.delta) == (0.2, True, 10.0, 10.0)
+
+
 def test_dual_clip_bounds_negative_advantage_loss_at_c():
     # A = -1 and r = e^2 ≈ 7.39: PPO's loss is 7.39, dual clip caps it at c = 3, gradient zero.
     lp = torch.tensor([[2.0]], dtype=torch.float64, requires_grad=True)

@@ -253,5 +253,13 @@ def test_bad_inputs_raise():
         args.update(change)
         with pytest.raises(error, match=match):
             loss_from_hidden(alg, args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
-    with pytest.raises(RuntimeError, match="out of bounds"):  # an out-of-range id at a valid position is not silently clamped
-        loss_from_hidden(alg, h, w, y.masked_fill(inputs["mask"], V), **kw)
+    # An id outside [0, V) at a valid position is refused by name; at a masked position it is ignored.
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=rf"targets must be token ids in \[0, {V}\) at valid positions, got {bad}"):
+            loss_from_hidden(alg, h, w, y.masked_fill(inputs["mask"], bad), **kw)
+    padded = loss_from_hidden(alg, h, w, y.masked_fill(~inputs["mask"], -100), **kw)
+    assert torch.equal(padded.loss, loss_from_hidden(alg, h, w, y, **kw).loss)
+    with pytest.raises(ValueError, match="targets must be token ids"):
+        pgloss.log_prob_and_entropy_from_hidden(h, w, y.masked_fill(inputs["mask"], V))
+    with pytest.raises(ValueError, match="targets must be token ids"):
+        pgloss.log_prob_and_entropy(torch.randn(3, V), torch.tensor([0, 1, V]))

@@ -68,16 +68,49 @@ def test_bfloat16_inputs_agree_with_float32(name):
     torch.testing.assert_close(lp_bf.grad.float(), lp_32.grad, rtol=1e-2, atol=1e-3)  # grad rounded to bf16
 
 
+LOSS_METRICS = {"pg_loss", "kl_loss"}  # loss values: 0 over no tokens; every other metric is a token mean
+
+
+def empty_batches():
+    """All-masked, no rows (B = 0) and no positions (T = 0)."""
+    masked = make_batch(seed=44)
+    masked["mask"] = torch.zeros_like(masked["mask"])
+    yield "all-masked", masked
+    full = make_batch(seed=44)
+    yield "B=0", {k: v[:0] for k, v in full.items()}
+    yield "T=0", {k: (v if v.ndim == 1 else v[:, :0]) for k, v in full.items()}
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_all_masked_batch_gives_zero_loss_not_nan(name):
-    data = make_batch(seed=44)
-    data["mask"] = torch.zeros_like(data["mask"])
-    log_prob = data["log_prob"].clone().requires_grad_(True)
-    out = call(algorithm(name, kl_coef=0.1, entropy_coef=0.1), data, log_prob)
-    out.loss.backward()
-    assert out.loss.item() == 0.0
-    assert (log_prob.grad == 0).all()
-    assert all(v.item() == 0.0 for v in out.metrics.values())
+def test_empty_and_all_masked_batches_give_zero_loss_and_nan_metrics(name):
+    for label, data in empty_batches():
+        log_prob = data["log_prob"].clone().requires_grad_(True)
+        out = call(algorithm(name, kl_coef=0.1, entropy_coef=0.1), data, log_prob, group_ids=data["group_ids"])
+        out.loss.backward()
+        assert out.loss.item() == 0.0, label
+        assert (log_prob.grad == 0).all(), label
+        assert out.per_token.shape == data["mask"].shape
+        for key, value in out.metrics.items():
+            if key in LOSS_METRICS:
+                assert value.item() == 0.0, (label, key)
+            else:  # a mean over no tokens is undefined, never a made-up 0
+                assert torch.isnan(value), (label, key, value)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_batches_from_hidden(name):
+    for label, data in empty_batches():
+        gen = torch.Generator().manual_seed(0)
+        B, T = data["mask"].shape
+        hidden = torch.randn(B, T, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+        targets = torch.randint(0, 6, (B, T), generator=gen)
+        out = algorithm(name, kl_coef=0.1).from_hidden(
+            hidden, weight, targets, old_log_prob=data["old_log_prob"], advantages=data["advantages"],
+            mask=data["mask"], ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"])
+        out.loss.backward()
+        assert out.loss.item() == 0.0, label
+        assert (hidden.grad == 0).all() and (weight.grad == 0).all(), label
 
 
 def test_float_mask_equals_bool_mask():

@@ -8,8 +8,9 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import advantages, kl
+from . import advantages, checks, kl
 from .aggregate import AGG_MODES, Normalizer, aggregate
+from .checks import detect_anomaly
 from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, get, names
 from .entropy import log_prob_and_entropy
 from .fused import log_prob_and_entropy_from_hidden, loss_from_hidden
@@ -33,6 +34,8 @@ __all__ = [
     "Normalizer",
     "SAPO",
     "advantages",
+    "checks",
+    "detect_anomaly",
     "aggregate",
     "get",
     "kl",

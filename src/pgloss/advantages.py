@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .batch import check_mask, check_tensor
+
 
 def gae(
     rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
@@ -20,23 +22,28 @@ def gae(
     """
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
-    if rewards.shape != values.shape or rewards.shape != mask.shape or rewards.ndim != 2:
+    rewards = check_tensor("rewards", rewards, ndim=(2,))
+    values = check_tensor("values", values, ndim=(2,))
+    if rewards.shape != values.shape or rewards.shape != mask.shape:
         raise ValueError(
             f"rewards, values and mask must share one [B, T] shape, got {tuple(rewards.shape)}, "
             f"{tuple(values.shape)}, {tuple(mask.shape)}"
         )
-    rewards, values = rewards.detach(), values.detach()
-    m = mask.to(rewards.dtype)
-    next_value = torch.zeros_like(rewards[:, 0])
-    last = torch.zeros_like(rewards[:, 0])
+    valid = check_mask(mask, rewards.shape, rewards.device)
+    # Values at masked positions (NaN and inf included) never enter the recursion.
+    rewards = torch.where(valid, rewards.detach(), 0.0)
+    values = torch.where(valid, values.detach(), 0.0)
+    next_value = rewards.new_zeros(rewards.shape[0])
+    last = rewards.new_zeros(rewards.shape[0])
     advantages = torch.zeros_like(rewards)
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         current = delta + gamma * lam * last
-        next_value = m[:, t] * values[:, t] + (1 - m[:, t]) * next_value
-        last = m[:, t] * current + (1 - m[:, t]) * last
-        advantages[:, t] = m[:, t] * current
-    return advantages, (advantages + values) * m
+        m = valid[:, t]
+        next_value = torch.where(m, values[:, t], next_value)
+        last = torch.where(m, current, last)
+        advantages[:, t] = torch.where(m, current, 0.0)
+    return advantages, torch.where(valid, advantages + values, 0.0)
 
 
 def _group_index(group_ids: Tensor, n: int) -> tuple[Tensor, int]:

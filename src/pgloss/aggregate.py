@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .checks import check_values
+
 AGG_MODES = (
     "token-mean",
     "seq-mean-token-mean",
@@ -38,6 +40,9 @@ AGG_MODES = (
     "seq-mean-token-sum-norm",
     "group-mean-token-mean",
 )
+
+MAX_GROUPS = 1 << 20
+"""Group ids index a dense float64 count array (8 MiB at this bound)."""
 
 
 def _as_list(value: Tensor | Sequence[Tensor] | None) -> list[Tensor] | None:
@@ -85,7 +90,8 @@ class Normalizer:
         Args:
             masks: the `[B, T]` mask of each micro-batch of the step (or one mask).
             group_ids: the `[B]` integer group (prompt) id of each row, one tensor per micro-batch.
-                Ids are global: the same prompt has the same id on every rank.
+                Ids are global: the same prompt has the same id on every rank. They number the
+                step's groups from 0 (below `MAX_GROUPS`): the counts are a dense array.
             process_group: the data-parallel group (None: the default group).
             reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
         """
@@ -101,30 +107,38 @@ class Normalizer:
             sum(length.sum() for length in lengths),
             sum((length > 0).sum() for length in lengths).to(torch.float64),
         ])
+        distributed = reduce and dist.is_available() and dist.is_initialized()
+        if distributed:
+            dist.all_reduce(counts, group=process_group)
         group_tokens = None
         if group_ids is not None:
             id_list = _as_list(group_ids)
             if len(id_list) != len(mask_list):
                 raise ValueError(f"group_ids has {len(id_list)} tensors but masks has {len(mask_list)}")
             for k, (ids, length) in enumerate(zip(id_list, lengths)):
-                if ids.shape != length.shape or ids.dtype.is_floating_point:
-                    raise ValueError(f"group_ids[{k}] must be integers of shape {tuple(length.shape)}")
+                if not isinstance(ids, Tensor) or ids.shape != length.shape or not _is_integer(ids):
+                    raise ValueError(f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "
+                                     f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
                 if ids.numel() and bool((ids < 0).any()):
-                    raise ValueError(f"group_ids[{k}] must be non-negative")
+                    raise ValueError(f"group_ids[{k}] must be non-negative, got {int(ids.min())}")
             size = torch.tensor(max(int(ids.max()) + 1 if ids.numel() else 0 for ids in id_list), device=device)
-            distributed = reduce and dist.is_available() and dist.is_initialized()
             if distributed:
                 dist.all_reduce(size, op=dist.ReduceOp.MAX, group=process_group)
+            if int(size) > MAX_GROUPS:
+                # The counts are a dense array indexed by id: ids number the step's groups, not a data set.
+                raise ValueError(f"group_ids must number the step's groups from 0 (below {MAX_GROUPS}), got id "
+                                 f"{int(size) - 1}; renumber them, e.g. by prompt position within the step")
             group_tokens = torch.zeros(int(size), dtype=torch.float64, device=device)
             for ids, length in zip(id_list, lengths):
                 group_tokens.index_add_(0, ids.to(device).long(), length)
-        world_size = 1
-        if reduce and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(counts, group=process_group)
-            if group_tokens is not None:
+            if distributed:
                 dist.all_reduce(group_tokens, group=process_group)
-            world_size = dist.get_world_size(process_group)
+        world_size = dist.get_world_size(process_group) if distributed else 1
         return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size)
+
+
+def _is_integer(ids: Tensor) -> bool:
+    return not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
 
 
 def token_weights(
@@ -147,6 +161,10 @@ def token_weights(
             raise ValueError("loss_agg_mode 'group-mean-token-mean' needs group_ids")
         if normalizer.group_tokens is None:
             raise ValueError("loss_agg_mode 'group-mean-token-mean' needs a Normalizer counted with group_ids")
+        groups = len(normalizer.group_tokens)
+        check_values(group_ids, lambda: (group_ids < 0) | (group_ids >= groups),
+                     lambda at: f"group_ids must lie in [0, {groups}) (the groups the step's Normalizer counted), "
+                                f"got {int(group_ids[at])} at row {int(at)}")
         per_row = normalizer.group_tokens[group_ids.to(mask.device).long()].clamp(min=1)
         return m / (per_row[:, None] * normalizer.groups.clamp(min=1))
     sequences = normalizer.sequences.clamp(min=1)

@@ -16,6 +16,10 @@ see docs/reference.md for the formulas and the mapping onto verl's and TRL's opt
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import numbers
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +59,38 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """Each field's base type (float, int, bool, str) and whether None is allowed."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        out[name] = (base, optional)
+    return out
+
+
+def _checked_value(name: str, value: Any, kind: type, optional: bool) -> Any:
+    """`value` as a `kind`; TypeError for the wrong type, ValueError for a non-finite number."""
+    if value is None and optional:
+        return None
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number{' or None' if optional else ''}, "
+                            f"got {value!r} ({type(value).__name__})")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        return float(value)
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        return int(value)
+    if kind in (bool, str) and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class Algorithm:
     """Fields shared by every algorithm; a subclass adds its family's hyperparameters."""
@@ -87,6 +123,8 @@ class Algorithm:
         return None
 
     def __post_init__(self) -> None:
+        for name, (kind, optional) in _field_types(type(self)).items():
+            object.__setattr__(self, name, _checked_value(name, getattr(self, name), kind, optional))
         _check(self.loss_agg_mode in AGG_MODES, f"loss_agg_mode must be one of {AGG_MODES}, got {self.loss_agg_mode!r}")
         if self.fixed_agg_mode is not None:
             _check(
@@ -135,6 +173,8 @@ class Algorithm:
         `group_ids` `[B]` is needed by `group-mean-token-mean`. The metrics are means over this
         call's valid tokens; average them over micro-batches and ranks for a step's figure.
         """
+        if normalizer is not None and not isinstance(normalizer, Normalizer):
+            raise TypeError(f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}")
         if self.uses_reference and ref_log_prob is None:
             raise ValueError(f"{self.name} has kl_coef={self.kl_coef} and needs ref_log_prob")
         if self.entropy_coef != 0 and entropy is None:
@@ -244,22 +284,33 @@ class ClippedPolicy(Algorithm):
 @dataclass(frozen=True, kw_only=True)
 class FIPO(ClippedPolicy):
     """DAPO's clipped token loss reweighted by the detached Future-KL influence (losses/fipo.py):
-    ℓ_{i,t} = sg[f_{i,t}] · max(-Â·r, -Â·clip(r, 1-ε_low, 1+ε_high)), with the δ cap."""
+    ℓ_{i,t} = sg[f_{i,t}] · max(-Â·r, -Â·clip(r, 1-ε_low, 1+ε_high)), with the δ cap.
+
+    The defaults are the paper's 32B headline run (Table 2 and the authors' 32B launcher): weight
+    clipped to [1, 1.2] (high only), safety threshold 10, dual clip c = 10 (here δ = 10, which for
+    Â < 0 is the dual clip and also keeps tokens with r > δ out of the Future-KL, as ms-swift does).
+    The 7B run (Table 3): `fipo_clip_high_only=False, fipo_safety_threshold=3.0`. ms-swift's
+    defaults: `fipo_clip_high_only=True, fipo_safety_threshold=4.0, delta=None`.
+    """
 
     fipo_decay_rate: float = 32.0
     """Half-life of the Future-KL discount in tokens: γ = 2^(-1/fipo_decay_rate)."""
-    fipo_clip_range: float = 0.2
-    """ε_f: the influence weight is clipped to [1 - ε_f, 1 + ε_f]."""
-    fipo_clip_high_only: bool = False
-    """Clip the weight to [1, 1 + ε_f] instead (ms-swift's default)."""
-    fipo_safety_threshold: float | None = 3.0
-    """For Â < 0 and r above this, the weight is held in [1 - ε_f, 1]; None disables the rule."""
+    fipo_clip_range: float | None = 0.2
+    """ε_f in (0, 1): the weight is clipped to [1 - ε_f, 1 + ε_f] (or [1, 1 + ε_f]); None: not clipped."""
+    fipo_clip_high_only: bool = True
+    """Clip the weight to [1, 1 + ε_f] instead of [1 - ε_f, 1 + ε_f]."""
+    fipo_safety_threshold: float | None = 10.0
+    """For Â < 0 and r above this, the weight is held in [1 - ε_f, 1] ([0.8, 1] when ε_f is None); None disables it."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        # FIPO's own constraint first, so that a sequence ratio_level is named as the culprit
+        # rather than the loss_agg_mode it would otherwise conflict with.
         _check(self.ratio_level == "token", f"fipo uses token ratios, got ratio_level={self.ratio_level!r}")
+        super().__post_init__()
         _check(self.fipo_decay_rate > 0, f"fipo_decay_rate must be > 0, got {self.fipo_decay_rate}")
-        _check(0 <= self.fipo_clip_range < 1, f"fipo_clip_range must lie in [0, 1), got {self.fipo_clip_range}")
+        if self.fipo_clip_range is not None:
+            _check(0 < self.fipo_clip_range < 1, f"fipo_clip_range must lie in (0, 1), or be None for no clipping "
+                                                  f"(ms-swift's 0), got {self.fipo_clip_range}")
         if self.fipo_safety_threshold is not None:
             _check(self.fipo_safety_threshold > 0, f"fipo_safety_threshold must be > 0, got {self.fipo_safety_threshold}")
 
@@ -341,7 +392,8 @@ NAMED: dict[str, tuple[type[Algorithm], dict[str, Any]]] = {
     "dr_grpo": (ClippedPolicy, dict(loss_agg_mode="seq-mean-token-sum-norm", scale_rewards=False)),
     "cispo": (CISPO, dict(loss_agg_mode="token-mean")),
     "sapo": (SAPO, dict(loss_agg_mode="seq-mean-token-mean")),
-    "fipo": (FIPO, dict(loss_agg_mode="token-mean", clip_low=0.2, clip_high=0.28, delta=10.0, dynamic_sampling=True)),
+    "fipo": (FIPO, dict(loss_agg_mode="token-mean", clip_low=0.2, clip_high=0.28, delta=10.0, dynamic_sampling=True,
+                        fipo_clip_high_only=True, fipo_safety_threshold=10.0)),
 }
 
 

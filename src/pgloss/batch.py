@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .checks import check_finite, check_values
+
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -42,8 +44,8 @@ def check_mask(mask: object, shape: torch.Size, device: torch.device) -> Tensor:
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError("mask must hold only 0 and 1 (or be bool)")
+        check_values(mask, lambda: (mask != 0) & (mask != 1),
+                     lambda at: f"mask must hold only 0 and 1 (or be bool), got {mask[tuple(at)].item()} at {tuple(at.tolist())}")
         return mask != 0
     raise TypeError(f"mask must be bool or 0/1 numbers, got dtype {mask.dtype}")
 
@@ -97,6 +99,7 @@ class TokenBatch:
                 raise TypeError(
                     f"{name} has dtype {value.dtype} but log_prob has {dtype}; cast the log-probabilities to one dtype"
                 )
+            check_finite(name, value, bool_mask)
             return torch.where(bool_mask, value.to(cdtype), 0.0)
 
         advantages = check_tensor("advantages", advantages, ndim=(1, 2))

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .batch import compute_dtype
+from .checks import check_values
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -62,14 +63,22 @@ def check_chunk_size(chunk_size: int | None, vocab_size: int) -> int:
     return chunk_size
 
 
-def check_targets(targets: Tensor, shape: torch.Size, name: str = "targets") -> None:
-    """An integer tensor of token ids with the given shape."""
+def check_targets(targets: Tensor, shape: torch.Size, vocab_size: int, valid: Tensor | None = None) -> None:
+    """An integer tensor of token ids with the given shape, each in [0, vocab_size) where `valid`
+    (everywhere when None). The range check is a value check (`pgloss.checks.check_values`)."""
     if not isinstance(targets, Tensor):
-        raise TypeError(f"{name} must be a Tensor, got {type(targets).__name__}")
+        raise TypeError(f"targets must be a Tensor, got {type(targets).__name__}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer token ids, got dtype {targets.dtype}")
+        raise TypeError(f"targets must hold integer token ids, got dtype {targets.dtype}")
     if targets.shape != shape:
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(targets.shape)}")
+        raise ValueError(f"targets must have shape {tuple(shape)}, got {tuple(targets.shape)}")
+
+    def outside() -> Tensor:
+        bad = (targets < 0) | (targets >= vocab_size)
+        return bad if valid is None else bad & valid.to(bad.device)
+
+    check_values(targets, outside, lambda at: f"targets must be token ids in [0, {vocab_size}) at valid positions, "
+                                              f"got {int(targets[tuple(at)])} at {tuple(at.tolist())}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,7 +228,7 @@ def log_prob_and_entropy(
         logits: [..., V] floating logits (any float dtype; the math runs in float32, or
             float64 for float64 input).
         targets: [...] integer token ids in [0, V), the same leading shape as `logits`.
-            Out-of-range ids raise from the gather (replace padding ids before calling).
+            An id outside [0, V) is a ValueError (replace padding ids before calling).
         temperature: τ > 0, the sampling temperature the logits are divided by.
         chunk_size: tokens per chunk; None picks about 2²⁷ / V.
 
@@ -232,9 +241,9 @@ def log_prob_and_entropy(
         raise TypeError(f"logits must be a floating tensor, got dtype {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
-    check_targets(targets, logits.shape[:-1])
-    if targets.device != logits.device:
+    if isinstance(targets, Tensor) and targets.device != logits.device:
         raise ValueError(f"targets must be on {logits.device}, got {targets.device}")
+    check_targets(targets, logits.shape[:-1], logits.shape[-1])
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
     chunk_size = check_chunk_size(chunk_size, vocab)

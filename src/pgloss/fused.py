@@ -95,6 +95,11 @@ class _Chunks:
             grad_weight.addmm_(grad.t(), x)
 
 
+def _weight_grad_buffer(weight: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
+    """∂L/∂W's buffer: left unfilled for the first chunk to write, zeros when there is no chunk."""
+    return (torch.empty if rows else torch.zeros)(weight.shape, dtype=dtype, device=weight.device)
+
+
 class _FusedLogProbEntropy(torch.autograd.Function):
     """(x [N, H], W [V, H]) → (log π(y), H) [N]; saves x, W, y and the per-token lse only."""
 
@@ -125,7 +130,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         chunks = _Chunks(hidden, weight, chunk_size, lse.dtype)
         grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        grad_weight = torch.empty(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
+        grad_weight = _weight_grad_buffer(weight, lse.dtype, rows=hidden.shape[0]) if need_weight else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             x = hidden[rows]
@@ -146,7 +151,9 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor) -> None:
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None = None) -> Tensor | None:
+    """Types, shapes, dtypes and devices; token ids in [0, V) where `mask` is valid (everywhere
+    when None). Returns the mask as bool (None without a mask)."""
     for name, value, rank in (("hidden", hidden, 3), ("weight", weight, 2)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(value).__name__}")
@@ -162,9 +169,11 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor) -> None:
         raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
-    check_targets(targets, hidden.shape[:-1])
-    if targets.device != hidden.device:
+    if isinstance(targets, Tensor) and targets.device != hidden.device:
         raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+    valid = None if mask is None else check_mask(mask, hidden.shape[:-1], hidden.device)
+    check_targets(targets, hidden.shape[:-1], weight.shape[0], valid)
+    return valid
 
 
 def log_prob_and_entropy_from_hidden(
@@ -237,7 +246,7 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
     log_prob = hidden.new_empty(n_rows, length, dtype=dtype)
     entropy = torch.empty_like(log_prob)
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-    grad_weight = torch.empty(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+    grad_weight = _weight_grad_buffer(weight, dtype, rows=n_rows * length) if need_weight else None
     x_all, w, y_all = hidden.detach().reshape(-1, size), weight.detach(), targets.reshape(-1)
     chunks = _Chunks(x_all, w, chunk_rows * length, dtype)
     with_entropy = algorithm.entropy_coef != 0
@@ -303,10 +312,9 @@ def loss_from_hidden(
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
     """
-    _check_inputs(hidden, weight, targets)
+    valid = _check_inputs(hidden, weight, targets, mask)
     temperature = check_temperature(temperature)
     chunk_size = check_chunk_size(chunk_size, weight.shape[0])
-    valid = check_mask(mask, targets.shape, targets.device)
     safe_targets = torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device)).long()
     dtype = compute_dtype(weight.dtype)
 

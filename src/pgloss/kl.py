@@ -15,10 +15,14 @@ and k3 to [-max_kl, max_kl] after; beyond those bounds the gradient is zero.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .batch import check_mask, check_tensor
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 
@@ -61,7 +65,15 @@ def kl_penalized_rewards(
     Returns the penalised token rewards and the masked per-token KL, both `[B, T]`. Masked
     positions keep their reward unchanged and get KL 0.
     """
-    mask = mask.bool()
+    token_rewards = check_tensor("token_rewards", token_rewards, ndim=(2,))
+    for name, value in (("old_log_prob", old_log_prob), ("ref_log_prob", ref_log_prob)):
+        value = check_tensor(name, value, ndim=(2,))
+        if value.shape != token_rewards.shape:
+            raise ValueError(f"{name} must have the shape of token_rewards {tuple(token_rewards.shape)}, "
+                             f"got {tuple(value.shape)}")
+    mask = check_mask(mask, token_rewards.shape, token_rewards.device)
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     kl = torch.where(mask, kl_estimate(old_log_prob.detach(), ref_log_prob.detach(), estimator), 0.0)
     return token_rewards - kl_coef * kl, kl
 
@@ -88,13 +100,20 @@ class AdaptiveKLController:
     horizon: float
 
     def __post_init__(self) -> None:
-        if not (self.value >= 0 and self.target > 0 and self.horizon > 0):
+        finite = all(isinstance(v, numbers.Real) and math.isfinite(v) for v in (self.value, self.target, self.horizon))
+        if not (finite and self.value >= 0 and self.target > 0 and self.horizon > 0):
             raise ValueError(
                 f"AdaptiveKLController needs value >= 0, target > 0, horizon > 0; got "
                 f"value={self.value}, target={self.target}, horizon={self.horizon}"
             )
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """Move β after observing `current_kl` over `n_steps` samples."""
+        """Move β after observing `current_kl` over `n_steps` samples.
+
+        A non-finite KL (a NaN from an empty batch, say) is refused rather than turning β into NaN."""
+        if isinstance(current_kl, bool) or not isinstance(current_kl, numbers.Real) or not math.isfinite(current_kl):
+            raise ValueError(f"current_kl must be a finite number, got {current_kl!r}")
+        if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps < 0:
+            raise ValueError(f"n_steps must be an integer >= 0, got {n_steps!r}")
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon

@@ -1,8 +1,10 @@
 """Diagnostics of a loss call, computed with the loss's own mask.
 
 Every function returns a detached 0-d tensor and never synchronises with the host, so a trainer
-can collect them every micro-batch and turn them into numbers once per step. They are means over
-this call's valid tokens; an all-masked call gives 0, not NaN.
+can collect them every micro-batch and turn them into numbers once per step. They are means (or
+extremes) over this call's valid tokens. Over no valid token (an empty or all-masked call) they are
+NaN: undefined, as the mean of an empty tensor, never a made-up 0 or 1. Average a step's
+micro-batches with `torch.nanmean`, or weight each call's value by its token count.
 """
 
 from __future__ import annotations
@@ -12,23 +14,29 @@ from torch import Tensor
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Σ m·x / max(Σ m, 1), detached."""
+    """Σ m·x / Σ m, detached; NaN when nothing is valid."""
     values = values.detach().expand_as(mask)
-    return (torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)).to(values.dtype)
+    return (torch.where(mask, values, 0.0).sum() / mask.sum()).to(values.dtype)
+
+
+def _masked_extreme(values: Tensor, mask: Tensor, largest: bool) -> Tensor:
+    values = values.detach().expand_as(mask)
+    if values.numel() == 0:  # amax/amin refuse empty tensors
+        return values.new_full((), torch.nan)
+    fill = -torch.inf if largest else torch.inf
+    masked = torch.where(mask, values, fill)
+    best = masked.amax() if largest else masked.amin()
+    return torch.where(mask.any(), best, torch.nan)
 
 
 def masked_max(values: Tensor, mask: Tensor) -> Tensor:
-    """Largest valid value (0 when nothing is valid), detached."""
-    values = values.detach().expand_as(mask)
-    best = torch.where(mask, values, -torch.inf).amax()
-    return torch.where(mask.any(), best, 0.0)
+    """Largest valid value, detached; NaN when nothing is valid."""
+    return _masked_extreme(values, mask, largest=True)
 
 
 def masked_min(values: Tensor, mask: Tensor) -> Tensor:
-    """Smallest valid value (0 when nothing is valid), detached."""
-    values = values.detach().expand_as(mask)
-    best = torch.where(mask, values, torch.inf).amin()
-    return torch.where(mask.any(), best, 0.0)
+    """Smallest valid value, detached; NaN when nothing is valid."""
+    return _masked_extreme(values, mask, largest=False)
 
 
 def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:

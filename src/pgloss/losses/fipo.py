@@ -6,11 +6,13 @@ already moving the rest of the response (seed 002; ms-swift's implementation):
     Δ_k        = m_k · log r_k                      (0 where r_k > δ when the δ cap is set)
     FutureKL_t = Σ_{k ≥ t} γ^{k-t} Δ_k,             γ = 2^(-1/decay_rate)
     f_t        = clip( exp(FutureKL_t), lo, 1 + ε_f ),   lo = 1 if clip_high_only else 1 - ε_f
+                 (not clipped when ε_f is None)
     safety     : where A < 0 and r_t > safety_threshold,  f_t = clip(f_t, 1 - ε_f, 1)
     L_t        = sg[f_t] · L_clip,t
 
 The safety rule keeps FIPO from amplifying the penalty on a bad token whose ratio has already
-exploded (ms-swift hard-codes the interval [0.8, 1.0], which is [1 - ε_f, 1] at its default ε_f = 0.2).
+exploded (ms-swift hard-codes the interval [0.8, 1.0], which is [1 - ε_f, 1] at its default ε_f = 0.2;
+with no clipping, ε_f = None, we use ms-swift's [0.8, 1.0]).
 The weight is detached: it rescales the clipped loss's gradient and adds none of its own.
 """
 
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 _BLOCK = 128
+_SAFETY_RANGE = 0.2  # ms-swift's fixed safety interval [0.8, 1.0], used when the weight is not clipped
 
 
 def discounted_future_sum(values: Tensor, *, gamma: float) -> Tensor:
@@ -53,7 +56,7 @@ def fipo_influence(
     mask: Tensor,
     *,
     decay_rate: float,
-    clip_range: float,
+    clip_range: float | None,
     clip_high_only: bool,
     safety_threshold: float | None,
     delta: float | None,
@@ -66,7 +69,7 @@ def fipo_influence(
         advantages: Â, `[B, T]`.
         mask: bool `[B, T]`.
         decay_rate: half-life in tokens; γ = 2^(-1/decay_rate).
-        clip_range: ε_f; f is clipped to [1 - ε_f, 1 + ε_f] ([1, 1 + ε_f] if `clip_high_only`).
+        clip_range: ε_f; f is clipped to [1 - ε_f, 1 + ε_f] ([1, 1 + ε_f] if `clip_high_only`); None: no clip.
         safety_threshold: ratio above which a negative-advantage token's weight is held in [1 - ε_f, 1].
         delta: tokens with r > δ do not contribute to the Future-KL (None: all contribute).
     """
@@ -76,9 +79,11 @@ def fipo_influence(
             shift = torch.where(ratio > delta, 0.0, shift)
         future = discounted_future_sum(shift, gamma=math.pow(2.0, -1.0 / decay_rate))
         future = torch.where(mask, future, 0.0)
-        low = 1.0 if clip_high_only else 1.0 - clip_range
-        weight = torch.exp(future).clamp(low, 1.0 + clip_range)
+        weight = torch.exp(future)
+        if clip_range is not None:
+            weight = weight.clamp(1.0 if clip_high_only else 1.0 - clip_range, 1.0 + clip_range)
         if safety_threshold is not None:
             unsafe = (advantages < 0) & (ratio > safety_threshold)
-            weight = torch.where(unsafe, weight.clamp(1.0 - clip_range, 1.0), weight)
+            safe_low = 1.0 - (_SAFETY_RANGE if clip_range is None else clip_range)
+            weight = torch.where(unsafe, weight.clamp(safe_low, 1.0), weight)
     return weight, future

@@ -1,0 +1,72 @@
+"""Checks of input values, and the opt-in anomaly mode that finds non-finite inputs.
+
+Shapes, dtypes, devices and hyperparameters are always checked: that costs nothing. Checks of
+tensor *values* are different: on an accelerator each one is a host sync. So:
+
+- value checks that guard against an internal error or a silently wrong loss (a mask of values
+  other than 0 and 1, group ids outside the step's `Normalizer`, token ids outside the
+  vocabulary) run on CPU tensors always, where they cost no sync, and on accelerator tensors
+  only inside `detect_anomaly()`;
+- non-finite values at *valid* positions (a NaN log-prob, a -inf log-prob, a NaN advantage) are
+  not checked by default: like any torch computation the loss then comes out NaN. Inside
+  `detect_anomaly()` they raise a ValueError naming the tensor and its first (row, column).
+  Non-finite values at masked positions are always harmless (`pgloss.batch`).
+
+    with pgloss.detect_anomaly():
+        out = algorithm(log_prob, old_log_prob, advantages, mask)   # raises at the first bad value
+
+Like `torch.autograd.detect_anomaly`, the mode is for finding a bug, not for production: every
+check inside it synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+_ANOMALY = contextvars.ContextVar("pgloss_detect_anomaly", default=False)
+
+
+@contextlib.contextmanager
+def detect_anomaly(enabled: bool = True) -> Iterator[None]:
+    """Within this context, pgloss checks input values everywhere (one host sync per check on an
+    accelerator) and raises on non-finite values at valid positions. Nests; thread- and task-local."""
+    token = _ANOMALY.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ANOMALY.reset(token)
+
+
+def anomaly_enabled() -> bool:
+    """True inside `detect_anomaly()`."""
+    return _ANOMALY.get()
+
+
+def check_values(tensor: Tensor, bad: Callable[[], Tensor], message: Callable[[Tensor], str]) -> None:
+    """Raise ValueError(message(first bad index)) when `bad()` (a bool tensor shaped like the values)
+    has a True element. Runs for CPU tensors always; for accelerator tensors (a host sync) only
+    inside `detect_anomaly()`."""
+    if tensor.device.type != "cpu" and not anomaly_enabled():
+        return
+    flags = bad()
+    if bool(flags.any()):
+        raise ValueError(message(flags.nonzero()[0]))
+
+
+def check_finite(name: str, value: Tensor | None, mask: Tensor) -> None:
+    """Inside `detect_anomaly()`: raise if `value` (`[B, T]`, or `[B]` per sequence) is NaN or ±inf
+    where `mask` is valid, naming `name` and the first (row, column). Outside: nothing, no sync."""
+    if value is None or not anomaly_enabled():
+        return
+    values = value.detach()
+    valid = mask if values.ndim == mask.ndim else mask.any(dim=-1)
+    flags = valid & ~torch.isfinite(values)
+    if bool(flags.any()):
+        where = tuple(int(i) for i in flags.nonzero()[0])
+        at = f"(row {where[0]}, column {where[1]})" if len(where) == 2 else f"row {where[0]}"
+        raise ValueError(f"{name} is {float(values[where])} at a valid position {at}")
