@@ -1,39 +1,138 @@
-"""``pgloss compare`` end to end, run as a user runs it, on a tiny model and a few steps."""
+"""``pgloss compare`` and ``pgloss train`` as a user runs them: tiny models, a few steps."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+import torch
+
+from pgloss import cli
+from pgloss.lab import trainer
+
 PGLOSS = str(Path(sys.executable).parent / "pgloss")
+TINY = ["--warm-steps", "5", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--prompts-per-step", "4",
+        "--group-size", "4", "--eval-prompts", "4", "--samples", "2"]
 
 
 def test_compare_writes_metrics_plots_samples_report_and_config(tmp_path):
     out = tmp_path / "run"
-    cmd = [PGLOSS, "compare", "--algorithms", "grpo,sample_grpo", "--steps", "2", "--seeds", "2", "--workers", "1",
-           "--warm-steps", "5", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--prompts-per-step", "4",
-           "--group-size", "4", "--eval-prompts", "4", "--samples", "2", "--out", str(out)]
+    cmd = [PGLOSS, "compare", "--algorithms", "grpo,sample_grpo", "gspo:clip_high=0.001", "--steps", "2", "--seeds", "2",
+           "--workers", "1", *TINY, "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    labels = ("grpo", "sample_grpo", "gspo:clip_high=0.001")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 2 * 3  # algorithms x seeds x (steps + final measurement)
-    keys = {"algorithm", "seed", "step", "reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "ppo_kl",
-            "grad_norm"}
+    assert len(records) == 3 * 2 * 3  # algorithms x seeds x (steps + final measurement)
+    keys = {"algorithm", "seed", "step", "reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac",
+            "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "kept"}
     assert all(keys <= set(r) for r in records)
-    assert {(r["algorithm"], r["seed"]) for r in records} == {(a, s) for a in ("grpo", "sample_grpo") for s in (0, 1)}
-    for name in ("reward", "length", "entropy", "clip_frac", "curves"):
+    assert {(r["algorithm"], r["seed"]) for r in records} == {(a, s) for a in labels for s in (0, 1)}
+    for name in ("reward", "length", "entropy", "clip_frac", "kl_ref", "ppo_kl", "grad_norm", "kept", "curves"):
         png = out / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     report = (out / "report.md").read_text()
-    assert "| grpo |" in report and "| sample_grpo |" in report and "![reward](reward.png)" in report
-    assert "OpenR1 in practice (6)" in report and "clip fraction" in report
+    assert all(f"| {a} |" in report for a in labels) and "![ppo_kl](ppo_kl.png)" in report
+    assert "last 5" in report and "mean over every update" in report and "OpenR1 in practice (6)" in report
+    assert "seed 00" not in report.lower()
     assert "## grpo, seed 1" in (out / "samples.md").read_text()
     config = json.loads((out / "config.json").read_text())
-    assert config["base"]["steps"] == 2 and config["algorithms"] == ["grpo", "sample_grpo"]
+    assert config["base"]["steps"] == 2 and config["algorithms"] == list(labels) and config["status"] == "finished"
+    assert config["versions"]["torch"] == torch.__version__ and config["versions"]["pgloss"]
     assert config["command"].startswith("pgloss compare")
 
 
-def test_unknown_algorithm_fails_before_training(tmp_path):
-    done = subprocess.run([PGLOSS, "compare", "--algorithms", "grpo,nope", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "nope" in done.stderr
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--steps", "0"], "--steps must be >= 1"),
+    (["compare", "--seeds", "0"], "--seeds must be >= 1"),
+    (["compare", "--workers", "0"], "--workers must be >= 1"),
+    (["compare", "--algorithms", "grpo,nope"], "unknown algorithm 'nope'"),
+    (["compare", "--algorithms", "dapo:clip_hihg=0.3"], "no hyperparameter 'clip_hihg'; valid: .*clip_high"),
+    (["compare", "--algorithms", "grpo", "sapo", "--loss-arg", "clip_high=0.3"], "sapo:clip_high=0.3: sapo has no"),
+    (["compare", "--max-new-tokens", "5"], "--max-new-tokens must be >= 12"),
+    (["train", "--algorithm", "grpo,dapo"], "train runs one algorithm"),
+])
+def test_bad_arguments_fail_at_once_naming_the_argument(argv, message, tmp_path, capsys):
+    start = time.time()
+    assert cli.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
+    assert time.time() - start < 10 and not (tmp_path / "out").exists()  # nothing trained, nothing written
+
+
+def test_out_that_is_a_file_and_cuda_without_a_gpu_fail_at_once(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "file"
+    path.write_text("x")
+    assert cli.main(["compare", "--out", str(path)]) == 2
+    assert "--out" in capsys.readouterr().err and path.read_text() == "x"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["compare", "--device", "cuda", "--out", str(tmp_path / "o")]) == 2
+    assert "--device cuda" in capsys.readouterr().err
+
+
+def test_a_failing_run_keeps_the_others(tmp_path, monkeypatch, capsys):
+    real = trainer.train
+
+    def flaky(cfg, warm_state=None, on_step=None):
+        if not cfg.algorithm.startswith("dapo"):
+            return real(cfg, warm_state, on_step)
+
+        def fail_after_first(record):
+            on_step(record)
+            raise RuntimeError("boom after one step")
+        return real(cfg, warm_state, fail_after_first)
+
+    monkeypatch.setattr(trainer, "train", flaky)
+    out = tmp_path / "run"
+    assert cli.main(["compare", "--algorithms", "grpo", "dapo", "--steps", "2", "--seeds", "1", "--workers", "1",
+                     *TINY, "--out", str(out)]) == 1
+    assert "failed: dapo seed 0" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert "| grpo |" in report and "| dapo |" not in report
+    assert "- dapo, seed 0: failed after 1 of 2 steps: RuntimeError: boom after one step" in report
+    assert "RuntimeError: boom after one step" in (out / "errors.log").read_text()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["algorithm"], r["step"]) for r in records) == [("dapo", 0), ("grpo", 0), ("grpo", 1), ("grpo", 2)]
+    assert (out / "reward.png").exists()
+
+
+def test_ctrl_c_stops_within_seconds_and_writes_what_finished(tmp_path):
+    out = tmp_path / "run"
+    cmd = [PGLOSS, "compare", "--algorithms", "grpo", "dapo", "gspo", "cispo", "sapo", "--steps", "30", "--seeds", "1",
+           "--workers", "2", *TINY, "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:  # until the first run has made its last step
+        if metrics.exists() and any(json.loads(line)["step"] == 30 for line in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    sent = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.time() - sent < 30, err[-3000:]
+    assert "Traceback" not in err
+    ours = [line for line in err.splitlines() if line.startswith("pgloss compare")]
+    assert len(ours) == 1 and re.match(r"pgloss compare: interrupted; [12] of 5 runs finished", ours[0]), err[-3000:]
+    report = (out / "report.md").read_text()
+    assert "was interrupted" in report and ": interrupted after" in report and ": not started" in report
+    finished = {r["algorithm"] for r in json.loads((out / "config.json").read_text())["runs"] if r["status"] == "finished"}
+    assert all(f"| {a} |" in report for a in finished)
+    assert (out / "reward.png").stat().st_size > 5000 and (out / "samples.md").exists()
+    assert json.loads((out / "config.json").read_text())["status"] == "interrupted"
+
+
+def test_help_lists_every_command():
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0]
+    text = parser.format_help()
+    for action in commands._choices_actions:
+        assert action.dest in text and action.help
+    assert {"list", "losses", "train", "compare"} <= set(commands.choices)

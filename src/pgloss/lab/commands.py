@@ -77,6 +77,7 @@ def run(cfg: LabConfig, warm: dict) -> dict:
         records.append(record)
         _emit(record)
 
+    _emit({"started": [cfg.algorithm, cfg.seed]})
     try:
         return trainer.train(cfg, warm["state"], on_step=on_step)
     except Exception as err:  # noqa: BLE001 (one algorithm failing does not lose the others)
@@ -91,9 +92,13 @@ class _Stream:
     """``metrics.jsonl``, one line per step, written as the runs go; ticks the progress bar."""
 
     def __init__(self, path: Path, bar=None) -> None:
-        self.file, self.bar, self.written = open(path, "w"), bar, set()
+        self.file, self.bar, self.written, self.started = open(path, "w"), bar, set(), set()
 
     def __call__(self, item: dict | None) -> None:
+        """A step's record (written, one tick), None (a warm start: one tick) or a run's start."""
+        if item is not None and "started" in item:
+            self.started.add(tuple(item["started"]))
+            return
         if item is not None:
             self.write(item)
         if self.bar is not None:
@@ -227,7 +232,8 @@ def _outcome(cfg: LabConfig, result: dict | None, stream: _Stream) -> dict:
     """A run's status (finished, failed, interrupted, not started) with what it produced."""
     if result is None:
         steps = stream.steps_done(cfg.algorithm, cfg.seed)
-        return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": "interrupted" if steps else "not started",
+        started = steps or (cfg.algorithm, cfg.seed) in stream.started
+        return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": "interrupted" if started else "not started",
                 "steps_done": steps, "error": None, "metrics": [], "samples": {}}
     status = "failed" if "error" in result else "finished"
     return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": status, "steps_done": len(result["metrics"]),
@@ -262,10 +268,24 @@ def _summary_line(command: str, runs: list[dict], report: Path, seconds: float, 
     return text
 
 
+def _import_outputs() -> None:
+    """Import what the report and plots need now, so that a missing package fails before any
+    training and Ctrl-C cannot land inside an import (a half-imported extension cannot be retried)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+        import tqdm  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"the lab needs matplotlib and tqdm ({err}); install them with pip install 'pgloss[lab]'") from None
+
+
 def cmd_compare(args) -> int:
     """Train every algorithm of ``--algorithms`` for every seed and write the comparison."""
     start = time.time()
     try:  # every argument is checked before any training
+        _import_outputs()
         base = config_from_args(args)
         if args.seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
@@ -326,6 +346,7 @@ def cmd_train(args) -> int:
 
     start = time.time()
     try:
+        _import_outputs()
         specs = _specs([args.algorithm], args.loss_arg)
         if len(specs) != 1:
             raise ValueError(f"--algorithm: train runs one algorithm, got {', '.join(s.label for s in specs)} "

@@ -205,7 +205,8 @@ def unfinished(runs: list[dict]) -> list[str]:
     """One line per run that did not finish, saying why."""
     steps = lambda r: f"after {r['steps_done']} of {r['steps']} steps"  # noqa: E731
     reasons = {"failed": lambda r: f"failed {steps(r)}: {r['error']} (traceback in `errors.log`)",
-               "interrupted": lambda r: f"interrupted {steps(r)} (its steps are in `metrics.jsonl`)",
+               "interrupted": lambda r: f"interrupted {steps(r)}" + (" (its steps are in `metrics.jsonl`)"
+                                                                        if r["steps_done"] else ""),
                "not started": lambda r: "not started"}
     return [f"- {r['algorithm']}, seed {r['seed']}: {reasons[r['status']](r)}" for r in runs if r["status"] in reasons]
 
