@@ -1,4 +1,5 @@
-"""The `pgloss` command: `pgloss list`, `pgloss losses` (every loss on one synthetic batch)."""
+"""The `pgloss` command: `list` (the algorithms), `losses` (every loss on one synthetic batch), the
+lab's `train` and `compare` (train a tiny policy with the losses and report on them) and `experiment`."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from . import algorithms
 _BASE = {f.name: f.default for f in dataclasses.fields(algorithms.Algorithm)}
 
 
-def _defaults(algorithm: algorithms.Algorithm) -> str:
+def _defaults(algorithm: algorithms.Algorithm, skip: tuple[str, ...] = ()) -> str:
     shown = []
     for f in dataclasses.fields(algorithm):
         value = getattr(algorithm, f.name)
-        if f.name in ("name", "loss_agg_mode") or value is None or (f.name in _BASE and _BASE[f.name] == value):
+        if f.name in ("name", "loss_agg_mode", *skip) or value is None or (f.name in _BASE and _BASE[f.name] == value):
             continue
         shown.append(f"{f.name}={value}")
     return ", ".join(shown)
@@ -33,7 +34,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         needs = {"dr_grpo": {"norm_constant": 1024}}.get(name, {})
         algorithm = algorithms.get(name, **needs)
         agg = algorithm.loss_agg_mode + (" (norm_constant required)" if needs else "")
-        rows.append((name, family.__name__, agg, _defaults(algorithm)))
+        rows.append((name, family.__name__, agg, _defaults(algorithm, skip=tuple(needs))))  # no made-up default
     widths = [max(len(r[i]) for r in rows + [("name", "family", "loss_agg_mode", "")]) for i in range(3)]
     print(f"{'name':<{widths[0]}}  {'family':<{widths[1]}}  {'loss_agg_mode':<{widths[2]}}  defaults")
     for row in rows:

@@ -136,3 +136,9 @@ def test_help_lists_every_command():
     for action in commands._choices_actions:
         assert action.dest in text and action.help
     assert {"list", "losses", "train", "compare"} <= set(commands.choices)
+
+
+def test_list_shows_no_made_up_norm_constant_for_dr_grpo(capsys):
+    assert cli.main(["list"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("dr_grpo"))
+    assert "norm_constant required" in row and "norm_constant=" not in row
