@@ -73,6 +73,7 @@ class REAL(Algorithm):
     """τ, the temperature of the sequence scores (ms-swift `real_tau`)."""
 
     couples_rows = True
+    required_inputs = ("group_ids",)
 
     @property
     def fixed_agg_mode(self) -> str | None:

@@ -109,6 +109,8 @@ class TOPR(TISPG):
     Needs `scores`, the `[B]` raw rewards, in the call: the split is on the score, not on Â.
     """
 
+    required_inputs = ("scores",)
+
     def weights(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
         if batch.scores is None:
             raise ValueError(f"{self.name} splits on the raw reward and needs scores=[B] in the call")
