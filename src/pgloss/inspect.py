@@ -22,7 +22,8 @@ where b(r) = ∂(clipped surrogate)/∂r ÷ (-Â) is 1 inside the clip range and
 clip or the δ cap is active (½ on a tie, as autograd splits max and min), and every ratio counts only
 while its log is within ±max_log_ratio. The whole-sequence ratio gives every token the weight of its
 whole sequence: |y_i| times GRPO's at ratio one, the sample-level loss's length effect in one factor.
-With rollout_log_prob, f is multiplied by the truncated importance weight. The closed form is of the
+With rollout_log_prob, f is multiplied by the truncated importance weight of the token (for a
+ratio shared by the sequence, GSPO's and the sample-level one, by its mean over the sequence). The closed form is of the
 policy term: `policy_grad` is autograd's gradient without the KL and entropy terms, `grad` with them.
 Families without a closed form here (sequence ratios with per-token advantages, and families added
 later) have `closed_form` None and `reason` says why; `grad` is autograd's either way.
@@ -101,10 +102,11 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
         normalizer = Normalizer.count(batch.mask, group_ids=batch.group_ids, reduce=False)
     weight = token_weights(batch.mask, algorithm.loss_agg_mode, normalizer, norm_constant=algorithm.norm_constant,
                            group_ids=batch.group_ids).to(batch.log_prob.dtype) * normalizer.world_size
-    factor, reason = _factor(algorithm, batch)
-    if factor is not None and batch.rollout_log_prob is not None:
+    tis = None
+    if batch.rollout_log_prob is not None:
         tis = torch.exp((batch.old_log_prob - batch.rollout_log_prob).clamp(max=algorithm.max_log_ratio))
-        factor = factor * tis.clamp(max=algorithm.rollout_is_cap)
+        tis = torch.where(batch.mask, tis.clamp(max=algorithm.rollout_is_cap), 0.0)
+    factor, reason = _factor(algorithm, batch, tis)
     if factor is not None:
         factor = torch.where(batch.mask, factor, 0.0)
     return TokenGradients(grad=grad, policy_grad=policy_grad, advantage=batch.advantages, weight=weight,
@@ -136,8 +138,18 @@ def clip_factor(ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high
     return b
 
 
-def _factor(algorithm: Algorithm, batch: TokenBatch) -> tuple[Tensor | None, str]:
-    """f of the module docstring for the families with a closed form, else (None, why)."""
+def _factor(algorithm: Algorithm, batch: TokenBatch, tis: Tensor | None) -> tuple[Tensor | None, str]:
+    """f of the module docstring for the families with a closed form, else (None, why). `tis`: the
+    truncated importance weights (or None); a ratio shared by a sequence takes their mean over it."""
+    factor, reason = _policy_factor(algorithm, batch)
+    if factor is None or tis is None:
+        return factor, reason
+    if getattr(algorithm, "ratio_level", "token") in ("sequence", "sequence_product"):
+        tis = tis.sum(dim=-1, keepdim=True) / batch.mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    return factor * tis, reason + ", times the truncated importance weight"
+
+
+def _policy_factor(algorithm: Algorithm, batch: TokenBatch) -> tuple[Tensor | None, str]:
     m = batch.mask
     token_log_ratio = torch.where(m, log_ratio(batch.log_prob, batch.old_log_prob), 0.0)
     limit = algorithm.max_log_ratio
