@@ -3,6 +3,7 @@
 One concept per module: ``tokenizer`` and ``model`` (built in code, nothing downloaded),
 ``tasks`` (verifiable rewards, length that varies and matters), ``sampling`` (group
 sampling), ``trainer`` (warm start and the RL loop), ``distributed`` (data parallel),
-``plots`` and ``report`` (the comparison's files), ``config`` and ``commands`` (the
-``pgloss train`` and ``pgloss compare`` commands). Importing ``pgloss`` does not import the lab.
+``plots`` and ``report`` (the comparison's files), ``config``, ``spec`` (an algorithm with its
+loss hyperparameters, as the command line gives it) and ``commands`` (the ``pgloss train`` and
+``pgloss compare`` commands). Importing ``pgloss`` does not import the lab.
 """
