@@ -1,0 +1,177 @@
+"""pgloss's losses inside TRL 1.16's real GRPOTrainer: a tiny Qwen2 built locally, CPU, no network."""
+
+import os
+
+import pytest
+import torch
+
+import pgloss
+
+pytest.importorskip("trl")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from trl import GRPOTrainer  # noqa: E402
+
+from pgloss.integrations.trl import PGLossGRPOTrainer  # noqa: E402
+from trl_window import relative_error, train, trl_tiny, window_gradient  # noqa: E402
+
+BUDGET = 8  # max_completion_length
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return trl_tiny.make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def variants():
+    """Every name, plus the per-prompt mode that needs the adapter's global group ids."""
+    cases = [(name, {}) for name in pgloss.names()]
+    return cases + [("grpo", dict(loss_agg_mode="group-mean-token-mean"))]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize(("name", "overrides"), variants(), ids=[n + ("-group" if o else "") for n, o in variants()])
+def test_trains_and_window_gradient_is_one_call(tmp_path, model_dir, name, overrides, fused):
+    """Two optimizer steps in the real trainer; the second (GA = 2, off-policy old log-probs) applies
+    the gradient of one plain call on the whole window."""
+    os.symlink(model_dir, tmp_path / "model")
+    algorithm = pgloss.get(name, norm_constant=float(BUDGET), **overrides)
+    # A sequence ratio compounds the first step's change over the sequence (and GSPO's band is 3e-4):
+    # a smaller first step keeps some sequences unclipped, else the second step's gradient is 0.
+    rate = 2e-2 if getattr(algorithm, "ratio_level", "token") == "token" else 1e-6
+    trainer = train(str(tmp_path), algorithm, fused=fused, learning_rate=rate)
+    assert trainer.state.global_step == 2
+    logged = [row for row in trainer.state.log_history if "pgloss/pg_loss" in row]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor(row["pgloss/pg_loss"])) for row in logged)
+    snapshot = trainer.snapshot
+    assert len(snapshot["inputs"]) == 2 and "old_per_token_logps" in snapshot["inputs"][0]
+    reference, out = window_gradient(model_dir, snapshot["inputs"], snapshot["params"], algorithm)
+    assert float(out.metrics["ppo_kl"].abs()) > 1e-6  # the step really is off-policy
+    assert sum(float(g.norm()) for g in reference.values()) > 0
+    assert relative_error(snapshot["grads"], reference) < 2e-5
+    # The logged pg_loss is the step's loss: the mean of the two micro-batches' shares × 2.
+    torch.testing.assert_close(torch.tensor(logged[-1]["pgloss/pg_loss"]),
+                               out.metrics["pg_loss"].float(), rtol=1e-4, atol=1e-6)
+
+
+def test_caller_config_is_not_mutated_and_beta_follows_kl_coef(tmp_path, model_dir):
+    config = trl_tiny.config(str(tmp_path / "out"), max_steps=1)
+    trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
+                                args=config, algorithm="grpo")
+    assert trainer.beta == 0.04 and trainer.ref_model is not None  # grpo's kl_coef switches on TRL's reference
+    assert config.beta == 0.0  # TRL's default, untouched
+    assert trainer.algorithm == pgloss.get("grpo", norm_constant=float(BUDGET))
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("top_entropy_quantile", 0.2), ("off_policy_mask_threshold", 0.5), ("entropy_coef", 0.01),
+    ("use_adaptive_entropy", True), ("steps_per_generation", 3),
+])
+def test_unhonourable_options_are_refused_by_name(tmp_path, option, value):
+    overrides = {option: value}
+    if option == "steps_per_generation":  # GA = 2 does not divide 3: a step would span two generations
+        overrides["per_device_train_batch_size"] = 4
+    config = trl_tiny.config(str(tmp_path / "out"), **overrides)
+    with pytest.raises(ValueError, match=option):
+        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm="dapo")
+
+
+def test_bad_arguments():
+    config = trl_tiny.config("unused")
+    with pytest.raises(TypeError, match="algorithm must be"):
+        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm=3)
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
+        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm="nope")
+    with pytest.raises(TypeError, match="args must be a trl.GRPOConfig"):
+        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=None)
+    with pytest.raises(TypeError, match="fused must be a bool"):
+        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, fused="yes")
+
+
+# -- parity with TRL's own loss_types ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def window(model_dir, tmp_path_factory):
+    """A real GA = 2 window from TRL's generation, made off-policy: old = log π + 0.3·N(0, 1), Â ~ N(0, 1)."""
+    out = str(tmp_path_factory.mktemp("parity"))
+    trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
+                                args=trl_tiny.config(out, per_device_train_batch_size=2, max_steps=1), algorithm="dapo")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2  # what Trainer sets for each optimizer step
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    generator = torch.Generator().manual_seed(0)
+    for batch in trainer._buffered_inputs:
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            log_prob, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention,
+                                                                       batch["completion_ids"].shape[1])
+        batch["old_per_token_logps"] = log_prob + 0.3 * torch.randn(log_prob.shape, generator=generator)
+        batch["advantages"] = torch.randn(log_prob.shape[0], generator=generator)  # a group of equal rewards has none
+    counts = [int(b["completion_mask"].sum()) for b in trainer._buffered_inputs]
+    assert counts[0] != counts[1]  # uneven micro-batches: where per-micro-batch normalisation goes wrong
+    return trainer
+
+
+def window_grads(trainer, compute):
+    """Σ over the window's two micro-batches of ∇ compute(model, inputs), as Trainer.training_step does."""
+    trainer.model.zero_grad()
+    trainer.state.global_step += 1  # a new optimizer step: the adapter counts a new window
+    shares = []
+    for j, batch in enumerate(trainer._buffered_inputs):
+        trainer._step = j
+        trainer.model.zero_grad()
+        compute(trainer.model, batch).backward()
+        shares.append({k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None})
+    return shares
+
+
+def summed(shares, weights=(1.0, 1.0)):
+    return {k: sum(w * s[k] for w, s in zip(weights, shares)) for k in shares[0]}
+
+
+def trl_loss(trainer, loss_type, **settings):
+    def compute(model, inputs):
+        saved = {k: getattr(trainer, k) for k in ("loss_type", *settings)}
+        for key, value in dict(loss_type=loss_type, **settings).items():
+            setattr(trainer, key, value)
+        try:
+            return GRPOTrainer._compute_loss(trainer, model, inputs)
+        finally:
+            for key, value in saved.items():
+                setattr(trainer, key, value)
+    return compute
+
+
+def ours(trainer, algorithm):
+    def compute(model, inputs):
+        trainer.algorithm = algorithm
+        return trainer._compute_loss(model, inputs)
+    return compute
+
+
+@pytest.mark.parametrize(("loss_type", "settings", "algorithm"), [
+    ("dapo", dict(epsilon_low=0.2, epsilon_high=0.28), pgloss.get("dapo")),
+    ("grpo", dict(epsilon_low=0.2, epsilon_high=0.2), pgloss.get("grpo", kl_coef=0.0)),
+    ("dr_grpo", dict(epsilon_low=0.2, epsilon_high=0.2), pgloss.get("dr_grpo", norm_constant=float(BUDGET))),
+], ids=["dapo", "grpo", "dr_grpo"])
+def test_reproduces_trl_loss_types(window, loss_type, settings, algorithm):
+    """Equal micro-batch sizes, no empty rows: TRL's dapo, grpo (β = 0) and dr_grpo are exact, and so are ours."""
+    theirs = summed(window_grads(window, trl_loss(window, loss_type, **settings)))
+    mine = summed(window_grads(window, ours(window, algorithm)))
+    assert relative_error(mine, theirs) < 1e-5
+
+
+def test_bnpo_differs_from_trl_by_its_per_micro_batch_count(window):
+    """TRL's bnpo divides each micro-batch by its own token count N_j (and by GA); pgloss's by the
+    window's N. So TRL's gradient is Σ_j N / (GA · N_j) · g_j with g_j our micro-batch shares."""
+    algorithm = pgloss.get("bnpo")
+    mine = window_grads(window, ours(window, algorithm))
+    theirs = summed(window_grads(window, trl_loss(window, "bnpo", epsilon_low=0.2, epsilon_high=0.2)))
+    counts = [float(b["completion_mask"].sum()) for b in window._buffered_inputs]
+    predicted = summed(mine, [sum(counts) / (2 * n) for n in counts])
+    assert relative_error(predicted, theirs) < 1e-5
+    difference = relative_error(summed(mine), theirs)
+    print(f"bnpo: TRL's gradient differs from the window's token mean by {difference:.3f} (relative), "
+          f"micro-batch token counts {counts}")
+    assert difference > 1e-3

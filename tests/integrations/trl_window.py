@@ -1,0 +1,108 @@
+"""Shared by the TRL tests and their two-process worker: a recording trainer and the one-call reference.
+
+`RecordingTrainer` runs the real PGLossGRPOTrainer and keeps, for the last optimizer step, every
+micro-batch's inputs, the parameters before the optimizer step and the gradient it was about to
+apply (after DDP's average). `window_gradient` recomputes that gradient with one plain
+`algorithm(...)` call on all the micro-batches concatenated (over processes too), from full
+logits: the invariant the adapter promises.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import trl_tiny  # noqa: E402
+
+from pgloss.integrations.trl import PGLossGRPOTrainer  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
+        "ref_per_token_logps", "group_ids")
+
+
+class _Snapshot(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
+        self.trainer.snapshot = {
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "grads": {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None},
+            "inputs": list(self.trainer.window_inputs),
+        }
+        self.trainer.window_inputs = []
+
+
+class RecordingTrainer(PGLossGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window_inputs, self.snapshot = [], None
+        self.add_callback(_Snapshot(self))
+
+    def _compute_loss(self, model, inputs):
+        if self.model.training:
+            self.window_inputs.append({k: inputs[k].detach().clone() for k in KEYS if inputs.get(k) is not None})
+        return super()._compute_loss(model, inputs)
+
+
+def train(tmp: str, algorithm, *, fused=False, **overrides) -> RecordingTrainer:
+    """Two optimizer steps of GA = 2 with num_iterations = 2: the second step reuses the first step's
+    completions, with the old log-probs TRL computed before the first update (off-policy)."""
+    model = os.path.join(tmp, "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        trl_tiny.make_tiny_model(model)
+    values = dict(per_device_train_batch_size=4, max_steps=2, num_iterations=2, learning_rate=2e-2,
+                  max_grad_norm=0.0, logging_steps=1)
+    values.update(overrides)
+    trainer = RecordingTrainer(model=model, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
+                               args=trl_tiny.config(os.path.join(tmp, "out"), **values), algorithm=algorithm,
+                               fused=fused)
+    trainer.train()
+    return trainer
+
+
+def _pad(tensors, value=0):
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
+
+
+def window_gradient(model_dir: str, snapshot_inputs: list[dict], params: dict, algorithm, temperature=1.0):
+    """The gradient of one `algorithm(...)` call on every recorded micro-batch, from full logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(params)
+    log_probs, entropies = [], []
+    for batch in snapshot_inputs:
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        length = batch["completion_ids"].shape[1]
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1] / temperature
+        logp = logits.log_softmax(-1)
+        log_probs.append(logp.gather(-1, batch["completion_ids"][..., None]).squeeze(-1))
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    log_prob, entropy = _pad(log_probs), _pad(entropies)
+    cat = {k: _pad([b[k] for b in snapshot_inputs]) for k in ("completion_mask", "old_per_token_logps")}
+    extra = {}
+    if algorithm.uses_reference:
+        extra["ref_log_prob"] = _pad([b["ref_per_token_logps"] for b in snapshot_inputs])
+    if algorithm.loss_agg_mode == "group-mean-token-mean":
+        extra["group_ids"] = torch.cat([b["group_ids"] for b in snapshot_inputs])
+    out = algorithm(log_prob=log_prob, old_log_prob=cat["old_per_token_logps"],
+                    advantages=torch.cat([b["advantages"] for b in snapshot_inputs]),
+                    mask=cat["completion_mask"], entropy=entropy, **extra)
+    out.loss.backward()
+    return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}, out
+
+
+def relative_error(grads: dict, reference: dict) -> float:
+    keys = sorted(reference)
+    diff = torch.cat([(grads[k] - reference[k]).flatten() for k in keys]).norm()
+    return float(diff / torch.cat([reference[k].flatten() for k in keys]).norm())
