@@ -141,7 +141,7 @@ def _is_integer(ids: Tensor) -> bool:
     return not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
 
 
-def token_weights(
+def row_weights(
     mask: Tensor,
     mode: str,
     normalizer: Normalizer,
@@ -149,13 +149,12 @@ def token_weights(
     norm_constant: float | None = None,
     group_ids: Tensor | None = None,
 ) -> Tensor:
-    """w_{i,t} with loss = Σ w ℓ for `mode` (see the module docstring); `[B, T]`, float64.
+    """c_i with w_{i,t} = m_{i,t}·c_i for `mode`: every mode weighs a row's valid tokens alike; `[B]`, float64.
 
     Every denominator is clamped at 1, so an all-masked batch gives a zero loss, never NaN.
     """
-    m = mask.to(torch.float64)
     if mode == "token-mean":
-        return m / normalizer.tokens.clamp(min=1)
+        return (1.0 / normalizer.tokens.clamp(min=1)).expand(mask.shape[0])
     if mode == "group-mean-token-mean":
         if group_ids is None:
             raise ValueError("loss_agg_mode 'group-mean-token-mean' needs group_ids")
@@ -166,17 +165,37 @@ def token_weights(
                      lambda at: f"group_ids must lie in [0, {groups}) (the groups the step's Normalizer counted), "
                                 f"got {int(group_ids[at])} at row {int(at)}")
         per_row = normalizer.group_tokens[group_ids.to(mask.device).long()].clamp(min=1)
-        return m / (per_row[:, None] * normalizer.groups.clamp(min=1))
+        return 1.0 / (per_row * normalizer.groups.clamp(min=1))
     sequences = normalizer.sequences.clamp(min=1)
     if mode == "seq-mean-token-mean":
-        return m / (m.sum(dim=-1, keepdim=True).clamp(min=1) * sequences)
+        lengths = mask.sum(dim=-1, dtype=torch.float64)
+        return 1.0 / (lengths.clamp(min=1) * sequences)
     if mode == "seq-mean-token-sum":
-        return m / sequences
+        return (1.0 / sequences).expand(mask.shape[0])
     if mode == "seq-mean-token-sum-norm":
         if norm_constant is None or not norm_constant > 0:
             raise ValueError(f"seq-mean-token-sum-norm needs norm_constant > 0, got {norm_constant!r}")
-        return m / (sequences * norm_constant)
+        return (1.0 / (sequences * norm_constant)).expand(mask.shape[0])
     raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+
+
+def token_weights(
+    mask: Tensor,
+    mode: str,
+    normalizer: Normalizer,
+    *,
+    norm_constant: float | None = None,
+    group_ids: Tensor | None = None,
+) -> Tensor:
+    """w_{i,t} with loss = Σ w ℓ for `mode` (see the module docstring); `[B, T]`, float64."""
+    rows = row_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids)
+    return mask.to(torch.float64) * rows[:, None]
+
+
+def weighted_sum(masked_values: Tensor, rows: Tensor, world_size: int = 1) -> Tensor:
+    """Σ_i c_i Σ_t ℓ_{i,t} · world_size for `[B, T]` values already 0 at masked positions and
+    `rows` = `row_weights(...)`: one pass over the tokens, in the values' dtype."""
+    return (masked_values.sum(dim=-1) * rows.to(masked_values.dtype)).sum() * world_size
 
 
 def aggregate(
@@ -191,11 +210,10 @@ def aggregate(
     """Reduce `[B, T]` per-token `values` to a scalar with `loss_agg_mode` `mode`.
 
     Without a `normalizer` the counts come from `mask` alone (this batch is the whole step).
-    Masked positions must already be finite: the weight there is 0, and 0·NaN is NaN.
+    Values at masked positions (NaN and inf included) are ignored.
     """
+    mask = mask.bool()
     if normalizer is None:
-        normalizer = Normalizer.count(
-            mask, group_ids=None if group_ids is None else group_ids, reduce=False
-        )
-    weights = token_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids)
-    return (values * weights.to(values.dtype)).sum() * normalizer.world_size
+        normalizer = Normalizer.count(mask, group_ids=group_ids, reduce=False)
+    rows = row_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids)
+    return weighted_sum(torch.where(mask, values, 0.0), rows, normalizer.world_size)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .aggregate import AGG_MODES, Normalizer, aggregate
+from .aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
 from .batch import TokenBatch
 from .kl import KL_ESTIMATORS, kl_estimate
 from .losses.cispo import cispo_loss, cispo_weight
@@ -198,9 +198,11 @@ class Algorithm:
         if normalizer is None:  # this batch is the whole step: count it once for every term
             normalizer = Normalizer.count(mask, group_ids=batch.group_ids, reduce=False)
 
-        def reduce(values: Tensor) -> Tensor:
-            return aggregate(values, mask, self.loss_agg_mode, normalizer=normalizer,
-                             norm_constant=self.norm_constant, group_ids=batch.group_ids)
+        rows = row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
+                           group_ids=batch.group_ids)
+
+        def reduce(masked_values: Tensor) -> Tensor:
+            return weighted_sum(masked_values, rows, normalizer.world_size)
 
         loss = reduce(per_token)
         metrics["pg_loss"] = loss.detach()

@@ -1,0 +1,116 @@
+"""Time of the plain loss from log-probabilities: pgloss against verl's compute_policy_loss_vanilla.
+
+Both compute dual-clip PPO (ε = 0.2, c = 3) on the same [B, T] float32 batch with uneven
+lengths and per-token advantages, forward and backward to `log_prob`, with their metrics
+(verl: pg_clipfrac, ppo_kl, pg_clipfrac_lower; pgloss: those and the high/low split, ratio
+mean/max/min). The global counts are given to both, as a trainer's engine gives them:
+verl's `global_batch_info`, pgloss's `Normalizer` (counted once per step, outside the loop).
+
+Runs are interleaved (verl, pgloss, verl, pgloss, ...) so that the machine's load hits both
+alike; the median of each is reported with their ratio.
+
+    python benchmarks/plain.py --batch 64 --length 4096 --repeats 30 --threads 1
+
+verl is a benchmark-only dependency: `pip install --no-deps verl==0.9.1` plus what its
+`core_algos` imports (`make bench-deps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import pgloss
+
+MODES = ("token-mean", "seq-mean-token-mean")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64, help="B, sequences")
+    parser.add_argument("--length", type=int, default=4096, help="T, padded length")
+    parser.add_argument("--repeats", type=int, default=30, help="timed runs of each implementation")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--modes", default=",".join(MODES), help="loss_agg_modes, comma-separated")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def make_batch(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(length // 8, length + 1, (batch,), generator=gen)
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    old = -torch.rand(batch, length, generator=gen) * 3
+    return {
+        "old_log_prob": old,
+        "log_prob": old + 0.2 * torch.randn(batch, length, generator=gen),
+        "advantages": torch.randn(batch, length, generator=gen),
+        "mask": mask,
+    }
+
+
+def verl_step(mode: str, data: dict):
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+    from verl.workers.config.actor import ActorConfig
+
+    mask = data["mask"]
+    config = ActorConfig(strategy="fsdp", clip_ratio=0.2, clip_ratio_c=3.0, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+    config.global_batch_info.update(dp_size=1, batch_num_tokens=int(mask.sum()),  # as verl's ppo_loss fills it
+                                    global_batch_size=int(mask.any(dim=1).sum()))
+    response_mask = mask.float()
+
+    def step(log_prob):
+        loss, metrics = compute_policy_loss_vanilla(data["old_log_prob"], log_prob, data["advantages"], response_mask,
+                                                    loss_agg_mode=mode, config=config)
+        loss.backward()
+        return loss.detach(), metrics
+
+    return step
+
+
+def pgloss_step(mode: str, data: dict):
+    algorithm = pgloss.get("dual_clip_ppo", loss_agg_mode=mode)
+    normalizer = pgloss.Normalizer.count(data["mask"])
+
+    def step(log_prob):
+        out = algorithm(log_prob, data["old_log_prob"], data["advantages"], data["mask"], normalizer=normalizer)
+        out.loss.backward()
+        return out.loss.detach(), {k: float(v) for k, v in out.metrics.items()}  # one host read per metric, as verl
+
+    return step
+
+
+def timed(step, data) -> tuple[float, torch.Tensor, torch.Tensor]:
+    log_prob = data["log_prob"].clone().requires_grad_(True)
+    start = time.perf_counter()
+    loss, _ = step(log_prob)
+    return time.perf_counter() - start, loss, log_prob.grad
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data = make_batch(args.batch, args.length, args.seed)
+    print(f"B={args.batch}, T={args.length}, {int(data['mask'].sum())} valid tokens, float32, "
+          f"{args.threads} thread(s), {args.repeats} interleaved runs each; torch {torch.__version__}")
+    print(f"{'loss_agg_mode':<22}{'verl (ms)':>11}{'pgloss (ms)':>13}{'ratio':>8}   max |Δloss|  max |Δgrad|")
+    for mode in args.modes.split(","):
+        steps = {"verl": verl_step(mode, data), "pgloss": pgloss_step(mode, data)}
+        times = {name: [] for name in steps}
+        for _ in range(3):  # warm-up
+            for step in steps.values():
+                timed(step, data)
+        for _ in range(args.repeats):
+            for name, step in steps.items():
+                times[name].append(timed(step, data)[0])
+        (_, verl_loss, verl_grad), (_, our_loss, our_grad) = (timed(s, data) for s in steps.values())
+        verl_ms, our_ms = (1e3 * statistics.median(times[n]) for n in steps)
+        print(f"{mode:<22}{verl_ms:>11.2f}{our_ms:>13.2f}{our_ms / verl_ms:>8.3f}   "
+              f"{abs(float(verl_loss - our_loss)):.2e}     {float((verl_grad - our_grad).abs().max()):.2e}")
+
+
+if __name__ == "__main__":
+    main()
