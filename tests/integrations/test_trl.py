@@ -175,3 +175,46 @@ def test_bnpo_differs_from_trl_by_its_per_micro_batch_count(window):
     print(f"bnpo: TRL's gradient differs from the window's token mean by {difference:.3f} (relative), "
           f"micro-batch token counts {counts}")
     assert difference > 1e-3
+
+
+# -- two processes -------------------------------------------------------------------------------
+
+def test_two_processes_give_the_global_gradient(tmp_path, model_dir):
+    """torchrun, 2 CPU processes, gloo, DDP: each rank's averaged gradient is the gradient of one call
+    on both ranks' micro-batches, with uneven token counts per rank; group ids are global."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trl_ddp_worker import CASES
+
+    for case in CASES:
+        (tmp_path / case).mkdir()
+        os.symlink(model_dir, tmp_path / case / "model")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_addr", "127.0.0.1", "--master_port", str(port),
+                          str(here / "trl_ddp_worker.py"), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for case, (name, hyperparameters, _) in CASES.items():
+        ranks = [torch.load(tmp_path / case / f"rank{r}.pt") for r in (0, 1)]
+        tokens = [sum(int(b["completion_mask"].sum()) for b in rank["inputs"]) for rank in ranks]
+        assert tokens[0] != tokens[1], case
+        if hyperparameters.get("loss_agg_mode") == "group-mean-token-mean":
+            ids = [torch.cat([b["group_ids"] for b in rank["inputs"]]) for rank in ranks]
+            assert set(ids[0].tolist()).isdisjoint(ids[1].tolist())  # 4 prompts: two on each rank
+        algorithm = pgloss.get(name, **hyperparameters)
+        reference, _ = window_gradient(model_dir, ranks[0]["inputs"] + ranks[1]["inputs"], ranks[0]["params"],
+                                       algorithm)
+        assert sum(float(g.norm()) for g in reference.values()) > 0
+        for rank in ranks:
+            error = relative_error(rank["grads"], reference)
+            print(f"{case}: rank tokens {tokens}, relative gradient error {error:.2e}")
+            assert error < 2e-5, case
