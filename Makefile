@@ -4,6 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The adapters' tests run against the real trainers: TRL 1.16 and verl 0.9.1 in one environment.
+# torch==2.13.0 on every line keeps pip from pulling another torch; verl goes in --no-deps, with
+# what its loss path imports (ray, tensordict, omegaconf, hydra-core, codetiming).
+INTEGRATIONS := $(VENV)/.integrations
+INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"
+VERL_LOSS_DEPS := ray "tensordict>=0.8,<=0.10.0,!=0.9.0" omegaconf hydra-core codetiming
 
 .PHONY: setup test demo list clean
 
@@ -15,7 +21,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: $(STAMP)
+$(INTEGRATIONS): $(STAMP)
+	$(PY) -m pip install --quiet torch==2.13.0 -e ".[dev,trl]" $(INTEGRATION_PINS)
+	$(PY) -m pip install --quiet --no-deps "verl>=0.9.1,<0.10"
+	$(PY) -m pip install --quiet torch==2.13.0 $(INTEGRATION_PINS) $(VERL_LOSS_DEPS)
+	touch $(INTEGRATIONS)
+
+test: $(STAMP) $(INTEGRATIONS)
 	$(PY) -m pytest -n 2 tests
 
 demo: $(STAMP)
