@@ -13,51 +13,61 @@ import torch
 from torch import Tensor
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Σ m·x / Σ m, detached; NaN when nothing is valid."""
+def masked_mean(values: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
+    """Σ m·x / Σ m, detached; NaN when nothing is valid. `count` = mask.sum() when known."""
     values = values.detach().expand_as(mask)
-    return (torch.where(mask, values, 0.0).sum() / mask.sum()).to(values.dtype)
+    count = mask.sum() if count is None else count
+    return (torch.where(mask, values, 0.0).sum() / count).to(values.dtype)
 
 
-def _masked_extreme(values: Tensor, mask: Tensor, largest: bool) -> Tensor:
+def masked_fraction(flags: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
+    """Share of valid tokens where the bool `flags` hold; NaN when nothing is valid."""
+    count = mask.sum() if count is None else count
+    return (flags & mask).sum() / count
+
+
+def masked_extremes(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(smallest, largest) valid value, detached; NaN when nothing is valid. One pass: masked
+    positions take the value of the first valid one, which changes neither extreme."""
     values = values.detach().expand_as(mask)
-    if values.numel() == 0:  # amax/amin refuse empty tensors
-        return values.new_full((), torch.nan)
-    fill = -torch.inf if largest else torch.inf
-    masked = torch.where(mask, values, fill)
-    best = masked.amax() if largest else masked.amin()
-    return torch.where(mask.any(), best, torch.nan)
+    if values.numel() == 0:  # aminmax refuses empty tensors
+        nan = values.new_full((), torch.nan)
+        return nan, nan
+    first = mask.reshape(-1).view(torch.uint8).argmax()  # 0 when nothing is valid
+    width = mask.shape[-1]
+    low, high = torch.aminmax(torch.where(mask, values, values[first // width, first % width]))
+    none = ~mask.any()
+    return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
 
 
 def masked_max(values: Tensor, mask: Tensor) -> Tensor:
     """Largest valid value, detached; NaN when nothing is valid."""
-    return _masked_extreme(values, mask, largest=True)
+    return masked_extremes(values, mask)[1]
 
 
 def masked_min(values: Tensor, mask: Tensor) -> Tensor:
     """Smallest valid value, detached; NaN when nothing is valid."""
-    return _masked_extreme(values, mask, largest=False)
+    return masked_extremes(values, mask)[0]
 
 
 def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """ratio_mean / ratio_max / ratio_min of the ratio the loss used, and ppo_kl = mean(log π_old - log π_θ)."""
+    count = mask.sum()
+    low, high = masked_extremes(ratio, mask)
     return {
-        "ppo_kl": masked_mean(-token_log_ratio, mask),
-        "ratio_mean": masked_mean(ratio, mask),
-        "ratio_max": masked_max(ratio, mask),
-        "ratio_min": masked_min(ratio, mask),
+        "ppo_kl": -masked_mean(token_log_ratio, mask, count),
+        "ratio_mean": masked_mean(ratio, mask, count),
+        "ratio_max": high,
+        "ratio_min": low,
     }
 
 
 def clip_metrics(clipped_high: Tensor, clipped_low: Tensor, mask: Tensor, clipped_dual: Tensor | None = None) -> dict[str, Tensor]:
     """pg_clipfrac (either bound), its high / low split and, for dual clip, pg_clipfrac_lower."""
-    high = clipped_high.float()
-    low = clipped_low.float()
-    out = {
-        "pg_clipfrac": masked_mean(high + low, mask),
-        "pg_clipfrac_high": masked_mean(high, mask),
-        "pg_clipfrac_low": masked_mean(low, mask),
-    }
+    count = mask.sum()
+    high = masked_fraction(clipped_high, mask, count)
+    low = masked_fraction(clipped_low, mask, count)
+    out = {"pg_clipfrac": high + low, "pg_clipfrac_high": high, "pg_clipfrac_low": low}
     if clipped_dual is not None:
-        out["pg_clipfrac_lower"] = masked_mean(clipped_dual.float(), mask)
+        out["pg_clipfrac_lower"] = masked_fraction(clipped_dual, mask, count)
     return out
