@@ -138,8 +138,11 @@ class _Runner:
         global _EMIT
         if self.pool is None:
             _EMIT = self.stream
-            for i, job in enumerate(jobs):
-                done[i] = fn(*job)
+            try:
+                for i, job in enumerate(jobs):
+                    done[i] = fn(*job)
+            finally:
+                _EMIT = None
             return
         import queue as queue_module
 

@@ -74,7 +74,6 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
 
     data = curves(records)
     algorithms = list(data["reward"])
@@ -108,10 +107,7 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
                         mew=1.4, color=colors[algorithm], zorder=5)
         if metric == "clip_frac":
             ax.set_yscale("symlog", linthresh=1e-3)
-            ax.set_ylim(bottom=0)
-            styles = [Line2D([], [], color="gray", ls=s, label=p.replace("clip_frac", "all").replace("all_", ""))
-                      for p, s in CLIP_PARTS.items()]
-            ax.add_artist(ax.legend(handles=styles, fontsize=7, loc="upper center", ncol=3))
+            ax.set_ylim(bottom=0)  # the title says which line style is which part
         if metric == "grad_norm" and max_grad_norm is not None:
             ax.axhline(max_grad_norm, color="black", lw=0.8, ls="--", label=f"clipped above {max_grad_norm:g}")
         ax.legend(fontsize=7, ncol=2 if len(algorithms) > 6 else 1, loc="best")

@@ -229,7 +229,8 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path]) -
     ]
     if lost:
         status = "was interrupted" if config.get("status") == "interrupted" else "did not finish every run"
-        lines += [f"**This comparison {status}: {len(finished)} of {len(runs)} runs finished.** The tables and "
+        lines += [f"**This {'comparison' if len(runs) > 1 else 'run'} {status}: {len(finished)} of {len(runs)} runs "
+                  "finished.** The tables and "
                   "plots show the finished runs only.", "", *lost, ""]
     lines += [
         f"Task `{base['task']}`, {base['steps']} RL steps of {base['prompts_per_step']} prompts x {base['group_size']} "
