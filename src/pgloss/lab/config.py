@@ -21,7 +21,7 @@ class LabConfig:
     algorithm: str = "grpo"
     """The pgloss algorithm whose loss trains the policy, with optional hyperparameters: dapo or dapo:clip_high=0.3."""
     task: str = "chain"
-    """Synthetic task (tasks.TASKS): chain (+ and * left to right, mod 10), sum (add 2-6 digits), mul (digit times digit)."""
+    """Synthetic task, a name registered in tasks.TASKS (docs/lab.md describes each)."""
     seed: int = 0
     """Seeds the model, the warm start, the prompts and the sampling."""
     steps: int = 50
@@ -143,8 +143,13 @@ def add_config_arguments(parser, skip: tuple[str, ...] = ()) -> None:
         if f.name in skip:
             continue
         kind = type(f.default)
+        extra = ""
+        if f.name == "task":
+            from pgloss.lab.tasks import TASKS
+
+            extra = f"; one of {', '.join(TASKS)}"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
-                            help=f"{docs.get(f.name, '')} (default: {f.default})")
+                            help=f"{docs.get(f.name, '')} (default: {f.default}{extra})")
 
 
 def config_from_args(args, **overrides) -> LabConfig:
