@@ -15,7 +15,7 @@ def gae(
 
         δ_t = r_t + γ V_{t+1} - V_t,     A_t = δ_t + γ λ A_{t+1},     returns_t = A_t + V_t
 
-    the recursion of seed 000 (with λ = 1 it is the discounted return minus V_t). Positions with
+    the recursion of the loss blog post (2025-10-21) (with λ = 1 it is the discounted return minus V_t). Positions with
     m_t = 0 (padding, tool output) are skipped: the recursion carries V and A across them, as in
     verl's `compute_gae_advantage_return`, and they get A = 0. Past the last token V = 0.
     Inputs `[B, T]`; returns (advantages, returns), `[B, T]`, detached.

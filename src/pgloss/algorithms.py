@@ -240,7 +240,7 @@ class ClippedPolicy(Algorithm):
         ℓ_{i,t} = max( -Â·r, -Â·clip(r, 1-ε_low, 1+ε_high) ),  optionally dual-clipped or δ-capped,
 
     with r the ratio at `ratio_level`. The sequence levels (`sequence`: GSPO, `sequence_product`:
-    the sample-level GRPO of seed 003) define one loss per sequence, ℓ_i, copied onto its tokens,
+    the sample-level GRPO of "OpenR1 in practice (6)", 2025-06-04) define one loss per sequence, ℓ_i, copied onto its tokens,
     and fix loss_agg_mode to seq-mean-token-mean so that the loss is (1/N_seq) Σ_i ℓ_i.
     """
 

@@ -58,7 +58,7 @@ def kl_penalized_rewards(
     kl_coef: float,
     estimator: str = "k1",
 ) -> tuple[Tensor, Tensor]:
-    """KL in the reward (PPO for RLHF; verl's `apply_kl_penalty`, seed 000):
+    """KL in the reward (PPO for RLHF; verl's `apply_kl_penalty`; the loss blog post of 2025-10-21):
 
         r_t ← r_t - β · KL_t(π_old ‖ π_ref) · m_t
 

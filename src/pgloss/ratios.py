@@ -7,7 +7,7 @@ Four levels, the vocabulary of verl's and TRL's `importance_sampling_level`:
       s_i = (π_θ(y_i|x) / π_old(y_i|x))^{1/|y_i|} = exp( (1/|y_i|) Σ_t log r_{i,t} )
 - sequence_token (GSPO-token, 2507.18071 eq. 13), the value of s_i with the gradient of each token:
       s_{i,t} = sg[s_i] · π_θ(y_{i,t}|·) / sg[π_θ(y_{i,t}|·)]
-- sequence_product (the "sample level" loss of seed 003), the whole-sequence likelihood ratio:
+- sequence_product (the "sample level" loss of "OpenR1 in practice (6)", 2025-06-04), the whole-sequence likelihood ratio:
       ρ_i = π_θ(y_i|x) / π_old(y_i|x) = exp( Σ_t log r_{i,t} )
 
 Sequence ratios come back as `[B, 1]` so they broadcast over tokens. Every log-ratio is clamped to

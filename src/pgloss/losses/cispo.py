@@ -10,7 +10,7 @@ never zeroed: where PPO's gradient vanishes, CISPO's does not.
 Two parameterisations are in use:
 - the paper and verl: r̂ = clip(r, 1 - clip_low, 1 + clip_high). The paper sets ε_low^IS "to a large
   value" (no lower bound) and tunes only ε_high^IS: here `clip_low=None`.
-- TRL and ms-swift (seed 002): r̂ = min(r, ε_high), with ε_high the cap itself. That is
+- TRL and ms-swift (ms-swift's Loss Types documentation): r̂ = min(r, ε_high), with ε_high the cap itself. That is
   `clip_low=None, clip_high=ε_high - 1` here.
 """
 

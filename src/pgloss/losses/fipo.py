@@ -1,7 +1,7 @@
 """FIPO's Future-KL influence weight (Ma et al. 2026, https://arxiv.org/abs/2603.19835).
 
 FIPO keeps DAPO's clipped token loss and reweights each token by how much the current update is
-already moving the rest of the response (seed 002; ms-swift's implementation):
+already moving the rest of the response (ms-swift's Loss Types documentation and implementation):
 
     Δ_k        = m_k · log r_k                      (0 where r_k > δ when the δ cap is set)
     FutureKL_t = Σ_{k ≥ t} γ^{k-t} Δ_k,             γ = 2^(-1/decay_rate)

@@ -7,7 +7,7 @@ Per token (minimisation form):
 The factor 4/τ makes the on-policy gradient REINFORCE's: d f_τ / d r = 4·σ(1-σ) = 1 at r = 1, so
 ∇L = -A·∇log π_θ when π_θ = π_old, whatever τ. Away from r = 1 the gradient weight
 4·σ(τ(r-1))·(1-σ(τ(r-1)))·r decays smoothly instead of dropping to zero as in PPO.
-Seed 002 writes the gate as σ(τ(ρ-1)) without 4/τ; that scales the on-policy gradient by τ/4.
+ms-swift's Loss Types documentation writes the gate as σ(τ(ρ-1)) without 4/τ; that scales the on-policy gradient by τ/4.
 A larger τ_neg (paper: 1.05 vs 1.0) attenuates negative-advantage updates faster.
 """
 
