@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..algorithms import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
-from ..metrics import masked_mean, ratio_metrics
+from ..metrics import clip_metrics, ratio_metrics
 from ..ratios import importance_ratio, log_ratio
 
 DPPO_DIVERGENCES = ("tv", "kl")
@@ -93,9 +93,11 @@ class DPPO(Algorithm):
                                  max_log_ratio=self.max_log_ratio)
         valid = dppo_valid(batch.log_prob, batch.old_log_prob, batch.advantages, divergence=self.divergence,
                            clip_low=self.clip_low, clip_high=self.clip_high)
-        metrics = ratio_metrics(ratio, delta, batch.mask)
-        metrics["pg_clipfrac"] = masked_mean((~valid).to(ratio.dtype), batch.mask)
-        metrics["pg_clipfrac_lower"] = masked_mean((valid & (ratio.detach() > self.truncation)).to(ratio.dtype),
-                                                   batch.mask)
+        # Outside the region: pushed up too far (Â > 0: "high") or down too far ("low"); as verl,
+        # pg_clipfrac_lower is the share of valid tokens whose weight the truncation c capped.
+        positive = batch.advantages > 0
+        metrics = clip_metrics(~valid & positive, ~valid & ~positive, batch.mask,
+                               valid & (ratio.detach() > self.truncation))
+        metrics |= ratio_metrics(ratio, delta, batch.mask)
         return PolicyTerms(dppo_loss(batch.log_prob, ratio, batch.advantages, valid, truncation=self.truncation),
                            metrics)
