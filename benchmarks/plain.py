@@ -11,8 +11,8 @@ alike; the median of each is reported with their ratio.
 
     python benchmarks/plain.py --batch 64 --length 4096 --repeats 30 --threads 1
 
-verl is a benchmark-only dependency: `pip install --no-deps verl==0.9.1` plus what its
-`core_algos` imports (`make bench-deps`).
+verl is never a runtime dependency of pgloss: `make test` installs verl 0.9.1 (--no-deps, plus what
+its loss path imports) into .venv for the adapters' tests, and this benchmark uses that.
 """
 
 from __future__ import annotations
