@@ -162,6 +162,71 @@ def test_reproduces_trl_loss_types(window, loss_type, settings, algorithm):
     assert relative_error(mine, theirs) < 1e-5
 
 
+def with_inputs(trainer, **extra):
+    """The window's micro-batches with extra keys, restored afterwards."""
+    class Restore:
+        def __enter__(self):
+            self.saved = [dict(b) for b in trainer._buffered_inputs]
+            for batch in trainer._buffered_inputs:
+                for key, make in extra.items():
+                    batch[key] = make(batch)
+
+        def __exit__(self, *exc):
+            for batch, saved in zip(trainer._buffered_inputs, self.saved):
+                batch.clear()
+                batch.update(saved)
+    return Restore()
+
+
+def noisy(key, scale, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return lambda batch: batch[key] + scale * torch.randn(batch[key].shape, generator=generator)
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_kl_term_matches_trl_without_its_bias_correction(window, bias_correction):
+    """pgloss's grpo (k3, β = 0.04) equals TRL's grpo with β = 0.04 and use_bias_correction_kl=False;
+    TRL's default (True) multiplies k3 by the ratio: a different gradient, which the docs state."""
+    with with_inputs(window, ref_per_token_logps=noisy("old_per_token_logps", 0.2, 5)):
+        window.args.use_bias_correction_kl = bias_correction
+        try:
+            theirs = summed(window_grads(window, trl_loss(window, "grpo", epsilon_low=0.2, epsilon_high=0.2,
+                                                          beta=0.04)))
+        finally:
+            window.args.use_bias_correction_kl = True
+        mine = summed(window_grads(window, ours(window, pgloss.get("grpo"))))
+    difference = relative_error(mine, theirs)
+    print(f"grpo with KL, TRL use_bias_correction_kl={bias_correction}: relative gradient difference {difference:.2e}")
+    assert (difference > 1e-3) if bias_correction else (difference < 1e-5)
+
+
+def test_vllm_token_truncate_matches_trl(window):
+    """vLLM's log-probs as rollout_log_prob (NaN where vLLM could not score: weight 1) with the cap of
+    vllm_importance_sampling_clip_max equals TRL's token_truncate importance sampling."""
+    def sampling(batch):
+        values = batch["old_per_token_logps"] + 0.5 * torch.randn(batch["old_per_token_logps"].shape,
+                                                                  generator=torch.Generator().manual_seed(7))
+        values[:, 0] = float("nan")
+        return values
+
+    def ratio(batch):  # what TRL's _generate_and_score_completions computes for token_truncate
+        diff = torch.nan_to_num((batch["old_per_token_logps"] - batch["sampling_per_token_logps"])
+                                * batch["completion_mask"], nan=0.0)
+        return torch.exp(diff).clamp(max=3.0)
+
+    with with_inputs(window, sampling_per_token_logps=sampling):
+        with with_inputs(window, importance_sampling_ratio=ratio):
+            window.use_vllm, window.vllm_importance_sampling_correction = True, True
+            try:
+                theirs = summed(window_grads(window, trl_loss(window, "dapo", epsilon_low=0.2, epsilon_high=0.28)))
+                mine = summed(window_grads(window, ours(window, pgloss.get("dapo", rollout_is_cap=3.0))))
+                unweighted = summed(window_grads(window, ours(window, pgloss.get("dapo", rollout_is_cap=1e-9))))
+            finally:
+                window.use_vllm, window.vllm_importance_sampling_correction = False, False
+    assert relative_error(mine, theirs) < 1e-5
+    assert relative_error(unweighted, theirs) > 1e-2  # the weights matter on this window
+
+
 def test_bnpo_differs_from_trl_by_its_per_micro_batch_count(window):
     """TRL's bnpo divides each micro-batch by its own token count N_j (and by GA); pgloss's by the
     window's N. So TRL's gradient is Σ_j N / (GA · N_j) · g_j with g_j our micro-batch shares."""
