@@ -1,0 +1,379 @@
+"""Rollout correction: the inference engine sampled from π_rollout, not from the trainer's π_old.
+
+One explicit configuration beside the loss (`RolloutCorrection`), composable with every
+algorithm: its weight multiplies the per-token loss before the aggregation, its rejections
+enter the one effective mask, and both use the loss's mask and the step's normaliser.
+
+With π_train = π_old (decoupled mode) or sg(π_θ) (bypass mode, where π_old := π_rollout), the
+log-ratio of a valid token is log ρ_t = clamp(log π_train - log π_rollout, ±max_log_ratio) and
+
+    weight level        w                                            used by
+    token               ρ_t                                          verl `rollout_is=token`, TRL/ms-swift `token_*`
+    sequence_product    exp(clamp(Σ_t log ρ_t, ±max_log_ratio))      verl `rollout_is=sequence`, TRL `sequence_*`
+    sequence_geometric  exp(Σ_t log ρ_t / |y_i|)                     ms-swift `sequence_*`, OpenRLHF `seq`
+
+then, with bounds [lower, upper] (either may be None: unbounded),
+
+    truncate (TIS, Yao et al. 2025)   w ← clamp(w, lower, upper)
+    mask (IcePop)                     w ← w · 1[lower ≤ w ≤ upper]
+
+detached. The sequence weight is a separate choice from GSPO's sequence ratio: a product of
+ratios collapses or explodes on long sequences, the geometric mean does not.
+
+KL-based rejection (verl `rollout_rs`), chainable (AND), with k1 = -log ρ, k2 = ½(log ρ)²,
+k3 = ρ - 1 - log ρ per token, at token level or as a sequence's sum, mean or max: a `Rejection`
+keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
+exp(statistic) (a ratio π_rollout/π_train, lower defaulting to 1/upper), for k2 and k3 on the
+statistic (upper only). Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556; TRL
+`off_policy_mask_threshold`, ms-swift `off_policy_sequence_mask_delta`) drops sequence i when
+Â_i < 0 and (1/|y_i|) Σ_t (log π_behave - sg log π_θ) > δ, π_behave = π_rollout (π_old without one).
+
+Rejected tokens leave the effective mask: the loss's numerator and every metric. The normaliser
+counts what the caller counted: without a `Normalizer` the call counts the corrected mask (verl:
+the response mask is multiplied); a `Normalizer` counted on `keep_mask(...)` does the same over a
+step; one counted on the original masks keeps rejected tokens in the denominator (AReaL).
+
+Batch normalisation (verl `rollout_is_batch_normalize`): w ← w / mean(w), the mean over the step's
+valid tokens (token level) or non-empty sequences (sequence levels), global over micro-batches and
+ranks through `step_weight_mean`, so the loss stays split-invariant.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .batch import check_mask, check_tensor
+from .metrics import masked_extremes, masked_fraction, masked_mean
+
+WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
+WEIGHT_MODES = ("truncate", "mask")
+KL_STATISTICS = ("k1", "k2", "k3")
+REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+REJECTION_OPTIONS = tuple(f"{level}_{k}" for level in REJECTION_LEVELS for k in KL_STATISTICS)
+
+
+def _number(name: str, value: object, *, optional: bool) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number{' or None' if optional else ''}, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One KL-based rejection rule: `option` is `<level>_<k>` with level token, seq_sum, seq_mean or
+    seq_max and k k1, k2 or k3 (verl's `rollout_rs` names). For k1, keep lower ≤ exp(stat) ≤ upper
+    (either bound may be None, lower defaults to 1/upper); for k2 and k3, keep stat ≤ upper."""
+
+    option: str
+    upper: float | None
+    lower: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.option not in REJECTION_OPTIONS:
+            raise ValueError(f"Rejection option must be one of {REJECTION_OPTIONS}, got {self.option!r}")
+        upper = _number("Rejection upper", self.upper, optional=True)
+        lower = _number("Rejection lower", self.lower, optional=True)
+        if self.option.endswith("k1"):
+            if upper is None and lower is None:
+                raise ValueError(f"{self.option} needs a ratio bound: upper, lower or both")
+            if upper is not None and upper <= 0 or lower is not None and lower <= 0:
+                raise ValueError(f"{self.option} bounds are ratios and must be > 0, got lower={lower}, upper={upper}")
+            if lower is None and upper is not None:
+                lower = 1.0 / upper
+            if upper is not None and lower > upper:
+                raise ValueError(f"{self.option} needs lower <= upper, got lower={lower}, upper={upper}")
+        else:
+            if upper is None or upper < 0:
+                raise ValueError(f"{self.option} needs upper >= 0 (a KL bound), got {upper!r}")
+            if lower is not None:
+                raise ValueError(f"{self.option} takes only an upper bound (k2 and k3 are >= 0), got lower={lower}")
+        object.__setattr__(self, "upper", upper)
+        object.__setattr__(self, "lower", lower)
+
+    def keep(self, log_rho: Tensor, mask: Tensor) -> Tensor:
+        """Bool `[B, T]`: the tokens this rule keeps (whole rows for the sequence levels)."""
+        level, k = self.option.rsplit("_", 1)
+        if k == "k1":
+            stat = -log_rho
+        elif k == "k2":
+            stat = 0.5 * log_rho.square()
+        else:
+            stat = torch.expm1(log_rho) - log_rho
+        stat = torch.where(mask, stat, 0.0)
+        if level == "seq_sum":
+            stat = stat.sum(dim=-1, keepdim=True)
+        elif level == "seq_mean":
+            stat = stat.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+        elif level == "seq_max":
+            stat = torch.where(mask, stat, -torch.inf).amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(stat.dtype).max)
+        if k == "k1":  # bounds on the ratio, compared in log space
+            keep = torch.ones_like(stat, dtype=torch.bool)
+            if self.upper is not None:
+                keep = keep & (stat <= math.log(self.upper))
+            if self.lower is not None:
+                keep = keep & (stat >= math.log(self.lower))
+        else:
+            keep = stat <= self.upper
+        return keep.expand(mask.shape)
+
+
+@dataclass(frozen=True)
+class Corrected:
+    """What a correction hands to the loss: the old log-probs the loss's ratio uses, the detached
+    weight `[B, T]` (None: no weight), the effective mask, and detached 0-d metrics."""
+
+    old_log_prob: Tensor
+    weight: Tensor | None
+    mask: Tensor
+    metrics: dict[str, Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCorrection:
+    """Rollout correction beside the loss (see the module docstring for the formulas).
+
+    `RolloutCorrection()` is token-level truncated importance sampling with cap 2 (verl's default).
+    """
+
+    weight_level: str | None = "token"
+    """token | sequence_product | sequence_geometric; None: no importance weight (masks only)."""
+    weight_mode: str = "truncate"
+    """truncate (TIS: clamp to the bounds) or mask (IcePop: zero outside the bounds)."""
+    lower: float | None = None
+    """Lower bound of the weight; None: unbounded below (TIS as verl, TRL, ms-swift)."""
+    upper: float | None = 2.0
+    """Upper bound of the weight; None: unbounded above."""
+    rejection: tuple[Rejection, ...] = ()
+    """KL-based rejection rules, all applied (AND)."""
+    off_policy_mask: float | None = None
+    """δ of off-policy sequence masking (DeepSeek-V3.2); None disables it."""
+    bypass: bool = False
+    """π_old := π_rollout: the loss's ratio is against the rollout, the weight uses sg(π_θ)/π_rollout."""
+    batch_normalize: bool = False
+    """Divide the weights by their mean over the step (`step_weight_mean`)."""
+    weight_kl: bool = False
+    """Whether the weight also multiplies the KL term (TRL and Liger: no; ms-swift: yes)."""
+    max_log_ratio: float = 20.0
+    """log ρ (and a sequence's summed log ρ) is clamped to ±max_log_ratio before exp."""
+
+    def __post_init__(self) -> None:
+        if self.weight_level is not None and self.weight_level not in WEIGHT_LEVELS:
+            raise ValueError(f"weight_level must be one of {WEIGHT_LEVELS} or None, got {self.weight_level!r}")
+        if self.weight_mode not in WEIGHT_MODES:
+            raise ValueError(f"weight_mode must be one of {WEIGHT_MODES}, got {self.weight_mode!r}")
+        lower = _number("lower", self.lower, optional=True)
+        upper = _number("upper", self.upper, optional=True)
+        if lower is not None and lower < 0 or upper is not None and upper <= 0:
+            raise ValueError(f"need lower >= 0 and upper > 0 (weights are ratios), got lower={lower}, upper={upper}")
+        if lower is not None and upper is not None and lower > upper:
+            raise ValueError(f"need lower <= upper, got lower={lower}, upper={upper}")
+        if self.weight_level is not None and self.weight_mode == "mask" and lower is None and upper is None:
+            raise ValueError("weight_mode 'mask' needs a lower or an upper bound")
+        rejection = tuple(self.rejection) if isinstance(self.rejection, (list, tuple)) else self.rejection
+        if not isinstance(rejection, tuple) or not all(isinstance(r, Rejection) for r in rejection):
+            raise TypeError(f"rejection must be a tuple of pgloss.rollout.Rejection, got {self.rejection!r}")
+        delta = _number("off_policy_mask", self.off_policy_mask, optional=True)
+        if delta is not None and delta < 0:
+            raise ValueError(f"off_policy_mask must be >= 0 (a KL threshold), got {delta}")
+        for name in ("bypass", "batch_normalize", "weight_kl"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        max_log_ratio = _number("max_log_ratio", self.max_log_ratio, optional=False)
+        if max_log_ratio <= 0:
+            raise ValueError(f"max_log_ratio must be > 0, got {max_log_ratio}")
+        if self.batch_normalize and self.weight_level is None:
+            raise ValueError("batch_normalize needs a weight_level")
+        if self.batch_normalize and self.bypass:
+            raise ValueError("batch_normalize cannot be combined with bypass: the weight then depends on π_θ, "
+                             "so its mean over the step is not known before the step")
+        for name, value in (("lower", lower), ("upper", upper), ("rejection", rejection),
+                            ("off_policy_mask", delta), ("max_log_ratio", max_log_ratio)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def needs_rollout(self) -> bool:
+        """True when the correction needs `rollout_log_prob` (everything but a lone off-policy mask)."""
+        return self.weight_level is not None or bool(self.rejection) or self.bypass
+
+    # -- the pieces -------------------------------------------------------------------------------
+
+    def _log_rho(self, train: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+        return torch.where(mask, (train - rollout).clamp(-self.max_log_ratio, self.max_log_ratio), 0.0)
+
+    def _raw_weight(self, train: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+        """The unbounded weight ρ, `[B, T]` (sequence levels broadcast over the row)."""
+        if self.weight_level == "token":
+            return torch.exp(self._log_rho(train, rollout, mask))
+        total = torch.where(mask, train - rollout, 0.0).sum(dim=-1, keepdim=True)
+        if self.weight_level == "sequence_geometric":
+            total = total / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+        return torch.exp(total.clamp(-self.max_log_ratio, self.max_log_ratio)).expand(mask.shape)
+
+    def _bound(self, raw: Tensor) -> tuple[Tensor, Tensor]:
+        """(bounded weight, out-of-band flags)."""
+        out = torch.zeros_like(raw, dtype=torch.bool)
+        if self.lower is not None:
+            out = out | (raw < self.lower)
+        if self.upper is not None:
+            out = out | (raw > self.upper)
+        if self.weight_mode == "mask":
+            return torch.where(out, 0.0, raw), out
+        return raw.clamp(min=self.lower, max=self.upper), out
+
+    def keep_mask(self, mask: Tensor, old_log_prob: Tensor, rollout_log_prob: Tensor) -> Tensor:
+        """The mask after the KL-based rejection, known before the step (decoupled mode): count a
+        step's `Normalizer` on these to leave rejected tokens out of the denominator."""
+        mask = check_mask(mask, mask.shape, mask.device)
+        if self.bypass and self.rejection:
+            raise ValueError("with bypass the rejection depends on π_θ; count the Normalizer on the original masks")
+        log_rho = self._log_rho(old_log_prob.detach(), rollout_log_prob.detach(), mask)
+        for rule in self.rejection:
+            mask = mask & rule.keep(log_rho, mask)
+        return mask
+
+    def step_weight_mean(
+        self,
+        masks: Tensor | Sequence[Tensor],
+        old_log_probs: Tensor | Sequence[Tensor],
+        rollout_log_probs: Tensor | Sequence[Tensor],
+        *,
+        process_group: "dist.ProcessGroup | None" = None,
+        reduce: bool = True,
+    ) -> Tensor:
+        """The mean bounded weight over the step's micro-batches (and, when torch.distributed is
+        initialized and `reduce`, all ranks of `process_group`): over valid tokens at token level,
+        over non-empty sequences at the sequence levels. A collective, like `Normalizer.count`.
+        Pass it to every call of the step as `weight_mean`."""
+        if self.weight_level is None:
+            raise ValueError("step_weight_mean needs a weight_level")
+        as_list = lambda v: [v] if isinstance(v, Tensor) else list(v)  # noqa: E731
+        masks, olds, rollouts = as_list(masks), as_list(old_log_probs), as_list(rollout_log_probs)
+        if not masks or not len(masks) == len(olds) == len(rollouts):
+            raise ValueError(f"masks, old_log_probs and rollout_log_probs must hold one tensor per micro-batch, "
+                             f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
+        totals = torch.zeros(2, dtype=torch.float64, device=masks[0].device)
+        for mask, old, rollout in zip(masks, olds, rollouts):
+            mask = check_mask(mask, mask.shape, mask.device)
+            weight, _ = self._bound(self._raw_weight(old.detach().double(), rollout.detach().double(), mask))
+            if self.weight_level == "token":
+                totals += torch.stack([torch.where(mask, weight, 0.0).sum(), mask.sum().double()])
+            else:
+                rows = mask.any(dim=-1)
+                totals += torch.stack([torch.where(rows, weight[:, 0], 0.0).sum(), rows.sum().double()])
+        if reduce and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(totals, group=process_group)
+        return totals[0] / totals[1].clamp(min=1)
+
+    # -- the call -------------------------------------------------------------------------------
+
+    def apply(
+        self,
+        *,
+        log_prob: Tensor,
+        old_log_prob: Tensor,
+        rollout_log_prob: Tensor | None,
+        mask: Tensor,
+        seq_advantages: Tensor | None = None,
+        weight_mean: Tensor | None = None,
+    ) -> Corrected:
+        """Correct one (micro-)batch. Inputs `[B, T]` already checked and zeroed at masked positions
+        (`TokenBatch.prepare`); `seq_advantages` `[B]` (needed by the off-policy mask).
+        `weight_mean`: from `step_weight_mean` (without it, this call is the whole step)."""
+        if rollout_log_prob is None and self.needs_rollout:
+            raise ValueError("this rollout correction needs rollout_log_prob (the inference engine's log-probs)")
+        if weight_mean is not None and not self.batch_normalize:
+            raise ValueError("weight_mean was given but batch_normalize is False")
+        rollout = None if rollout_log_prob is None else rollout_log_prob.detach()
+        old = rollout if self.bypass else old_log_prob.detach()
+        train = log_prob.detach() if self.bypass else old
+        effective = mask
+        metrics: dict[str, Tensor] = {}
+        count = mask.sum()
+        if rollout is not None:
+            metrics |= mismatch_metrics(train, rollout, mask)
+            log_rho = self._log_rho(train, rollout, mask)
+            for rule in self.rejection:
+                effective = effective & rule.keep(log_rho, mask)
+            if self.rejection:
+                metrics["rollout_rejected_frac"] = masked_fraction(~effective, mask, count)
+        if self.off_policy_mask is not None:
+            if seq_advantages is None:
+                raise ValueError("off_policy_mask needs advantages")
+            behave = old_log_prob.detach() if rollout is None else rollout
+            opsm = off_policy_sequence_mask(log_prob, behave, seq_advantages, mask, delta=self.off_policy_mask)
+            metrics["rollout_opsm_frac"] = masked_fraction(~opsm, mask, count)
+            effective = effective & opsm
+        weight = None
+        if self.weight_level is not None:
+            weight, out = self._bound(self._raw_weight(train, rollout, mask))
+            metrics["rollout_is_bounded_frac"] = masked_fraction(out, effective)
+            if self.batch_normalize:
+                mean = self.step_weight_mean(mask, train, rollout, reduce=False) if weight_mean is None else weight_mean
+                weight = weight / mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
+            weight = torch.where(effective, weight, 0.0).detach()
+            metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
+        return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics)
+
+
+def off_policy_sequence_mask(log_prob: Tensor, behave_log_prob: Tensor, seq_advantages: Tensor, mask: Tensor,
+                             *, delta: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, bool `[B, T]`: False on the rows with Â_i < 0 and
+    (1/|y_i|) Σ_t m (log π_behave - sg log π_θ) > δ."""
+    gap = torch.where(mask, behave_log_prob.detach() - log_prob.detach(), 0.0).sum(dim=-1)
+    gap = gap / mask.sum(dim=-1).clamp(min=1)
+    drop = (seq_advantages < 0) & (gap > delta)
+    return mask & ~drop[:, None]
+
+
+def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Tensor]:
+    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over
+    valid tokens, or over non-empty sequences for a per-sequence weight. NaN over nothing."""
+    if per_sequence:
+        mask = mask.any(dim=-1, keepdim=True)
+        weight = weight.amax(dim=-1, keepdim=True)  # one value per row (0 at masked positions, w >= 0)
+    count = mask.sum()
+    low, high = masked_extremes(weight, mask)
+    mean = masked_mean(weight, mask, count)
+    return {
+        "rollout_is_weight_min": low,
+        "rollout_is_weight_mean": mean,
+        "rollout_is_weight_max": high,
+        "rollout_is_ess": mean.square() / masked_mean(weight.square(), mask, count),
+    }
+
+
+def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The train/rollout mismatch over valid tokens (verl's `compute_offpolicy_metrics`):
+
+        rollout_kl        mean_t (log π_rollout - log π_train)          k1 of KL(π_rollout‖π_train)
+        rollout_k3_kl     mean_t (ρ - 1 - log ρ)
+        rollout_chi2_token  mean_t ρ² - 1;   rollout_chi2_seq  mean_i (Π_t ρ)² - 1 (log clamped at ±20)
+        rollout_ppl_ratio mean_i PPL_train,i / PPL_rollout,i = mean_i exp(mean_t (log π_rollout - log π_train))
+    """
+    train, rollout = train.detach(), rollout.detach()
+    count = mask.sum()
+    log_rho = torch.where(mask, train - rollout, 0.0)
+    safe = log_rho.clamp(-20.0, 20.0)
+    rows = mask.any(dim=-1)
+    n_rows = rows.sum()
+    seq_sum = log_rho.sum(dim=-1)
+    seq_mean = seq_sum / mask.sum(dim=-1).clamp(min=1)
+    row_mean = lambda v: torch.where(rows, v, 0.0).sum() / n_rows  # noqa: E731
+    return {
+        "rollout_kl": -masked_mean(log_rho, mask, count),
+        "rollout_k3_kl": masked_mean(torch.expm1(safe) - safe, mask, count),
+        "rollout_chi2_token": masked_mean(torch.exp(2 * safe), mask, count) - 1.0,
+        "rollout_chi2_seq": row_mean(torch.exp(2 * seq_sum.clamp(-20.0, 20.0))) - 1.0,
+        "rollout_ppl_ratio": row_mean(torch.exp(-seq_mean)),
+    }
