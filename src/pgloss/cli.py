@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .experiments.command import add_experiment_command  # `experiment length`
 
     add_experiment_command(sub)
+    from .grads import add_grads_command  # `grads`: the per-token gradient figure
+
+    add_grads_command(sub)
     return parser
 
 

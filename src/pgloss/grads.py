@@ -1,0 +1,201 @@
+"""``pgloss grads``: draw how much gradient each token and each sequence gets from chosen losses.
+
+For one batch (synthetic, or a saved one) and each algorithm, `gradient_table` computes with
+`pgloss.inspect` the per-token gradient g_{i,t} = ∂L/∂log π(y_{i,t}) of the policy term, scaled by
+the number of sequences N so that every aggregation is on one scale (at ratio one, g·N is -Â for
+every token of Dr.GRPO-like sums with C = 1, -Â/|y_i| for GRPO, -Â·N/N_tok for token-mean). The
+figure has one column per algorithm, sharing each row's scale:
+
+- top: g·N against the token's position for the shortest and the longest response with Â > 0 and
+  with Â < 0;
+- bottom: the total gradient a sequence receives, Σ_t g·N, against its length.
+
+At ratio one the closed forms give the picture: a per-sequence token mean (GRPO, GSPO) gives every
+sequence the same total |Â| whatever its length, so a long response's tokens get less each; a token
+mean (BNPO, DAPO) and a constant divisor (Dr.GRPO) give every token the same weight, so a sequence's
+total grows with its length; the sample-level loss gives each token the weight of its whole
+sequence, so its total grows with the square of the length relative to GRPO's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+DEFAULT_ALGORITHMS = ("grpo", "bnpo", "dr_grpo", "sample_grpo", "gspo")
+BATCH_KEYS = ("log_prob", "old_log_prob", "advantages", "mask")
+
+
+def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 128, spread: float = 0.0,
+                    seed: int = 0) -> dict[str, Tensor]:
+    """`groups` prompts × `group_size` responses of lengths spread over 1..max_length, 0/1 rewards
+    with GRPO's group advantages, log π = log π_old + spread·noise (spread 0: ratio one). float64."""
+    from pgloss.advantages import group_advantages
+
+    for name, value in (("groups", groups), ("group_size", group_size), ("max_length", max_length)):
+        if not isinstance(value, int) or value < (2 if name == "group_size" else 1):
+            raise ValueError(f"{name}: need an int >= {2 if name == 'group_size' else 1}, got {value!r}")
+    if not spread >= 0:
+        raise ValueError(f"spread: need >= 0, got {spread}")
+    gen = torch.Generator().manual_seed(seed)
+    n = groups * group_size
+    lengths = torch.randint(1, max_length + 1, (n,), generator=gen)
+    mask = torch.arange(max_length)[None, :] < lengths[:, None]
+    rewards = (torch.rand(n, generator=gen) < 0.5).double()
+    old = -torch.rand(n, max_length, generator=gen, dtype=torch.float64) * 2
+    log_prob = old + spread * torch.randn(n, max_length, generator=gen, dtype=torch.float64)
+    advantages = group_advantages(rewards, torch.arange(n) // group_size)
+    return {"log_prob": log_prob, "old_log_prob": old, "advantages": advantages, "mask": mask}
+
+
+def load_batch(path: str | Path) -> dict[str, Tensor]:
+    """A batch saved with ``torch.save({"log_prob": ..., "old_log_prob": ..., "advantages": ..., "mask": ...})``."""
+    data = torch.load(path, map_location="cpu")
+    if not isinstance(data, dict) or any(k not in data for k in BATCH_KEYS):
+        raise ValueError(f"batch: {path} must hold a dict with the keys {', '.join(BATCH_KEYS)}")
+    return {k: data[k] for k in BATCH_KEYS}
+
+
+def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float | None = None) -> dict[str, dict]:
+    """Per algorithm name: ``grad`` g·N `[B, T]` (policy term, autograd), ``closed_form`` -Â·f·w·N
+    (None where the family has none), ``total`` Σ_t g·N `[B]`, and the batch's ``lengths`` and
+    ``advantages`` `[B]`. Dr.GRPO's divisor defaults to the padded width (the generation budget)."""
+    import pgloss
+    from pgloss.inspect import inspect
+
+    mask = batch["mask"].bool()
+    n = int(mask.any(dim=1).sum())
+    lengths = mask.sum(dim=1)
+    advantages = batch["advantages"].double()
+    if advantages.ndim == 2:  # per-token advantages: the sequence's mean, for the sign and the picks
+        advantages = (advantages * mask).sum(dim=1) / lengths.clamp(min=1)
+    table = {}
+    for name in algorithms:
+        extra = {"norm_constant": float(norm_constant or mask.shape[1])} if name == "dr_grpo" else {}
+        algorithm = pgloss.get(name, kl_coef=0.0, **extra)  # the policy term; inspect separates KL anyway
+        result = inspect(algorithm, batch["log_prob"], batch["old_log_prob"], batch["advantages"], mask)
+        grad = result.policy_grad * n
+        closed = None if result.closed_form is None else result.closed_form * n
+        table[name] = {"grad": grad, "closed_form": closed, "total": grad.sum(dim=1), "lengths": lengths,
+                       "advantages": advantages, "reason": result.reason}
+    return table
+
+
+def examples(lengths: Tensor, advantages: Tensor) -> dict[str, int]:
+    """Row indices of the shortest and the longest response with Â > 0 and with Â < 0 (those that exist)."""
+    picks = {}
+    for sign, label in ((1, "Â>0"), (-1, "Â<0")):
+        rows = ((advantages * sign > 0) & (lengths > 0)).nonzero().squeeze(1)
+        if len(rows):
+            picks[f"short, {label}"] = int(rows[lengths[rows].argmin()])
+            picks[f"long, {label}"] = int(rows[lengths[rows].argmax()])
+    return picks
+
+
+def plot(table: dict[str, dict], path: Path) -> Path:
+    """The two-row figure of the module docstring, one column per algorithm; returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(table)
+    fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 5.6), sharey="row", squeeze=False)
+    styles = {"short, Â>0": ("tab:green", "-"), "long, Â>0": ("tab:green", "--"),
+              "short, Â<0": ("tab:red", "-"), "long, Â<0": ("tab:red", "--")}
+    for k, name in enumerate(names):
+        entry = table[name]
+        lengths, advantages = entry["lengths"], entry["advantages"]
+        top, bottom = axes[0][k], axes[1][k]
+        for label, row in examples(lengths, advantages).items():
+            length = int(lengths[row])
+            color, style = styles[label]
+            top.plot(range(1, length + 1), entry["grad"][row, :length].tolist(), style, color=color, lw=1.3,
+                     label=f"{label} (|y|={length})")
+        top.axhline(0, color="black", lw=0.5)
+        top.set_title(name, fontsize=10)
+        top.set_xlabel("token position")
+        for sign, color in ((1, "tab:green"), (-1, "tab:red")):
+            rows = advantages * sign > 0
+            bottom.scatter(lengths[rows].tolist(), entry["total"][rows].tolist(), s=9, color=color,
+                           label="Â > 0" if sign > 0 else "Â < 0")
+        bottom.axhline(0, color="black", lw=0.5)
+        bottom.set_xlabel("response length |y|")
+        # one scale per row for every algorithm; symmetric-log, since the losses differ by decades
+        top.set_yscale("symlog", linthresh=_linthresh(table, "grad"))
+        bottom.set_yscale("symlog", linthresh=_linthresh(table, "total"))
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("per-token gradient  N·∂L/∂log π")
+    axes[1][0].set_ylabel("sequence total  Σ_t N·∂L/∂log π")
+    axes[0][0].legend(fontsize=6)
+    axes[1][0].legend(fontsize=7)
+    fig.suptitle("How much gradient each token and each sequence gets (negative: pushed up)", fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _linthresh(table: dict[str, dict], key: str) -> float:
+    """The symlog's linear range: the smallest non-zero magnitude of `key` over all algorithms."""
+    values = torch.cat([entry[key].abs().flatten() for entry in table.values()])
+    values = values[values > 0]
+    return float(values.min()) if len(values) else 1.0
+
+
+def summary(table: dict[str, dict]) -> list[str]:
+    """Lines of a text table: per algorithm, the mean |per-token weight| and |sequence total| of the
+    shortest and the longest third of the responses."""
+    lines = [f"{'algorithm':<12} {'|g·N| short':>12} {'|g·N| long':>11} {'|total| short':>14} {'|total| long':>13}"]
+    for name, entry in table.items():
+        lengths = entry["lengths"].double()
+        valid = lengths > 0
+        low, high = torch.quantile(lengths[valid], torch.tensor([1 / 3, 2 / 3], dtype=torch.float64))
+        cells = []
+        for select in (lambda x: x <= low, lambda x: x >= high):
+            rows = valid & select(lengths)
+            per_token = entry["total"][rows].abs() / lengths[rows]
+            cells.append((float(per_token.mean()), float(entry["total"][rows].abs().mean())))
+        lines.append(f"{name:<12} {cells[0][0]:>12.4f} {cells[1][0]:>11.4f} {cells[0][1]:>14.3f} {cells[1][1]:>13.3f}")
+    return lines
+
+
+def cmd_grads(args) -> int:
+    """Draw the gradient figure and print its summary table."""
+    names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    try:
+        import pgloss
+
+        for name in names:
+            if name not in pgloss.names():
+                raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(pgloss.names())}")
+        batch = load_batch(args.batch) if args.batch else synthetic_batch(spread=args.spread, seed=args.seed,
+                                                                           max_length=args.max_length)
+        table = gradient_table(names, batch)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"pgloss grads: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(summary(table)))
+    print(f"wrote {plot(table, Path(args.out))}")
+    return 0
+
+
+def add_grads_command(subparsers) -> None:
+    """Add ``grads`` to the ``pgloss`` command's subparsers."""
+    parser = subparsers.add_parser("grads", help="draw the per-token gradient of chosen losses on one batch")
+    parser.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
+                        help=f"comma-separated algorithm names (default: {','.join(DEFAULT_ALGORITHMS)})")
+    parser.add_argument("--batch", help="a saved batch (torch.save of a dict with log_prob, old_log_prob, "
+                                        "advantages, mask); default: a synthetic batch")
+    parser.add_argument("--spread", type=float, default=0.0,
+                        help="synthetic batch: std of log π - log π_old (default 0: ratio one, the on-policy step)")
+    parser.add_argument("--max-length", type=int, default=128, help="synthetic batch: longest response (default 128)")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic batch: seed (default 0)")
+    parser.add_argument("--out", default="runs/grads.png", help="the figure's path (default: runs/grads.png)")
+    parser.set_defaults(func=cmd_grads)
