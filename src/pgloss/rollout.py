@@ -229,6 +229,8 @@ class RolloutCorrection:
             out = out | (raw > self.upper)
         if self.weight_mode == "mask":
             return torch.where(out, 0.0, raw), out
+        if self.lower is None and self.upper is None:
+            return raw, out
         return raw.clamp(min=self.lower, max=self.upper), out
 
     def keep_mask(self, mask: Tensor, old_log_prob: Tensor, rollout_log_prob: Tensor) -> Tensor:

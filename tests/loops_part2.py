@@ -1,0 +1,113 @@
+"""Plain loop references for rollout correction, advantage estimators, token masks and decoupled
+PPO, written from the papers' and the reference frameworks' formulas in Python floats (float64).
+
+Nothing here imports pgloss. Inputs are nested lists; `mask[i][t]` is a bool.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _valid(row, mask_row):
+    return [v for v, m in zip(row, mask_row) if m]
+
+
+# -- rollout correction ------------------------------------------------------------------------
+
+
+def rollout_weights(train, rollout, mask, *, level, mode, lower, upper, max_log_ratio=20.0, batch_normalize=False):
+    """Per-token weights and out-of-band flags; verl's rollout_is / ms-swift's sequence modes."""
+    B, T = len(mask), len(mask[0])
+    raw = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        diffs = [train[i][t] - rollout[i][t] for t in range(T) if mask[i][t]]
+        if level == "sequence_product":
+            s = max(-max_log_ratio, min(max_log_ratio, sum(diffs)))
+        elif level == "sequence_geometric":
+            s = max(-max_log_ratio, min(max_log_ratio, sum(diffs) / max(len(diffs), 1)))
+        for t in range(T):
+            if level == "token":
+                s = max(-max_log_ratio, min(max_log_ratio, train[i][t] - rollout[i][t]))
+            raw[i][t] = math.exp(s) if mask[i][t] else 0.0
+    weight = [[0.0] * T for _ in range(B)]
+    out = [[False] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            if not mask[i][t]:
+                continue
+            w = raw[i][t]
+            o = (lower is not None and w < lower) or (upper is not None and w > upper)
+            out[i][t] = o
+            if mode == "mask":
+                weight[i][t] = 0.0 if o else w
+            else:
+                if lower is not None:
+                    w = max(w, lower)
+                if upper is not None:
+                    w = min(w, upper)
+                weight[i][t] = w
+    if batch_normalize:
+        if level == "token":
+            vals = [weight[i][t] for i in range(B) for t in range(T) if mask[i][t]]
+        else:
+            vals = [next(weight[i][t] for t in range(T) if mask[i][t]) for i in range(B) if any(mask[i])]
+        mean = sum(vals) / max(len(vals), 1)
+        weight = [[w / mean for w in row] for row in weight]
+    return weight, out
+
+
+def kl_rejection_keep(train, rollout, mask, option, upper, lower=None):
+    """verl's compute_rollout_rejection_mask for one option: keep flags per token."""
+    level, k = option.rsplit("_", 1)
+    B, T = len(mask), len(mask[0])
+    keep = [[True] * T for _ in range(B)]
+    for i in range(B):
+        stats = []
+        for t in range(T):
+            x = max(-20.0, min(20.0, train[i][t] - rollout[i][t]))
+            stats.append({"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[k])
+        valid = _valid(stats, mask[i])
+
+        def passes(s):
+            if k == "k1":
+                lo = lower if lower is not None else (1 / upper if upper is not None else None)
+                return (upper is None or s <= math.log(upper)) and (lo is None or s >= math.log(lo))
+            return s <= upper
+
+        if level == "token":
+            keep[i] = [passes(s) for s in stats]
+        else:
+            if not valid:
+                seq = 0.0
+            elif level == "seq_sum":
+                seq = sum(valid)
+            elif level == "seq_mean":
+                seq = sum(valid) / len(valid)
+            else:
+                seq = max(valid)
+            keep[i] = [passes(seq)] * T
+    return keep
+
+
+def opsm_keep(log_prob, behave, seq_adv, mask, delta):
+    """DeepSeek-V3.2 off-policy sequence mask: drop A<0 rows with mean(behave - logp) > δ."""
+    out = []
+    for i in range(len(mask)):
+        gaps = [b - l for b, l, m in zip(behave[i], log_prob[i], mask[i]) if m]
+        gap = sum(gaps) / max(len(gaps), 1)
+        out.append(not (seq_adv[i] < 0 and gap > delta))
+    return out
+
+
+def mismatch(train, rollout, mask):
+    toks = [(a - b) for i in range(len(mask)) for a, b, m in zip(train[i], rollout[i], mask[i]) if m]
+    rows = [[a - b for a, b, m in zip(train[i], rollout[i], mask[i]) if m] for i in range(len(mask))]
+    rows = [r for r in rows if r]
+    return {
+        "rollout_kl": sum(-x for x in toks) / len(toks),
+        "rollout_k3_kl": sum(math.exp(x) - 1 - x for x in toks) / len(toks),
+        "rollout_chi2_token": sum(math.exp(2 * x) for x in toks) / len(toks) - 1,
+        "rollout_chi2_seq": sum(math.exp(2 * sum(r)) for r in rows) / len(rows) - 1,
+        "rollout_ppl_ratio": sum(math.exp(-sum(r) / len(r)) for r in rows) / len(rows),
+    }
