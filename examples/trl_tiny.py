@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(os.path.join(tmp, "model"))
         trainer = PGLossGRPOTrainer(model=model, reward_funcs=digits, train_dataset=make_dataset(),
-                                    args=config(os.path.join(tmp, "out"), max_steps=options.steps),
+                                    args=config(os.path.join(tmp, "out"), max_steps=options.steps,
+                                                logging_steps=max(1, options.steps // 4)),
                                     algorithm=options.algorithm, fused=options.fused)
         trainer.train()
     history = [row for row in trainer.state.log_history if "reward" in row]
