@@ -88,7 +88,8 @@ class LengthExperiment:
         return LabConfig(algorithm=algorithm, task="trace", seed=seed, steps=self.steps,
                          prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                          max_new_tokens=self.max_new_tokens, warm_steps=self.warm_steps, warm_batch=self.warm_batch,
-                         d_model=self.d_model, lr=self.lr, eval_prompts=self.eval_prompts, samples=4, threads=1)
+                         d_model=self.d_model, lr=self.lr, eval_prompts=self.eval_prompts,
+                         samples=min(4, self.eval_prompts), threads=1)
 
 
 QUICK = LengthExperiment(seeds=2, steps=12)

@@ -1,0 +1,152 @@
+"""The length experiment: its measures, its statistics and verdicts, and a reduced run end to end."""
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+import torch
+
+import pgloss
+from pgloss.cli import main
+from pgloss.experiments import length
+from pgloss.experiments.length_report import CLAIMS, Claim, interval, verdict, write_report
+from pgloss.lab.tasks import demonstration, make_task, reward
+from pgloss.lab.trace import TraceTask
+
+
+def test_trace_task_leaves_length_free():
+    task = make_task("trace")
+    rng = random.Random(0)
+    problems = [task.sample(rng) for _ in range(200)]
+    lengths = {len(demonstration(p, True)) for p in problems}
+    assert min(lengths) == 3 and max(lengths) >= 30  # "d|a" up to a 16-item trace and "|ab"
+    p = problems[0]
+    a, b = map(int, p.prompt[:-1].split("*"))
+    assert p.answer == str(a * b)
+    for trace in ("", "1", "9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9"):
+        assert reward(f"{trace}|{p.answer}", p) == 1.0  # any trace, any length
+    assert reward(f"{p.answer}|", p) == 0.0
+    assert task.max_response_chars + 1 == 35
+    with pytest.raises(ValueError, match="max_trace_items"):
+        TraceTask(0)
+
+
+def test_repeated_ngrams():
+    assert length.repeated_ngrams(["abcdabcd"], 4) == pytest.approx(1 - 4 / 5)  # abcd bcda cdab dabc abcd
+    assert length.repeated_ngrams(["1,2,3", "aaaaaa"], 4) == pytest.approx(1 - (2 + 1) / (2 + 3))
+    assert math.isnan(length.repeated_ngrams(["abc", ""], 4))
+    with pytest.raises(ValueError, match="n: need >= 1"):
+        length.repeated_ngrams(["a"], 0)
+
+
+def test_response_lengths_count_the_end_token_and_cut_offs():
+    assert length.response_lengths(["", "12|4", "x" * 10], 10).tolist() == [1.0, 5.0, 10.0]
+
+
+@pytest.mark.parametrize("name", ["grpo", "bnpo", "dr_grpo", "sample_grpo", "gspo", "dapo"])
+def test_gradient_weights_at_ratio_one_are_the_closed_forms(name):
+    cfg = length.LengthExperiment(algorithms=(name,)).lab_config(name, 0)
+    from pgloss.lab.trainer import make_algorithm
+
+    algorithm = make_algorithm(cfg)
+    rewards = torch.tensor([1, 0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 0], dtype=torch.float64)  # last group: all 0
+    rewards[8:] = 0
+    lengths = torch.tensor([4, 9, 30, 12, 5, 5, 7, 40, 3, 3, 8, 8], dtype=torch.float64)
+    got = length.gradient_weights(algorithm, rewards, lengths, group_size=4)
+    ids = torch.arange(12) // 4
+    adv = pgloss.advantages.group_advantages(rewards, ids, scale=algorithm.scale_rewards).double()
+    keep = torch.ones(12, dtype=torch.bool)
+    if algorithm.dynamic_sampling:  # DAPO drops the groups whose rewards are all equal
+        keep = pgloss.advantages.dynamic_sampling_keep(rewards, ids)
+    n, n_tok = float(keep.sum()), float(lengths[keep].sum())
+    expected = {"grpo": -adv / lengths, "gspo": -adv / lengths, "bnpo": -adv * n / n_tok, "dapo": -adv * n / n_tok,
+                "dr_grpo": -adv / cfg.max_new_tokens, "sample_grpo": -adv}[name]
+    torch.testing.assert_close(got[keep], expected[keep])
+    assert got[~keep].isnan().all()
+
+
+def test_interval_is_the_student_t_interval():
+    mean, half = interval([1.0, 2.0, 3.0, None, float("nan")])
+    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+    assert math.isnan(interval([5.0])[1]) and math.isnan(interval([])[0])
+
+
+def _runs(deltas_a, deltas_b, key="length", a="sample_grpo", b="grpo", steps=4):
+    """Synthetic runs whose `key` rises linearly by the given total change per seed."""
+    runs = {}
+    for name, deltas in ((a, deltas_a), (b, deltas_b)):
+        for seed, delta in enumerate(deltas):
+            runs[(name, seed)] = [{"algorithm": name, "seed": seed, "step": s, key: 10 + delta * s / (steps - 1)}
+                                  for s in range(steps)]
+    return runs
+
+
+def test_verdicts():
+    claim = Claim("src", "a lengthens more than b", "length", "sample_grpo", "grpo", +1, "tokens")
+    up = verdict(claim, _runs([5, 6, 7], [0, 1, 0]), window=1)
+    assert up["verdict"] == "reproduced" and up["mean"] == pytest.approx(17 / 3) and up["low"] > 0
+    down = verdict(claim, _runs([0, 1, 0], [5, 6, 7]), window=1)
+    assert down["verdict"].startswith("refuted")
+    unclear = verdict(claim, _runs([1, -1, 2], [0, 0, 0]), window=1)
+    assert unclear["verdict"] == "not resolved at this scale" and unclear["low"] < 0 < unclear["high"]
+    assert verdict(claim, _runs([1], [0]), window=1)["verdict"].startswith("not resolved (fewer")
+    assert verdict(claim, {}, window=1) is None
+    assert {c.a for c in CLAIMS} >= {"sample_grpo", "bnpo", "grpo"}
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="seeds"):
+        length.LengthExperiment(seeds=0)
+    with pytest.raises(ValueError, match="algorithms"):
+        length.LengthExperiment(algorithms=())
+    with pytest.raises(ValueError, match="group_size"):
+        length.LengthExperiment(group_size=1)
+
+
+REDUCED = dict(algorithms=("grpo", "sample_grpo"), seeds=2, steps=2, prompts_per_step=2, group_size=2,
+               max_new_tokens=36, warm_steps=3, warm_batch=4, d_model=16, eval_prompts=2, workers=1)
+
+
+def test_reduced_run_end_to_end(tmp_path):
+    """The experiment's whole path in seconds: warm starts, runs, records, report, resume."""
+    experiment = length.LengthExperiment(**REDUCED)
+    length.run(experiment, tmp_path, log=lambda line: None)
+    runs = length.load(tmp_path)
+    assert set(runs) == {(a, s) for a in REDUCED["algorithms"] for s in range(2)}
+    for records in runs.values():
+        assert [r["step"] for r in records] == [0, 1, 2]
+        for r in records:
+            assert len(r["grad_pos"]) == len(length.LENGTH_BINS) and 0 <= r["truncated"] <= 1
+    # the same seed starts both algorithms from one warm start: their first rollouts are identical
+    assert runs[("grpo", 0)][0]["length"] == runs[("sample_grpo", 0)][0]["length"]
+    report = write_report(runs, list(REDUCED["algorithms"]), tmp_path, command="pgloss experiment length",
+                          seconds=1.0, window=1)
+    text = report.read_text()
+    assert "| grpo | 2 |" in text and "sample-level loss lengthens" in text
+    for name in ("reward", "length", "repetition", "gradient"):
+        assert (tmp_path / f"length_{name}.png").read_bytes()[:4] == b"\x89PNG"
+    before = (tmp_path / "runs" / "grpo-0.jsonl").stat().st_mtime_ns
+    length.run(experiment, tmp_path, log=lambda line: None)  # resumes: nothing left to run
+    assert (tmp_path / "runs" / "grpo-0.jsonl").stat().st_mtime_ns == before
+
+
+def test_command(tmp_path, capsys):
+    args = ["experiment", "length", "--out", str(tmp_path), "--report-only"]
+    assert main(args) == 2 and "no complete run" in capsys.readouterr().err
+    assert main(["experiment", "length", "--out", str(tmp_path), "--algorithms", "grpo,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+    records = [{"algorithm": "grpo", "seed": 0, "step": s, "reward": 0.5, "length": 10.0, "length_right": 9.0,
+                "length_wrong": 11.0, "rep4": 0.1, "truncated": 0.0, "grad_pos": [0.1] * 5, "grad_neg": [0.2] * 5}
+               for s in range(3)]
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "grpo-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(args + ["--algorithms", "grpo"]) == 0
+    assert "| grpo | 1 |" in (tmp_path / "report.md").read_text()
+
+
+def test_quick_is_a_reduced_form_of_the_full_experiment():
+    full = length.LengthExperiment()
+    assert dataclasses.replace(length.QUICK, seeds=full.seeds, steps=full.steps) == full
+    assert len(full.algorithms) >= 6 and full.seeds >= 5 and full.max_new_tokens >= 128
