@@ -111,3 +111,100 @@ def mismatch(train, rollout, mask):
         "rollout_chi2_seq": sum(math.exp(2 * sum(r)) for r in rows) / len(rows) - 1,
         "rollout_ppl_ratio": sum(math.exp(-sum(r) / len(r)) for r in rows) / len(rows),
     }
+
+
+# -- advantage estimators ----------------------------------------------------------------------
+
+
+def _groups(ids):
+    out: dict[int, list[int]] = {}
+    for i, g in enumerate(ids):
+        out.setdefault(g, []).append(i)
+    return out
+
+
+def _std(xs, bessel=True):
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1 if bessel else len(xs)))
+
+
+def grpo(scores, ids, *, eps, singleton, scale="group"):
+    out = [0.0] * len(scores)
+    batch = _std(scores) if scale == "batch" else None
+    for members in _groups(ids).values():
+        xs = [scores[i] for i in members]
+        for i in members:
+            if len(members) == 1:
+                out[i] = scores[i] / (1 + eps) if singleton == "raw" else 0.0
+                continue
+            centered = scores[i] - sum(xs) / len(xs)
+            out[i] = centered if scale == "none" else centered / ((batch if batch is not None else _std(xs)) + eps)
+    return out
+
+
+def rloo(scores, ids):
+    out = [0.0] * len(scores)
+    for members in _groups(ids).values():
+        for i in members:
+            others = [scores[j] for j in members if j != i]
+            out[i] = scores[i] - sum(others) / len(others) if others else 0.0
+    return out
+
+
+def returns(rewards, mask, gamma):
+    out = []
+    for row, m in zip(rewards, mask):
+        g, r = 0.0, [0.0] * len(row)
+        for t in reversed(range(len(row))):
+            if m[t]:
+                g = row[t] + gamma * g
+                r[t] = g
+        out.append(r)
+    return out
+
+
+def whiten(values, mask, *, bessel=True, openrlhf=False):
+    xs = [v for row, m in zip(values, mask) for v, k in zip(row, m) if k]
+    mean = sum(xs) / len(xs)
+    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - (0 if openrlhf else 1))
+    scale = 1 / math.sqrt(max(var, 1e-8)) if openrlhf else 1 / math.sqrt(var + 1e-8)
+    return [[(v - mean) * scale if k else 0.0 for v, k in zip(row, m)] for row, m in zip(values, mask)]
+
+
+def opo(scores, ids, lengths):
+    out = [0.0] * len(scores)
+    for members in _groups(ids).values():
+        b = 0.0 if len(members) == 1 else (sum(lengths[i] * scores[i] for i in members) /
+                                           sum(lengths[i] for i in members))
+        for i in members:
+            out[i] = scores[i] - b
+    return out
+
+
+def gpg(scores, ids, f_norm=1.0):
+    alpha = len(scores) / max(sum(1 for s in scores if s != 0), 1)
+    out = [0.0] * len(scores)
+    for members in _groups(ids).values():
+        mean = 0.0 if len(members) == 1 else sum(scores[i] for i in members) / len(members)
+        for i in members:
+            out[i] = alpha * (scores[i] - mean) / f_norm
+    return out
+
+
+def passk(scores, ids, *, scale, eps=1e-6):
+    out = [0.0] * len(scores)
+    for members in _groups(ids).values():
+        xs = [scores[i] for i in members]
+        best = members[xs.index(max(xs))]
+        second = max(scores[i] for i in members if i != best)
+        adv = scores[best] - second
+        out[best] = adv / (_std(xs) + eps) if scale else adv
+    return out
+
+
+def gdpo_trl(scores, ids, weights):
+    k = len(scores[0])
+    cols = [grpo([row[j] for row in scores], ids, eps=1e-4, singleton="zero") for j in range(k)]
+    total = [sum(weights[j] * cols[j][i] for j in range(k)) for i in range(len(scores))]
+    mean = sum(total) / len(total)
+    return [(x - mean) / (_std(total) + 1e-4) for x in total]
