@@ -208,3 +208,15 @@ def gdpo_trl(scores, ids, weights):
     total = [sum(weights[j] * cols[j][i] for j in range(k)) for i in range(len(scores))]
     mean = sum(total) / len(total)
     return [(x - mean) / (_std(total) + 1e-4) for x in total]
+
+
+# -- token masks -------------------------------------------------------------------------------
+
+
+def quantile(values, q):
+    """Linear interpolation between order statistics (torch.quantile / numpy's default)."""
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
