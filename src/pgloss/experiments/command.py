@@ -37,7 +37,8 @@ def cmd_experiment(args) -> int:
     command = " ".join(["pgloss experiment length", *(["--quick"] if args.quick else []),
                         *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "algorithms"),
                         *([f"--algorithms {args.algorithms}"] if args.algorithms else []), f"--out {out}"])
-    report = write_report(runs, list(experiment.algorithms), out, command=command, seconds=seconds, window=window)
+    names = list(experiment.algorithms) + sorted({a for a, _ in runs} - set(experiment.algorithms))
+    report = write_report(runs, names, out, command=command, seconds=seconds, window=window)
     print(f"wrote {report}")
     return 0
 

@@ -9,6 +9,7 @@ refuted when it lies on the other side, not resolved when it holds 0.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,7 @@ def _nanmean(values) -> float:
 
 def window_mean(records: list[dict], key: str, steps: range) -> float:
     """Mean of `key` over the records of `steps` (None values left out)."""
-    return _nanmean(r[key] for r in records if r["step"] in steps)
+    return _nanmean(r.get(key) for r in records if r["step"] in steps)
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,20 @@ CLAIMS = (
           "GRPO's 1/length keeps right answers shorter than Dr.GRPO's constant divisor does",
           "length_right", "grpo", "dr_grpo", -1, "tokens"),
 )
+CONTROL = "grpo:kl_coef=0"
+"""GRPO without its KL term (kl_coef 0.04 in the paper, 0 in the other losses here): run beside the
+others, it separates the aggregation's effect from the KL term's. Each claim about `grpo` is also
+stated against it when its runs are present."""
+CLAIMS = CLAIMS + tuple(
+    dataclasses.replace(c, a=CONTROL if c.a == "grpo" else c.a, b=CONTROL if c.b == "grpo" else c.b) for c in CLAIMS
+)
 
 
 def change(records: list[dict], key: str, window: int) -> float:
-    """End minus start of `key` in one run: the mean over the last `window` steps minus over the first."""
+    """End minus start of `key` in one run: the mean over the last `window` steps minus step 0's value
+    (the warm-start policy, the same for every algorithm of a seed)."""
     last = records[-1]["step"]
-    return window_mean(records, key, range(last - window + 1, last + 1)) - window_mean(records, key, range(window))
+    return window_mean(records, key, range(last - window + 1, last + 1)) - window_mean(records, key, range(1))
 
 
 def verdict(claim: Claim, runs: dict, window: int) -> dict | None:
@@ -110,12 +119,12 @@ def summary_rows(runs: dict, algorithms: list[str], window: int) -> list[dict]:
         if not seeds:
             continue
         row = {"algorithm": a, "seeds": len(seeds)}
-        for key in ("reward", "length", "length_right", "length_wrong", "rep4", "truncated"):
+        for key in ("reward", "length", "length_right", "length_wrong", "rep4", "entropy", "truncated"):
             starts, ends = [], []
             for s in seeds:
                 records = runs[(a, s)]
                 last = records[-1]["step"]
-                starts.append(window_mean(records, key, range(window)))
+                starts.append(window_mean(records, key, range(1)))
                 ends.append(window_mean(records, key, range(last - window + 1, last + 1)))
             row[key] = (interval(starts), interval(ends))
         rows.append(row)
@@ -210,7 +219,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
 
 
 def _value(records: list[dict], step: int, key: str) -> float:
-    value = records[step][key] if step < len(records) else None
+    value = records[step].get(key) if step < len(records) else None
     return math.nan if value is None else value
 
 
@@ -220,17 +229,17 @@ def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, 
     plots = plot(runs, algorithms, out)
     rows = summary_rows(runs, algorithms, window)
     lines = ["# The length experiment", "", f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
-             "", f"Start: mean of the first {window} steps; end: of the last {window}; ± the 95% interval over seeds.", "",
+             "", f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.", "",
              "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "
-             "rep-4 start → end | cut off at end |",
-             "|---|---|---|---|---|---|---|---|"]
+             "rep-4 start → end | entropy start → end | cut off at end |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         def arrow(key, digits=2):
             start, end = row[key]
             return f"{_fmt(start, digits)} → {_fmt(end, digits)}"
         lines.append(f"| {row['algorithm']} | {row['seeds']} | {arrow('reward')} | {arrow('length', 1)} | "
                      f"{arrow('length_right', 1)} | {arrow('length_wrong', 1)} | {arrow('rep4', 3)} | "
-                     f"{_fmt(row['truncated'][1], 3)} |")
+                     f"{arrow('entropy', 3)} | {_fmt(row['truncated'][1], 3)} |")
     lines += ["", "## Claims", "",
               "Paired by seed: the change (end minus start) under the first algorithm minus under the second.", "",
               "| source | claim | predicts | measured (95% CI) | verdict |", "|---|---|---|---|---|"]
