@@ -220,3 +220,22 @@ def quantile(values, q):
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def m2po_keep(behave, prox, mask, threshold):
+    """AReaL's _get_m2po_loss_mask on the valid tokens: mask the largest m2 until the mean of the rest is
+    below the threshold (keep at least one); returns keep flags per token."""
+    items = [((b - p) ** 2, i, t) for i in range(len(mask)) for t, (b, p, m) in
+             enumerate(zip(behave[i], prox[i], mask[i])) if m]
+    items.sort(key=lambda x: -x[0])
+    n = len(items)
+    k = n - 1
+    for j in range(n):
+        rest = [x[0] for x in items[j:]]
+        if sum(rest) / len(rest) < threshold:
+            k = j
+            break
+    keep = [[False] * len(mask[0]) for _ in mask]
+    for _, i, t in items[k:]:
+        keep[i][t] = True
+    return keep

@@ -54,20 +54,26 @@ def entropy_threshold(
     for k, (ent, mask) in enumerate(zip(ents, ms)):
         ent = check_tensor(f"entropies[{k}]", ent, ndim=(2,))
         values.append(ent.detach().to(torch.float64)[check_mask(mask, ent.shape, ent.device)])
-    local = torch.cat(values)
-    if reduce and dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size(process_group)
-        size = torch.tensor([local.numel()], device=local.device)
-        sizes = [torch.zeros_like(size) for _ in range(world)]
-        dist.all_gather(sizes, size, group=process_group)
-        longest = int(max(int(s) for s in sizes))
-        padded = torch.cat([local, local.new_zeros(longest - local.numel())])
-        gathered = [torch.zeros_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded, group=process_group)
-        local = torch.cat([g[: int(s)] for g, s in zip(gathered, sizes)])
+    local = gather_values(torch.cat(values), process_group=process_group, reduce=reduce)
     if local.numel() == 0:
         return local.new_tensor(-math.inf)
     return torch.quantile(local, 1.0 - top)
+
+
+def gather_values(local: Tensor, *, process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> Tensor:
+    """The 1-d `local` values of every rank, concatenated in rank order (uneven lengths: padded for
+    the all-gather, then cut); `local` itself outside torch.distributed or with `reduce=False`."""
+    if not (reduce and dist.is_available() and dist.is_initialized()):
+        return local
+    world = dist.get_world_size(process_group)
+    size = torch.tensor([local.numel()], device=local.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=process_group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.cat([local, local.new_zeros(longest - local.numel())])
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=process_group)
+    return torch.cat([g[: int(s)] for g, s in zip(gathered, sizes)])
 
 
 def top_entropy_mask(entropy: Tensor, mask: Tensor, threshold: Tensor | float) -> Tensor:

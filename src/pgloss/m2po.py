@@ -1,0 +1,87 @@
+"""M2PO's second-moment mask (Zheng et al. 2025, "M2PO: Second-Moment Trust Policy Optimization",
+arXiv 2510.01161; AReaL `_apply_m2po_masking`) for decoupled, three-policy PPO.
+
+Decoupled PPO (Hilton et al. 2022, arXiv 2110.00641; AReaL `ppo_actor_loss_fn`) clips the ratio
+against a proximal policy π_prox and reweights by the behaviour policy that sampled, π_behave:
+
+    ℓ_t = w_t · max(-Â r_t, -Â clip(r_t, 1-ε_low, 1+ε_high)),   r_t = π_θ/π_prox,   w_t = sg(π_prox/π_behave)
+
+In pgloss that is any clipped algorithm called with `old_log_prob=` the proximal log-probs and
+`rollout_log_prob=` the behaviour log-probs, with a `pgloss.rollout.RolloutCorrection` (token
+weight; truncate or mask; AReaL keeps rejected tokens in the denominator: count the `Normalizer`
+on the original masks).
+
+M2PO masks the tokens whose second moment m2_t = (log π_behave - log π_prox)² is largest, the
+fewest such that the mean m2 of the remaining valid tokens is below `threshold` (at least one
+token is kept). AReaL applies it per micro-batch; here the cut is found over the whole step
+(every micro-batch and rank, `m2po_cutoff`), so the mask does not depend on the split. With the
+m2 values sorted in descending order, m2_(1) ≥ m2_(2) ≥ ... ≥ m2_(n), k is the smallest index with
+mean(m2_(k+1..n)) < threshold (k = n - 1 when there is none), and a token is kept when
+m2_t ≤ m2_(k+1). Tied values at the cut are all kept (AReaL masks an arbitrary part of them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .batch import check_mask, check_tensor
+from .token_masks import gather_values
+
+
+def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    return [value] if isinstance(value, Tensor) else list(value)
+
+
+def second_moment(behave_log_prob: Tensor, prox_log_prob: Tensor) -> Tensor:
+    """m2_t = (log π_behave - log π_prox)², detached, float64; `[B, T]`."""
+    behave = check_tensor("behave_log_prob", behave_log_prob, ndim=(2,))
+    prox = check_tensor("prox_log_prob", prox_log_prob, ndim=(2,))
+    if behave.shape != prox.shape:
+        raise ValueError(f"behave_log_prob and prox_log_prob must share one shape, got {tuple(behave.shape)} "
+                         f"and {tuple(prox.shape)}")
+    return (behave.detach().to(torch.float64) - prox.detach().to(torch.float64)).square()
+
+
+def m2po_cutoff(
+    behave_log_probs: Tensor | Sequence[Tensor],
+    prox_log_probs: Tensor | Sequence[Tensor],
+    masks: Tensor | Sequence[Tensor],
+    *,
+    threshold: float,
+    process_group: "dist.ProcessGroup | None" = None,
+    reduce: bool = True,
+) -> Tensor:
+    """The largest m2 M2PO keeps over the step's micro-batches (and every rank when torch.distributed
+    is initialized and `reduce`: a collective); 0-d float64, +inf when no token is valid."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
+            or threshold <= 0:
+        raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
+    behaves, proxes, ms = _as_list(behave_log_probs), _as_list(prox_log_probs), _as_list(masks)
+    if not ms or not len(behaves) == len(proxes) == len(ms):
+        raise ValueError(f"behave_log_probs, prox_log_probs and masks must hold one tensor per micro-batch, "
+                         f"got {len(behaves)}, {len(proxes)}, {len(ms)}")
+    values = []
+    for behave, prox, mask in zip(behaves, proxes, ms):
+        m2 = second_moment(behave, prox)
+        values.append(m2[check_mask(mask, m2.shape, m2.device)])
+    m2 = gather_values(torch.cat(values), process_group=process_group, reduce=reduce)
+    if m2.numel() == 0:
+        return m2.new_tensor(math.inf)
+    ordered = torch.sort(m2, descending=True).values
+    tail_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(len(ordered), 0, -1, dtype=m2.dtype,
+                                                                 device=m2.device)
+    below = tail_mean < threshold
+    k = torch.where(below.any(), below.to(torch.uint8).argmax(), len(ordered) - 1)
+    return ordered[k]
+
+
+def m2po_mask(behave_log_prob: Tensor, prox_log_prob: Tensor, mask: Tensor, cutoff: Tensor | float) -> Tensor:
+    """Bool `[B, T]`: the valid tokens with m2 ≤ `cutoff` (from `m2po_cutoff`)."""
+    m2 = second_moment(behave_log_prob, prox_log_prob)
+    mask = check_mask(mask, m2.shape, m2.device)
+    return mask & (m2 <= torch.as_tensor(cutoff, dtype=torch.float64, device=m2.device))
