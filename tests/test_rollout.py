@@ -217,3 +217,22 @@ def test_missing_inputs_are_named():
                                                      rollout_log_prob=data["rollout_log_prob"], mask=data["mask"])
     with pytest.raises(ValueError, match="batch_normalize is False"):
         apply(RolloutCorrection(), data, weight_mean=torch.tensor(1.0))
+
+
+def test_normalizer_counts_kept_tokens_and_carries_the_weight_mean():
+    import pgloss
+
+    data = mismatched(seed=3)
+    corr = RolloutCorrection(upper=1.5, batch_normalize=True, rejection=(Rejection("token_k2", 0.05),))
+    parts = [slice(0, 3), slice(3, 7)]
+    args = ([data["mask"][p] for p in parts], [data["old_log_prob"][p] for p in parts],
+            [data["rollout_log_prob"][p] for p in parts])
+    norm = corr.normalizer(*args)
+    kept = [corr.keep_mask(*a) for a in zip(*args)]
+    expected = pgloss.Normalizer.count(kept)
+    assert isinstance(norm, pgloss.Normalizer)
+    assert float(norm.tokens) == float(expected.tokens) < float(data["mask"].sum())
+    assert float(norm.sequences) == float(expected.sequences)
+    torch.testing.assert_close(norm.weight_mean, corr.step_weight_mean(*args))
+    assert float(corr.normalizer(*args, count_rejected=True).tokens) == float(data["mask"].sum())
+    assert RolloutCorrection().normalizer(*args).weight_mean is None

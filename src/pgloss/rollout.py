@@ -36,6 +36,10 @@ step; one counted on the original masks keeps rejected tokens in the denominator
 Batch normalisation (verl `rollout_is_batch_normalize`): w ← w / mean(w), the mean over the step's
 valid tokens (token level) or non-empty sequences (sequence levels), global over micro-batches and
 ranks through `step_weight_mean`, so the loss stays split-invariant.
+
+`RolloutCorrection.normalizer(...)` does the step's counting in one call: a `Normalizer` counted on
+the kept masks (or on the original ones, `count_rejected=True`, as AReaL) that also carries the
+step's weight mean; pass it to every micro-batch's loss call.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .batch import check_mask, check_tensor
+from .aggregate import Normalizer
+from .batch import check_mask
 from .metrics import masked_extremes, masked_fraction, masked_mean
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
@@ -137,6 +142,13 @@ class Corrected:
     weight: Tensor | None
     mask: Tensor
     metrics: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class CorrectedNormalizer(Normalizer):
+    """A step's `Normalizer` that also carries the step's mean rollout weight (`batch_normalize`)."""
+
+    weight_mean: Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,6 +288,34 @@ class RolloutCorrection:
         if reduce and dist.is_available() and dist.is_initialized():
             dist.all_reduce(totals, group=process_group)
         return totals[0] / totals[1].clamp(min=1)
+
+    def normalizer(
+        self,
+        masks: Tensor | Sequence[Tensor],
+        old_log_probs: Tensor | Sequence[Tensor],
+        rollout_log_probs: Tensor | Sequence[Tensor],
+        *,
+        group_ids: Tensor | Sequence[Tensor] | None = None,
+        count_rejected: bool = False,
+        process_group: "dist.ProcessGroup | None" = None,
+        reduce: bool = True,
+    ) -> CorrectedNormalizer:
+        """The step's counts over the masks after the KL-based rejection (`count_rejected=True`: over
+        the original masks, as AReaL), with the step's weight mean when `batch_normalize`. A
+        collective under torch.distributed, like `Normalizer.count`."""
+        as_list = lambda v: [v] if isinstance(v, Tensor) else list(v)  # noqa: E731
+        masks, olds, rollouts = as_list(masks), as_list(old_log_probs), as_list(rollout_log_probs)
+        if not masks or not len(masks) == len(olds) == len(rollouts):
+            raise ValueError(f"masks, old_log_probs and rollout_log_probs must hold one tensor per micro-batch, "
+                             f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
+        counted = masks if count_rejected or not self.rejection else [
+            self.keep_mask(m, o, r) for m, o, r in zip(masks, olds, rollouts)]
+        base = Normalizer.count(counted, group_ids=group_ids, process_group=process_group, reduce=reduce)
+        mean = None
+        if self.batch_normalize:
+            mean = self.step_weight_mean(masks, olds, rollouts, process_group=process_group, reduce=reduce)
+        return CorrectedNormalizer(tokens=base.tokens, sequences=base.sequences, group_tokens=base.group_tokens,
+                                   world_size=base.world_size, weight_mean=mean)
 
     # -- the call -------------------------------------------------------------------------------
 
