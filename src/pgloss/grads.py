@@ -131,8 +131,8 @@ def plot(table: dict[str, dict], path: Path) -> Path:
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("per-token gradient  N·∂L/∂log π")
     axes[1][0].set_ylabel("sequence total  Σ_t N·∂L/∂log π")
-    axes[0][0].legend(fontsize=6)
-    axes[1][0].legend(fontsize=7)
+    axes[0][0].legend(fontsize=6, loc="center right")  # the band around 0 holds no line
+    axes[1][0].legend(fontsize=7, loc="center right")
     fig.suptitle("How much gradient each token and each sequence gets (negative: pushed up)", fontsize=11)
     fig.tight_layout()
     path = Path(path)
