@@ -29,9 +29,13 @@ statistic (upper only). Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.0
 Â_i < 0 and (1/|y_i|) Σ_t (log π_behave - sg log π_θ) > δ, π_behave = π_rollout (π_old without one).
 
 Rejected tokens leave the effective mask: the loss's numerator and every metric. The normaliser
-counts what the caller counted: without a `Normalizer` the call counts the corrected mask (verl:
-the response mask is multiplied); a `Normalizer` counted on `keep_mask(...)` does the same over a
-step; one counted on the original masks keeps rejected tokens in the denominator (AReaL).
+counts what the caller counted. Rejections known before the step (the KL rules in decoupled mode,
+on π_old and π_rollout) can leave it too: without a `Normalizer` the call counts the mask after
+them (verl: the response mask is multiplied), and so does a step's `Normalizer` counted on
+`keep_mask(...)` (`RolloutCorrection.normalizer`); one counted on the original masks keeps them in
+the denominator (AReaL). Masks that depend on π_θ (the off-policy mask; the rejection in bypass
+mode) cannot be counted before the step: their tokens get zero weight but stay in the denominator,
+as TRL's off-policy mask does, so the loss does not depend on how the step is cut.
 
 Batch normalisation (verl `rollout_is_batch_normalize`): w ← w / mean(w), the mean over the step's
 valid tokens (token level) or non-empty sequences (sequence levels), global over micro-batches and
@@ -136,11 +140,13 @@ class Rejection:
 @dataclass(frozen=True)
 class Corrected:
     """What a correction hands to the loss: the old log-probs the loss's ratio uses, the detached
-    weight `[B, T]` (None: no weight), the effective mask, and detached 0-d metrics."""
+    weight `[B, T]` (None: no weight), the effective mask, the mask a call without a `Normalizer`
+    counts (the input mask after the rejections known before the step), and detached 0-d metrics."""
 
     old_log_prob: Tensor
     weight: Tensor | None
     mask: Tensor
+    count_mask: Tensor
     metrics: dict[str, Tensor]
 
 
@@ -300,15 +306,15 @@ class RolloutCorrection:
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
     ) -> CorrectedNormalizer:
-        """The step's counts over the masks after the KL-based rejection (`count_rejected=True`: over
-        the original masks, as AReaL), with the step's weight mean when `batch_normalize`. A
-        collective under torch.distributed, like `Normalizer.count`."""
+        """The step's counts over the masks after the KL-based rejection (`count_rejected=True`, or
+        bypass mode: over the original masks), with the step's weight mean when `batch_normalize`.
+        A collective under torch.distributed, like `Normalizer.count`."""
         as_list = lambda v: [v] if isinstance(v, Tensor) else list(v)  # noqa: E731
         masks, olds, rollouts = as_list(masks), as_list(old_log_probs), as_list(rollout_log_probs)
         if not masks or not len(masks) == len(olds) == len(rollouts):
             raise ValueError(f"masks, old_log_probs and rollout_log_probs must hold one tensor per micro-batch, "
                              f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
-        counted = masks if count_rejected or not self.rejection else [
+        counted = masks if count_rejected or self.bypass or not self.rejection else [
             self.keep_mask(m, o, r) for m, o, r in zip(masks, olds, rollouts)]
         base = Normalizer.count(counted, group_ids=group_ids, process_group=process_group, reduce=reduce)
         mean = None
@@ -328,14 +334,19 @@ class RolloutCorrection:
         mask: Tensor,
         seq_advantages: Tensor | None = None,
         weight_mean: Tensor | None = None,
+        whole_step: bool = True,
     ) -> Corrected:
         """Correct one (micro-)batch. Inputs `[B, T]` already checked and zeroed at masked positions
         (`TokenBatch.prepare`); `seq_advantages` `[B]` (needed by the off-policy mask).
-        `weight_mean`: from `step_weight_mean` (without it, this call is the whole step)."""
+        `weight_mean`: from `step_weight_mean`; without it, this call must be the whole step
+        (`whole_step`)."""
         if rollout_log_prob is None and self.needs_rollout:
             raise ValueError("this rollout correction needs rollout_log_prob (the inference engine's log-probs)")
         if weight_mean is not None and not self.batch_normalize:
             raise ValueError("weight_mean was given but batch_normalize is False")
+        if self.batch_normalize and weight_mean is None and not whole_step:
+            raise ValueError("batch_normalize needs the step's mean weight: count the step with "
+                             "RolloutCorrection.normalizer(...) and pass that normalizer")
         rollout = None if rollout_log_prob is None else rollout_log_prob.detach()
         old = rollout if self.bypass else old_log_prob.detach()
         train = log_prob.detach() if self.bypass else old
@@ -349,6 +360,7 @@ class RolloutCorrection:
                 effective = effective & rule.keep(log_rho, mask)
             if self.rejection:
                 metrics["rollout_rejected_frac"] = masked_fraction(~effective, mask, count)
+        count_mask = mask if self.bypass else effective
         if self.off_policy_mask is not None:
             if seq_advantages is None:
                 raise ValueError("off_policy_mask needs advantages")
@@ -365,7 +377,7 @@ class RolloutCorrection:
                 weight = weight / mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
             metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
-        return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics)
+        return Corrected(old_log_prob=old, weight=weight, mask=effective, count_mask=count_mask, metrics=metrics)
 
 
 def off_policy_sequence_mask(log_prob: Tensor, behave_log_prob: Tensor, seq_advantages: Tensor, mask: Tensor,
