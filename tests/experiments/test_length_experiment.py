@@ -12,6 +12,7 @@ import pgloss
 from pgloss.cli import main
 from pgloss.experiments import length
 from pgloss.experiments.length_report import CLAIMS, Claim, interval, verdict, write_report
+from pgloss.grads import gradient_table, load_batch
 from pgloss.lab.tasks import demonstration, make_task, reward
 from pgloss.lab.trace import TraceTask
 
@@ -119,6 +120,8 @@ def test_reduced_run_end_to_end(tmp_path):
         assert [r["step"] for r in records] == [0, 1, 2]
         for r in records:
             assert len(r["grad_pos"]) == len(length.LENGTH_BINS) and 0 <= r["truncated"] <= 1
+    batch = load_batch(tmp_path / "warm" / "batch-seed0.pt")  # the first step's batch, for pgloss grads
+    assert batch["mask"].shape[0] == 4 and gradient_table(["grpo"], batch)["grpo"]["grad"].shape == batch["mask"].shape
     # the same seed starts both algorithms from one warm start: their first rollouts are identical
     assert runs[("grpo", 0)][0]["length"] == runs[("sample_grpo", 0)][0]["length"]
     report = write_report(runs, list(REDUCED["algorithms"]), tmp_path, command="pgloss experiment length",

@@ -18,7 +18,7 @@ gradient weight g = ∂L/∂log π per token (`pgloss.inspect`) by response leng
 sign, at ratio one (the first minibatch of the step is on-policy).
 
 ``run`` writes one JSON line per (algorithm, seed, step) into ``OUT/runs/ALGORITHM-SEED.jsonl``
-as it goes and skips runs already complete, so an interrupted experiment resumes where it
+(and each seed's first batch into ``OUT/warm/batch-SEED.pt``, for ``pgloss grads --batch``) as it goes and skips runs already complete, so an interrupted experiment resumes where it
 stopped; ``length_report`` turns whatever is there into the report.
 """
 
@@ -169,6 +169,21 @@ def measure(problems, texts: list[str], algorithm, group_size: int, max_new_toke
     }
 
 
+def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) -> dict[str, torch.Tensor]:
+    """One step's responses as a batch for ``pgloss grads --batch``: their mask, GRPO's group
+    advantages of their rewards, and log π = log π_old = 0 (the step's first, on-policy update)."""
+    from pgloss.advantages import group_advantages
+    from pgloss.lab.tasks import reward
+
+    lengths = response_lengths(texts, max_new_tokens)
+    rewards = torch.tensor([reward(t, problems[i // group_size]) if n < max_new_tokens else 0.0
+                            for i, (t, n) in enumerate(zip(texts, lengths.tolist()))], dtype=torch.float64)
+    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    zeros = torch.zeros(mask.shape, dtype=torch.float64)
+    advantages = group_advantages(rewards, torch.arange(len(texts)) // group_size).double()
+    return {"log_prob": zeros, "old_log_prob": zeros.clone(), "advantages": advantages, "mask": mask}
+
+
 def _warm(experiment: LengthExperiment, seed: int, path: str) -> str:
     from pgloss.lab import trainer
 
@@ -193,6 +208,10 @@ def _run(experiment: LengthExperiment, algorithm: str, seed: int, warm_path: str
     with open(tmp, "w") as f:
         def on_rollout(step, problems, texts):
             extra[step] = measure(problems, texts, loss, cfg.group_size, cfg.max_new_tokens)
+            batch_path = Path(warm_path).with_name(f"batch-seed{seed}.pt")  # step 0 is the same for every algorithm
+            if step == 0 and not batch_path.exists():
+                torch.save(lab_batch(problems, texts, cfg.group_size, cfg.max_new_tokens), f"{batch_path}.{algorithm}")
+                Path(f"{batch_path}.{algorithm}").rename(batch_path)
 
         def on_step(record):
             f.write(json.dumps({**record, **extra.pop(record["step"])}) + "\n")
