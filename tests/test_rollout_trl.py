@@ -19,7 +19,7 @@ def test_off_policy_mask_matches_trl():
     gen = torch.Generator().manual_seed(62)
     sampling = d["old_log_prob"] + 0.5 * torch.randn(d["mask"].shape, generator=gen, dtype=torch.float64)
     dropped = []
-    for delta in (0.0, 0.05, 0.2):
+    for delta in (0.0, 0.3, 2.0):
         theirs = GRPOTrainer.get_off_policy_mask(d["advantages"][:, None], d["log_prob"], sampling,
                                                  d["mask"].double(), delta)
         ours = RolloutCorrection(weight_level=None, off_policy_mask=delta).apply(
@@ -27,7 +27,7 @@ def test_off_policy_mask_matches_trl():
             seq_advantages=d["advantages"]).mask
         assert torch.equal(ours, d["mask"] & theirs.bool())
         dropped.append(int((theirs[:, 0] == 0).sum()))
-    assert dropped[0] > dropped[-1] >= 0 and dropped[0] > 0, dropped
+    assert dropped[0] > dropped[-1], dropped  # the threshold matters: the comparison can fail
 
 
 @pytest.mark.parametrize("top", [0.2, 0.5])
