@@ -11,7 +11,7 @@ import torch
 import pgloss
 from pgloss.cli import main
 from pgloss.experiments import length
-from pgloss.experiments.length_report import CLAIMS, Claim, interval, verdict, write_report
+from pgloss.experiments.length_report import CLAIMS, Claim, interval, run_mean, verdict, write_report
 from pgloss.grads import gradient_table, load_batch
 from pgloss.lab.tasks import demonstration, make_task, reward
 from pgloss.lab.trace import TraceTask
@@ -94,6 +94,9 @@ def test_verdicts():
     assert unclear["verdict"] == "not resolved at this scale" and unclear["low"] < 0 < unclear["high"]
     assert verdict(claim, _runs([1], [0]), window=1)["verdict"].startswith("not resolved (fewer")
     assert verdict(claim, {}, window=1) is None
+    # the whole-run reading: the mean of steps 1..3 minus step 0 (linear rise: 2/3 of the total change)
+    whole = verdict(claim, _runs([6, 6, 6], [3, 3, 3]), window=1, measure=run_mean)
+    assert whole["mean"] == pytest.approx(2.0) and whole["verdict"] == "reproduced"
     assert {c.a for c in CLAIMS} >= {"sample_grpo", "bnpo", "grpo"}
 
 
