@@ -20,7 +20,7 @@ PANELS = {
     "length": ("response length", "tokens per response"),
     "entropy": ("entropy of the sampling policy", "nats per token"),
     "kl_ref": ("KL to the reference (k3)", "nats per token"),
-    "kept": ("share of the batch trained on (dynamic sampling)", "share of responses"),
+    "kept": ("share of the batch trained on (1 without dynamic sampling)", "share of responses"),
     "clip_frac": ("clip fraction: all (solid), high (dashed), low (dotted)", "share of tokens (symlog)"),
     "ppo_kl": ("ppo_kl: mean of log π_old - log π_θ over the update", "nats per token"),
     "grad_norm": ("gradient norm before clipping", "L2 norm"),

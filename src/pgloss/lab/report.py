@@ -140,7 +140,7 @@ def read_clipping(label: str, row: dict, algorithm=None) -> str:
     elif level in ("sequence", "sequence_token") and low is not None and high is not None and low + high < NARROW_BAND:
         verdict = (f"high by design, not a sign of batch reuse: the band is {low:g}/{high:g} on a length-normalised "
                    "sequence ratio, so after the first optimizer step of a batch many responses sit outside it; the "
-                   "thresholds below assume a token band near 0.2 and do not apply")
+                   "article's thresholds assume a token band near 0.2 and do not apply")
     else:
         if clip >= HIGH_CLIP and kl >= HIGH_PPO_KL:
             verdict = "high clip fraction with high ppo_kl: the steps are large (learning rate, epochs or advantage scale)"
