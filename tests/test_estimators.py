@@ -1,16 +1,11 @@
 """Advantage estimators against plain float64 loops (tests/loops_part2.py), bad input, and the
-global statistics over two gloo ranks."""
-
-import os
+global statistics over two gloo ranks (`on_rank`, `check_ranks`: run by test_distributed_part2.py)."""
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import loops_part2 as loops
 from pgloss import estimators as est
-from test_distributed import free_port
 
 F64 = dict(dtype=torch.float64)
 
@@ -173,45 +168,33 @@ def test_bad_input_is_named(call, error, match):
         call(scores, ids)
 
 
-# -- global statistics over two gloo ranks ----------------------------------------------------
+# -- global statistics over two gloo ranks (run by tests/test_distributed_part2.py) ----------
 
 ROWS = {0: slice(0, 4), 1: slice(4, 12)}  # whole groups per rank, uneven on purpose
 
 
-def _worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        scores, ids, _, mask = sample(13)
-        rewards = torch.randn(mask.shape, generator=torch.Generator().manual_seed(14), **F64)
-        p = ROWS[rank]
-        results[rank] = {
-            "batch": est.grpo_advantages(scores[p], ids[p], convention="trl", scale="batch"),
-            "gpg": est.gpg_advantages(scores[p], ids[p]),
-            "rpp": est.reinforce_pp_advantages(rewards[p], mask[p], gamma=0.95)[0],
-            "rppb": est.reinforce_pp_baseline_advantages(scores[p], ids[p], mask[p]),
-            "gdpo": est.gdpo_advantages(torch.stack([scores[p], scores[p].abs()], 1), ids[p]),
-        }
-    finally:
-        dist.destroy_process_group()
-
-
-def test_global_statistics_over_two_ranks_equal_one_process():
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
+def _global_statistics(rows):
     scores, ids, _, mask = sample(13)
     rewards = torch.randn(mask.shape, generator=torch.Generator().manual_seed(14), **F64)
-    whole = {
-        "batch": est.grpo_advantages(scores, ids, convention="trl", scale="batch"),
-        "gpg": est.gpg_advantages(scores, ids),
-        "rpp": est.reinforce_pp_advantages(rewards, mask, gamma=0.95)[0],
-        "rppb": est.reinforce_pp_baseline_advantages(scores, ids, mask),
-        "gdpo": est.gdpo_advantages(torch.stack([scores, scores.abs()], 1), ids),
+    p = rows
+    return {
+        "batch": est.grpo_advantages(scores[p], ids[p], convention="trl", scale="batch"),
+        "gpg": est.gpg_advantages(scores[p], ids[p]),
+        "rpp": est.reinforce_pp_advantages(rewards[p], mask[p], gamma=0.95)[0],
+        "rppb": est.reinforce_pp_baseline_advantages(scores[p], ids[p], mask[p]),
+        "gdpo": est.gdpo_advantages(torch.stack([scores[p], scores[p].abs()], 1), ids[p]),
     }
+
+
+def on_rank(rank):
+    return _global_statistics(ROWS[rank])
+
+
+def check_ranks(results):
+    whole = _global_statistics(slice(None))
     for name, expected in whole.items():
         got = torch.cat([results[0][name], results[1][name]])
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=name)
-        local = {"rpp": lambda: est.reinforce_pp_advantages(rewards[:4], mask[:4], gamma=0.95)[0],
-                 "gpg": lambda: est.gpg_advantages(scores[:4], ids[:4])}.get(name)
-        if local is not None:  # a per-rank statistic would differ: the test can fail
-            assert not torch.allclose(local(), expected[:4])
+    # a per-rank statistic would differ: the comparison can fail
+    local = _global_statistics(ROWS[0])
+    assert not torch.allclose(local["rpp"], whole["rpp"][:4]) and not torch.allclose(local["gpg"], whole["gpg"][:4])

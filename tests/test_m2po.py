@@ -1,17 +1,12 @@
-"""M2PO's second-moment mask against AReaL's algorithm as a plain loop, split into micro-batches
-and over two gloo ranks, and decoupled (three-policy) PPO as a composition."""
-
-import os
+"""M2PO's second-moment mask against AReaL's algorithm as a plain loop, split into micro-batches,
+and over two gloo ranks (`on_rank`, `check_ranks`: run by test_distributed_part2.py)."""
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import loops_part2 as loops
 from conftest import make_batch
 from pgloss.m2po import m2po_cutoff, m2po_mask
-from test_distributed import free_port
 
 PARTS = [slice(0, 2), slice(2, 5), slice(5, 9)]
 
@@ -66,21 +61,14 @@ def test_bad_input_is_named(call, error, match):
 RANK_PARTS = {0: [slice(0, 2), slice(2, 3)], 1: [slice(3, 9)]}
 
 
-def _worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        d = data()
-        parts = RANK_PARTS[rank]
-        results[rank] = m2po_cutoff([d["behave"][p] for p in parts], [d["old_log_prob"][p] for p in parts],
-                                    [d["mask"][p] for p in parts], threshold=0.04)
-    finally:
-        dist.destroy_process_group()
+def on_rank(rank):  # inside a gloo process of test_distributed_part2.py
+    d = data()
+    parts = RANK_PARTS[rank]
+    return m2po_cutoff([d["behave"][p] for p in parts], [d["old_log_prob"][p] for p in parts],
+                       [d["mask"][p] for p in parts], threshold=0.04)
 
 
-def test_cutoff_over_two_ranks_equals_one_process():
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
+def check_ranks(results):
     d = data()
     whole = m2po_cutoff(d["behave"], d["old_log_prob"], d["mask"], threshold=0.04)
     assert float(results[0]) == float(results[1]) == float(whole)

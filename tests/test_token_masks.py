@@ -1,18 +1,14 @@
 """The top-entropy mask with a step-global quantile and truncated-completion masking: against a
-plain loop, split into micro-batches and over two gloo ranks, and entering the normaliser."""
-
-import os
+plain loop, split into micro-batches, entering the normaliser, and over two gloo ranks (`on_rank`,
+`check_ranks`: run by test_distributed_part2.py)."""
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import loops_part2 as loops
 import pgloss
 from conftest import make_batch
 from pgloss.token_masks import entropy_threshold, top_entropy_mask, truncated_completion_mask
-from test_distributed import free_port
 
 PARTS = [slice(0, 3), slice(3, 5), slice(5, 9)]
 
@@ -82,29 +78,22 @@ def test_empty_step_keeps_nothing():
 RANK_PARTS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
 
 
-def _worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        d = data()
-        parts = RANK_PARTS[rank]
-        threshold = entropy_threshold([d["entropy"][p] for p in parts], [d["mask"][p] for p in parts], top=0.25)
-        masks = [top_entropy_mask(d["entropy"][p], d["mask"][p], threshold) for p in parts]
-        normalizer = pgloss.Normalizer.count(masks)
-        log_prob = d["log_prob"].clone().requires_grad_(True)
-        alg = pgloss.get("dapo")
-        for p, m in zip(parts, masks):
-            alg(log_prob[p], d["old_log_prob"][p], d["advantages"][p], m, normalizer=normalizer).loss.backward()
-        grad = log_prob.grad.clone()
-        dist.all_reduce(grad)
-        results[rank] = (threshold, grad / 2)
-    finally:
-        dist.destroy_process_group()
+def on_rank(rank):  # inside a gloo process of test_distributed_part2.py
+    d = data()
+    parts = RANK_PARTS[rank]
+    threshold = entropy_threshold([d["entropy"][p] for p in parts], [d["mask"][p] for p in parts], top=0.25)
+    masks = [top_entropy_mask(d["entropy"][p], d["mask"][p], threshold) for p in parts]
+    normalizer = pgloss.Normalizer.count(masks)
+    log_prob = d["log_prob"].clone().requires_grad_(True)
+    alg = pgloss.get("dapo")
+    for p, m in zip(parts, masks):
+        alg(log_prob[p], d["old_log_prob"][p], d["advantages"][p], m, normalizer=normalizer).loss.backward()
+    grad = log_prob.grad.clone()
+    torch.distributed.all_reduce(grad)
+    return threshold, grad / 2
 
 
-def test_global_quantile_over_two_ranks_gives_the_whole_batch_gradient():
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
+def check_ranks(results):
     d = data()
     threshold = entropy_threshold(d["entropy"], d["mask"], top=0.25)
     log_prob = d["log_prob"].clone().requires_grad_(True)
