@@ -232,14 +232,15 @@ def finish(out: Path, runs: list[dict], config: dict) -> Path:
 
 
 def _outcome(cfg: LabConfig, result: dict | None, stream: _Stream) -> dict:
-    """A run's status (finished, failed, interrupted, not started) with what it produced."""
+    """A run's status (finished, failed, interrupted, not started) with what it produced; ``steps_done``
+    counts the steps whose record was written (at most ``cfg.steps``: the last record measures the final policy)."""
     if result is None:
-        steps = stream.steps_done(cfg.algorithm, cfg.seed)
+        steps = min(stream.steps_done(cfg.algorithm, cfg.seed), cfg.steps)
         started = steps or (cfg.algorithm, cfg.seed) in stream.started
         return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": "interrupted" if started else "not started",
                 "steps_done": steps, "error": None, "metrics": [], "samples": {}}
     status = "failed" if "error" in result else "finished"
-    return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": status, "steps_done": len(result["metrics"]),
+    return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": status, "steps_done": min(len(result["metrics"]), cfg.steps),
             "error": result.get("error"), "traceback": result.get("traceback"), "metrics": result["metrics"],
             "samples": result.get("samples", {})}
 
