@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from pgloss.lab.tasks import ChainTask, MulTask, Problem, SumTask, demonstration, make_task, reward
+from pgloss.lab.tasks import TASKS, ChainTask, MulTask, Problem, SumTask, demonstration, make_task, reward
 from pgloss.lab.tokenizer import EOS, Tokenizer
 
 
@@ -50,11 +50,12 @@ def test_reward_reads_the_answer_after_the_last_bar():
     assert reward("", p) == 0.0
 
 
-@pytest.mark.parametrize("name", ["sum", "mul", "chain"])
+@pytest.mark.parametrize("name", sorted(TASKS))
 def test_demonstrations_earn_full_reward_and_length_depends_on_the_problem(name):
     task, rng = make_task(name), random.Random(1)
     problems = [task.sample(rng) for _ in range(100)]
     assert all(reward(demonstration(p, s), p) == 1.0 for p in problems for s in (True, False))
+    assert max(len(p.prompt) for p in problems) <= 2 * task.max_terms  # the context the trainer sizes from it
     lengths = {len(demonstration(p, True)) for p in problems}
     assert len(lengths) > 3 and max(lengths) <= task.max_response_chars
     assert all(len(demonstration(p, False)) < len(demonstration(p, True)) for p in problems if len(p.steps) > 1)

@@ -14,6 +14,12 @@ scratchpad itself is not graded, so whether to write it (and how long) is the po
 
 The warm start shows both forms (with and without scratchpad), so RL starts from a policy
 that can write either and learns which one pays.
+
+Adding a task: a class with a ``name``, ``sample(rng) -> Problem``, the ``max_response_chars``
+of its longest demonstration (``LabConfig`` refuses a ``max_new_tokens`` shorter than that) and
+``max_terms``, the operands of its longest prompt (the trainer sizes the model's context from
+it); then one entry in ``TASKS``. ``--task`` and its help, ``LabConfig``'s checks and the task
+tests read ``TASKS``, so nothing else changes (``trace.py`` is an example in its own file).
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class MulTask:
     """A digit times a digit (1-9 each); the scratchpad counts up by the first factor."""
 
     name = "mul"
+    max_terms = 2
 
     def sample(self, rng: random.Random) -> Problem:
         a, b = rng.randint(1, 9), rng.randint(1, 9)
