@@ -156,6 +156,10 @@ def _fmt(pair: tuple[float, float], digits: int = 2) -> str:
     return f"{mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {half:.{digits}f}")
 
 
+SMOOTH = 5
+"""Steps in the moving average of each seed's curve before the interval over seeds is drawn."""
+
+
 def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
     """The report's PNGs in `out`: reward, lengths of right and wrong answers, repetition, gradient weight by length."""
     import matplotlib
@@ -172,7 +176,9 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
             if not seeds:
                 continue
             steps = [r["step"] for r in runs[(a, seeds[0])]]
-            stats = [interval([_value(runs[(a, s)], step, key) for s in seeds]) for step in steps]
+            # each seed's curve is first averaged over a centred window of SMOOTH steps, then the seeds
+            stats = [interval([window_mean(runs[(a, s)], key, range(step - SMOOTH // 2, step + SMOOTH // 2 + 1))
+                               for s in seeds]) for step in steps]
             mean = [m for m, _ in stats]
             half = [0.0 if math.isnan(h) else h for _, h in stats]
             ax.plot(steps, mean, color=colors[a], label=f"{a} (n={len(seeds)})", lw=1.4)
@@ -183,7 +189,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
 
     for name, panels in (
-        ("reward", [("reward", "sampled reward (mean, 95% CI over seeds)")]),
+        ("reward", [("reward", f"sampled reward (mean of {SMOOTH} steps, 95% CI over seeds)")]),
         ("length", [("length_right", "length of right answers (tokens)"),
                     ("length_wrong", "length of wrong answers (tokens)")]),
         ("repetition", [("rep4", "repeated 4-grams in the traces (rep-4)"),
@@ -224,11 +230,6 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=90)
     plt.close(fig)
     return paths
-
-
-def _value(records: list[dict], step: int, key: str) -> float:
-    value = records[step].get(key) if step < len(records) else None
-    return math.nan if value is None else value
 
 
 def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, seconds: float | None,
