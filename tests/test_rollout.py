@@ -236,3 +236,15 @@ def test_normalizer_counts_kept_tokens_and_carries_the_weight_mean():
     torch.testing.assert_close(norm.weight_mean, corr.step_weight_mean(*args))
     assert float(corr.normalizer(*args, count_rejected=True).tokens) == float(data["mask"].sum())
     assert RolloutCorrection().normalizer(*args).weight_mean is None
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0)])
+def test_empty_batches_give_nan_metrics_and_no_error(shape):
+    zeros = torch.zeros(shape, dtype=torch.float64)
+    mask = torch.ones(shape, dtype=torch.bool)
+    corr = RolloutCorrection(weight_level="sequence_geometric", batch_normalize=True, off_policy_mask=0.1,
+                             rejection=(Rejection("seq_max_k3", 0.1), Rejection("seq_sum_k1", 2.0)))
+    out = corr.apply(log_prob=zeros, old_log_prob=zeros, rollout_log_prob=zeros, mask=mask,
+                     seq_advantages=torch.zeros(shape[0], dtype=torch.float64))
+    assert out.weight.shape == shape and out.mask.shape == shape
+    assert torch.isnan(out.metrics["rollout_is_weight_mean"]) and torch.isnan(out.metrics["rollout_kl"])

@@ -125,7 +125,7 @@ class Rejection:
         elif level == "seq_mean":
             stat = stat.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)
         elif level == "seq_max":
-            stat = torch.where(mask, stat, -torch.inf).amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(stat.dtype).max)
+            stat = _row_max(torch.where(mask, stat, -torch.inf)).clamp(min=-torch.finfo(stat.dtype).max)
         if k == "k1":  # bounds on the ratio, compared in log space
             keep = torch.ones_like(stat, dtype=torch.bool)
             if self.upper is not None:
@@ -290,7 +290,7 @@ class RolloutCorrection:
                 totals += torch.stack([torch.where(mask, weight, 0.0).sum(), mask.sum().double()])
             else:
                 rows = mask.any(dim=-1)
-                totals += torch.stack([torch.where(rows, weight[:, 0], 0.0).sum(), rows.sum().double()])
+                totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
         if reduce and dist.is_available() and dist.is_initialized():
             dist.all_reduce(totals, group=process_group)
         return totals[0] / totals[1].clamp(min=1)
@@ -380,6 +380,13 @@ class RolloutCorrection:
         return Corrected(old_log_prob=old, weight=weight, mask=effective, count_mask=count_mask, metrics=metrics)
 
 
+def _row_max(values: Tensor) -> Tensor:
+    """Each row's largest value, `[B, 1]` (0 for rows of width 0)."""
+    if values.shape[-1] == 0:
+        return values.new_zeros(values.shape[0], 1)
+    return values.amax(dim=-1, keepdim=True)
+
+
 def off_policy_sequence_mask(log_prob: Tensor, behave_log_prob: Tensor, seq_advantages: Tensor, mask: Tensor,
                              *, delta: float) -> Tensor:
     """DeepSeek-V3.2's off-policy sequence mask, bool `[B, T]`: False on the rows with Â_i < 0 and
@@ -395,7 +402,7 @@ def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[
     valid tokens, or over non-empty sequences for a per-sequence weight. NaN over nothing."""
     if per_sequence:
         mask = mask.any(dim=-1, keepdim=True)
-        weight = weight.amax(dim=-1, keepdim=True)  # one value per row (0 at masked positions, w >= 0)
+        weight = _row_max(weight)  # one value per row (0 at masked positions, w >= 0)
     count = mask.sum()
     low, high = masked_extremes(weight, mask)
     mean = masked_mean(weight, mask, count)
