@@ -239,3 +239,31 @@ def m2po_keep(behave, prox, mask, threshold):
     for _, i, t in items[k:]:
         keep[i][t] = True
     return keep
+
+
+def optimal_token_baseline(rewards, mask, ids, old_lp, spp, *, zero_tail=True, eps=1e-8):
+    G = returns(rewards, mask, 1.0)
+    B, T = len(mask), len(mask[0])
+    W = []
+    for i in range(B):
+        acc, row = 0.0, []
+        for t in range(T):
+            if mask[i][t]:
+                acc += 1 - 2 * math.exp(old_lp[i][t]) + spp[i][t]
+            row.append(acc)
+        W.append(row)
+    base = [[0.0] * T for _ in range(B)]
+    for members in _groups(ids).values():
+        if len(members) == 1:
+            continue
+        for t in range(T):
+            num = sum(G[i][t] * W[i][t] for i in members if mask[i][t])
+            den = sum(W[i][t] for i in members if mask[i][t]) + eps
+            for i in members:
+                base[i][t] = num / den
+        lens = sorted(sum(mask[i]) for i in members)
+        longest = [i for i in members if sum(mask[i]) == lens[-1]]
+        if zero_tail and len(longest) == 1 and lens[-1] > lens[-2]:
+            for t in range(lens[-2], T):
+                base[longest[0]][t] = 0.0
+    return [[G[i][t] - base[i][t] if mask[i][t] else 0.0 for t in range(T)] for i in range(B)], G

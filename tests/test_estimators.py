@@ -198,3 +198,31 @@ def check_ranks(results):
     # a per-rank statistic would differ: the comparison can fail
     local = _global_statistics(ROWS[0])
     assert not torch.allclose(local["rpp"], whole["rpp"][:4]) and not torch.allclose(local["gpg"], whole["gpg"][:4])
+
+
+def otb_inputs(seed=15):
+    gen = torch.Generator().manual_seed(seed)
+    _, ids, lengths, mask = sample(seed)
+    logits = torch.randn(12, 8, 5, generator=gen, **F64)
+    rewards = torch.where(mask, torch.randn(12, 8, generator=gen, **F64), 0.0)
+    old = torch.log_softmax(logits, -1)[..., 0]
+    return rewards, mask, ids, old, logits
+
+
+def test_sum_pi_squared_is_exact():
+    *_, logits = otb_inputs()
+    for tau in (1.0, 0.7):
+        expected = torch.softmax(logits / tau, -1).square().sum(-1)
+        torch.testing.assert_close(est.sum_pi_squared(logits, temperature=tau, chunk_size=7), expected,
+                                   rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_optimal_token_baseline_matches_loop(zero_tail):
+    rewards, mask, ids, old, logits = otb_inputs()
+    spp = est.sum_pi_squared(logits)
+    adv, ret = est.optimal_token_baseline_advantages(rewards, mask, ids, old, spp, zero_tail=zero_tail)
+    exp_adv, exp_ret = loops.optimal_token_baseline(rewards.tolist(), mask.tolist(), ids.tolist(), old.tolist(),
+                                                    spp.tolist(), zero_tail=zero_tail)
+    close(ret, exp_ret)
+    close(adv, exp_adv)

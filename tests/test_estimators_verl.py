@@ -69,3 +69,19 @@ def test_reinforce_pp_and_baseline_and_remax_match_verl():
     ours, our_ret = est.remax_advantages(dense, mask.bool(), baseline)
     torch.testing.assert_close(ret, our_ret)
     torch.testing.assert_close(adv, ours)
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_optimal_token_baseline_matches_verl(with_weights):
+    scores, ids, lengths, mask, _ = inputs(4)
+    gen = torch.Generator().manual_seed(5)
+    rewards = torch.randn(mask.shape, generator=gen, dtype=torch.float64) * mask
+    logits = torch.randn(12, 6, 9, generator=gen, dtype=torch.float64)
+    old = torch.log_softmax(logits, -1)[..., 3]
+    spp = est.sum_pi_squared(logits)
+    weights = (0.8 + 0.4 * torch.rand(mask.shape, generator=gen, dtype=torch.float64)) if with_weights else None
+    verl_adv, verl_ret = core_algos.compute_optimal_token_baseline_advantage(
+        rewards, mask, np.array(ids.tolist()), old, spp, rollout_is_weights=weights)
+    adv, ret = est.optimal_token_baseline_advantages(rewards, mask.bool(), ids, old, spp, rollout_weights=weights)
+    torch.testing.assert_close(ret, verl_ret)
+    torch.testing.assert_close(adv, verl_adv)

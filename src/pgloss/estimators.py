@@ -343,3 +343,71 @@ def passk_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
         centered, _ = _group_center(work, index, n_groups)
         adv = adv / (_std(_group_sum(centered.square(), index, n_groups), size, True) + eps)
     return torch.where(is_best, adv[index], 0.0).to(scores.dtype)
+
+
+def sum_pi_squared(logits: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+    """Σ_v π_v² per position of `[..., V]` logits at temperature τ, exactly:
+    exp(lse(2z) - 2·lse(z)) with z = logits/τ, by chunks of positions; detached, float32 (float64
+    stays float64), shape `logits.shape[:-1]`."""
+    logits = check_tensor("logits", logits, ndim=tuple(range(1, 8)))
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        z = flat[start:start + chunk_size].to(dtype) / temperature
+        out[start:start + chunk_size] = torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+    return out.reshape(logits.shape[:-1])
+
+
+def optimal_token_baseline_advantages(
+    token_rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    old_log_prob: Tensor,
+    sum_pi_sq: Tensor,
+    *,
+    rollout_weights: Tensor | None = None,
+    zero_tail: bool = True,
+    eps: float = 1e-8,
+) -> tuple[Tensor, Tensor]:
+    """The optimal token baseline (verl `optimal_token_baseline`), `[B, T]` (advantages, returns):
+
+        w_t = 1 - 2π_t + Σ_v π_v²  (× ρ_t² with rollout weights),   W_t = Σ_{j≤t} m_j w_j,
+        B_t = Σ_{i∈g} G_it W_it m_it / (Σ_{i∈g} W_it m_it + ε),       Â_t = G_t - B_t
+
+    with G the undiscounted return-to-go and π_t = exp(old_log_prob). A group of one has B = 0.
+    `zero_tail`: where a group's single longest response runs past the second longest, its baseline
+    is 0 there (no other trajectory estimates it). `sum_pi_sq` from `sum_pi_squared(logits)`."""
+    returns = discounted_returns(token_rewards, mask, gamma=1.0).to(torch.float64)
+    valid = check_mask(mask, returns.shape, returns.device)
+    index, n_groups = _group_index(group_ids, returns.shape[0])
+    for name, value in (("old_log_prob", old_log_prob), ("sum_pi_sq", sum_pi_sq), ("rollout_weights", rollout_weights)):
+        if value is not None and (check_tensor(name, value, ndim=(2,)).shape != returns.shape):
+            raise ValueError(f"{name} must have shape {tuple(returns.shape)}, got {tuple(value.shape)}")
+    pi = torch.where(valid, old_log_prob.detach().to(torch.float64), 0.0).exp()
+    w = 1 - 2 * pi + torch.where(valid, sum_pi_sq.detach().to(torch.float64), 0.0)
+    if rollout_weights is not None:
+        w = w * torch.where(valid, rollout_weights.detach().to(torch.float64), 0.0).square()
+    cum = torch.where(valid, w, 0.0).cumsum(dim=-1)
+    m = valid.to(torch.float64)
+    width = returns.shape[1]
+    num = torch.zeros(n_groups, width, dtype=torch.float64, device=returns.device).index_add_(0, index, returns * cum * m)
+    den = torch.zeros_like(num).index_add_(0, index, cum * m) + eps
+    baseline = (num / den)[index]
+    size = _group_sum(torch.ones(returns.shape[0], dtype=torch.float64, device=returns.device), index, n_groups)[index]
+    baseline = torch.where(size[:, None] > 1, baseline, 0.0)
+    if zero_tail and returns.shape[0]:
+        lengths = valid.sum(dim=-1)
+        longest = torch.zeros(n_groups, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
+            0, index, lengths, reduce="amax", include_self=False)
+        at_max = lengths == longest[index]
+        n_at_max = torch.zeros_like(longest).index_add_(0, index, at_max.to(lengths.dtype))
+        second = torch.zeros_like(longest).scatter_reduce(
+            0, index, torch.where(at_max, 0, lengths), reduce="amax", include_self=False)
+        tail_row = at_max & (n_at_max[index] == 1) & (size > 1)
+        tail = tail_row[:, None] & (torch.arange(width, device=returns.device)[None, :] >= second[index][:, None])
+        baseline = torch.where(tail, 0.0, baseline)
+    adv = torch.where(valid, returns - baseline, 0.0)
+    return adv.to(token_rewards.dtype), returns.to(token_rewards.dtype)
