@@ -161,6 +161,9 @@ def test_outputs_are_detached_and_keep_dtype():
      "convention"),
     (lambda s, i: est.remax_advantages(s[:, None], torch.ones(12, 1, dtype=torch.bool), s[:3]), ValueError,
      "baseline"),
+    (lambda s, i: est.sum_pi_squared(s[:, None], temperature=0.0), ValueError, "temperature"),
+    (lambda s, i: est.optimal_token_baseline_advantages(s[:, None], torch.ones(12, 1, dtype=torch.bool), i,
+                                                        s[:, None], s[:3, None]), ValueError, "sum_pi_sq must have"),
 ])
 def test_bad_input_is_named(call, error, match):
     scores, ids, _, _ = sample()
