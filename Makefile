@@ -22,9 +22,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 $(INTEGRATIONS): $(STAMP)
-	$(PY) -m pip install --quiet torch==2.13.0 -e ".[dev,trl]" $(INTEGRATION_PINS)
+	$(PY) -m pip install --quiet torch==2.13.0 -e ".[dev,trl]" $(INTEGRATION_PINS) $(VERL_LOSS_DEPS)
 	$(PY) -m pip install --quiet --no-deps "verl>=0.9.1,<0.10"
-	$(PY) -m pip install --quiet torch==2.13.0 $(INTEGRATION_PINS) $(VERL_LOSS_DEPS)
 	touch $(INTEGRATIONS)
 
 test: $(STAMP) $(INTEGRATIONS)
