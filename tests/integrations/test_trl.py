@@ -83,12 +83,14 @@ def test_caller_config_is_not_mutated_and_beta_follows_kl_coef(tmp_path, model_d
 
 @pytest.mark.parametrize(("option", "value"), [
     ("top_entropy_quantile", 0.2), ("off_policy_mask_threshold", 0.5), ("entropy_coef", 0.01),
-    ("use_adaptive_entropy", True), ("steps_per_generation", 3),
+    ("use_adaptive_entropy", True), ("steps_per_generation", 3), ("vllm_importance_sampling_mode", "sequence_mask"),
 ])
 def test_unhonourable_options_are_refused_by_name(tmp_path, option, value):
     overrides = {option: value}
     if option == "steps_per_generation":  # GA = 2 does not divide 3: a step would span two generations
         overrides["per_device_train_batch_size"] = 4
+    if option.startswith("vllm"):  # TRL's default IS mode under vLLM; only token_truncate maps onto pgloss
+        overrides["use_vllm"] = True
     config = trl_tiny.config(str(tmp_path / "out"), **overrides)
     with pytest.raises(ValueError, match=option):
         PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm="dapo")
