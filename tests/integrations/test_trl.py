@@ -72,6 +72,28 @@ def test_eval_logs_pgloss_metrics(tmp_path, model_dir):
     assert metrics["eval_pgloss/ppo_kl"] == 0.0  # on-policy: the ratio is one
 
 
+def test_mixin_on_a_users_own_subclass(tmp_path, model_dir):
+    """A user's GRPOTrainer subclass keeps its own overrides and gets pgloss's loss."""
+    from pgloss.integrations.trl import PGLossMixin
+
+    class Users(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            out["advantages"] = out["advantages"] + 1.0  # some customisation of theirs
+            return out
+
+    class Mine(PGLossMixin, Users):
+        pass
+
+    trainer = Mine(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
+                   args=trl_tiny.config(str(tmp_path / "out"), max_steps=1, logging_steps=1), algorithm="cispo")
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert "pgloss/pg_loss" in logged and "group_ids" in trainer._buffered_inputs[0]
+    # The user's shift reached the loss: CISPO's -Â·log π averages about +3 with Â ≈ 1 + N(0, 1), log π ≈ -3.
+    assert logged["pgloss/pg_loss"] > 0
+
+
 def test_caller_config_is_not_mutated_and_beta_follows_kl_coef(tmp_path, model_dir):
     config = trl_tiny.config(str(tmp_path / "out"), max_steps=1)
     trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),

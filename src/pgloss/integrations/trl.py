@@ -54,7 +54,7 @@ _log = logging.getLogger(__name__)
 try:
     import trl
     from packaging.specifiers import SpecifierSet
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import _ForwardRedirection
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 except ImportError as error:  # pragma: no cover - exercised without the extra
@@ -111,8 +111,6 @@ class PGLossMixin:
     def __init__(self, *args: Any, algorithm: str | Algorithm = "dapo", fused: bool = False,
                  chunk_size: int | None = None, **kwargs: Any) -> None:
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        from trl import GRPOConfig
-
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"args must be a trl.GRPOConfig, got {type(config).__name__}")
         if isinstance(algorithm, str):
