@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The adapters' tests run against the real trainers: TRL 1.16 and verl 0.9.1 in one environment.
-# torch==2.13.0 on every line keeps pip from pulling another torch; verl goes in --no-deps, with
+# torch==2.13.0 beside them keeps pip from pulling another torch; verl goes in --no-deps, with
 # what its loss path imports (ray, tensordict, omegaconf, hydra-core, codetiming).
 INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"
