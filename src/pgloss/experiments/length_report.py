@@ -184,6 +184,8 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
             ax.plot(steps, mean, color=colors[a], label=f"{a} (n={len(seeds)})", lw=1.4)
             ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
                             color=colors[a], alpha=0.15, lw=0)
+        if key in ("rep4", "scratchpad"):  # shares: an interval of few values may reach outside [0, 1]
+            ax.set_ylim(0, 1)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
@@ -193,7 +195,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
         ("length", [("length_right", "length of right answers (tokens)"),
                     ("length_wrong", "length of wrong answers (tokens)")]),
         ("repetition", [("rep4", "repeated 4-grams in the traces (rep-4)"),
-                        ("truncated", "share of responses cut off at the budget")]),
+                        ("scratchpad", "share of responses that write a trace")]),
     ):
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
         for ax, (key, title) in zip(axes[0], panels):
