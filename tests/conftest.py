@@ -21,8 +21,9 @@ def make_batch(batch=5, length=7, *, seed=0, spread=0.3, dtype=torch.float64, pe
     advantages = torch.randn(shape, generator=gen, dtype=dtype)
     entropy = torch.rand(batch, length, generator=gen, dtype=dtype)
     group_ids = torch.arange(batch) % 2
+    scores = torch.randn(batch, generator=gen, dtype=dtype)
     return dict(log_prob=log_prob, old_log_prob=old, ref_log_prob=ref, advantages=advantages, mask=mask,
-                entropy=entropy, group_ids=group_ids)
+                entropy=entropy, group_ids=group_ids, scores=scores)
 
 
 def algorithm(name, **overrides):

@@ -35,6 +35,8 @@ def aggregate(values, mask, mode: str, *, norm_constant=None, group_ids=None) ->
     lens = lengths(mask)
     rows = [i for i, n in enumerate(lens) if n > 0]
     row_sum = [sum(v for v, m in zip(values[i], mask[i]) if m) for i in range(len(mask))]
+    if mode == "token-sum":
+        return sum(row_sum)
     if mode == "token-mean":
         return sum(row_sum) / max(sum(lens), 1)
     if mode == "seq-mean-token-mean":

@@ -15,6 +15,9 @@ NAMES = pgloss.names()
 
 
 def call(alg, data, **extra):
+    # Group ids and raw scores for the families that need them (REAL, TOPR); the others ignore them.
+    extra.setdefault("group_ids", data["group_ids"])
+    extra.setdefault("scores", data["scores"])
     return alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
                ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], **extra)
 

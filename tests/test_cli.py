@@ -13,12 +13,16 @@ def run(*args: str) -> str:
     return subprocess.run(PGLOSS + list(args), check=True, capture_output=True, text=True).stdout
 
 
-def test_list_shows_every_algorithm_with_its_defaults():
+def test_list_groups_every_algorithm_by_family_with_its_defaults_and_source():
     out = run("list")
     lines = out.strip().splitlines()
-    assert len(lines) == 1 + len(pgloss.names()) == 13
+    headers = [line for line in lines if not line.startswith(" ")]
+    assert len(headers) == len(pgloss.families()) and "DPPO (losses/dppo.py)" in headers
+    assert len(lines) == len(headers) + 2 * len(pgloss.names()) and len(pgloss.names()) == 25
     for name in pgloss.names():
-        assert any(line.split()[0] == name for line in lines[1:]), name
+        row = next(i for i, line in enumerate(lines) if line.split()[:1] == [name])
+        assert lines[row + 1].split()[0] == "source:", name
+    assert "cispo_convention=relative" in out and "verl geo_mean" in out
     assert "clip_low=0.0003, clip_high=0.0004" in out
     assert "norm_constant required" in out
 
@@ -26,7 +30,7 @@ def test_list_shows_every_algorithm_with_its_defaults():
 def test_losses_prints_a_finite_row_per_algorithm():
     out = run("losses", "--batch", "4", "--length", "6")
     rows = [line for line in out.splitlines() if line.split() and line.split()[0] in pgloss.names()]
-    assert len(rows) == 12
+    assert len(rows) == len(pgloss.names())
     for row in rows:
         assert "nan" not in row and "inf" not in row
 

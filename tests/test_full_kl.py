@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import loops_vocabulary as loops
+import pgloss
 import pgloss.entropy
 from pgloss.full_kl import full_kl_from_hidden, full_kl_from_logits
 
@@ -121,3 +122,45 @@ def test_bad_input_names_the_argument():
         full_kl_from_hidden(x["hidden"], x["weight"], x["ref_hidden"][:, :-1], x["ref_weight"])
     with pytest.raises(ValueError, match="temperature"):
         full_kl_from_logits(torch.zeros(2, V), torch.zeros(2, V), temperature=0.0)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 11])
+def test_algorithm_with_the_exact_kl_from_hidden_matches_materialised_logits(chunk_size):
+    """kl_estimator="full": the fused path computes the exact KL from both heads; the plain path
+    materialises both logits and passes full_kl. Same loss, metrics and gradients."""
+    x = make(seed=7)
+    gen = torch.Generator().manual_seed(8)
+    mask = torch.arange(T)[None, :] < torch.tensor([5, 3, 1])[:, None]
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    alg = pgloss.get("grpo", kl_estimator="full", kl_coef=0.3)
+    h1, w1 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+    fused = alg.from_hidden(h1, w1, targets, old_log_prob=old, advantages=adv, mask=mask, temperature=0.7,
+                            ref_hidden=x["ref_hidden"], ref_weight=x["ref_weight"], chunk_size=chunk_size)
+    fused.loss.backward()
+    h2, w2 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+    logits = h2 @ w2.t()
+    log_prob = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+    kl = plain(logits, x["ref_hidden"] @ x["ref_weight"].t(), 0.7)
+    plain_out = alg(log_prob, old, adv, mask, full_kl=kl)
+    plain_out.loss.backward()
+    torch.testing.assert_close(fused.loss, plain_out.loss, rtol=0, atol=1e-12)
+    torch.testing.assert_close(fused.metrics["kl"], plain_out.metrics["kl"], rtol=0, atol=1e-12)
+    assert plain_out.metrics["kl"] > 0
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=0, atol=1e-12)
+
+
+def test_algorithm_with_the_exact_kl_refuses_missing_inputs():
+    x = make()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    lp = torch.full((B, T), -1.0, dtype=torch.float64)
+    alg = pgloss.get("grpo", kl_estimator="full")
+    with pytest.raises(ValueError, match="needs full_kl"):
+        alg(lp, lp, torch.zeros(B, dtype=torch.float64), mask)
+    with pytest.raises(ValueError, match="needs ref_hidden and ref_weight"):
+        alg.from_hidden(x["hidden"], x["weight"], torch.zeros(B, T, dtype=torch.long), old_log_prob=lp,
+                        advantages=torch.zeros(B, dtype=torch.float64), mask=mask)
+    with pytest.raises(ValueError, match="takes no kl_correction"):
+        pgloss.get("grpo", kl_estimator="full", kl_correction="ratio_weighted")

@@ -89,8 +89,12 @@ PATHS = {"recompute": 4, "one_pass": 11}
 def test_every_algorithm_matches_unfused_float64(name, temperature, path, small_blocks):
     alg = algorithm(name, kl_coef=0.05, entropy_coef=0.01)
     inputs = leaves(make())
-    out, gh, gw = run(fused, alg, inputs, temperature=temperature, chunk_size=PATHS[path])
-    ref, gh_ref, gw_ref = run(unfused, alg, inputs, temperature=temperature)
+    # Group ids and raw scores for the names that need them (REAL, TOPR); the others ignore them.
+    extra = dict(group_ids=torch.tensor([0, 0, 1]), scores=torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64))
+    torch.manual_seed(0)  # Clip-Cov draws from the global generator: the same draw on both paths
+    out, gh, gw = run(fused, alg, inputs, temperature=temperature, chunk_size=PATHS[path], **extra)
+    torch.manual_seed(0)
+    ref, gh_ref, gw_ref = run(unfused, alg, inputs, temperature=temperature, **extra)
     torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=1e-12)
     torch.testing.assert_close(out.per_token, ref.per_token, rtol=0, atol=1e-12)
     assert out.metrics.keys() == ref.metrics.keys() and "entropy" in out.metrics

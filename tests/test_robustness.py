@@ -10,6 +10,9 @@ NAMES = pgloss.names()
 
 
 def call(alg, data, log_prob=None, **extra):
+    # Group ids and raw scores for the families that need them (REAL, TOPR); the others ignore them.
+    extra.setdefault("group_ids", data["group_ids"])
+    extra.setdefault("scores", data["scores"])
     return alg(data["log_prob"] if log_prob is None else log_prob, data["old_log_prob"], data["advantages"],
                data["mask"], ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], **extra)
 
@@ -107,7 +110,7 @@ def test_empty_batches_from_hidden(name):
         targets = torch.randint(0, 6, (B, T), generator=gen)
         out = algorithm(name, kl_coef=0.1).from_hidden(
             hidden, weight, targets, old_log_prob=data["old_log_prob"], advantages=data["advantages"],
-            mask=data["mask"], ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"])
+            mask=data["mask"], ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"], scores=data["scores"])
         out.loss.backward()
         assert out.loss.item() == 0.0, label
         assert (hidden.grad == 0).all() and (weight.grad == 0).all(), label
@@ -138,7 +141,7 @@ def test_unknown_hyperparameter_is_a_type_error_naming_it():
     ("ppo", dict(clip_low=-0.1), "clip_low must be >= 0"),
     ("ppo", dict(clip_high=-0.1), "clip_high must be >= 0"),
     ("ppo", dict(delta=1.1), "delta must be > 1 \\+ clip_high"),
-    ("ppo", dict(loss_agg_mode="token-sum"), "loss_agg_mode must be one of"),
+    ("ppo", dict(loss_agg_mode="token-max"), "loss_agg_mode must be one of"),
     ("dr_grpo", dict(), "requires norm_constant"),
     ("dr_grpo", dict(norm_constant=0), "requires norm_constant"),
     ("grpo", dict(kl_estimator="k4"), "kl_estimator must be one of"),

@@ -22,7 +22,7 @@ def run(alg, data, sizes, *, normalizer_from_whole_step=True):
     for p in parts:
         out = alg(log_prob[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
                   ref_log_prob=data["ref_log_prob"][p], entropy=data["entropy"][p],
-                  group_ids=data["group_ids"][p], normalizer=normalizer)
+                  group_ids=data["group_ids"][p], scores=data["scores"][p], normalizer=normalizer)
         out.loss.backward()
         total = total + out.loss.detach()
     return total, log_prob.grad
@@ -65,7 +65,9 @@ def test_per_micro_batch_normalisation_would_not_be_invariant():
     seed=st.integers(0, 10_000),
     cuts=st.lists(st.integers(1, 8), min_size=1, max_size=4),
     mode=st.sampled_from(pgloss.AGG_MODES),
-    name=st.sampled_from(pgloss.names()),
+    # Row-coupled names (Clip-Cov and KL-Cov select among a call's tokens, REAL contrasts a group's rows)
+    # are split-invariant only for calls holding whole groups: tests/test_vocabulary.py.
+    name=st.sampled_from([n for n, (family, _) in pgloss.algorithms.NAMED.items() if not family.couples_rows]),
 )
 def test_any_split_of_any_algorithm_is_invariant(seed, cuts, mode, name):
     """Random algorithm, mode, batch and cut points: the summed micro-batch gradient never moves."""

@@ -11,8 +11,9 @@ from importlib.metadata import PackageNotFoundError, version
 from . import advantages, checks, kl
 from .aggregate import AGG_MODES, Normalizer, aggregate
 from .checks import detect_anomaly
-from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, get, names
+from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, families, get, names, register
 from .entropy import log_prob_and_entropy
+from .full_kl import full_kl_from_hidden, full_kl_from_logits
 from .fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 
@@ -37,6 +38,9 @@ __all__ = [
     "checks",
     "detect_anomaly",
     "aggregate",
+    "families",
+    "full_kl_from_hidden",
+    "full_kl_from_logits",
     "get",
     "kl",
     "kl_estimate",
@@ -45,4 +49,5 @@ __all__ = [
     "log_prob_and_entropy_from_hidden",
     "loss_from_hidden",
     "names",
+    "register",
 ]

@@ -9,6 +9,7 @@ N_grp non-empty groups, n_g tokens in group g):
     seq-mean-token-sum        ( Σ_i Σ_t m ℓ ) / N_seq
     seq-mean-token-sum-norm   ( Σ_i Σ_t m ℓ ) / (N_seq · C)                    (Dr.GRPO, C = norm_constant)
     group-mean-token-mean     ( Σ_g (Σ_{i∈g} Σ_t m ℓ) / n_g ) / N_grp          (per prompt)
+    token-sum                 Σ_i Σ_t m ℓ                                      (verl 0.9: no divisor)
 
 Dr.GRPO (https://arxiv.org/abs/2503.20783, sec. 3.1) replaces GRPO's 1/|y_i| by a constant, the
 generation budget: (1/G) Σ_i (1/C) Σ_t ℓ. C is `norm_constant` and is required: it is never the
@@ -39,6 +40,7 @@ AGG_MODES = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
     "group-mean-token-mean",
+    "token-sum",
 )
 
 MAX_GROUPS = 1 << 20
@@ -153,6 +155,8 @@ def row_weights(
 
     Every denominator is clamped at 1, so an all-masked batch gives a zero loss, never NaN.
     """
+    if mode == "token-sum":
+        return torch.ones((), dtype=torch.float64, device=mask.device).expand(mask.shape[0])
     if mode == "token-mean":
         return (1.0 / normalizer.tokens.clamp(min=1)).expand(mask.shape[0])
     if mode == "group-mean-token-mean":

@@ -56,7 +56,8 @@ class TokenBatch:
 
     Token tensors are `[B, T]` in the compute dtype (float32, or float64 for float64 input);
     `advantages` is `[B, T]` (a `[B]` input is broadcast over tokens) and `seq_advantages` keeps
-    the `[B]` form when one was given.
+    the `[B]` form when one was given. `scores` are the raw sequence rewards `[B]` (TOPR) and
+    `full_kl` the exact per-token KL `[B, T]` with its gradient (`pgloss.full_kl`).
     """
 
     log_prob: Tensor
@@ -68,6 +69,8 @@ class TokenBatch:
     entropy: Tensor | None = None
     rollout_log_prob: Tensor | None = None
     group_ids: Tensor | None = None
+    scores: Tensor | None = None
+    full_kl: Tensor | None = None
 
     @classmethod
     def prepare(
@@ -81,6 +84,8 @@ class TokenBatch:
         entropy: Tensor | None = None,
         rollout_log_prob: Tensor | None = None,
         group_ids: Tensor | None = None,
+        scores: Tensor | None = None,
+        full_kl: Tensor | None = None,
     ) -> "TokenBatch":
         log_prob = check_tensor("log_prob", log_prob, ndim=(2,))
         shape, device, dtype = log_prob.shape, log_prob.device, log_prob.dtype
@@ -122,6 +127,15 @@ class TokenBatch:
                 raise ValueError(f"group_ids must be an integer tensor of shape [{shape[0]}], got "
                                  f"{group_ids.dtype} {tuple(group_ids.shape)}")
 
+        if scores is not None:
+            scores = check_tensor("scores", scores, ndim=(1,))
+            if scores.shape[0] != shape[0]:
+                raise ValueError(f"scores must have shape [{shape[0]}], got {tuple(scores.shape)}")
+            if scores.device != device:
+                raise ValueError(f"scores is on {scores.device} but log_prob is on {device}")
+            check_finite("scores", scores, bool_mask)
+            scores = torch.where(bool_mask.any(dim=1), scores.detach().to(cdtype), 0.0)
+
         return cls(
             log_prob=token("log_prob", log_prob, same_dtype=True),
             old_log_prob=token("old_log_prob", old_log_prob, same_dtype=True).detach(),
@@ -134,4 +148,6 @@ class TokenBatch:
             if rollout_log_prob is None
             else token("rollout_log_prob", rollout_log_prob, same_dtype=True).detach(),
             group_ids=group_ids,
+            scores=scores,
+            full_kl=token("full_kl", full_kl, same_dtype=False),
         )

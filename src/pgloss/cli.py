@@ -26,21 +26,28 @@ def _defaults(algorithm: algorithms.Algorithm, skip: tuple[str, ...] = ()) -> st
     return ", ".join(shown)
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    """Print every named algorithm with its family, aggregation and defaults."""
-    rows = []
-    for name in algorithms.names():
-        family, _ = algorithms.NAMED[name]
-        needs = {"dr_grpo": {"norm_constant": 1024}}.get(name, {})
-        algorithm = algorithms.get(name, **needs)
-        agg = algorithm.loss_agg_mode + (" (norm_constant required)" if needs else "")
-        rows.append((name, family.__name__, agg, _defaults(algorithm, skip=tuple(needs))))  # no made-up default
-    widths = [max(len(r[i]) for r in rows + [("name", "family", "loss_agg_mode", "")]) for i in range(3)]
-    print(f"{'name':<{widths[0]}}  {'family':<{widths[1]}}  {'loss_agg_mode':<{widths[2]}}  defaults")
-    for row in rows:
-        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")
-    return 0
+def _row(name: str) -> tuple[str, str]:
+    """(loss_agg_mode, defaults) of a name; a value the caller must give (Dr.GRPO's divisor) is marked."""
+    try:
+        return (algorithm := algorithms.get(name)).loss_agg_mode, _defaults(algorithm)
+    except ValueError:  # no made-up default: the placeholder is not shown
+        algorithm = algorithms.get(name, norm_constant=1.0)
+        return algorithm.loss_agg_mode + " (norm_constant required)", _defaults(algorithm, skip=("norm_constant",))
 
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print the named algorithms grouped by family, each with its aggregation, defaults and source."""
+    rows = {name: _row(name) for name in algorithms.names()}
+    width = max(len(n) for n in rows)
+    agg_width = max(len(agg) for agg, _ in rows.values())
+    for family, members in algorithms.families().items():
+        module = algorithms.NAMED[members[0]][0].__module__.removeprefix("pgloss.").replace(".", "/")
+        print(f"{family} ({module}.py)")
+        for name in members:
+            agg, defaults = rows[name]
+            print(f"  {name:<{width}}  {agg:<{agg_width}}  {defaults}")
+            print(f"  {'':<{width}}  source: {algorithms.SOURCES[name]}")
+    return 0
 
 def synthetic_batch(batch: int = 8, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
     """A reproducible batch of uneven-length sequences with ratios near one and group advantages."""
@@ -57,6 +64,7 @@ def synthetic_batch(batch: int = 8, length: int = 24, seed: int = 0) -> dict[str
     return {
         "log_prob": log_prob, "old_log_prob": old, "ref_log_prob": ref, "mask": mask,
         "advantages": group_advantages(scores, group_ids), "entropy": torch.rand(batch, length, generator=gen),
+        "scores": scores, "group_ids": group_ids,
     }
 
 
@@ -71,7 +79,8 @@ def cmd_losses(args: argparse.Namespace) -> int:
         algorithm = algorithms.get(name, **({"norm_constant": args.length} if name == "dr_grpo" else {}))
         log_prob = data["log_prob"].clone().requires_grad_(True)
         out = algorithm(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
-                        ref_log_prob=data["ref_log_prob"], entropy=data["entropy"])
+                        ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], group_ids=data["group_ids"],
+                        scores=data["scores"])
         out.loss.backward()
         values = {"loss": out.loss.detach(), **out.metrics}
         cells = "".join(f"{float(values[k]):>12.4f}" if k in values else f"{'-':>12}" for k in keys)

@@ -287,6 +287,9 @@ def loss_from_hidden(
     rollout_log_prob: Tensor | None = None,
     normalizer: Normalizer | None = None,
     group_ids: Tensor | None = None,
+    scores: Tensor | None = None,
+    ref_hidden: Tensor | None = None,
+    ref_weight: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> LossOutput:
     """`algorithm`'s loss on the logits hidden @ weightᵀ / τ, computed without materialising them.
@@ -298,16 +301,21 @@ def loss_from_hidden(
     When whole sequences fit in a chunk (T ≤ chunk_size) and a gradient is wanted, the gradients
     are computed during this call (6NHV flops) and handed out by `loss.backward()`, scaled by the
     caller's ∂/∂loss; backward then runs once, and `per_token` carries no gradient. Otherwise
-    the logits are recomputed in backward (8NHV flops).
+    the logits are recomputed in backward (8NHV flops). Row-coupled algorithms
+    (`algorithm.couples_rows`: Clip-Cov, KL-Cov, REAL) and the exact KL always take that route, so
+    that one call sees the whole batch.
 
     Args:
         algorithm: a `pgloss.Algorithm`, e.g. `pgloss.get("grpo")`.
         hidden: [B, T, H] final hidden states of the policy (the positions that predict `targets`).
         weight: [V, H] output projection (the LM head), same dtype and device as `hidden`.
         targets: [B, T] integer token ids; values at masked positions are ignored (e.g. -100).
-        old_log_prob, advantages, mask, ref_log_prob, rollout_log_prob, normalizer, group_ids:
+        old_log_prob, advantages, mask, ref_log_prob, rollout_log_prob, normalizer, group_ids, scores:
             as for `algorithm(...)`; floating token tensors are cast to the compute dtype
             (float32, or float64 for float64 parameters).
+        ref_hidden, ref_weight: [B, T, H'] and [V, H'], the reference model's final hidden states and
+            LM head, for kl_estimator="full": the exact KL(π‖π_ref) per token is computed from them
+            chunk by chunk (`pgloss.full_kl.full_kl_from_hidden`) and passed as `full_kl`.
         temperature: τ > 0, the sampling temperature.
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
@@ -324,10 +332,21 @@ def loss_from_hidden(
 
     # The mask as bool, checked once here rather than again by every chunk's call.
     batch = dict(old_log_prob=cast(old_log_prob), advantages=advantages, mask=valid, ref_log_prob=cast(ref_log_prob),
-                 rollout_log_prob=cast(rollout_log_prob), group_ids=group_ids)
+                 rollout_log_prob=cast(rollout_log_prob), group_ids=group_ids, scores=cast(scores))
+    exact_kl = algorithm.kl_estimator == "full" and (algorithm.kl_coef != 0 or ref_hidden is not None)
+    if exact_kl:
+        if ref_hidden is None or ref_weight is None:
+            raise ValueError(f"{algorithm.name} has kl_estimator='full' and needs ref_hidden and ref_weight")
+        from .full_kl import full_kl_from_hidden
+
+        batch["full_kl"] = full_kl_from_hidden(hidden, weight, ref_hidden, ref_weight, temperature=temperature,
+                                               chunk_size=chunk_size)
+    elif ref_hidden is not None or ref_weight is not None:
+        raise ValueError(f"ref_hidden and ref_weight are for kl_estimator='full'; {algorithm.name} has "
+                         f"kl_estimator={algorithm.kl_estimator!r} (pass ref_log_prob)")
     length = hidden.shape[1]
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if not needs_grad or length == 0 or length > chunk_size:
+    if not needs_grad or length == 0 or length > chunk_size or algorithm.couples_rows or exact_kl:
         # Sequences longer than a chunk: log π and H by token chunks, logits recomputed in backward.
         log_prob, entropy = log_prob_and_entropy_from_hidden(
             hidden, weight, safe_targets, temperature=temperature, chunk_size=chunk_size

@@ -83,13 +83,13 @@ def token_gradients(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor
 def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, *,
             ref_log_prob: Tensor | None = None, entropy: Tensor | None = None,
             rollout_log_prob: Tensor | None = None, normalizer: Normalizer | None = None,
-            group_ids: Tensor | None = None) -> TokenGradients:
+            group_ids: Tensor | None = None, scores: Tensor | None = None) -> TokenGradients:
     """The per-token gradient of `algorithm`'s loss on this batch and its decomposition -Â·f·w.
 
     Arguments as for `algorithm(...)`; without `normalizer` the batch is the whole step.
     """
     _check_algorithm(algorithm)
-    extra = dict(rollout_log_prob=rollout_log_prob, normalizer=normalizer, group_ids=group_ids)
+    extra = dict(rollout_log_prob=rollout_log_prob, normalizer=normalizer, group_ids=group_ids, scores=scores)
     grad = token_gradients(algorithm, log_prob, old_log_prob, advantages, mask,
                            ref_log_prob=ref_log_prob, entropy=entropy, **extra)
     policy_only = algorithm

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..algorithms import Algorithm, PolicyTerms, _check
+from ..base import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
 from ..metrics import clip_metrics, masked_mean, ratio_metrics
 from ..ratios import importance_ratio, log_ratio

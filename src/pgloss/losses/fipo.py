@@ -18,10 +18,17 @@ The weight is detached: it rescales the clipped loss's gradient and adds none of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
 
 import torch
 from torch import Tensor
+
+from ..batch import TokenBatch
+from ..metrics import masked_mean
+from ..ratios import log_ratio
+from .ppo import ClippedPolicy, PolicyTerms, _check
 
 _BLOCK = 128
 _SAFETY_RANGE = 0.2  # ms-swift's fixed safety interval [0.8, 1.0], used when the weight is not clipped
@@ -87,3 +94,51 @@ def fipo_influence(
             safe_low = 1.0 - (_SAFETY_RANGE if clip_range is None else clip_range)
             weight = torch.where(unsafe, weight.clamp(safe_low, 1.0), weight)
     return weight, future
+
+
+@dataclass(frozen=True, kw_only=True)
+class FIPO(ClippedPolicy):
+    """DAPO's clipped token loss reweighted by the detached Future-KL influence (losses/fipo.py):
+    ℓ_{i,t} = sg[f_{i,t}] · max(-Â·r, -Â·clip(r, 1-ε_low, 1+ε_high)), with the δ cap.
+
+    The defaults are the paper's 32B headline run (Table 2 and the authors' 32B launcher): weight
+    clipped to [1, 1.2] (high only), safety threshold 10, dual clip c = 10 (here δ = 10, which for
+    Â < 0 is the dual clip and also keeps tokens with r > δ out of the Future-KL, as ms-swift does).
+    The 7B run (Table 3): `fipo_clip_high_only=False, fipo_safety_threshold=3.0`. ms-swift's
+    defaults: `fipo_clip_high_only=True, fipo_safety_threshold=4.0, delta=None`.
+    """
+
+    fipo_decay_rate: float = 32.0
+    """Half-life of the Future-KL discount in tokens: γ = 2^(-1/fipo_decay_rate)."""
+    fipo_clip_range: float | None = 0.2
+    """ε_f in (0, 1): the weight is clipped to [1 - ε_f, 1 + ε_f] (or [1, 1 + ε_f]); None: not clipped."""
+    fipo_clip_high_only: bool = True
+    """Clip the weight to [1, 1 + ε_f] instead of [1 - ε_f, 1 + ε_f]."""
+    fipo_safety_threshold: float | None = 10.0
+    """For Â < 0 and r above this, the weight is held in [1 - ε_f, 1] ([0.8, 1] when ε_f is None); None disables it."""
+
+    def __post_init__(self) -> None:
+        # FIPO's own constraint first, so that a sequence ratio_level is named as the culprit
+        # rather than the loss_agg_mode it would otherwise conflict with.
+        _check(self.ratio_level == "token", f"fipo uses token ratios, got ratio_level={self.ratio_level!r}")
+        super().__post_init__()
+        _check(self.fipo_decay_rate > 0, f"fipo_decay_rate must be > 0, got {self.fipo_decay_rate}")
+        if self.fipo_clip_range is not None:
+            _check(0 < self.fipo_clip_range < 1, f"fipo_clip_range must lie in (0, 1), or be None for no clipping "
+                                                  f"(ms-swift's 0), got {self.fipo_clip_range}")
+        if self.fipo_safety_threshold is not None:
+            _check(self.fipo_safety_threshold > 0, f"fipo_safety_threshold must be > 0, got {self.fipo_safety_threshold}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        terms = super().policy_terms(batch)
+        token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
+        weight, future = fipo_influence(
+            token_log_ratio, self.ratio(batch), batch.advantages, batch.mask,
+            decay_rate=self.fipo_decay_rate, clip_range=self.fipo_clip_range,
+            clip_high_only=self.fipo_clip_high_only, safety_threshold=self.fipo_safety_threshold, delta=self.delta,
+        )
+        metrics = terms.metrics | {
+            "fipo_weight_mean": masked_mean(weight, batch.mask),
+            "fipo_future_kl_mean": masked_mean(future, batch.mask),
+        }
+        return PolicyTerms(weight * terms.per_token, metrics)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..algorithms import ClippedPolicy
+from .ppo import ClippedPolicy
 
 
 @dataclass(frozen=True, kw_only=True)

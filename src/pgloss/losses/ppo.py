@@ -25,6 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..base import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import clip_metrics, ratio_metrics
+from ..ratios import RATIO_LEVELS, importance_ratio, log_ratio
+
 
 @dataclass(frozen=True)
 class ClippedSurrogate:
@@ -74,3 +79,53 @@ def clipped_surrogate(
         clipped_low=negative & (r < 1.0 - clip_low),
         clipped_dual=negative & (r > cap),
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClippedPolicy(Algorithm):
+    """PPO's clipped surrogate on a token or sequence importance ratio (losses/ppo.py, ratios.py).
+
+        ℓ_{i,t} = max( -Â·r, -Â·clip(r, 1-ε_low, 1+ε_high) ),  optionally dual-clipped or δ-capped,
+
+    with r the ratio at `ratio_level`. The sequence levels (`sequence`: GSPO, `sequence_product`:
+    the sample-level GRPO of "OpenR1 in practice (6)", 2025-06-04) define one loss per sequence, ℓ_i, copied onto its tokens,
+    and fix loss_agg_mode to seq-mean-token-mean so that the loss is (1/N_seq) Σ_i ℓ_i.
+    """
+
+    clip_low: float = 0.2
+    """ε_low: the lower bound of the ratio is 1 - clip_low (verl `clip_ratio_low`, TRL `epsilon`)."""
+    clip_high: float = 0.2
+    """ε_high: the upper bound is 1 + clip_high (verl `clip_ratio_high`, TRL `epsilon_high`)."""
+    dual_clip: float | None = None
+    """c > 1: for Â < 0 the loss is at most -c·Â (verl `clip_ratio_c`); None disables it."""
+    delta: float | None = None
+    """δ > 1 + clip_high: the unclipped ratio is capped at δ (TRL `delta`); None disables it."""
+    ratio_level: str = "token"
+    """token | sequence | sequence_token | sequence_product (ratios.py)."""
+
+    @property
+    def fixed_agg_mode(self) -> str | None:
+        return "seq-mean-token-mean" if self.ratio_level in ("sequence", "sequence_product") else None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.ratio_level in RATIO_LEVELS, f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
+        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        if self.dual_clip is not None:
+            _check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
+        if self.delta is not None:
+            _check(self.delta > 1 + self.clip_high, f"delta must be > 1 + clip_high = {1 + self.clip_high}, got {self.delta}")
+
+    def ratio(self, batch: TokenBatch) -> Tensor:
+        return importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
+                                level=self.ratio_level, max_log_ratio=self.max_log_ratio)
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        ratio = self.ratio(batch)
+        surrogate = clipped_surrogate(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
+                                      dual_clip=self.dual_clip, delta=self.delta)
+        metrics = clip_metrics(surrogate.clipped_high, surrogate.clipped_low, batch.mask,
+                               None if self.dual_clip is None and self.delta is None else surrogate.clipped_dual)
+        metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
+        return PolicyTerms(surrogate.loss, metrics)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..algorithms import Algorithm, PolicyTerms, _check
+from ..base import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
 from ..metrics import ratio_metrics
 from ..ratios import importance_ratio, log_ratio, sequence_log_ratio

@@ -13,8 +13,15 @@ A larger τ_neg (paper: 1.05 vs 1.0) attenuates negative-advantage updates faste
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from ..base import Algorithm, PolicyTerms, _check
+from ..batch import TokenBatch
+from ..metrics import masked_mean, ratio_metrics
+from ..ratios import importance_ratio, log_ratio
 
 
 def sapo_gate(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
@@ -26,3 +33,25 @@ def sapo_gate(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: flo
 def sapo_loss(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
     """-f_τ(r)·A per token."""
     return -sapo_gate(ratio, advantages, tau_pos=tau_pos, tau_neg=tau_neg) * advantages
+
+
+@dataclass(frozen=True, kw_only=True)
+class SAPO(Algorithm):
+    """ℓ_{i,t} = -(4/τ)·σ(τ(r - 1))·Â, τ = τ_pos for Â > 0 else τ_neg (losses/sapo.py)."""
+
+    tau_pos: float = 1.0
+    """Gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """Gate temperature for negative advantages."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.tau_pos > 0 and self.tau_neg > 0, f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
+                                 level="token", max_log_ratio=self.max_log_ratio)
+        gate = sapo_gate(ratio, batch.advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
+        metrics = ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
+        metrics["sapo_gate_mean"] = masked_mean(gate, batch.mask)
+        return PolicyTerms(-gate * batch.advantages, metrics)

@@ -1,0 +1,130 @@
+"""The name table: register, get, names, families; and the options every family shares (KL term, token-sum)."""
+
+import pytest
+import torch
+
+import loops
+import pgloss
+from conftest import make_batch
+from pgloss.algorithms import NAMED, SOURCES, ClippedPolicy
+
+
+@pytest.fixture
+def registered():
+    """Names registered by a test, removed afterwards so that every other test sees the built-in table."""
+    added = []
+    yield added
+    for name in added:
+        NAMED.pop(name, None)
+        SOURCES.pop(name, None)
+
+
+def test_every_name_has_a_family_a_source_and_builds():
+    assert len(pgloss.names()) == 25 and len(set(pgloss.names())) == 25
+    for name in pgloss.names():
+        family, defaults = NAMED[name]
+        assert issubclass(family, pgloss.Algorithm) and SOURCES[name]
+        alg = pgloss.get(name, norm_constant=8.0) if name == "dr_grpo" else pgloss.get(name)
+        assert type(alg) is family and alg.name == name
+    assert pgloss.families()["DPPO"] == ["dppo_tv", "dppo_kl"]
+    assert sum(len(v) for v in pgloss.families().values()) == 25
+
+
+def test_register_adds_a_name_that_works_everywhere(registered):
+    pgloss.register("dapo_wide", ClippedPolicy, source="a test", loss_agg_mode="token-mean", clip_high=0.4)
+    registered.append("dapo_wide")
+    assert pgloss.names()[-1] == "dapo_wide" and pgloss.families()["ClippedPolicy"][-1] == "dapo_wide"
+    alg = pgloss.get("dapo_wide", clip_low=0.1)
+    assert (alg.clip_low, alg.clip_high, alg.loss_agg_mode) == (0.1, 0.4, "token-mean")
+    data = make_batch(seed=1)
+    reference = pgloss.get("dapo", clip_low=0.1, clip_high=0.4, dynamic_sampling=False)
+    args = (data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
+    assert torch.equal(alg(*args).loss, reference(*args).loss)
+
+
+def test_register_refuses_duplicates_bad_families_and_unknown_hyperparameters(registered):
+    with pytest.raises(ValueError, match="'grpo' is already registered; taken names: ppo, dual_clip_ppo"):
+        pgloss.register("grpo", ClippedPolicy)
+    with pytest.raises(TypeError, match="family must be a subclass of pgloss.Algorithm"):
+        pgloss.register("mine", dict)
+    with pytest.raises(TypeError, match="family must be a subclass of pgloss.Algorithm"):
+        pgloss.register("mine", pgloss.Algorithm)
+    with pytest.raises(TypeError, match="mine has no hyperparameter 'clip_hihg'"):
+        pgloss.register("mine", ClippedPolicy, clip_hihg=0.3)
+    with pytest.raises(ValueError, match="identifier"):
+        pgloss.register("my loss", ClippedPolicy)
+    assert "mine" not in pgloss.names()
+    pgloss.register("mine", ClippedPolicy, clip_high=-1.0)  # values are checked when built
+    registered.append("mine")
+    with pytest.raises(ValueError, match="clip_high must be >= 0"):
+        pgloss.get("mine")
+
+
+def test_a_miss_lists_the_valid_names():
+    with pytest.raises(ValueError, match="unknown algorithm 'gmop'; valid names: ppo, .*, gmpo, .*, real"):
+        pgloss.get("gmop")
+
+
+def test_cispo_absolute_convention_is_trls_cap():
+    data = make_batch(seed=2, spread=0.6)
+    alg = pgloss.get("cispo", cispo_convention="absolute", clip_high=1.1)
+    out = alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
+    r = torch.exp(data["log_prob"] - data["old_log_prob"])
+    adv = data["advantages"][:, None]
+    per_token = torch.where(data["mask"], -r.clamp(max=1.1) * adv * data["log_prob"], 0.0)
+    torch.testing.assert_close(out.per_token, per_token, rtol=1e-12, atol=1e-14)
+    assert (r[data["mask"]] > 1.1).any()  # the cap binds somewhere
+    relative = pgloss.get("cispo", clip_high=0.1)  # the same cap written the paper's way
+    torch.testing.assert_close(relative(data["log_prob"], data["old_log_prob"], data["advantages"],
+                                        data["mask"]).loss, out.loss, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="has no lower bound"):
+        pgloss.get("cispo", cispo_convention="absolute", clip_low=0.2)
+    with pytest.raises(ValueError, match="cispo_convention must be one of"):
+        pgloss.get("cispo", cispo_convention="trl")
+    assert pgloss.get("cispo").cispo_convention == "relative"
+
+
+def test_token_sum_is_the_plain_sum():
+    data = make_batch(seed=3, per_token_adv=True)
+    alg = pgloss.get("gpg", loss_agg_mode="token-sum")
+    out = alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
+    expected = loops.aggregate([[-a * p for a, p in zip(ra, rp)] for ra, rp in
+                                zip(data["advantages"].tolist(), data["log_prob"].tolist())],
+                               data["mask"].tolist(), "token-sum")
+    assert out.loss.item() == pytest.approx(expected, rel=1e-12)
+    assert out.loss.item() == pytest.approx(float(torch.where(data["mask"], -data["advantages"] * data["log_prob"],
+                                                              0.0).sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize("option", [dict(kl_estimator="k3+"), dict(kl_correction="ratio_weighted"),
+                                    dict(kl_correction="unbiased_gradient"), dict(kl_estimator="k1+")])
+def test_kl_options_change_the_kl_term_as_documented(option):
+    data = make_batch(seed=4)
+    plain = pgloss.get("grpo", kl_coef=0.5)
+    alg = pgloss.get("grpo", kl_coef=0.5, **option)
+    grads, losses = [], []
+    for a in (plain, alg):
+        x = data["log_prob"].clone().requires_grad_()
+        out = a(x, data["old_log_prob"], data["advantages"], data["mask"], ref_log_prob=data["ref_log_prob"])
+        out.loss.backward()
+        grads.append(x.grad)
+        losses.append(out)
+    mask = data["mask"]
+    d = data["log_prob"] - data["ref_log_prob"]
+    r = torch.exp(data["log_prob"] - data["old_log_prob"])
+    m = mask.double()
+    w = m / m.sum(-1, keepdim=True).clamp(min=1) / mask.any(-1).sum()  # seq-mean-token-mean weights
+    k3_grad = 1 - torch.exp(-d)
+    own = {"k3": k3_grad, "k1": torch.ones_like(d)}[option.get("kl_estimator", "k3").rstrip("+")]
+    plain_kl_grad = 0.5 * w * k3_grad
+    if option.get("kl_estimator", "").endswith("+"):
+        new_kl_grad = 0.5 * w * d
+    elif option.get("kl_correction") == "ratio_weighted":
+        k3 = torch.exp(-d) + d - 1
+        new_kl_grad = 0.5 * w * (own * r + k3 * r)
+    else:
+        new_kl_grad = 0.5 * w * r.clamp(max=10.0) * d
+    if option.get("kl_estimator") == "k1+":  # k1's value is reported, k2's gradient is followed
+        torch.testing.assert_close(losses[1].metrics["kl"], d[mask].mean())
+    torch.testing.assert_close(grads[1] - grads[0], torch.where(mask, new_kl_grad - plain_kl_grad, 0.0),
+                               rtol=1e-10, atol=1e-13)
