@@ -190,8 +190,11 @@ class Algorithm:
 
         Pass the step's `Normalizer` when the step has several micro-batches or ranks; without it
         this batch is the whole step (counted locally, even under torch.distributed).
-        `group_ids` `[B]` is needed by `group-mean-token-mean`. The metrics are means over this
-        call's valid tokens; average them over micro-batches and ranks for a step's figure.
+        `group_ids` `[B]` is needed by `group-mean-token-mean` (and by REAL); `scores` `[B]`, the raw
+        sequence rewards, by TOPR; `full_kl` `[B, T]`, the exact KL with its gradient
+        (`pgloss.full_kl_from_logits` / `full_kl_from_hidden`), by kl_estimator="full". The metrics
+        are means over this call's valid tokens; average them over micro-batches and ranks for a
+        step's figure.
         """
         if normalizer is not None and not isinstance(normalizer, Normalizer):
             raise TypeError(f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}")

@@ -347,7 +347,8 @@ def loss_from_hidden(
     length = hidden.shape[1]
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if not needs_grad or length == 0 or length > chunk_size or algorithm.couples_rows or exact_kl:
-        # Sequences longer than a chunk: log π and H by token chunks, logits recomputed in backward.
+        # Sequences longer than a chunk, row-coupled losses and the exact KL: log π and H by token chunks, one
+        # call for the batch, logits recomputed in backward.
         log_prob, entropy = log_prob_and_entropy_from_hidden(
             hidden, weight, safe_targets, temperature=temperature, chunk_size=chunk_size
         )
