@@ -1,4 +1,4 @@
-"""Plain loops, written from the formulas of the losses and KL terms of issue 9, in Python floats.
+"""Plain loops, written from the formulas of the frameworks' other losses and KL terms, in Python floats.
 
 Nothing here imports pgloss. Inputs are nested lists `[B][T]` (advantages per token), `mask[i][t]`
 a bool. Each function returns the per-token values `[B][T]` (masked positions: 0.0) unless said.

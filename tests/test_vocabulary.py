@@ -1,4 +1,4 @@
-"""The names of issue 9 as algorithms: each loss, aggregated, against a plain loop from its formula,
+"""The frameworks' other losses as named algorithms: each loss, aggregated, against a plain loop from its formula,
 the REINFORCE identity where it holds, and the couplings that make three of them row-coupled."""
 
 import pytest
