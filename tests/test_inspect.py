@@ -206,3 +206,17 @@ def test_bad_input():
         token_gradients(algorithm("dapo"), [[0.0]], *args[1:])
     with pytest.raises(ValueError, match="mask"):
         inspect(algorithm("dapo"), args[0], args[1], args[2], args[3][:, :2])
+
+
+def test_group_mean_token_mean_weights():
+    """w = 1/(N_grp·n_g): each prompt's tokens share its group's weight."""
+    batch = make_batch(6, 8, seed=9)
+    alg = algorithm("bnpo", loss_agg_mode="group-mean-token-mean")
+    result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"],
+                     group_ids=batch["group_ids"])
+    mask, ids = batch["mask"], batch["group_ids"]
+    tokens = {int(g): float(mask[ids == g].sum()) for g in ids.unique()}
+    groups = sum(1 for n in tokens.values() if n > 0)
+    expected = torch.tensor([[1 / (groups * tokens[int(g)])] for g in ids], dtype=torch.float64) * mask
+    torch.testing.assert_close(result.weight, expected)
+    torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-9, atol=1e-13)
