@@ -40,6 +40,7 @@ from torch import Tensor
 from .aggregate import Normalizer, token_weights
 from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy
 from .batch import TokenBatch
+from .losses.cispo import cispo_cap
 from .losses.fipo import fipo_influence
 from .ratios import importance_ratio, log_ratio, sequence_log_ratio
 
@@ -157,7 +158,8 @@ def _policy_factor(algorithm: Algorithm, batch: TokenBatch) -> tuple[Tensor | No
     if kind is CISPO:
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, m, level="token", max_log_ratio=limit)
         lower = None if algorithm.clip_low is None else 1.0 - algorithm.clip_low
-        return ratio.clamp(min=lower, max=1.0 + algorithm.clip_high), "CISPO: f = clip(r), a detached weight"
+        upper = cispo_cap(algorithm.clip_high, algorithm.cispo_convention)
+        return ratio.clamp(min=lower, max=upper), "CISPO: f = clip(r), a detached weight"
     if kind is SAPO:
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, m, level="token", max_log_ratio=limit)
         tau = torch.full_like(batch.advantages, algorithm.tau_neg).masked_fill(batch.advantages > 0, algorithm.tau_pos)
