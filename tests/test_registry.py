@@ -128,3 +128,12 @@ def test_kl_options_change_the_kl_term_as_documented(option):
         torch.testing.assert_close(losses[1].metrics["kl"], d[mask].mean())
     torch.testing.assert_close(grads[1] - grads[0], torch.where(mask, new_kl_grad - plain_kl_grad, 0.0),
                                rtol=1e-10, atol=1e-13)
+
+
+def test_inspect_closed_form_follows_the_cispo_convention():
+    from pgloss.inspect import inspect
+
+    data = make_batch(seed=5, spread=0.6)
+    alg = pgloss.get("cispo", cispo_convention="absolute", clip_high=1.1)
+    result = inspect(alg, data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
+    torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-10, atol=1e-14)
