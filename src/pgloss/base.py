@@ -2,7 +2,8 @@
 
     1. `TokenBatch.prepare`: checks, float32 upcast, the one effective mask;
     2. the policy term ℓ_{i,t} of its family (`policy_terms`, defined in `losses/<family>.py`);
-    3. optional truncated importance sampling against the rollout engine's log-probs;
+    3. the rollout correction (`pgloss.rollout.RolloutCorrection`): its weight before the aggregation and
+       its rejections in the mask; with only `rollout_log_prob`, truncated importance sampling;
     4. + kl_coef · KL_t(π_θ‖π_ref) (`kl_variants.kl_term`, or the exact `full_kl`) and - entropy_coef · H_t;
     5. `aggregate` with `loss_agg_mode` and the step's `Normalizer`.
 
@@ -27,6 +28,7 @@ from .aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
 from .batch import TokenBatch
 from .kl_variants import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 from .metrics import masked_mean
+from .rollout import RolloutCorrection
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,13 @@ def _checked_value(name: str, value: Any, kind: type, optional: bool) -> Any:
     return value
 
 
+def _seq_advantages(batch: TokenBatch) -> Tensor:
+    """Â_i: the `[B]` advantages, or the mean over a row's valid tokens of `[B, T]` ones."""
+    if batch.seq_advantages is not None:
+        return batch.seq_advantages
+    return (batch.advantages * batch.mask).sum(dim=-1) / batch.mask.sum(dim=-1).clamp(min=1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Algorithm:
     """Fields shared by every algorithm; a subclass adds its family's hyperparameters."""
@@ -109,7 +118,11 @@ class Algorithm:
     max_kl: float = 10.0
     """The k3 estimate is clamped to ±max_kl, as verl does (zero gradient beyond)."""
     rollout_is_cap: float = 2.0
-    """Cap of the truncated importance weight min(π_old/π_rollout, cap), used when rollout_log_prob is given."""
+    """Cap of the truncated importance weight min(π_old/π_rollout, cap), used when rollout_log_prob is given
+    and there is no rollout_correction: `RolloutCorrection(upper=rollout_is_cap)`."""
+    rollout_correction: RolloutCorrection | None = None
+    """The rollout correction beside the loss (`pgloss.rollout`): its weight multiplies the policy term (and
+    the KL term when `weight_kl`) before the aggregation; its rejections enter the mask."""
     scale_rewards: bool = True
     """Whether the paper's group advantages divide by the group std (`advantages.group_advantages(scale=)`)."""
     dynamic_sampling: bool = False
@@ -155,6 +168,21 @@ class Algorithm:
         _check(self.max_log_ratio > 0, f"max_log_ratio must be > 0, got {self.max_log_ratio}")
         _check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
         _check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
+        if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
+            raise TypeError(f"rollout_correction must be a pgloss.rollout.RolloutCorrection or None, "
+                            f"got {type(self.rollout_correction).__name__}")
+        _check(self.rollout_correction is None or not self.consumes_rollout_log_prob,
+               f"{self.name} uses the rollout log-probs in its own weight; it takes no rollout_correction")
+
+    def correction(self, has_rollout: bool) -> RolloutCorrection | None:
+        """The rollout correction of a call: `rollout_correction`, or, when only rollout log-probs are
+        given, truncated importance sampling min(π_old/π_rollout, rollout_is_cap) (Yao et al. 2025).
+        A family that uses the rollout log-probs itself (`consumes_rollout_log_prob`) gets none."""
+        if self.rollout_correction is not None:
+            return self.rollout_correction
+        if not has_rollout or self.consumes_rollout_log_prob:
+            return None
+        return RolloutCorrection(upper=self.rollout_is_cap, max_log_ratio=self.max_log_ratio)
 
     @property
     def uses_reference(self) -> bool:
@@ -214,20 +242,25 @@ class Algorithm:
             ref_log_prob=ref_log_prob, entropy=entropy, rollout_log_prob=rollout_log_prob, group_ids=group_ids,
             scores=scores, full_kl=full_kl,
         )
+        corrected, correction = None, self.correction(batch.rollout_log_prob is not None)
+        if correction is not None:
+            corrected = correction.apply(
+                log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
+                mask=batch.mask, seq_advantages=_seq_advantages(batch),
+                weight_mean=getattr(normalizer, "weight_mean", None), whole_step=normalizer is None)
+            batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
         mask = batch.mask
         terms = self.policy_terms(batch)
         per_token = terms.per_token
         metrics = dict(terms.metrics)
-        if batch.rollout_log_prob is not None and not self.consumes_rollout_log_prob:
-            # Truncated importance sampling (Yao et al. 2025): the rollout engine sampled from
-            # π_rollout, not π_old; reweight by min(π_old/π_rollout, cap), detached.
-            tis = torch.exp((batch.old_log_prob - batch.rollout_log_prob).clamp(max=self.max_log_ratio))
-            tis = tis.clamp(max=self.rollout_is_cap)
-            per_token = per_token * tis
-            metrics["rollout_is_weight"] = masked_mean(tis, mask)
+        if corrected is not None:  # the weight enters before the aggregation
+            metrics |= corrected.metrics
+            if corrected.weight is not None:
+                per_token = per_token * corrected.weight
         per_token = torch.where(mask, per_token, 0.0)
         if normalizer is None:  # this batch is the whole step: count it once for every term
-            normalizer = Normalizer.count(mask, group_ids=batch.group_ids, reduce=False)
+            counted = mask if corrected is None else corrected.count_mask
+            normalizer = Normalizer.count(counted, group_ids=batch.group_ids, reduce=False)
 
         rows = row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
                            group_ids=batch.group_ids)
@@ -248,6 +281,8 @@ class Algorithm:
             kl = torch.where(mask, kl, 0.0)
             metrics["kl"] = masked_mean(kl, mask)
             if self.kl_coef != 0:
+                if corrected is not None and corrected.weight is not None and correction.weight_kl:
+                    kl = kl * corrected.weight
                 kl_loss = reduce(kl)
                 metrics["kl_loss"] = kl_loss.detach()
                 loss = loss + self.kl_coef * kl_loss
