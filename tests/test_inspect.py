@@ -11,7 +11,7 @@ from pgloss.inspect import clip_factor, inspect, token_gradients
 
 # The families with a closed form today; an algorithm added later may have none (closed_form None).
 CLOSED = ("ppo", "dual_clip_ppo", "grpo", "sample_grpo", "gspo", "gspo_token", "dapo", "bnpo", "dr_grpo", "cispo",
-          "sapo", "fipo")
+          "sapo", "fipo", "gpg", "tis_pg", "topr")
 
 
 def loop_gradient(name, batch, *, clip_low, clip_high, norm_constant=None):

@@ -15,6 +15,8 @@ Dr.GRPO's constant divisor, 1/(N_grp·n_g) per group) and f the ratio or clip fa
     sequence ratio s_i (GSPO, GSPO-token)          f = s_i · b(s_i)
     whole-sequence ratio ρ_i (sample_grpo)         f = |y_i| · ρ_i · b(ρ_i)
     CISPO                                          f = clip(r, 1 - ε_low, 1 + ε_high)   (detached weight)
+    GPG                                            f = 1
+    TIS-PG, TOPR                                   f = sg[clip(r, lo, hi)] (TOPR: 1 where the score > 0)
     SAPO                                           f = 4·σ(τ(r-1))·(1 - σ(τ(r-1))) · r
     FIPO                                           f = sg[influence] · r · b(r)
 
@@ -42,6 +44,7 @@ from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy
 from .batch import TokenBatch
 from .losses.cispo import cispo_cap
 from .losses.fipo import fipo_influence
+from .losses.reinforce import GPG, TISPG, TOPR
 from .ratios import importance_ratio, log_ratio, sequence_log_ratio
 
 
@@ -98,7 +101,7 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
         policy_only = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0)
     policy_grad = token_gradients(policy_only, log_prob, old_log_prob, advantages, mask, **extra)
     batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask,
-                               rollout_log_prob=rollout_log_prob, group_ids=group_ids)
+                               rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores)
     if normalizer is None:
         normalizer = Normalizer.count(batch.mask, group_ids=batch.group_ids, reduce=False)
     weight = token_weights(batch.mask, algorithm.loss_agg_mode, normalizer, norm_constant=algorithm.norm_constant,
@@ -160,6 +163,11 @@ def _policy_factor(algorithm: Algorithm, batch: TokenBatch) -> tuple[Tensor | No
         lower = None if algorithm.clip_low is None else 1.0 - algorithm.clip_low
         upper = cispo_cap(algorithm.clip_high, algorithm.cispo_convention)
         return ratio.clamp(min=lower, max=upper), "CISPO: f = clip(r), a detached weight"
+    if kind is GPG:
+        return torch.ones_like(batch.log_prob), "GPG: f = 1, REINFORCE without a ratio"
+    if kind in (TISPG, TOPR):
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, m, level="token", max_log_ratio=limit)
+        return algorithm.weights(batch, ratio), f"{kind.__name__}: f = the detached truncated weight"
     if kind is SAPO:
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, m, level="token", max_log_ratio=limit)
         tau = torch.full_like(batch.advantages, algorithm.tau_neg).masked_fill(batch.advantages > 0, algorithm.tau_pos)
