@@ -272,3 +272,31 @@ def test_nan_at_masked_positions_never_reaches_the_loss():
     out.loss.backward()
     torch.testing.assert_close(out.loss, clean.loss, rtol=0, atol=0)
     assert torch.isfinite(lp.grad).all() and not lp.grad[~d["mask"]].any()
+
+
+SCORES = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, 0.0, 1.0, -1.0, 0.5], dtype=F64)
+
+
+@pytest.mark.parametrize("name", [n for n in pgloss.names() if n != "vespo"])
+def test_every_named_loss_composes_with_a_correction(name):
+    d = data(seed=12)
+    corr = RolloutCorrection(weight_level="token", upper=1.3, rejection=(Rejection("token_k2", 0.08),))
+    extra = dict(norm_constant=7.0) if name == "dr_grpo" else {}
+    torch.manual_seed(0)  # clip_cov draws its tokens at random
+    out = call(pgloss.get(name, rollout_correction=corr, **extra), d, scores=SCORES)
+    keep = corr.keep_mask(d["mask"], d["old_log_prob"], d["rollout_log_prob"])
+    plain = pgloss.get(name, **extra)
+    torch.manual_seed(0)
+    ref = plain(d["log_prob"], d["old_log_prob"], d["advantages"], keep, ref_log_prob=d["ref_log_prob"],
+                group_ids=d["group_ids"], scores=SCORES)
+    w = torch.where(keep, (d["old_log_prob"] - d["rollout_log_prob"]).exp().clamp(max=1.3), 0.0)
+    expected = pgloss.aggregate(ref.per_token * w, keep, plain.loss_agg_mode, norm_constant=plain.norm_constant,
+                                group_ids=d["group_ids"])
+    policy = out.metrics["pg_loss"]
+    torch.testing.assert_close(policy, expected, rtol=1e-12, atol=1e-14)
+    assert float(out.metrics["rollout_rejected_frac"]) > 0
+
+
+def test_a_family_that_uses_the_rollout_itself_refuses_a_correction():
+    with pytest.raises(ValueError, match="vespo uses the rollout log-probs in its own weight"):
+        pgloss.get("vespo", rollout_correction=RolloutCorrection())
