@@ -8,7 +8,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import advantages, checks, kl
+from . import advantages, checks, estimators, kl, m2po, rollout, token_masks
 from .aggregate import AGG_MODES, Normalizer, aggregate
 from .checks import detect_anomaly
 from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, families, get, names, register
@@ -16,6 +16,7 @@ from .entropy import log_prob_and_entropy
 from .full_kl import full_kl_from_hidden, full_kl_from_logits
 from .fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
+from .rollout import Rejection, RolloutCorrection
 
 try:
     __version__ = version("pgloss")
@@ -33,8 +34,11 @@ __all__ = [
     "FixedKLController",
     "LossOutput",
     "Normalizer",
+    "Rejection",
+    "RolloutCorrection",
     "SAPO",
     "advantages",
+    "estimators",
     "checks",
     "detect_anomaly",
     "aggregate",
@@ -43,6 +47,7 @@ __all__ = [
     "full_kl_from_logits",
     "get",
     "kl",
+    "m2po",
     "kl_estimate",
     "kl_penalized_rewards",
     "log_prob_and_entropy",
@@ -50,4 +55,6 @@ __all__ = [
     "loss_from_hidden",
     "names",
     "register",
+    "rollout",
+    "token_masks",
 ]
