@@ -137,3 +137,35 @@ def test_inspect_closed_form_follows_the_cispo_convention():
     alg = pgloss.get("cispo", cispo_convention="absolute", clip_high=1.1)
     result = inspect(alg, data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
     torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("name, hyperparameters, message", [
+    ("gmpo", dict(clip_low=-0.1), "clip_low must be >= 0"),
+    ("gmpo", dict(loss_agg_mode="token-mean"), "gmpo defines its loss over sequences"),
+    ("clip_cov", dict(clip_cov_ratio=0.0), "clip_cov_ratio must be > 0"),
+    ("clip_cov", dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
+    ("kl_cov", dict(kl_cov_ratio=-1e-4), "kl_cov_ratio must be > 0"),
+    ("kl_cov", dict(ppo_kl_coef=-0.1), "ppo_kl_coef must be >= 0"),
+    ("tis_pg", dict(tis_lower_bound=2.0), "tis bounds must satisfy"),
+    ("topr", dict(tis_upper_bound=0.0), "tis bounds must satisfy"),
+    ("dppo_tv", dict(divergence="js"), "divergence must be one of"),
+    ("dppo_kl", dict(truncation=0.0), "truncation must be > 0"),
+    ("dro", dict(dro_beta=0.0), "dro_beta must be > 0"),
+    ("vespo", dict(vespo_lambda_neg=-1.0), "vespo_lambda_neg must be >= 0"),
+    ("luspo", dict(loss_agg_mode="seq-mean-token-mean"), "luspo defines its loss over sequences"),
+    ("ce_gppo", dict(dual_clip=1.0), "dual_clip must be > 1"),
+    ("ce_gppo", dict(gppo_beta_low=-0.5), "gppo_beta_low and gppo_beta_high must be >= 0"),
+    ("real", dict(real_tau=0.0), "real_tau must be > 0"),
+    ("real", dict(loss_agg_mode="token-mean"), "real defines its loss over groups"),
+    ("grpo", dict(kl_estimator="k4+"), "kl_estimator must be one of"),
+    ("grpo", dict(kl_correction="bias"), "kl_correction must be None or one of"),
+    ("grpo", dict(kl_correction_cap=0.0), "kl_correction_cap must be > 0"),
+])
+def test_impossible_hyperparameters_of_the_new_families_are_refused(name, hyperparameters, message):
+    with pytest.raises(ValueError, match=message):
+        pgloss.get(name, **hyperparameters)
+
+
+def test_clip_cov_generator_must_be_a_generator():
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got int"):
+        pgloss.get("clip_cov", generator=3)
