@@ -1,5 +1,5 @@
-"""M2PO's second-moment mask (Zheng et al. 2025, "M2PO: Second-Moment Trust Policy Optimization",
-arXiv 2510.01161; AReaL `_apply_m2po_masking`) for decoupled, three-policy PPO.
+"""M2PO's second-moment mask (AReaL 1.0.4 `_apply_m2po_masking`, "Second-Momentum PPO") for
+decoupled, three-policy PPO.
 
 Decoupled PPO (Hilton et al. 2022, arXiv 2110.00641; AReaL `ppo_actor_loss_fn`) clips the ratio
 against a proximal policy π_prox and reweights by the behaviour policy that sampled, π_behave:

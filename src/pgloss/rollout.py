@@ -24,7 +24,7 @@ KL-based rejection (verl `rollout_rs`), chainable (AND), with k1 = -log ρ, k2 =
 k3 = ρ - 1 - log ρ per token, at token level or as a sequence's sum, mean or max: a `Rejection`
 keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
 exp(statistic) (a ratio π_rollout/π_train, lower defaulting to 1/upper), for k2 and k3 on the
-statistic (upper only). Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556; TRL
+statistic (upper only). Off-policy sequence masking (the DeepSeek-V3.2 technical report; TRL
 `off_policy_mask_threshold`, ms-swift `off_policy_sequence_mask_delta`) drops sequence i when
 Â_i < 0 and (1/|y_i|) Σ_t (log π_behave - sg log π_θ) > δ, π_behave = π_rollout (π_old without one).
 
