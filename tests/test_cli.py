@@ -16,8 +16,8 @@ def run(*args: str) -> str:
 def test_list_groups_every_algorithm_by_family_with_its_defaults_and_source():
     out = run("list")
     lines = out.strip().splitlines()
-    headers = [line for line in lines if not line.startswith(" ")]
-    assert len(headers) == len(pgloss.families()) and "DPPO (losses/dppo.py)" in headers
+    headers = [line for line in lines if line.startswith("[")]
+    assert len(headers) == len(pgloss.families()) and "[DPPO] losses/dppo.py" in headers
     assert len(lines) == len(headers) + 2 * len(pgloss.names()) and len(pgloss.names()) == 25
     for name in pgloss.names():
         row = next(i for i, line in enumerate(lines) if line.split()[:1] == [name])

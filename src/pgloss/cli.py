@@ -42,11 +42,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     agg_width = max(len(agg) for agg, _ in rows.values())
     for family, members in algorithms.families().items():
         module = algorithms.NAMED[members[0]][0].__module__.removeprefix("pgloss.").replace(".", "/")
-        print(f"{family} ({module}.py)")
+        print(f"[{family}] {module}.py")
         for name in members:
             agg, defaults = rows[name]
-            print(f"  {name:<{width}}  {agg:<{agg_width}}  {defaults}")
-            print(f"  {'':<{width}}  source: {algorithms.SOURCES[name]}")
+            print(f"{name:<{width}}  {agg:<{agg_width}}  {defaults}")
+            print(f"{'':<{width}}  source: {algorithms.SOURCES[name]}")
     return 0
 
 def synthetic_batch(batch: int = 8, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
