@@ -174,3 +174,29 @@ def test_vespo_takes_the_rollout_ratio_into_its_weight_instead_of_multiplying():
     expected = loops.aggregate(phi_direct, mask, "token-mean")
     assert with_rollout.loss.item() == pytest.approx(expected, rel=1e-10)
     assert "rollout_is_weight" not in with_rollout.metrics
+
+
+@pytest.mark.parametrize("name", [n for n in NEW if n not in ("clip_cov", "kl_cov", "real")])
+@pytest.mark.parametrize("mode", [None, "token-sum", "seq-mean-token-mean"])
+def test_split_into_micro_batches_equals_the_whole_batch(name, mode):
+    """Each row-independent new name, with its own mode and two others: uneven micro-batches sharing
+    the step's Normalizer sum to the whole batch's loss and gradient (float64, KL and entropy on)."""
+    data = batch_for(name, 11, per_token_adv=True)
+    fixed = get(name).fixed_agg_mode
+    alg = get(name, loss_agg_mode=fixed or mode or get(name).loss_agg_mode, kl_coef=0.1, entropy_coef=0.01)
+    parts = [slice(0, 2), slice(2, 6), slice(6, 9)]
+    normalizer = pgloss.Normalizer.count([data["mask"][p] for p in parts])
+    x = data["log_prob"].clone().requires_grad_()
+    whole = call(alg, data, x, ref_log_prob=data["ref_log_prob"], entropy=data["entropy"])
+    whole.loss.backward()
+    y = data["log_prob"].clone().requires_grad_()
+    total = 0.0
+    for p in parts:
+        out = alg(y[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
+                  ref_log_prob=data["ref_log_prob"][p], entropy=data["entropy"][p], scores=SCORES[p],
+                  normalizer=normalizer)
+        out.loss.backward()
+        total = total + out.loss.detach()
+    torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-12, atol=1e-14)
+    assert x.grad.abs().sum() > 0
