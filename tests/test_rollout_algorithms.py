@@ -300,3 +300,17 @@ def test_every_named_loss_composes_with_a_correction(name):
 def test_a_family_that_uses_the_rollout_itself_refuses_a_correction():
     with pytest.raises(ValueError, match="vespo uses the rollout log-probs in its own weight"):
         pgloss.get("vespo", rollout_correction=RolloutCorrection())
+
+
+def test_bfloat16_counts_the_same_kept_tokens_as_the_call():
+    d = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in data(seed=13).items()}
+    corr = RolloutCorrection(upper=1.5, rejection=(Rejection("token_k3", 0.02),))
+    alg = pgloss.get("dapo", rollout_correction=corr)
+    whole = call(alg, d)
+    normalizer = corr.normalizer([d["mask"][p] for p in PARTS], [d["old_log_prob"][p] for p in PARTS],
+                                 [d["rollout_log_prob"][p] for p in PARTS])
+    kept = whole.metrics["rollout_rejected_frac"]
+    assert float(normalizer.tokens) == pytest.approx(float(d["mask"].sum()) * (1 - float(kept)))
+    total = sum(alg(d["log_prob"][p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p],
+                    rollout_log_prob=d["rollout_log_prob"][p], normalizer=normalizer).loss for p in PARTS)
+    torch.testing.assert_close(total, whole.loss, rtol=1e-5, atol=1e-7)

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .aggregate import Normalizer
-from .batch import check_mask
+from .batch import check_mask, compute_dtype
 from .metrics import masked_extremes, masked_fraction, masked_mean
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
@@ -257,7 +257,8 @@ class RolloutCorrection:
         mask = check_mask(mask, mask.shape, mask.device)
         if self.bypass and self.rejection:
             raise ValueError("with bypass the rejection depends on π_θ; count the Normalizer on the original masks")
-        log_rho = self._log_rho(old_log_prob.detach(), rollout_log_prob.detach(), mask)
+        dtype = compute_dtype(old_log_prob.dtype)  # the loss call's arithmetic, so both see one mask
+        log_rho = self._log_rho(old_log_prob.detach().to(dtype), rollout_log_prob.detach().to(dtype), mask)
         for rule in self.rejection:
             mask = mask & rule.keep(log_rho, mask)
         return mask
