@@ -131,7 +131,8 @@ def test_off_policy_mask_zeroes_rows_but_keeps_the_denominator():
 
 PARTS = [slice(0, 2), slice(2, 5), slice(5, 9)]
 CORRECTIONS = [
-    RolloutCorrection(weight_level="token", upper=1.3, batch_normalize=True, rejection=(Rejection("seq_mean_k3", 0.04),)),
+    RolloutCorrection(weight_level="token", upper=1.3, batch_normalize=True,
+                      rejection=(Rejection("seq_mean_k3", 0.04),)),
     RolloutCorrection(weight_level="sequence_product", weight_mode="mask", lower=0.3, upper=3.0, batch_normalize=True),
     RolloutCorrection(weight_level="sequence_geometric", off_policy_mask=0.0, rejection=(Rejection("token_k1", 1.5),)),
 ]
@@ -146,11 +147,13 @@ def test_micro_batches_with_the_corrected_normalizer_match_one_call(corr, mode):
     whole = call(alg, d, log_prob=whole_lp)
     whole.loss.backward()
     normalizer = corr.normalizer([d["mask"][p] for p in PARTS], [d["old_log_prob"][p] for p in PARTS],
-                                 [d["rollout_log_prob"][p] for p in PARTS], group_ids=[d["group_ids"][p] for p in PARTS])
+                                 [d["rollout_log_prob"][p] for p in PARTS],
+                                 group_ids=[d["group_ids"][p] for p in PARTS])
     lp = d["log_prob"].clone().requires_grad_(True)
     total = 0.0
     for p in PARTS:
-        out = alg(lp[p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p], rollout_log_prob=d["rollout_log_prob"][p],
+        out = alg(lp[p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p],
+                  rollout_log_prob=d["rollout_log_prob"][p],
                   ref_log_prob=d["ref_log_prob"][p], group_ids=d["group_ids"][p], normalizer=normalizer)
         out.loss.backward()
         total = total + out.loss.detach()

@@ -36,5 +36,6 @@ def test_top_entropy_mask_matches_trl_on_one_process(top):
     identity = types.SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t, gather=lambda t: t)
     theirs = GRPOTrainer.get_high_entropy_mask(types.SimpleNamespace(accelerator=identity), d["entropy"].float(),
                                                d["mask"].int(), 1 - top)
-    ours = top_entropy_mask(d["entropy"].float(), d["mask"], entropy_threshold(d["entropy"].float(), d["mask"], top=top))
+    entropy = d["entropy"].float()
+    ours = top_entropy_mask(entropy, d["mask"], entropy_threshold(entropy, d["mask"], top=top))
     assert torch.equal(ours, theirs)

@@ -393,7 +393,8 @@ def optimal_token_baseline_advantages(
     cum = torch.where(valid, w, 0.0).cumsum(dim=-1)
     m = valid.to(torch.float64)
     width = returns.shape[1]
-    num = torch.zeros(n_groups, width, dtype=torch.float64, device=returns.device).index_add_(0, index, returns * cum * m)
+    num = torch.zeros(n_groups, width, dtype=torch.float64, device=returns.device)
+    num = num.index_add_(0, index, returns * cum * m)
     den = torch.zeros_like(num).index_add_(0, index, cum * m) + eps
     baseline = (num / den)[index]
     size = _group_sum(torch.ones(returns.shape[0], dtype=torch.float64, device=returns.device), index, n_groups)[index]

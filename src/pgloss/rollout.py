@@ -278,8 +278,7 @@ class RolloutCorrection:
         Pass it to every call of the step as `weight_mean`."""
         if self.weight_level is None:
             raise ValueError("step_weight_mean needs a weight_level")
-        as_list = lambda v: [v] if isinstance(v, Tensor) else list(v)  # noqa: E731
-        masks, olds, rollouts = as_list(masks), as_list(old_log_probs), as_list(rollout_log_probs)
+        masks, olds, rollouts = _as_list(masks), _as_list(old_log_probs), _as_list(rollout_log_probs)
         if not masks or not len(masks) == len(olds) == len(rollouts):
             raise ValueError(f"masks, old_log_probs and rollout_log_probs must hold one tensor per micro-batch, "
                              f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
@@ -310,8 +309,7 @@ class RolloutCorrection:
         """The step's counts over the masks after the KL-based rejection (`count_rejected=True`, or
         bypass mode: over the original masks), with the step's weight mean when `batch_normalize`.
         A collective under torch.distributed, like `Normalizer.count`."""
-        as_list = lambda v: [v] if isinstance(v, Tensor) else list(v)  # noqa: E731
-        masks, olds, rollouts = as_list(masks), as_list(old_log_probs), as_list(rollout_log_probs)
+        masks, olds, rollouts = _as_list(masks), _as_list(old_log_probs), _as_list(rollout_log_probs)
         if not masks or not len(masks) == len(olds) == len(rollouts):
             raise ValueError(f"masks, old_log_probs and rollout_log_probs must hold one tensor per micro-batch, "
                              f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
@@ -379,6 +377,10 @@ class RolloutCorrection:
             weight = torch.where(effective, weight, 0.0).detach()
             metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
         return Corrected(old_log_prob=old, weight=weight, mask=effective, count_mask=count_mask, metrics=metrics)
+
+
+def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    return [value] if isinstance(value, Tensor) else list(value)
 
 
 def _row_max(values: Tensor) -> Tensor:
