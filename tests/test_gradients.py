@@ -138,3 +138,15 @@ def test_kl_term_gradient_is_k3_derivative():
     adv = data["advantages"][:, None]
     expected = -adv * w + 0.5 * (1 - torch.exp(data["ref_log_prob"] - x.detach())) * w
     torch.testing.assert_close(x.grad, expected)
+
+
+def test_token_gradient_is_zero_beyond_the_log_ratio_clamp():
+    """Â < 0 with no dual clip leaves r unbounded above, so only the ±max_log_ratio clamp stops the
+    gradient there; inside it the gradient is -Â·r/N (the closed-form backward of token ratios)."""
+    lp = torch.tensor([[25.0, 19.0, -25.0, -19.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros_like(lp)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    out = pgloss.get("ppo", loss_agg_mode="token-mean", clip_low=0.2, clip_high=0.2)(lp, old, adv, torch.ones_like(lp, dtype=torch.bool))
+    out.loss.backward()
+    expected = torch.tensor([0.0, torch.e ** 19 / 4, 0.0, 0.0], dtype=torch.float64)  # -19: clipped low (r < 0.8)
+    torch.testing.assert_close(lp.grad[0], expected, rtol=1e-12, atol=0)

@@ -29,6 +29,7 @@ from ..base import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
 from ..metrics import clip_metrics, ratio_metrics
 from ..ratios import RATIO_LEVELS, importance_ratio, log_ratio
+from ..slope import with_slope
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ClippedSurrogate:
     """Per-token loss and where each bound was active (bool, `[B, T]`)."""
 
     loss: Tensor
+    factor: Tensor  # clamp(r, lo, hi): ℓ = -A·factor
     clipped_high: Tensor  # A > 0 and r > 1 + ε_high: the clipped branch is taken
     clipped_low: Tensor  # A < 0 and r < 1 - ε_low
     clipped_dual: Tensor  # A < 0 and the dual clip (or δ cap) bound the loss
@@ -71,10 +73,11 @@ def clipped_surrogate(
     bound = lambda value: ratio.new_tensor(value)  # noqa: E731  (python scalars would make float32 bounds)
     low = torch.where(positive, bound(-torch.inf), bound(1.0 - clip_low))
     high = torch.where(positive, bound(1.0 + clip_high), bound(cap))
-    loss = -advantages * torch.clamp(ratio, low, high)
+    factor = torch.clamp(ratio, low, high)
     r = ratio.detach().expand_as(advantages)
     return ClippedSurrogate(
-        loss=loss,
+        loss=-advantages * factor,
+        factor=factor,
         clipped_high=positive & (r > 1.0 + clip_high),
         clipped_low=negative & (r < 1.0 - clip_low),
         clipped_dual=negative & (r > cap),
@@ -122,10 +125,20 @@ class ClippedPolicy(Algorithm):
                                 level=self.ratio_level, max_log_ratio=self.max_log_ratio)
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
-        ratio = self.ratio(batch)
-        surrogate = clipped_surrogate(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
-                                      dual_clip=self.dual_clip, delta=self.delta)
+        token_level = self.ratio_level == "token"
+        # Token ratios: ℓ_t depends on log π_t alone, so its derivative is attached in closed form
+        # (`token_slope`) and the backward pass is one multiply; sequence ratios go through autograd.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not token_level):
+            ratio = self.ratio(batch)
+            surrogate = clipped_surrogate(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
+                                          dual_clip=self.dual_clip, delta=self.delta)
+        token_log_ratio = log_ratio(batch.log_prob.detach(), batch.old_log_prob)
+        loss = surrogate.loss
+        if token_level:
+            # ∂ℓ_t/∂log π_t = -Â·r where no bound holds r (then ℓ = -Â·r exactly), else 0.
+            free = (surrogate.factor == ratio) & (token_log_ratio.abs() <= self.max_log_ratio)
+            loss = with_slope(loss, batch.log_prob, torch.where(free, loss, 0.0))
         metrics = clip_metrics(surrogate.clipped_high, surrogate.clipped_low, batch.mask,
                                None if self.dual_clip is None and self.delta is None else surrogate.clipped_dual)
-        metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
-        return PolicyTerms(surrogate.loss, metrics)
+        metrics |= ratio_metrics(ratio, token_log_ratio, batch.mask)
+        return PolicyTerms(loss, metrics)
