@@ -177,8 +177,9 @@ def test_bad_correction_is_refused():
         alg(d["log_prob"], d["old_log_prob"], d["advantages"], d["mask"])
 
 
+@pytest.mark.parametrize("chunk_rows", [2, 0], ids=["one-pass", "recompute"])
 @pytest.mark.parametrize("corr", CORRECTIONS[:2])
-def test_fused_path_matches_materialised_logits(corr):
+def test_fused_path_matches_materialised_logits(corr, chunk_rows):
     gen = torch.Generator().manual_seed(9)
     B, T, H, V = 6, 5, 8, 17
     hidden = torch.randn(B, T, H, generator=gen, dtype=F64, requires_grad=True)
@@ -192,7 +193,7 @@ def test_fused_path_matches_materialised_logits(corr):
     adv = torch.randn(B, generator=gen, dtype=F64)
     alg = pgloss.get("dapo", rollout_correction=corr)
     kw = dict(old_log_prob=old, advantages=adv, mask=mask, rollout_log_prob=rollout)
-    fused = alg.from_hidden(hidden, weight, targets, chunk_size=2 * T, **kw)
+    fused = alg.from_hidden(hidden, weight, targets, chunk_size=chunk_rows * T or 3, **kw)  # 3 < T: recompute
     gh, gw = torch.autograd.grad(fused.loss, [hidden, weight])
     log_prob = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[..., None])[..., 0]
     plain = alg(log_prob, old, adv, mask, rollout_log_prob=rollout)
