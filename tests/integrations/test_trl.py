@@ -45,6 +45,10 @@ def test_trains_and_window_gradient_is_one_call(tmp_path, model_dir, name, overr
     assert len(logged) == 2 and all(torch.isfinite(torch.tensor(row["pgloss/pg_loss"])) for row in logged)
     snapshot = trainer.snapshot
     assert len(snapshot["inputs"]) == 2 and "old_per_token_logps" in snapshot["inputs"][0]
+    if type(algorithm).couples_rows:
+        # Its loss couples the rows of a call, and TRL's shuffled micro-batches split groups: it is
+        # computed per micro-batch (the adapter warns), so the window identity does not apply.
+        return
     reference, out = window_gradient(model_dir, snapshot["inputs"], snapshot["params"], algorithm)
     assert float(out.metrics["ppo_kl"].abs()) > 1e-6  # the step really is off-policy
     assert sum(float(g.norm()) for g in reference.values()) > 0

@@ -23,7 +23,7 @@ from pgloss.integrations.trl import PGLossGRPOTrainer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
-        "ref_per_token_logps", "group_ids")
+        "ref_per_token_logps", "group_ids", "scores")
 
 
 class _Snapshot(TrainerCallback):
@@ -93,8 +93,11 @@ def window_gradient(model_dir: str, snapshot_inputs: list[dict], params: dict, a
     extra = {}
     if algorithm.uses_reference:
         extra["ref_log_prob"] = _pad([b["ref_per_token_logps"] for b in snapshot_inputs])
+    needs = set(type(algorithm).required_inputs)
     if algorithm.loss_agg_mode == "group-mean-token-mean":
-        extra["group_ids"] = torch.cat([b["group_ids"] for b in snapshot_inputs])
+        needs.add("group_ids")
+    for key in needs:
+        extra[key] = torch.cat([b[key] for b in snapshot_inputs])
     out = algorithm(log_prob=log_prob, old_log_prob=cat["old_per_token_logps"],
                     advantages=torch.cat([b["advantages"] for b in snapshot_inputs]),
                     mask=cat["completion_mask"], entropy=entropy, **extra)

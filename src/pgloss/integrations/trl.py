@@ -149,10 +149,21 @@ class PGLossMixin:
         super().__init__(*args, **kwargs)
         if fused:
             self._check_fused_head()
+        if getattr(type(algorithm), "couples_rows", False) and (
+                config.gradient_accumulation_steps > 1 or self.accelerator.num_processes > 1):
+            _log.warning("%s couples the rows of a call (a selection among its tokens, or a group contrast), and "
+                         "TRL's micro-batches do not hold whole groups: its loss is computed per micro-batch, as "
+                         "verl does, and is not the loss of the whole step.", algorithm.name)
 
     # -- inputs ---------------------------------------------------------------------------------
 
+    def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Tensor:
+        rewards_per_func = super()._calculate_rewards(*args, **kwargs)
+        self._pgloss_rewards_per_func = rewards_per_func  # [rows over every process, reward functions]
+        return rewards_per_func
+
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        self._pgloss_rewards_per_func = None
         out = super()._generate_and_score_completions(inputs)
         # Rows of one prompt are consecutive in the generation batch gathered over processes, and
         # each process holds an equal slice of it: the global row index // G is the prompt.
@@ -160,6 +171,9 @@ class PGLossMixin:
         size = self.num_generations if self.model.training else self.num_generations_eval
         first = self.accelerator.process_index * rows
         out["group_ids"] = (first + torch.arange(rows, device=out["completion_ids"].device)) // size
+        if self._pgloss_rewards_per_func is not None:  # the raw reward TRL logs as `reward`, this process's rows
+            weights = self.reward_weights.to(self._pgloss_rewards_per_func.device)
+            out["scores"] = (self._pgloss_rewards_per_func * weights).nansum(dim=1)[first:first + rows]
         return out
 
     @staticmethod
@@ -167,8 +181,10 @@ class PGLossMixin:
         mask = inputs["completion_mask"]
         return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
 
-    def _pgloss_group_ids(self, inputs: dict[str, Any]) -> Tensor | None:
-        return inputs["group_ids"] if self.algorithm.loss_agg_mode == "group-mean-token-mean" else None
+    def _pgloss_needs(self, key: str) -> bool:
+        if key == "group_ids" and self.algorithm.loss_agg_mode == "group-mean-token-mean":
+            return True
+        return key in getattr(type(self.algorithm), "required_inputs", ())
 
     def _pgloss_window_normalizer(self) -> Normalizer:
         """The counts of this optimizer step's micro-batches over every process, counted once per step.
@@ -184,9 +200,7 @@ class PGLossMixin:
             raise ValueError(f"optimizer step {step} spans two generations (steps_per_generation={per_generation}, "
                              f"num_iterations={self.num_iterations}, gradient_accumulation_steps={size})")
         window = [self._buffered_inputs[(self._step + j) % per_generation] for j in range(size)]
-        group_ids = None
-        if self.algorithm.loss_agg_mode == "group-mean-token-mean":
-            group_ids = [batch["group_ids"] for batch in window]
+        group_ids = [batch["group_ids"] for batch in window] if self._pgloss_needs("group_ids") else None
         normalizer = Normalizer.count([self._pgloss_mask(batch) for batch in window], group_ids=group_ids)
         self._pgloss_window = (step, normalizer)
         return normalizer
@@ -205,9 +219,9 @@ class PGLossMixin:
         else:
             rollout = None
         ref = inputs.get("ref_per_token_logps") if self.algorithm.uses_reference else None
+        extra = {key: inputs[key] for key in ("group_ids", "scores") if self._pgloss_needs(key)}
         return dict(old_log_prob=old, advantages=inputs["advantages"], mask=self._pgloss_mask(inputs),
-                    ref_log_prob=None if ref is None else ref.float(), rollout_log_prob=rollout,
-                    group_ids=self._pgloss_group_ids(inputs))
+                    ref_log_prob=None if ref is None else ref.float(), rollout_log_prob=rollout, **extra)
 
     # -- the loss -------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ verl calls a policy loss once per micro-batch with the step's global counts in
     tau_pos / tau_neg            -> tau_pos / tau_neg
     rollout_is_weights w         -> loss = aggregate(w · ℓ)   (ℓ: the algorithm's per-token term)
 
-and returns `(loss, {"actor/<metric>": value})`. KL and entropy stay verl's: `ppo_loss` adds
+and returns `(loss, {"actor/<metric>": value})`. A loss that needs per-call inputs verl does not
+pass (TOPR's raw scores, REAL's group ids) is a clear error at its first call. KL and entropy stay verl's: `ppo_loss` adds
 them after the policy term, so the algorithm runs with `kl_coef = entropy_coef = 0`. verl's
 `global_batch_size` counts rows, empty ones included (pgloss's own count skips empty rows).
 """
@@ -69,6 +70,11 @@ def _field(config: Any, key: str, default: Any = None) -> Any:
 def _algorithm(name: str, base: Algorithm | None, loss_agg_mode: str, config: Any) -> Algorithm:
     """The algorithm with verl's config values for the fields verl has; `base` (or the paper's
     defaults for `name`) supplies the rest."""
+    family = type(base if base is not None else pgloss.get(name, norm_constant=1.0))
+    missing = getattr(family, "required_inputs", ())
+    if missing:
+        raise ValueError(f"{registered_name(name)} needs {', '.join(missing)} in each call, which verl does not pass "
+                         "to a policy loss")
     if loss_agg_mode == "token-sum":
         raise ValueError(f"{registered_name(name)}: loss_agg_mode 'token-sum' has no pgloss equivalent; "
                          f"use one of {pgloss.AGG_MODES[:4]}")
