@@ -37,4 +37,5 @@ def fixed_batch(policy, reference=None, n_prompts: int = 6, group: int = 4, seed
     with torch.no_grad():
         old, _ = response_log_probs(policy, r, temperature=1.0)
         ref = old if reference is None else response_log_probs(reference, r, temperature=1.0)[0]
-    return Batch(r, old, ref, group_advantages(torch.tensor(rewards), group_ids))
+    scores = torch.tensor(rewards)
+    return Batch(r, old, ref, group_advantages(scores, group_ids), scores)

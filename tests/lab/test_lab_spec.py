@@ -59,3 +59,9 @@ def test_a_typo_names_the_valid_hyperparameters():
         labels("clip_high=0.3,dapo")
     with pytest.raises(ValueError, match="no algorithm"):
         labels(" , ")
+
+
+def test_the_exact_full_vocabulary_kl_is_refused_before_training():
+    with pytest.raises(ValueError, match="grpo:kl_estimator=full: the lab computes the KL term from sampled tokens"):
+        parse_spec("grpo:kl_estimator=full").build(24)
+    assert parse_spec("grpo:kl_estimator=k3+").build(24).kl_estimator == "k3+"

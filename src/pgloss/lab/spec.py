@@ -56,9 +56,13 @@ class Spec:
             if mode == SUM_NORM and kwargs.get("norm_constant") is None:
                 kwargs["norm_constant"] = float(max_new_tokens)
         try:
-            return pgloss.get(self.name, **kwargs)
+            algorithm = pgloss.get(self.name, **kwargs)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{self.label}: {err}") from None
+        if algorithm.uses_full_kl:  # it needs the reference's logits at every position, which the lab does not keep
+            raise ValueError(f"{self.label}: the lab computes the KL term from sampled tokens; kl_estimator='full' "
+                             f"is not available here (use k1, k2, k3 or a '+' form)")
+        return algorithm
 
 
 def _show(value: Any) -> str:

@@ -65,10 +65,12 @@ class Batch:
     """[N, R] log-probabilities of the frozen reference (the warm-start model)."""
     advantages: Tensor
     """[N] group-relative advantages."""
+    scores: Tensor
+    """[N] the raw rewards (TOPR splits on their sign)."""
 
     def select(self, index: Tensor) -> "Batch":
         return Batch(self.rollout.select(index), self.old_log_prob[index], self.ref_log_prob[index],
-                     self.advantages[index])
+                     self.advantages[index], self.scores[index])
 
 
 def make_algorithm(cfg: LabConfig):
@@ -130,7 +132,7 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
     old_log_prob, entropy = response_log_probs(policy, rollout, temperature=cfg.temperature)
     ref_log_prob, _ = response_log_probs(reference, rollout, temperature=cfg.temperature)
     advantages = group_advantages(rewards, rollout.group_ids, scale=algorithm.scale_rewards)
-    batch = Batch(rollout, old_log_prob, ref_log_prob, advantages)
+    batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards)
     mask = rollout.mask.float()
     tokens = mask.sum()
     keep = torch.ones_like(rewards, dtype=torch.bool)
@@ -156,11 +158,13 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     """``epochs`` x ``minibatches`` optimizer steps on one batch; returns mean diagnostics
     (``UPDATE_METRICS``; NaN for a metric the algorithm does not report).
 
-    Minibatches are cut from a permutation of the global group ids (the same on every rank),
-    so one process and several processes make the same optimizer steps. ``grad_clipped`` is
-    the share of optimizer steps whose gradient norm exceeded ``max_grad_norm``.
+    Minibatches, and the micro-batches inside them, are cut from a permutation of the global group
+    ids (the same on every rank), so one process and several processes make the same optimizer
+    steps and a call always holds whole groups (which losses that couple a group's rows need).
+    ``grad_clipped`` is the share of optimizer steps whose gradient norm exceeded ``max_grad_norm``.
     """
-    use_groups = algorithm.loss_agg_mode == "group-mean-token-mean"
+    use_groups = algorithm.loss_agg_mode == "group-mean-token-mean" or "group_ids" in algorithm.required_inputs
+    use_scores = "scores" in algorithm.required_inputs
     values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
 
     def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
@@ -169,8 +173,8 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     for _ in range(cfg.epochs):
         order = torch.randperm(n_groups, generator=generator).to(batch.advantages.device)
         for chunk in order.tensor_split(cfg.minibatches):
-            rows = torch.isin(batch.rollout.group_ids, chunk).nonzero().squeeze(1)
-            micros = [batch.select(r) for r in rows.tensor_split(cfg.micro_batches)]
+            micros = [batch.select(torch.isin(batch.rollout.group_ids, part).nonzero().squeeze(1))
+                      for part in chunk.tensor_split(cfg.micro_batches)]
             normalizer = pgloss.Normalizer.count([m.rollout.mask for m in micros],
                                                  group_ids=[m.rollout.group_ids for m in micros] if use_groups else None)
             if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
@@ -184,7 +188,8 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                 out = algorithm(log_prob=log_prob, old_log_prob=micro.old_log_prob, advantages=micro.advantages,
                                 mask=micro.rollout.mask, entropy=entropy, normalizer=normalizer,
                                 ref_log_prob=micro.ref_log_prob if algorithm.uses_reference else None,
-                                group_ids=micro.rollout.group_ids if use_groups else None)
+                                group_ids=micro.rollout.group_ids if use_groups else None,
+                                scores=micro.scores if use_scores else None)
                 out.loss.backward()
                 for name, key in LOSS_METRICS.items():
                     if key in out.metrics:
