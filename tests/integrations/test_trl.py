@@ -159,6 +159,17 @@ def window(model_dir, tmp_path_factory):
     return trainer
 
 
+def test_scores_are_the_raw_rewards_and_group_ids_the_prompts(window):
+    """What the adapter adds to TRL's batch: each row's reward (for TOPR) and its prompt's id."""
+    for batch in window._buffered_inputs:
+        texts = window.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+        torch.testing.assert_close(batch["scores"], torch.tensor(trl_tiny.digits(texts), dtype=batch["scores"].dtype))
+        prompts = window.processing_class.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+        by_id = {}
+        for group, prompt in zip(batch["group_ids"].tolist(), prompts):
+            assert by_id.setdefault(group, prompt) == prompt
+
+
 def window_grads(trainer, compute):
     """Σ over the window's two micro-batches of ∇ compute(model, inputs), as Trainer.training_step does."""
     trainer.model.zero_grad()
