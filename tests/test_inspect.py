@@ -188,6 +188,24 @@ def test_normalizer_and_rollout_correction():
         torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-9, atol=1e-13)
 
 
+@pytest.mark.parametrize("correction", [
+    dict(weight_level="sequence_geometric", weight_mode="mask", lower=0.7, upper=1.4),
+    dict(weight_level="token", upper=1.5, rejection=(pgloss.Rejection("token_k3", upper=0.08),)),
+    dict(weight_level="token", upper=2.0, bypass=True),
+])
+def test_closed_form_follows_a_configured_rollout_correction(correction):
+    """The closed form takes the call's own correction: its weight, its rejections and, in bypass
+    mode, its old log-probs."""
+    batch = make_batch(6, 8, seed=9)
+    rollout = batch["old_log_prob"] + 0.3 * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64,
+                                                        generator=torch.Generator().manual_seed(1))
+    for name in ("dapo", "gspo", "cispo"):
+        alg = algorithm(name, rollout_correction=pgloss.RolloutCorrection(**correction))
+        result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"],
+                         rollout_log_prob=rollout)
+        torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-9, atol=1e-13)
+
+
 def test_token_gradients_is_autograd_of_the_loss():
     batch = make_batch(5, 7, seed=8)
     alg = algorithm("dapo")

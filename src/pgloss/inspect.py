@@ -24,8 +24,10 @@ where b(r) = ∂(clipped surrogate)/∂r ÷ (-Â) is 1 inside the clip range and
 clip or the δ cap is active (½ on a tie, as autograd splits max and min), and every ratio counts only
 while its log is within ±max_log_ratio. The whole-sequence ratio gives every token the weight of its
 whole sequence: |y_i| times GRPO's at ratio one, the sample-level loss's length effect in one factor.
-With rollout_log_prob, f is multiplied by the truncated importance weight of the token (for a
-ratio shared by the sequence, GSPO's and the sample-level one, by its mean over the sequence). The closed form is of the
+With a rollout correction (the algorithm's `rollout_correction`, or truncated importance sampling
+when only rollout_log_prob is given), f is multiplied by its weight (for a ratio shared by the
+sequence, GSPO's and the sample-level one, by its mean over the sequence), its rejections leave
+the mask, and in bypass mode the ratio is against the rollout log-probs. The closed form is of the
 policy term: `policy_grad` is autograd's gradient without the KL and entropy terms, `grad` with them.
 Families without a closed form here (sequence ratios with per-token advantages, and families added
 later) have `closed_form` None and `reason` says why; `grad` is autograd's either way.
@@ -41,6 +43,7 @@ from torch import Tensor
 
 from .aggregate import Normalizer, token_weights
 from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy
+from .base import _seq_advantages
 from .batch import TokenBatch
 from .losses.cispo import cispo_cap
 from .losses.fipo import fipo_influence
@@ -102,14 +105,19 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
     policy_grad = token_gradients(policy_only, log_prob, old_log_prob, advantages, mask, **extra)
     batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask,
                                rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores)
+    tis, counted = None, batch.mask
+    correction = algorithm.correction(batch.rollout_log_prob is not None)
+    if correction is not None:  # the call's own rollout correction: its weight, mask and old log-probs
+        corrected = correction.apply(
+            log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
+            mask=batch.mask, seq_advantages=_seq_advantages(batch),
+            weight_mean=getattr(normalizer, "weight_mean", None), whole_step=normalizer is None)
+        batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
+        tis, counted = corrected.weight, corrected.count_mask
     if normalizer is None:
-        normalizer = Normalizer.count(batch.mask, group_ids=batch.group_ids, reduce=False)
+        normalizer = Normalizer.count(counted, group_ids=batch.group_ids, reduce=False)
     weight = token_weights(batch.mask, algorithm.loss_agg_mode, normalizer, norm_constant=algorithm.norm_constant,
                            group_ids=batch.group_ids).to(batch.log_prob.dtype) * normalizer.world_size
-    tis = None
-    if batch.rollout_log_prob is not None:
-        tis = torch.exp((batch.old_log_prob - batch.rollout_log_prob).clamp(max=algorithm.max_log_ratio))
-        tis = torch.where(batch.mask, tis.clamp(max=algorithm.rollout_is_cap), 0.0)
     factor, reason = _factor(algorithm, batch, tis)
     if factor is not None:
         factor = torch.where(batch.mask, factor, 0.0)
@@ -150,7 +158,7 @@ def _factor(algorithm: Algorithm, batch: TokenBatch, tis: Tensor | None) -> tupl
         return factor, reason
     if getattr(algorithm, "ratio_level", "token") in ("sequence", "sequence_product"):
         tis = tis.sum(dim=-1, keepdim=True) / batch.mask.sum(dim=-1, keepdim=True).clamp(min=1)
-    return factor * tis, reason + ", times the truncated importance weight"
+    return factor * tis, reason + ", times the rollout correction's weight"
 
 
 def _policy_factor(algorithm: Algorithm, batch: TokenBatch) -> tuple[Tensor | None, str]:
