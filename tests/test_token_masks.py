@@ -56,7 +56,7 @@ def test_truncated_completions_are_cleared():
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda d: entropy_threshold(d["entropy"], d["mask"], top=0.0), ValueError, "top must be a share"),
-    (lambda d: entropy_threshold(d["entropy"], d["mask"], top=True), ValueError, "top must be a share"),
+    (lambda d: entropy_threshold(d["entropy"], d["mask"], top=True), TypeError, "top must be a real number"),
     (lambda d: entropy_threshold([d["entropy"]], [], top=0.2), ValueError, "one tensor per micro-batch"),
     (lambda d: entropy_threshold(d["entropy"][0], d["mask"][0], top=0.2), ValueError, "entropies.0. must have 2"),
     (lambda d: top_entropy_mask(d["entropy"], d["mask"][:2], 0.1), ValueError, "mask must have shape"),

@@ -14,10 +14,6 @@ and implements `policy_terms`; `algorithms.py` names the families' configuration
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import numbers
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,6 +22,7 @@ from torch import Tensor
 
 from .aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
 from .batch import TokenBatch
+from .checks import check_fields
 from .kl_variants import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 from .metrics import masked_mean
 from .rollout import RolloutCorrection
@@ -51,38 +48,6 @@ class PolicyTerms:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
-
-
-@functools.cache
-def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
-    """Each field's base type (float, int, bool, str) and whether None is allowed."""
-    out = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        args = typing.get_args(hint)
-        optional = type(None) in args
-        base = next((a for a in args if a is not type(None)), hint) if args else hint
-        out[name] = (base, optional)
-    return out
-
-
-def _checked_value(name: str, value: Any, kind: type, optional: bool) -> Any:
-    """`value` as a `kind`; TypeError for the wrong type, ValueError for a non-finite number."""
-    if value is None and optional:
-        return None
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a real number{' or None' if optional else ''}, "
-                            f"got {value!r} ({type(value).__name__})")
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value!r}")
-        return float(value)
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-        return int(value)
-    if kind in (bool, str) and not isinstance(value, kind):
-        raise TypeError(f"{name} must be a {kind.__name__}, got {value!r} ({type(value).__name__})")
-    return value
 
 
 def _seq_advantages(batch: TokenBatch) -> Tensor:
@@ -143,8 +108,7 @@ class Algorithm:
         return None
 
     def __post_init__(self) -> None:
-        for name, (kind, optional) in _field_types(type(self)).items():
-            object.__setattr__(self, name, _checked_value(name, getattr(self, name), kind, optional))
+        check_fields(self)
         _check(self.loss_agg_mode in AGG_MODES, f"loss_agg_mode must be one of {AGG_MODES}, got {self.loss_agg_mode!r}")
         if self.fixed_agg_mode is not None:
             _check(

@@ -23,7 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import math
+import numbers
+import typing
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -70,3 +75,48 @@ def check_finite(name: str, value: Tensor | None, mask: Tensor) -> None:
         where = tuple(int(i) for i in flags.nonzero()[0])
         at = f"(row {where[0]}, column {where[1]})" if len(where) == 2 else f"row {where[0]}"
         raise ValueError(f"{name} is {float(values[where])} at a valid position {at}")
+
+
+# ---- hyperparameters: checked by name, always (no tensors involved) ----
+
+def check_number(name: str, value: Any, *, optional: bool = False) -> float | None:
+    """`value` as a float: TypeError unless a real number (bool excluded; None when `optional`),
+    ValueError unless finite."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number{' or None' if optional else ''}, "
+                        f"got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """Each field's base type (float, int, bool, str, ...) and whether None is allowed."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        out[name] = (base, optional)
+    return out
+
+
+def check_fields(config: Any) -> None:
+    """Check every float, int, bool and str field of the frozen dataclass `config` by its annotation,
+    naming the field, and store numbers as float or int (a numpy float becomes a float)."""
+    for name, (kind, optional) in _field_types(type(config)).items():
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        if kind is float:
+            value = check_number(name, value, optional=optional)
+        elif kind is int:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+            value = int(value)
+        elif kind in (bool, str) and not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}, got {value!r} ({type(value).__name__})")
+        object.__setattr__(config, name, value)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .batch import compute_dtype
-from .checks import check_values
+from .checks import check_number, check_values
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -45,11 +45,10 @@ def default_chunk_size(vocab_size: int) -> int:
 
 def check_temperature(temperature: float) -> float:
     """τ as a float; TypeError for a non-number, ValueError unless 0 < τ < ∞."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not math.isfinite(temperature) or temperature <= 0:
+    temperature = check_number("temperature", temperature)
+    if temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    return float(temperature)
+    return temperature
 
 
 def check_chunk_size(chunk_size: int | None, vocab_size: int) -> int:

@@ -15,7 +15,6 @@ and k3 to [-max_kl, max_kl] after; beyond those bounds the gradient is zero.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .batch import check_mask, check_tensor
+from .checks import check_number
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 
@@ -100,8 +100,9 @@ class AdaptiveKLController:
     horizon: float
 
     def __post_init__(self) -> None:
-        finite = all(isinstance(v, numbers.Real) and math.isfinite(v) for v in (self.value, self.target, self.horizon))
-        if not (finite and self.value >= 0 and self.target > 0 and self.horizon > 0):
+        for name in ("value", "target", "horizon"):
+            check_number(name, getattr(self, name))
+        if not (self.value >= 0 and self.target > 0 and self.horizon > 0):
             raise ValueError(
                 f"AdaptiveKLController needs value >= 0, target > 0, horizon > 0; got "
                 f"value={self.value}, target={self.target}, horizon={self.horizon}"
@@ -111,8 +112,7 @@ class AdaptiveKLController:
         """Move β after observing `current_kl` over `n_steps` samples.
 
         A non-finite KL (a NaN from an empty batch, say) is refused rather than turning β into NaN."""
-        if isinstance(current_kl, bool) or not isinstance(current_kl, numbers.Real) or not math.isfinite(current_kl):
-            raise ValueError(f"current_kl must be a finite number, got {current_kl!r}")
+        check_number("current_kl", current_kl)
         if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps < 0:
             raise ValueError(f"n_steps must be an integer >= 0, got {n_steps!r}")
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .batch import check_mask, check_tensor
+from .checks import check_number
 from .token_masks import gather_values
 
 
@@ -58,8 +59,7 @@ def m2po_cutoff(
 ) -> Tensor:
     """The largest m2 M2PO keeps over the step's micro-batches (and every rank when torch.distributed
     is initialized and `reduce`: a collective); 0-d float64, +inf when no token is valid."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
-            or threshold <= 0:
+    if check_number("threshold", threshold) <= 0:
         raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
     behaves, proxes, ms = _as_list(behave_log_probs), _as_list(prox_log_probs), _as_list(masks)
     if not ms or not len(behaves) == len(proxes) == len(ms):

@@ -49,7 +49,6 @@ step's weight mean; pass it to every micro-batch's loss call.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +58,7 @@ from torch import Tensor
 
 from .aggregate import Normalizer
 from .batch import check_mask, compute_dtype
+from .checks import check_number
 from .metrics import masked_extremes, masked_fraction, masked_mean
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
@@ -66,16 +66,6 @@ WEIGHT_MODES = ("truncate", "mask")
 KL_STATISTICS = ("k1", "k2", "k3")
 REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 REJECTION_OPTIONS = tuple(f"{level}_{k}" for level in REJECTION_LEVELS for k in KL_STATISTICS)
-
-
-def _number(name: str, value: object, *, optional: bool) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number{' or None' if optional else ''}, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -91,8 +81,8 @@ class Rejection:
     def __post_init__(self) -> None:
         if self.option not in REJECTION_OPTIONS:
             raise ValueError(f"Rejection option must be one of {REJECTION_OPTIONS}, got {self.option!r}")
-        upper = _number("Rejection upper", self.upper, optional=True)
-        lower = _number("Rejection lower", self.lower, optional=True)
+        upper = check_number("Rejection upper", self.upper, optional=True)
+        lower = check_number("Rejection lower", self.lower, optional=True)
         if self.option.endswith("k1"):
             if upper is None and lower is None:
                 raise ValueError(f"{self.option} needs a ratio bound: upper, lower or both")
@@ -190,8 +180,8 @@ class RolloutCorrection:
             raise ValueError(f"weight_level must be one of {WEIGHT_LEVELS} or None, got {self.weight_level!r}")
         if self.weight_mode not in WEIGHT_MODES:
             raise ValueError(f"weight_mode must be one of {WEIGHT_MODES}, got {self.weight_mode!r}")
-        lower = _number("lower", self.lower, optional=True)
-        upper = _number("upper", self.upper, optional=True)
+        lower = check_number("lower", self.lower, optional=True)
+        upper = check_number("upper", self.upper, optional=True)
         if lower is not None and lower < 0 or upper is not None and upper <= 0:
             raise ValueError(f"need lower >= 0 and upper > 0 (weights are ratios), got lower={lower}, upper={upper}")
         if lower is not None and upper is not None and lower > upper:
@@ -201,13 +191,13 @@ class RolloutCorrection:
         rejection = tuple(self.rejection) if isinstance(self.rejection, (list, tuple)) else self.rejection
         if not isinstance(rejection, tuple) or not all(isinstance(r, Rejection) for r in rejection):
             raise TypeError(f"rejection must be a tuple of pgloss.rollout.Rejection, got {self.rejection!r}")
-        delta = _number("off_policy_mask", self.off_policy_mask, optional=True)
+        delta = check_number("off_policy_mask", self.off_policy_mask, optional=True)
         if delta is not None and delta < 0:
             raise ValueError(f"off_policy_mask must be >= 0 (a KL threshold), got {delta}")
         for name in ("bypass", "batch_normalize", "weight_kl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        max_log_ratio = _number("max_log_ratio", self.max_log_ratio, optional=False)
+        max_log_ratio = check_number("max_log_ratio", self.max_log_ratio, optional=False)
         if max_log_ratio <= 0:
             raise ValueError(f"max_log_ratio must be > 0, got {max_log_ratio}")
         if self.batch_normalize and self.weight_level is None:

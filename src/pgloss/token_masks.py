@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .batch import check_mask, check_tensor
+from .checks import check_number
 
 
 def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
@@ -45,7 +46,7 @@ def entropy_threshold(
     """The (1 - top) quantile of the valid entropies of the step's micro-batches (and, when
     torch.distributed is initialized and `reduce`, of every rank of `process_group`: a collective).
     0-d float64 tensor; -inf when no token is valid (then the mask keeps nothing anyway)."""
-    if isinstance(top, bool) or not isinstance(top, (int, float)) or not math.isfinite(top) or not 0 < top <= 1:
+    if not 0 < check_number("top", top) <= 1:
         raise ValueError(f"top must be a share in (0, 1], got {top!r}")
     ents, ms = _as_list(entropies), _as_list(masks)
     if not ents or len(ents) != len(ms):
