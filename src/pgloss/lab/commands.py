@@ -287,6 +287,8 @@ def _import_outputs() -> None:
 
 def cmd_compare(args) -> int:
     """Train every algorithm of ``--algorithms`` for every seed and write the comparison."""
+    from pgloss.lab import trainer
+
     start = time.time()
     try:  # every argument is checked before any training
         _import_outputs()
@@ -297,7 +299,7 @@ def cmd_compare(args) -> int:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         specs = _specs(args.algorithms, args.loss_arg)
         for spec in specs:
-            spec.build(base.max_new_tokens)
+            trainer.make_algorithm(dataclasses.replace(base, algorithm=spec.label))
         out = prepare_out(args.out)
     except (ValueError, TypeError) as err:
         print(f"pgloss compare: {err}", file=sys.stderr)
@@ -356,7 +358,7 @@ def cmd_train(args) -> int:
             raise ValueError(f"--algorithm: train runs one algorithm, got {', '.join(s.label for s in specs)} "
                              "(use pgloss compare for several)")
         cfg = config_from_args(args, algorithm=specs[0].label)
-        specs[0].build(cfg.max_new_tokens)
+        trainer.make_algorithm(cfg)
         rank, world = dist.init(cfg.device)
         out = prepare_out(args.out) if rank == 0 else None
     except (ValueError, TypeError) as err:

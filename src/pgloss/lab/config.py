@@ -32,6 +32,14 @@ class LabConfig:
     """Completions sampled per prompt (the G of GRPO)."""
     temperature: float = 1.0
     """Sampling temperature, also applied to the log-probabilities the loss sees."""
+    sampler_temperature: float | None = None
+    """Simulated mismatch: the rollouts are sampled at this temperature (none: --temperature), the loss keeps --temperature."""
+    sampler_noise: float = 0.0
+    """Simulated mismatch: the rollouts come from a copy of the policy whose weights carry relative Gaussian noise of this scale."""
+    rollout_correction: str = "default"
+    """Rollout correction of the loss (docs/lab.md): default (the loss's own truncated IS), none, or LEVEL[:KEY=VALUE,...] e.g. token:upper=2."""
+    max_refill_rounds: int = 0
+    """DAPO's dynamic sampling: extra rounds of fresh prompts per step to refill the groups it drops (0: no refill; a round costs a sampling pass)."""
     max_new_tokens: int = 24
     """Longest response; a response that has not ended by then gets reward 0."""
     epochs: int = 2
@@ -78,6 +86,9 @@ class LabConfig:
             ("group_size", self.group_size >= 2, ">= 2 (group advantages compare completions of one prompt)"),
             ("temperature", self.temperature > 0, "> 0"),
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("sampler_temperature", self.sampler_temperature is None or self.sampler_temperature > 0, "> 0 or none"),
+            ("sampler_noise", self.sampler_noise >= 0, ">= 0"),
+            ("max_refill_rounds", self.max_refill_rounds >= 0, ">= 0"),
             ("epochs", self.epochs >= 1, ">= 1"),
             ("minibatches", 1 <= self.minibatches <= self.prompts_per_step,
              f"between 1 and --prompts-per-step ({self.prompts_per_step}): a minibatch holds whole groups"),
@@ -108,6 +119,14 @@ class LabConfig:
             raise ValueError(f"--max-new-tokens must be >= {longest} for --task {self.task} (its longest "
                              f"demonstration with the end token), got {self.max_new_tokens}")
         check_device(self.device)
+        from pgloss.lab.spec import parse_rollout_correction
+
+        parse_rollout_correction(self.rollout_correction)
+
+    @property
+    def mismatched(self) -> bool:
+        """True when the sampler differs from the policy (a simulated sampler mismatch)."""
+        return self.sampler_noise > 0 or self.sampler_temperature not in (None, self.temperature)
 
 
 def check_device(device: str) -> None:
@@ -142,7 +161,7 @@ def add_config_arguments(parser, skip: tuple[str, ...] = ()) -> None:
     for f in dataclasses.fields(LabConfig):
         if f.name in skip:
             continue
-        kind = type(f.default)
+        kind = _optional_float if f.default is None else type(f.default)
         extra = ""
         if f.name == "task":
             from pgloss.lab.tasks import TASKS
@@ -150,6 +169,10 @@ def add_config_arguments(parser, skip: tuple[str, ...] = ()) -> None:
             extra = f"; one of {', '.join(TASKS)}"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
                             help=f"{docs.get(f.name, '')} (default: {f.default}{extra})")
+
+
+def _optional_float(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
 
 
 def config_from_args(args, **overrides) -> LabConfig:

@@ -69,3 +69,13 @@ def mean(values: torch.Tensor) -> torch.Tensor:
 def cleanup() -> None:
     if active():
         dist.destroy_process_group()
+
+
+def total(values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks, elementwise; identity on one process."""
+    if active():
+        device = values.device
+        values = values.cuda() if dist.get_backend() == "nccl" else values.clone()
+        dist.all_reduce(values)
+        values = values.to(device)
+    return values

@@ -42,6 +42,26 @@ class Rollout:
         return Rollout(self.tokens[index], self.valid[index], self.prompt_len, self.mask[index],
                        self.finished[index], self.group_ids[index])
 
+    @staticmethod
+    def cat(parts: list["Rollout"]) -> "Rollout":
+        """The rows of `parts` in order, prompts re-padded on the left and responses on the right
+        to the widest of them (``pad_responses`` does the same for ``[N, R]`` tensors)."""
+        width = max(r.prompt_len for r in parts)
+        length = max(r.mask.shape[1] for r in parts)
+
+        def pad(r: Rollout, x: Tensor, value) -> Tensor:
+            return torch.nn.functional.pad(x, (width - r.prompt_len, length - r.mask.shape[1]), value=value)
+
+        return Rollout(torch.cat([pad(r, r.tokens, PAD) for r in parts]), torch.cat([pad(r, r.valid, False) for r in parts]),
+                       width, pad_responses([r.mask for r in parts], False), torch.cat([r.finished for r in parts]),
+                       torch.cat([r.group_ids for r in parts]))
+
+
+def pad_responses(parts: list[Tensor], value=0.0) -> Tensor:
+    """``[N_i, R_i]`` tensors stacked into ``[sum N_i, max R_i]``, right-padded with `value`."""
+    length = max(x.shape[1] for x in parts)
+    return torch.cat([torch.nn.functional.pad(x, (0, length - x.shape[1]), value=value) for x in parts])
+
 
 def left_pad(prompts: list[list[int]], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
     """Prompts (with a begin token prepended) left-padded to one width: (tokens, valid)."""

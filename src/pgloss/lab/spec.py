@@ -38,9 +38,10 @@ class Spec:
         merged = {**{k: v for k, v in args.items() if k not in own}, **own}
         return Spec(self.name, tuple(merged.items()))
 
-    def build(self, max_new_tokens: int):
-        """The pgloss algorithm. A sum-norm aggregation (Dr.GRPO) without a given ``norm_constant``
-        divides by the response budget, `max_new_tokens`. Raises ValueError/TypeError like ``pgloss.get``."""
+    def build(self, max_new_tokens: int, rollout_correction=None):
+        """The pgloss algorithm, with `rollout_correction` (a ``RolloutCorrection`` or None). A sum-norm
+        aggregation (Dr.GRPO) without a given ``norm_constant`` divides by the response budget,
+        `max_new_tokens`. Raises ValueError/TypeError like ``pgloss.get``."""
         import pgloss
         from pgloss.algorithms import NAMED
 
@@ -55,6 +56,8 @@ class Spec:
             mode = kwargs.get("loss_agg_mode", defaults.get("loss_agg_mode", fields["loss_agg_mode"].default))
             if mode == SUM_NORM and kwargs.get("norm_constant") is None:
                 kwargs["norm_constant"] = float(max_new_tokens)
+        if rollout_correction is not None:
+            kwargs["rollout_correction"] = rollout_correction
         try:
             algorithm = pgloss.get(self.name, **kwargs)
         except (TypeError, ValueError) as err:
@@ -147,3 +150,43 @@ def parse_algorithms(items: list[str], every: list[str], loss_args: list[str] = 
             raise ValueError(f"--algorithms: {spec.label} is listed twice (two runs need distinct settings)")
         seen.add(spec.label)
     return specs
+
+
+CORRECTION_KEYS = {"mode": "weight_mode", "lower": "lower", "upper": "upper", "off_policy_mask": "off_policy_mask",
+                   "bypass": "bypass", "batch_normalize": "batch_normalize", "weight_kl": "weight_kl",
+                   "max_log_ratio": "max_log_ratio"}
+
+
+def parse_rollout_correction(text: str):
+    """``--rollout-correction``: ``default`` -> None (the loss's own truncated IS when given rollout
+    log-probs); ``none`` -> no weight (the mismatch metrics only); ``LEVEL[:KEY=VALUE,...]`` with LEVEL
+    token, sequence_product or sequence_geometric and keys mode (truncate/mask), lower, upper,
+    off_policy_mask, bypass, batch_normalize, weight_kl, max_log_ratio, or a rejection rule
+    ``<level>_<k>=BOUND`` (e.g. ``seq_mean_k3=0.01``; for k1 the bound is the ratio's upper one).
+    ``none:KEY=VALUE`` keeps the masks without a weight. ValueError/TypeError naming the option."""
+    from pgloss.rollout import REJECTION_OPTIONS, WEIGHT_LEVELS, Rejection, RolloutCorrection
+
+    where = f"--rollout-correction {text!r}"
+    if not isinstance(text, str):
+        raise TypeError(f"--rollout-correction takes a string, got {text!r}")
+    level, _, rest = text.strip().partition(":")
+    if level == "default" and not rest:
+        return None
+    if level not in (*WEIGHT_LEVELS, "none"):
+        raise ValueError(f"{where}: the level must be default, none or one of {', '.join(WEIGHT_LEVELS)}, got {level!r}")
+    kwargs: dict[str, Any] = {"weight_level": None if level == "none" else level}
+    rejection = []
+    for piece in (p for p in rest.replace(":", ",").split(",") if p.strip()):
+        key, value = parse_setting(piece, where)
+        if key in REJECTION_OPTIONS:
+            rejection.append((key, value))
+        elif key in CORRECTION_KEYS:
+            kwargs[CORRECTION_KEYS[key]] = value
+        else:
+            raise ValueError(f"{where}: unknown key {key!r}; valid keys: {', '.join(CORRECTION_KEYS)} or a rejection "
+                             f"rule <level>_<k> ({', '.join(REJECTION_OPTIONS)})")
+    try:
+        kwargs["rejection"] = tuple(Rejection(option, upper=bound) for option, bound in rejection)
+        return RolloutCorrection(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{where}: {err}") from None

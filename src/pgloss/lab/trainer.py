@@ -6,8 +6,10 @@ Read top to bottom:
 2. ``warm_start``: a short supervised phase on demonstrations (with and without scratchpad),
    so that RL starts above zero reward.
 3. ``collect``: G completions per prompt at the sampling temperature; rewards; group
-   advantages (scaled by the group std unless the algorithm says not to); DAPO's dynamic
-   sampling when the algorithm asks for it; old, reference and entropy values under no_grad.
+   advantages (scaled by the group std unless the algorithm says not to); old, reference and
+   entropy values under no_grad. A simulated mismatched sampler (``sampler_temperature``,
+   ``sampler_noise``) samples instead of the policy; its log-probs become ``rollout_log_prob``.
+   DAPO's dynamic sampling then refills the batch (``refill``).
 4. ``update``: ``epochs`` passes over the batch, each cut into ``minibatches`` optimizer steps
    of whole groups, each step made of ``micro_batches`` combined by one ``pgloss.Normalizer``
    (counted over the step's micro-batches and all ranks). Ratios move away from one after the
@@ -20,8 +22,8 @@ Read top to bottom:
 
 PPO in the papers learns a critic and uses GAE; the lab has no critic and gives ``ppo`` and
 ``dual_clip_ppo`` the same group advantages as the GRPO family (one reward per response).
-DAPO's dynamic sampling drops the groups whose rewards are all equal, without refilling the
-batch; a response that is cut off at ``max_new_tokens`` gets reward 0 for every algorithm.
+DAPO's dynamic sampling drops the groups whose rewards are all equal and refills the batch with
+fresh prompts, up to ``max_refill_rounds`` extra rounds (``refill``); a response that is cut off at ``max_new_tokens`` gets reward 0 for every algorithm.
 """
 
 from __future__ import annotations
@@ -40,18 +42,24 @@ from pgloss.kl import kl_estimate
 from pgloss.lab import distributed as dist
 from pgloss.lab.config import LabConfig
 from pgloss.lab.model import ModelConfig, TinyGPT
-from pgloss.lab.sampling import Rollout, response_log_probs, sample, teacher_forced
-from pgloss.lab.spec import parse_spec
+from pgloss.lab.sampling import Rollout, pad_responses, response_log_probs, sample, teacher_forced
+from pgloss.lab.spec import parse_rollout_correction, parse_spec
 from pgloss.lab.tasks import Problem, demonstration, make_task, reward
 from pgloss.lab.tokenizer import Tokenizer
 
 METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "clip_frac_high", "clip_frac_low",
            "ppo_kl", "grad_norm", "grad_clipped", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",
-           "eval_reward")
+           "eval_reward",
+           "sampled_groups", "groups")
+# the rollout correction's metrics, recorded when the loss sees rollout log-probs (a simulated mismatch)
+ROLLOUT_METRICS = ("rollout_kl", "rollout_k3_kl", "rollout_chi2_token", "rollout_ppl_ratio", "rollout_is_weight_mean",
+                   "rollout_is_weight_min", "rollout_is_weight_max", "rollout_is_ess", "rollout_is_bounded_frac",
+                   "rollout_rejected_frac")
 # the loss's metric behind each update diagnostic; an algorithm without one (SAPO has no clipping) logs None
 LOSS_METRICS = {"clip_frac": "pg_clipfrac", "clip_frac_high": "pg_clipfrac_high", "clip_frac_low": "pg_clipfrac_low",
                 "ppo_kl": "ppo_kl"}
-UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss")
+UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss", *ROLLOUT_METRICS)
+METRICS = (*METRICS, *ROLLOUT_METRICS)
 
 
 @dataclass(frozen=True)
@@ -67,16 +75,42 @@ class Batch:
     """[N] group-relative advantages."""
     scores: Tensor
     """[N] the raw rewards (TOPR splits on their sign)."""
+    rollout_log_prob: Tensor | None = None
+    """[N, R] log-probabilities of the sampler, when it is not the policy (or a correction is set)."""
 
     def select(self, index: Tensor) -> "Batch":
         return Batch(self.rollout.select(index), self.old_log_prob[index], self.ref_log_prob[index],
-                     self.advantages[index], self.scores[index])
+                     self.advantages[index], self.scores[index],
+                     None if self.rollout_log_prob is None else self.rollout_log_prob[index])
+
+    @staticmethod
+    def cat(parts: list["Batch"]) -> "Batch":
+        """The rows of `parts` in order (responses right-padded to the longest)."""
+        rollout = None if parts[0].rollout_log_prob is None else pad_responses([b.rollout_log_prob for b in parts])
+        return Batch(Rollout.cat([b.rollout for b in parts]), pad_responses([b.old_log_prob for b in parts]),
+                     pad_responses([b.ref_log_prob for b in parts]), torch.cat([b.advantages for b in parts]),
+                     torch.cat([b.scores for b in parts]), rollout)
 
 
 def make_algorithm(cfg: LabConfig):
-    """The pgloss algorithm of ``cfg.algorithm`` (a spec: ``dapo`` or ``dapo:clip_high=0.3``);
-    Dr.GRPO's constant divisor is the response budget unless the spec sets ``norm_constant``."""
-    return parse_spec(cfg.algorithm).build(cfg.max_new_tokens)
+    """The pgloss algorithm of ``cfg.algorithm`` (a spec: ``dapo`` or ``dapo:clip_high=0.3``) with the
+    rollout correction of ``cfg.rollout_correction``; Dr.GRPO's constant divisor is the response
+    budget unless the spec sets ``norm_constant``."""
+    return parse_spec(cfg.algorithm).build(cfg.max_new_tokens, parse_rollout_correction(cfg.rollout_correction))
+
+
+def make_sampler(policy, cfg: LabConfig, step: int):
+    """The model that samples step `step`'s rollouts: the policy itself, or (``sampler_noise`` > 0) a
+    copy whose every weight w becomes w (1 + sampler_noise ε), ε ~ N(0, 1), drawn from a generator
+    seeded by (seed, step), so every rank perturbs alike."""
+    if cfg.sampler_noise == 0:
+        return policy
+    sampler = copy.deepcopy(policy).requires_grad_(False)
+    generator = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    with torch.no_grad():
+        for p in sampler.parameters():
+            p.mul_(1 + cfg.sampler_noise * torch.randn(p.shape, generator=generator).to(p.device))
+    return sampler
 
 
 def build(cfg: LabConfig):
@@ -120,25 +154,30 @@ def score(rollout: Rollout, problems: list[Problem], tokenizer: Tokenizer, group
 
 @torch.no_grad()
 def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, generator: torch.Generator,
-            rank: int = 0, world: int = 1) -> tuple[Batch, dict[str, Tensor], list[str]]:
-    """Sample, score and prepare one step's batch. This rank holds the step's prompts
-    ``rank, rank + world, ...``; group ids are those global prompt indices."""
+            rank: int = 0, world: int = 1, sampler=None, offset: int = 0) -> tuple[Batch, dict[str, Tensor], list[str]]:
+    """Sample, score and prepare one round of a step's batch. This rank holds the round's prompts
+    ``rank, rank + world, ...``; group ids are those global prompt indices plus `offset` (distinct
+    over a step's refill rounds). `sampler` (the policy when None) samples at ``sampler_temperature``;
+    the batch carries its log-probs when it is not the policy or a rollout correction is set."""
+    sampler = policy if sampler is None else sampler
+    temperature = cfg.temperature if cfg.sampler_temperature is None else cfg.sampler_temperature
     prompts = [tokenizer.encode(p.prompt) for p in problems]
-    rollout = sample(policy, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                     temperature=cfg.temperature, generator=generator)
+    rollout = sample(sampler, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                     temperature=temperature, generator=generator)
     rollout = Rollout(rollout.tokens, rollout.valid, rollout.prompt_len, rollout.mask, rollout.finished,
-                      rollout.group_ids * world + rank)
+                      rollout.group_ids * world + rank + offset)
     rewards, texts = score(rollout, problems, tokenizer, cfg.group_size)
     old_log_prob, entropy = response_log_probs(policy, rollout, temperature=cfg.temperature)
     ref_log_prob, _ = response_log_probs(reference, rollout, temperature=cfg.temperature)
+    rollout_log_prob = None
+    if sampler is not policy or temperature != cfg.temperature:
+        rollout_log_prob = response_log_probs(sampler, rollout, temperature=temperature)[0]
+    elif algorithm.rollout_correction is not None:  # the sampler is the policy: weight 1, no mismatch
+        rollout_log_prob = old_log_prob
     advantages = group_advantages(rewards, rollout.group_ids, scale=algorithm.scale_rewards)
-    batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards)
+    batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards, rollout_log_prob)
     mask = rollout.mask.float()
     tokens = mask.sum()
-    keep = torch.ones_like(rewards, dtype=torch.bool)
-    if algorithm.dynamic_sampling:
-        keep = dynamic_sampling_keep(rewards, rollout.group_ids)
-        batch = batch.select(keep)
     scratch = rollout.responses[:, 0] != tokenizer.stoi["|"]  # the response writes a scratchpad
     stats = {
         "reward": rewards.mean(),
@@ -148,15 +187,50 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
         "scratchpad": scratch.float().mean(),
         "reward_scratchpad": rewards[scratch].mean(),  # NaN (None in the record) when no response has one
         "reward_direct": rewards[~scratch].mean(),
-        "kept": keep.float().mean(),
     }
     return batch, stats, texts
+
+
+def refill(batch: Batch, draw, n_groups: int, max_rounds: int) -> tuple[Batch, dict[str, Tensor]]:
+    """DAPO's dynamic sampling with refill (Yu et al. 2025, Algorithm 1): drop the groups whose rewards
+    are all equal and, while fewer than `n_groups` groups remain, call ``draw(round)`` for a fresh
+    round of `n_groups` prompts (group ids offset by ``round * n_groups``), at most `max_rounds` times.
+
+    The kept groups are counted over all ranks, so every rank makes the same rounds; the batch keeps
+    the first `n_groups` of them in global id order, renumbered ``0 .. K-1`` (K <= n_groups) on every
+    rank alike. Stats: ``sampled_groups`` (all rounds), ``groups`` (K) and ``kept`` (K / sampled)."""
+    parts = [batch.select(dynamic_sampling_keep(batch.scores, batch.rollout.group_ids))]
+
+    def kept_ids() -> Tensor:  # global ids of the kept groups, identical on every rank
+        flags = torch.zeros(len(parts) * n_groups)
+        for part in parts:
+            flags[part.rollout.group_ids.cpu()] = 1.0
+        return dist.total(flags).nonzero().squeeze(1)
+
+    kept = kept_ids()
+    while len(kept) < n_groups and len(parts) <= max_rounds:
+        fresh = draw(len(parts))
+        parts.append(fresh.select(dynamic_sampling_keep(fresh.scores, fresh.rollout.group_ids)))
+        kept = kept_ids()
+    chosen = kept[:n_groups]
+    new_id = torch.full((len(parts) * n_groups,), -1, dtype=torch.long)
+    new_id[chosen] = torch.arange(len(chosen))
+    batch = Batch.cat(parts)
+    ids = new_id[batch.rollout.group_ids.cpu()].to(batch.rollout.group_ids.device)
+    batch = batch.select((ids >= 0).nonzero().squeeze(1))
+    r = batch.rollout
+    batch = Batch(Rollout(r.tokens, r.valid, r.prompt_len, r.mask, r.finished, ids[ids >= 0]), batch.old_log_prob,
+                  batch.ref_log_prob, batch.advantages, batch.scores, batch.rollout_log_prob)
+    sampled = len(parts) * n_groups
+    return batch, {"sampled_groups": torch.tensor(float(sampled)), "groups": torch.tensor(float(len(chosen))),
+                   "kept": torch.tensor(len(chosen) / sampled)}
 
 
 def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups: int,
            generator: torch.Generator, scheduler=None) -> dict[str, Tensor]:
     """``epochs`` x ``minibatches`` optimizer steps on one batch; returns mean diagnostics
-    (``UPDATE_METRICS``; NaN for a metric the algorithm does not report).
+    (``UPDATE_METRICS``; NaN for a metric the algorithm does not report; the ``ROLLOUT_METRICS`` only
+    when the loss saw rollout log-probs)
 
     Minibatches, and the micro-batches inside them, are cut from a permutation of the global group
     ids (the same on every rank), so one process and several processes make the same optimizer
@@ -165,6 +239,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     """
     use_groups = algorithm.loss_agg_mode == "group-mean-token-mean" or "group_ids" in algorithm.required_inputs
     use_scores = "scores" in algorithm.required_inputs
+    correction = algorithm.rollout_correction
     values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
 
     def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
@@ -175,8 +250,12 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
         for chunk in order.tensor_split(cfg.minibatches):
             micros = [batch.select(torch.isin(batch.rollout.group_ids, part).nonzero().squeeze(1))
                       for part in chunk.tensor_split(cfg.micro_batches)]
-            normalizer = pgloss.Normalizer.count([m.rollout.mask for m in micros],
-                                                 group_ids=[m.rollout.group_ids for m in micros] if use_groups else None)
+            group_ids = [m.rollout.group_ids for m in micros] if use_groups else None
+            if correction is not None and batch.rollout_log_prob is not None:  # counted after its rejections
+                normalizer = correction.normalizer([m.rollout.mask for m in micros], [m.old_log_prob for m in micros],
+                                                   [m.rollout_log_prob for m in micros], group_ids=group_ids)
+            else:
+                normalizer = pgloss.Normalizer.count([m.rollout.mask for m in micros], group_ids=group_ids)
             if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
                 continue
             optimizer.zero_grad(set_to_none=True)
@@ -189,9 +268,10 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                                 mask=micro.rollout.mask, entropy=entropy, normalizer=normalizer,
                                 ref_log_prob=micro.ref_log_prob if algorithm.uses_reference else None,
                                 group_ids=micro.rollout.group_ids if use_groups else None,
-                                scores=micro.scores if use_scores else None)
+                                scores=micro.scores if use_scores else None,
+                                rollout_log_prob=micro.rollout_log_prob)
                 out.loss.backward()
-                for name, key in LOSS_METRICS.items():
+                for name, key in (*LOSS_METRICS.items(), *((k, k) for k in ROLLOUT_METRICS)):
                     if key in out.metrics:
                         add(name, out.metrics[key])
                 step_loss = step_loss + out.loss.detach().cpu()
@@ -204,7 +284,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
             if scheduler is not None:
                 scheduler.step()
     nan = torch.tensor(float("nan"))  # nanmean: a micro-batch without valid tokens has NaN metrics
-    return {k: torch.stack(v).nanmean() if v else nan for k, v in values.items()}
+    return {k: torch.stack(v).nanmean() if v else nan for k, v in values.items() if v or k not in ROLLOUT_METRICS}
 
 
 @torch.no_grad()
@@ -265,19 +345,33 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
     eval_problems = [task.sample(eval_rng) for _ in range(cfg.eval_prompts)]
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed * 1009 + rank)
     shuffle = torch.Generator().manual_seed(cfg.seed)
+    refill_rng = random.Random(f"refill-{cfg.seed}")  # refill prompts leave the step prompts of other algorithms alike
     samples, metrics = {}, []
     for step in range(cfg.steps + 1):  # the last pass only measures the final policy
         problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
         mine = problems[rank::world]
-        batch, stats, texts = collect(policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world)
+        sampler = make_sampler(policy, cfg, step)
+        batch, stats, texts = collect(policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world, sampler)
         if on_rollout is not None:
             on_rollout(step, mine, texts)
+        n_groups = cfg.prompts_per_step
+        stats |= {"sampled_groups": torch.tensor(float(n_groups)), "groups": torch.tensor(float(n_groups)),
+                  "kept": torch.tensor(1.0)}
+        if algorithm.dynamic_sampling:
+            def draw(round_: int) -> Batch:
+                fresh = [task.sample(refill_rng) for _ in range(cfg.prompts_per_step)][rank::world]
+                return collect(policy, reference, algorithm, fresh, tokenizer, cfg, generator, rank, world, sampler,
+                               offset=round_ * cfg.prompts_per_step)[0]
+
+            batch, counts = refill(batch, draw, cfg.prompts_per_step, cfg.max_refill_rounds)
+            stats.update(counts)
+            n_groups = int(counts["groups"])
         stats["accuracy"] = greedy_accuracy(policy, eval_problems, tokenizer, cfg)
         if step in (0, cfg.steps):
             samples["start" if step == 0 else "end"] = show(policy, eval_problems[: cfg.samples], tokenizer, cfg)
             stats["eval_reward"] = sampled_reward(policy, eval_problems, tokenizer, cfg)
         if step < cfg.steps:
-            stats.update(update(policy, optimizer, algorithm, batch, cfg, cfg.prompts_per_step, shuffle, warmup))
+            stats.update(update(policy, optimizer, algorithm, batch, cfg, n_groups, shuffle, warmup))
         values = dist.mean(torch.stack([stats.get(k, torch.tensor(float("nan"))).float().cpu() for k in METRICS]))
         record = {"algorithm": cfg.algorithm, "seed": cfg.seed, "step": step,
                   **{k: None if math.isnan(v) else v for k, v in zip(METRICS, values.tolist())}}
