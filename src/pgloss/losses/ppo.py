@@ -70,9 +70,9 @@ def clipped_surrogate(
     positive, negative = advantages > 0, advantages < 0
     caps = [c for c in (dual_clip, delta) if c is not None]
     cap = min(caps) if caps else torch.inf  # A < 0: the factor max(r, 1-ε_low) is at most c
-    bound = lambda value: ratio.new_tensor(value)  # noqa: E731  (python scalars would make float32 bounds)
-    low = torch.where(positive, bound(-torch.inf), bound(1.0 - clip_low))
-    high = torch.where(positive, bound(1.0 + clip_high), bound(cap))
+    # Bounds as tensors of the ratio's dtype: python scalars would make them float32.
+    low = torch.where(positive, ratio.new_tensor(-torch.inf), ratio.new_tensor(1.0 - clip_low))
+    high = torch.where(positive, ratio.new_tensor(1.0 + clip_high), ratio.new_tensor(cap))
     factor = torch.clamp(ratio, low, high)
     r = ratio.detach().expand_as(advantages)
     return ClippedSurrogate(
@@ -127,7 +127,7 @@ class ClippedPolicy(Algorithm):
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         token_level = self.ratio_level == "token"
         # Token ratios: ℓ_t depends on log π_t alone, so its derivative is attached in closed form
-        # (`token_slope`) and the backward pass is one multiply; sequence ratios go through autograd.
+        # (`with_slope`) and the backward pass is one multiply; sequence ratios go through autograd.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not token_level):
             ratio = self.ratio(batch)
             surrogate = clipped_surrogate(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
