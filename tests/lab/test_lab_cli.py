@@ -41,10 +41,23 @@ def test_compare_writes_metrics_plots_samples_report_and_config(tmp_path):
     assert "last 5" in report and "mean over every update" in report and "OpenR1 in practice (6)" in report
     assert "seed 00" not in report.lower()
     assert "## grpo, seed 1" in (out / "samples.md").read_text()
+    assert "Simulated sampler mismatch" not in report and not (out / "rollout_kl.png").exists()
     config = json.loads((out / "config.json").read_text())
     assert config["base"]["steps"] == 2 and config["algorithms"] == list(labels) and config["status"] == "finished"
     assert config["versions"]["torch"] == torch.__version__ and config["versions"]["pgloss"]
     assert config["command"].startswith("pgloss compare")
+
+
+def test_a_simulated_mismatch_shows_in_the_report_and_plots(tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(["compare", "--algorithms", "grpo", "--steps", "2", "--seeds", "1", "--workers", "1", *TINY,
+                     "--sampler-noise", "0.1", "--rollout-correction", "token:upper=2", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollout_k3_kl"] > 0 and 0 < r["rollout_is_ess"] < 1 for r in records[:-1])
+    report = (out / "report.md").read_text()
+    assert "Simulated sampler mismatch (relative weight noise 0.1), rollout correction `token:upper=2`" in report
+    assert "![rollout_kl](rollout_kl.png)" in report and "![rollout_is_ess](rollout_is_ess.png)" in report
+    assert (out / "rollout_kl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -56,6 +69,9 @@ def test_compare_writes_metrics_plots_samples_report_and_config(tmp_path):
     (["compare", "--algorithms", "grpo", "sapo", "--loss-arg", "clip_high=0.3"], "sapo:clip_high=0.3: sapo has no"),
     (["compare", "--max-new-tokens", "5"], "--max-new-tokens must be >= 12"),
     (["train", "--algorithm", "grpo,dapo"], "train runs one algorithm"),
+    (["compare", "--rollout-correction", "tokn"], "--rollout-correction 'tokn': the level must be"),
+    (["train", "--algorithm", "vespo", "--rollout-correction", "token"], "vespo: .*takes no rollout_correction"),
+    (["compare", "--sampler-temperature", "-1"], "--sampler-temperature must be > 0"),
 ])
 def test_bad_arguments_fail_at_once_naming_the_argument(argv, message, tmp_path, capsys):
     start = time.time()

@@ -2,13 +2,14 @@
 
 import pytest
 
-from pgloss.lab.report import TAIL, cell, read_clipping, read_kept, run_values, summarize, tables, write_report
+from pgloss.lab.report import (TAIL, cell, mismatch_table, read_clipping, read_kept, run_values, summarize, tables,
+                                write_report)
 from pgloss.lab.spec import parse_spec
 
 STEPS = 8
 
 
-def run(label, seed, clip=0.05, ppo_kl=0.005, kept=1.0, length=lambda step: 5.0 + step):
+def run(label, seed, clip=0.05, ppo_kl=0.005, kept=1.0, length=lambda step: 5.0 + step, groups=4.0, extra=None):
     """Records of steps 0..STEPS; the last one measures the final policy and has no update diagnostics."""
     records = []
     for step in range(STEPS + 1):
@@ -22,7 +23,8 @@ def run(label, seed, clip=0.05, ppo_kl=0.005, kept=1.0, length=lambda step: 5.0 
             "clip_frac_low": 0.0 if update and clip is not None else None,
             "ppo_kl": ppo_kl if update else None, "grad_norm": float(step) if update else None,
             "grad_clipped": float(step >= 6) if update else None,
-            "eval_reward": {0: 0.4, STEPS: 0.5 + 0.1 * seed}.get(step),
+            "eval_reward": {0: 0.4, STEPS: 0.5 + 0.1 * seed}.get(step), "groups": groups if update else None,
+            **{k: (f(step) if update else None) for k, f in (extra or {}).items()},
         })
     return records
 
@@ -66,10 +68,27 @@ def test_clip_reading_follows_the_rules_unless_the_clip_means_something_else(lab
 
 
 def test_kept_fraction_is_reported_for_dynamic_sampling_only():
-    rows = summarize(run("grpo", 0) + run("dapo", 0, kept=0.25) + run("dapo", 1, kept=0.5))
-    lines = read_kept(rows)
+    rows = summarize(run("grpo", 0) + run("dapo", 0, kept=0.25, groups=1) + run("dapo", 1, kept=0.5, groups=2))
+    lines = read_kept(rows, {"prompts_per_step": 4})
     assert len(lines) == 1 and "**dapo** trained on 38% of the sampled responses" in lines[0]
-    assert "(per seed: 0.25, 0.50)" in lines[0]
+    assert "(per seed: 0.25, 0.50), a batch of 1.5 of 4 groups" in lines[0]
+    assert "did not refill it (--max-refill-rounds 0), so its updates saw fewer responses" in lines[0]
+    rows = summarize(run("dapo", 0, kept=0.5, groups=4))
+    line, = read_kept(rows, {"prompts_per_step": 4, "max_refill_rounds": 2})
+    assert "a batch of 4.0 of 4 groups" in line and "refilled it with up to 2 extra rounds" in line
+    assert "fewer responses" not in line
+
+
+def test_the_mismatch_table_shows_only_for_a_simulated_mismatch():
+    extra = {"rollout_kl": lambda s: 0.001 * s, "rollout_is_ess": lambda s: 0.9, "rollout_is_weight_mean": lambda s: 1.0}
+    rows = summarize(run("grpo", 0, extra=extra) + run("grpo", 1, extra=extra))
+    base = {"temperature": 1.0, "sampler_temperature": None, "sampler_noise": 0.0, "rollout_correction": "token:upper=2"}
+    assert mismatch_table(rows, base) == [] and mismatch_table(rows, {**base, "sampler_temperature": 1.0}) == []
+    text = "\n".join(mismatch_table(rows, {**base, "sampler_noise": 0.05, "sampler_temperature": 1.2}))
+    assert "(sampler temperature 1.2 (loss: 1), relative weight noise 0.05), rollout correction `token:upper=2`" in text
+    # rollout_kl: mean over the updates 0..STEPS-1 of 0.001 * step
+    assert f"| grpo | {sum(range(STEPS)) / STEPS * 0.001:.5f} (" in text and "| 0.9000 (0.9000, 0.9000) |" in text
+    assert "| 1.000 (–, –) |" in text
 
 
 def test_report_of_an_interrupted_comparison_lists_the_unfinished_runs(tmp_path):

@@ -25,7 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pgloss.lab.config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args
+from pgloss.lab.config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args, mismatched
 
 LAB_FILES = ("metrics.jsonl", "config.json", "samples.md", "report.md", "errors.log")
 
@@ -177,7 +177,7 @@ def prepare_out(path: str) -> Path:
         raise ValueError(f"--out {path}: cannot create the directory ({err.strerror})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"--out {path}: the directory is not writable")
-    for name in (*LAB_FILES, *(f"{n}.png" for n in plot_names())):
+    for name in (*LAB_FILES, *(f"{n}.png" for n in plot_names(mismatch=True))):
         (out / name).unlink(missing_ok=True)
     return out
 
@@ -220,8 +220,8 @@ def finish(out: Path, runs: list[dict], config: dict) -> Path:
 
     finished = [r for r in runs if r["status"] == "finished"]
     write_samples(out, {(r["algorithm"], r["seed"]): r["samples"] for r in finished})
-    plots = plot_all([m for r in finished for m in r["metrics"]], out, max_grad_norm=config["base"]["max_grad_norm"]) \
-        if finished else []
+    plots = plot_all([m for r in finished for m in r["metrics"]], out, max_grad_norm=config["base"]["max_grad_norm"],
+                     mismatch=mismatched(config["base"])) if finished else []
     failed = [r for r in runs if r["status"] == "failed"]
     if failed:
         (out / "errors.log").write_text("".join(f"== {r['algorithm']}, seed {r['seed']}\n{r['traceback']}\n"

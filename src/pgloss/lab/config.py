@@ -126,7 +126,13 @@ class LabConfig:
     @property
     def mismatched(self) -> bool:
         """True when the sampler differs from the policy (a simulated sampler mismatch)."""
-        return self.sampler_noise > 0 or self.sampler_temperature not in (None, self.temperature)
+        return mismatched(dataclasses.asdict(self))
+
+
+def mismatched(fields: dict) -> bool:
+    """Whether a config (``config.json``'s ``base``) simulates a sampler that differs from the policy."""
+    temperature = fields.get("sampler_temperature")
+    return fields.get("sampler_noise", 0.0) > 0 or temperature not in (None, fields.get("temperature"))
 
 
 def check_device(device: str) -> None:

@@ -25,14 +25,23 @@ PANELS = {
     "ppo_kl": ("ppo_kl: mean of log π_old - log π_θ over the update", "nats per token"),
     "grad_norm": ("gradient norm before clipping", "L2 norm"),
 }
+# drawn only when the run simulates a mismatched sampler (``--sampler-noise``, ``--sampler-temperature``)
+MISMATCH_PANELS = {
+    "rollout_kl": ("sampler mismatch: KL(π_rollout‖π_old) (k1)", "nats per token"),
+    "rollout_is_ess": ("rollout correction: effective sample size of its weight", "ESS / n"),
+}
 CLIP_PARTS = {"clip_frac": "-", "clip_frac_high": "--", "clip_frac_low": ":"}
 MARKERS = "osD^vP*Xh<>p"
 SMOOTH = 5
 
 
-def plot_names() -> list[str]:
+def plot_names(mismatch: bool = False) -> list[str]:
     """The stems of the PNG files `plot_all` writes."""
-    return ["curves", *PANELS]
+    return ["curves", *_panels(mismatch)]
+
+
+def _panels(mismatch: bool) -> dict[str, tuple[str, str]]:
+    return {**PANELS, **MISMATCH_PANELS} if mismatch else PANELS
 
 
 def _smooth(values: list, window: int) -> list[float]:
@@ -49,7 +58,7 @@ def curves(records: list[dict]) -> dict[str, dict[str, list[list]]]:
     """{metric: {algorithm: [per-seed list of values by step]}} for every metric drawn."""
     table: dict[str, dict[str, dict[int, list]]] = {}
     for r in sorted(records, key=lambda r: r["step"]):
-        for metric in dict.fromkeys((*PANELS, *CLIP_PARTS)):
+        for metric in dict.fromkeys((*PANELS, *MISMATCH_PANELS, *CLIP_PARTS)):
             table.setdefault(metric, {}).setdefault(r["algorithm"], {}).setdefault(r["seed"], []).append(r.get(metric))
     return {m: {a: list(seeds.values()) for a, seeds in algs.items()} for m, algs in table.items()}
 
@@ -67,9 +76,12 @@ def _band(seeds: list[list], smooth: int) -> tuple[list[int], list[float], list[
     return steps, mean, low, high
 
 
-def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm: float | None = None) -> list[Path]:
-    """Write one PNG per panel of ``PANELS`` and the overview grid ``curves.png``; returns the paths
-    (the grid first). `max_grad_norm` draws the gradient clipping threshold."""
+def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm: float | None = None,
+             mismatch: bool = False) -> list[Path]:
+    """Write one PNG per panel of ``PANELS`` (and ``MISMATCH_PANELS`` when `mismatch`) and the overview
+    grid ``curves.png``; returns the paths (the grid first). `max_grad_norm` draws the gradient
+    clipping threshold."""
+    panels = _panels(mismatch)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,13 +124,13 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
             ax.axhline(max_grad_norm, color="black", lw=0.8, ls="--", label=f"clipped above {max_grad_norm:g}")
         ax.legend(fontsize=7, ncol=2 if len(algorithms) > 6 else 1, loc="best")
         ax.set_xlabel("RL step")
-        ax.set_ylabel(PANELS[metric][1])
-        ax.set_title(PANELS[metric][0], fontsize=10)
+        ax.set_ylabel(panels[metric][1])
+        ax.set_title(panels[metric][0], fontsize=10)
         ax.grid(alpha=0.3)
 
     note = f"mean over seeds (shaded: min to max), trailing {smooth}-step moving average"
     paths = []
-    for metric in PANELS:
+    for metric in panels:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         draw(ax, metric)
         fig.text(0.99, 0.005, note, ha="right", va="bottom", fontsize=7, color="gray")
@@ -127,11 +139,11 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
-    rows = -(-len(PANELS) // 3)
+    rows = -(-len(panels) // 3)
     fig, axes = plt.subplots(rows, 3, figsize=(17, 4.6 * rows))
-    for ax, metric in zip(axes.flat, PANELS):
+    for ax, metric in zip(axes.flat, panels):
         draw(ax, metric)
-    for ax in list(axes.flat)[len(PANELS):]:
+    for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(note, fontsize=10)
     fig.subplots_adjust(left=0.05, right=0.985, bottom=0.05, top=0.94, wspace=0.22, hspace=0.32)

@@ -31,7 +31,10 @@ HIGH_CLIP, LOW_CLIP, HIGH_PPO_KL = 0.10, 0.01, 0.02
 NARROW_BAND = 0.01  # clip_low + clip_high below this: a band the article's thresholds were not made for
 
 ROLLOUT = ("reward", "accuracy", "length", "entropy", "kl_ref", "scratchpad", "reward_scratchpad", "reward_direct")
-UPDATE = ("clip_frac", "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "kept")
+UPDATE = ("clip_frac", "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "kept", "groups")
+# the sampler mismatch and its correction (a table only when the run simulates a mismatched sampler)
+MISMATCH = ("rollout_kl", "rollout_k3_kl", "rollout_is_weight_mean", "rollout_is_weight_min", "rollout_is_weight_max",
+            "rollout_is_ess", "rollout_is_bounded_frac", "rollout_rejected_frac")
 
 VERL_ARTICLE = "an article on the components of PG losses in verl's conventions"
 OPENR1_ARTICLE = '"OpenR1 in practice (6): sample-level vs token-level loss" (2025-06-04)'
@@ -51,7 +54,7 @@ def run_values(records: list[dict]) -> dict[str, float]:
     for key in ROLLOUT:
         values[f"{key}_start"] = _mean([run[0].get(key)])
         values[f"{key}_end"] = _mean(r.get(key) for r in run[-TAIL:])
-    for key in UPDATE:
+    for key in (*UPDATE, *MISMATCH):
         values[key] = _mean(r.get(key) for r in updates)
     values["eval_start"] = _mean([run[0].get("eval_reward")])
     values["eval_end"] = _mean([run[-1].get("eval_reward")])
@@ -160,17 +163,44 @@ def read_clipping(label: str, row: dict, algorithm=None) -> str:
             f"{_span(row, 'entropy')}.")
 
 
-def read_kept(rows: dict[str, dict]) -> list[str]:
-    """One line per algorithm that trained on part of its batches (DAPO's dynamic sampling)."""
-    lines = []
+def read_kept(rows: dict[str, dict], base: dict) -> list[str]:
+    """One line per algorithm that trained on part of what it sampled (DAPO's dynamic sampling)."""
+    lines, rounds, size = [], base.get("max_refill_rounds", 0), base["prompts_per_step"]
     for label, row in rows.items():
         kept = _mean(row["values"]["kept"])
         if kept < 1:
+            groups = _mean(row["values"]["groups"])
+            refill = (f"the lab refilled it with up to {rounds} extra rounds of fresh prompts per step" if rounds else
+                      "the lab did not refill it (--max-refill-rounds 0)")
             lines.append(f"- **{label}** trained on {kept:.0%} of the sampled responses on average "
-                         f"(per seed: {', '.join(_fmt(k, 2) for k in row['values']['kept'])}): dynamic sampling "
-                         "drops the groups whose rewards are all equal, and the lab does not sample more to refill "
-                         "the batch, so its updates see fewer responses than the others'.")
+                         f"(per seed: {', '.join(_fmt(k, 2) for k in row['values']['kept'])}), a batch of "
+                         f"{_fmt(groups, 1)} of {size} groups: dynamic sampling drops the groups whose rewards are all "
+                         f"equal and {refill}" + (", so its updates saw fewer responses than the others'." if groups < size
+                                                  else "."))
     return lines
+
+
+def mismatch_table(rows: dict[str, dict], base: dict) -> list[str]:
+    """The sampler mismatch and the rollout correction's weight, means over every update (empty
+    when the run does not simulate a mismatched sampler)."""
+    from pgloss.lab.config import mismatched
+
+    if not mismatched(base):
+        return []
+    sampler = ", ".join(filter(None, [f"sampler temperature {base['sampler_temperature']:g} (loss: {base['temperature']:g})"
+                                      if base.get("sampler_temperature") is not None else "",
+                                      f"relative weight noise {base['sampler_noise']:g}" if base["sampler_noise"] else ""]))
+    out = ["", f"Simulated sampler mismatch ({sampler}), rollout correction `{base.get('rollout_correction', 'default')}`; "
+               "means over every update:", "",
+           "| algorithm | rollout_kl (k1) | rollout_k3_kl | IS weight mean (min, max) | IS weight ESS "
+           "| bounded share | rejected share |", "|---|---|---|---|---|---|---|"]
+    for a, row in rows.items():
+        v = row["values"]
+        out.append(f"| {a} | {cell(v['rollout_kl'], 5)} | {cell(v['rollout_k3_kl'], 5)} "
+                   f"| {_fmt(_mean(v['rollout_is_weight_mean']), 3)} ({_fmt(_mean(v['rollout_is_weight_min']), 3)}, "
+                   f"{_fmt(_mean(v['rollout_is_weight_max']), 3)}) | {cell(v['rollout_is_ess'], 4)} "
+                   f"| {cell(v['rollout_is_bounded_frac'], 3)} | {cell(v['rollout_rejected_frac'], 3)} |")
+    return out
 
 
 def read_length(rows: dict[str, dict]) -> str:
@@ -249,7 +279,7 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path]) -
         "",
     ]
     if rows:
-        lines += [tables(rows), *read_kept(rows), ""]
+        lines += [tables(rows), *read_kept(rows, base), *mismatch_table(rows, base), ""]
     else:
         lines += ["No run finished.", ""]
     lines += ["## Curves", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
