@@ -23,7 +23,8 @@ Read top to bottom:
 PPO in the papers learns a critic and uses GAE; the lab has no critic and gives ``ppo`` and
 ``dual_clip_ppo`` the same group advantages as the GRPO family (one reward per response).
 DAPO's dynamic sampling drops the groups whose rewards are all equal and refills the batch with
-fresh prompts, up to ``max_refill_rounds`` extra rounds (``refill``); a response that is cut off at ``max_new_tokens`` gets reward 0 for every algorithm.
+fresh prompts, up to ``max_refill_rounds`` extra rounds (``refill``; none by default); a response
+that is cut off at ``max_new_tokens`` gets reward 0 for every algorithm.
 """
 
 from __future__ import annotations
@@ -326,7 +327,8 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
     `warm_state` is a warm-started policy's state dict (computed here when None); `on_step`
     is called after each step. Under torchrun every rank takes every world-size-th prompt.
     `on_rollout(step, problems, texts)`, if given, sees each step's sampled responses (this rank's
-    problems and the decoded texts, ``group_size`` per problem, before any dynamic sampling).
+    problems and the decoded texts, ``group_size`` per problem, before any dynamic sampling; DAPO's
+    refill rounds are not shown).
     """
     torch.set_num_threads(cfg.threads)
     rank, world = dist.rank(), dist.world_size()
