@@ -57,7 +57,7 @@ def test_cells_show_the_mean_then_each_seed():
     ("grpo", 0.05, 0.001, "moderate clip fraction", "reused"),
     ("gspo", 0.2, 0.001, "high by design, not a sign of batch reuse: the band is 0.0003/0.0004", "reused a lot"),
     ("cispo", 0.2, 0.001, "CISPO clips the importance weight", "reused"),
-    ("sapo", None, 0.001, "reports no clip fraction", "reused"),
+    ("sapo", None, 0.001, "no clip fraction was recorded", "reused"),
     ("sample_grpo", 0.2, 0.001, "a clipped response clips all its tokens", "by design"),
 ])
 def test_clip_reading_follows_the_rules_unless_the_clip_means_something_else(label, clip, ppo_kl, expected, absent):

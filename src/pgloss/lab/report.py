@@ -136,7 +136,8 @@ def read_clipping(label: str, row: dict, algorithm=None) -> str:
     low, high = getattr(algorithm, "clip_low", None), getattr(algorithm, "clip_high", None)
     family = type(algorithm).__name__
     if math.isnan(clip):
-        verdict = "the loss reports no clip fraction (no hard clip: SAPO gates the ratio softly), so the rules do not apply"
+        verdict = ("no clip fraction was recorded (the loss has no hard clip, e.g. SAPO's soft gate, or no update "
+                   "was made), so the rules do not apply")
     elif family == "CISPO":
         verdict = ("CISPO clips the importance weight, not the gradient: a clipped token still trains with the capped "
                    "weight, so the rules for PPO's clip do not apply")
