@@ -122,6 +122,22 @@ def test_unhonourable_options_are_refused_by_name(tmp_path, option, value):
         PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm="dapo")
 
 
+@pytest.mark.parametrize(("option", "value", "algorithm"), [
+    ("epsilon", 0.3, "dapo"), ("epsilon_high", 0.4, "dapo"), ("loss_type", "bnpo", "dapo"),
+    ("importance_sampling_level", "sequence", "grpo"), ("sapo_temperature_neg", 2.0, "sapo"),
+])
+def test_trl_loss_options_that_disagree_with_the_algorithm_are_refused(tmp_path, option, value, algorithm):
+    config = trl_tiny.config(str(tmp_path / "out"), **{option: value})
+    with pytest.raises(ValueError, match=rf"{option}={value!r} \(the loss is {algorithm}'s"):
+        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm=algorithm)
+
+
+def test_trl_loss_options_that_agree_with_the_algorithm_pass():
+    config = trl_tiny.config("unused", epsilon_high=0.28, loss_type="dapo")
+    with pytest.raises(OSError):  # past the checks: the model path does not exist
+        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm="dapo")
+
+
 def test_bad_arguments():
     config = trl_tiny.config("unused")
     with pytest.raises(TypeError, match="algorithm must be"):

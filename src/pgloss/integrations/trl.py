@@ -43,6 +43,7 @@ from torch import Tensor
 import pgloss
 from pgloss.aggregate import Normalizer
 from pgloss.algorithms import Algorithm, LossOutput
+from pgloss.rollout import RolloutCorrection
 
 __all__ = ["SUPPORTED", "PGLossGRPOTrainer", "PGLossMixin"]
 
@@ -94,6 +95,27 @@ def _refusals(args: Any) -> list[str]:
     return refused
 
 
+# TRL's loss options and the algorithm field each one would set; the adapter reads the algorithm's.
+_LOSS_OPTIONS = (("loss_type", "name"), ("epsilon", "clip_low"), ("epsilon_high", "clip_high"), ("delta", "delta"),
+                 ("importance_sampling_level", "ratio_level"), ("sapo_temperature_pos", "tau_pos"),
+                 ("sapo_temperature_neg", "tau_neg"))
+
+
+def _conflicting_loss_options(args: Any, algorithm: Algorithm) -> list[str]:
+    """TRL loss options the caller set (away from GRPOConfig's default) to a value the algorithm
+    does not have: refused rather than silently ignored, since the loss is the algorithm's."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    conflicts = []
+    for option, field in _LOSS_OPTIONS:
+        value = getattr(args, option)
+        if value == defaults[option] or not hasattr(algorithm, field) or getattr(algorithm, field) == value:
+            continue
+        conflicts.append(f"{option}={value!r} (the loss is {algorithm.name}'s, with {field}="
+                         f"{getattr(algorithm, field)!r}: set it on the algorithm, e.g. "
+                         f"pgloss.get({algorithm.name!r}, {field}=...), and leave {option} at its default)")
+    return conflicts
+
+
 class PGLossMixin:
     """Replaces GRPOTrainer's loss by a pgloss `Algorithm`; put it before the trainer class in the bases.
 
@@ -105,7 +127,8 @@ class PGLossMixin:
         chunk_size: tokens per chunk of the fused path (None: pgloss's default).
 
     TRL's own loss options (`loss_type`, `epsilon`, `epsilon_high`, `delta`,
-    `importance_sampling_level`, `sapo_temperature_*`) are not read: the algorithm's fields are.
+    `importance_sampling_level`, `sapo_temperature_*`) are not read: the algorithm's fields are. One
+    set away from its default to a value the algorithm does not have is refused by name.
     """
 
     def __init__(self, *args: Any, algorithm: str | Algorithm = "dapo", fused: bool = False,
@@ -119,14 +142,18 @@ class PGLossMixin:
             raise TypeError(f"algorithm must be a name or a pgloss.Algorithm, got {type(algorithm).__name__}")
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
-        refused = _refusals(config)
+        refused = _refusals(config) + _conflicting_loss_options(config, algorithm)
         if refused:
             raise ValueError("PGLossGRPOTrainer cannot honour: " + "; ".join(refused))
         config = copy.copy(config)  # the caller's config stays as it was
         config.beta = algorithm.kl_coef  # TRL builds the reference model and its log-probs iff beta != 0
         if config.use_vllm and config.vllm_importance_sampling_correction:
             cap = config.vllm_importance_sampling_clip_max
-            algorithm = dataclasses.replace(algorithm, rollout_is_cap=float("inf") if cap is None else float(cap))
+            if cap is not None:
+                algorithm = dataclasses.replace(algorithm, rollout_is_cap=float(cap))
+            elif algorithm.rollout_correction is None and not algorithm.consumes_rollout_log_prob:
+                # untruncated weights (a cap must be finite; no bound is RolloutCorrection(upper=None))
+                algorithm = dataclasses.replace(algorithm, rollout_correction=RolloutCorrection(upper=None))
         if algorithm.kl_coef != 0 and config.use_bias_correction_kl:
             _log.warning("%s: the KL term is pgloss's %s estimate (kl_coef=%s). TRL's use_bias_correction_kl=True "
                          "(its default) would multiply k3 by the importance ratio: a different KL gradient, which "
