@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .checks import check_values
+from .checks import check_values, is_integer
 
 AGG_MODES = (
     "token-mean",
@@ -118,7 +118,7 @@ class Normalizer:
             if len(id_list) != len(mask_list):
                 raise ValueError(f"group_ids has {len(id_list)} tensors but masks has {len(mask_list)}")
             for k, (ids, length) in enumerate(zip(id_list, lengths)):
-                if not isinstance(ids, Tensor) or ids.shape != length.shape or not _is_integer(ids):
+                if not isinstance(ids, Tensor) or ids.shape != length.shape or not is_integer(ids):
                     raise ValueError(f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "
                                      f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
                 if ids.numel() and bool((ids < 0).any()):
@@ -137,10 +137,6 @@ class Normalizer:
                 dist.all_reduce(group_tokens, group=process_group)
         world_size = dist.get_world_size(process_group) if distributed else 1
         return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size)
-
-
-def _is_integer(ids: Tensor) -> bool:
-    return not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
 
 
 def row_weights(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .checks import check_finite, check_values
+from .checks import check_finite, check_values, is_integer
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -123,7 +123,7 @@ class TokenBatch:
 
         if group_ids is not None:
             group_ids = check_tensor("group_ids", group_ids, ndim=(1,), floating=False)
-            if group_ids.shape[0] != shape[0] or group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
+            if group_ids.shape[0] != shape[0] or not is_integer(group_ids):
                 raise ValueError(f"group_ids must be an integer tensor of shape [{shape[0]}], got "
                                  f"{group_ids.dtype} {tuple(group_ids.shape)}")
 

@@ -52,6 +52,11 @@ def anomaly_enabled() -> bool:
     return _ANOMALY.get()
 
 
+def is_integer(tensor: Tensor) -> bool:
+    """True for an integer dtype (ids, token ids); bool, floating and complex are not integers."""
+    return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
+
+
 def check_values(tensor: Tensor, bad: Callable[[], Tensor], message: Callable[[Tensor], str]) -> None:
     """Raise ValueError(message(first bad index)) when `bad()` (a bool tensor shaped like the values)
     has a True element. Runs for CPU tensors always; for accelerator tensors (a host sync) only

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .batch import compute_dtype
-from .checks import check_number, check_values
+from .checks import check_number, check_values, is_integer
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -67,7 +67,7 @@ def check_targets(targets: Tensor, shape: torch.Size, vocab_size: int, valid: Te
     (everywhere when None). The range check is a value check (`pgloss.checks.check_values`)."""
     if not isinstance(targets, Tensor):
         raise TypeError(f"targets must be a Tensor, got {type(targets).__name__}")
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+    if not is_integer(targets):
         raise TypeError(f"targets must hold integer token ids, got dtype {targets.dtype}")
     if targets.shape != shape:
         raise ValueError(f"targets must have shape {tuple(shape)}, got {tuple(targets.shape)}")

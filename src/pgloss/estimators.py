@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .batch import check_mask, check_tensor
+from .checks import is_integer
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def _scores(scores: object, name: str = "scores") -> Tensor:
 
 def _group_index(group_ids: object, n: int) -> tuple[Tensor, int]:
     ids = check_tensor("group_ids", group_ids, ndim=(1,), floating=False)
-    if ids.shape[0] != n or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if ids.shape[0] != n or not is_integer(ids):
         raise ValueError(f"group_ids must be integers of shape [{n}], got {ids.dtype} {tuple(ids.shape)}")
     _, index = torch.unique(ids, return_inverse=True)
     return index, (int(index.max()) + 1 if n else 0)
