@@ -49,7 +49,7 @@ def covariance(lp, adv, mask):
 
 
 def clip_cov(lp, old, adv, mask, *, clip_low, clip_high, ratio, lb, ub, draw):
-    """verl's Clip-Cov; `draw(n)` returns a permutation of range(n) (the random step, injected)."""
+    """verl's Clip-Cov; `draw(cells)` returns the candidate cells in a random order (the random step, injected)."""
     cov = covariance(lp, adv, mask)
     n_valid = len(cov)
     candidates = []
@@ -65,7 +65,7 @@ def clip_cov(lp, old, adv, mask, *, clip_low, clip_high, ratio, lb, ub, draw):
             if not l2 > l1 and lb < cov[i, t] < ub:
                 candidates.append((i, t))  # row-major order
     k = max(int(ratio * n_valid), 1)
-    picked = {candidates[j] for j in draw(len(candidates))[:k]} if candidates else set()
+    picked = set(draw(candidates)[:k])
     return [[0.0 if (i, t) in picked or not mask[i][t] else base[i, t] for t in range(len(lp[i]))]
             for i in range(len(lp))], picked
 

@@ -23,14 +23,20 @@ def ratio(lp, old):
     return torch.exp(lp - old)
 
 
+def key_order(shape, seed):
+    """The draw of a seeded generator: candidate cells ordered by their U[0, 1) key (ties row-major)."""
+    keys = torch.rand(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).tolist()
+    return lambda cells: sorted(cells, key=lambda c: keys[c[0]][c[1]])
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_clip_cov_matches_loop_with_the_same_draw(seed):
     data, lp, old, adv, mask = inputs(seed)
     cov_ratio, lb, ub = 0.1, 0.05, 5.0
     loss, picked, by_clip = clip_cov_loss(ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=cov_ratio, cov_lb=lb,
                                           cov_ub=ub, generator=torch.Generator().manual_seed(seed))
-    draw = lambda n: torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    expected, expected_picked = loops.clip_cov(*loops.lists(data), **CLIP, ratio=cov_ratio, lb=lb, ub=ub, draw=draw)
+    expected, expected_picked = loops.clip_cov(*loops.lists(data), **CLIP, ratio=cov_ratio, lb=lb, ub=ub,
+                                               draw=key_order(mask.shape, seed))
     torch.testing.assert_close(torch.where(mask, loss, 0.0), torch.tensor(expected, dtype=torch.float64),
                                rtol=1e-12, atol=1e-14)
     assert {tuple(ix) for ix in picked.nonzero().tolist()} == expected_picked
@@ -46,7 +52,7 @@ def test_clip_cov_generator_makes_a_step_reproducible_and_none_uses_the_global_o
     assert torch.equal(first, again)
     draws = {tuple(run(torch.Generator().manual_seed(s)).nonzero().flatten().tolist()) for s in range(8)}
     assert len(draws) > 1  # the draw is random across seeds
-    torch.manual_seed(7)  # verl's draw: torch.randperm on the global generator
+    torch.manual_seed(7)  # None: the global generator of the tensors' device
     assert torch.equal(run(None), first)
 
 

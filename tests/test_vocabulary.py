@@ -34,7 +34,8 @@ def reference_loss(alg, data):
         return agg(lv.gmpo(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high))
     if name == "clip_cov":
         seed = alg.generator.initial_seed()
-        draw = lambda n: torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        keys = torch.rand(data["mask"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        draw = lambda cells: sorted(cells, key=lambda c: float(keys[c]))  # the candidates of smallest key
         return agg(lv.clip_cov(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
                                ratio=alg.clip_cov_ratio, lb=alg.clip_cov_lb, ub=alg.clip_cov_ub, draw=draw)[0])
     if name == "kl_cov":

@@ -34,8 +34,8 @@ def masked_extremes(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         nan = values.new_full((), torch.nan)
         return nan, nan
     first = mask.reshape(-1).view(torch.uint8).argmax()  # 0 when nothing is valid
-    width = mask.shape[-1]
-    low, high = torch.aminmax(torch.where(mask, values, values[first // width, first % width]))
+    # torch.take with a 0-d index tensor stays on the device: indexing by it would read it on the host.
+    low, high = torch.aminmax(torch.where(mask, values, torch.take(values, first)))
     none = ~mask.any()
     return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
 

@@ -20,8 +20,11 @@ penalty on the log-ratio δ = log r, the other tokens the unclipped surrogate:
 
 Defaults (verl `PolicyLossConfig`): clip_cov_ratio 2e-4, clip_cov_lb 1, clip_cov_ub 5,
 kl_cov_ratio 2e-4, κ = ppo_kl_coef 0.1 (the code's fallback 1.0 applies only without a config).
-verl's Clip-Cov draws with `torch.randperm` from the global generator; here the draw takes an
-explicit `torch.Generator`, so a step can be replayed exactly (None: the global generator, as verl).
+verl's Clip-Cov draws with `torch.randperm(n_candidates)` from the global generator, which needs
+the candidate count on the host (a sync). Here the draw is as uniform, without the host: one key
+u ~ U[0, 1) per position (float64, from an explicit `torch.Generator`, so a step can be replayed
+exactly; None: the global generator of the tensors' device), and the k candidates of smallest key
+are picked. k stays a tensor, so the call runs on `meta` tensors and under `torch.compile`.
 
 The selection is a function of the tokens of one call: the means, N and the draw couple every
 token of the batch it is given. Split a step into micro-batches and each selects among its own
@@ -51,28 +54,40 @@ def token_covariance(log_prob: Tensor, advantages: Tensor, mask: Tensor) -> Tens
     return (advantages - mean_a) * (lp - mean_lp)
 
 
-def selection_size(ratio: float, mask: Tensor) -> int:
-    """k = max(⌊ratio · N_valid⌋, 1), as verl (one host sync: the selection needs a count)."""
-    return max(int(ratio * int(mask.sum())), 1)
+def selection_size(ratio: float, mask: Tensor) -> Tensor:
+    """k = max(⌊ratio · N_valid⌋, 1), as verl, as a 0-d int64 tensor (no host sync)."""
+    return (ratio * mask.sum(dtype=torch.float64)).floor().clamp(min=1).long()
 
 
-def clip_cov_selection(candidates: Tensor, *, count: int, generator: torch.Generator | None = None) -> Tensor:
-    """The bool `[B, T]` map of `count` candidates drawn uniformly without replacement (all if fewer).
+def first_ranked(keys: Tensor, count: Tensor, *, descending: bool) -> Tensor:
+    """Bool map (the shape of `keys`) of the `count` positions first in the order of `keys`, ties
+    in row-major order; `count` a 0-d tensor, so no host sync."""
+    flat = keys.reshape(-1)
+    order = flat.argsort(descending=descending, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
+    return (rank < count).view(keys.shape)
 
-    The candidates are ordered row-major and permuted with `torch.randperm` (on the CPU), as verl
-    does: with the same generator state the same tokens are drawn.
+
+def draw_keys(shape: torch.Size, device: torch.device, generator: torch.Generator | None = None) -> Tensor:
+    """U[0, 1) keys, float64, one per position: from `generator` on its own device (then moved,
+    without waiting), or from the global generator of `device`."""
+    if generator is None:
+        return torch.rand(shape, dtype=torch.float64, device=device)
+    keys = torch.rand(shape, dtype=torch.float64, device=generator.device, generator=generator)
+    return keys.to(device, non_blocking=True)
+
+
+def clip_cov_selection(candidates: Tensor, *, count: Tensor | int, generator: torch.Generator | None = None) -> Tensor:
+    """The bool `[B, T]` map of `count` candidates drawn uniformly without replacement (all if fewer):
+    the candidates of smallest key (`draw_keys`). With the same generator state, the same tokens.
 
     Args:
         candidates: bool `[B, T]`: valid, not clipped by PPO, and lb < cov < ub.
         count: k = `selection_size(clip_cov_ratio, mask)`.
-        generator: the draw's CPU `torch.Generator`; None uses the global one.
+        generator: the draw's `torch.Generator`; None uses the global one of the tensors' device.
     """
-    picked = torch.zeros_like(candidates)
-    index = candidates.reshape(-1).nonzero().squeeze(-1)
-    if index.numel() == 0:
-        return picked
-    order = torch.randperm(index.numel(), generator=generator, device="cpu").to(index.device)
-    return picked.reshape(-1).index_fill(0, index[order[:count]], True).view_as(candidates)
+    keys = torch.where(candidates, draw_keys(candidates.shape, candidates.device, generator), 2.0)
+    return candidates & first_ranked(keys, torch.as_tensor(count, device=candidates.device), descending=False)
 
 
 def clip_cov_loss(
@@ -134,11 +149,7 @@ def kl_cov_loss(
     """
     surrogate = -advantages * ratio
     cov = torch.where(mask, token_covariance(log_prob, advantages, mask), -torch.inf)
-    top = torch.zeros_like(mask)
-    valid = int(mask.sum())
-    if valid:
-        k = min(selection_size(cov_ratio, mask), valid)
-        top = top.reshape(-1).index_fill(0, cov.reshape(-1).topk(k).indices, True).view_as(mask)
+    top = mask & first_ranked(cov, selection_size(cov_ratio, mask), descending=True)
     return torch.where(top, surrogate + kl_coef * token_log_ratio.abs(), surrogate), top
 
 
@@ -161,7 +172,7 @@ class ClipCov(Algorithm):
     clip_cov_ub: float = 5.0
     """Candidates have cov < clip_cov_ub (verl `clip_cov_ub`)."""
     generator: torch.Generator | None = field(default=None, compare=False)
-    """The CPU generator of the random draw; None: torch's global generator, as verl."""
+    """The generator of the random draw (`draw_keys`); None: torch's global generator of the tensors' device."""
 
     couples_rows = True
 

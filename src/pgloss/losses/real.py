@@ -46,19 +46,17 @@ def real_group_loss(seq_log_ratio: Tensor, seq_advantages: Tensor, valid_rows: T
         group_ids: integer `[B]`.
         tau: τ > 0.
     """
-    _, group = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(group.max()) + 1 if group.numel() else 0
+    # Row i's group as a [B, B] membership map, so the groups need not be counted on the host.
+    members = group_ids[:, None] == group_ids[None, :]
     scaled = seq_log_ratio / tau
     positive = valid_rows & (seq_advantages > 0)
     negative = valid_rows & (seq_advantages <= 0)
-    members = group[None, :] == torch.arange(n_groups, device=group.device)[:, None]  # [G, B]
     neg_in = torch.where(members & negative, scaled, -torch.inf)
     pos_in = torch.where(members & positive, -scaled, -torch.inf)
-    zero = scaled.new_zeros(n_groups, 1)
+    zero = scaled.new_zeros(scaled.shape[0], 1)
     loss = torch.logsumexp(torch.cat([neg_in, zero], 1), 1) + torch.logsumexp(torch.cat([pos_in, zero], 1), 1)
     both = (members & positive).any(1) & (members & negative).any(1)
-    loss = torch.where(both, loss, 0.0)
-    return torch.where(valid_rows, loss[group], 0.0)
+    return torch.where(valid_rows & both, loss, 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
