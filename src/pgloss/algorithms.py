@@ -14,6 +14,7 @@ from typing import Any
 
 from .base import Algorithm, LossOutput, PolicyTerms
 from .checks import check_number
+from .vocabulary import field_hint
 from .losses.ce_gppo import CEGPPO
 from .losses.cispo import CISPO
 from .losses.cov import ClipCov, KLCov
@@ -80,7 +81,8 @@ def _valid_fields(family: type[Algorithm]) -> set[str]:
 def _check_hyperparameters(name: str, family: type[Algorithm], values: dict[str, Any]) -> None:
     unknown = sorted(set(values) - _valid_fields(family))
     if unknown:
-        raise TypeError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; "
+        hints = "".join(field_hint(key) for key in unknown)
+        raise TypeError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}{hints}; "
                         f"valid: {', '.join(sorted(_valid_fields(family)))}")
 
 

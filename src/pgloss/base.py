@@ -28,6 +28,7 @@ from .checks import check_fields
 from .kl_variants import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 from .metrics import masked_mean
 from .rollout import RolloutCorrection
+from .vocabulary import value_hint
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class Algorithm:
                 f"loss_agg_mode 'seq-mean-token-sum-norm' requires norm_constant > 0 (the generation budget, "
                 f"e.g. max_new_tokens), got {self.norm_constant!r}",
             )
-        _check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}")
+        _check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
+                                                + value_hint("kl_estimator", self.kl_estimator))
         _check(self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
                f"kl_correction must be None or one of {KL_CORRECTIONS}, got {self.kl_correction!r}")
         _check(not (self.kl_estimator == FULL and self.kl_correction is not None),
