@@ -1,5 +1,7 @@
 """A trainer's name for a pgloss hyperparameter or value gets an error naming pgloss's (`pgloss.vocabulary`)."""
 
+import re
+
 import pytest
 
 import pgloss
@@ -18,7 +20,7 @@ def test_a_trainers_hyperparameter_name_is_answered_with_ours(given, ours):
 
 @pytest.mark.parametrize("given, ours", [("low_var_kl", "k3"), ("kl", "k1"), ("mse", "k2"), ("low_var_kl+", "k3+")])
 def test_verls_kl_names_are_answered_with_ours(given, ours):
-    with pytest.raises(ValueError, match=rf"did you mean '{ours}'\?"):
+    with pytest.raises(ValueError, match=re.escape(f"did you mean '{ours}'?")):
         pgloss.get("grpo", kl_estimator=given)
     pgloss.get("grpo", kl_estimator=ours)
 
