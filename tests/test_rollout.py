@@ -20,8 +20,11 @@ def mismatched(seed=0, spread=0.4):
 
 
 def apply(correction, data, **kwargs):
+    """The correction of `data` as one call sees it; without `weight_mean`, `data` is the whole step."""
     mask = data["mask"]
     zero = lambda x: torch.where(mask, x, 0.0)  # noqa: E731  (as TokenBatch.prepare hands them over)
+    if correction.batch_normalize and "weight_mean" not in kwargs:
+        kwargs["weight_mean"] = correction.step_weight_mean(mask, data["old_log_prob"], data["rollout_log_prob"])
     return correction.apply(log_prob=zero(data["log_prob"]), old_log_prob=zero(data["old_log_prob"]),
                             rollout_log_prob=zero(data["rollout_log_prob"]), mask=mask,
                             seq_advantages=data["advantages"], **kwargs)
@@ -244,7 +247,7 @@ def test_empty_batches_give_nan_metrics_and_no_error(shape):
     mask = torch.ones(shape, dtype=torch.bool)
     corr = RolloutCorrection(weight_level="sequence_geometric", batch_normalize=True, off_policy_mask=0.1,
                              rejection=(Rejection("seq_max_k3", 0.1), Rejection("seq_sum_k1", 2.0)))
-    out = corr.apply(log_prob=zeros, old_log_prob=zeros, rollout_log_prob=zeros, mask=mask,
-                     seq_advantages=torch.zeros(shape[0], dtype=torch.float64))
+    out = apply(corr, dict(log_prob=zeros, old_log_prob=zeros, rollout_log_prob=zeros, mask=mask,
+                           advantages=torch.zeros(shape[0], dtype=torch.float64)))
     assert out.weight.shape == shape and out.mask.shape == shape
     assert torch.isnan(out.metrics["rollout_is_weight_mean"]) and torch.isnan(out.metrics["rollout_kl"])

@@ -164,7 +164,7 @@ def test_micro_batches_with_the_corrected_normalizer_match_one_call(corr, mode):
 def test_batch_normalize_without_the_step_mean_is_refused():
     d = data()
     alg = pgloss.get("dapo", rollout_correction=RolloutCorrection(batch_normalize=True))
-    with pytest.raises(ValueError, match="RolloutCorrection.normalizer"):
+    with pytest.raises(ValueError, match="algorithm.step_normalizer"):
         call(alg, d, normalizer=pgloss.Normalizer.count(d["mask"]))
 
 

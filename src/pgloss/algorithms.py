@@ -13,6 +13,8 @@ import dataclasses
 from typing import Any
 
 from .base import Algorithm, LossOutput, PolicyTerms
+from .checks import check_number
+from .vocabulary import field_hint
 from .losses.ce_gppo import CEGPPO
 from .losses.cispo import CISPO
 from .losses.cov import ClipCov, KLCov
@@ -79,7 +81,8 @@ def _valid_fields(family: type[Algorithm]) -> set[str]:
 def _check_hyperparameters(name: str, family: type[Algorithm], values: dict[str, Any]) -> None:
     unknown = sorted(set(values) - _valid_fields(family))
     if unknown:
-        raise TypeError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; "
+        hints = "".join(field_hint(key) for key in unknown)
+        raise TypeError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}{hints}; "
                         f"valid: {', '.join(sorted(_valid_fields(family)))}")
 
 
@@ -124,14 +127,38 @@ def families() -> dict[str, list[str]]:
     return out
 
 
-def get(name: str, **hyperparameters: Any) -> Algorithm:
-    """The algorithm `name` with its defaults, overridden by `hyperparameters`.
-
-    Raises ValueError for an unknown name (listing the valid ones), TypeError for an unknown
-    hyperparameter (naming it and listing the valid ones), ValueError for an impossible value.
-    """
+def _resolved(name: str, hyperparameters: dict[str, Any]) -> tuple[type[Algorithm], dict[str, Any]]:
     if name not in NAMED:
         raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(NAMED)}")
     family, defaults = NAMED[name]
     _check_hyperparameters(name, family, hyperparameters)
-    return family(name=name, **{**defaults, **hyperparameters})
+    return family, {**defaults, **hyperparameters}
+
+
+def divides_by_budget(name: str, **hyperparameters: Any) -> bool:
+    """True when `name` with `hyperparameters` divides by a fixed generation budget (loss_agg_mode
+    `seq-mean-token-sum-norm`, Dr.GRPO) and no `norm_constant` is set: `get` then needs
+    `generation_budget=` (or `norm_constant=`)."""
+    family, values = _resolved(name, hyperparameters)
+    mode = values.get("loss_agg_mode", {f.name: f.default for f in dataclasses.fields(family)}["loss_agg_mode"])
+    return mode == "seq-mean-token-sum-norm" and values.get("norm_constant") is None
+
+
+def get(name: str, *, generation_budget: float | None = None, **hyperparameters: Any) -> Algorithm:
+    """The algorithm `name` with its defaults, overridden by `hyperparameters`.
+
+    `generation_budget`: the trainer's response budget (max new tokens). It becomes `norm_constant`
+    where the loss divides by a fixed budget (`divides_by_budget`: Dr.GRPO's
+    `seq-mean-token-sum-norm`) and no `norm_constant` is given; every other algorithm ignores it.
+    Trainers and the lab pass their budget here, so no path decides by name which loss needs one.
+
+    Raises ValueError for an unknown name (listing the valid ones), TypeError for an unknown
+    hyperparameter (naming it and listing the valid ones), ValueError for an impossible value.
+    """
+    family, values = _resolved(name, hyperparameters)
+    if generation_budget is not None and divides_by_budget(name, **hyperparameters):
+        budget = check_number("generation_budget", generation_budget)
+        if not budget > 0:
+            raise ValueError(f"generation_budget must be > 0 (max new tokens), got {generation_budget!r}")
+        values["norm_constant"] = float(budget)
+    return family(name=name, **values)

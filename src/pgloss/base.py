@@ -14,10 +14,12 @@ and implements `policy_terms`; `algorithms.py` names the families' configuration
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
@@ -26,6 +28,7 @@ from .checks import check_fields
 from .kl_variants import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 from .metrics import masked_mean
 from .rollout import RolloutCorrection
+from .vocabulary import value_hint
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,19 @@ def _seq_advantages(batch: TokenBatch) -> Tensor:
     if batch.seq_advantages is not None:
         return batch.seq_advantages
     return (batch.advantages * batch.mask).sum(dim=-1) / batch.mask.sum(dim=-1).clamp(min=1)
+
+
+_WHY = {
+    "ref_log_prob": lambda a: f"kl_coef={a.kl_coef} with kl_estimator={a.kl_estimator!r}",
+    "full_kl": lambda a: f"kl_coef={a.kl_coef} with kl_estimator='full': pgloss.full_kl_from_logits or "
+                         "full_kl_from_hidden, [B, T]",
+    "entropy": lambda a: f"entropy_coef={a.entropy_coef}",
+    "rollout_log_prob": lambda a: "its rollout_correction weighs or rejects on the inference engine's log-probs",
+    "group_ids": lambda a: ("[B], " + ("loss_agg_mode='group-mean-token-mean'" if a.loss_agg_mode == "group-mean-token-mean"
+                                       else "its loss contrasts the rows of a group")),
+    "scores": lambda a: "[B], the raw sequence rewards its loss weighs by",
+}
+"""Why an input in `Algorithm.needs` is needed, for the error of a call without it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +138,8 @@ class Algorithm:
                 f"loss_agg_mode 'seq-mean-token-sum-norm' requires norm_constant > 0 (the generation budget, "
                 f"e.g. max_new_tokens), got {self.norm_constant!r}",
             )
-        _check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}")
+        _check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
+                                                + value_hint("kl_estimator", self.kl_estimator))
         _check(self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
                f"kl_correction must be None or one of {KL_CORRECTIONS}, got {self.kl_correction!r}")
         _check(not (self.kl_estimator == FULL and self.kl_correction is not None),
@@ -159,6 +176,60 @@ class Algorithm:
         """True when the KL term is the exact full-vocabulary KL, passed as `full_kl`."""
         return self.kl_coef != 0 and self.kl_estimator == FULL
 
+    @property
+    def needs(self) -> frozenset[str]:
+        """The optional call inputs this configured algorithm cannot do without, read by every path
+        (the plain call's checks, `from_hidden`, the adapters, the lab): any of "ref_log_prob",
+        "full_kl", "entropy", "rollout_log_prob", "group_ids", "scores". The family declares its own
+        in `required_inputs`; the rest follow from the fields (kl_coef, kl_estimator, entropy_coef,
+        loss_agg_mode, rollout_correction)."""
+        needed = set(self.required_inputs)
+        if self.uses_full_kl:
+            needed.add("full_kl")
+        elif self.uses_reference:
+            needed.add("ref_log_prob")
+        if self.entropy_coef != 0:
+            needed.add("entropy")
+        if self.loss_agg_mode == "group-mean-token-mean":
+            needed.add("group_ids")
+        if self.rollout_correction is not None and self.rollout_correction.needs_rollout:
+            needed.add("rollout_log_prob")
+        return frozenset(needed)
+
+    def step_normalizer(
+        self,
+        masks: Tensor | Sequence[Tensor],
+        *,
+        old_log_probs: Tensor | Sequence[Tensor] | None = None,
+        rollout_log_probs: Tensor | Sequence[Tensor] | None = None,
+        group_ids: Tensor | Sequence[Tensor] | None = None,
+        count_rejected: bool = False,
+        process_group: "dist.ProcessGroup | None" = None,
+        reduce: bool = True,
+    ) -> Normalizer:
+        """The counts of one optimizer step, for this algorithm: the one rule every path uses.
+
+        Count it once per step over every micro-batch of the step (one tensor per micro-batch in each
+        argument) and pass it to each micro-batch's call; a call without a `normalizer` counts itself
+        with this rule. With rollout log-probs and a correction (`correction`), the counts leave out the
+        tokens its KL-based rejection drops before the step (or keep them, `count_rejected=True`, as
+        AReaL) and carry the step's mean weight for `batch_normalize`
+        (`RolloutCorrection.normalizer`); otherwise `Normalizer.count` of the masks. Group ids are
+        counted when the algorithm needs them (`needs`). A collective under torch.distributed, like
+        `Normalizer.count`: every rank calls it at every step, even with empty micro-batches.
+        """
+        groups = group_ids if "group_ids" in self.needs else None
+        correction = self.correction(rollout_log_probs is not None)
+        if correction is not None and rollout_log_probs is not None:
+            if old_log_probs is None:
+                raise ValueError(f"{self.name}'s rollout correction counts the step on the old and rollout log-probs: "
+                                 "pass old_log_probs beside rollout_log_probs")
+            return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups,
+                                         count_rejected=count_rejected, process_group=process_group, reduce=reduce)
+        if correction is not None and correction.needs_rollout:
+            raise ValueError(f"{self.name} has a rollout correction that needs rollout_log_probs to count the step")
+        return Normalizer.count(masks, group_ids=groups, process_group=process_group, reduce=reduce)
+
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         """The per-token policy term ℓ_{i,t} (zero at masked positions is not required) and its metrics."""
         raise NotImplementedError
@@ -190,28 +261,26 @@ class Algorithm:
         """
         if normalizer is not None and not isinstance(normalizer, Normalizer):
             raise TypeError(f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}")
-        if self.uses_full_kl and full_kl is None:
-            raise ValueError(f"{self.name} has kl_estimator='full' and kl_coef={self.kl_coef} and needs full_kl=[B, T] "
-                             f"(pgloss.full_kl_from_logits or full_kl_from_hidden)")
-        if self.uses_reference and not self.uses_full_kl and ref_log_prob is None:
-            raise ValueError(f"{self.name} has kl_coef={self.kl_coef} and needs ref_log_prob")
-        given = {"group_ids": group_ids, "scores": scores}
-        for needed in self.required_inputs:
-            if given.get(needed) is None:
-                raise ValueError(f"{self.name} needs {needed}=[B] in the call")
-        if self.entropy_coef != 0 and entropy is None:
-            raise ValueError(f"{self.name} has entropy_coef={self.entropy_coef} and needs entropy")
+        given = dict(ref_log_prob=ref_log_prob, full_kl=full_kl, entropy=entropy, rollout_log_prob=rollout_log_prob,
+                     group_ids=group_ids, scores=scores)
+        for needed in sorted(self.needs):
+            if given[needed] is None:
+                raise ValueError(f"{self.name} needs {needed} in the call ({_WHY[needed](self)})")
         batch = TokenBatch.prepare(
             log_prob, old_log_prob, advantages, mask,
             ref_log_prob=ref_log_prob, entropy=entropy, rollout_log_prob=rollout_log_prob, group_ids=group_ids,
             scores=scores, full_kl=full_kl,
         )
+        if normalizer is None:  # this batch is the whole step: counted once, by the step's own rule
+            normalizer = self.step_normalizer(batch.mask, old_log_probs=batch.old_log_prob,
+                                              rollout_log_probs=batch.rollout_log_prob, group_ids=batch.group_ids,
+                                              reduce=False)
         corrected, correction = None, self.correction(batch.rollout_log_prob is not None)
         if correction is not None:
             corrected = correction.apply(
                 log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
                 mask=batch.mask, seq_advantages=_seq_advantages(batch),
-                weight_mean=getattr(normalizer, "weight_mean", None), whole_step=normalizer is None)
+                weight_mean=getattr(normalizer, "weight_mean", None))
             batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
         mask = batch.mask
         terms = self.policy_terms(batch)
@@ -222,10 +291,6 @@ class Algorithm:
             if corrected.weight is not None:
                 per_token = per_token * corrected.weight
         per_token = torch.where(mask, per_token, 0.0)
-        if normalizer is None:  # this batch is the whole step: count it once for every term
-            counted = mask if corrected is None else corrected.count_mask
-            normalizer = Normalizer.count(counted, group_ids=batch.group_ids, reduce=False)
-
         rows = row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
                            group_ids=batch.group_ids)
 

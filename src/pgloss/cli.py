@@ -28,11 +28,10 @@ def _defaults(algorithm: algorithms.Algorithm, skip: tuple[str, ...] = ()) -> st
 
 def _row(name: str) -> tuple[str, str]:
     """(loss_agg_mode, defaults) of a name; a value the caller must give (Dr.GRPO's divisor) is marked."""
-    try:
+    if not algorithms.divides_by_budget(name):
         return (algorithm := algorithms.get(name)).loss_agg_mode, _defaults(algorithm)
-    except ValueError:  # no made-up default: the placeholder is not shown
-        algorithm = algorithms.get(name, norm_constant=1.0)
-        return algorithm.loss_agg_mode + " (norm_constant required)", _defaults(algorithm, skip=("norm_constant",))
+    algorithm = algorithms.get(name, generation_budget=1.0)  # the placeholder budget is not shown
+    return algorithm.loss_agg_mode + " (norm_constant required)", _defaults(algorithm, skip=("norm_constant",))
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -76,7 +75,7 @@ def cmd_losses(args: argparse.Namespace) -> int:
           f"{int(data['mask'].sum())} valid tokens")
     print(f"{'algorithm':<14}" + "".join(f"{k:>12}" for k in keys) + "   grad_norm")
     for name in algorithms.names():
-        algorithm = algorithms.get(name, **({"norm_constant": args.length} if name == "dr_grpo" else {}))
+        algorithm = algorithms.get(name, generation_budget=args.length)
         log_prob = data["log_prob"].clone().requires_grad_(True)
         out = algorithm(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
                         ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], group_ids=data["group_ids"],

@@ -355,13 +355,9 @@ def loss_from_hidden(
         return algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
 
     step = normalizer
-    correction = algorithm.correction(rollout_log_prob is not None)
-    if step is None and correction is not None and rollout_log_prob is not None:
-        # the correction's counts (after the rejections known before the step) and weight mean, once
-        step = correction.normalizer(valid, batch["old_log_prob"], batch["rollout_log_prob"], group_ids=group_ids,
-                                     reduce=False)
-    if step is None:  # this batch is the whole step: count it once for every chunk
-        step = Normalizer.count(valid, group_ids=group_ids, reduce=False)
+    if step is None:  # this batch is the whole step: counted once for every chunk, by the algorithm's rule
+        step = algorithm.step_normalizer(valid, old_log_probs=batch["old_log_prob"],
+                                         rollout_log_probs=batch["rollout_log_prob"], group_ids=group_ids, reduce=False)
     with torch.no_grad():
         log_prob, entropy, grad_hidden, grad_weight = _loss_one_pass(
             algorithm, hidden, weight, safe_targets, temperature, chunk_size // length, step, batch

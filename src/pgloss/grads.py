@@ -74,8 +74,8 @@ def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float
         advantages = (advantages * mask).sum(dim=1) / lengths.clamp(min=1)
     table = {}
     for name in algorithms:
-        extra = {"norm_constant": float(norm_constant or mask.shape[1])} if name == "dr_grpo" else {}
-        algorithm = pgloss.get(name, kl_coef=0.0, **extra)  # the policy term; inspect separates KL anyway
+        # the policy term (inspect separates KL anyway); a fixed divisor is the padded width unless given
+        algorithm = pgloss.get(name, kl_coef=0.0, generation_budget=float(norm_constant or mask.shape[1]))
         result = inspect(algorithm, batch["log_prob"], batch["old_log_prob"], batch["advantages"], mask)
         grad = result.policy_grad * n
         closed = None if result.closed_form is None else result.closed_form * n

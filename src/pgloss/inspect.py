@@ -105,17 +105,19 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
     policy_grad = token_gradients(policy_only, log_prob, old_log_prob, advantages, mask, **extra)
     batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask,
                                rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores)
-    tis, counted = None, batch.mask
+    if normalizer is None:  # the batch is the whole step, counted by the algorithm's own rule
+        normalizer = algorithm.step_normalizer(batch.mask, old_log_probs=batch.old_log_prob,
+                                               rollout_log_probs=batch.rollout_log_prob, group_ids=batch.group_ids,
+                                               reduce=False)
+    tis = None
     correction = algorithm.correction(batch.rollout_log_prob is not None)
     if correction is not None:  # the call's own rollout correction: its weight, mask and old log-probs
         corrected = correction.apply(
             log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
             mask=batch.mask, seq_advantages=_seq_advantages(batch),
-            weight_mean=getattr(normalizer, "weight_mean", None), whole_step=normalizer is None)
+            weight_mean=getattr(normalizer, "weight_mean", None))
         batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
-        tis, counted = corrected.weight, corrected.count_mask
-    if normalizer is None:
-        normalizer = Normalizer.count(counted, group_ids=batch.group_ids, reduce=False)
+        tis = corrected.weight
     weight = token_weights(batch.mask, algorithm.loss_agg_mode, normalizer, norm_constant=algorithm.norm_constant,
                            group_ids=batch.group_ids).to(batch.log_prob.dtype) * normalizer.world_size
     factor, reason = _factor(algorithm, batch, tis)

@@ -130,13 +130,11 @@ class Rejection:
 @dataclass(frozen=True)
 class Corrected:
     """What a correction hands to the loss: the old log-probs the loss's ratio uses, the detached
-    weight `[B, T]` (None: no weight), the effective mask, the mask a call without a `Normalizer`
-    counts (the input mask after the rejections known before the step), and detached 0-d metrics."""
+    weight `[B, T]` (None: no weight), the effective mask, and detached 0-d metrics."""
 
     old_log_prob: Tensor
     weight: Tensor | None
     mask: Tensor
-    count_mask: Tensor
     metrics: dict[str, Tensor]
 
 
@@ -323,19 +321,18 @@ class RolloutCorrection:
         mask: Tensor,
         seq_advantages: Tensor | None = None,
         weight_mean: Tensor | None = None,
-        whole_step: bool = True,
     ) -> Corrected:
         """Correct one (micro-)batch. Inputs `[B, T]` already checked and zeroed at masked positions
         (`TokenBatch.prepare`); `seq_advantages` `[B]` (needed by the off-policy mask).
-        `weight_mean`: from `step_weight_mean`; without it, this call must be the whole step
-        (`whole_step`)."""
+        `weight_mean`: the step's mean weight (`step_weight_mean`, carried by the step's normalizer),
+        required by `batch_normalize`."""
         if rollout_log_prob is None and self.needs_rollout:
             raise ValueError("this rollout correction needs rollout_log_prob (the inference engine's log-probs)")
         if weight_mean is not None and not self.batch_normalize:
             raise ValueError("weight_mean was given but batch_normalize is False")
-        if self.batch_normalize and weight_mean is None and not whole_step:
+        if self.batch_normalize and weight_mean is None:
             raise ValueError("batch_normalize needs the step's mean weight: count the step with "
-                             "RolloutCorrection.normalizer(...) and pass that normalizer")
+                             "algorithm.step_normalizer(...) and pass that normalizer")
         rollout = None if rollout_log_prob is None else rollout_log_prob.detach()
         old = rollout if self.bypass else old_log_prob.detach()
         train = log_prob.detach() if self.bypass else old
@@ -349,7 +346,6 @@ class RolloutCorrection:
                 effective = effective & rule.keep(log_rho, mask)
             if self.rejection:
                 metrics["rollout_rejected_frac"] = masked_fraction(~effective, mask, count)
-        count_mask = mask if self.bypass else effective
         if self.off_policy_mask is not None:
             if seq_advantages is None:
                 raise ValueError("off_policy_mask needs advantages")
@@ -362,11 +358,10 @@ class RolloutCorrection:
             weight, out = self._bound(self._raw_weight(train, rollout, mask))
             metrics["rollout_is_bounded_frac"] = masked_fraction(out, effective)
             if self.batch_normalize:
-                mean = self.step_weight_mean(mask, train, rollout, reduce=False) if weight_mean is None else weight_mean
-                weight = weight / mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
+                weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
             metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
-        return Corrected(old_log_prob=old, weight=weight, mask=effective, count_mask=count_mask, metrics=metrics)
+        return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics)
 
 
 def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:

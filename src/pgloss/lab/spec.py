@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SUM_NORM = "seq-mean-token-sum-norm"
+
 
 
 @dataclass(frozen=True)
@@ -47,19 +47,16 @@ class Spec:
 
         kwargs = dict(self.args)
         if self.name in NAMED:
-            family, defaults = NAMED[self.name]
+            family = NAMED[self.name][0]
             fields = {f.name: f for f in dataclasses.fields(family)}
             for key, value in kwargs.items():
                 if key in fields:
                     kind = fields[key].type
                     _check_type(self.label, key, value, kind if isinstance(kind, str) else kind.__name__)
-            mode = kwargs.get("loss_agg_mode", defaults.get("loss_agg_mode", fields["loss_agg_mode"].default))
-            if mode == SUM_NORM and kwargs.get("norm_constant") is None:
-                kwargs["norm_constant"] = float(max_new_tokens)
         if rollout_correction is not None:
             kwargs["rollout_correction"] = rollout_correction
         try:
-            algorithm = pgloss.get(self.name, **kwargs)
+            algorithm = pgloss.get(self.name, generation_budget=float(max_new_tokens), **kwargs)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{self.label}: {err}") from None
         if algorithm.uses_full_kl:  # it needs the reference's logits at every position, which the lab does not keep

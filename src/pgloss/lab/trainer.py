@@ -238,9 +238,8 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     steps and a call always holds whole groups (which losses that couple a group's rows need).
     ``grad_clipped`` is the share of optimizer steps whose gradient norm exceeded ``max_grad_norm``.
     """
-    use_groups = algorithm.loss_agg_mode == "group-mean-token-mean" or "group_ids" in algorithm.required_inputs
-    use_scores = "scores" in algorithm.required_inputs
-    correction = algorithm.rollout_correction
+    use_groups = "group_ids" in algorithm.needs
+    use_scores = "scores" in algorithm.needs
     values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
 
     def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
@@ -252,11 +251,10 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
             micros = [batch.select(torch.isin(batch.rollout.group_ids, part).nonzero().squeeze(1))
                       for part in chunk.tensor_split(cfg.micro_batches)]
             group_ids = [m.rollout.group_ids for m in micros] if use_groups else None
-            if correction is not None and batch.rollout_log_prob is not None:  # counted after its rejections
-                normalizer = correction.normalizer([m.rollout.mask for m in micros], [m.old_log_prob for m in micros],
-                                                   [m.rollout_log_prob for m in micros], group_ids=group_ids)
-            else:
-                normalizer = pgloss.Normalizer.count([m.rollout.mask for m in micros], group_ids=group_ids)
+            normalizer = algorithm.step_normalizer(
+                [m.rollout.mask for m in micros], old_log_probs=[m.old_log_prob for m in micros],
+                rollout_log_probs=None if batch.rollout_log_prob is None else [m.rollout_log_prob for m in micros],
+                group_ids=group_ids)
             if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
                 continue
             optimizer.zero_grad(set_to_none=True)

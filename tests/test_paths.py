@@ -1,0 +1,125 @@
+"""One answer on every path: the gradient of one optimizer step is the same through one plain call,
+micro-batches counted by `algorithm.step_normalizer`, `from_hidden` (whole and in micro-batches) and
+`pgloss.inspect`, for every name and each kind of rollout correction. (The TRL adapter, the verl
+adapter and the lab's update are held to the same reference in their own test files.)"""
+
+import pytest
+import torch
+
+import pgloss
+from pgloss.inspect import inspect
+from pgloss.rollout import Rejection, RolloutCorrection
+
+CORRECTIONS = {
+    "none": None,
+    "token TIS": RolloutCorrection(upper=1.2),
+    "k3 rejection": RolloutCorrection(rejection=(Rejection("token_k3", upper=0.02),)),
+    "batch-normalised": RolloutCorrection(upper=1.5, batch_normalize=True),
+    "off-policy mask": RolloutCorrection(weight_level=None, off_policy_mask=0.05),
+}
+PARTS = [slice(0, 2), slice(2, 4), slice(4, 8)]  # uneven micro-batches holding whole groups
+ROWS, WIDTH, HIDDEN, VOCAB = 8, 6, 5, 11
+
+
+def cases():
+    return list(_cases())
+
+
+def _cases():
+    for name in pgloss.names():
+        for kind, correction in CORRECTIONS.items():
+            if correction is not None and pgloss.get(name, generation_budget=WIDTH).consumes_rollout_log_prob:
+                continue  # VESPO weighs by the rollout log-probs itself and takes no correction
+            yield pytest.param(name, kind, id=f"{name}-{kind}")
+
+
+def build(name, kind):
+    return pgloss.get(name, generation_budget=WIDTH, rollout_correction=CORRECTIONS[kind])
+
+
+def data(seed=0):
+    """A float64 step from hidden states: every log-prob is a real model's, uneven lengths, one empty row."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(ROWS, WIDTH, HIDDEN, generator=g, dtype=torch.float64)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, VOCAB, (ROWS, WIDTH), generator=g)
+    lengths = torch.randint(1, WIDTH + 1, (ROWS,), generator=g)
+    lengths[3] = 0
+    mask = torch.arange(WIDTH)[None, :] < lengths[:, None]
+    log_prob = log_probs(hidden, weight, targets)
+    noise = lambda scale: scale * torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64)  # noqa: E731
+    old = (log_prob + noise(0.1)).detach().clamp(max=-1e-3)
+    inputs = dict(old_log_prob=old, advantages=torch.randn(ROWS, generator=g, dtype=torch.float64), mask=mask,
+                  ref_log_prob=(old + noise(0.2)).clamp(max=-1e-3), rollout_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
+                  group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g, dtype=torch.float64))
+    return hidden, weight, targets, inputs
+
+
+def log_probs(hidden, weight, targets):
+    return torch.log_softmax(hidden @ weight.T, dim=-1).gather(-1, targets[..., None])[..., 0]
+
+
+def entropy(hidden, weight):
+    logp = torch.log_softmax(hidden @ weight.T, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def call(algorithm, log_prob, inputs, part=slice(None), normalizer=None, **extra):
+    torch.manual_seed(0)  # Clip-Cov and KL-Cov draw from the global generator
+    return algorithm(log_prob, **{k: v[part] for k, v in inputs.items()}, normalizer=normalizer, **extra)
+
+
+def step(algorithm, inputs):
+    return algorithm.step_normalizer([inputs["mask"][p] for p in PARTS],
+                                     old_log_probs=[inputs["old_log_prob"][p] for p in PARTS],
+                                     rollout_log_probs=[inputs["rollout_log_prob"][p] for p in PARTS],
+                                     group_ids=[inputs["group_ids"][p] for p in PARTS])
+
+
+def splits(algorithm):
+    """Micro-batches give the step's loss unless the loss couples a call's rows across groups."""
+    return not algorithm.couples_rows
+
+
+@pytest.mark.parametrize("name, kind", cases())
+def test_log_prob_paths_agree(name, kind):
+    algorithm = build(name, kind)
+    hidden, weight, targets, inputs = data()
+    log_prob = log_probs(hidden, weight, targets).detach().requires_grad_(True)
+    (reference,) = torch.autograd.grad(call(algorithm, log_prob, inputs).loss, log_prob)
+    assert reference.abs().sum() > 0, "a step with no gradient would make every comparison vacuous"
+
+    torch.manual_seed(0)
+    inspected = inspect(algorithm, log_prob.detach(), **inputs)
+    torch.testing.assert_close(inspected.grad, reference, rtol=1e-10, atol=1e-13)
+
+    if splits(algorithm):
+        normalizer = step(algorithm, inputs)
+        total = sum(call(algorithm, log_prob[p], inputs, p, normalizer).loss for p in PARTS)
+        (split,) = torch.autograd.grad(total, log_prob)
+        torch.testing.assert_close(split, reference, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("name, kind", cases())
+def test_hidden_state_paths_agree(name, kind):
+    algorithm = build(name, kind)
+    hidden, weight, targets, inputs = data(seed=1)
+    hidden.requires_grad_(True), weight.requires_grad_(True)
+    plain = call(algorithm, log_probs(hidden, weight, targets), inputs,
+                 entropy=entropy(hidden, weight) if "entropy" in algorithm.needs else None).loss
+    reference = torch.autograd.grad(plain, (hidden, weight))
+
+    torch.manual_seed(0)
+    fused = algorithm.from_hidden(hidden, weight, targets, **inputs).loss
+    for got, want in zip(torch.autograd.grad(fused, (hidden, weight)), reference):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+    if splits(algorithm):
+        normalizer = step(algorithm, inputs)
+        total = 0
+        for p in PARTS:
+            torch.manual_seed(0)
+            total = total + algorithm.from_hidden(hidden[p], weight, targets[p], normalizer=normalizer,
+                                                  **{k: v[p] for k, v in inputs.items()}).loss
+        for got, want in zip(torch.autograd.grad(total, (hidden, weight)), reference):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
