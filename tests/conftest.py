@@ -7,6 +7,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def log_probs(values):
+    """`values` folded onto log-probabilities, -|x| (<= 0): a perturbed log-prob stays one, since
+    pgloss refuses a positive log-prob at a valid position."""
+    return -values.abs()
+
+
 def make_batch(batch=5, length=7, *, seed=0, spread=0.3, dtype=torch.float64, per_token_adv=False):
     """Uneven lengths (one row empty when batch >= 5), ratios around one, mixed-sign advantages."""
     gen = torch.Generator().manual_seed(seed)
@@ -15,8 +21,8 @@ def make_batch(batch=5, length=7, *, seed=0, spread=0.3, dtype=torch.float64, pe
         lengths[3] = 0
     mask = torch.arange(length)[None, :] < lengths[:, None]
     old = -torch.rand(batch, length, generator=gen, dtype=dtype) * 2 - 0.1
-    log_prob = old + spread * torch.randn(batch, length, generator=gen, dtype=dtype)
-    ref = old + 0.2 * torch.randn(batch, length, generator=gen, dtype=dtype)
+    log_prob = log_probs(old + spread * torch.randn(batch, length, generator=gen, dtype=dtype))
+    ref = log_probs(old + 0.2 * torch.randn(batch, length, generator=gen, dtype=dtype))
     shape = (batch, length) if per_token_adv else (batch,)
     advantages = torch.randn(shape, generator=gen, dtype=dtype)
     entropy = torch.rand(batch, length, generator=gen, dtype=dtype)

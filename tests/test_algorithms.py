@@ -7,7 +7,7 @@ import torch
 
 import loops
 import pgloss
-from conftest import algorithm, make_batch
+from conftest import algorithm, log_probs, make_batch
 
 # The families whose loops live in tests/loops.py (LUSPO and FIPO subclass the clipped family);
 # the other names are checked against tests/loops_vocabulary.py in test_vocabulary.py.
@@ -96,8 +96,8 @@ def test_fipo_defaults_are_the_32b_run():
 
 def test_dual_clip_bounds_negative_advantage_loss_at_c():
     # A = -1 and r = e^2 ≈ 7.39: PPO's loss is 7.39, dual clip caps it at c = 3, gradient zero.
-    lp = torch.tensor([[2.0]], dtype=torch.float64, requires_grad=True)
-    args = (torch.zeros(1, 1, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))
+    lp = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
+    args = (torch.full((1, 1), -2.0, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))
     ppo = pgloss.get("ppo")(lp, *args)
     assert ppo.loss.item() == pytest.approx(math.exp(2.0))
     out = pgloss.get("dual_clip_ppo")(lp, *args)
@@ -126,8 +126,8 @@ def test_dr_grpo_with_divisor_equal_to_token_count_is_token_mean():
 
 def test_sample_grpo_uses_the_whole_sequence_ratio():
     # Seed 003: ρ_i = exp(Σ_t log π_θ - Σ_t log π_old), not the length-normalised GSPO ratio.
-    lp = torch.tensor([[0.05, 0.05, 0.05, 0.0]], dtype=torch.float64)
-    old = torch.zeros_like(lp)
+    old = torch.full((1, 4), -1.0, dtype=torch.float64)
+    lp = old + torch.tensor([[0.05, 0.05, 0.05, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True, True, False]])
     adv = torch.tensor([-1.0], dtype=torch.float64)
     out = pgloss.get("sample_grpo")(lp, old, adv, mask)
@@ -180,7 +180,7 @@ def test_metrics_are_detached_masked_and_split():
 
 def test_truncated_importance_sampling_weight():
     data = make_batch(seed=8)
-    rollout = data["old_log_prob"] + 0.8 * torch.randn_like(data["old_log_prob"])
+    rollout = log_probs(data["old_log_prob"] + 0.8 * torch.randn_like(data["old_log_prob"]))
     plain = call(pgloss.get("grpo", kl_coef=0.0), data)
     tis = call(pgloss.get("grpo", kl_coef=0.0, rollout_is_cap=2.0), data, rollout_log_prob=rollout)
     w = torch.exp(data["old_log_prob"] - rollout).clamp(max=2.0)

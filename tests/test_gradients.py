@@ -49,8 +49,8 @@ def test_ratio_one_gives_the_reinforce_gradient(name):
 
 
 def test_ppo_gradient_is_exactly_zero_in_clipped_zones_and_cispo_is_not():
-    lp = torch.tensor([[0.5, -0.5, 0.5, -0.5, 0.05]], dtype=torch.float64)
-    old = torch.zeros_like(lp)
+    old = torch.full((1, 5), -1.0, dtype=torch.float64)
+    lp = old + torch.tensor([[0.5, -0.5, 0.5, -0.5, 0.05]], dtype=torch.float64)
     adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0]], dtype=torch.float64)
     mask = torch.ones_like(lp, dtype=torch.bool)
     # r = e^{0.5} > 1.2 with A > 0 and r = e^{-0.5} < 0.8 with A < 0: clipped. The rest: not.
@@ -61,7 +61,7 @@ def test_ppo_gradient_is_exactly_zero_in_clipped_zones_and_cispo_is_not():
         grads[name] = x.grad[0]
     assert grads["ppo"][0].item() == 0.0 and grads["ppo"][1].item() == 0.0
     assert grads["ppo"][2].item() != 0.0 and grads["ppo"][3].item() != 0.0
-    r = torch.exp(lp[0])
+    r = torch.exp(lp[0] - old[0])
     # PPO unclipped: ∂(-A r)/∂log π = -A r, divided by 5 tokens.
     torch.testing.assert_close(grads["ppo"][2:], (-adv[0] * r)[2:] / 5)
     # CISPO: -sg[clip(r, 0.8, 1.2)]·A/5 everywhere, clipped zones included.
@@ -143,8 +143,8 @@ def test_kl_term_gradient_is_k3_derivative():
 def test_token_gradient_is_zero_beyond_the_log_ratio_clamp():
     """Â < 0 with no dual clip leaves r unbounded above, so only the ±max_log_ratio clamp stops the
     gradient there; inside it the gradient is -Â·r/N (the closed-form backward of token ratios)."""
-    lp = torch.tensor([[25.0, 19.0, -25.0, -19.0]], dtype=torch.float64, requires_grad=True)
-    old = torch.zeros_like(lp)
+    old = torch.full((1, 4), -25.0, dtype=torch.float64)
+    lp = (old + torch.tensor([[25.0, 19.0, -25.0, -19.0]], dtype=torch.float64)).requires_grad_(True)
     adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
     out = pgloss.get("ppo", loss_agg_mode="token-mean", clip_low=0.2, clip_high=0.2)(lp, old, adv, torch.ones_like(lp, dtype=torch.bool))
     out.loss.backward()

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import algorithm, make_batch
+from conftest import algorithm, log_probs, make_batch
 
 import pgloss
 from pgloss.inspect import clip_factor, inspect, token_gradients
@@ -135,8 +135,8 @@ def test_aggregation_weights():
 
 
 def test_clipped_tokens_get_exactly_zero_and_cispo_does_not():
-    lp = torch.tensor([[math.log(2.0), 0.0, math.log(0.5)]], dtype=torch.float64)
-    old = torch.zeros_like(lp)
+    old = torch.full((1, 3), -1.0, dtype=torch.float64)
+    lp = old + torch.tensor([[math.log(2.0), 0.0, math.log(0.5)]], dtype=torch.float64)
     mask = torch.ones_like(lp, dtype=torch.bool)
     pos, neg = torch.tensor([1.0], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64)
     ppo = inspect(algorithm("ppo"), lp, old, pos, mask)
@@ -144,8 +144,8 @@ def test_clipped_tokens_get_exactly_zero_and_cispo_does_not():
     assert ppo.grad[0, 1] == pytest.approx(-1 / 3) and ppo.grad[0, 2] == pytest.approx(-0.5 / 3)
     low = inspect(algorithm("ppo"), lp, old, neg, mask)
     assert low.grad[0, 2] == 0 and low.grad[0, 0] == pytest.approx(2 / 3)  # A < 0, r = 0.5 < 0.8 clipped
-    dual = inspect(algorithm("dual_clip_ppo"), torch.tensor([[math.log(5.0)]], dtype=torch.float64),
-                   torch.zeros(1, 1, dtype=torch.float64), neg, torch.ones(1, 1, dtype=torch.bool))
+    dual = inspect(algorithm("dual_clip_ppo"), torch.zeros(1, 1, dtype=torch.float64),
+                   torch.full((1, 1), -math.log(5.0), dtype=torch.float64), neg, torch.ones(1, 1, dtype=torch.bool))
     assert dual.grad[0, 0] == 0 and dual.factor[0, 0] == 0  # r = 5 > c = 3: the dual clip holds the loss
     cispo = inspect(algorithm("cispo"), lp, old, pos, mask)
     torch.testing.assert_close(cispo.grad, torch.tensor([[-2.0, -1.0, -0.5]], dtype=torch.float64) / 3)
@@ -180,8 +180,8 @@ def test_normalizer_and_rollout_correction():
     """A micro-batch's gradient with the step's Normalizer, and truncated importance sampling."""
     batch = make_batch(6, 8, seed=7)
     normalizer = pgloss.Normalizer.count([batch["mask"], batch["mask"][:2]])
-    rollout = batch["old_log_prob"] + 0.5 * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64,
-                                                        generator=torch.Generator().manual_seed(0))
+    rollout = log_probs(batch["old_log_prob"] + 0.5 * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64,
+                                                                  generator=torch.Generator().manual_seed(0)))
     for name in ("bnpo", "gspo", "gspo_token", "sample_grpo", "sapo"):
         result = inspect(algorithm(name), batch["log_prob"], batch["old_log_prob"], batch["advantages"],
                          batch["mask"], normalizer=normalizer, rollout_log_prob=rollout)
@@ -197,8 +197,8 @@ def test_closed_form_follows_a_configured_rollout_correction(correction):
     """The closed form takes the call's own correction: its weight, its rejections and, in bypass
     mode, its old log-probs."""
     batch = make_batch(6, 8, seed=9)
-    rollout = batch["old_log_prob"] + 0.3 * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64,
-                                                        generator=torch.Generator().manual_seed(1))
+    rollout = log_probs(batch["old_log_prob"] + 0.3 * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64,
+                                                                  generator=torch.Generator().manual_seed(1)))
     for name in ("dapo", "gspo", "cispo"):
         alg = algorithm(name, rollout_correction=pgloss.RolloutCorrection(**correction))
         result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"],

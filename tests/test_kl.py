@@ -77,8 +77,8 @@ def test_adaptive_controller_follows_ziegler():
 
 
 def test_algorithm_max_kl_moves_the_k3_clamp():
-    lp = torch.zeros(1, 1, dtype=torch.float64)
-    ref = torch.full((1, 1), 3.5, dtype=torch.float64)  # k3 = e^{3.5} - 3.5 - 1 ≈ 28.6
+    lp = torch.full((1, 1), -3.5, dtype=torch.float64)
+    ref = torch.zeros(1, 1, dtype=torch.float64)  # k3 = e^{3.5} - 3.5 - 1 ≈ 28.6
     args = (lp, lp, torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))
     clamped = pgloss.get("grpo")(*args, ref_log_prob=ref).metrics["kl"].item()
     free = pgloss.get("grpo", max_kl=100.0)(*args, ref_log_prob=ref).metrics["kl"].item()

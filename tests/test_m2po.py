@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import loops_part2 as loops
-from conftest import make_batch
+from conftest import log_probs, make_batch
 from pgloss.m2po import m2po_cutoff, m2po_mask
 
 PARTS = [slice(0, 2), slice(2, 5), slice(5, 9)]
@@ -14,7 +14,7 @@ PARTS = [slice(0, 2), slice(2, 5), slice(5, 9)]
 def data(seed=41):
     d = make_batch(batch=9, length=8, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    d["behave"] = d["old_log_prob"] + 0.3 * torch.randn(d["mask"].shape, generator=gen, dtype=torch.float64)
+    d["behave"] = log_probs(d["old_log_prob"] + 0.3 * torch.randn(d["mask"].shape, generator=gen, dtype=torch.float64))
     return d
 
 

@@ -46,7 +46,11 @@ def test_nan_and_inf_at_masked_positions_change_nothing(name):
 @pytest.mark.parametrize("magnitude", [1e4, -1e4])
 def test_huge_log_ratios_stay_finite(name, magnitude):
     data = make_batch(seed=42, per_token_adv=True)
-    log_prob = (data["old_log_prob"] + magnitude * torch.sign(torch.randn_like(data["old_log_prob"]))).requires_grad_(True)
+    # log π_θ - log π_old = ±magnitude, every log-prob <= 0: the larger one is the base value
+    shift = magnitude * torch.sign(torch.randn_like(data["old_log_prob"]))
+    base = data["old_log_prob"]
+    log_prob = (base - shift.clamp(max=0).abs()).requires_grad_(True)
+    data["old_log_prob"] = base - shift.clamp(min=0)
     out = call(algorithm(name, kl_coef=0.1), data, log_prob)
     out.loss.backward()
     assert torch.isfinite(out.loss)

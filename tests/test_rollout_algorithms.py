@@ -12,7 +12,7 @@ import torch
 import loops
 import loops_part2 as lp2
 import pgloss
-from conftest import make_batch
+from conftest import log_probs, make_batch
 from pgloss.rollout import Rejection, RolloutCorrection
 
 F64 = torch.float64
@@ -21,7 +21,7 @@ F64 = torch.float64
 def data(seed=0, spread=0.3, per_token_adv=False):
     d = make_batch(batch=9, length=7, seed=seed, per_token_adv=per_token_adv)
     gen = torch.Generator().manual_seed(seed + 50)
-    d["rollout_log_prob"] = d["old_log_prob"] + spread * torch.randn(d["mask"].shape, generator=gen, dtype=F64)
+    d["rollout_log_prob"] = log_probs(d["old_log_prob"] + spread * torch.randn(d["mask"].shape, generator=gen, dtype=F64))
     return d
 
 
@@ -188,8 +188,8 @@ def test_fused_path_matches_materialised_logits(corr, chunk_rows):
     mask = torch.arange(T)[None, :] < torch.tensor([5, 3, 0, 4, 5, 2])[:, None]
     with torch.no_grad():
         lp_all = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[..., None])[..., 0]
-    old = lp_all + 0.1 * torch.randn(B, T, generator=gen, dtype=F64)
-    rollout = old + 0.3 * torch.randn(B, T, generator=gen, dtype=F64)
+    old = log_probs(lp_all + 0.1 * torch.randn(B, T, generator=gen, dtype=F64))
+    rollout = log_probs(old + 0.3 * torch.randn(B, T, generator=gen, dtype=F64))
     adv = torch.randn(B, generator=gen, dtype=F64)
     alg = pgloss.get("dapo", rollout_correction=corr)
     kw = dict(old_log_prob=old, advantages=adv, mask=mask, rollout_log_prob=rollout)

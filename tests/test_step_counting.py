@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import pgloss
+from conftest import log_probs
 from pgloss.rollout import Rejection, RolloutCorrection
 
 
@@ -12,8 +13,9 @@ def batch(seed=0, rows=8, width=12):
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(rows, width, generator=g) < 0.8
     old = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 2
-    return dict(log_prob=old + 0.1 * torch.randn(rows, width, generator=g, dtype=torch.float64),
-                old_log_prob=old, rollout_log_prob=old + 0.3 * torch.randn(rows, width, generator=g, dtype=torch.float64),
+    return dict(log_prob=log_probs(old + 0.1 * torch.randn(rows, width, generator=g, dtype=torch.float64)),
+                old_log_prob=old,
+                rollout_log_prob=log_probs(old + 0.3 * torch.randn(rows, width, generator=g, dtype=torch.float64)),
                 advantages=torch.randn(rows, generator=g, dtype=torch.float64), mask=mask)
 
 

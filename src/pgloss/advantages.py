@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .batch import check_mask, check_tensor
+from .batch import check_device, check_mask, check_tensor
+from .checks import check_number, is_integer
 
 
 def gae(
@@ -20,7 +21,7 @@ def gae(
     verl's `compute_gae_advantage_return`, and they get A = 0. Past the last token V = 0.
     Inputs `[B, T]`; returns (advantages, returns), `[B, T]`, detached.
     """
-    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+    if not (0.0 <= check_number("gamma", gamma) <= 1.0 and 0.0 <= check_number("lam", lam) <= 1.0):
         raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
     rewards = check_tensor("rewards", rewards, ndim=(2,))
     values = check_tensor("values", values, ndim=(2,))
@@ -29,7 +30,8 @@ def gae(
             f"rewards, values and mask must share one [B, T] shape, got {tuple(rewards.shape)}, "
             f"{tuple(values.shape)}, {tuple(mask.shape)}"
         )
-    valid = check_mask(mask, rewards.shape, rewards.device)
+    check_device("values", values, rewards.device, "rewards")
+    valid = check_mask(mask, rewards.shape, rewards.device, "rewards")
     # Values at masked positions (NaN and inf included) never enter the recursion.
     rewards = torch.where(valid, rewards.detach(), 0.0)
     values = torch.where(valid, values.detach(), 0.0)
@@ -46,11 +48,15 @@ def gae(
     return advantages, torch.where(valid, advantages + values, 0.0)
 
 
-def _group_index(group_ids: Tensor, n: int) -> tuple[Tensor, int]:
-    if group_ids.shape != (n,) or group_ids.dtype.is_floating_point:
-        raise ValueError(f"group_ids must be integers of shape [{n}], got {group_ids.dtype} {tuple(group_ids.shape)}")
-    _, index = torch.unique(group_ids, return_inverse=True)
-    return index, int(index.max()) + 1 if n else 0
+def group_index(group_ids: object, n: int, device: torch.device, reference: str = "scores") -> tuple[Tensor, int]:
+    """The `[n]` integer `group_ids` renumbered 0..G-1 in id order, and G. Advantages are computed
+    once per step, before the loss: reading G on the host is their one sync."""
+    ids = check_tensor("group_ids", group_ids, ndim=(1,), floating=False)
+    if ids.shape[0] != n or not is_integer(ids):
+        raise ValueError(f"group_ids must be integers of shape [{n}], got {ids.dtype} {tuple(ids.shape)}")
+    check_device("group_ids", ids, device, reference)
+    _, index = torch.unique(ids, return_inverse=True)
+    return index, (int(index.max()) + 1 if n else 0)
 
 
 def group_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, eps: float = 1e-6) -> Tensor:
@@ -63,11 +69,11 @@ def group_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     A group of one sequence carries no relative signal and gets Â = 0 (verl instead uses mean 0 and
     std 1 there, i.e. Â = r).
     """
-    if scores.ndim != 1:
-        raise ValueError(f"scores must be [B], got shape {tuple(scores.shape)}")
-    scores = scores.detach()
+    if check_number("eps", eps) <= 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    scores = check_tensor("scores", scores, ndim=(1,)).detach()
     work = scores.to(torch.float64)
-    index, n_groups = _group_index(group_ids, scores.shape[0])
+    index, n_groups = group_index(group_ids, scores.shape[0], scores.device)
     count = torch.zeros(n_groups, dtype=work.dtype, device=work.device).index_add_(0, index, torch.ones_like(work))
     mean = torch.zeros_like(count).index_add_(0, index, work) / count
     centered = work - mean[index]
@@ -82,7 +88,8 @@ def dynamic_sampling_keep(scores: Tensor, group_ids: Tensor) -> Tensor:
     its rewards are not all equal, i.e. 0 < #correct < G for 0/1 rewards. Such groups have zero
     advantage everywhere and contribute no gradient. Returns bool `[B]`.
     """
-    index, n_groups = _group_index(group_ids, scores.shape[0])
+    scores = check_tensor("scores", scores, ndim=(1,)).detach()
+    index, n_groups = group_index(group_ids, scores.shape[0], scores.device)
     high = torch.full((n_groups,), -torch.inf, dtype=scores.dtype, device=scores.device).scatter_reduce(
         0, index, scores, reduce="amax"
     )
@@ -99,9 +106,12 @@ def overlong_penalty(lengths: Tensor, *, max_length: int, cache_length: int) -> 
         ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| ≤ L_max
         -1                                  |y| > L_max
     """
+    for name, value in (("max_length", max_length), ("cache_length", cache_length)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if not 0 < cache_length <= max_length:
         raise ValueError(f"need 0 < cache_length <= max_length, got {cache_length} and {max_length}")
-    lengths = lengths.to(torch.float32)
+    lengths = check_tensor("lengths", lengths, ndim=(1,), floating=False).to(torch.float32)
     soft = ((max_length - cache_length) - lengths) / cache_length
     penalty = torch.where(lengths <= max_length - cache_length, 0.0, soft)
     return torch.where(lengths > max_length, -1.0, penalty)

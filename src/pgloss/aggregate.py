@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .checks import check_values, is_integer
+from .checks import check_values, host_reads, is_integer
 
 AGG_MODES = (
     "token-mean",
@@ -121,16 +121,23 @@ class Normalizer:
                 if not isinstance(ids, Tensor) or ids.shape != length.shape or not is_integer(ids):
                     raise ValueError(f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "
                                      f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
-                if ids.numel() and bool((ids < 0).any()):
-                    raise ValueError(f"group_ids[{k}] must be non-negative, got {int(ids.min())}")
-            size = torch.tensor(max(int(ids.max()) + 1 if ids.numel() else 0 for ids in id_list), device=device)
-            if distributed:
-                dist.all_reduce(size, op=dist.ReduceOp.MAX, group=process_group)
-            if int(size) > MAX_GROUPS:
                 # The counts are a dense array indexed by id: ids number the step's groups, not a data set.
-                raise ValueError(f"group_ids must number the step's groups from 0 (below {MAX_GROUPS}), got id "
-                                 f"{int(size) - 1}; renumber them, e.g. by prompt position within the step")
-            group_tokens = torch.zeros(int(size), dtype=torch.float64, device=device)
+                check_values(ids, lambda ids=ids: ids < 0,
+                             lambda at, ids=ids, k=k: f"group_ids[{k}] must be non-negative, got {int(ids[at])} at "
+                                                      f"row {int(at)}")
+                check_values(ids, lambda ids=ids: ids >= MAX_GROUPS,
+                             lambda at, ids=ids, k=k: f"group_ids[{k}] must number the step's groups from 0 (below "
+                                                      f"{MAX_GROUPS}), got id {int(ids[at])} at row {int(at)}; renumber "
+                                                      f"them, e.g. by prompt position within the step")
+            if distributed or all(host_reads(ids) for ids in id_list):
+                # max id + 1 entries: read on the host, free on the CPU (and a collective is a sync point anyway)
+                size = torch.tensor(max(int(ids.max()) + 1 if ids.numel() else 0 for ids in id_list), device=device)
+                if distributed:
+                    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=process_group)
+                size = int(size)
+            else:  # ids the host cannot read without a sync (an accelerator, torch.compile): the static bound
+                size = MAX_GROUPS
+            group_tokens = torch.zeros(size, dtype=torch.float64, device=device)
             for ids, length in zip(id_list, lengths):
                 group_tokens.index_add_(0, ids.to(device).long(), length)
             if distributed:
@@ -150,7 +157,10 @@ def row_weights(
     """c_i with w_{i,t} = m_{i,t}·c_i for `mode`: every mode weighs a row's valid tokens alike; `[B]`, float64.
 
     Every denominator is clamped at 1, so an all-masked batch gives a zero loss, never NaN.
+    A `normalizer` that counted fewer tokens or non-empty sequences than this call holds was counted
+    on other masks (a value check: `check_counts`).
     """
+    check_counts(mask, normalizer)
     if mode == "token-sum":
         return torch.ones((), dtype=torch.float64, device=mask.device).expand(mask.shape[0])
     if mode == "token-mean":
@@ -164,7 +174,12 @@ def row_weights(
         check_values(group_ids, lambda: (group_ids < 0) | (group_ids >= groups),
                      lambda at: f"group_ids must lie in [0, {groups}) (the groups the step's Normalizer counted), "
                                 f"got {int(group_ids[at])} at row {int(at)}")
-        per_row = normalizer.group_tokens[group_ids.to(mask.device).long()].clamp(min=1)
+        ids = group_ids.to(mask.device).long()
+        check_values(mask, lambda: torch.zeros_like(normalizer.group_tokens).index_add_(
+                         0, ids, mask.sum(dim=-1, dtype=torch.float64)) > normalizer.group_tokens,
+                     lambda at: f"the normalizer counted {int(normalizer.group_tokens[at])} tokens in group {int(at)} "
+                                f"but this call holds more; count the step's Normalizer on every micro-batch's mask")
+        per_row = normalizer.group_tokens[ids].clamp(min=1)
         return 1.0 / (per_row * normalizer.groups.clamp(min=1))
     sequences = normalizer.sequences.clamp(min=1)
     if mode == "seq-mean-token-mean":
@@ -177,6 +192,18 @@ def row_weights(
             raise ValueError(f"seq-mean-token-sum-norm needs norm_constant > 0, got {norm_constant!r}")
         return (1.0 / (sequences * norm_constant)).expand(mask.shape[0])
     raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+
+
+def check_counts(mask: Tensor, normalizer: Normalizer) -> None:
+    """Refuse a `normalizer` that counted fewer valid tokens or non-empty sequences than the bool
+    `mask` of one call holds: it was counted on other masks (say, before a token mask was applied),
+    and the loss would be too large. A value check (`pgloss.checks.check_values`)."""
+    for what, counted, held in (("tokens", normalizer.tokens, lambda: mask.sum()),
+                                ("sequences", normalizer.sequences, lambda: mask.any(dim=-1).sum())):
+        check_values(mask, lambda: held() > counted,
+                     lambda _, what=what, counted=counted, held=held: (
+                         f"the normalizer counted {int(counted)} {what} but this call holds {int(held())}; count the "
+                         f"step's Normalizer on the masks the calls use (every micro-batch's, after any token mask)"))
 
 
 def token_weights(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .checks import check_finite, check_values, is_integer
+from .checks import check_finite, check_log_prob, check_values, is_integer
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -34,13 +34,18 @@ def check_tensor(name: str, value: object, *, ndim: tuple[int, ...], floating: b
     return value
 
 
-def check_mask(mask: object, shape: torch.Size, device: torch.device) -> Tensor:
-    """A `[B, T]` bool or 0/1 mask, returned as bool."""
+def check_device(name: str, value: Tensor, device: torch.device, reference: str = "log_prob") -> None:
+    """Refuse `value` on another device than `reference` (the tensor that sets the call's device)."""
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but {reference} is on {device}")
+
+
+def check_mask(mask: object, shape: torch.Size, device: torch.device, reference: str = "log_prob") -> Tensor:
+    """A `[B, T]` bool or 0/1 mask, returned as bool, on the device of `reference`."""
     mask = check_tensor("mask", mask, ndim=(2,), floating=False)
     if mask.shape != shape:
         raise ValueError(f"mask must have shape {tuple(shape)}, got {tuple(mask.shape)}")
-    if mask.device != device:
-        raise ValueError(f"mask is on {mask.device} but log_prob is on {device}")
+    check_device("mask", mask, device, reference)
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
@@ -92,31 +97,32 @@ class TokenBatch:
         bool_mask = check_mask(mask, shape, device)
         cdtype = compute_dtype(dtype)
 
-        def token(name: str, value: Tensor | None, *, same_dtype: bool) -> Tensor | None:
+        def token(name: str, value: Tensor | None, *, is_log_prob: bool) -> Tensor | None:
+            # log-probabilities share log_prob's dtype and are at most 0
             if value is None:
                 return None
             value = check_tensor(name, value, ndim=(2,))
             if value.shape != shape:
                 raise ValueError(f"{name} must have the shape of log_prob {tuple(shape)}, got {tuple(value.shape)}")
-            if value.device != device:
-                raise ValueError(f"{name} is on {value.device} but log_prob is on {device}")
-            if same_dtype and value.dtype != dtype:
+            check_device(name, value, device)
+            if is_log_prob and value.dtype != dtype:
                 raise TypeError(
                     f"{name} has dtype {value.dtype} but log_prob has {dtype}; cast the log-probabilities to one dtype"
                 )
             check_finite(name, value, bool_mask)
+            if is_log_prob:
+                check_log_prob(name, value, bool_mask)
             return torch.where(bool_mask, value.to(cdtype), 0.0)
 
         advantages = check_tensor("advantages", advantages, ndim=(1, 2))
-        if advantages.device != device:
-            raise ValueError(f"advantages is on {advantages.device} but log_prob is on {device}")
+        check_device("advantages", advantages, device)
         seq_advantages = None
         if advantages.ndim == 1:
             if advantages.shape[0] != shape[0]:
                 raise ValueError(f"advantages of shape [B] must have B={shape[0]}, got {tuple(advantages.shape)}")
             seq_advantages = advantages.detach().to(cdtype)
             advantages = seq_advantages[:, None].expand(shape)
-        advantages = token("advantages", advantages, same_dtype=False).detach()
+        advantages = token("advantages", advantages, is_log_prob=False).detach()
         if seq_advantages is not None:
             valid_rows = bool_mask.any(dim=1)
             seq_advantages = torch.where(valid_rows, seq_advantages, 0.0)
@@ -126,28 +132,28 @@ class TokenBatch:
             if group_ids.shape[0] != shape[0] or not is_integer(group_ids):
                 raise ValueError(f"group_ids must be an integer tensor of shape [{shape[0]}], got "
                                  f"{group_ids.dtype} {tuple(group_ids.shape)}")
+            check_device("group_ids", group_ids, device)
 
         if scores is not None:
             scores = check_tensor("scores", scores, ndim=(1,))
             if scores.shape[0] != shape[0]:
                 raise ValueError(f"scores must have shape [{shape[0]}], got {tuple(scores.shape)}")
-            if scores.device != device:
-                raise ValueError(f"scores is on {scores.device} but log_prob is on {device}")
+            check_device("scores", scores, device)
             check_finite("scores", scores, bool_mask)
             scores = torch.where(bool_mask.any(dim=1), scores.detach().to(cdtype), 0.0)
 
         return cls(
-            log_prob=token("log_prob", log_prob, same_dtype=True),
-            old_log_prob=token("old_log_prob", old_log_prob, same_dtype=True).detach(),
+            log_prob=token("log_prob", log_prob, is_log_prob=True),
+            old_log_prob=token("old_log_prob", old_log_prob, is_log_prob=True).detach(),
             advantages=advantages,
             mask=bool_mask,
             seq_advantages=seq_advantages,
-            ref_log_prob=None if ref_log_prob is None else token("ref_log_prob", ref_log_prob, same_dtype=True).detach(),
-            entropy=token("entropy", entropy, same_dtype=False),
+            ref_log_prob=None if ref_log_prob is None else token("ref_log_prob", ref_log_prob, is_log_prob=True).detach(),
+            entropy=token("entropy", entropy, is_log_prob=False),
             rollout_log_prob=None
             if rollout_log_prob is None
-            else token("rollout_log_prob", rollout_log_prob, same_dtype=True).detach(),
+            else token("rollout_log_prob", rollout_log_prob, is_log_prob=True).detach(),
             group_ids=group_ids,
             scores=scores,
-            full_kl=token("full_kl", full_kl, same_dtype=False),
+            full_kl=token("full_kl", full_kl, is_log_prob=False),
         )

@@ -5,8 +5,10 @@ tensor *values* are different: on an accelerator each one is a host sync. So:
 
 - value checks that guard against an internal error or a silently wrong loss (a mask of values
   other than 0 and 1, group ids outside the step's `Normalizer`, token ids outside the
-  vocabulary) run on CPU tensors always, where they cost no sync, and on accelerator tensors
-  only inside `detect_anomaly()`;
+  vocabulary, a positive log-probability, a `Normalizer` counted on fewer tokens than the call
+  holds) run on CPU tensors always, where they cost no sync, and on accelerator tensors only
+  inside `detect_anomaly()` (`host_reads`). Under `torch.compile` they are skipped as on an
+  accelerator: a read of a value would break the graph;
 - non-finite values at *valid* positions (a NaN log-prob, a -inf log-prob, a NaN advantage) are
   not checked by default: like any torch computation the loss then comes out NaN. Inside
   `detect_anomaly()` they raise a ValueError naming the tensor and its first (row, column).
@@ -52,6 +54,14 @@ def anomaly_enabled() -> bool:
     return _ANOMALY.get()
 
 
+def host_reads(tensor: Tensor) -> bool:
+    """True when reading `tensor`'s values on the host costs no sync: a CPU tensor outside
+    `torch.compile` tracing, or any tensor inside `detect_anomaly()` (where syncs are the point)."""
+    if anomaly_enabled():
+        return True
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def is_integer(tensor: Tensor) -> bool:
     """True for an integer dtype (ids, token ids); bool, floating and complex are not integers."""
     return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
@@ -59,13 +69,29 @@ def is_integer(tensor: Tensor) -> bool:
 
 def check_values(tensor: Tensor, bad: Callable[[], Tensor], message: Callable[[Tensor], str]) -> None:
     """Raise ValueError(message(first bad index)) when `bad()` (a bool tensor shaped like the values)
-    has a True element. Runs for CPU tensors always; for accelerator tensors (a host sync) only
-    inside `detect_anomaly()`."""
-    if tensor.device.type != "cpu" and not anomaly_enabled():
+    has a True element. Runs when `host_reads(tensor)`: for CPU tensors always, for accelerator
+    tensors (a host sync) only inside `detect_anomaly()`. A 0-d `bad()` gives an empty index."""
+    if not host_reads(tensor):
         return
     flags = bad()
     if bool(flags.any()):
-        raise ValueError(message(flags.nonzero()[0]))
+        raise ValueError(message(flags.nonzero()[0] if flags.ndim else None))
+
+
+def check_log_prob(name: str, value: Tensor, mask: Tensor | None = None) -> None:
+    """A log-probability is at most 0: refuse a positive one where `mask` is valid (everywhere when
+    None), naming `name`, the value and its position; probabilities passed for log-probabilities
+    are the likely cause. A value check (`check_values`)."""
+    def bad() -> Tensor:
+        positive = value.detach() > 0
+        return positive if mask is None else positive & mask
+
+    def message(at: Tensor) -> str:
+        where = tuple(int(i) for i in at)
+        return (f"{name} must hold log-probabilities (<= 0), got {float(value[where])} at a valid position {where}; "
+                f"were probabilities passed instead of their log?")
+
+    check_values(value, bad, message)
 
 
 def check_finite(name: str, value: Tensor | None, mask: Tensor) -> None:
@@ -80,6 +106,32 @@ def check_finite(name: str, value: Tensor | None, mask: Tensor) -> None:
         where = tuple(int(i) for i in flags.nonzero()[0])
         at = f"(row {where[0]}, column {where[1]})" if len(where) == 2 else f"row {where[0]}"
         raise ValueError(f"{name} is {float(values[where])} at a valid position {at}")
+
+
+def check_cut(name: str, value: Any, device: torch.device) -> Tensor:
+    """A threshold that values are compared with: a real number or a 0-d floating tensor (±inf
+    allowed: keep everything or nothing), never NaN, which no value passes. Returned as a 0-d
+    float64 tensor on `device`. A NaN tensor is refused by a value check (`check_values`)."""
+    if isinstance(value, Tensor):
+        if value.ndim != 0 or not value.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a real number or a 0-d floating tensor, got a {value.dtype} tensor "
+                            f"of shape {tuple(value.shape)}")
+        check_values(value, lambda: torch.isnan(value), lambda _: f"{name} is NaN: no value passes it")
+        return value.detach().to(device=device, dtype=torch.float64)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number or a 0-d floating tensor, got {value!r} ({type(value).__name__})")
+    if math.isnan(value):
+        raise ValueError(f"{name} is NaN: no value passes it")
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+def check_valid_finite(name: str, values: Tensor, mask: Tensor) -> None:
+    """Refuse NaN or ±inf `values` where `mask` is valid, naming `name` and the position: for the
+    step-level functions that read values on the host anyway (a quantile, a sort), always."""
+    flags = mask & ~torch.isfinite(values)
+    if bool(flags.any()):
+        where = tuple(int(i) for i in flags.nonzero()[0])
+        raise ValueError(f"{name} is {float(values[where])} at a valid position {where}")
 
 
 # ---- hyperparameters: checked by name, always (no tensors involved) ----

@@ -54,8 +54,8 @@ def synthetic_batch(batch: int = 8, length: int = 24, seed: int = 0) -> dict[str
     lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
     mask = torch.arange(length)[None, :] < lengths[:, None]
     old = -torch.rand(batch, length, generator=gen) * 3
-    log_prob = old + 0.15 * torch.randn(batch, length, generator=gen)
-    ref = old + 0.05 * torch.randn(batch, length, generator=gen)
+    log_prob = -(old + 0.15 * torch.randn(batch, length, generator=gen)).abs()  # log-probs are <= 0
+    ref = -(old + 0.05 * torch.randn(batch, length, generator=gen)).abs()
     scores = (torch.rand(batch, generator=gen) > 0.5).float()
     group_ids = torch.arange(batch) // 4
     from .advantages import group_advantages

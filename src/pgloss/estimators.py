@@ -24,15 +24,16 @@ GRPO's std conventions differ between frameworks (docs/reference.md has the tabl
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .batch import check_mask, check_tensor
-from .checks import is_integer
+from .advantages import group_index
+from .batch import check_device, check_mask, check_tensor
+from .checks import check_log_prob, check_number, is_integer
+from .entropy import check_chunk_size, check_temperature
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,18 @@ def _scores(scores: object, name: str = "scores") -> Tensor:
     return scores.detach()
 
 
-def _group_index(group_ids: object, n: int) -> tuple[Tensor, int]:
-    ids = check_tensor("group_ids", group_ids, ndim=(1,), floating=False)
-    if ids.shape[0] != n or not is_integer(ids):
-        raise ValueError(f"group_ids must be integers of shape [{n}], got {ids.dtype} {tuple(ids.shape)}")
-    _, index = torch.unique(ids, return_inverse=True)
-    return index, (int(index.max()) + 1 if n else 0)
+def _positive(name: str, value: object) -> float:
+    """A hyperparameter that must be a finite real > 0 (an ε that keeps a division finite, a scale)."""
+    value = check_number(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def _group_sum(values: Tensor, index: Tensor, n_groups: int) -> Tensor:
@@ -127,7 +134,7 @@ def _grpo(scores, group_ids, conv: StdConvention, scale: str, process_group, red
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     scores = _scores(scores)
     work = scores.to(torch.float64)
-    index, n_groups = _group_index(group_ids, work.shape[0])
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
     centered, size = _group_center(work, index, n_groups)
     single = size == 1
     if scale == "none":
@@ -163,7 +170,7 @@ def rloo_advantages(scores: Tensor, group_ids: Tensor) -> Tensor:
     verl `rloo`, TRL's RLOOTrainer, OpenRLHF `rloo`. A group of one gets 0 (verl leaves s_i)."""
     scores = _scores(scores)
     work = scores.to(torch.float64)
-    index, n_groups = _group_index(group_ids, work.shape[0])
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
     centered, size = _group_center(work, index, n_groups)
     return torch.where(size > 1, centered * size / (size - 1).clamp(min=1), 0.0).to(scores.dtype)
 
@@ -177,7 +184,7 @@ def whiten(values: Tensor, mask: Tensor, *, convention: str = "verl", process_gr
     if convention not in ("verl", "openrlhf"):
         raise ValueError(f"convention must be 'verl' or 'openrlhf', got {convention!r}")
     values = check_tensor("values", values, ndim=(2,))
-    mask = check_mask(mask, values.shape, values.device)
+    mask = check_mask(mask, values.shape, values.device, "values")
     work = torch.where(mask, values.detach().to(torch.float64), 0.0)
     totals = _all_reduce(torch.stack([work.sum(), mask.sum().to(torch.float64)]), process_group, reduce)
     mean = totals[0] / totals[1].clamp(min=1)
@@ -193,10 +200,10 @@ def whiten(values: Tensor, mask: Tensor, *, convention: str = "verl", process_gr
 
 def discounted_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
     """G_t = r_t + γ G_{t+1} over valid tokens (masked positions are skipped and get 0), `[B, T]`."""
-    if not 0.0 <= gamma <= 1.0:
+    if not 0.0 <= check_number("gamma", gamma) <= 1.0:
         raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
     rewards = check_tensor("token_rewards", token_rewards, ndim=(2,))
-    mask = check_mask(mask, rewards.shape, rewards.device)
+    mask = check_mask(mask, rewards.shape, rewards.device, "token_rewards")
     work = torch.where(mask, rewards.detach().to(torch.float64), 0.0)
     out = torch.zeros_like(work)
     running = work.new_zeros(work.shape[0])
@@ -221,12 +228,13 @@ def reinforce_pp_baseline_advantages(scores: Tensor, group_ids: Tensor, mask: Te
     (verl `reinforce_plus_plus_baseline`, OpenRLHF `reinforce_baseline`; a group of one: μ = 0)."""
     scores = _scores(scores)
     work = scores.to(torch.float64)
-    index, n_groups = _group_index(group_ids, work.shape[0])
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
     centered, size = _group_center(work, index, n_groups)
     centered = torch.where(size > 1, centered, work)
     mask = check_tensor("mask", mask, ndim=(2,), floating=False)
     if mask.shape[0] != work.shape[0]:
         raise ValueError(f"mask must have {work.shape[0]} rows (one per score), got {tuple(mask.shape)}")
+    check_device("mask", mask, work.device, "scores")
     token = centered[:, None].expand(mask.shape)
     return whiten(token, mask, convention=convention, process_group=process_group, reduce=reduce).to(scores.dtype)
 
@@ -239,7 +247,8 @@ def remax_advantages(token_rewards: Tensor, mask: Tensor, baseline: Tensor) -> t
     baseline = check_tensor("baseline", baseline, ndim=(1,))
     if baseline.shape[0] != returns.shape[0]:
         raise ValueError(f"baseline must have shape [{returns.shape[0]}], got {tuple(baseline.shape)}")
-    valid = check_mask(mask, returns.shape, returns.device)
+    check_device("baseline", baseline, returns.device, "token_rewards")
+    valid = check_mask(mask, returns.shape, returns.device, "token_rewards")
     adv = torch.where(valid, returns - baseline.detach().to(returns.dtype)[:, None], 0.0)
     return adv, returns
 
@@ -255,7 +264,8 @@ def opo_advantages(scores: Tensor, group_ids: Tensor, lengths: Tensor) -> Tensor
     lengths = check_tensor("lengths", lengths, ndim=(1,), floating=False)
     if lengths.shape != work.shape:
         raise ValueError(f"lengths must have shape {tuple(work.shape)}, got {tuple(lengths.shape)}")
-    index, n_groups = _group_index(group_ids, work.shape[0])
+    check_device("lengths", lengths, work.device, "scores")
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
     n = lengths.to(torch.float64)
     baseline = _group_sum(n * work, index, n_groups) / _group_sum(n, index, n_groups).clamp(min=1)
     size = _group_sum(torch.ones_like(work), index, n_groups)[index]
@@ -267,11 +277,10 @@ def gpg_advantages(scores: Tensor, group_ids: Tensor, *, f_norm: float = 1.0, pr
     """GPG (Chu et al. 2025, arXiv 2504.02546): Â_i = α (s_i - μ_g) / F_norm with α = B / #{i: s_i ≠ 0}
     (the batch's share of sequences with a non-zero reward, at least one), `[B]`; verl `gpg`
     (a group of one: μ = 0). B and the count are over all ranks."""
-    if not (math.isfinite(f_norm) and f_norm > 0):
-        raise ValueError(f"f_norm must be > 0, got {f_norm}")
+    f_norm = _positive("f_norm", f_norm)
     scores = _scores(scores)
     work = scores.to(torch.float64)
-    index, n_groups = _group_index(group_ids, work.shape[0])
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
     centered, size = _group_center(work, index, n_groups)
     centered = torch.where(size > 1, centered, work)
     counts = _all_reduce(torch.stack([work.new_tensor(work.numel()), (work != 0).sum().to(torch.float64)]),
@@ -300,6 +309,7 @@ def gdpo_advantages(scores: Tensor, group_ids: Tensor, *, weights: Tensor | None
         w = check_tensor("weights", weights, ndim=(1,)).detach().to(torch.float64)
         if w.shape[0] != k:
             raise ValueError(f"weights must have one entry per reward ({k}), got {tuple(w.shape)}")
+        check_device("weights", weights, scores.device, "scores")
     if convention in GDPO_EPS:
         eps = GDPO_EPS[convention]
         conv = StdConvention(bessel=True, eps=eps, singleton="zero")
@@ -313,7 +323,7 @@ def gdpo_advantages(scores: Tensor, group_ids: Tensor, *, weights: Tensor | None
             raise ValueError("gdpo_advantages with convention='verl' needs mask (it whitens over tokens)")
         per_key = torch.stack([grpo_advantages(work[:, j], group_ids, convention="verl") for j in range(k)], dim=1)
         total = (per_key * w).sum(dim=1)
-        mask = check_mask(mask, mask.shape, scores.device)
+        mask = check_mask(mask, mask.shape, scores.device, "scores")
         if mask.shape[0] != work.shape[0]:
             raise ValueError(f"mask must have {work.shape[0]} rows, got {tuple(mask.shape)}")
         return whiten(total[:, None].expand(mask.shape), mask, process_group=process_group,
@@ -324,10 +334,12 @@ def gdpo_advantages(scores: Tensor, group_ids: Tensor, *, weights: Tensor | None
 def passk_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, eps: float = 1e-6) -> Tensor:
     """Pass@k training (Chen et al. 2025, arXiv 2503.19595, as verl `grpo_passk`), `[B]`: only the
     best response of a group gets an advantage, Â = s_max - s_second (÷ (σ_g + ε), Bessel, when
-    `scale`); the rest get 0. Ties go to the first row. Every group needs two members."""
+    `scale`); the rest get 0. Ties go to the first row. Every group needs two members; ε > 0 keeps a
+    group of equal scores at 0 / ε = 0."""
+    eps, scale = _positive("eps", eps), _flag("scale", scale)
     scores = _scores(scores)
     work = scores.to(torch.float64)
-    index, n_groups = _group_index(group_ids, work.shape[0])
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
     size = _group_sum(torch.ones_like(work), index, n_groups)
     if work.numel() and bool((size < 2).any()):
         raise ValueError("passk_advantages needs at least two responses per group")
@@ -346,13 +358,13 @@ def passk_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     return torch.where(is_best, adv[index], 0.0).to(scores.dtype)
 
 
-def sum_pi_squared(logits: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+def sum_pi_squared(logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = 1024) -> Tensor:
     """Σ_v π_v² per position of `[..., V]` logits at temperature τ, exactly:
     exp(lse(2z) - 2·lse(z)) with z = logits/τ, by chunks of positions; detached, float32 (float64
-    stays float64), shape `logits.shape[:-1]`."""
+    stays float64), shape `logits.shape[:-1]`. `chunk_size` >= 1 positions (None: about 2²⁷ / V)."""
     logits = check_tensor("logits", logits, ndim=tuple(range(1, 8)))
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = check_temperature(temperature)
+    chunk_size = check_chunk_size(chunk_size, logits.shape[-1])
     flat = logits.detach().reshape(-1, logits.shape[-1])
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
@@ -381,12 +393,18 @@ def optimal_token_baseline_advantages(
     with G the undiscounted return-to-go and π_t = exp(old_log_prob). A group of one has B = 0.
     `zero_tail`: where a group's single longest response runs past the second longest, its baseline
     is 0 there (no other trajectory estimates it). `sum_pi_sq` from `sum_pi_squared(logits)`."""
+    eps, zero_tail = _positive("eps", eps), _flag("zero_tail", zero_tail)
     returns = discounted_returns(token_rewards, mask, gamma=1.0).to(torch.float64)
-    valid = check_mask(mask, returns.shape, returns.device)
-    index, n_groups = _group_index(group_ids, returns.shape[0])
+    valid = check_mask(mask, returns.shape, returns.device, "token_rewards")
+    index, n_groups = group_index(group_ids, returns.shape[0], returns.device, "token_rewards")
     for name, value in (("old_log_prob", old_log_prob), ("sum_pi_sq", sum_pi_sq), ("rollout_weights", rollout_weights)):
+        if value is None and name != "rollout_weights":
+            raise TypeError(f"{name} must be a [B, T] tensor, got None")
         if value is not None and (check_tensor(name, value, ndim=(2,)).shape != returns.shape):
             raise ValueError(f"{name} must have shape {tuple(returns.shape)}, got {tuple(value.shape)}")
+        if value is not None:
+            check_device(name, value, returns.device, "token_rewards")
+    check_log_prob("old_log_prob", old_log_prob, valid)
     pi = torch.where(valid, old_log_prob.detach().to(torch.float64), 0.0).exp()
     w = 1 - 2 * pi + torch.where(valid, sum_pi_sq.detach().to(torch.float64), 0.0)
     if rollout_weights is not None:

@@ -226,6 +226,6 @@ def full_kl_from_hidden(
     chunk_size = check_chunk_size(chunk_size, weight.shape[0])
     batch, length, size = hidden.shape
     kl = _FullKLFromHidden.apply(hidden.reshape(batch * length, size), weight,
-                                 ref_hidden.detach().reshape(batch * length, -1), ref_weight.detach(),
+                                 ref_hidden.detach().reshape(batch * length, ref_hidden.shape[-1]), ref_weight.detach(),
                                  temperature, chunk_size)
     return kl.view(batch, length)

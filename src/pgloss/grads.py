@@ -46,7 +46,7 @@ def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 1
     mask = torch.arange(max_length)[None, :] < lengths[:, None]
     rewards = (torch.rand(n, generator=gen) < 0.5).double()
     old = -torch.rand(n, max_length, generator=gen, dtype=torch.float64) * 2
-    log_prob = old + spread * torch.randn(n, max_length, generator=gen, dtype=torch.float64)
+    log_prob = -(old + spread * torch.randn(n, max_length, generator=gen, dtype=torch.float64)).abs()  # <= 0
     advantages = group_advantages(rewards, torch.arange(n) // group_size)
     return {"log_prob": log_prob, "old_log_prob": old, "advantages": advantages, "mask": mask}
 

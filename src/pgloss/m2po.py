@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .batch import check_mask, check_tensor
-from .checks import check_number
+from .batch import check_device, check_mask, check_tensor
+from .checks import check_cut, check_log_prob, check_number, check_valid_finite
 from .token_masks import gather_values
 
 
@@ -38,13 +38,19 @@ def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
     return [value] if isinstance(value, Tensor) else list(value)
 
 
-def second_moment(behave_log_prob: Tensor, prox_log_prob: Tensor) -> Tensor:
-    """m2_t = (log π_behave - log π_prox)², detached, float64; `[B, T]`."""
+def second_moment(behave_log_prob: Tensor, prox_log_prob: Tensor, mask: Tensor | None = None) -> Tensor:
+    """m2_t = (log π_behave - log π_prox)², detached, float64; `[B, T]`. Log-probabilities are at
+    most 0 where `mask` is valid (everywhere without one; a value check)."""
     behave = check_tensor("behave_log_prob", behave_log_prob, ndim=(2,))
     prox = check_tensor("prox_log_prob", prox_log_prob, ndim=(2,))
     if behave.shape != prox.shape:
         raise ValueError(f"behave_log_prob and prox_log_prob must share one shape, got {tuple(behave.shape)} "
                          f"and {tuple(prox.shape)}")
+    check_device("prox_log_prob", prox, behave.device, "behave_log_prob")
+    if mask is not None:
+        mask = check_mask(mask, behave.shape, behave.device, "behave_log_prob")
+    check_log_prob("behave_log_prob", behave, mask)
+    check_log_prob("prox_log_prob", prox, mask)
     return (behave.detach().to(torch.float64) - prox.detach().to(torch.float64)).square()
 
 
@@ -66,9 +72,12 @@ def m2po_cutoff(
         raise ValueError(f"behave_log_probs, prox_log_probs and masks must hold one tensor per micro-batch, "
                          f"got {len(behaves)}, {len(proxes)}, {len(ms)}")
     values = []
-    for behave, prox, mask in zip(behaves, proxes, ms):
-        m2 = second_moment(behave, prox)
-        values.append(m2[check_mask(mask, m2.shape, m2.device)])
+    for k, (behave, prox, mask) in enumerate(zip(behaves, proxes, ms)):
+        m2 = second_moment(behave, prox, mask)
+        mask = check_mask(mask, m2.shape, m2.device, "behave_log_prob")
+        # A NaN m2 would sort first and shift the cut; the sort reads the host anyway.
+        check_valid_finite(f"m2 of behave_log_probs[{k}] and prox_log_probs[{k}]", m2, mask)
+        values.append(m2[mask])
     m2 = gather_values(torch.cat(values), process_group=process_group, reduce=reduce)
     if m2.numel() == 0:
         return m2.new_tensor(math.inf)
@@ -81,7 +90,8 @@ def m2po_cutoff(
 
 
 def m2po_mask(behave_log_prob: Tensor, prox_log_prob: Tensor, mask: Tensor, cutoff: Tensor | float) -> Tensor:
-    """Bool `[B, T]`: the valid tokens with m2 ≤ `cutoff` (from `m2po_cutoff`)."""
-    m2 = second_moment(behave_log_prob, prox_log_prob)
-    mask = check_mask(mask, m2.shape, m2.device)
-    return mask & (m2 <= torch.as_tensor(cutoff, dtype=torch.float64, device=m2.device))
+    """Bool `[B, T]`: the valid tokens with m2 ≤ `cutoff` (from `m2po_cutoff`; a real number or a
+    0-d tensor, not NaN)."""
+    m2 = second_moment(behave_log_prob, prox_log_prob, mask)
+    mask = check_mask(mask, m2.shape, m2.device, "behave_log_prob")
+    return mask & (m2 <= check_cut("cutoff", cutoff, m2.device))

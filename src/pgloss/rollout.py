@@ -57,8 +57,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .aggregate import Normalizer
-from .batch import check_mask, compute_dtype
-from .checks import check_number
+from .batch import check_device, check_mask, check_tensor, compute_dtype
+from .checks import check_log_prob, check_number
 from .metrics import masked_extremes, masked_fraction, masked_mean
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
@@ -242,9 +242,10 @@ class RolloutCorrection:
     def keep_mask(self, mask: Tensor, old_log_prob: Tensor, rollout_log_prob: Tensor) -> Tensor:
         """The mask after the KL-based rejection, known before the step (decoupled mode): count a
         step's `Normalizer` on these to leave rejected tokens out of the denominator."""
-        mask = check_mask(mask, mask.shape, mask.device)
         if self.bypass and self.rejection:
             raise ValueError("with bypass the rejection depends on π_θ; count the Normalizer on the original masks")
+        ((mask, old_log_prob, rollout_log_prob),) = _micro_batches(
+            mask, old_log_prob, rollout_log_prob, names=("mask", "old_log_prob", "rollout_log_prob"))
         dtype = compute_dtype(old_log_prob.dtype)  # the loss call's arithmetic, so both see one mask
         log_rho = self._log_rho(old_log_prob.detach().to(dtype), rollout_log_prob.detach().to(dtype), mask)
         for rule in self.rejection:
@@ -266,13 +267,9 @@ class RolloutCorrection:
         Pass it to every call of the step as `weight_mean`."""
         if self.weight_level is None:
             raise ValueError("step_weight_mean needs a weight_level")
-        masks, olds, rollouts = _as_list(masks), _as_list(old_log_probs), _as_list(rollout_log_probs)
-        if not masks or not len(masks) == len(olds) == len(rollouts):
-            raise ValueError(f"masks, old_log_probs and rollout_log_probs must hold one tensor per micro-batch, "
-                             f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
-        totals = torch.zeros(2, dtype=torch.float64, device=masks[0].device)
-        for mask, old, rollout in zip(masks, olds, rollouts):
-            mask = check_mask(mask, mask.shape, mask.device)
+        parts = _micro_batches(masks, old_log_probs, rollout_log_probs)
+        totals = torch.zeros(2, dtype=torch.float64, device=parts[0][0].device)
+        for mask, old, rollout in parts:
             weight, _ = self._bound(self._raw_weight(old.detach().double(), rollout.detach().double(), mask))
             if self.weight_level == "token":
                 totals += torch.stack([torch.where(mask, weight, 0.0).sum(), mask.sum().double()])
@@ -297,10 +294,7 @@ class RolloutCorrection:
         """The step's counts over the masks after the KL-based rejection (`count_rejected=True`, or
         bypass mode: over the original masks), with the step's weight mean when `batch_normalize`.
         A collective under torch.distributed, like `Normalizer.count`."""
-        masks, olds, rollouts = _as_list(masks), _as_list(old_log_probs), _as_list(rollout_log_probs)
-        if not masks or not len(masks) == len(olds) == len(rollouts):
-            raise ValueError(f"masks, old_log_probs and rollout_log_probs must hold one tensor per micro-batch, "
-                             f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
+        masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs))
         counted = masks if count_rejected or self.bypass or not self.rejection else [
             self.keep_mask(m, o, r) for m, o, r in zip(masks, olds, rollouts)]
         base = Normalizer.count(counted, group_ids=group_ids, process_group=process_group, reduce=reduce)
@@ -368,6 +362,33 @@ def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
     return [value] if isinstance(value, Tensor) else list(value)
 
 
+def _micro_batches(masks: Tensor | Sequence[Tensor], old_log_probs: Tensor | Sequence[Tensor],
+                   rollout_log_probs: Tensor | Sequence[Tensor], *,
+                   names: tuple[str, str, str] = ("masks", "old_log_probs", "rollout_log_probs"),
+                   ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(bool mask, old, rollout) per micro-batch, checked as a loss call checks them: one tensor of
+    each per micro-batch, floating `[B, T]` log-probs of the mask's shape and device, at most 0 at
+    valid positions (a value check)."""
+    masks, olds, rollouts = _as_list(masks), _as_list(old_log_probs), _as_list(rollout_log_probs)
+    if not masks or not len(masks) == len(olds) == len(rollouts):
+        raise ValueError(f"{', '.join(names[:2])} and {names[2]} must hold one tensor per micro-batch, "
+                         f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
+    mask_name, old_name, rollout_name = names
+    out = []
+    for k, (mask, old, rollout) in enumerate(zip(masks, olds, rollouts)):
+        at = "" if len(masks) == 1 else f"[{k}]"
+        mask = check_tensor(f"{mask_name}{at}", mask, ndim=(2,), floating=False)
+        mask = check_mask(mask, mask.shape, mask.device)
+        for name, value in ((f"{old_name}{at}", old), (f"{rollout_name}{at}", rollout)):
+            check_tensor(name, value, ndim=(2,))
+            if value.shape != mask.shape:
+                raise ValueError(f"{name} must have the shape of its mask {tuple(mask.shape)}, got {tuple(value.shape)}")
+            check_device(name, value, mask.device, reference=f"{mask_name}{at}")
+            check_log_prob(name, value, mask)
+        out.append((mask, old, rollout))
+    return out
+
+
 def _row_max(values: Tensor) -> Tensor:
     """Each row's largest value, `[B, 1]` (0 for rows of width 0)."""
     if values.shape[-1] == 0:
@@ -409,6 +430,7 @@ def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, 
         rollout_k3_kl     mean_t (ρ - 1 - log ρ)
         rollout_chi2_token  mean_t ρ² - 1;   rollout_chi2_seq  mean_i (Π_t ρ)² - 1 (log clamped at ±20)
         rollout_ppl_ratio mean_i PPL_train,i / PPL_rollout,i = mean_i exp(mean_t (log π_rollout - log π_train))
+                          (the exponent clamped at ±20, as the others: finite for any finite input)
     """
     train, rollout = train.detach(), rollout.detach()
     count = mask.sum()
@@ -424,5 +446,5 @@ def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, 
         "rollout_k3_kl": masked_mean(torch.expm1(safe) - safe, mask, count),
         "rollout_chi2_token": masked_mean(torch.exp(2 * safe), mask, count) - 1.0,
         "rollout_chi2_seq": row_mean(torch.exp(2 * seq_sum.clamp(-20.0, 20.0))) - 1.0,
-        "rollout_ppl_ratio": row_mean(torch.exp(-seq_mean)),
+        "rollout_ppl_ratio": row_mean(torch.exp(-seq_mean.clamp(-20.0, 20.0))),
     }

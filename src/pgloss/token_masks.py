@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .batch import check_mask, check_tensor
-from .checks import check_number
+from .checks import check_cut, check_number, check_valid_finite
 
 
 def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
@@ -54,7 +54,10 @@ def entropy_threshold(
     values = []
     for k, (ent, mask) in enumerate(zip(ents, ms)):
         ent = check_tensor(f"entropies[{k}]", ent, ndim=(2,))
-        values.append(ent.detach().to(torch.float64)[check_mask(mask, ent.shape, ent.device)])
+        mask = check_mask(mask, ent.shape, ent.device, f"entropies[{k}]")
+        # One NaN would make the quantile NaN and the mask keep nothing; the quantile reads the host anyway.
+        check_valid_finite(f"entropies[{k}]", ent.detach(), mask)
+        values.append(ent.detach().to(torch.float64)[mask])
     local = gather_values(torch.cat(values), process_group=process_group, reduce=reduce)
     if local.numel() == 0:
         return local.new_tensor(-math.inf)
@@ -78,11 +81,11 @@ def gather_values(local: Tensor, *, process_group: "dist.ProcessGroup | None" = 
 
 
 def top_entropy_mask(entropy: Tensor, mask: Tensor, threshold: Tensor | float) -> Tensor:
-    """Bool `[B, T]`: the valid tokens with entropy ≥ `threshold` (from `entropy_threshold`)."""
+    """Bool `[B, T]`: the valid tokens with entropy ≥ `threshold` (from `entropy_threshold`; a real
+    number or a 0-d tensor, not NaN)."""
     entropy = check_tensor("entropy", entropy, ndim=(2,))
-    mask = check_mask(mask, entropy.shape, entropy.device)
-    return mask & (entropy.detach().to(torch.float64) >= torch.as_tensor(threshold, dtype=torch.float64,
-                                                                          device=entropy.device))
+    mask = check_mask(mask, entropy.shape, entropy.device, "entropy")
+    return mask & (entropy.detach().to(torch.float64) >= check_cut("threshold", threshold, entropy.device))
 
 
 def truncated_completion_mask(mask: Tensor, finished: Tensor) -> Tensor:

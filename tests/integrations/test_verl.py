@@ -36,7 +36,7 @@ def make_batch(seed=0):
     lengths[5] = 0  # an empty response: verl's global_batch_size still counts its row
     mask = torch.arange(LENGTH)[None, :] < lengths[:, None]
     old = -torch.rand(ROWS, LENGTH, generator=gen, dtype=torch.float64) * 2 - 0.1
-    log_prob = old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen, dtype=torch.float64)
+    log_prob = -(old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen, dtype=torch.float64)).abs()  # log-probs are <= 0
     advantages = torch.randn(ROWS, 1, generator=gen, dtype=torch.float64).expand(ROWS, LENGTH).clone()
     weights = 0.5 + torch.rand(ROWS, LENGTH, generator=gen, dtype=torch.float64)
     prompt_lengths = torch.randint(1, 4, (ROWS,), generator=gen)
@@ -192,7 +192,7 @@ def test_register_variant_and_refuse_duplicates():
         adapter.register("bad_variant", "dapo")
     # The variant's δ is used: a large ratio with a positive advantage is capped at δ = 9.
     batch = make_batch()
-    batch["log_prob"] = batch["old"] + 3.0
+    batch["old"] = batch["log_prob"] - 3.0
     batch["advantages"] = batch["advantages"].abs()
     fn = core_algos.get_policy_loss_fn(key)
     ours, _ = fn(batch["old"], batch["log_prob"], batch["advantages"], batch["mask"], "token-mean",

@@ -46,7 +46,7 @@ class GradientPreservingClip:
 
 
 def ce_gppo_loss(
-    ratio: Tensor,
+    log_ratio: Tensor,
     advantages: Tensor,
     *,
     clip_low: float,
@@ -58,16 +58,18 @@ def ce_gppo_loss(
     """CE-GPPO's per-token loss; see the module docstring.
 
     Args:
-        ratio: r = π_θ/π_old, `[B, T]`.
+        log_ratio: log r = log π_θ - log π_old, already clamped, `[B, T]`; r = exp(log r), and
+            r/sg[r] = exp(log r - sg[log r]), exactly 1 in value even where r underflows.
         advantages: A, `[B, T]`, detached.
         clip_low, clip_high: ε_low, ε_high ≥ 0.
         beta_low, beta_high: β₁, β₂ ≥ 0, the gradient scales on the low and high branches.
         dual_clip: c > 1 or None.
     """
+    ratio = torch.exp(log_ratio)
     negative, positive = advantages < 0, advantages > 0
     low = negative & (ratio.detach() < 1.0 - clip_low)
     high = positive & (ratio.detach() > 1.0 + clip_high)
-    straight = ratio / ratio.detach()
+    straight = torch.exp(log_ratio - log_ratio.detach())  # not ratio / sg[ratio]: 0/0 where exp underflows
     loss = torch.where(low, -beta_low * (1.0 - clip_low) * straight * advantages,
                        torch.where(high, -beta_high * (1.0 + clip_high) * straight * advantages, -ratio * advantages))
     dual = torch.zeros_like(low)
@@ -103,11 +105,12 @@ class CEGPPO(Algorithm):
             _check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
                                  max_log_ratio=self.max_log_ratio)
-        out = ce_gppo_loss(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
+        out = ce_gppo_loss(token_log_ratio.clamp(-self.max_log_ratio, self.max_log_ratio), batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
                            beta_low=self.gppo_beta_low, beta_high=self.gppo_beta_high, dual_clip=self.dual_clip)
         metrics = clip_metrics(out.clipped_high, out.clipped_low, batch.mask,
                                None if self.dual_clip is None else out.clipped_dual)
-        metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
+        metrics |= ratio_metrics(ratio, token_log_ratio, batch.mask)
         return PolicyTerms(out.loss, metrics)

@@ -3,9 +3,9 @@
 FIPO keeps DAPO's clipped token loss and reweights each token by how much the current update is
 already moving the rest of the response (ms-swift's Loss Types documentation and implementation):
 
-    Δ_k        = m_k · log r_k                      (0 where r_k > δ when the δ cap is set)
+    Δ_k        = m_k · clamp(log r_k, ±M)           (0 where r_k > δ when the δ cap is set)
     FutureKL_t = Σ_{k ≥ t} γ^{k-t} Δ_k,             γ = 2^(-1/decay_rate)
-    f_t        = clip( exp(FutureKL_t), lo, 1 + ε_f ),   lo = 1 if clip_high_only else 1 - ε_f
+    f_t        = clip( exp(clamp(FutureKL_t, ±M)), lo, 1 + ε_f ),   lo = 1 if clip_high_only else 1 - ε_f
                  (not clipped when ε_f is None)
     safety     : where A < 0 and r_t > safety_threshold,  f_t = clip(f_t, 1 - ε_f, 1)
     L_t        = sg[f_t] · L_clip,t
@@ -14,6 +14,8 @@ The safety rule keeps FIPO from amplifying the penalty on a bad token whose rati
 exploded (ms-swift hard-codes the interval [0.8, 1.0], which is [1 - ε_f, 1] at its default ε_f = 0.2;
 with no clipping, ε_f = None, we use ms-swift's [0.8, 1.0]).
 The weight is detached: it rescales the clipped loss's gradient and adds none of its own.
+M is `max_log_ratio`, the clamp of every log-ratio before exp (the ratio r uses the same one): the
+Future-KL and its weight stay finite for any finite log-probabilities.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def fipo_influence(
     clip_high_only: bool,
     safety_threshold: float | None,
     delta: float | None,
+    max_log_ratio: float = 20.0,
 ) -> tuple[Tensor, Tensor]:
     """The detached influence weight f and the Future-KL it came from, both `[B, T]`.
 
@@ -79,14 +82,15 @@ def fipo_influence(
         clip_range: ε_f; f is clipped to [1 - ε_f, 1 + ε_f] ([1, 1 + ε_f] if `clip_high_only`); None: no clip.
         safety_threshold: ratio above which a negative-advantage token's weight is held in [1 - ε_f, 1].
         delta: tokens with r > δ do not contribute to the Future-KL (None: all contribute).
+        max_log_ratio: M, the clamp of each log r and of the Future-KL before exp.
     """
     with torch.no_grad():
-        shift = torch.where(mask, token_log_ratio, 0.0)
+        shift = torch.where(mask, token_log_ratio.clamp(-max_log_ratio, max_log_ratio), 0.0)
         if delta is not None:
             shift = torch.where(ratio > delta, 0.0, shift)
         future = discounted_future_sum(shift, gamma=math.pow(2.0, -1.0 / decay_rate))
         future = torch.where(mask, future, 0.0)
-        weight = torch.exp(future)
+        weight = torch.exp(future.clamp(-max_log_ratio, max_log_ratio))
         if clip_range is not None:
             weight = weight.clamp(1.0 if clip_high_only else 1.0 - clip_range, 1.0 + clip_range)
         if safety_threshold is not None:
@@ -136,6 +140,7 @@ class FIPO(ClippedPolicy):
             token_log_ratio, self.ratio(batch), batch.advantages, batch.mask,
             decay_rate=self.fipo_decay_rate, clip_range=self.fipo_clip_range,
             clip_high_only=self.fipo_clip_high_only, safety_threshold=self.fipo_safety_threshold, delta=self.delta,
+            max_log_ratio=self.max_log_ratio,
         )
         metrics = terms.metrics | {
             "fipo_weight_mean": masked_mean(weight, batch.mask),
