@@ -50,7 +50,10 @@ def detect_anomaly(enabled: bool = True) -> Iterator[None]:
 
 
 def anomaly_enabled() -> bool:
-    """True inside `detect_anomaly()`."""
+    """True inside `detect_anomaly()`; always False while `torch.compile` traces (a host read
+    would break the graph: run the step eagerly to find a bad value)."""
+    if torch.compiler.is_compiling():
+        return False
     return _ANOMALY.get()
 
 

@@ -27,15 +27,14 @@ def masked_fraction(flags: Tensor, mask: Tensor, count: Tensor | None = None) ->
 
 
 def masked_extremes(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(smallest, largest) valid value, detached; NaN when nothing is valid. One pass: masked
-    positions take the value of the first valid one, which changes neither extreme."""
+    """(smallest, largest) valid value, detached; NaN when nothing is valid. Masked positions take
+    ±inf, which changes neither extreme: no index is read, so no host sync and no graph break."""
     values = values.detach().expand_as(mask)
-    if values.numel() == 0:  # aminmax refuses empty tensors
+    if values.numel() == 0:  # amin / amax refuse empty tensors
         nan = values.new_full((), torch.nan)
         return nan, nan
-    first = mask.reshape(-1).view(torch.uint8).argmax()  # 0 when nothing is valid
-    # torch.take with a 0-d index tensor stays on the device: indexing by it would read it on the host.
-    low, high = torch.aminmax(torch.where(mask, values, torch.take(values, first)))
+    low = torch.where(mask, values, torch.inf).amin()
+    high = torch.where(mask, values, -torch.inf).amax()
     none = ~mask.any()
     return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
 
