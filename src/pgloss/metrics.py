@@ -14,10 +14,12 @@ from torch import Tensor
 
 
 def masked_mean(values: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
-    """Σ m·x / Σ m, detached; NaN when nothing is valid. `count` = mask.sum() when known."""
+    """Σ m·x / Σ m, detached; NaN when nothing is valid. `count` = mask.sum() when known. The sum
+    runs in float64: a mean of finite values is finite (float32 sums of log-ratios near its
+    largest value would overflow)."""
     values = values.detach().expand_as(mask)
     count = mask.sum() if count is None else count
-    return (torch.where(mask, values, 0.0).sum() / count).to(values.dtype)
+    return (torch.where(mask, values, 0.0).sum(dtype=torch.float64) / count).to(values.dtype)
 
 
 def masked_fraction(flags: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
