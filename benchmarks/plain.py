@@ -6,8 +6,12 @@ lengths and per-token advantages, forward and backward to `log_prob`, with their
 mean/max/min). The global counts are given to both, as a trainer's engine gives them:
 verl's `global_batch_info`, pgloss's `Normalizer` (counted once per step, outside the loop).
 
-Runs are interleaved (verl, pgloss, verl, pgloss, ...) so that the machine's load hits both
-alike; the median of each is reported with their ratio.
+pgloss runs twice: eager, and its loss call under `torch.compile(fullgraph=True)` (inductor; the
+backward is compiled too; compile time is spent in the warm-up, not timed). The call has no host
+sync and no graph break, so the whole loss is one graph. `--no-compile` leaves that column out.
+
+Runs are interleaved (verl, pgloss, pgloss compiled, verl, ...) so that the machine's load hits all
+alike; the median of each is reported with the ratios.
 
     python benchmarks/plain.py --batch 64 --length 4096 --repeats 30 --threads 1
 
@@ -36,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--modes", default=",".join(MODES), help="loss_agg_modes, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="leave out pgloss under torch.compile")
     return parser.parse_args(argv)
 
 
@@ -46,7 +52,7 @@ def make_batch(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
     old = -torch.rand(batch, length, generator=gen) * 3
     return {
         "old_log_prob": old,
-        "log_prob": old + 0.2 * torch.randn(batch, length, generator=gen),
+        "log_prob": -(old + 0.2 * torch.randn(batch, length, generator=gen)).abs(),  # log-probs are <= 0
         "advantages": torch.randn(batch, length, generator=gen),
         "mask": mask,
     }
@@ -71,14 +77,21 @@ def verl_step(mode: str, data: dict):
     return step
 
 
-def pgloss_step(mode: str, data: dict):
+def pgloss_step(mode: str, data: dict, *, compiled: bool = False):
     algorithm = pgloss.get("dual_clip_ppo", loss_agg_mode=mode)
     normalizer = pgloss.Normalizer.count(data["mask"])
 
-    def step(log_prob):
+    def call(log_prob):
         out = algorithm(log_prob, data["old_log_prob"], data["advantages"], data["mask"], normalizer=normalizer)
-        out.loss.backward()
-        return out.loss.detach(), {k: float(v) for k, v in out.metrics.items()}  # one host read per metric, as verl
+        return out.loss, out.metrics
+
+    if compiled:
+        call = torch.compile(call, fullgraph=True)
+
+    def step(log_prob):
+        loss, metrics = call(log_prob)
+        loss.backward()
+        return loss.detach(), {k: float(v) for k, v in metrics.items()}  # one host read per metric, as verl
 
     return step
 
@@ -96,20 +109,33 @@ def main(argv=None) -> None:
     data = make_batch(args.batch, args.length, args.seed)
     print(f"B={args.batch}, T={args.length}, {int(data['mask'].sum())} valid tokens, float32, "
           f"{args.threads} thread(s), {args.repeats} interleaved runs each; torch {torch.__version__}")
-    print(f"{'loss_agg_mode':<22}{'verl (ms)':>11}{'pgloss (ms)':>13}{'ratio':>8}   max |Δloss|  max |Δgrad|")
+    names = ["verl", "pgloss"] + (["compiled"] if args.compile else [])
+    header = f"{'loss_agg_mode':<22}{'verl (ms)':>11}{'pgloss (ms)':>13}{'ratio':>8}"
+    if args.compile:
+        header += f"{'compiled (ms)':>15}{'/ eager':>9}"
+    print(header + "   max |Δloss|  max |Δgrad|" + ("  compiled: |Δloss|  |Δgrad|" if args.compile else ""))
     for mode in args.modes.split(","):
         steps = {"verl": verl_step(mode, data), "pgloss": pgloss_step(mode, data)}
+        if args.compile:
+            steps["compiled"] = pgloss_step(mode, data, compiled=True)
         times = {name: [] for name in steps}
-        for _ in range(3):  # warm-up
+        for _ in range(3):  # warm-up (and, for the compiled step, compilation)
             for step in steps.values():
                 timed(step, data)
         for _ in range(args.repeats):
             for name, step in steps.items():
                 times[name].append(timed(step, data)[0])
-        (_, verl_loss, verl_grad), (_, our_loss, our_grad) = (timed(s, data) for s in steps.values())
-        verl_ms, our_ms = (1e3 * statistics.median(times[n]) for n in steps)
-        print(f"{mode:<22}{verl_ms:>11.2f}{our_ms:>13.2f}{our_ms / verl_ms:>8.3f}   "
-              f"{abs(float(verl_loss - our_loss)):.2e}     {float((verl_grad - our_grad).abs().max()):.2e}")
+        results = {name: timed(step, data) for name, step in steps.items()}
+        ms = {name: 1e3 * statistics.median(times[name]) for name in names}
+        (_, verl_loss, verl_grad), (_, our_loss, our_grad) = results["verl"], results["pgloss"]
+        line = f"{mode:<22}{ms['verl']:>11.2f}{ms['pgloss']:>13.2f}{ms['pgloss'] / ms['verl']:>8.3f}"
+        if args.compile:
+            line += f"{ms['compiled']:>15.2f}{ms['compiled'] / ms['pgloss']:>9.3f}"
+        line += f"   {abs(float(verl_loss - our_loss)):.2e}     {float((verl_grad - our_grad).abs().max()):.2e}"
+        if args.compile:
+            _, c_loss, c_grad = results["compiled"]
+            line += f"     {abs(float(c_loss - our_loss)):.2e}  {float((c_grad - our_grad).abs().max()):.2e}"
+        print(line)
 
 
 if __name__ == "__main__":
