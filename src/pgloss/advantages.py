@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .batch import check_device, check_mask, check_tensor
-from .checks import check_number, is_integer
+from .checks import check_flag, check_number, is_integer
 
 
 def gae(
@@ -71,6 +71,7 @@ def group_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     """
     if check_number("eps", eps) <= 0:
         raise ValueError(f"eps must be > 0, got {eps}")
+    check_flag("scale", scale)
     scores = check_tensor("scores", scores, ndim=(1,)).detach()
     work = scores.to(torch.float64)
     index, n_groups = group_index(group_ids, scores.shape[0], scores.device)

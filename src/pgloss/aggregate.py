@@ -198,12 +198,15 @@ def check_counts(mask: Tensor, normalizer: Normalizer) -> None:
     """Refuse a `normalizer` that counted fewer valid tokens or non-empty sequences than the bool
     `mask` of one call holds: it was counted on other masks (say, before a token mask was applied),
     and the loss would be too large. A value check (`pgloss.checks.check_values`)."""
-    for what, counted, held in (("tokens", normalizer.tokens, lambda: mask.sum()),
-                                ("sequences", normalizer.sequences, lambda: mask.any(dim=-1).sum())):
-        check_values(mask, lambda: held() > counted,
-                     lambda _, what=what, counted=counted, held=held: (
-                         f"the normalizer counted {int(counted)} {what} but this call holds {int(held())}; count the "
-                         f"step's Normalizer on the masks the calls use (every micro-batch's, after any token mask)"))
+    if not host_reads(mask):
+        return
+    lengths = mask.sum(dim=-1)
+    for what, counted, held in (("tokens", normalizer.tokens, lengths.sum()),
+                                ("sequences", normalizer.sequences, (lengths > 0).sum())):
+        if bool(held > counted):
+            raise ValueError(f"the normalizer counted {int(counted)} {what} but this call holds {int(held)}; count "
+                             f"the step's Normalizer on the masks the calls use (every micro-batch's, after any "
+                             f"token mask)")
 
 
 def token_weights(

@@ -110,9 +110,10 @@ class TokenBatch:
                     f"{name} has dtype {value.dtype} but log_prob has {dtype}; cast the log-probabilities to one dtype"
                 )
             check_finite(name, value, bool_mask)
+            value = torch.where(bool_mask, value.to(cdtype), 0.0)
             if is_log_prob:
-                check_log_prob(name, value, bool_mask)
-            return torch.where(bool_mask, value.to(cdtype), 0.0)
+                check_log_prob(name, value)  # zeroed at masked positions
+            return value
 
         advantages = check_tensor("advantages", advantages, ndim=(1, 2))
         check_device("advantages", advantages, device)

@@ -83,18 +83,16 @@ def check_values(tensor: Tensor, bad: Callable[[], Tensor], message: Callable[[T
 
 def check_log_prob(name: str, value: Tensor, mask: Tensor | None = None) -> None:
     """A log-probability is at most 0: refuse a positive one where `mask` is valid (everywhere when
-    None), naming `name`, the value and its position; probabilities passed for log-probabilities
-    are the likely cause. A value check (`check_values`)."""
-    def bad() -> Tensor:
-        positive = value.detach() > 0
-        return positive if mask is None else positive & mask
-
-    def message(at: Tensor) -> str:
-        where = tuple(int(i) for i in at)
-        return (f"{name} must hold log-probabilities (<= 0), got {float(value[where])} at a valid position {where}; "
-                f"were probabilities passed instead of their log?")
-
-    check_values(value, bad, message)
+    None: pass values already zeroed at masked positions), naming `name`, the value and its
+    position; probabilities passed for log-probabilities are the likely cause. A value check
+    (`host_reads`): one max over the values, the position only when one is positive."""
+    if not host_reads(value) or value.numel() == 0:
+        return
+    valid = value.detach() if mask is None else torch.where(mask, value.detach(), 0.0)
+    if bool(valid.amax() > 0):  # NaN is not positive: `check_finite` finds it
+        where = tuple(int(i) for i in (valid > 0).nonzero()[0])
+        raise ValueError(f"{name} must hold log-probabilities (<= 0), got {float(value[where])} at a valid position "
+                         f"{where}; were probabilities passed instead of their log?")
 
 
 def check_finite(name: str, value: Tensor | None, mask: Tensor) -> None:
@@ -150,6 +148,13 @@ def check_number(name: str, value: Any, *, optional: bool = False) -> float | No
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return float(value)
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """`value` as a bool: TypeError for anything else (a string such as "no" is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
 
 
 @functools.cache

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .advantages import group_index
 from .batch import check_device, check_mask, check_tensor
-from .checks import check_log_prob, check_number, is_integer
+from .checks import check_flag, check_log_prob, check_number
 from .entropy import check_chunk_size, check_temperature
 
 
@@ -70,12 +70,6 @@ def _positive(name: str, value: object) -> float:
     value = check_number(name, value)
     if value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
-    return value
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return value
 
 
@@ -336,7 +330,7 @@ def passk_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     best response of a group gets an advantage, Â = s_max - s_second (÷ (σ_g + ε), Bessel, when
     `scale`); the rest get 0. Ties go to the first row. Every group needs two members; ε > 0 keeps a
     group of equal scores at 0 / ε = 0."""
-    eps, scale = _positive("eps", eps), _flag("scale", scale)
+    eps, scale = _positive("eps", eps), check_flag("scale", scale)
     scores = _scores(scores)
     work = scores.to(torch.float64)
     index, n_groups = group_index(group_ids, work.shape[0], work.device)
@@ -393,7 +387,7 @@ def optimal_token_baseline_advantages(
     with G the undiscounted return-to-go and π_t = exp(old_log_prob). A group of one has B = 0.
     `zero_tail`: where a group's single longest response runs past the second longest, its baseline
     is 0 there (no other trajectory estimates it). `sum_pi_sq` from `sum_pi_squared(logits)`."""
-    eps, zero_tail = _positive("eps", eps), _flag("zero_tail", zero_tail)
+    eps, zero_tail = _positive("eps", eps), check_flag("zero_tail", zero_tail)
     returns = discounted_returns(token_rewards, mask, gamma=1.0).to(torch.float64)
     valid = check_mask(mask, returns.shape, returns.device, "token_rewards")
     index, n_groups = group_index(group_ids, returns.shape[0], returns.device, "token_rewards")

@@ -14,12 +14,13 @@ from torch import Tensor
 
 
 def masked_mean(values: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
-    """Σ m·x / Σ m, detached; NaN when nothing is valid. `count` = mask.sum() when known. The sum
-    runs in float64: a mean of finite values is finite (float32 sums of log-ratios near its
-    largest value would overflow)."""
+    """Σ m·x / Σ m, detached; NaN when nothing is valid. `count` = mask.sum() when known. Each term
+    is divided before the sum, so a mean of finite values is finite (a float32 sum of log-ratios
+    near its largest value would overflow)."""
     values = values.detach().expand_as(mask)
     count = mask.sum() if count is None else count
-    return (torch.where(mask, values, 0.0).sum(dtype=torch.float64) / count).to(values.dtype)
+    total = torch.where(mask, values, 0.0).div_(count).sum()
+    return torch.where(count > 0, total, torch.nan).to(values.dtype)
 
 
 def masked_fraction(flags: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
@@ -29,14 +30,17 @@ def masked_fraction(flags: Tensor, mask: Tensor, count: Tensor | None = None) ->
 
 
 def masked_extremes(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(smallest, largest) valid value, detached; NaN when nothing is valid. Masked positions take
-    ±inf, which changes neither extreme: no index is read, so no host sync and no graph break."""
+    """(smallest, largest) valid value, detached; NaN when nothing is valid. One pass: masked
+    positions take the value of the first valid one, which changes neither extreme. It is read by
+    `gather` on the device (indexing by a 0-d tensor would read the index on the host)."""
     values = values.detach().expand_as(mask)
-    if values.numel() == 0:  # amin / amax refuse empty tensors
+    if values.numel() == 0:  # aminmax refuses empty tensors
         nan = values.new_full((), torch.nan)
         return nan, nan
-    low = torch.where(mask, values, torch.inf).amin()
-    high = torch.where(mask, values, -torch.inf).amax()
+    first = mask.reshape(-1).view(torch.uint8).argmax()  # 0 when nothing is valid
+    width = mask.shape[-1]
+    row = values.gather(0, (first // width).view(1, 1).expand(1, width))
+    low, high = torch.aminmax(torch.where(mask, values, row.gather(1, (first % width).view(1, 1))))
     none = ~mask.any()
     return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
 

@@ -157,7 +157,7 @@ def kl_cov_loss(
 class ClipCov(Algorithm):
     """PPO's clipped surrogate with k random high-covariance tokens detached (`clip_cov_loss`).
 
-    The draw uses `generator` (compared by identity, not value); pass a seeded CPU `torch.Generator`
+    The draw uses `generator` (compared by identity, not value); pass a seeded `torch.Generator`
     to make the step reproducible. The selection couples the tokens of one call (`couples_rows`).
     """
 
