@@ -67,7 +67,8 @@ class TokenGradients:
     """The per-token gradient of a loss with respect to log π_θ, `[B, T]`, and its factors."""
 
     grad: Tensor
-    """g = ∂L/∂log π_θ of the whole loss (KL and entropy terms included), by autograd; 0 where masked."""
+    """g = ∂L/∂log π_θ of the whole loss (the sampled-token KL term included; the entropy and the exact KL
+    are functions of the logits and add nothing here), by autograd; 0 where masked."""
     policy_grad: Tensor
     """The same without the KL and entropy terms: what `closed_form` equals."""
     advantage: Tensor
