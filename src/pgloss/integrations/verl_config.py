@@ -267,6 +267,12 @@ def algorithm_from_verl(
                              "generation budget, e.g. data.max_response_length); verl would divide by each "
                              "micro-batch's padded width, which pgloss never does")
 
+    forced = FORCED_MODES.get(mode) if verl_native else None
+    extra = not policy_only and (config_get(config, "use_kl_loss", False) or config_get(config, "entropy_coeff", 0.0))
+    if forced is not None and extra and agg != forced:
+        raise ValueError(f"{label}: verl aggregates this policy term {forced!r} but its KL and entropy terms with "
+                         f"loss_agg_mode={agg!r}; a pgloss algorithm aggregates every term one way: set "
+                         f"loss_agg_mode={forced!r}")
     if policy_only:
         values |= dict(kl_coef=0.0, entropy_coef=0.0)
     else:
