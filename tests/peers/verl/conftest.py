@@ -9,16 +9,18 @@ bodies stay verl's. `PGLOSS_PEERS=original` runs them unmodified (verl's own fun
 A test that fails swapped is marked xfail (strict) with the difference written in docs/reference.md.
 """
 
+import importlib.util
 import os
 
 import pytest
 
-pytest.importorskip("verl")
+if importlib.util.find_spec("verl") is None:  # the peer suite needs verl (make test installs it)
+    collect_ignore_glob = ["test_*.py"]
+else:
+    from verl.trainer.ppo import core_algos
 
-from verl.trainer.ppo import core_algos  # noqa: E402
-
-from pgloss.integrations import verl as adapter  # noqa: E402
-from pgloss.integrations.verl_config import LOSS_MODES  # noqa: E402
+    from pgloss.integrations import verl as adapter
+    from pgloss.integrations.verl_config import LOSS_MODES
 
 SWAPPED = os.environ.get("PGLOSS_PEERS", "swapped") != "original"
 
