@@ -11,7 +11,7 @@ INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"
 VERL_LOSS_DEPS := ray "tensordict>=0.8,<=0.10.0,!=0.9.0" omegaconf hydra-core codetiming
 
-.PHONY: setup test demo list clean
+.PHONY: setup test peers demo list clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ $(INTEGRATIONS): $(STAMP)
 
 test: $(STAMP) $(INTEGRATIONS)
 	$(PY) -m pytest -n 2 tests
+
+# The trainers' own loss tests (tests/peers/): swapped to pgloss (as in `make test`), then unmodified.
+peers: $(STAMP) $(INTEGRATIONS)
+	$(PY) -m pytest -q -rx tests/peers/verl
+	PGLOSS_PEERS=original $(PY) -m pytest -q tests/peers/verl
 
 demo: $(STAMP)
 	$(VENV)/bin/pgloss losses

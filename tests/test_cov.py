@@ -1,9 +1,12 @@
 """Clip-Cov and KL-Cov (losses/cov.py) against the plain loops, their draws and gradients."""
 
+import math
+
 import pytest
 import torch
 
 import loops_vocabulary as loops
+import pgloss
 from conftest import make_batch
 from pgloss.losses.cov import clip_cov_loss, kl_cov_loss, selection_size, token_covariance
 
@@ -108,3 +111,31 @@ def test_covariance_is_centred_over_valid_tokens_only():
     i, t = mask.nonzero()[0].tolist()
     expected = (adv[i, t] - adv[mask].mean()) * (lp[i, t] - lp[mask].mean())
     torch.testing.assert_close(cov[i, t], expected)
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_the_log_ratio_clamp_acts_only_beyond_20(name):
+    """verl's clip_cov and kl_cov exponentiate log r unclamped; pgloss clamps it at ±max_log_ratio (20):
+    the same loss within ±20; beyond, a finite loss with no gradient on that token (verl's grows as
+    r and overflows float32 at log r > 88.7). max_log_ratio=1e4 reproduces the unclamped value."""
+    data, lp, old, adv, mask = inputs(0)
+    overrides = dict(clip_cov_ratio=0.1, clip_cov_lb=0.05) if name == "clip_cov" else dict(kl_cov_ratio=0.1)
+    args = (old, adv, mask)
+    for shift, clamped in ((19.5, False), (25.0, True)):
+        x = lp.clone()
+        x[0, 0] = old[0, 0] + shift
+        adv0 = adv.clone()
+        adv0[0, 0] = -1.0  # a bad token whose ratio exploded: -A·r is the surrogate's branch
+        values = {}
+        for limit in (20.0, 1e4):
+            leaf = x.clone().requires_grad_()
+            gen = dict(generator=torch.Generator().manual_seed(0)) if name == "clip_cov" else {}
+            out = pgloss.get(name, max_log_ratio=limit, **overrides, **gen)(leaf, old, adv0, mask)
+            out.loss.backward()
+            values[limit] = (out.loss.detach(), leaf.grad[0, 0])
+        (clamped_loss, clamped_grad), (free_loss, free_grad) = values[20.0], values[1e4]
+        if clamped:
+            assert clamped_grad == 0 and free_grad != 0
+            assert free_loss / clamped_loss == pytest.approx(math.exp(5.0), rel=1e-2)  # the token's e^25 against e^20
+        else:
+            assert clamped_loss.item() == free_loss.item() and clamped_grad == free_grad

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from test_distributed import free_port
 
-MODULES = ["test_estimators", "test_token_masks", "test_m2po", "test_rollout_algorithms"]
+MODULES = ["test_estimators", "test_token_masks", "test_m2po", "test_rollout_algorithms", "test_cov_step", "test_real"]
 
 
 def worker(rank: int, port: int, results) -> None:

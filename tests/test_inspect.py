@@ -238,3 +238,70 @@ def test_group_mean_token_mean_weights():
     expected = torch.tensor([[1 / (groups * tokens[int(g)])] for g in ids], dtype=torch.float64) * mask
     torch.testing.assert_close(result.weight, expected)
     torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-9, atol=1e-13)
+
+
+def cov_batch():
+    batch = make_batch(6, 8, seed=11, spread=0.3, per_token_adv=True)
+    batch["advantages"] = 2 * batch["advantages"]  # covariances of order one: candidates inside (lb, ub)
+    return batch
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_clip_cov_draws_once_and_leaves_the_generator_as_it_found_it(seeded):
+    """grad, policy_grad and the closed form share one draw, the one the next training call makes;
+    the algorithm's generator (or torch's global one) is where it was."""
+    batch = cov_batch()
+    args = (batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"])
+    generator = torch.Generator().manual_seed(5) if seeded else None
+    alg = algorithm("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.05, generator=generator,
+                    entropy_coef=0.01)  # with an entropy term: grad and policy_grad are two loss calls
+    torch.manual_seed(123)
+    before = generator.get_state() if seeded else torch.get_rng_state()
+    result = inspect(alg, *args, entropy=batch["entropy"])
+    after = generator.get_state() if seeded else torch.get_rng_state()
+    assert torch.equal(before, after)
+    torch.testing.assert_close(result.grad, result.policy_grad, rtol=0, atol=0)  # the entropy adds nothing on log π(y)
+    torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-12, atol=1e-15)
+    leaf = batch["log_prob"].clone().requires_grad_()
+    training = alg(leaf, *args[1:], entropy=batch["entropy"])  # the next training call draws what inspect showed
+    training.loss.backward()
+    torch.testing.assert_close(leaf.grad, result.grad, rtol=0, atol=0)
+    picked = batch["mask"] & (result.factor == 0) & (result.grad == 0)
+    assert training.metrics["clip_cov_fraction"] > 0 and picked.sum() >= int(0.2 * batch["mask"].sum())
+    assert not (generator.get_state() if seeded else torch.get_rng_state()).equal(before)  # training did draw
+
+
+def test_kl_estimator_full_can_be_inspected():
+    batch = make_batch(4, 5, seed=12)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref_logits = torch.randn(4, 5, 7, generator=gen, dtype=torch.float64)
+    full_kl = pgloss.full_kl_from_logits(logits, ref_logits)
+    alg = algorithm("grpo", kl_estimator="full", kl_coef=0.1)
+    args = (batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"])
+    with pytest.raises(ValueError, match="needs full_kl"):
+        inspect(alg, *args)
+    result = inspect(alg, *args, full_kl=full_kl)
+    # The exact KL is a function of the logits, not of log π(y_t): it adds nothing to g.
+    torch.testing.assert_close(result.grad, result.policy_grad, rtol=0, atol=0)
+    torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-10, atol=1e-14)
+    assert logits.grad is None and full_kl.requires_grad  # the caller's graph is left alone
+    full_kl.sum().backward()
+    assert logits.grad is not None
+
+
+@pytest.mark.parametrize("name, closed", [("luspo", True), ("dppo_tv", True), ("dppo_kl", True), ("vespo", True),
+                                          ("clip_cov", True), ("gmpo", False), ("kl_cov", False), ("real", False)])
+def test_each_family_owns_its_closed_form(name, closed):
+    """inspect reads the family's own `gradient_factor`; a family without one says so."""
+    batch = cov_batch() if name == "clip_cov" else make_batch(6, 8, seed=13, spread=0.3)
+    alg = algorithm(name, clip_cov_lb=0.05, clip_cov_ratio=0.2) if name == "clip_cov" else algorithm(name)
+    kwargs = {"group_ids": batch["group_ids"]} if "group_ids" in alg.needs else {}
+    if name == "vespo":
+        kwargs["rollout_log_prob"] = batch["old_log_prob"] + 0.05
+    result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"], **kwargs)
+    assert hasattr(type(alg), "gradient_factor") == closed
+    if closed:
+        torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-10, atol=1e-14)
+    else:
+        assert result.closed_form is None and "no closed form for the" in result.reason

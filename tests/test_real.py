@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import loops_vocabulary as loops
+import pgloss
 from conftest import make_batch
 from pgloss.losses.real import real_group_loss
 
@@ -59,3 +60,68 @@ def test_gradcheck_and_huge_scores_stay_finite():
     loss = batch_loss(x, old, adv, mask, group_ids, 0.5)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+
+
+def real_data(seed):
+    data = make_batch(batch=9, length=6, seed=seed, spread=0.5, per_token_adv=True)
+    data["group_ids"] = torch.arange(9) // 3  # three groups of three rows (row 3 is empty)
+    signs = torch.tensor([1.0, -1.0, 1.0, 0.0, 1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    data["advantages"] = data["advantages"] + 2 * signs[:, None]  # both signs in every group: each contrasts
+    return data
+
+
+def split_run(alg, data, parts):
+    """Summed loss and gradient over micro-batches `parts`, with the step's Normalizer (group counts)."""
+    x = data["log_prob"].clone().requires_grad_()
+    normalizer = pgloss.Normalizer.count([data["mask"][p] for p in parts],
+                                         group_ids=[data["group_ids"][p] for p in parts])
+    total = 0.0
+    for p in parts:
+        out = alg(x[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
+                  group_ids=data["group_ids"][p], ref_log_prob=data["ref_log_prob"][p], normalizer=normalizer)
+        out.loss.backward()
+        total = total + out.loss.detach()
+    return total, x.grad
+
+
+@pytest.mark.parametrize("cuts", [[3], [6], [3, 6], []])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_micro_batches_of_whole_groups_equal_the_whole_batch(cuts, seed):
+    """REAL is a mean over the step's groups: with whole groups per call and the step's group count
+    (Normalizer), any split gives the whole batch's loss and gradient (KL term on)."""
+    data = real_data(seed)
+    alg = pgloss.get("real", kl_coef=0.1)
+    whole_loss, whole_grad = split_run(alg, data, [slice(0, 9)])
+    bounds = [0] + cuts + [9]
+    loss, grad = split_run(alg, data, [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])])
+    torch.testing.assert_close(loss, whole_loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, whole_grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_group_split_across_calls_is_not_invariant():
+    data = real_data(0)
+    alg = pgloss.get("real")
+    _, whole_grad = split_run(alg, data, [slice(0, 9)])
+    _, grad = split_run(alg, data, [slice(0, 7), slice(7, 9)])  # group 1 is cut: each call contrasts a part
+    assert (grad - whole_grad).abs().max() > 1e-3
+
+
+RANK_PARTS = {0: [slice(0, 3)], 1: [slice(3, 6), slice(6, 9)]}
+
+
+def on_rank(rank):  # inside a gloo process of test_distributed_part2.py: whole groups on each rank
+    data = real_data(2)
+    parts = RANK_PARTS[rank]
+    _, grad = split_run(pgloss.get("real", kl_coef=0.1), data, parts)  # Normalizer all-reduced: world size 2
+    rows = torch.cat([torch.arange(9)[p] for p in parts])
+    return rows, grad[rows] / 2  # DDP averages the two ranks' gradients
+
+
+def check_ranks(results):
+    data = real_data(2)
+    _, whole = split_run(pgloss.get("real", kl_coef=0.1), data, [slice(0, 9)])
+    grad = torch.zeros_like(whole)
+    for rank in (0, 1):
+        rows, part = results[rank]
+        grad[rows] = part
+    torch.testing.assert_close(grad, whole, rtol=1e-12, atol=1e-14)

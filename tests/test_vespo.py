@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import loops_vocabulary as loops
+import pgloss
 from conftest import make_batch
-from pgloss.losses.vespo import vespo_loss, vespo_phi
+from pgloss.batch import TokenBatch
+from pgloss.losses.vespo import rollout_log_weight, vespo_loss, vespo_phi
 
 SHAPE = dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
 
@@ -53,3 +55,77 @@ def test_extreme_ratios_give_finite_zero_weight():
     delta = torch.tensor([[1e4] * 3, [-1e4] * 3], dtype=torch.float64)
     phi = vespo_phi(delta, torch.ones(2, 3, dtype=torch.float64), mask, **SHAPE)
     assert torch.isfinite(phi).all() and (phi < 1e-6).all()
+
+
+def rollout_batch(seed, *, outliers=0.05):
+    """A batch whose rollout log-probs mostly agree with π_old, with a few tokens far off (|log ρ| ~ 1.5)."""
+    data = make_batch(batch=6, length=9, seed=seed, spread=0.1)
+    gen = torch.Generator().manual_seed(seed + 100)
+    noise = 0.02 * torch.randn(data["old_log_prob"].shape, generator=gen, dtype=torch.float64)
+    far = torch.rand(noise.shape, generator=gen) < outliers
+    noise = torch.where(far, 1.5 * torch.randn(noise.shape, generator=gen, dtype=torch.float64), noise)
+    data["rollout_log_prob"] = data["old_log_prob"] - noise
+    return data
+
+
+def trl_phi(data, *, mode, clip_min, clip_max):
+    """TRL 1.16's VESPO weight with its token-level vLLM IS ratio (grpo_trainer.py: the ratio of
+    `_generate_and_score_completions`, then `get_gamma_weights`)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    mask = data["mask"].to(torch.float64)
+    ratio = torch.exp((data["old_log_prob"] - data["rollout_log_prob"]) * mask)
+    if mode == "truncate":
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    adv = data["advantages"][:, None]
+    return GRPOTrainer.get_gamma_weights(adv, data["log_prob"] - data["old_log_prob"], mask, ratio, **SHAPE)
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max", [("truncate", None, 3.0), ("truncate", 0.5, 2.0),
+                                                      ("mask", 0.5, 2.0), ("mask", None, 3.0)])
+def test_trl_convention_folds_the_bounded_ratio_as_trl_does(mode, clip_min, clip_max):
+    pytest.importorskip("trl")
+    data = rollout_batch(4)
+    alg = pgloss.get("vespo", vespo_rollout_mode=mode, vespo_rollout_clip_min=clip_min, vespo_rollout_clip_max=clip_max)
+    batch = TokenBatch.prepare(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
+                               rollout_log_prob=data["rollout_log_prob"])
+    ours = alg.phi(batch)[:, :1]
+    torch.testing.assert_close(ours, trl_phi(data, mode=mode, clip_min=clip_min, clip_max=clip_max),
+                               rtol=1e-12, atol=1e-15)
+    raw = pgloss.get("vespo").phi(batch)[:, :1]
+    assert not torch.allclose(ours, raw, rtol=1e-2)  # the outliers are out of the band: the conventions differ here
+
+
+def test_the_conventions_agree_when_every_ratio_is_inside_the_bounds():
+    data = rollout_batch(5, outliers=0.0)  # |log ρ| ≈ 0.02: inside [0.5, 2]
+    args = (data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
+    raw = pgloss.get("vespo")(*args, rollout_log_prob=data["rollout_log_prob"]).loss
+    for mode in ("truncate", "mask"):
+        bounded = pgloss.get("vespo", vespo_rollout_mode=mode, vespo_rollout_clip_min=0.5, vespo_rollout_clip_max=2.0)
+        assert bounded(*args, rollout_log_prob=data["rollout_log_prob"]).loss.item() == raw.item()
+
+
+def test_rollout_log_weight_against_the_plain_formulas():
+    log_rho = torch.tensor([[math.log(0.25), math.log(0.9), math.log(1.5), math.log(5.0)]], dtype=torch.float64)
+    expected = {"raw": [0.25, 0.9, 1.5, 5.0], "truncate": [0.5, 0.9, 1.5, 2.0], "mask": [1e-8, 0.9, 1.5, 1e-8]}
+    for mode, values in expected.items():
+        bounds = {} if mode == "raw" else dict(clip_min=0.5, clip_max=2.0)
+        got = rollout_log_weight(log_rho, mode=mode, **bounds)
+        torch.testing.assert_close(got, torch.tensor([[math.log(v) for v in values]], dtype=torch.float64))
+
+
+def test_rollout_mode_bad_values():
+    with pytest.raises(ValueError, match="vespo_rollout_mode must be one of"):
+        pgloss.get("vespo", vespo_rollout_mode="token_truncate")
+    with pytest.raises(ValueError, match="'raw' folds the unbounded ratio"):
+        pgloss.get("vespo", vespo_rollout_clip_max=3.0)
+    with pytest.raises(ValueError, match="needs vespo_rollout_clip_min or"):
+        pgloss.get("vespo", vespo_rollout_mode="mask")
+    with pytest.raises(ValueError, match="vespo_rollout_clip_min must be <="):
+        pgloss.get("vespo", vespo_rollout_mode="mask", vespo_rollout_clip_min=2.0, vespo_rollout_clip_max=0.5)
+    with pytest.raises(ValueError, match="vespo_rollout_clip_max must be > 0"):
+        pgloss.get("vespo", vespo_rollout_mode="truncate", vespo_rollout_clip_max=0.0)

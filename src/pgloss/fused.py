@@ -50,7 +50,7 @@ from .entropy import (
 if TYPE_CHECKING:
     from .algorithms import Algorithm
 
-__all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden"]
+__all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
 
 
 class _Chunks:
@@ -151,6 +151,23 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+def full_head(weight: Tensor) -> Tensor:
+    """The whole LM head from an FSDP2-sharded one (a DTensor: `fully_shard` outside its forward),
+    gathered once, its gradient averaged back onto the shards as FSDP2 averages every other
+    parameter's; any other tensor is returned as it is.
+
+    A bare `weight.full_tensor()` would hand each shard only its own rank's gradient: DTensor
+    takes the gathered gradient for a replicated one. `Partial("avg")` says it is each rank's
+    share, so backward reduce-scatters it (a mean over the data-parallel ranks, which the
+    `Normalizer`'s `world_size` factor turns into the global loss's gradient).
+    """
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(weight, DTensor):
+        return weight
+    return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
+
+
 def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None = None) -> Tensor | None:
     """Types, shapes, dtypes and devices; token ids in [0, V) where `mask` is valid (everywhere
     when None). Returns the mask as bool (None without a mask)."""
@@ -197,6 +214,7 @@ def log_prob_and_entropy_from_hidden(
         (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
         hidden and weight (whichever requires grad).
     """
+    weight = full_head(weight)
     _check_inputs(hidden, weight, targets)
     temperature = check_temperature(temperature)
     chunk_size = check_chunk_size(chunk_size, weight.shape[0])
@@ -308,7 +326,8 @@ def loss_from_hidden(
     Args:
         algorithm: a `pgloss.Algorithm`, e.g. `pgloss.get("grpo")`.
         hidden: [B, T, H] final hidden states of the policy (the positions that predict `targets`).
-        weight: [V, H] output projection (the LM head), same dtype and device as `hidden`.
+        weight: [V, H] output projection (the LM head), same dtype and device as `hidden`; an
+            FSDP2-sharded head (DTensor) is gathered once for the call (`full_head`).
         targets: [B, T] integer token ids; values at masked positions are ignored (e.g. -100).
         old_log_prob, advantages, mask, ref_log_prob, rollout_log_prob, normalizer, group_ids, scores:
             as for `algorithm(...)`; floating token tensors are cast to the compute dtype
@@ -320,6 +339,7 @@ def loss_from_hidden(
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
     """
+    weight = full_head(weight)
     valid = _check_inputs(hidden, weight, targets, mask)
     temperature = check_temperature(temperature)
     chunk_size = check_chunk_size(chunk_size, weight.shape[0])
@@ -339,7 +359,7 @@ def loss_from_hidden(
             raise ValueError(f"{algorithm.name} has kl_estimator='full' and needs ref_hidden and ref_weight")
         from .full_kl import full_kl_from_hidden
 
-        batch["full_kl"] = full_kl_from_hidden(hidden, weight, ref_hidden, ref_weight, temperature=temperature,
+        batch["full_kl"] = full_kl_from_hidden(hidden, weight, ref_hidden, full_head(ref_weight), temperature=temperature,
                                                chunk_size=chunk_size)
     elif ref_hidden is not None or ref_weight is not None:
         raise ValueError(f"ref_hidden and ref_weight are for kl_estimator='full'; {algorithm.name} has "

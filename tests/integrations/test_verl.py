@@ -7,6 +7,7 @@ are built here as the engine builds them: log-probs in verl's packed (no-padding
 leaves: a gradient with respect to them is the gradient with respect to any parameter upstream.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -44,9 +45,11 @@ def make_batch(seed=0):
                 prompt_lengths=prompt_lengths)
 
 
-def actor_config(loss_mode, **fields):
-    return ActorConfig(strategy="fsdp", rollout_n=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2,
-                       policy_loss=PolicyLossConfig(loss_mode=loss_mode), **fields)
+def actor_config(loss_mode=None, **fields):
+    """verl's ActorConfig; `loss_mode` or an explicit `policy_loss=PolicyLossConfig(...)`."""
+    if loss_mode is not None:
+        fields["policy_loss"] = PolicyLossConfig(loss_mode=loss_mode)
+    return ActorConfig(strategy="fsdp", rollout_n=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2, **fields)
 
 
 def micro_batch(batch, leaf, rows, *, dp_size=1, with_weights=False):
@@ -86,7 +89,7 @@ def run(config, batch, split, **kwargs):
 
 
 def own_mode(name):
-    return pgloss.get(name, norm_constant=BUDGET).loss_agg_mode
+    return pgloss.get(name, generation_budget=BUDGET).loss_agg_mode
 
 
 def test_every_name_is_registered():
@@ -97,15 +100,21 @@ def test_every_name_is_registered():
 @pytest.mark.parametrize("name", pgloss.names())
 def test_micro_batches_equal_one_call(name):
     """Uneven micro-batches through verl's ppo_loss give the loss and gradient of one call."""
-    family = type(pgloss.get(name, norm_constant=BUDGET))
+    algorithm = pgloss.get(name, generation_budget=BUDGET)
     batch = make_batch(seed=1)
-    if family.required_inputs:  # e.g. TOPR's scores, REAL's group ids: verl passes none to a policy loss
-        config = actor_config(adapter.registered_name(name))
-        with pytest.raises(ValueError, match=f"needs {family.required_inputs[0]}.*verl does not pass"):
+    fields = dict(policy_loss=PolicyLossConfig(loss_mode=adapter.registered_name(name), dro_beta=0.1))
+    if own_mode(name) == "group-mean-token-mean":  # REAL: a per-group loss; verl has no group mode nor ids
+        with pytest.raises(ValueError, match="fixes loss_agg_mode='group-mean-token-mean'"):
+            run(actor_config(**fields), batch, SPLIT)
+        return
+    needs = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0).needs  # verl adds KL and entropy itself
+    if needs:  # e.g. TOPR's scores: verl passes none to a policy loss
+        config = actor_config(**fields, loss_agg_mode=own_mode(name))
+        with pytest.raises(ValueError, match=f"needs {sorted(needs)[0]}.*verl does not pass"):
             run(config, batch, SPLIT)
         return
-    config = actor_config(adapter.registered_name(name), loss_agg_mode=own_mode(name), loss_scale_factor=BUDGET)
-    if family.couples_rows:
+    config = actor_config(**fields, loss_agg_mode=own_mode(name), loss_scale_factor=BUDGET)
+    if algorithm.couples_rows:
         # A selection among a call's tokens: per micro-batch by definition (verl's own clip_cov and
         # kl_cov too), so only one call is checked.
         loss, grad = run(config, batch, [slice(0, ROWS)])
@@ -132,11 +141,29 @@ PARITY = [  # (verl's loss_mode, pgloss name, ActorConfig fields)
     ("vanilla", "dual_clip_ppo", dict(loss_agg_mode="token-mean", clip_ratio_high=0.28)),
     ("vanilla", "dual_clip_ppo", dict(loss_agg_mode="seq-mean-token-mean")),
     ("vanilla", "dual_clip_ppo", dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=BUDGET)),
+    ("vanilla", "dual_clip_ppo", dict(loss_agg_mode="token-sum")),
+    ("vanilla", "dual_clip_ppo", dict(loss_agg_mode="seq-mean-token-sum")),
     ("gspo", "gspo_token", dict(loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4)),
     ("gspo", "gspo", dict(loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4)),
     ("sapo", "sapo", dict(loss_agg_mode="seq-mean-token-mean", tau_pos=1.0, tau_neg=1.05)),
     ("cispo", "cispo", dict(loss_agg_mode="token-mean", clip_ratio_low=10.0, clip_ratio_high=4.0)),
+    # verl's policy_loss fields (PolicyLossConfig) reach the pgloss field of the same meaning
+    ("dro", "dro", dict(loss_agg_mode="token-mean", dro_beta=0.05)),
+    ("dro", "dro", dict(loss_agg_mode="seq-mean-token-mean", dro_beta=0.3)),
+    ("kl_cov", "kl_cov", dict(loss_agg_mode="token-mean", ppo_kl_coef=1.0, kl_cov_ratio=0.5)),
+    ("kl_cov", "kl_cov", dict(loss_agg_mode="seq-mean-token-sum", ppo_kl_coef=0.3, kl_cov_ratio=0.1)),
+    ("clip_cov", "clip_cov", dict(loss_agg_mode="token-mean", clip_cov_ratio=0.3, clip_cov_lb=-0.5, clip_cov_ub=2.0)),
+    ("gpg", "gpg", dict(loss_agg_mode="token-mean")),
+    ("dppo_tv", "dppo_tv", dict(loss_agg_mode="token-mean", clip_ratio_c=1.5, clip_ratio_low=0.05, clip_ratio_high=0.1)),
+    ("dppo_kl", "dppo_kl", dict(loss_agg_mode="seq-mean-token-mean", clip_ratio_c=1.2, clip_ratio_low=0.02)),
 ]
+POLICY_LOSS_KEYS = ("dro_beta", "ppo_kl_coef", "kl_cov_ratio", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")
+
+
+def parity_config(loss_mode, fields):
+    fields = dict(fields)
+    policy = {key: fields.pop(key) for key in POLICY_LOSS_KEYS if key in fields}
+    return actor_config(policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy), **fields)
 
 
 @pytest.mark.parametrize("with_weights", [False, True], ids=["plain", "rollout_is_weights"])
@@ -149,8 +176,14 @@ def test_equals_verl_own_loss(verl_mode, name, fields, with_weights):
     batch = make_batch(seed=3)
     if verl_mode == "gspo":  # small log-ratios, so that some sequences fall inside GSPO's narrow band
         batch["log_prob"] = batch["old"] + 1e-4 * (batch["log_prob"] - batch["old"])
-    theirs, their_grad = run(actor_config(verl_mode, **fields), batch, SPLIT, with_weights=with_weights)
-    ours, our_grad = run(actor_config(adapter.registered_name(name), **fields), batch, SPLIT,
+    # Clip-Cov and KL-Cov select among a call's tokens; a one-row micro-batch with a sequence-level
+    # advantage has cov = 0 on every token, where verl and pgloss break the tie differently
+    # (docs/reference.md), so their micro-batches hold several rows.
+    split = [slice(0, 3), slice(3, 8)] if verl_mode in ("clip_cov", "kl_cov") else SPLIT
+    torch.manual_seed(0)  # clip_cov draws its tokens with torch's global generator, pgloss's as verl's
+    theirs, their_grad = run(parity_config(verl_mode, fields), batch, split, with_weights=with_weights)
+    torch.manual_seed(0)
+    ours, our_grad = run(parity_config(adapter.registered_name(name), fields), batch, split,
                          with_weights=with_weights)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(our_grad, their_grad, rtol=1e-7, atol=1e-12)
@@ -169,8 +202,6 @@ def test_metrics_are_verl_keys():
 def test_unhonourable_modes_are_refused():
     batch = make_batch()
     args = (batch["old"], batch["log_prob"], batch["advantages"], batch["mask"])
-    with pytest.raises(ValueError, match="token-sum"):
-        core_algos.get_policy_loss_fn("pgloss_dapo")(*args, "token-sum", actor_config("pgloss_dapo"))
     with pytest.raises(ValueError, match="loss_scale_factor"):
         core_algos.get_policy_loss_fn("pgloss_dr_grpo")(*args, "seq-mean-token-sum-norm", actor_config("x"))
     with pytest.raises(ValueError, match="fixes loss_agg_mode"):
@@ -190,6 +221,8 @@ def test_register_variant_and_refuse_duplicates():
         adapter.register("nope")
     with pytest.raises(TypeError, match="algorithm must be a pgloss.Algorithm"):
         adapter.register("bad_variant", "dapo")
+    with pytest.raises(TypeError, match="overwrite must be a bool, got 'no'"):
+        adapter.register("fipo_delta8_test", fipo, overwrite="no")
     # The variant's δ is used: a large ratio with a positive advantage is capped at δ = 9.
     batch = make_batch()
     batch["old"] = batch["log_prob"] - 3.0

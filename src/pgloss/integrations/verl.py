@@ -9,26 +9,24 @@ is all a verl command line needs. `register(name, algorithm)` adds a configured 
 verl's config has no field for (FIPO's δ, say).
 
 verl calls a policy loss once per micro-batch with the step's global counts in
-`config.global_batch_info` (filled by `verl.workers.utils.losses.ppo_loss`); each call maps
+`config.global_batch_info` (filled by `verl.workers.utils.losses.ppo_loss`); each call builds the
+algorithm from verl's config with `verl_config.algorithm_from_verl` (the translation
+`pgloss.from_verl` uses: every `policy_loss` field, the clip ratios, `clip_ratio_c`, `tau_*`,
+`loss_agg_mode`, `loss_scale_factor`; see that module) and maps the counts:
 
     global_batch_info {dp_size, batch_num_tokens, global_batch_size}
         -> Normalizer(tokens=batch_num_tokens, sequences=global_batch_size, world_size=dp_size)
-    loss_agg_mode (verl's)       -> loss_agg_mode   (`token-sum` is refused: pgloss has no such mode)
-    loss_scale_factor            -> norm_constant   (required by seq-mean-token-sum-norm)
-    clip_ratio_low / _high       -> clip_low / clip_high   (None: clip_ratio)
-    clip_ratio_c                 -> dual_clip       (only where the algorithm has a dual clip)
-    tau_pos / tau_neg            -> tau_pos / tau_neg
     rollout_is_weights w         -> loss = aggregate(w · ℓ)   (ℓ: the algorithm's per-token term)
 
 and returns `(loss, {"actor/<metric>": value})`. A loss that needs per-call inputs verl does not
-pass (TOPR's raw scores, REAL's group ids) is a clear error at its first call. KL and entropy stay verl's: `ppo_loss` adds
-them after the policy term, so the algorithm runs with `kl_coef = entropy_coef = 0`. verl's
-`global_batch_size` counts rows, empty ones included (pgloss's own count skips empty rows).
+pass (`Algorithm.needs`: TOPR's raw scores, REAL's group ids) is a clear error at its first call.
+KL and entropy stay verl's: `ppo_loss` adds them after the policy term, so the algorithm runs with
+`kl_coef = entropy_coef = 0`. verl's `global_batch_size` counts rows, empty ones included
+(pgloss's own count skips empty rows).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from importlib.metadata import version
@@ -40,10 +38,10 @@ from torch import Tensor
 import pgloss
 from pgloss.aggregate import Normalizer, aggregate
 from pgloss.algorithms import Algorithm
+from pgloss.integrations.verl_config import PREFIX, VARIANTS, algorithm_from_verl, config_get
 
-__all__ = ["PREFIX", "SUPPORTED", "policy_loss_fn", "register", "registered_name"]
+__all__ = ["PREFIX", "SUPPORTED", "agg_loss", "policy_loss_fn", "register", "registered_name"]
 
-PREFIX = "pgloss_"
 SUPPORTED = (">=0.9.1", "<0.10")
 """The verl releases this adapter is tested against."""
 
@@ -63,42 +61,20 @@ def registered_name(name: str) -> str:
     return PREFIX + name
 
 
-def _field(config: Any, key: str, default: Any = None) -> Any:
-    return config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+_NOT_PASSED = frozenset({"ref_log_prob", "full_kl", "entropy", "rollout_log_prob", "group_ids", "scores"})
+"""Inputs verl never passes to a policy loss."""
 
 
 def _algorithm(name: str, base: Algorithm | None, loss_agg_mode: str, config: Any) -> Algorithm:
-    """The algorithm with verl's config values for the fields verl has; `base` (or the paper's
-    defaults for `name`) supplies the rest."""
-    family = type(base if base is not None else pgloss.get(name, norm_constant=1.0))
-    missing = getattr(family, "required_inputs", ())
+    """The algorithm with verl's config values for the fields verl has (`algorithm_from_verl`);
+    `base` (or pgloss's `name`) supplies the rest."""
+    alg = algorithm_from_verl(config, name=None if base is not None else name, algorithm=base,
+                              loss_agg_mode=loss_agg_mode, policy_only=True)
+    missing = sorted(alg.needs & _NOT_PASSED)
     if missing:
         raise ValueError(f"{registered_name(name)} needs {', '.join(missing)} in each call, which verl does not pass "
                          "to a policy loss")
-    if loss_agg_mode == "token-sum":
-        raise ValueError(f"{registered_name(name)}: loss_agg_mode 'token-sum' has no pgloss equivalent; "
-                         f"use one of {pgloss.AGG_MODES[:4]}")
-    values: dict[str, Any] = dict(loss_agg_mode=loss_agg_mode, kl_coef=0.0, entropy_coef=0.0)
-    if config is not None:
-        scale = _field(config, "loss_scale_factor")
-        if scale is not None:
-            values["norm_constant"] = float(scale)
-        clip = _field(config, "clip_ratio", 0.2)
-        low, high = _field(config, "clip_ratio_low"), _field(config, "clip_ratio_high")
-        values["clip_low"] = float(clip if low is None else low)
-        values["clip_high"] = float(clip if high is None else high)
-        values["dual_clip"] = _field(config, "clip_ratio_c")
-        values["tau_pos"], values["tau_neg"] = _field(config, "tau_pos"), _field(config, "tau_neg")
-    if loss_agg_mode == "seq-mean-token-sum-norm" and values.get("norm_constant") is None:
-        raise ValueError(f"{registered_name(name)}: loss_agg_mode 'seq-mean-token-sum-norm' needs "
-                         "actor.loss_scale_factor (the generation budget, e.g. data.max_response_length); "
-                         "pgloss never divides by the padded width")
-    if base is None:
-        base = pgloss.get(name, norm_constant=values.get("norm_constant", 1.0))
-    fields = {f.name for f in dataclasses.fields(base)}
-    if getattr(base, "dual_clip", None) is None:  # verl always sets clip_ratio_c; it applies to dual-clip losses only
-        values.pop("dual_clip", None)
-    return dataclasses.replace(base, **{k: v for k, v in values.items() if k in fields and v is not None})
+    return alg
 
 
 def _count(value: Any, device: torch.device) -> Tensor | None:
@@ -106,19 +82,35 @@ def _count(value: Any, device: torch.device) -> Tensor | None:
 
 
 def _normalizer(mask: Tensor, mode: str, info: dict[str, Any]) -> Normalizer | None:
-    """verl's global counts as a Normalizer; None (counted from this call) when verl gave none."""
+    """verl's global counts as a Normalizer; None (counted from this call) when verl gave none.
+
+    As verl's `agg_loss`: a count verl did not give is this call's own, which with dp_size > 1 is
+    refused for the mode that divides by it (token-mean: batch_num_tokens; the seq-mean modes:
+    global_batch_size); token-sum divides by nothing."""
     world = int(info.get("dp_size") or 1)
     tokens = _count(info.get("batch_num_tokens"), mask.device)
     sequences = _count(info.get("global_batch_size"), mask.device)
     if tokens is None and sequences is None and world == 1:
         return None  # one micro-batch is the step (verl's legacy actor leaves the info empty)
-    needed = tokens if mode == "token-mean" else sequences
-    if needed is None:
-        what = "batch_num_tokens" if mode == "token-mean" else "global_batch_size"
-        raise ValueError(f"loss_agg_mode {mode!r} with dp_size={world} needs global_batch_info[{what!r}]")
+    needed = {"token-mean": ("batch_num_tokens", tokens), "token-sum": (None, 0)}.get(
+        mode, ("global_batch_size", sequences))
+    if needed[1] is None and world > 1:
+        raise ValueError(f"loss_agg_mode {mode!r} with dp_size={world} needs global_batch_info[{needed[0]!r}]")
     local = Normalizer.count(mask, reduce=False)
     return Normalizer(tokens=local.tokens if tokens is None else tokens,
                       sequences=local.sequences if sequences is None else sequences, world_size=world)
+
+
+def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, dp_size: int = 1,
+             batch_num_tokens: Any = None, global_batch_size: Any = None, loss_scale_factor: Any = None) -> Tensor:
+    """verl's `core_algos.agg_loss` signature over `pgloss.aggregate`: the same counts
+    (`global_batch_info`) as a `Normalizer`, `loss_scale_factor` as `norm_constant` (required by
+    seq-mean-token-sum-norm: pgloss never divides by the padded width)."""
+    info = dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
+    mask = loss_mask.bool()
+    norm_constant = None if loss_scale_factor is None else float(loss_scale_factor)
+    return aggregate(loss_mat, mask, loss_agg_mode, normalizer=_normalizer(mask, loss_agg_mode, info),
+                     norm_constant=norm_constant)
 
 
 def policy_loss_fn(name: str, algorithm: Algorithm | None = None) -> Callable[..., tuple[Tensor, dict[str, Any]]]:
@@ -128,8 +120,8 @@ def policy_loss_fn(name: str, algorithm: Algorithm | None = None) -> Callable[..
            loss_agg_mode: str = "token-mean", config: Any = None,
            rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
         alg = _algorithm(name, algorithm, loss_agg_mode, config)
-        info = dict(_field(config, "global_batch_info", None) or {}) if config is not None else {}
-        normalizer = _normalizer(response_mask, loss_agg_mode, info)
+        info = dict(config_get(config, "global_batch_info", None) or {}) if config is not None else {}
+        normalizer = _normalizer(response_mask, alg.loss_agg_mode, info)
         dtype = torch.promote_types(log_prob.dtype, torch.float32)
         out = alg(log_prob=log_prob.to(dtype), old_log_prob=old_log_prob.to(dtype), advantages=advantages,
                   mask=response_mask, normalizer=normalizer)
@@ -156,6 +148,8 @@ def register(name: str, algorithm: Algorithm | None = None, *, overwrite: bool =
 
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"name must be an identifier, got {name!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     if algorithm is None:
         if name not in pgloss.names():
             raise ValueError(f"unknown algorithm {name!r}; pass algorithm= or one of: {', '.join(pgloss.names())}")
@@ -165,6 +159,10 @@ def register(name: str, algorithm: Algorithm | None = None, *, overwrite: bool =
     if key in POLICY_LOSS_REGISTRY and not overwrite:
         raise ValueError(f"verl already has a policy loss {key!r}; pass overwrite=True to replace it")
     POLICY_LOSS_REGISTRY[key] = policy_loss_fn(name, algorithm)
+    if algorithm is not None:
+        VARIANTS[name] = algorithm  # so that pgloss.from_verl reads loss_mode=pgloss_<name> too
+    else:
+        VARIANTS.pop(name, None)
     return key
 
 

@@ -28,6 +28,7 @@ from ..base import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
 from ..metrics import clip_metrics, ratio_metrics
 from ..ratios import importance_ratio, log_ratio
+from .closed_form import GradientFactor
 
 
 CISPO_CONVENTIONS = ("relative", "absolute")
@@ -84,3 +85,10 @@ class CISPO(Algorithm):
         metrics = clip_metrics(high, low, batch.mask)
         metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
         return PolicyTerms(cispo_loss(batch.log_prob, weight, batch.advantages), metrics)
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        """f = r̂ (`cispo_weight`), the detached weight."""
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
+                                 level="token", max_log_ratio=self.max_log_ratio)
+        weight = cispo_weight(ratio, clip_low=self.clip_low, clip_high=self.clip_high, convention=self.cispo_convention)
+        return GradientFactor(weight, "CISPO: f = clip(r), a detached weight")

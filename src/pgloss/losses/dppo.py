@@ -41,6 +41,7 @@ from ..base import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
 from ..metrics import clip_metrics, ratio_metrics
 from ..ratios import importance_ratio, log_ratio
+from .closed_form import GradientFactor
 
 DPPO_DIVERGENCES = ("tv", "kl")
 
@@ -60,10 +61,14 @@ def dppo_valid(
     raise ValueError(f"divergence must be one of {DPPO_DIVERGENCES}, got {divergence!r}")
 
 
+def dppo_weight(ratio: Tensor, valid: Tensor, *, truncation: float) -> Tensor:
+    """sg[min(r, c)] · sg[valid], the detached weight of -A·log π_θ, `[B, T]`."""
+    return ratio.detach().clamp(max=truncation) * valid.to(ratio.dtype)
+
+
 def dppo_loss(log_prob: Tensor, ratio: Tensor, advantages: Tensor, valid: Tensor, *, truncation: float) -> Tensor:
     """-A · sg[min(r, c)] · log π_θ · sg[valid] per token, `[B, T]`."""
-    weight = ratio.detach().clamp(max=truncation) * valid.to(ratio.dtype)
-    return -advantages * weight * log_prob
+    return -advantages * dppo_weight(ratio, valid, truncation=truncation) * log_prob
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,3 +106,12 @@ class DPPO(Algorithm):
         metrics |= ratio_metrics(ratio, delta, batch.mask)
         return PolicyTerms(dppo_loss(batch.log_prob, ratio, batch.advantages, valid, truncation=self.truncation),
                            metrics)
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        """f = sg[min(r, c)]·sg[valid] (`dppo_weight`)."""
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        valid = dppo_valid(batch.log_prob, batch.old_log_prob, batch.advantages, divergence=self.divergence,
+                           clip_low=self.clip_low, clip_high=self.clip_high)
+        return GradientFactor(dppo_weight(ratio, valid, truncation=self.truncation),
+                              "DPPO: f = sg[min(r, c)]·sg[valid], a detached weight")

@@ -30,6 +30,7 @@ from torch import Tensor
 from ..batch import TokenBatch
 from ..metrics import masked_mean
 from ..ratios import log_ratio
+from .closed_form import GradientFactor
 from .ppo import ClippedPolicy, PolicyTerms, _check
 
 _BLOCK = 128
@@ -69,7 +70,7 @@ def fipo_influence(
     clip_high_only: bool,
     safety_threshold: float | None,
     delta: float | None,
-    max_log_ratio: float = 20.0,
+    max_log_ratio: float,
 ) -> tuple[Tensor, Tensor]:
     """The detached influence weight f and the Future-KL it came from, both `[B, T]`.
 
@@ -147,3 +148,15 @@ class FIPO(ClippedPolicy):
             "fipo_future_kl_mean": masked_mean(future, batch.mask),
         }
         return PolicyTerms(weight * terms.per_token, metrics)
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        """f = sg[influence]·r·b(r): the clipped token loss's factor times the detached weight."""
+        clipped = super().gradient_factor(batch)
+        token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
+        influence, _ = fipo_influence(
+            token_log_ratio, self.ratio(batch), batch.advantages, batch.mask,
+            decay_rate=self.fipo_decay_rate, clip_range=self.fipo_clip_range,
+            clip_high_only=self.fipo_clip_high_only, safety_threshold=self.fipo_safety_threshold, delta=self.delta,
+            max_log_ratio=self.max_log_ratio,
+        )
+        return GradientFactor(influence * clipped.factor, "FIPO: f = sg[influence]·r·b(r)")

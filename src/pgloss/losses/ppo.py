@@ -28,8 +28,9 @@ from torch import Tensor
 from ..base import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
 from ..metrics import clip_metrics, ratio_metrics
-from ..ratios import RATIO_LEVELS, importance_ratio, log_ratio
+from ..ratios import RATIO_LEVELS, importance_ratio, log_ratio, sequence_log_ratio
 from ..slope import with_slope
+from .closed_form import GradientFactor
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,27 @@ def clipped_surrogate(
         clipped_low=negative & (r < 1.0 - clip_low),
         clipped_dual=negative & (r > cap),
     )
+
+
+def clip_factor(ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float,
+                dual_clip: float | None = None, delta: float | None = None) -> Tensor:
+    """b(r) = ∂ℓ_clip/∂r ÷ (-Â) of the clipped surrogate (`clipped_surrogate`), `[B, T]`: 1 on the
+    active unclipped branch, 0 on an active clip, dual clip or δ cap, ½ where autograd splits a tie
+    of max(-Â·r, -Â·clip(r)) (the two-branch form's gradient, which the tests check it against)."""
+    ratio = ratio.expand_as(advantages)
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    d_unclipped = torch.ones_like(ratio) if delta is None else (ratio <= delta).to(ratio.dtype)
+    low, high = 1.0 - clip_low, 1.0 + clip_high
+    d_clipped = ((ratio >= low) & (ratio <= high)).to(ratio.dtype)
+    loss_unclipped, loss_clipped = -advantages * unclipped, -advantages * ratio.clamp(low, high)
+    b = torch.where(loss_unclipped > loss_clipped, d_unclipped,
+                    torch.where(loss_clipped > loss_unclipped, d_clipped, 0.5 * (d_unclipped + d_clipped)))
+    if dual_clip is not None:
+        loss = torch.maximum(loss_unclipped, loss_clipped)
+        bound = -advantages * dual_clip
+        keep = torch.where(loss < bound, 1.0, torch.where(loss > bound, 0.0, 0.5)).to(ratio.dtype)
+        b = torch.where(advantages < 0, b * keep, b)
+    return b
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,3 +164,39 @@ class ClippedPolicy(Algorithm):
                                None if self.dual_clip is None and self.delta is None else surrogate.clipped_dual)
         metrics |= ratio_metrics(ratio, token_log_ratio, batch.mask)
         return PolicyTerms(loss, metrics)
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        """f of g = -Â·f·w, with b(r) = `clip_factor` and every ratio counted only while its log is within
+        ±max_log_ratio:
+
+            token ratio (PPO, GRPO, DAPO, BNPO, Dr.GRPO)   f = r·b(r)
+            sequence ratio s_i (GSPO, GSPO-token)          f = s_i·b(s_i)
+            whole-sequence ratio ρ_i (sample_grpo)         f = |y_i|·ρ_i·b(ρ_i)
+
+        (for any aggregation: its weights are constant along a row). The whole-sequence ratio gives
+        every token the weight of its whole sequence: |y_i| times GRPO's at ratio one. The sequence
+        levels need advantages constant along each row (None otherwise).
+        """
+        m, limit = batch.mask, self.max_log_ratio
+        token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
+        clip = dict(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, delta=self.delta)
+        level = self.ratio_level
+        if level == "token":
+            ratio = importance_ratio(batch.log_prob, batch.old_log_prob, m, level="token", max_log_ratio=limit)
+            inside = (token_log_ratio.abs() <= limit).to(ratio.dtype)
+            return GradientFactor(ratio * clip_factor(ratio, batch.advantages, **clip) * inside,
+                                  "token ratio: f = r·b(r)")
+        constant = (batch.advantages == batch.advantages[:, :1]) | ~m
+        if not bool(constant.all()):
+            return GradientFactor(None, f"ratio_level={level!r} with advantages that vary within a sequence: "
+                                        "no per-token closed form")
+        product = level == "sequence_product"
+        seq_log = sequence_log_ratio(token_log_ratio, m, length_normalized=not product)
+        ratio = torch.exp(seq_log.clamp(-limit, limit))
+        inside = (seq_log.abs() <= limit).to(ratio.dtype)
+        factor = ratio * clip_factor(ratio, batch.advantages, **clip) * inside
+        shared = level in ("sequence", "sequence_product")  # sequence_token: the token's own gradient
+        if product:
+            return GradientFactor(factor * m.sum(dim=-1, keepdim=True),
+                                  "whole-sequence ratio: f = |y_i|·ρ_i·b(ρ_i)", per_sequence=shared)
+        return GradientFactor(factor, "sequence ratio: f = s_i·b(s_i)", per_sequence=shared)

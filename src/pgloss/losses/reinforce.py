@@ -35,6 +35,7 @@ from ..base import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
 from ..metrics import masked_mean, ratio_metrics
 from ..ratios import importance_ratio, log_ratio
+from .closed_form import GradientFactor
 
 
 def reinforce_loss(log_prob: Tensor, advantages: Tensor) -> Tensor:
@@ -52,13 +53,17 @@ def tis_pg_loss(log_prob: Tensor, ratio: Tensor, advantages: Tensor, *, low: flo
     return -truncated_weight(ratio, low=low, high=high) * advantages * log_prob
 
 
+def topr_weight(ratio: Tensor, positive: Tensor, *, low: float, high: float) -> Tensor:
+    """1 where `positive` (bool, `[B, 1]` or `[B, T]`: score > 0), else sg[clip(r, low, high)]; `[B, T]`."""
+    return torch.where(positive, torch.ones_like(ratio), truncated_weight(ratio, low=low, high=high))
+
+
 def topr_loss(
     log_prob: Tensor, ratio: Tensor, advantages: Tensor, positive: Tensor, *, low: float, high: float
 ) -> Tensor:
     """TOPR per token, `[B, T]`: REINFORCE where `positive` (bool, `[B, 1]` or `[B, T]`: score > 0),
     TIS-PG elsewhere."""
-    weight = torch.where(positive, torch.ones_like(ratio), truncated_weight(ratio, low=low, high=high))
-    return -weight * advantages * log_prob
+    return -topr_weight(ratio, positive, low=low, high=high) * advantages * log_prob
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +75,10 @@ class GPG(Algorithm):
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
                                  max_log_ratio=self.max_log_ratio)
         return PolicyTerms(reinforce_loss(batch.log_prob, batch.advantages), ratio_metrics(ratio, delta, batch.mask))
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        """f = 1: REINFORCE without a ratio."""
+        return GradientFactor(torch.ones_like(batch.log_prob), "GPG: f = 1, REINFORCE without a ratio")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +97,13 @@ class TISPG(Algorithm):
                f"{self.tis_lower_bound}, {self.tis_upper_bound}")
 
     def weights(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
-        """The detached per-token weight of -Â·log π_θ."""
+        """The detached per-token weight of -Â·log π_θ (`truncated_weight`)."""
         return truncated_weight(ratio, low=self.tis_lower_bound, high=self.tis_upper_bound)
+
+    def per_token(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
+        """ℓ_{i,t} (`tis_pg_loss`)."""
+        return tis_pg_loss(batch.log_prob, ratio, batch.advantages, low=self.tis_lower_bound,
+                           high=self.tis_upper_bound)
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
@@ -99,7 +113,13 @@ class TISPG(Algorithm):
         metrics = ratio_metrics(ratio, delta, batch.mask)
         metrics["is_weight_mean"] = masked_mean(weight, batch.mask)
         metrics["is_truncated_fraction"] = masked_mean((weight != ratio.detach()).to(ratio.dtype), batch.mask)
-        return PolicyTerms(-weight * batch.advantages * batch.log_prob, metrics)
+        return PolicyTerms(self.per_token(batch, ratio), metrics)
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        """f = the detached weight (`weights`)."""
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        return GradientFactor(self.weights(batch, ratio), f"{type(self).__name__}: f = the detached truncated weight")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,8 +131,16 @@ class TOPR(TISPG):
 
     required_inputs = ("scores",)
 
-    def weights(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
+    def _positive(self, batch: TokenBatch) -> Tensor:
         if batch.scores is None:
             raise ValueError(f"{self.name} splits on the raw reward and needs scores=[B] in the call")
-        positive = (batch.scores > 0)[:, None]
-        return torch.where(positive, torch.ones_like(ratio), super().weights(batch, ratio))
+        return (batch.scores > 0)[:, None]
+
+    def weights(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
+        """1 on rows whose score is > 0, the truncated weight elsewhere (`topr_weight`)."""
+        return topr_weight(ratio, self._positive(batch), low=self.tis_lower_bound, high=self.tis_upper_bound)
+
+    def per_token(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
+        """ℓ_{i,t} (`topr_loss`)."""
+        return topr_loss(batch.log_prob, ratio, batch.advantages, self._positive(batch), low=self.tis_lower_bound,
+                         high=self.tis_upper_bound)

@@ -22,6 +22,7 @@ from ..base import Algorithm, PolicyTerms, _check
 from ..batch import TokenBatch
 from ..metrics import masked_mean, ratio_metrics
 from ..ratios import importance_ratio, log_ratio
+from .closed_form import GradientFactor
 
 
 def sapo_gate(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
@@ -30,14 +31,22 @@ def sapo_gate(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: flo
     return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
-def sapo_loss(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
-    """-f_τ(r)·A per token."""
-    return -sapo_gate(ratio, advantages, tau_pos=tau_pos, tau_neg=tau_neg) * advantages
+def sapo_loss(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> tuple[Tensor, Tensor]:
+    """(ℓ = -f_τ(r)·A per token, the gate f_τ(r)), both `[B, T]`."""
+    gate = sapo_gate(ratio, advantages, tau_pos=tau_pos, tau_neg=tau_neg)
+    return -gate * advantages, gate
+
+
+def sapo_slope(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
+    """d f_τ/d r = 4·σ(τ(r-1))·(1 - σ(τ(r-1))), the gate's slope (1 at r = 1); `[B, T]`."""
+    tau = torch.full_like(advantages, tau_neg).masked_fill(advantages > 0, tau_pos)
+    sigma = torch.sigmoid(tau * (ratio - 1.0))
+    return 4.0 * sigma * (1.0 - sigma)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SAPO(Algorithm):
-    """ℓ_{i,t} = -(4/τ)·σ(τ(r - 1))·Â, τ = τ_pos for Â > 0 else τ_neg (losses/sapo.py)."""
+    """ℓ_{i,t} = -(4/τ)·σ(τ(r - 1))·Â, τ = τ_pos for Â > 0 else τ_neg (`sapo_loss`)."""
 
     tau_pos: float = 1.0
     """Gate temperature for positive advantages."""
@@ -51,7 +60,16 @@ class SAPO(Algorithm):
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
                                  level="token", max_log_ratio=self.max_log_ratio)
-        gate = sapo_gate(ratio, batch.advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
+        loss, gate = sapo_loss(ratio, batch.advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
         metrics = ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
         metrics["sapo_gate_mean"] = masked_mean(gate, batch.mask)
-        return PolicyTerms(-gate * batch.advantages, metrics)
+        return PolicyTerms(loss, metrics)
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        """f = f_τ'(r)·r = 4σ(1-σ)·r where |log r| ≤ max_log_ratio (0 beyond, where r is clamped)."""
+        token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
+                                 level="token", max_log_ratio=self.max_log_ratio)
+        slope = sapo_slope(ratio, batch.advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
+        inside = (token_log_ratio.abs() <= self.max_log_ratio).to(ratio.dtype)
+        return GradientFactor(slope * ratio * inside, "SAPO: f = 4σ(1-σ)·r, the soft gate's slope")

@@ -1,0 +1,65 @@
+"""verl 0.9.1's own loss tests with pgloss swapped in (see README.md).
+
+For each test of this folder, verl's `core_algos.agg_loss` becomes pgloss's aggregation
+(`pgloss.integrations.verl.agg_loss`: the same signature over `pgloss.aggregate`) and every
+`core_algos.compute_policy_loss_<mode>` becomes the registered `pgloss_<name>` computing it
+(`verl_config.LOSS_MODES`), in verl's module and in the test module's own imports, so the test
+bodies stay verl's. `PGLOSS_PEERS=original` runs them unmodified (verl's own functions).
+
+A test that fails swapped is marked xfail (strict) with the difference written in docs/reference.md.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:  # the peer suite needs verl (make test installs it)
+    collect_ignore_glob = ["test_*.py"]
+else:
+    from verl.trainer.ppo import core_algos
+
+    from pgloss.integrations import verl as adapter
+    from pgloss.integrations.verl_config import LOSS_MODES
+
+SWAPPED = os.environ.get("PGLOSS_PEERS", "swapped") != "original"
+
+PADDED_WIDTH = ("seq-mean-token-sum-norm without loss_scale_factor: verl divides by the padded width, pgloss "
+                "refuses (ValueError) and never falls back to it (docs/reference.md, 'Dr.GRPO's divisor')")
+DOCUMENTED = {
+    # node id (within this folder) -> the difference, as docs/reference.md writes it
+    f"test_value_loss_normalization_on_cpu.py::test_value_loss_microbatch_invariant_all_modes[{n}-"
+    "seq-mean-token-sum-norm]": PADDED_WIDTH for n in (1, 2, 4)
+}
+
+
+def _replacements():
+    swaps = {"agg_loss": adapter.agg_loss}
+    for mode, name in LOSS_MODES.items():
+        swaps[f"compute_policy_loss_{mode}"] = core_algos.POLICY_LOSS_REGISTRY[adapter.registered_name(name)]
+    return swaps
+
+
+def pytest_collection_modifyitems(config, items):
+    if not SWAPPED:
+        return
+    here = os.path.dirname(__file__)
+    for item in items:
+        if not str(item.fspath).startswith(here):
+            continue
+        reason = DOCUMENTED.get(item.nodeid.split("/")[-1])
+        if reason is not None:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True, raises=ValueError))
+
+
+@pytest.fixture(autouse=True)
+def pgloss_swapped_in(request, monkeypatch):
+    """verl's loss functions replaced by pgloss's for the duration of one test."""
+    if not SWAPPED:
+        yield False
+        return
+    for attribute, replacement in _replacements().items():
+        monkeypatch.setattr(core_algos, attribute, replacement)
+        if hasattr(request.module, attribute):
+            monkeypatch.setattr(request.module, attribute, replacement)
+    yield True
