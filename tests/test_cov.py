@@ -122,15 +122,15 @@ def test_the_log_ratio_clamp_acts_only_beyond_20(name):
     overrides = dict(clip_cov_ratio=0.1, clip_cov_lb=0.05) if name == "clip_cov" else dict(kl_cov_ratio=0.1)
     args = (old, adv, mask)
     for shift, clamped in ((19.5, False), (25.0, True)):
-        x = lp.clone()
-        x[0, 0] = old[0, 0] + shift
+        x, o = lp.clone(), old.clone()
+        o[0, 0] = x[0, 0] - shift  # log r = shift, every log-prob <= 0
         adv0 = adv.clone()
         adv0[0, 0] = -1.0  # a bad token whose ratio exploded: -A·r is the surrogate's branch
         values = {}
         for limit in (20.0, 1e4):
             leaf = x.clone().requires_grad_()
             gen = dict(generator=torch.Generator().manual_seed(0)) if name == "clip_cov" else {}
-            out = pgloss.get(name, max_log_ratio=limit, **overrides, **gen)(leaf, old, adv0, mask)
+            out = pgloss.get(name, max_log_ratio=limit, **overrides, **gen)(leaf, o, adv0, mask)
             out.loss.backward()
             values[limit] = (out.loss.detach(), leaf.grad[0, 0])
         (clamped_loss, clamped_grad), (free_loss, free_grad) = values[20.0], values[1e4]

@@ -91,7 +91,7 @@ def check_log_prob(name: str, value: Tensor, mask: Tensor | None = None) -> None
     valid = value.detach() if mask is None else torch.where(mask, value.detach(), 0.0)
     if bool(valid.amax() > 0):  # NaN is not positive: `check_finite` finds it
         where = tuple(int(i) for i in (valid > 0).nonzero()[0])
-        raise ValueError(f"{name} must hold log-probabilities (<= 0), got {float(value[where])} at a valid position "
+        raise ValueError(f"{name} must hold log-probabilities (<= 0), got {float(value.detach()[where])} at a valid position "
                          f"{where}; were probabilities passed instead of their log?")
 
 
