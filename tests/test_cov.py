@@ -139,3 +139,16 @@ def test_the_log_ratio_clamp_acts_only_beyond_20(name):
             assert free_loss / clamped_loss == pytest.approx(math.exp(5.0), rel=1e-2)  # the token's e^25 against e^20
         else:
             assert clamped_loss.item() == free_loss.item() and clamped_grad == free_grad
+
+
+def test_the_key_draw_is_uniform_without_replacement():
+    """k of n candidates by their U[0, 1) keys: each is picked with probability k/n, never twice, and
+    the draw needs no host read (k may be a tensor)."""
+    from pgloss.losses.cov import clip_cov_selection
+
+    candidates = torch.tensor([[True, False, True, True], [False, True, False, True]])
+    gen = torch.Generator().manual_seed(5)
+    draws = torch.stack([clip_cov_selection(candidates, count=torch.tensor(2), generator=gen) for _ in range(4000)])
+    assert (draws.sum(dim=(1, 2)) == 2).all() and not (draws & ~candidates).any()
+    frequency = draws.double().mean(0)[candidates]
+    torch.testing.assert_close(frequency, torch.full_like(frequency, 2 / 5), rtol=0, atol=0.03)

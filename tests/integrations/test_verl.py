@@ -152,7 +152,8 @@ PARITY = [  # (verl's loss_mode, pgloss name, ActorConfig fields)
     ("dro", "dro", dict(loss_agg_mode="seq-mean-token-mean", dro_beta=0.3)),
     ("kl_cov", "kl_cov", dict(loss_agg_mode="token-mean", ppo_kl_coef=1.0, kl_cov_ratio=0.5)),
     ("kl_cov", "kl_cov", dict(loss_agg_mode="seq-mean-token-sum", ppo_kl_coef=0.3, kl_cov_ratio=0.1)),
-    ("clip_cov", "clip_cov", dict(loss_agg_mode="token-mean", clip_cov_ratio=0.3, clip_cov_lb=-0.5, clip_cov_ub=2.0)),
+    # clip_cov_ratio 1: every candidate is detached, the draw (verl's randperm, pgloss's keys) does not enter
+    ("clip_cov", "clip_cov", dict(loss_agg_mode="token-mean", clip_cov_ratio=1.0, clip_cov_lb=-0.5, clip_cov_ub=2.0)),
     ("gpg", "gpg", dict(loss_agg_mode="token-mean")),
     ("dppo_tv", "dppo_tv", dict(loss_agg_mode="token-mean", clip_ratio_c=1.5, clip_ratio_low=0.05, clip_ratio_high=0.1)),
     ("dppo_kl", "dppo_kl", dict(loss_agg_mode="seq-mean-token-mean", clip_ratio_c=1.2, clip_ratio_low=0.02)),

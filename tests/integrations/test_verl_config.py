@@ -44,9 +44,9 @@ def make_batch(seed=0):
     lengths = torch.randint(2, LENGTH + 1, (ROWS,), generator=gen)
     mask = torch.arange(LENGTH)[None, :] < lengths[:, None]
     old = -torch.rand(ROWS, LENGTH, generator=gen, dtype=torch.float64) * 2 - 0.1
-    log_prob = old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen, dtype=torch.float64)
-    ref = old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen, dtype=torch.float64)
-    rollout = old + 0.2 * torch.randn(ROWS, LENGTH, generator=gen, dtype=torch.float64)
+    log_prob = -(old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen, dtype=torch.float64)).abs()  # log-probs <= 0
+    ref = -(old + 0.3 * torch.randn(ROWS, LENGTH, generator=gen, dtype=torch.float64)).abs()
+    rollout = -(old + 0.2 * torch.randn(ROWS, LENGTH, generator=gen, dtype=torch.float64)).abs()
     advantages = torch.randn(ROWS, 1, generator=gen, dtype=torch.float64).expand(ROWS, LENGTH).clone()
     entropy = torch.rand(ROWS, LENGTH, generator=gen, dtype=torch.float64) * 3
     return dict(log_prob=log_prob, old=old, ref=ref, rollout=rollout, advantages=advantages, mask=mask,
@@ -103,7 +103,8 @@ FIELDS = {  # each verl loss with its policy_loss fields set away from the defau
     "sapo": dict(tau_pos=1.3, tau_neg=2.0),
     "cispo": dict(clip_ratio_low=0.5, clip_ratio_high=0.1),
     "gpg": dict(),
-    "clip_cov": dict(clip_cov_ratio=0.3, clip_cov_lb=-0.5, clip_cov_ub=2.0, clip_ratio_high=0.1),
+    # clip_cov_ratio 1: every candidate is detached, the draw (verl's randperm, pgloss's keys) does not enter
+    "clip_cov": dict(clip_cov_ratio=1.0, clip_cov_lb=-0.5, clip_cov_ub=2.0, clip_ratio_high=0.1),
     "kl_cov": dict(ppo_kl_coef=1.0, kl_cov_ratio=0.5),
     "geo_mean": dict(clip_ratio_low=0.1, clip_ratio_high=0.15),
     "dro": dict(dro_beta=0.05),
