@@ -116,7 +116,7 @@ REDUCED = dict(algorithms=("grpo", "sample_grpo"), seeds=2, steps=2, prompts_per
 def test_reduced_run_end_to_end(tmp_path):
     """The experiment's whole path in seconds: warm starts, runs, records, report, resume."""
     experiment = length.LengthExperiment(**REDUCED)
-    length.run(experiment, tmp_path, log=lambda line: None)
+    length.run(experiment, tmp_path, progress=False)
     runs = length.load(tmp_path)
     assert set(runs) == {(a, s) for a in REDUCED["algorithms"] for s in range(2)}
     for records in runs.values():
@@ -134,7 +134,7 @@ def test_reduced_run_end_to_end(tmp_path):
     for name in ("reward", "length", "repetition", "gradient"):
         assert (tmp_path / f"length_{name}.png").read_bytes()[:4] == b"\x89PNG"
     before = (tmp_path / "runs" / "grpo-0.jsonl").stat().st_mtime_ns
-    length.run(experiment, tmp_path, log=lambda line: None)  # resumes: nothing left to run
+    length.run(experiment, tmp_path, progress=False)  # resumes: nothing left to run
     assert (tmp_path / "runs" / "grpo-0.jsonl").stat().st_mtime_ns == before
 
 
