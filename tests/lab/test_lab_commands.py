@@ -53,6 +53,7 @@ def test_grads_refuses_an_existing_figure_and_takes_the_same_grammar(tmp_path, c
     assert cli.main(args) == 2 and out.read_bytes() == figure
     assert "already exists: a run never replaces another" in capsys.readouterr().err
     assert cli.main([*args, "--overwrite"]) == 0
+    capsys.readouterr()
     assert cli.main(["grads", "--algorithms", "all", "--max-length", "8", "--out", str(tmp_path / "all.png")]) == 0
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]]
     assert rows == pgloss.names()  # every loss, those that need scores (TOPR) or groups (REAL) included
