@@ -1,13 +1,12 @@
 """The `pgloss` command: `list` (the algorithms), `losses` (every loss on one synthetic batch), the
-lab's `train` and `compare` (train a tiny policy with the losses and report on them) and `experiment`."""
+lab's `train` and `compare` (train a tiny policy with the losses and report on them), `experiment`
+and `grads`. `COMMANDS` is the table of subcommands; SIGTERM ends any of them as Ctrl-C does."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-
-import torch
 
 from . import algorithms
 
@@ -49,25 +48,6 @@ def cmd_list(args: argparse.Namespace) -> int:
             print(f"{'':<{width}}  source: {algorithms.SOURCES[name]}")
     return 0
 
-def synthetic_batch(batch: int = 8, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A reproducible batch of uneven-length sequences with ratios near one and group advantages."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
-    mask = torch.arange(length)[None, :] < lengths[:, None]
-    old = -torch.rand(batch, length, generator=gen) * 3
-    log_prob = old + 0.15 * torch.randn(batch, length, generator=gen)
-    ref = old + 0.05 * torch.randn(batch, length, generator=gen)
-    scores = (torch.rand(batch, generator=gen) > 0.5).float()
-    group_ids = torch.arange(batch) // 4
-    from .advantages import group_advantages
-
-    return {
-        "log_prob": log_prob, "old_log_prob": old, "ref_log_prob": ref, "mask": mask,
-        "advantages": group_advantages(scores, group_ids), "entropy": torch.rand(batch, length, generator=gen),
-        "scores": scores, "group_ids": group_ids,
-    }
-
-
 # What each column of `pgloss losses` is (printed under the table).
 LOSS_COLUMNS = {
     "loss": "the value minimised: policy term + kl_coef * KL - entropy_coef * entropy, aggregated",
@@ -85,9 +65,17 @@ LOSS_COLUMNS = {
 
 def cmd_losses(args: argparse.Namespace) -> int:
     """Compute every algorithm's loss on one synthetic batch and print the loss with its metrics."""
-    data = synthetic_batch(args.batch, args.length, args.seed)
+    from .grads import synthetic_batch
+
+    if args.batch < 2 or args.batch % 2:
+        print(f"pgloss losses: --batch must be an even number >= 2 (groups of 2 or 4), got {args.batch}",
+              file=sys.stderr)
+        return 2
+    group_size = 4 if args.batch % 4 == 0 else 2
+    data = synthetic_batch(groups=args.batch // group_size, group_size=group_size, max_length=args.length,
+                           spread=0.15, seed=args.seed)
     keys = ["loss", "pg_loss", "kl", "pg_clipfrac", "ppo_kl", "ratio_mean", "ratio_max", "entropy"]
-    print(f"synthetic batch: B={args.batch}, T={args.length}, seed={args.seed}, "
+    print(f"synthetic batch: B={args.batch} in groups of {group_size}, T={args.length}, seed={args.seed}, "
           f"{int(data['mask'].sum())} valid tokens")
     print(f"{'algorithm':<14}" + "".join(f"{k:>12}" for k in keys) + "   grad_norm")
     for name in algorithms.names():

@@ -35,7 +35,8 @@ def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 1
                     seed: int = 0) -> dict[str, Tensor]:
     """`groups` prompts × `group_size` responses of lengths spread over 1..max_length, 0/1 rewards
     (``scores``) with GRPO's group advantages and their ``group_ids``, log π = log π_old + spread·noise
-    (spread 0: ratio one). float64."""
+    (spread 0: ratio one), a reference near π_old and an entropy per token. float64. The one synthetic
+    batch of the command line: ``pgloss grads`` and ``pgloss losses`` draw it."""
     from pgloss.advantages import group_advantages
 
     for name, value in (("groups", groups), ("group_size", group_size), ("max_length", max_length)):
@@ -52,8 +53,10 @@ def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 1
     log_prob = old + spread * torch.randn(n, max_length, generator=gen, dtype=torch.float64)
     group_ids = torch.arange(n) // group_size
     advantages = group_advantages(rewards, group_ids)
+    ref = old + 0.05 * torch.randn(n, max_length, generator=gen, dtype=torch.float64)
+    entropy = torch.rand(n, max_length, generator=gen, dtype=torch.float64)
     return {"log_prob": log_prob, "old_log_prob": old, "advantages": advantages, "mask": mask, "scores": rewards,
-            "group_ids": group_ids}
+            "group_ids": group_ids, "ref_log_prob": ref, "entropy": entropy}
 
 
 def load_batch(path: str | Path) -> dict[str, Tensor]:
