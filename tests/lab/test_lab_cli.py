@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 from pgloss import cli
 from pgloss.lab import trainer
 

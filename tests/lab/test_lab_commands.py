@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import pgloss
+from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 from pgloss import cli
 from pgloss.lab import trainer, warm
 from pgloss.lab.config import LabConfig

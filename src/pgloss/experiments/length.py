@@ -25,7 +25,6 @@ goes and skips runs already complete, so an interrupted experiment resumes where
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
