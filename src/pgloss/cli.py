@@ -1,13 +1,12 @@
 """The `pgloss` command: `list` (the algorithms), `losses` (every loss on one synthetic batch), the
-lab's `train` and `compare` (train a tiny policy with the losses and report on them) and `experiment`."""
+lab's `train` and `compare` (train a tiny policy with the losses and report on them), `experiment`
+and `grads`. `COMMANDS` is the table of subcommands; SIGTERM ends any of them as Ctrl-C does."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-
-import torch
 
 from . import algorithms
 
@@ -48,30 +47,34 @@ def cmd_list(args: argparse.Namespace) -> int:
             print(f"{'':<{width}}  source: {algorithms.SOURCES[name]}")
     return 0
 
-def synthetic_batch(batch: int = 8, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A reproducible batch of uneven-length sequences with ratios near one and group advantages."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
-    mask = torch.arange(length)[None, :] < lengths[:, None]
-    old = -torch.rand(batch, length, generator=gen) * 3
-    log_prob = -(old + 0.15 * torch.randn(batch, length, generator=gen)).abs()  # log-probs are <= 0
-    ref = -(old + 0.05 * torch.randn(batch, length, generator=gen)).abs()
-    scores = (torch.rand(batch, generator=gen) > 0.5).float()
-    group_ids = torch.arange(batch) // 4
-    from .advantages import group_advantages
-
-    return {
-        "log_prob": log_prob, "old_log_prob": old, "ref_log_prob": ref, "mask": mask,
-        "advantages": group_advantages(scores, group_ids), "entropy": torch.rand(batch, length, generator=gen),
-        "scores": scores, "group_ids": group_ids,
-    }
+# What each column of `pgloss losses` is (printed under the table).
+LOSS_COLUMNS = {
+    "loss": "the value minimised: policy term + kl_coef * KL - entropy_coef * entropy, aggregated",
+    "pg_loss": "the policy term alone",
+    "kl": "the KL estimate to the reference (the algorithm's kl_estimator); '-' for a loss without a KL term "
+          "(kl_coef 0)",
+    "pg_clipfrac": "share of valid tokens where the clip (or the loss's own bound) is active",
+    "ppo_kl": "mean of log pi_old - log pi over valid tokens (how far the update moved)",
+    "ratio_mean": "mean importance ratio pi / pi_old (at the loss's ratio level)",
+    "ratio_max": "largest importance ratio",
+    "entropy": "mean entropy given to the loss (the synthetic batch's, the same for every row)",
+    "grad_norm": "L2 norm of d loss / d log_prob over the batch",
+}
 
 
 def cmd_losses(args: argparse.Namespace) -> int:
     """Compute every algorithm's loss on one synthetic batch and print the loss with its metrics."""
-    data = synthetic_batch(args.batch, args.length, args.seed)
+    from .grads import synthetic_batch
+
+    if args.batch < 2 or args.batch % 2:
+        print(f"pgloss losses: --batch must be an even number >= 2 (groups of 2 or 4), got {args.batch}",
+              file=sys.stderr)
+        return 2
+    group_size = 4 if args.batch % 4 == 0 else 2
+    data = synthetic_batch(groups=args.batch // group_size, group_size=group_size, max_length=args.length,
+                           spread=0.15, seed=args.seed)
     keys = ["loss", "pg_loss", "kl", "pg_clipfrac", "ppo_kl", "ratio_mean", "ratio_max", "entropy"]
-    print(f"synthetic batch: B={args.batch}, T={args.length}, seed={args.seed}, "
+    print(f"synthetic batch: B={args.batch} in groups of {group_size}, T={args.length}, seed={args.seed}, "
           f"{int(data['mask'].sum())} valid tokens")
     print(f"{'algorithm':<14}" + "".join(f"{k:>12}" for k in keys) + "   grad_norm")
     for name in algorithms.names():
@@ -82,35 +85,58 @@ def cmd_losses(args: argparse.Namespace) -> int:
                         scores=data["scores"])
         out.loss.backward()
         values = {"loss": out.loss.detach(), **out.metrics}
+        if not algorithm.uses_reference:  # measured, but no term of this loss
+            values.pop("kl", None)
         cells = "".join(f"{float(values[k]):>12.4f}" if k in values else f"{'-':>12}" for k in keys)
         print(f"{name:<14}{cells}   {float(log_prob.grad.norm()):.4f}")
+    print("\ncolumns ('-': the loss has no such quantity):")
+    width = max(map(len, LOSS_COLUMNS))
+    for key, text in LOSS_COLUMNS.items():
+        print(f"  {key:<{width}}  {text}")
+    if args.length:
+        print(f"dr_grpo's norm_constant is --length ({args.length}).")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pgloss", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_basic_commands(sub) -> None:
+    """``list`` and ``losses``: what needs torch only."""
     sub.add_parser("list", help="the named algorithms and their defaults").set_defaults(func=cmd_list)
     losses = sub.add_parser("losses", help="every loss and its metrics on one synthetic batch")
     losses.add_argument("--batch", type=int, default=8, help="sequences in the batch")
     losses.add_argument("--length", type=int, default=24, help="padded length; also Dr.GRPO's norm_constant")
     losses.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch")
     losses.set_defaults(func=cmd_losses)
-    from .lab.commands import add_commands  # the lab's `train` and `compare`
 
-    add_commands(sub)
-    from .experiments.command import add_experiment_command  # `experiment length`
 
-    add_experiment_command(sub)
-    from .grads import add_grads_command  # `grads`: the per-token gradient figure
+# The command table: each entry is (module, function) and the function adds its subcommands to the
+# parser. A new command is one line here; its module is imported only when the parser is built.
+COMMANDS = (
+    ("pgloss.cli", "add_basic_commands"),  # list, losses
+    ("pgloss.lab.commands", "add_commands"),  # train, compare
+    ("pgloss.experiments.command", "add_experiment_command"),  # experiment length
+    ("pgloss.grads", "add_grads_command"),  # grads
+)
 
-    add_grads_command(sub)
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    import pgloss
+
+    parser = argparse.ArgumentParser(prog="pgloss", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pgloss {pgloss.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module, function in COMMANDS:
+        getattr(importlib.import_module(module), function)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .lab.runner import interruptible  # SIGTERM ends a command as Ctrl-C does
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    with interruptible():
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,16 @@ from torch import Tensor
 
 DEFAULT_ALGORITHMS = ("grpo", "bnpo", "dr_grpo", "sample_grpo", "gspo")
 BATCH_KEYS = ("log_prob", "old_log_prob", "advantages", "mask")
+EXTRA_KEYS = ("scores", "group_ids")
+"""What some losses also need (TOPR the raw rewards, REAL the groups); a batch may hold them."""
 
 
 def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 128, spread: float = 0.0,
                     seed: int = 0) -> dict[str, Tensor]:
     """`groups` prompts × `group_size` responses of lengths spread over 1..max_length, 0/1 rewards
-    with GRPO's group advantages, log π = log π_old + spread·noise (spread 0: ratio one). float64."""
+    (``scores``) with GRPO's group advantages and their ``group_ids``, log π = log π_old + spread·noise
+    (spread 0: ratio one), a reference near π_old and an entropy per token. float64. The one synthetic
+    batch of the command line: ``pgloss grads`` and ``pgloss losses`` draw it."""
     from pgloss.advantages import group_advantages
 
     for name, value in (("groups", groups), ("group_size", group_size), ("max_length", max_length)):
@@ -47,24 +51,30 @@ def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 1
     rewards = (torch.rand(n, generator=gen) < 0.5).double()
     old = -torch.rand(n, max_length, generator=gen, dtype=torch.float64) * 2
     log_prob = -(old + spread * torch.randn(n, max_length, generator=gen, dtype=torch.float64)).abs()  # <= 0
-    advantages = group_advantages(rewards, torch.arange(n) // group_size)
-    return {"log_prob": log_prob, "old_log_prob": old, "advantages": advantages, "mask": mask}
+    group_ids = torch.arange(n) // group_size
+    advantages = group_advantages(rewards, group_ids)
+    ref = -(old + 0.05 * torch.randn(n, max_length, generator=gen, dtype=torch.float64)).abs()
+    entropy = torch.rand(n, max_length, generator=gen, dtype=torch.float64)
+    return {"log_prob": log_prob, "old_log_prob": old, "advantages": advantages, "mask": mask, "scores": rewards,
+            "group_ids": group_ids, "ref_log_prob": ref, "entropy": entropy}
 
 
 def load_batch(path: str | Path) -> dict[str, Tensor]:
-    """A batch saved with ``torch.save({"log_prob": ..., "old_log_prob": ..., "advantages": ..., "mask": ...})``."""
+    """A batch saved with ``torch.save({"log_prob": ..., "old_log_prob": ..., "advantages": ..., "mask": ...})``
+    (and, optionally, ``scores`` and ``group_ids``)."""
     data = torch.load(path, map_location="cpu")
     if not isinstance(data, dict) or any(k not in data for k in BATCH_KEYS):
         raise ValueError(f"batch: {path} must hold a dict with the keys {', '.join(BATCH_KEYS)}")
-    return {k: data[k] for k in BATCH_KEYS}
+    return {k: data[k] for k in (*BATCH_KEYS, *EXTRA_KEYS) if k in data}
 
 
 def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float | None = None) -> dict[str, dict]:
-    """Per algorithm name: ``grad`` g·N `[B, T]` (policy term, autograd), ``closed_form`` -Â·f·w·N
-    (None where the family has none), ``total`` Σ_t g·N `[B]`, and the batch's ``lengths`` and
-    ``advantages`` `[B]`. Dr.GRPO's divisor defaults to the padded width (the generation budget)."""
-    import pgloss
+    """Per algorithm (a name or a spec of ``--algorithms``, ``dapo:clip_high=0.3``): ``grad`` g·N
+    `[B, T]` (policy term, autograd), ``closed_form`` -Â·f·w·N (None where the family has none),
+    ``total`` Σ_t g·N `[B]`, and the batch's ``lengths`` and ``advantages`` `[B]`. A sum-norm divisor
+    (Dr.GRPO's) defaults to `norm_constant` or the padded width (the generation budget)."""
     from pgloss.inspect import inspect
+    from pgloss.lab.spec import parse_spec
 
     mask = batch["mask"].bool()
     n = int(mask.any(dim=1).sum())
@@ -74,12 +84,15 @@ def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float
         advantages = (advantages * mask).sum(dim=1) / lengths.clamp(min=1)
     table = {}
     for name in algorithms:
-        # the policy term (inspect separates KL anyway); a fixed divisor is the padded width unless given
-        algorithm = pgloss.get(name, kl_coef=0.0, generation_budget=float(norm_constant or mask.shape[1]))
-        result = inspect(algorithm, batch["log_prob"], batch["old_log_prob"], batch["advantages"], mask)
+        spec = parse_spec(name)
+        # the policy term alone (inspect separates the KL term anyway; the batch has no reference);
+        # a fixed divisor is the padded width unless given
+        algorithm = spec.build(norm_constant or mask.shape[1], kl_coef=0.0)
+        extra = {k: batch[k] for k in algorithm.needs if k in EXTRA_KEYS and k in batch}
+        result = inspect(algorithm, batch["log_prob"], batch["old_log_prob"], batch["advantages"], mask, **extra)
         grad = result.policy_grad * n
         closed = None if result.closed_form is None else result.closed_form * n
-        table[name] = {"grad": grad, "closed_form": closed, "total": grad.sum(dim=1), "lengths": lengths,
+        table[spec.label] = {"grad": grad, "closed_form": closed, "total": grad.sum(dim=1), "lengths": lengths,
                        "advantages": advantages, "reason": result.reason}
     return table
 
@@ -95,21 +108,31 @@ def examples(lengths: Tensor, advantages: Tensor) -> dict[str, int]:
     return picks
 
 
+COLUMNS = 5
+"""Algorithms per row of the figure: more wrap into further pairs of rows."""
+
+
 def plot(table: dict[str, dict], path: Path) -> Path:
-    """The two-row figure of the module docstring, one column per algorithm; returns `path`."""
+    """The two-row figure of the module docstring, one column per algorithm (at most `COLUMNS` side
+    by side; more wrap into further pairs of rows, every plot of a kind on one scale); returns `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(table)
-    fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 5.6), sharey="row", squeeze=False)
+    cols = min(COLUMNS, len(names))
+    blocks = -(-len(names) // cols)
+    fig, axes = plt.subplots(2 * blocks, cols, figsize=(3.0 * cols + 0.6, 2.8 * 2 * blocks + 0.4), squeeze=False)
     styles = {"short, Â>0": ("tab:green", "-"), "long, Â>0": ("tab:green", "--"),
               "short, Â<0": ("tab:red", "-"), "long, Â<0": ("tab:red", "--")}
+    tops, bottoms = [], []
     for k, name in enumerate(names):
         entry = table[name]
         lengths, advantages = entry["lengths"], entry["advantages"]
-        top, bottom = axes[0][k], axes[1][k]
+        top, bottom = axes[2 * (k // cols)][k % cols], axes[2 * (k // cols) + 1][k % cols]
+        tops.append(top)
+        bottoms.append(bottom)
         for label, row in examples(lengths, advantages).items():
             length = int(lengths[row])
             color, style = styles[label]
@@ -124,17 +147,29 @@ def plot(table: dict[str, dict], path: Path) -> Path:
                            label="Â > 0" if sign > 0 else "Â < 0")
         bottom.axhline(0, color="black", lw=0.5)
         bottom.set_xlabel("response length |y|")
-        # one scale per row for every algorithm; symmetric-log, since the losses differ by decades
+        # one scale per kind of plot for every algorithm; symmetric-log, since the losses differ by decades
         top.set_yscale("symlog", linthresh=_linthresh(table, "grad"))
         bottom.set_yscale("symlog", linthresh=_linthresh(table, "total"))
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("per-token gradient  N·∂L/∂log π")
-    axes[1][0].set_ylabel("sequence total  Σ_t N·∂L/∂log π")
+    for group in (tops, bottoms):
+        low = min(ax.get_ylim()[0] for ax in group)
+        high = max(ax.get_ylim()[1] for ax in group)
+        for ax in group:
+            ax.set_ylim(low, high)
+            if ax.get_subplotspec().colspan.start:
+                ax.tick_params(labelleft=False)
+    for ax in list(axes.flat):
+        if ax not in tops and ax not in bottoms:
+            ax.set_visible(False)
+    for block in range(blocks):
+        axes[2 * block][0].set_ylabel("per-token gradient  N·∂L/∂log π")
+        axes[2 * block + 1][0].set_ylabel("sequence total  Σ_t N·∂L/∂log π")
     axes[0][0].legend(fontsize=6, loc="center right")  # the band around 0 holds no line
     axes[1][0].legend(fontsize=7, loc="center right")
+    height = fig.get_size_inches()[1]
     fig.suptitle("How much gradient each token and each sequence gets (negative: pushed up)", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))  # room for the title above the first row
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -168,34 +203,38 @@ def summary(table: dict[str, dict]) -> list[str]:
 
 def cmd_grads(args) -> int:
     """Draw the gradient figure and print its summary table."""
-    names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    try:
-        import pgloss
+    from pgloss.lab.outputs import claim_file
+    from pgloss.lab.runner import require_extras
+    from pgloss.lab.spec import parse_algorithms
 
-        for name in names:
-            if name not in pgloss.names():
-                raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(pgloss.names())}")
+    try:  # every argument is checked before any work
+        require_extras()
+        names = [spec.label for spec in parse_algorithms(args.algorithms)]
         batch = load_batch(args.batch) if args.batch else synthetic_batch(spread=args.spread, seed=args.seed,
                                                                            max_length=args.max_length)
         table = gradient_table(names, batch)
+        out = claim_file(args.out, "runs/grads.png", args.overwrite)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"pgloss grads: {err}", file=sys.stderr)
         return 2
     print("\n".join(summary(table)))
-    print(f"wrote {plot(table, Path(args.out))}")
+    print(f"wrote {plot(table, out)}")
     return 0
 
 
 def add_grads_command(subparsers) -> None:
     """Add ``grads`` to the ``pgloss`` command's subparsers."""
+    from pgloss.lab.spec import add_algorithms_argument
+
     parser = subparsers.add_parser("grads", help="draw the per-token gradient of chosen losses on one batch")
-    parser.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
-                        help=f"comma-separated algorithm names (default: {','.join(DEFAULT_ALGORITHMS)})")
+    add_algorithms_argument(parser, DEFAULT_ALGORITHMS)
     parser.add_argument("--batch", help="a saved batch (torch.save of a dict with log_prob, old_log_prob, "
                                         "advantages, mask); default: a synthetic batch")
     parser.add_argument("--spread", type=float, default=0.0,
                         help="synthetic batch: std of log π - log π_old (default 0: ratio one, the on-policy step)")
     parser.add_argument("--max-length", type=int, default=128, help="synthetic batch: longest response (default 128)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic batch: seed (default 0)")
-    parser.add_argument("--out", default="runs/grads.png", help="the figure's path (default: runs/grads.png)")
+    parser.add_argument("--out", help="the figure's path (default: runs/grads.png, or runs/grads-2.png, ... when "
+                                      "taken); an --out that exists is refused")
+    parser.add_argument("--overwrite", action="store_true", help="replace the figure at --out (otherwise refused)")
     parser.set_defaults(func=cmd_grads)

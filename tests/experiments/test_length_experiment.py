@@ -116,7 +116,7 @@ REDUCED = dict(algorithms=("grpo", "sample_grpo"), seeds=2, steps=2, prompts_per
 def test_reduced_run_end_to_end(tmp_path):
     """The experiment's whole path in seconds: warm starts, runs, records, report, resume."""
     experiment = length.LengthExperiment(**REDUCED)
-    length.run(experiment, tmp_path, log=lambda line: None)
+    length.run(experiment, tmp_path, progress=False)
     runs = length.load(tmp_path)
     assert set(runs) == {(a, s) for a in REDUCED["algorithms"] for s in range(2)}
     for records in runs.values():
@@ -134,7 +134,7 @@ def test_reduced_run_end_to_end(tmp_path):
     for name in ("reward", "length", "repetition", "gradient"):
         assert (tmp_path / f"length_{name}.png").read_bytes()[:4] == b"\x89PNG"
     before = (tmp_path / "runs" / "grpo-0.jsonl").stat().st_mtime_ns
-    length.run(experiment, tmp_path, log=lambda line: None)  # resumes: nothing left to run
+    length.run(experiment, tmp_path, progress=False)  # resumes: nothing left to run
     assert (tmp_path / "runs" / "grpo-0.jsonl").stat().st_mtime_ns == before
 
 
@@ -156,3 +156,46 @@ def test_quick_is_a_reduced_form_of_the_full_experiment():
     full = length.LengthExperiment()
     assert dataclasses.replace(length.QUICK, seeds=full.seeds, steps=full.steps) == full
     assert len(full.algorithms) >= 6 and full.seeds >= 5 and full.max_new_tokens >= 128
+
+
+def test_a_check_run_carries_a_caveat_and_no_band_goes_below_zero(tmp_path, monkeypatch):
+    """--quick's 2 seeds x 12 steps: the report says it is no result; intervals of a few seeds
+    reach below zero, the drawn bands stop at zero."""
+    import matplotlib.pyplot as plt
+
+    runs = _runs([5, -3], [0, 1], steps=13)
+    for records in runs.values():
+        for r in records:
+            r.update(reward=0.5, length_right=r["length"], length_wrong=0.2 * r["seed"], rep4=0.01 * r["seed"],
+                     truncated=0.0, grad_pos=[0.1] * 5, grad_neg=[0.2] * 5, entropy=0.3)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figures to read what was drawn
+    text = write_report(runs, ["sample_grpo", "grpo"], tmp_path, command="pgloss experiment length --quick",
+                        seconds=None, window=3).read_text()
+    assert "A check run, not a result: 2 seeds x 12 steps against the experiment's 5 x 100" in text
+    assert "(would read: " in text and "| reproduced |" not in text and "| not resolved at this scale |" not in text
+    bands = [path for fig in figures for ax in fig.axes for c in ax.collections if hasattr(c, "get_paths")
+             for path in c.get_paths() if len(path.vertices)]
+    assert bands and min(float(path.vertices[:, 1].min()) for path in bands) >= 0.0
+
+
+def test_the_experiment_resumes_its_own_out_and_refuses_another(tmp_path, capsys):
+    from pgloss.experiments.command import claim_out
+
+    experiment = length.LengthExperiment(**REDUCED)
+    out = tmp_path / "exp"
+    assert claim_out(str(out), "unused", experiment, overwrite=False) == out  # new
+    out.mkdir()
+    (out / "experiment.json").write_text(json.dumps({**dataclasses.asdict(experiment), "workers": 2,
+                                                     "status": "interrupted"}))
+    assert claim_out(str(out), "unused", experiment, overwrite=False) == out  # the same experiment: resumed
+    other = dataclasses.replace(experiment, steps=5)
+    with pytest.raises(ValueError, match=r"holds an experiment with other settings \(steps 2 there, 5 here\)"):
+        claim_out(str(out), "unused", other, overwrite=False)
+    assert claim_out(None, str(out), other, overwrite=False) == tmp_path / "exp-2"  # the default: beside it
+    (out / "runs").mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert claim_out(str(out), "unused", other, overwrite=True) == out
+    assert not (out / "runs").exists() and not (out / "experiment.json").exists() and (out / "notes.txt").exists()
+    assert main(["experiment", "length", "--quick", "--steps", "5", "--out", str(out / "notes.txt")]) == 2
+    assert "is a file" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 
 from pgloss.advantages import group_advantages
@@ -39,3 +40,12 @@ def fixed_batch(policy, reference=None, n_prompts: int = 6, group: int = 4, seed
         ref = old if reference is None else response_log_probs(reference, r, temperature=1.0)[0]
     scores = torch.tensor(rewards)
     return Batch(r, old, ref, group_advantages(scores, group_ids), scores)
+
+
+@pytest.fixture(autouse=True)
+def warm_cache(tmp_path_factory, monkeypatch):
+    """Every test of a module that imports this caches its warm starts in a folder of its own, never
+    in the user's cache (subprocesses inherit the variable)."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(path))
+    return path / "pgloss" / "warm"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 from pgloss import cli
 from pgloss.lab import trainer
 
@@ -38,7 +39,9 @@ def test_compare_writes_metrics_plots_samples_report_and_config(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     report = (out / "report.md").read_text()
     assert all(f"| {a} |" in report for a in labels) and "![ppo_kl](ppo_kl.png)" in report
-    assert "last 5" in report and "mean over every update" in report and "OpenR1 in practice (6)" in report
+    assert "| KL to ref.: last 2 steps |" in report and "last 5" not in report  # the window a 2-step run has
+    assert report.startswith("# pgloss lab: comparison")
+    assert "mean over every update" in report and "OpenR1 in practice (6)" in report
     assert "seed 00" not in report.lower()
     assert "## grpo, seed 1" in (out / "samples.md").read_text()
     assert "Simulated sampler mismatch" not in report and not (out / "rollout_kl.png").exists()
@@ -117,7 +120,9 @@ def test_a_failing_run_keeps_the_others(tmp_path, monkeypatch, capsys):
     assert (out / "reward.png").exists()
 
 
-def test_ctrl_c_stops_within_seconds_and_writes_what_finished(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_and_sigterm_stop_within_seconds_and_write_what_finished(tmp_path, sig):
+    """Ctrl-C in a terminal and `timeout`/a scheduler (SIGTERM to the process group) end a run alike."""
     out = tmp_path / "run"
     cmd = [PGLOSS, "compare", "--algorithms", "grpo", "dapo", "gspo", "cispo", "sapo", "--steps", "30", "--seeds", "1",
            "--workers", "2", *TINY, "--out", str(out)]
@@ -130,11 +135,11 @@ def test_ctrl_c_stops_within_seconds_and_writes_what_finished(tmp_path):
         time.sleep(0.1)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    os.killpg(proc.pid, sig)  # what Ctrl-C in a terminal, and timeout, do: signal the whole process group
     sent = time.time()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and time.time() - sent < 30, err[-3000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "leaked semaphore" not in err
     ours = [line for line in err.splitlines() if line.startswith("pgloss compare")]
     assert len(ours) == 1 and re.match(r"pgloss compare: interrupted; [12] of 5 runs finished", ours[0]), err[-3000:]
     report = (out / "report.md").read_text()
@@ -158,3 +163,26 @@ def test_list_shows_no_made_up_norm_constant_for_dr_grpo(capsys):
     assert cli.main(["list"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("dr_grpo"))
     assert "norm_constant required" in row and "norm_constant=" not in row
+
+
+def test_sigterm_to_train_alone_records_what_it_made(tmp_path):
+    """`docker stop` signals the main process only: train ends as on Ctrl-C, its status recorded."""
+    out = tmp_path / "run"
+    cmd = [PGLOSS, "train", "--algorithms", "grpo", "--steps", "200", *TINY, "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:  # until two steps are written
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert re.search(r"pgloss train: interrupted; 0 of 1 runs finished", err), err[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["status"] == "interrupted" and config["runs"][0]["status"] == "interrupted"
+    assert config["runs"][0]["steps_done"] >= 2
+    report = (out / "report.md").read_text()
+    assert report.startswith("# pgloss lab: training run") and "This training run was interrupted" in report

@@ -18,13 +18,13 @@ gradient weight g = ∂L/∂log π per token (`pgloss.inspect`) by response leng
 sign, at ratio one (the first minibatch of the step is on-policy).
 
 ``run`` writes one JSON line per (algorithm, seed, step) into ``OUT/runs/ALGORITHM-SEED.jsonl``
-(and each seed's first batch into ``OUT/warm/batch-SEED.pt``, for ``pgloss grads --batch``) as it goes and skips runs already complete, so an interrupted experiment resumes where it
-stopped; ``length_report`` turns whatever is there into the report.
+(and each seed's first batch into ``OUT/warm/batch-seedSEED.pt``, for ``pgloss grads --batch``) as it
+goes and skips runs already complete, so an interrupted experiment resumes where it stopped;
+``length_report`` turns whatever is there into the report.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -171,7 +171,8 @@ def measure(problems, texts: list[str], algorithm, group_size: int, max_new_toke
 
 def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) -> dict[str, torch.Tensor]:
     """One step's responses as a batch for ``pgloss grads --batch``: their mask, GRPO's group
-    advantages of their rewards, and log π = log π_old = 0 (the step's first, on-policy update)."""
+    advantages of their rewards (with the rewards and group ids), and log π = log π_old = 0 (the
+    step's first, on-policy update)."""
     from pgloss.advantages import group_advantages
     from pgloss.lab.tasks import reward
 
@@ -180,35 +181,34 @@ def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) 
                             for i, (t, n) in enumerate(zip(texts, lengths.tolist()))], dtype=torch.float64)
     mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     zeros = torch.zeros(mask.shape, dtype=torch.float64)
-    advantages = group_advantages(rewards, torch.arange(len(texts)) // group_size).double()
-    return {"log_prob": zeros, "old_log_prob": zeros.clone(), "advantages": advantages, "mask": mask}
+    group_ids = torch.arange(len(texts)) // group_size
+    advantages = group_advantages(rewards, group_ids).double()
+    return {"log_prob": zeros, "old_log_prob": zeros.clone(), "advantages": advantages, "mask": mask,
+            "scores": rewards, "group_ids": group_ids}
 
 
-def _warm(experiment: LengthExperiment, seed: int, path: str) -> str:
-    from pgloss.lab import trainer
+def _warm(experiment: LengthExperiment, seed: int, cache: str) -> None:
+    """Train (or find in the cache) the warm start of `seed`; its steps are reported to the progress bar."""
+    from pgloss.lab import warm
+    from pgloss.lab.runner import emit
 
-    if not Path(path).exists():
-        cfg = experiment.lab_config(experiment.algorithms[0], seed)
-        torch.set_num_threads(1)
-        tokenizer, task, model = trainer.build(cfg)
-        trainer.warm_start(model, task, tokenizer, cfg)
-        torch.save(model.state_dict(), path + ".tmp")
-        Path(path + ".tmp").rename(path)
-    return path
+    warm.state(experiment.lab_config(experiment.algorithms[0], seed), Path(cache),
+               on_steps=lambda steps, seconds: emit({"warm": steps, "seconds": seconds}))
 
 
-def _run(experiment: LengthExperiment, algorithm: str, seed: int, warm_path: str, path: str) -> tuple[str, int, float]:
-    from pgloss.lab import trainer
+def _run(experiment: LengthExperiment, algorithm: str, seed: int, cache: str, path: str) -> tuple[str, int]:
+    from pgloss.lab import trainer, warm
+    from pgloss.lab.runner import emit, timed_steps
 
-    start = time.time()
     cfg = experiment.lab_config(algorithm, seed)
     loss = trainer.make_algorithm(cfg)
     extra: dict[int, dict] = {}
     tmp = Path(path + ".tmp")
+    report = timed_steps(emit)
     with open(tmp, "w") as f:
         def on_rollout(step, problems, texts):
             extra[step] = measure(problems, texts, loss, cfg.group_size, cfg.max_new_tokens)
-            batch_path = Path(warm_path).with_name(f"batch-seed{seed}.pt")  # step 0 is the same for every algorithm
+            batch_path = Path(cache) / f"batch-seed{seed}.pt"  # step 0 is the same for every algorithm
             if step == 0 and not batch_path.exists():
                 torch.save(lab_batch(problems, texts, cfg.group_size, cfg.max_new_tokens), f"{batch_path}.{algorithm}")
                 Path(f"{batch_path}.{algorithm}").rename(batch_path)
@@ -216,49 +216,63 @@ def _run(experiment: LengthExperiment, algorithm: str, seed: int, warm_path: str
         def on_step(record):
             f.write(json.dumps({**record, **extra.pop(record["step"])}) + "\n")
             f.flush()
+            report(record)
 
-        trainer.train(cfg, torch.load(warm_path), on_step=on_step, on_rollout=on_rollout)
+        trainer.train(cfg, warm.state(cfg, Path(cache)), on_step=on_step, on_rollout=on_rollout)
     tmp.rename(path)  # only a complete run gets its final name
-    return algorithm, seed, time.time() - start
+    return algorithm, seed
 
 
-def run(experiment: LengthExperiment, out: Path, log=print) -> float:
-    """Warm-start every seed, then train every (algorithm, seed) not yet complete in `out`,
-    ``experiment.workers`` at a time; returns the seconds taken."""
-    import multiprocessing as mp
-
+def check(experiment: LengthExperiment) -> None:
+    """Fail before any training on an algorithm the lab cannot build (ValueError/TypeError)."""
     from pgloss.lab.tasks import make_task
     from pgloss.lab.trainer import make_algorithm
 
-    for a in experiment.algorithms:  # fail before any training on an unknown name
+    for a in experiment.algorithms:
         make_algorithm(experiment.lab_config(a, 0))
     make_task("trace")
+
+
+def jobs(experiment: LengthExperiment, out: Path) -> list[tuple]:
+    """The (algorithm, seed) runs not yet complete in `out`, as arguments of `_run`."""
+    return [(experiment, a, s, str(out / "warm"), str(out / "runs" / f"{a}-{s}.jsonl"))
+            for s in range(experiment.seeds) for a in experiment.algorithms
+            if not (out / "runs" / f"{a}-{s}.jsonl").exists()]
+
+
+def run(experiment: LengthExperiment, out: Path, progress: bool = True) -> float:
+    """Warm-start every seed a run still needs (kept in ``out/warm``, keyed by its settings), then
+    train every (algorithm, seed) not yet complete in `out`, ``experiment.workers`` at a time, with
+    one progress bar on stderr (`progress`); returns the seconds taken. A KeyboardInterrupt (Ctrl-C,
+    SIGTERM) stops the workers and propagates: complete runs stay, the next call resumes."""
+    from pgloss.lab import warm
+    from pgloss.lab.progress import Progress
+    from pgloss.lab.runner import RL, WARM, Runner, Sink
+
+    check(experiment)
     start = time.time()
     (out / "warm").mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    (out / "experiment.json").write_text(json.dumps(dataclasses.asdict(experiment), indent=2) + "\n")
-    warm = [(experiment, s, str(out / "warm" / f"seed{s}.pt")) for s in range(experiment.seeds)]
-    jobs = [(experiment, a, s, str(out / "warm" / f"seed{s}.pt"), str(out / "runs" / f"{a}-{s}.jsonl"))
-            for s in range(experiment.seeds) for a in experiment.algorithms]
-    jobs = [j for j in jobs if not Path(j[-1]).exists()]
-    workers = min(experiment.workers, max(1, len(jobs)))
-    if workers == 1:
-        for job in warm:
-            _warm(*job)
-        done = (_run(*job) for job in jobs)
-        for k, (a, s, seconds) in enumerate(done, 1):
-            log(f"[{time.time() - start:7.0f} s] {k}/{len(jobs)} {a} seed {s} ({seconds:.0f} s)")
-        return time.time() - start
-    with mp.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_warm, warm)
-        log(f"[{time.time() - start:7.0f} s] warm starts done")
-        for k, (a, s, seconds) in enumerate(pool.imap_unordered(_star_run, jobs), 1):
-            log(f"[{time.time() - start:7.0f} s] {k}/{len(jobs)} {a} seed {s} ({seconds:.0f} s)")
+    todo = jobs(experiment, out)
+    seeds = sorted({job[2] for job in todo})
+    cold = [s for s in seeds if not warm.cached(experiment.lab_config(experiment.algorithms[0], s), out / "warm")]
+    workers = min(experiment.workers, max(1, len(todo)))
+    bar = Progress("experiment length", {WARM: (len(cold) * experiment.warm_steps, min(workers, len(cold))),
+                                         RL: (len(todo) * (experiment.steps + 1), workers)}) if progress else None
+    sink = Sink(None, bar)
+    runner, interrupted = None, False
+    try:
+        runner = Runner(workers, sink)
+        runner.map(_warm, [(experiment, s, str(out / "warm")) for s in seeds], {})
+        runner.map(_run, todo, {})
+    except BaseException:
+        interrupted = True
+        raise
+    finally:
+        if runner is not None:
+            runner.close(terminate=interrupted)
+        sink.close()
     return time.time() - start
-
-
-def _star_run(job):
-    return _run(*job)
 
 
 def load(out: Path) -> dict[tuple[str, int], list[dict]]:

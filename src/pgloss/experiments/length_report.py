@@ -167,7 +167,12 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {a: plt.get_cmap("tab10")(k) for k, a in enumerate(algorithms)}
+    from pgloss.lab.plots import styles
+
+    style = styles(algorithms)  # a distinct colour and line style per algorithm
+    colors = {a: color for a, (color, _, _) in style.items()}
+    legend = dict(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                  ncol=1 if len(algorithms) <= 14 else 2)  # beside the data, never over it
     paths = []
 
     def curves(ax, key: str, title: str) -> None:
@@ -181,8 +186,9 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
                                for s in seeds]) for step in steps]
             mean = [m for m, _ in stats]
             half = [0.0 if math.isnan(h) else h for _, h in stats]
-            ax.plot(steps, mean, color=colors[a], label=f"{a} (n={len(seeds)})", lw=1.4)
-            ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
+            ax.plot(steps, mean, color=colors[a], ls=style[a][1], label=f"{a} (n={len(seeds)})", lw=1.4)
+            # every measure here is >= 0: an interval of few seeds is not drawn below zero
+            ax.fill_between(steps, [max(0.0, m - h) for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
                             color=colors[a], alpha=0.15, lw=0)
         if key in ("rep4", "scratchpad"):  # shares: an interval of few values may reach outside [0, 1]
             ax.set_ylim(0, 1)
@@ -197,16 +203,16 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
         ("repetition", [("rep4", "repeated 4-grams in the traces (rep-4)"),
                         ("scratchpad", "share of responses that write a trace")]),
     ):
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 2.2, 3.6), squeeze=False)
         for ax, (key, title) in zip(axes[0], panels):
             curves(ax, key, title)
-        axes[0][0].legend(fontsize=7)
+        axes[0][-1].legend(**legend)
         fig.tight_layout()
         paths.append(out / f"length_{name}.png")
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12.6, 3.6), sharey=True)
     centers = list(range(len(LENGTH_BINS)))
     labels = [f"{lo}-{hi - 1}" for lo, hi in zip(LENGTH_BINS, LENGTH_BINS[1:])] + [f"{LENGTH_BINS[-1]}+"]
     for ax, key, title in ((axes[0], "grad_pos", "Â > 0"), (axes[1], "grad_neg", "Â < 0")):
@@ -216,17 +222,18 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
                 continue
             stats = gradient_by_length(runs, a, key)
             positive = positive or any(m > 0 for m, _ in stats)
-            shift = (k - (len(algorithms) - 1) / 2) * 0.12
+            shift = (k - (len(algorithms) - 1) / 2) * min(0.12, 0.7 / len(algorithms))
+            half = [0.0 if math.isnan(h) else h for _, h in stats]
             ax.errorbar([c + shift for c in centers], [m for m, _ in stats],
-                        yerr=[0.0 if math.isnan(h) else h for _, h in stats], fmt="o-", ms=3, lw=1,
-                        capsize=2, color=colors[a], label=a)
+                        yerr=[[min(h, m) if m == m else 0.0 for (m, _), h in zip(stats, half)], half],
+                        fmt=style[a][2], ls=style[a][1], ms=3, lw=1, capsize=2, color=colors[a], label=a)
         ax.set_xticks(centers, labels)
         if positive:  # the weights span decades; an empty panel (no such response) stays linear
             ax.set_yscale("log")
         ax.set_xlabel("response length (tokens)")
         ax.set_title(f"per-token gradient weight |∂L/∂log π|·N, {title}", fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[1].legend(**legend)
     fig.tight_layout()
     paths.append(out / "length_gradient.png")
     fig.savefig(paths[-1], dpi=90)
@@ -234,13 +241,29 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
     return paths
 
 
+def scale_caveat(runs: dict) -> str | None:
+    """A warning when the runs are smaller than the experiment's design (its default seeds and steps):
+    their intervals are wide and their verdicts are no result (``--quick`` checks that it all runs)."""
+    from pgloss.experiments.length import LengthExperiment
+
+    design = LengthExperiment()
+    seeds = max((sum(1 for (b, _) in runs if b == a) for a, _ in runs), default=0)
+    steps = max((records[-1]["step"] for records in runs.values()), default=0)
+    if seeds >= design.seeds and steps >= design.steps:
+        return None
+    return (f"A check run, not a result: {seeds} seed{'s' if seeds != 1 else ''} x {steps} steps against the "
+            f"experiment's {design.seeds} x {design.steps}. With so few seeds and steps the intervals are wide and "
+            "the verdicts below say only what the numbers would read; docs/experiments.md has the full run.")
+
+
 def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, seconds: float | None,
                  window: int) -> Path:
     """report.md with the table, the verdicts and the plots, in `out`; returns its path."""
     plots = plot(runs, algorithms, out)
     rows = summary_rows(runs, algorithms, window)
+    caveat = scale_caveat(runs)
     lines = ["# The length experiment", "", f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
-             "", f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.", "",
+             "", *([f"**{caveat}**", ""] if caveat else []), f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.", "",
              "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "
              "rep-4 start → end | entropy start → end | cut off at end |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -263,6 +286,9 @@ def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, 
             continue
         whole = verdict(claim, runs, window, measure=run_mean)
         side = ">" if claim.sign > 0 else "<"
+        if caveat:  # a verdict of a check run is shown as what it would read, not as a finding
+            v, whole = ({**x, "verdict": f"(would read: {x['verdict']}; not a result at this scale)"}
+                        for x in (v, whole))
         lines.append(f"| {claim.source} | {claim.statement} | Δ{claim.key}({claim.a}) - Δ{claim.key}({claim.b}) "
                      f"{side} 0 | {v['mean']:+.3f} [{v['low']:+.3f}, {v['high']:+.3f}] {claim.unit}, "
                      f"{v['seeds']} seeds | {v['verdict']} | {whole['mean']:+.3f} [{whole['low']:+.3f}, "

@@ -1,9 +1,9 @@
 """``report.md``: the summary tables, the plots, and a rule-based reading of the curves.
 
 Every column says its window: the warm start is step 0; a rollout statistic at the end is the
-mean of the last ``TAIL`` steps; an update diagnostic is the mean over every update of the run;
-the eval reward compares the warm-start policy with the final one. A cell is the mean over seeds
-followed by each seed's value.
+mean of the last ``TAIL`` steps (of every step after 0 in a shorter run); an update diagnostic
+is the mean over every update of the run; the eval reward compares the warm-start policy with the
+final one. A cell is the mean over seeds followed by each seed's value.
 
 The reading of clip fraction against ``ppo_kl`` follows "an article on the components of PG
 losses in verl's conventions" and says which rule fired, with its thresholds:
@@ -25,7 +25,17 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-TAIL = 5  # rollout statistics at the end are means over the last TAIL steps
+TAIL = 5  # rollout statistics at the end are means over the last TAIL steps (fewer in a shorter run)
+
+
+def tail(steps: int) -> int:
+    """The window of the end values of a run of `steps` RL steps: its last min(TAIL, steps) steps,
+    so that the end never includes step 0 (the warm start)."""
+    return max(1, min(TAIL, steps))
+
+
+def last(window: int) -> str:
+    return "last step" if window == 1 else f"last {window} steps"
 
 HIGH_CLIP, LOW_CLIP, HIGH_PPO_KL = 0.10, 0.01, 0.02
 NARROW_BAND = 0.01  # clip_low + clip_high below this: a band the article's thresholds were not made for
@@ -45,15 +55,15 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def run_values(records: list[dict]) -> dict[str, float]:
-    """One run's numbers: ``<metric>_start`` (step 0) and ``<metric>_end`` (last TAIL steps) for the
+def run_values(records: list[dict], window: int = TAIL) -> dict[str, float]:
+    """One run's numbers: ``<metric>_start`` (step 0) and ``<metric>_end`` (last `window` steps) for the
     rollout statistics, whole-run means of the update diagnostics, eval reward before and after."""
     run = sorted(records, key=lambda r: r["step"])
     updates = run[:-1]  # the last record measures the final policy and makes no update
     values = {}
     for key in ROLLOUT:
         values[f"{key}_start"] = _mean([run[0].get(key)])
-        values[f"{key}_end"] = _mean(r.get(key) for r in run[-TAIL:])
+        values[f"{key}_end"] = _mean(r.get(key) for r in run[-window:])
     for key in (*UPDATE, *MISMATCH):
         values[key] = _mean(r.get(key) for r in updates)
     values["eval_start"] = _mean([run[0].get("eval_reward")])
@@ -62,14 +72,14 @@ def run_values(records: list[dict]) -> dict[str, float]:
     return values
 
 
-def summarize(records: list[dict]) -> dict[str, dict]:
+def summarize(records: list[dict], window: int = TAIL) -> dict[str, dict]:
     """Per algorithm: ``seeds`` (sorted) and ``values`` {key: [one value per seed]} of `run_values`."""
     runs: dict[str, dict[int, list[dict]]] = {}
     for r in records:
         runs.setdefault(r["algorithm"], {}).setdefault(r["seed"], []).append(r)
     rows = {}
     for algorithm, seeds in runs.items():
-        per_seed = [run_values(seeds[s]) for s in sorted(seeds)]
+        per_seed = [run_values(seeds[s], window) for s in sorted(seeds)]
         rows[algorithm] = {"seeds": sorted(seeds), "values": {k: [v[k] for v in per_seed] for k in per_seed[0]}}
     return rows
 
@@ -94,11 +104,13 @@ def _span(row: dict, key: str, digits: int = 3) -> str:
     return f"{_fmt(_mean(v[key + '_start']), digits)} → {cell(v[key + '_end'], digits)}"
 
 
-def tables(rows: dict[str, dict]) -> str:
-    """The outcome table and the update table (Markdown), each column with its window."""
+def tables(rows: dict[str, dict], window: int = TAIL) -> str:
+    """The outcome table and the update table (Markdown), each column with its window (the end:
+    the last `window` steps)."""
+    end = last(window)
     out = ["| algorithm | eval reward: warm start → final policy | beat warm start (seeds) "
-           f"| train reward: step 0 → last {TAIL} steps | greedy accuracy: step 0 → last {TAIL} "
-           f"| length (tokens): step 0 → last {TAIL} | entropy: step 0 → last {TAIL} | KL to ref.: last {TAIL} |",
+           f"| train reward: step 0 → {end} | greedy accuracy: step 0 → {end} "
+           f"| length (tokens): step 0 → {end} | entropy: step 0 → {end} | KL to ref.: {end} |",
            "|---|---|---|---|---|---|---|---|"]
     for a, row in rows.items():
         v = row["values"]
@@ -242,15 +254,17 @@ def unfinished(runs: list[dict]) -> list[str]:
     return [f"- {r['algorithm']}, seed {r['seed']}: {reasons[r['status']](r)}" for r in runs if r["status"] in reasons]
 
 
-def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path]) -> Path:
+def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path], title: str = "comparison") -> Path:
     """Write ``report.md`` for `runs` (dicts with algorithm, seed, status, steps_done, error, metrics;
-    only finished runs enter the tables and plots) into `out`; returns its path."""
+    only finished runs enter the tables and plots) into `out`, titled "pgloss lab: `title`";
+    returns its path."""
     base = config["base"]
+    window = tail(base["steps"])
     finished = [r for r in runs if r["status"] == "finished"]
-    rows = summarize([m for r in finished for m in r["metrics"]])
+    rows = summarize([m for r in finished for m in r["metrics"]], window)
     lost = unfinished([{**r, "steps": base["steps"], "steps_done": min(r["steps_done"], base["steps"])} for r in runs])
     lines = [
-        "# pgloss lab: comparison",
+        f"# pgloss lab: {title}",
         "",
         f"Command: `{config['command']}`",
         "",
@@ -260,15 +274,16 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path]) -
     ]
     if lost:
         status = "was interrupted" if config.get("status") == "interrupted" else "did not finish every run"
-        lines += [f"**This {'comparison' if len(runs) > 1 else 'run'} {status}: {len(finished)} of {len(runs)} runs "
+        lines += [f"**This {title} {status}: {len(finished)} of {len(runs)} runs "
                   "finished.** The tables and "
                   "plots show the finished runs only.", "", *lost, ""]
     lines += [
         f"Task `{base['task']}`, {base['steps']} RL steps of {base['prompts_per_step']} prompts x {base['group_size']} "
         f"completions, {base['epochs']} epochs x {base['minibatches']} minibatches per batch, seeds {config['seeds']}.",
         "",
-        "Windows: *warm start* and *step 0* are the warm-start policy before any update; *last "
-        f"{TAIL}* is the mean of the last {TAIL} steps (the final policy's rollout and the {TAIL - 1} before it); "
+        "Windows: *warm start* and *step 0* are the warm-start policy before any update; *"
+        f"{last(window)}* is " + ("the final policy's rollout; " if window == 1 else f"the mean of the last {window} "
+                                  f"steps (the final policy's rollout and the {window - 1} before it); ") +
         "the *update diagnostics* are means over every update of the run. *Eval reward* is the sampled reward on "
         f"{base['eval_prompts']} fixed held-out prompts x {base['group_size']} samples, drawn with the same random "
         "numbers for the warm-start policy and the final one: a seed beats its warm start when it rises. *Train "
@@ -280,7 +295,7 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path]) -
         "",
     ]
     if rows:
-        lines += [tables(rows), *read_kept(rows, base), *mismatch_table(rows, base), ""]
+        lines += [tables(rows, window), *read_kept(rows, base), *mismatch_table(rows, base), ""]
     else:
         lines += ["No run finished.", ""]
     lines += ["## Curves", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]

@@ -38,14 +38,15 @@ class Spec:
         merged = {**{k: v for k, v in args.items() if k not in own}, **own}
         return Spec(self.name, tuple(merged.items()))
 
-    def build(self, max_new_tokens: int, rollout_correction=None):
-        """The pgloss algorithm, with `rollout_correction` (a ``RolloutCorrection`` or None). A sum-norm
+    def build(self, max_new_tokens: int, rollout_correction=None, **fixed):
+        """The pgloss algorithm, with `rollout_correction` (a ``RolloutCorrection`` or None) and the
+        hyperparameters `fixed` over the spec's own (``pgloss grads`` fixes ``kl_coef=0``). A sum-norm
         aggregation (Dr.GRPO) without a given ``norm_constant`` divides by the response budget,
         `max_new_tokens`. Raises ValueError/TypeError like ``pgloss.get``."""
         import pgloss
         from pgloss.algorithms import NAMED
 
-        kwargs = dict(self.args)
+        kwargs = {**dict(self.args), **fixed}
         if self.name in NAMED:
             family = NAMED[self.name][0]
             fields = {f.name: f for f in dataclasses.fields(family)}
@@ -121,10 +122,15 @@ def parse_spec(text: str) -> Spec:
     return Spec(name.strip(), tuple(args.items()))
 
 
-def parse_algorithms(items: list[str], every: list[str], loss_args: list[str] = ()) -> list[Spec]:
+def parse_algorithms(items: list[str], every: list[str] | None = None, loss_args: list[str] = ()) -> list[Spec]:
     """The specs of ``--algorithms`` (space- or comma-separated; ``all`` is every name in `every`),
     each with the ``--loss-arg`` settings added. A comma-separated ``key=value`` continues the
-    previous spec's settings: ``dapo:clip_high=0.3,clip_low=0.1``. Duplicate labels are refused."""
+    previous spec's settings: ``dapo:clip_high=0.3,clip_low=0.1``. Duplicate labels are refused.
+    `every` defaults to ``pgloss.names()``."""
+    if every is None:
+        import pgloss
+
+        every = pgloss.names()
     texts: list[str] = []
     for piece in (p.strip() for item in items for p in item.split(",")):
         if not piece:
@@ -147,6 +153,18 @@ def parse_algorithms(items: list[str], every: list[str], loss_args: list[str] = 
             raise ValueError(f"--algorithms: {spec.label} is listed twice (two runs need distinct settings)")
         seen.add(spec.label)
     return specs
+
+
+GRAMMAR = ("pgloss algorithm names, space- or comma-separated, 'all' for every name; NAME:KEY=VALUE[,KEY=VALUE] "
+           "sets that algorithm's loss hyperparameters, so 'dapo dapo:clip_high=0.3' compares two settings of one loss")
+
+
+def add_algorithms_argument(parser, default: tuple[str, ...], *flags: str, one: bool = False) -> None:
+    """``--algorithms`` (and `flags`), the one grammar of every command that takes algorithms
+    (`parse_algorithms` reads it); `one`: the command takes exactly one."""
+    what = "one algorithm, NAME or NAME:KEY=VALUE[,KEY=VALUE] (the grammar of --algorithms elsewhere)" if one else GRAMMAR
+    parser.add_argument("--algorithms", *flags, dest="algorithms", nargs="+", default=list(default), metavar="SPEC",
+                        help=f"{what} (default: {' '.join(default)})")
 
 
 CORRECTION_KEYS = {"mode": "weight_mode", "lower": "lower", "upper": "upper", "off_policy_mask": "off_policy_mask",

@@ -124,9 +124,10 @@ def build(cfg: LabConfig):
     return tokenizer, task, TinyGPT(model_cfg).to(cfg.device)
 
 
-def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig) -> float:
+def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig, on_step=None) -> float:
     """Supervised steps on demonstrations (scratchpad with probability ``scratchpad_prob``);
-    returns the last loss. Deterministic given ``cfg.seed``."""
+    returns the last loss. Deterministic given ``cfg.seed``; ``on_step(step)`` is called after each
+    step (``lab/warm.py`` caches the result)."""
     rng = random.Random(f"warm-{cfg.seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warm_lr)
     loss = torch.tensor(float("nan"))
@@ -142,6 +143,8 @@ def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig) -> fl
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if on_step is not None:
+            on_step(step)
     return float(loss.detach())
 
 
