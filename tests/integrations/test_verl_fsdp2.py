@@ -25,6 +25,7 @@ from test_distributed import free_port  # noqa: E402
 from test_fsdp2 import VOCAB, selects_per_call, tiny  # noqa: E402
 from test_verl import BUDGET, LENGTH, ROWS, actor_config, make_batch, micro_batch, own_mode  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from pgloss.integrations import verl as adapter  # noqa: E402
@@ -62,7 +63,9 @@ def loss(config, model, batch, rows, *, dp_size, batch_num_tokens):
 
 
 def config_of(name):
-    return actor_config(adapter.registered_name(name), loss_agg_mode=own_mode(name), loss_scale_factor=BUDGET)
+    # dro_beta has no default in verl (it refuses the loss without one), so the config sets pgloss's
+    policy_loss = PolicyLossConfig(loss_mode=adapter.registered_name(name), dro_beta=0.1)
+    return actor_config(policy_loss=policy_loss, loss_agg_mode=own_mode(name), loss_scale_factor=BUDGET)
 
 
 def worker(rank: int, port: int, results) -> None:
