@@ -113,7 +113,7 @@ def make_inputs(args, torch):
     with torch.no_grad():
         current, _ = log_prob_and_entropy_from_hidden(hidden, weight, targets, temperature=args.temperature)
     current = current.cpu()
-    old_log_prob = (current + 0.1 * torch.randn(batch, length, generator=gen)).to(device)
+    old_log_prob = (current + 0.1 * torch.randn(batch, length, generator=gen)).clamp(max=0.0).to(device)
     ref_log_prob = (current + 0.05 * torch.randn(batch, length, generator=gen)).to(device)
     advantages = torch.randn(batch, generator=gen).to(device)
     return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, old_log_prob=old_log_prob,

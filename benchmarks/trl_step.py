@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
                 with torch.no_grad():
                     log_prob, _, _ = trainer._get_per_token_logps_and_entropies(
                         trainer.model, ids, attention, options.completion)
-                batch["old_per_token_logps"] = log_prob + 0.05 * torch.randn(log_prob.shape, generator=gen)
+                batch["old_per_token_logps"] = (log_prob + 0.05 * torch.randn(log_prob.shape, generator=gen)).clamp(max=0.0)
 
         def step(name):
             trainer = trainers[name]
