@@ -168,17 +168,21 @@ def _closed_form(algorithm: Algorithm, batch: TokenBatch) -> GradientFactor:
 @contextlib.contextmanager
 def _replayed_draws(algorithm: Algorithm) -> Iterator:
     """Yield `rewind()`, which puts every generator a loss call may draw from (the algorithm's own
-    `torch.Generator` fields and torch's global CPU generator) back to its state on entry; on exit
-    they are left in that state, so the diagnostic's draws are the next training call's."""
+    `torch.Generator` fields, torch's global CPU generator and, once CUDA is in use, each GPU's) back
+    to its state on entry; on exit they are left in that state, so the diagnostic's draws are the next
+    training call's."""
     generators = [value for value in (getattr(algorithm, f.name) for f in dataclasses.fields(algorithm))
                   if isinstance(value, torch.Generator)]
     states = [g.get_state() for g in generators]
     global_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def rewind() -> None:
         for generator, state in zip(generators, states):
             generator.set_state(state)
         torch.set_rng_state(global_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
 
     try:
         yield rewind
