@@ -178,6 +178,10 @@ _DOCUMENTED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
      f"TRL keeps the tokens its entropy mask drops in the denominator; pgloss counts the mask ({_REF})"),
     (dict(loss_type="grpo"), dict(empty_row=True),
      f"TRL's grpo counts an empty completion as a sequence of the mean; pgloss does not ({_REF})"),
+    (dict(loss_type="dr_grpo"), dict(empty_row=True), f"dr_grpo: TRL divides by every row, empty ones too ({_REF})"),
+    (dict(loss_type="luspo"), dict(empty_row=True), f"luspo: TRL averages over every row, empty ones too ({_REF})"),
+    (dict(loss_type="dapo", beta=0.04, off_policy_mask_threshold=0.02), {},
+     f"TRL's off-policy mask leaves the KL term of a dropped sequence; pgloss drops the sequence ({_REF})"),
 ]
 
 
