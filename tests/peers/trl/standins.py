@@ -23,14 +23,19 @@ else:
 
 __all__ = ["GRPOTrainer", "MODELS", "build_models", "load_dataset"]
 
-_PROMPTS = ["The sky is", "The sun is", "Water is", "A cat is", "Snow is", "The moon is", "Grass is", "A dog is",
-            "Fire is", "The sea is", "Ice is", "A bird is", "The night is", "Rain is", "A tree is", "Sand is",
-            "The wind is", "Stone is", "A fish is"]
+_PROMPTS = [  # the beginnings of the Zen of Python's lines, as the zen dataset's prompts
+    "Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than",
+    "Sparse is better", "Readability", "Special cases aren't special", "Although practicality beats",
+    "Errors should never", "Unless explicitly", "In the face of ambiguity, refuse",
+    "There should be one-- and preferably", "Although that way may not be", "Now is better than",
+    "Although never is often better than", "If the implementation is hard to explain,",
+    "If the implementation is easy to explain,", "Namespaces are one honking great idea",
+]
 _SPLITS = {"train": _PROMPTS[:17], "test": _PROMPTS[17:]}
 
 
 def load_dataset(path: str, name: str | None = None, *, split: str | None = None, streaming: bool = False):
-    """The zen prompt-only datasets TRL's GRPO tests load (17 train and 2 test prompts)."""
+    """The zen prompt-only datasets TRL's GRPO tests load (17 train and 2 test prompts: the Zen of Python)."""
     if path != "trl-internal-testing/zen" or name not in ("standard_prompt_only", "conversational_prompt_only"):
         raise ValueError(f"no stand-in for {path} {name}")
 
