@@ -292,14 +292,25 @@ class PGLossMixin:
         return loss
 
     def _pgloss_log(self, mode: str, out: LossOutput, accumulation: int) -> None:
-        """One gather for every metric. `pg_loss` and `kl_loss` are this micro-batch's shares of the
-        step's value, so they are logged × accumulation steps: their mean over the step is the value."""
+        """One gather for every metric, logged as `pgloss/<name>`. `pg_loss` and `kl_loss` are this
+        micro-batch's shares of the step's value, so they are logged × accumulation steps: their mean
+        over the step is the value."""
         names = sorted(out.metrics)
         shares = {"pg_loss", "kl_loss"}
         values = torch.stack([out.metrics[k].detach().float() * (accumulation if k in shares else 1) for k in names])
         gathered = self.accelerator.gather(values[None]).reshape(-1, len(names))
-        for k, value in zip(names, gathered.nanmean(dim=0).tolist()):
+        logged = dict(zip(names, gathered.nanmean(dim=0).tolist()))
+        for k, value in logged.items():
             self._metrics[mode][f"pgloss/{k}"].append(value)
+        # TRL's own names, where TRL logs them: the mean entropy; with an entropy bonus, the loss before
+        # the bonus (policy and KL terms) and the coefficient at each optimizer step.
+        if "entropy" in logged:
+            self._metrics[mode]["entropy"].append(logged["entropy"])
+        if self.algorithm.entropy_coef != 0:
+            policy = logged["pg_loss"] + self.algorithm.kl_coef * logged.get("kl_loss", 0.0)
+            self._metrics[mode]["policy_loss"].append(policy)
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.algorithm.entropy_coef)
 
     # -- the fused path -------------------------------------------------------------------------
 
