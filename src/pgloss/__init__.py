@@ -17,7 +17,8 @@ from .full_kl import full_kl_from_hidden, full_kl_from_logits
 from .fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 from .rollout import Rejection, RolloutCorrection
-from .integrations.verl_config import from_verl
+from .integrations.trl_config import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
+from .integrations.verl_config import from_verl  # verl's actor config as an Algorithm (imports no verl)
 
 try:
     __version__ = version("pgloss")
@@ -46,6 +47,7 @@ __all__ = [
     "families",
     "full_kl_from_hidden",
     "full_kl_from_logits",
+    "from_trl",
     "from_verl",
     "get",
     "kl",

@@ -35,7 +35,7 @@ def test_trains_and_window_gradient_is_one_call(tmp_path, model_dir, name, overr
     """Two optimizer steps in the real trainer; the second (GA = 2, off-policy old log-probs) applies
     the gradient of one plain call on the whole window."""
     os.symlink(model_dir, tmp_path / "model")
-    algorithm = pgloss.get(name, norm_constant=float(BUDGET), **overrides)
+    algorithm = pgloss.get(name, generation_budget=BUDGET, **overrides)
     # A sequence ratio compounds the first step's change over the sequence (and GSPO's band is 3e-4):
     # a smaller first step keeps some sequences unclipped, else the second step's gradient is 0.
     rate = 2e-2 if getattr(algorithm, "ratio_level", "token") == "token" else 1e-6
@@ -104,37 +104,12 @@ def test_caller_config_is_not_mutated_and_beta_follows_kl_coef(tmp_path, model_d
                                 args=config, algorithm="grpo")
     assert trainer.beta == 0.04 and trainer.ref_model is not None  # grpo's kl_coef switches on TRL's reference
     assert config.beta == 0.0  # TRL's default, untouched
-    assert trainer.algorithm == pgloss.get("grpo", norm_constant=float(BUDGET))
+    assert trainer.algorithm == pgloss.get("grpo")  # no divisor: grpo does not divide by a budget
 
 
-@pytest.mark.parametrize(("option", "value"), [
-    ("top_entropy_quantile", 0.2), ("off_policy_mask_threshold", 0.5), ("entropy_coef", 0.01),
-    ("use_adaptive_entropy", True), ("steps_per_generation", 3), ("vllm_importance_sampling_mode", "sequence_mask"),
-])
-def test_unhonourable_options_are_refused_by_name(tmp_path, option, value):
-    overrides = {option: value}
-    if option == "steps_per_generation":  # GA = 2 does not divide 3: a step would span two generations
-        overrides["per_device_train_batch_size"] = 4
-    if option.startswith("vllm"):  # TRL's default IS mode under vLLM; only token_truncate maps onto pgloss
-        overrides["use_vllm"] = True
-    config = trl_tiny.config(str(tmp_path / "out"), **overrides)
-    with pytest.raises(ValueError, match=option):
-        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm="dapo")
-
-
-@pytest.mark.parametrize(("option", "value", "algorithm"), [
-    ("epsilon", 0.3, "dapo"), ("epsilon_high", 0.4, "dapo"), ("loss_type", "bnpo", "dapo"),
-    ("importance_sampling_level", "sequence", "grpo"), ("sapo_temperature_neg", 2.0, "sapo"),
-])
-def test_trl_loss_options_that_disagree_with_the_algorithm_are_refused(tmp_path, option, value, algorithm):
-    config = trl_tiny.config(str(tmp_path / "out"), **{option: value})
-    with pytest.raises(ValueError, match=rf"{option}={value!r} \(the loss is {algorithm}'s"):
-        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm=algorithm)
-
-
-def test_trl_loss_options_that_agree_with_the_algorithm_pass():
-    config = trl_tiny.config("unused", epsilon_high=0.28, loss_type="dapo")
-    with pytest.raises(OSError):  # past the checks: the model path does not exist
+def test_a_step_spanning_two_generations_is_refused(tmp_path):
+    config = trl_tiny.config(str(tmp_path / "out"), steps_per_generation=3, per_device_train_batch_size=4)
+    with pytest.raises(ValueError, match="steps_per_generation=3"):
         PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm="dapo")
 
 
@@ -145,9 +120,34 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
         PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, algorithm="nope")
     with pytest.raises(TypeError, match="args must be a trl.GRPOConfig"):
-        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=None)
+        PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args={"loss_type": "dapo"})
     with pytest.raises(TypeError, match="fused must be a bool"):
         PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, fused="yes")
+
+
+def test_without_args_builds_trls_default_config(tmp_path, model_dir, monkeypatch):
+    """GRPOTrainer(model, reward_funcs, train_dataset) builds GRPOConfig("<model>-GRPO"); so does ours,
+    and the loss is the one that config asks for (TRL's dapo: ε = 0.2 on both sides)."""
+    from trl import GRPOConfig
+
+    import pgloss.integrations.trl as adapter
+
+    monkeypatch.chdir(tmp_path)
+    data = dict(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset())
+    # On a CPU without bf16, TRL's default config itself is refused: by TRL's trainer and by ours alike.
+    for trainer_class in (GRPOTrainer, PGLossGRPOTrainer):
+        with pytest.raises(ValueError, match="bf16"):
+            trainer_class(**data)
+
+    class CPUConfig(GRPOConfig):  # TRL's defaults, on this CPU
+        def __init__(self, output_dir, **options):
+            super().__init__(output_dir, use_cpu=True, bf16=False, report_to=[], **options)
+
+    monkeypatch.setattr(adapter, "GRPOConfig", CPUConfig)
+    trainer = PGLossGRPOTrainer(**data)
+    assert isinstance(trainer.args, GRPOConfig) and trainer.args.output_dir.endswith("model-GRPO")
+    assert trainer.algorithm == pgloss.from_trl(CPUConfig("model-GRPO"))
+    assert (trainer.algorithm.name, trainer.algorithm.clip_high) == ("dapo", 0.2)
 
 
 # -- parity with TRL's own loss_types ------------------------------------------------------------
@@ -294,8 +294,8 @@ def test_vllm_token_truncate_matches_trl(window):
             window.use_vllm, window.vllm_importance_sampling_correction = True, True
             try:
                 theirs = summed(window_grads(window, trl_loss(window, "dapo", epsilon_low=0.2, epsilon_high=0.28)))
-                mine = summed(window_grads(window, ours(window, pgloss.get("dapo", rollout_is_cap=3.0))))
-                unweighted = summed(window_grads(window, ours(window, pgloss.get("dapo", rollout_is_cap=1e-9))))
+                mine = summed(window_grads(window, ours(window, pgloss.get("dapo", rollout_correction=pgloss.RolloutCorrection(upper=3.0)))))
+                unweighted = summed(window_grads(window, ours(window, pgloss.get("dapo", rollout_correction=pgloss.RolloutCorrection(upper=1e-9)))))
             finally:
                 window.use_vllm, window.vllm_importance_sampling_correction = False, False
     assert relative_error(mine, theirs) < 1e-5
@@ -358,3 +358,82 @@ def test_two_processes_give_the_global_gradient(tmp_path, model_dir):
             error = relative_error(rank["grads"], reference)
             print(f"{case}: rank tokens {tokens}, relative gradient error {error:.2e}")
             assert error < 2e-5, case
+
+
+# -- the step's counting is the algorithm's (issue: 0.257 instead of 0.566 under a k3 rejection) --------
+
+def one_call_gradient(trainer, algorithm, model_dir):
+    params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    reference, _ = window_gradient(model_dir, trainer._buffered_inputs, params, algorithm)
+    return reference
+
+
+@pytest.mark.parametrize("correction", [
+    pgloss.RolloutCorrection(weight_level=None, rejection=(pgloss.Rejection("token_k3", upper=0.05),)),
+    pgloss.RolloutCorrection(upper=2.0, batch_normalize=True),
+    pgloss.RolloutCorrection(upper=2.0, off_policy_mask=0.05),
+], ids=["k3-rejection", "batch-normalize", "off-policy-mask"])
+def test_the_window_is_counted_by_the_algorithms_rule(window, model_dir, correction):
+    """GA = 2 through the adapter equals one call on the window, with rejections (left out of the count),
+    batch-normalised weights (the step's mean) and the off-policy mask."""
+    algorithm = pgloss.get("dapo", rollout_correction=correction)
+    with with_inputs(window, sampling_per_token_logps=noisy("old_per_token_logps", 0.3, 11)):
+        mine = summed(window_grads(window, ours(window, algorithm)))
+        reference = one_call_gradient(window, algorithm, model_dir)
+        counted = summed(window_grads(window, ours(window, pgloss.get("dapo"))))
+    error = relative_error(mine, reference)
+    print(f"{correction}: adapter vs one call, relative gradient error {error:.2e}")
+    assert error < 1e-5
+    assert relative_error(counted, reference) > 1e-2  # the correction changes this window's gradient
+
+
+def trl_settings(config):
+    """GRPOTrainer's attributes for `config`'s loss options (what its __init__ sets)."""
+    return dict(loss_type=config.loss_type, epsilon_low=config.epsilon,
+                epsilon_high=config.epsilon if config.epsilon_high is None else config.epsilon_high,
+                beta=config.beta, off_policy_mask_threshold=config.off_policy_mask_threshold,
+                use_vllm=config.use_vllm, vllm_importance_sampling_correction=config.vllm_importance_sampling_correction)
+
+
+@pytest.mark.parametrize("options", [
+    dict(loss_type="grpo", beta=0.04),
+    dict(use_vllm=True),
+    dict(use_vllm=True, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
+         vllm_importance_sampling_clip_max=2.0),
+    dict(loss_type="grpo", use_vllm=True, vllm_importance_sampling_mode="sequence_truncate"),
+    dict(loss_type="dr_grpo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+         vllm_importance_sampling_clip_min=0.8),
+    dict(off_policy_mask_threshold=0.05),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_from_trl_reproduces_trls_loss_in_the_trainer(window, options):
+    """pgloss.from_trl(config) through the adapter gives the gradient of TRL's own _compute_loss for
+    the same config, on a real window (old, reference and vLLM log-probs perturbed)."""
+    from test_trl_config import trl_is_ratio
+
+    import copy
+
+    config = copy.copy(window.args)  # a second GRPOConfig would re-initialise Accelerate's state
+    for key, value in options.items():
+        setattr(config, key, value)
+    algorithm = pgloss.from_trl(config)
+
+    def ratio(batch):
+        return trl_is_ratio(batch["old_per_token_logps"], batch["sampling_per_token_logps"],
+                            batch["completion_mask"], config.vllm_importance_sampling_mode,
+                            config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max)
+
+    extra = dict(ref_per_token_logps=noisy("old_per_token_logps", 0.2, 5),
+                 sampling_per_token_logps=noisy("old_per_token_logps", 0.4, 7))
+    with with_inputs(window, **(extra if config.use_vllm else {"ref_per_token_logps": extra["ref_per_token_logps"]})):
+        with with_inputs(window, **({"importance_sampling_ratio": ratio} if config.use_vllm else {})):
+            settings = trl_settings(config)
+            theirs = summed(window_grads(window, trl_loss(window, settings.pop("loss_type"), **settings)))
+            saved = (window.use_vllm, window.vllm_importance_sampling_correction)
+            window.use_vllm, window.vllm_importance_sampling_correction = config.use_vllm, True
+            try:
+                mine = summed(window_grads(window, ours(window, algorithm)))
+            finally:
+                window.use_vllm, window.vllm_importance_sampling_correction = saved
+    error = relative_error(mine, theirs)
+    print(f"{options}: TRL vs pgloss.from_trl, relative gradient difference {error:.2e}")
+    assert error < 1e-5

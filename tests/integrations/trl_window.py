@@ -93,14 +93,14 @@ def window_gradient(model_dir: str, snapshot_inputs: list[dict], params: dict, a
     extra = {}
     if algorithm.uses_reference:
         extra["ref_log_prob"] = _pad([b["ref_per_token_logps"] for b in snapshot_inputs])
-    needs = set(type(algorithm).required_inputs)
-    if algorithm.loss_agg_mode == "group-mean-token-mean":
-        needs.add("group_ids")
-    for key in needs:
+    for key in algorithm.needs & {"group_ids", "scores"}:
         extra[key] = torch.cat([b[key] for b in snapshot_inputs])
+    if "sampling_per_token_logps" in snapshot_inputs[0]:
+        extra["rollout_log_prob"] = _pad([b["sampling_per_token_logps"] for b in snapshot_inputs])
+    mask = _pad([b.get("loss_mask", b["completion_mask"]) for b in snapshot_inputs])
     out = algorithm(log_prob=log_prob, old_log_prob=cat["old_per_token_logps"],
                     advantages=torch.cat([b["advantages"] for b in snapshot_inputs]),
-                    mask=cat["completion_mask"], entropy=entropy, **extra)
+                    mask=mask, entropy=entropy, **extra)
     out.loss.backward()
     return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}, out
 

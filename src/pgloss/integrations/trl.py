@@ -9,10 +9,17 @@ only the loss is replaced, by `algorithm(...)` (or, with `fused=True`, `algorith
 `PGLossMixin` does the same for a class that already subclasses GRPOTrainer:
 `class MyTrainer(PGLossMixin, MyGRPOTrainer)`.
 
+The loss is the one the config asks for: `algorithm=None` (the default) is `pgloss.from_trl(args)`,
+TRL's `loss_type` with its options; a name or an Algorithm replaces it, with the TRL options the
+caller set translated onto it (`pgloss.integrations.trl_config`, the one owner of that mapping).
+`args=None` builds TRL's default GRPOConfig, as GRPOTrainer does.
+
 Normalisation. For an optimizer step whose micro-batches over every process are W = {(r, j)}
 (the step's `gradient_accumulation_steps` micro-batches, each on every process), the adapter
-counts one `pgloss.Normalizer` over the masks of W (all-reduced over processes) at the step's
-first micro-batch, and every micro-batch returns its exact share of the algorithm's loss on W:
+counts the step once, at its first micro-batch, with the algorithm's own rule
+`algorithm.step_normalizer(masks, old_log_probs=, rollout_log_probs=, group_ids=)` over W (all-reduced
+over processes: rejections, batch-normalised weights and group counts included), and every
+micro-batch returns its exact share of the algorithm's loss on W:
 
     loss_{r,j} = world_size · Σ_{i,t} w_{i,t} ℓ_{i,t},     w from the mode and the counts of W,
 
@@ -20,19 +27,19 @@ never divided again by the accumulation steps or the number of processes (TRL an
 not scale GRPO's loss; DDP/FSDP average over processes, which `world_size` cancels). The summed
 gradient is that of one call on the whole window, for every loss_agg_mode.
 
-Mapping of TRL's inputs: completion_mask (· tool_mask) is the mask; `advantages` TRL's;
+Mapping of TRL's inputs: completion_mask (· tool_mask, · the top-entropy mask of
+`top_entropy_quantile`, taken over the step's tokens) is the mask; `advantages` TRL's;
 `old_per_token_logps` the old log-probs (absent on-policy: the detached current ones);
 `ref_per_token_logps` the reference (TRL computes it iff `beta != 0`, so `beta` is set to the
 algorithm's `kl_coef`, and the KL term is pgloss's); vLLM's `sampling_per_token_logps` the
-rollout log-probs (token-truncated importance sampling only); group ids, global over processes,
-are added to each generation batch for `group-mean-token-mean`. Options that cannot be honoured
-are refused by name (see `PGLossMixin.__init__`). Metrics are logged as `pgloss/<name>`.
+rollout log-probs of the algorithm's rollout correction (TRL's vLLM importance sampling and
+off-policy mask become one); group ids, global over processes, are added to each generation batch.
+Options that cannot be honoured are refused by name. Metrics are logged as `pgloss/<name>`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from contextlib import nullcontext
 from typing import Any
@@ -43,7 +50,9 @@ from torch import Tensor
 import pgloss
 from pgloss.aggregate import Normalizer
 from pgloss.algorithms import Algorithm, LossOutput
-from pgloss.rollout import RolloutCorrection
+from pgloss.token_masks import entropy_threshold, top_entropy_mask
+
+from .trl_config import trainer_algorithm
 
 __all__ = ["SUPPORTED", "PGLossGRPOTrainer", "PGLossMixin"]
 
@@ -57,6 +66,7 @@ try:
     from packaging.specifiers import SpecifierSet
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import _ForwardRedirection
+    from trl.trainer.utils import get_config_model_id
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 except ImportError as error:  # pragma: no cover - exercised without the extra
     raise ImportError("pgloss.integrations.trl needs TRL: pip install 'pgloss[trl]'") from error
@@ -70,20 +80,9 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_
 
 
 def _refusals(args: Any) -> list[str]:
-    """The GRPOConfig options whose effect the adapter cannot reproduce, each with why."""
+    """The GRPOConfig options about the trainer's schedule whose effect the adapter cannot reproduce
+    (the loss options are `trl_config`'s)."""
     refused = []
-    if args.top_entropy_quantile < 1.0:
-        refused.append(f"top_entropy_quantile={args.top_entropy_quantile} (TRL's entropy mask of the loss)")
-    if args.off_policy_mask_threshold is not None:
-        refused.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (TRL's off-policy sequence mask)")
-    if args.entropy_coef != 0 or args.use_adaptive_entropy:
-        refused.append(f"entropy_coef={args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy} "
-                       "(TRL's entropy bonus; use the algorithm's entropy_coef)")
-    if args.use_vllm and args.vllm_importance_sampling_correction:
-        if args.vllm_importance_sampling_mode != "token_truncate" or args.vllm_importance_sampling_clip_min is not None:
-            refused.append(f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r}, "
-                           f"vllm_importance_sampling_clip_min={args.vllm_importance_sampling_clip_min} (only "
-                           "'token_truncate' without a lower clip is pgloss's truncated importance sampling)")
     every = args.steps_per_generation * args.num_iterations
     if every % args.gradient_accumulation_steps:
         refused.append(f"steps_per_generation={args.steps_per_generation} with num_iterations={args.num_iterations} "
@@ -95,69 +94,42 @@ def _refusals(args: Any) -> list[str]:
     return refused
 
 
-# TRL's loss options and the algorithm field each one would set; the adapter reads the algorithm's.
-_LOSS_OPTIONS = (("loss_type", "name"), ("epsilon", "clip_low"), ("epsilon_high", "clip_high"), ("delta", "delta"),
-                 ("importance_sampling_level", "ratio_level"), ("sapo_temperature_pos", "tau_pos"),
-                 ("sapo_temperature_neg", "tau_neg"))
-
-
-def _conflicting_loss_options(args: Any, algorithm: Algorithm) -> list[str]:
-    """TRL loss options the caller set (away from GRPOConfig's default) to a value the algorithm
-    does not have: refused rather than silently ignored, since the loss is the algorithm's."""
-    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    conflicts = []
-    for option, field in _LOSS_OPTIONS:
-        value = getattr(args, option)
-        if value == defaults[option] or not hasattr(algorithm, field) or getattr(algorithm, field) == value:
-            continue
-        conflicts.append(f"{option}={value!r} (the loss is {algorithm.name}'s, with {field}="
-                         f"{getattr(algorithm, field)!r}: set it on the algorithm, e.g. "
-                         f"pgloss.get({algorithm.name!r}, {field}=...), and leave {option} at its default)")
-    return conflicts
-
-
 class PGLossMixin:
     """Replaces GRPOTrainer's loss by a pgloss `Algorithm`; put it before the trainer class in the bases.
 
     Args (keyword, besides the trainer's own):
-        algorithm: a name of `pgloss.names()` (built with `norm_constant=max_completion_length`,
-            TRL's Dr.GRPO divisor) or a `pgloss.Algorithm`. Default "dapo", TRL's default loss.
+        algorithm: None (default): `pgloss.from_trl(args)`, the loss TRL's config asks for; a name of
+            `pgloss.names()` (built with `generation_budget=max_completion_length`, TRL's loss options
+            set away from their defaults translated onto it); or a `pgloss.Algorithm`, as given.
         fused: compute the loss from the backbone's last hidden states and the LM head through
             `algorithm.from_hidden`, inside the wrapped model's forward.
         chunk_size: tokens per chunk of the fused path (None: pgloss's default).
 
-    TRL's own loss options (`loss_type`, `epsilon`, `epsilon_high`, `delta`,
-    `importance_sampling_level`, `sapo_temperature_*`) are not read: the algorithm's fields are. One
-    set away from its default to a value the algorithm does not have is refused by name.
+    What is translated and what is refused: `pgloss.integrations.trl_config.trainer_algorithm`.
     """
 
-    def __init__(self, *args: Any, algorithm: str | Algorithm = "dapo", fused: bool = False,
+    def __init__(self, *args: Any, algorithm: str | Algorithm | None = None, fused: bool = False,
                  chunk_size: int | None = None, **kwargs: Any) -> None:
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if config is None:  # what GRPOTrainer does without args
+            model = kwargs.get("model", args[0] if args else None)
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            config = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         if not isinstance(config, GRPOConfig):
-            raise TypeError(f"args must be a trl.GRPOConfig, got {type(config).__name__}")
-        if isinstance(algorithm, str):
-            algorithm = pgloss.get(algorithm, norm_constant=float(config.max_completion_length))
-        if not isinstance(algorithm, Algorithm):
-            raise TypeError(f"algorithm must be a name or a pgloss.Algorithm, got {type(algorithm).__name__}")
+            raise TypeError(f"args must be a trl.GRPOConfig or None, got {type(config).__name__}")
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
-        refused = _refusals(config) + _conflicting_loss_options(config, algorithm)
+        algorithm = trainer_algorithm(config, algorithm)
+        refused = _refusals(config)
         if refused:
             raise ValueError("PGLossGRPOTrainer cannot honour: " + "; ".join(refused))
         config = copy.copy(config)  # the caller's config stays as it was
         config.beta = algorithm.kl_coef  # TRL builds the reference model and its log-probs iff beta != 0
-        if config.use_vllm and config.vllm_importance_sampling_correction:
-            cap = config.vllm_importance_sampling_clip_max
-            if cap is not None:
-                algorithm = dataclasses.replace(algorithm, rollout_is_cap=float(cap))
-            elif algorithm.rollout_correction is None and not algorithm.consumes_rollout_log_prob:
-                # untruncated weights (a cap must be finite; no bound is RolloutCorrection(upper=None))
-                algorithm = dataclasses.replace(algorithm, rollout_correction=RolloutCorrection(upper=None))
-        if algorithm.kl_coef != 0 and config.use_bias_correction_kl:
-            _log.warning("%s: the KL term is pgloss's %s estimate (kl_coef=%s). TRL's use_bias_correction_kl=True "
-                         "(its default) would multiply k3 by the importance ratio: a different KL gradient, which "
-                         "this trainer does not compute.", algorithm.name, algorithm.kl_estimator, algorithm.kl_coef)
+        if algorithm.kl_coef != 0 and config.use_bias_correction_kl and algorithm.kl_correction != "ratio_weighted":
+            _log.warning("%s: the KL term is pgloss's %s estimate (kl_coef=%s, kl_correction=%s). TRL's "
+                         "use_bias_correction_kl=True (its default) would multiply k3 by the importance ratio "
+                         "(kl_correction='ratio_weighted').", algorithm.name, algorithm.kl_estimator, algorithm.kl_coef,
+                         algorithm.kl_correction)
         if algorithm.scale_rewards != (config.scale_rewards != "none"):
             _log.warning("%s's paper %s the group advantages by their std; TRL's scale_rewards=%r is kept.",
                          algorithm.name, "divides" if algorithm.scale_rewards else "does not divide",
@@ -172,7 +144,8 @@ class PGLossMixin:
         self.algorithm = algorithm
         self.fused = fused
         self.chunk_size = chunk_size
-        self._pgloss_window: tuple[int, Normalizer] | None = None
+        self._pgloss_top = config.top_entropy_quantile if config.top_entropy_quantile < 1 else None
+        self._pgloss_window: tuple[int, int, Normalizer, list[Tensor]] | None = None
         super().__init__(*args, **kwargs)
         if fused:
             self._check_fused_head()
@@ -208,46 +181,84 @@ class PGLossMixin:
         mask = inputs["completion_mask"]
         return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
 
-    def _pgloss_needs(self, key: str) -> bool:
-        if key == "group_ids" and self.algorithm.loss_agg_mode == "group-mean-token-mean":
-            return True
-        return key in getattr(type(self.algorithm), "required_inputs", ())
+    def _pgloss_forward(self, inputs: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """The current log-probs and entropies of a micro-batch, without gradient (the model does not
+        change within an optimizer step, so these are the values its loss call sees)."""
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with torch.no_grad():
+            log_prob, entropy, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True,
+                **{key: inputs.get(key) for key in _MULTIMODAL})
+        return log_prob.float(), entropy.float()
 
-    def _pgloss_window_normalizer(self) -> Normalizer:
-        """The counts of this optimizer step's micro-batches over every process, counted once per step.
+    def _pgloss_uses_rollout(self, inputs: dict[str, Any]) -> bool:
+        """Whether the loss gets vLLM's log-probs: for the algorithm's rollout correction (TRL's vLLM
+        importance sampling and off-policy mask), or for a family that folds them in itself (VESPO)."""
+        if inputs.get("sampling_per_token_logps") is None:
+            return False
+        folds = self.algorithm.consumes_rollout_log_prob and self.use_vllm and self.vllm_importance_sampling_correction
+        return self.algorithm.rollout_correction is not None or folds
 
-        A collective: every process reaches it at the same micro-step (TRL's schedule is lock-step).
-        """
-        step = self.state.global_step
-        if self._pgloss_window is not None and self._pgloss_window[0] == step:
-            return self._pgloss_window[1]
-        size = self.current_gradient_accumulation_steps
-        per_generation, every = self.args.steps_per_generation, self.args.steps_per_generation * self.num_iterations
-        if any((self._step + j) % every == 0 for j in range(1, size)):
-            raise ValueError(f"optimizer step {step} spans two generations (steps_per_generation={per_generation}, "
-                             f"num_iterations={self.num_iterations}, gradient_accumulation_steps={size})")
-        window = [self._buffered_inputs[(self._step + j) % per_generation] for j in range(size)]
-        group_ids = [batch["group_ids"] for batch in window] if self._pgloss_needs("group_ids") else None
-        normalizer = Normalizer.count([self._pgloss_mask(batch) for batch in window], group_ids=group_ids)
-        self._pgloss_window = (step, normalizer)
-        return normalizer
-
-    def _pgloss_arguments(self, inputs: dict[str, Any], log_prob: Tensor | None) -> dict[str, Any]:
-        """Everything but the current log-probs: TRL's inputs under pgloss's names, in float32."""
+    def _pgloss_old_and_rollout(self, inputs: dict[str, Any],
+                                log_prob: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """(old log-probs, rollout log-probs or None), float32. Old: TRL's, else the detached current
+        ones (`log_prob`, or a no-grad pass when not given). Rollout: NaN where vLLM could not score
+        becomes the old log-prob (weight 1, as TRL's nan_to_num)."""
         old = inputs.get("old_per_token_logps")
+        rollout = inputs.get("sampling_per_token_logps") if self._pgloss_uses_rollout(inputs) else None
+        if old is None and (log_prob is not None or rollout is not None):
+            old = log_prob.detach() if log_prob is not None else self._pgloss_forward(inputs)[0]
+        old = None if old is None else old.float()
+        if rollout is not None:
+            rollout = torch.where(torch.isnan(rollout), old, rollout.float())
+        return old, rollout
+
+    def _pgloss_masks(self, batches: list[dict[str, Any]]) -> list[Tensor]:
+        """The loss masks of a step's micro-batches: completion · tool mask, and with
+        `top_entropy_quantile` < 1 the top-entropy mask over the step's tokens (`pgloss.token_masks`;
+        TRL takes the quantile per micro-batch, gathered over processes: a collective here too)."""
+        masks = [self._pgloss_mask(batch) for batch in batches]
+        if self._pgloss_top is None:
+            return masks
+        entropies = [self._pgloss_forward(batch)[1] for batch in batches]
+        threshold = entropy_threshold(entropies, masks, top=self._pgloss_top)
+        return [top_entropy_mask(e, m, threshold) for e, m in zip(entropies, masks)]
+
+    def _pgloss_count(self, batches: list[dict[str, Any]], masks: list[Tensor], *, reduce: bool = True) -> Normalizer:
+        """The algorithm's counts of these micro-batches (a step), over every process (`reduce`)."""
+        olds, rollouts = zip(*(self._pgloss_old_and_rollout(batch, None) for batch in batches))
+        with_rollout = all(r is not None for r in rollouts)
+        groups = [batch["group_ids"] for batch in batches] if "group_ids" in self.algorithm.needs else None
+        return self.algorithm.step_normalizer(masks, old_log_probs=list(olds) if with_rollout else None,
+                                              rollout_log_probs=list(rollouts) if with_rollout else None,
+                                              group_ids=groups, reduce=reduce)
+
+    def _pgloss_step(self) -> tuple[Normalizer, Tensor]:
+        """This optimizer step's normalizer, counted once per step over its micro-batches on every
+        process, and this micro-batch's mask. A collective: every process reaches it at the same
+        micro-step (TRL's schedule is lock-step)."""
+        step = self.state.global_step
+        if self._pgloss_window is None or self._pgloss_window[0] != step:
+            size = self.current_gradient_accumulation_steps
+            per_generation, every = self.args.steps_per_generation, self.args.steps_per_generation * self.num_iterations
+            if any((self._step + j) % every == 0 for j in range(1, size)):
+                raise ValueError(f"optimizer step {step} spans two generations (steps_per_generation={per_generation}, "
+                                 f"num_iterations={self.num_iterations}, gradient_accumulation_steps={size})")
+            window = [self._buffered_inputs[(self._step + j) % per_generation] for j in range(size)]
+            masks = self._pgloss_masks(window)
+            self._pgloss_window = (step, self._step, self._pgloss_count(window, masks), masks)
+        _, first, normalizer, masks = self._pgloss_window
+        return normalizer, masks[self._step - first]
+
+    def _pgloss_arguments(self, inputs: dict[str, Any], log_prob: Tensor | None, mask: Tensor) -> dict[str, Any]:
+        """Everything but the current log-probs: TRL's inputs under pgloss's names, in float32."""
+        old, rollout = self._pgloss_old_and_rollout(inputs, log_prob)
         if old is None:
-            if log_prob is None:
-                raise ValueError("on-policy inputs need the current log-probs for old_log_prob")
-            old = log_prob.detach()
-        old = old.float()
-        rollout = inputs.get("sampling_per_token_logps")
-        if rollout is not None and self.use_vllm and self.vllm_importance_sampling_correction:
-            rollout = torch.where(torch.isnan(rollout), old, rollout.float())  # NaN: vLLM could not score; weight 1
-        else:
-            rollout = None
-        ref = inputs.get("ref_per_token_logps") if self.algorithm.uses_reference else None
-        extra = {key: inputs[key] for key in ("group_ids", "scores") if self._pgloss_needs(key)}
-        return dict(old_log_prob=old, advantages=inputs["advantages"], mask=self._pgloss_mask(inputs),
+            raise ValueError("on-policy inputs need the current log-probs for old_log_prob")
+        ref = inputs.get("ref_per_token_logps") if "ref_log_prob" in self.algorithm.needs else None
+        extra = {key: inputs[key] for key in ("group_ids", "scores") if key in self.algorithm.needs}
+        return dict(old_log_prob=old, advantages=inputs["advantages"], mask=mask,
                     ref_log_prob=None if ref is None else ref.float(), rollout_log_prob=rollout, **extra)
 
     # -- the loss -------------------------------------------------------------------------------
@@ -255,10 +266,14 @@ class PGLossMixin:
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
         training = self.model.training
         mode = "train" if training else "eval"
-        normalizer = self._pgloss_window_normalizer() if training else None  # eval: the batch is the step
+        if training:
+            normalizer, mask = self._pgloss_step()
+        else:  # eval: the batch is its own step
+            mask = self._pgloss_masks([inputs])[0]
+            normalizer = self._pgloss_count([inputs], [mask], reduce=False)
         aux = None
         if self.fused:
-            out = self._pgloss_fused(model, inputs, normalizer)
+            out = self._pgloss_fused(model, inputs, normalizer, mask)
         else:
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -268,7 +283,7 @@ class PGLossMixin:
             )
             log_prob = log_prob.float()
             out = self.algorithm(log_prob=log_prob, entropy=None if entropy is None else entropy.float(),
-                                 normalizer=normalizer, **self._pgloss_arguments(inputs, log_prob))
+                                 normalizer=normalizer, **self._pgloss_arguments(inputs, log_prob, mask))
         loss = out.loss
         accumulation = self.current_gradient_accumulation_steps if training else 1
         if aux is not None and self.aux_loss_enabled:  # TRL's own convention for the MoE router loss
@@ -277,14 +292,25 @@ class PGLossMixin:
         return loss
 
     def _pgloss_log(self, mode: str, out: LossOutput, accumulation: int) -> None:
-        """One gather for every metric. `pg_loss` and `kl_loss` are this micro-batch's shares of the
-        step's value, so they are logged × accumulation steps: their mean over the step is the value."""
+        """One gather for every metric, logged as `pgloss/<name>`. `pg_loss` and `kl_loss` are this
+        micro-batch's shares of the step's value, so they are logged × accumulation steps: their mean
+        over the step is the value."""
         names = sorted(out.metrics)
         shares = {"pg_loss", "kl_loss"}
         values = torch.stack([out.metrics[k].detach().float() * (accumulation if k in shares else 1) for k in names])
         gathered = self.accelerator.gather(values[None]).reshape(-1, len(names))
-        for k, value in zip(names, gathered.nanmean(dim=0).tolist()):
+        logged = dict(zip(names, gathered.nanmean(dim=0).tolist()))
+        for k, value in logged.items():
             self._metrics[mode][f"pgloss/{k}"].append(value)
+        # TRL's own names, where TRL logs them: the mean entropy; with an entropy bonus, the loss before
+        # the bonus (policy and KL terms) and the coefficient at each optimizer step.
+        if "entropy" in logged:
+            self._metrics[mode]["entropy"].append(logged["entropy"])
+        if self.algorithm.entropy_coef != 0:
+            policy = logged["pg_loss"] + self.algorithm.kl_coef * logged.get("kl_loss", 0.0)
+            self._metrics[mode]["policy_loss"].append(policy)
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.algorithm.entropy_coef)
 
     # -- the fused path -------------------------------------------------------------------------
 
@@ -310,17 +336,18 @@ class PGLossMixin:
             raise ValueError("fused=True cannot compute this model's logits: " + ", ".join(problems)
                              + "; use fused=False")
 
-    def _pgloss_fused(self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer | None):
+    def _pgloss_fused(self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor):
         present = [key for key in _MULTIMODAL if inputs.get(key) is not None]
         if present:
             raise ValueError(f"fused=True supports text-only models; these inputs need fused=False: {present}")
         unwrapped = self.accelerator.unwrap_model(model)
         # The loss must run inside the wrapper's forward: called beside it, DDP/FSDP/ZeRO-3 hooks do not
         # fire and the gradient is silently wrong (TRL's Liger integration did the same).
-        return _ForwardRedirection()(model, unwrapped, self._pgloss_fused_loss, unwrapped, inputs, normalizer)
+        return _ForwardRedirection()(model, unwrapped, self._pgloss_fused_loss, unwrapped, inputs, normalizer,
+                                     mask)
 
     def _pgloss_fused_loss(self, unwrapped: torch.nn.Module, inputs: dict[str, Any],
-                           normalizer: Normalizer | None) -> LossOutput:
+                           normalizer: Normalizer, mask: Tensor) -> LossOutput:
         owner = self._pgloss_head_owner(unwrapped)
         targets = inputs["completion_ids"]
         length = targets.size(1)
@@ -342,11 +369,11 @@ class PGLossMixin:
             if inputs.get("old_per_token_logps") is None:  # on-policy: log π_old is the detached log π
                 with torch.no_grad():
                     log_prob, _ = pgloss.log_prob_and_entropy_from_hidden(
-                        hidden, weight, torch.where(self._pgloss_mask(inputs).bool(), targets, 0),
+                        hidden, weight, torch.where(mask.bool(), targets, 0),
                         temperature=self.temperature, chunk_size=self.chunk_size)
             return self.algorithm.from_hidden(hidden, weight, targets, temperature=self.temperature,
                                               normalizer=normalizer, chunk_size=self.chunk_size,
-                                              **self._pgloss_arguments(inputs, log_prob))
+                                              **self._pgloss_arguments(inputs, log_prob, mask))
 
     def _pgloss_check_zero3(self, weight: Tensor, length: int) -> None:
         """Under ZeRO-3 the head is gathered for the forward only: the one-pass path (whole sequences in
