@@ -115,6 +115,7 @@ COMMANDS = (
     ("pgloss.lab.commands", "add_commands"),  # train, compare
     ("pgloss.experiments.command", "add_experiment_command"),  # experiment length
     ("pgloss.grads", "add_grads_command"),  # grads
+    ("pgloss.conformance.run", "register"),  # conformance
 )
 
 

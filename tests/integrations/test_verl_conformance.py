@@ -16,7 +16,7 @@ def cases():
 
 def test_interface():
     assert conformance.TRAINER == "verl"
-    assert conformance.available() == "0.9.1"
+    assert conformance.available() is None  # None: verl 0.9.1 is importable and its cases run
 
 
 def test_every_case_agrees_or_is_documented(cases):

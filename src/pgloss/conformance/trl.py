@@ -91,9 +91,9 @@ def _batch(seed: int, *, empty_row: bool = False) -> dict[str, torch.Tensor]:
         lengths[2] = 0
     mask = (torch.arange(_T)[None] < lengths[:, None]).double()
     old = -torch.rand(_B, _T, generator=g, dtype=torch.float64) * 2 - 0.05
-    return dict(mask=mask, old=old, log_prob=old + 0.3 * torch.randn(_B, _T, generator=g, dtype=torch.float64),
-                ref=old + 0.2 * torch.randn(_B, _T, generator=g, dtype=torch.float64),
-                sampling=old + 0.4 * torch.randn(_B, _T, generator=g, dtype=torch.float64),
+    near = lambda scale: -(old + scale * torch.randn(_B, _T, generator=g, dtype=torch.float64)).abs()  # noqa: E731
+    # log-probabilities near the old ones, never positive (pgloss refuses a positive log-prob)
+    return dict(mask=mask, old=old, log_prob=near(0.3), ref=near(0.2), sampling=near(0.4),
                 advantages=torch.randn(_B, generator=g, dtype=torch.float64),
                 entropy=torch.rand(_B, _T, generator=g, dtype=torch.float64) * 2)
 

@@ -56,11 +56,16 @@ EMPTY_ROW = ("verl's geo_mean takes torch.mean over a micro-batch's rows, empty 
 
 
 def available() -> str | None:
-    """The installed verl version, or None."""
+    """None when verl's loss functions can be imported, else why not (the runner's interface)."""
     try:
-        return version("verl")
+        found = version("verl")
     except PackageNotFoundError:
-        return None
+        return "verl is not installed"
+    try:
+        from verl.trainer.ppo import core_algos  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any import failure means: not available
+        return f"verl {found} cannot be imported ({type(error).__name__}: {error})"
+    return None
 
 
 def _batch(seed: int, *, empty_row: bool = False) -> dict[str, torch.Tensor]:
