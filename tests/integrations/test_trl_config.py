@@ -165,3 +165,17 @@ def test_import_pgloss_does_not_import_trl():
 
     code = "import sys, pgloss; pgloss.from_trl; assert 'trl' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_vespo_folds_trls_bounded_rollout_ratio_under_vllm_importance_sampling():
+    """TRL's VESPO folds its truncated (token_truncate) or masked (token_mask) ratio: pgloss's VESPO
+    then folds the same (`vespo_rollout_mode`), and the paper's raw ratio without vLLM."""
+    config = lambda **kw: GRPOConfig(output_dir="unused", report_to="none", bf16=False, loss_type="vespo", **kw)  # noqa: E731
+    masked = pgloss.from_trl(config(use_vllm=True, vllm_importance_sampling_mode="token_mask",
+                                    vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0))
+    assert (masked.vespo_rollout_mode, masked.vespo_rollout_clip_min, masked.vespo_rollout_clip_max) == ("mask", 0.5, 2.0)
+    truncated = pgloss.from_trl(config(use_vllm=True, vllm_importance_sampling_mode="token_truncate"))
+    assert (truncated.vespo_rollout_mode, truncated.vespo_rollout_clip_max) == ("truncate", 3.0)
+    assert pgloss.from_trl(config()).vespo_rollout_mode == "raw"
+    with pytest.raises(ValueError, match="token_truncate' or 'token_mask'"):
+        pgloss.from_trl(config(use_vllm=True))  # TRL's default sequence_mask: TRL refuses it for VESPO too

@@ -49,6 +49,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "lusp
 """TRL 1.16's `loss_type`s; each is the pgloss name of the same loss."""
 
 _VESPO = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+_VLLM_IS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
 _LOSS_OPTIONS = ("epsilon", "epsilon_high", "delta", "importance_sampling_level", "sapo_temperature_pos",
                  "sapo_temperature_neg", *_VESPO)
 _ROLLOUT_OPTIONS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
@@ -108,6 +109,15 @@ def _loss_fields(config: Any, family: type[Algorithm], *, only_set: bool) -> tup
     elif issubclass(family, VESPO):  # TRL's VESPO reads no ratio level: its weight is its own
         fields |= {option: getattr(config, option) for option in _VESPO if chosen(option)}
         used |= {*_VESPO, "importance_sampling_level"}
+        if config.use_vllm and config.vllm_importance_sampling_correction and any(chosen(o) for o in _VLLM_IS):
+            # TRL folds its bounded ratio into VESPO's weight (token_truncate or token_mask, the modes it allows)
+            if not config.vllm_importance_sampling_mode.startswith("token_"):
+                raise ValueError(f"VESPO folds a per-token ratio: vllm_importance_sampling_mode must be 'token_truncate' "
+                                 f"or 'token_mask' (TRL refuses the others too), got "
+                                 f"{config.vllm_importance_sampling_mode!r}")
+            fields |= dict(vespo_rollout_mode=config.vllm_importance_sampling_mode.removeprefix("token_"),
+                           vespo_rollout_clip_min=config.vllm_importance_sampling_clip_min,
+                           vespo_rollout_clip_max=config.vllm_importance_sampling_clip_max)
     # A set option this family has no meaning for: refused when asked for (only_set), or when TRL's own
     # loss reads it and pgloss's cannot (a sequence ratio for cispo and sapo).
     candidates = _LOSS_OPTIONS if only_set else ("importance_sampling_level",)

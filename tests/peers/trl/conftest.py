@@ -23,6 +23,24 @@ HERE = Path(__file__).parent
 _QWEN_VOCABULARY = ("test_train_with_mask_truncated_completions", "test_train_with_mask_truncated_completions_all_masked")
 _ID = re.compile(r"trl-internal-testing/([\w.\-]+)")
 
+_EITHER = "fails with TRL's own GRPOTrainer too: the tests are TRL's main at 1.10.0.dev0, the trainer is 1.16 (README)"
+_REFUSED = "docs/reference.md, 'Conformance with TRL': pgloss refuses "
+EXPECTED_FAILURES = {
+    # test (node name without the class): (reason, fails with TRL's own trainer too)
+    "test_generate_prefers_rollout_func": (_EITHER, True),
+    "test_entropy_bonus_flows_gradients": (_EITHER, True),
+    "test_train_with_adaptive_entropy": (_REFUSED + "use_adaptive_entropy=True", False),
+    "test_train_with_adaptive_entropy_gradient_accumulation": (_REFUSED + "use_adaptive_entropy=True", False),
+    **{f"test_warning_raised_sequence_level_with_token_summed_loss[{loss}]":
+       (_REFUSED + "importance_sampling_level='sequence' with a token-summed loss", False)
+       for loss in ("bnpo", "dr_grpo", "dapo", "cispo")},
+    "test_train_sequence_importance_sampling": (_REFUSED + "importance_sampling_level='sequence' with dapo", False),
+    "test_prepare_input_called_with_correct_data": (_REFUSED + "an optimizer step spanning two generations", False),
+    "test_entropy_bonus_scale[luspo]": ("docs/reference.md, 'Conformance with TRL': LUSPO's entropy bonus is "
+                                        "aggregated like its loss (x16 here), TRL's is a token mean", False),
+}
+"""The tests that fail, each on a difference written in docs/reference.md (README: the results table)."""
+
 
 @pytest.fixture(autouse=True)
 def _cpu(monkeypatch):
@@ -94,3 +112,6 @@ def pytest_collection_modifyitems(config, items):
         reason = _reason(item)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+        expected = EXPECTED_FAILURES.get(item.name)
+        if expected is not None and (expected[1] or os.environ.get("PGLOSS_PEER_TRAINER") != "trl"):
+            item.add_marker(pytest.mark.xfail(reason=expected[0], strict=True))
