@@ -322,29 +322,12 @@ def test_bnpo_differs_from_trl_by_its_per_micro_batch_count(window):
 def test_two_processes_give_the_global_gradient(tmp_path, model_dir):
     """torchrun, 2 CPU processes, gloo, DDP: each rank's averaged gradient is the gradient of one call
     on both ranks' micro-batches, with uneven token counts per rank; group ids are global."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from trl_ddp_worker import CASES
+    from trl_window import run_two_ranks
 
-    for case in CASES:
-        (tmp_path / case).mkdir()
-        os.symlink(model_dir, tmp_path / case / "model")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_addr", "127.0.0.1", "--master_port", str(port),
-                          str(here / "trl_ddp_worker.py"), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=500)
-    assert run.returncode == 0, run.stderr[-3000:]
+    records = run_two_ranks("trl_ddp_worker.py", tmp_path, CASES, model_dir)
     for case, (name, hyperparameters, _) in CASES.items():
-        ranks = [torch.load(tmp_path / case / f"rank{r}.pt") for r in (0, 1)]
+        ranks = records[case]
         tokens = [sum(int(b["completion_mask"].sum()) for b in rank["inputs"]) for rank in ranks]
         assert tokens[0] != tokens[1], case
         if hyperparameters.get("loss_agg_mode") == "group-mean-token-mean":

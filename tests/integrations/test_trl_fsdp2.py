@@ -8,10 +8,6 @@ The worker presents the gloo group as a device one (`force_fsdp_on_cpu`) so that
 `fsdp2_prepare_model` shards the model; the rest of the step is accelerate's and TRL's unchanged."""
 
 import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,29 +17,16 @@ import pgloss
 pytest.importorskip("trl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from trl_window import relative_error, trl_tiny, window_gradient  # noqa: E402
+from trl_window import relative_error, run_two_ranks, trl_tiny, window_gradient  # noqa: E402
 
 
 def test_two_fsdp2_ranks_give_the_window_gradient(tmp_path):
     from trl_fsdp2_worker import CASES
 
     model_dir = trl_tiny.make_tiny_model(str(tmp_path / "model"))
-    for case in CASES:
-        (tmp_path / case).mkdir()
-        os.symlink(model_dir, tmp_path / case / "model")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_addr", "127.0.0.1", "--master_port", str(port),
-                          str(here / "trl_fsdp2_worker.py"), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=500)
-    assert run.returncode == 0, run.stderr[-3000:]
+    records = run_two_ranks("trl_fsdp2_worker.py", tmp_path, CASES, model_dir)
     for case, (name, hyperparameters, _) in CASES.items():
-        ranks = [torch.load(tmp_path / case / f"rank{r}.pt") for r in (0, 1)]
+        ranks = records[case]
         tokens = [sum(int(b["completion_mask"].sum()) for b in rank["inputs"]) for rank in ranks]
         assert tokens[0] != tokens[1], case
         for key, value in ranks[0]["params"].items():

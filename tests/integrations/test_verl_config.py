@@ -25,6 +25,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from pgloss.integrations import verl as adapter  # noqa: E402
+from pgloss.conformance.verl import FIELDS  # noqa: E402  (each verl loss with fields away from the defaults)
 from pgloss.integrations.verl_config import LOSS_MODES, algorithm_from_verl  # noqa: E402
 
 ROWS, LENGTH = 6, 7
@@ -97,20 +98,6 @@ def as_dict(cfg):
 
 KL_TYPES = ["low_var_kl", "mse", "kl", "abs", "k3+", "low_var_kl+", "k1+"]
 AGG = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm"]
-FIELDS = {  # each verl loss with its policy_loss fields set away from the defaults
-    "vanilla": dict(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=2.0),
-    "gspo": dict(clip_ratio_low=0.1, clip_ratio_high=0.2),
-    "sapo": dict(tau_pos=1.3, tau_neg=2.0),
-    "cispo": dict(clip_ratio_low=0.5, clip_ratio_high=0.1),
-    "gpg": dict(),
-    # clip_cov_ratio 1: every candidate is detached, the draw (verl's randperm, pgloss's keys) does not enter
-    "clip_cov": dict(clip_cov_ratio=1.0, clip_cov_lb=-0.5, clip_cov_ub=2.0, clip_ratio_high=0.1),
-    "kl_cov": dict(ppo_kl_coef=1.0, kl_cov_ratio=0.5),
-    "geo_mean": dict(clip_ratio_low=0.1, clip_ratio_high=0.15),
-    "dro": dict(dro_beta=0.05),
-    "dppo_tv": dict(clip_ratio_c=1.5, clip_ratio_low=0.05, clip_ratio_high=0.1),
-    "dppo_kl": dict(clip_ratio_c=1.2, clip_ratio_low=0.02, clip_ratio_high=0.05),
-}
 
 
 @pytest.mark.parametrize("index", range(len(FIELDS)))

@@ -52,6 +52,29 @@ class RecordingTrainer(PGLossGRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
+
+def run_two_ranks(worker: str, tmp_path: Path, cases, model_dir: str) -> dict[str, list[dict]]:
+    """Run `worker` (a file beside this one) on two gloo ranks with torchrun, one folder per case of
+    `cases` holding the tiny model; the ranks' records (`rank{r}.pt`) per case."""
+    import socket
+    import subprocess
+
+    for case in cases:
+        (tmp_path / case).mkdir()
+        os.symlink(model_dir, tmp_path / case / "model")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_addr", "127.0.0.1", "--master_port", str(port),
+                          str(here / worker), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {case: [torch.load(tmp_path / case / f"rank{r}.pt") for r in (0, 1)] for case in cases}
+
 def train(tmp: str, algorithm, *, fused=False, **overrides) -> RecordingTrainer:
     """Two optimizer steps of GA = 2 with num_iterations = 2: the second step reuses the first step's
     completions, with the old log-probs TRL computed before the first update (off-policy)."""
