@@ -29,7 +29,7 @@ def run(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, threads:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if variant == "fused":
-        from pgloss.full_kl import full_kl_from_hidden
+        from pgloss.vocab.full_kl import full_kl_from_hidden
 
         kl = full_kl_from_hidden(x, w, x_ref, w_ref, chunk_size=chunk)
     else:

@@ -26,6 +26,9 @@ import sys
 import time
 import warnings
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device import Memory, add_device_argument, describe, resolve_device, timed  # noqa: E402
+
 VARIANTS = ("naive", "fused", "liger", "lce", "floor")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float64": "float64"}
 
@@ -36,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256, help="T, tokens per sequence (B = N / T)")
     parser.add_argument("--hidden", type=int, default=1024, help="H, hidden size")
     parser.add_argument("--vocab", type=int, default=151936, help="V, vocabulary size")
-    parser.add_argument("--device", default="cpu")
+    add_device_argument(parser)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per variant (the minimum is reported)")
     parser.add_argument("--algorithm", default="grpo", help="a name from pgloss.names()")
@@ -60,43 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------
 
 
-def _rss_mib(field: str) -> float:
-    """VmRSS / VmHWM of this process in MiB (Linux); ru_maxrss as a fallback for the peak."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class Memory:
-    """Peak memory above a baseline, on CPU (process RSS) or CUDA (the caching allocator)."""
-
-    def __init__(self, device):
-        import torch
-
-        self.torch, self.cuda = torch, device.type == "cuda"
-        self.baseline = 0.0
-
-    def set_baseline(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            self.baseline = self.torch.cuda.memory_allocated() / 2**20
-            self.torch.cuda.reset_peak_memory_stats()
-        else:
-            self.baseline = _rss_mib("VmRSS")
-
-    def peak_above_baseline(self) -> float:
-        if self.cuda:
-            return self.torch.cuda.max_memory_allocated() / 2**20 - self.baseline
-        return _rss_mib("VmHWM") - self.baseline
-
-
 def make_inputs(args, torch):
     device, dtype = torch.device(args.device), getattr(torch, DTYPES[args.dtype])
     gen = torch.Generator().manual_seed(0)
@@ -108,7 +74,7 @@ def make_inputs(args, torch):
     lengths = torch.randint(length // 2, length + 1, (batch,), generator=gen)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).to(device)
     # Old and reference log-probs near the current ones, as after a few optimizer steps.
-    from pgloss.fused import log_prob_and_entropy_from_hidden
+    from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 
     with torch.no_grad():
         current, _ = log_prob_and_entropy_from_hidden(hidden, weight, targets, temperature=args.temperature)
@@ -137,7 +103,7 @@ def build_variant(name, args, algorithm):
     import torch
     import torch.nn.functional as F
 
-    from pgloss.fused import loss_from_hidden
+    from pgloss.vocab.fused import loss_from_hidden
 
     tau = args.temperature
 
@@ -169,7 +135,7 @@ def build_variant(name, args, algorithm):
             raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
         options = None
         if hasattr(torch.nn, "LinearCrossEntropyOptions"):  # chunked, with pgloss's chunk size
-            from pgloss.entropy import default_chunk_size
+            from pgloss.vocab.entropy import default_chunk_size
 
             chunk = args.chunk_size or default_chunk_size(args.vocab)
             options = torch.nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=chunk)
@@ -215,15 +181,6 @@ def build_variant(name, args, algorithm):
     raise ValueError(name)
 
 
-def timed(fn, sync):
-    """(wall seconds, CPU seconds of this process) of fn(); CPU time is steadier on a shared machine."""
-    sync()
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    sync()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def floor_step(inputs, args, torch):
     """logits = x Wᵀ, grad_x = G W, grad_W = Gᵀ x with G the size of the logits: 6·N·H·V flops."""
     x = inputs["hidden"].detach().reshape(-1, args.hidden)
@@ -245,8 +202,7 @@ def child(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device = resolve_device(args.device)
     hyper = {"norm_constant": float(args.seq_len)} if args.algorithm == "dr_grpo" else {}
     algorithm = pgloss.get(args.algorithm, **hyper)
     result = {"variant": args.child, "time_s": None, "cpu_s": None, "peak_mib": None, "loss": None, "note": ""}
@@ -258,7 +214,7 @@ def child(args) -> dict:
     del placeholders
 
     if args.child == "floor":
-        times = [timed(floor_step(inputs, args, torch), sync) for _ in range(args.repeats)]
+        times = [timed(floor_step(inputs, args, torch), device) for _ in range(args.repeats)]
         result.update(time_s=min(t[0] for t in times), cpu_s=min(t[1] for t in times),
                       note="three matmuls, logits-sized G: time only")
         return result
@@ -280,7 +236,7 @@ def child(args) -> dict:
         losses.append(float(loss.detach()))
 
     for _ in range(args.repeats):
-        times.append(timed(step, sync))
+        times.append(timed(step, device))
     result.update(time_s=min(t[0] for t in times), cpu_s=min(t[1] for t in times),
                   peak_mib=memory.peak_above_baseline(), loss=losses[-1])
     return result

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from pgloss.rollout import RolloutCorrection
+from pgloss.correction.rollout import RolloutCorrection
 
 
 def main() -> None:

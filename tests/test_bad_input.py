@@ -8,8 +8,8 @@ import torch
 
 import pgloss
 from conftest import algorithm, make_batch
-from pgloss.advantages import gae
-from pgloss.kl import AdaptiveKLController, kl_penalized_rewards
+from pgloss.advantages.group import gae
+from pgloss.kl.estimators import AdaptiveKLController, kl_penalized_rewards
 
 NAMES = pgloss.names()
 

@@ -1,4 +1,4 @@
-"""Bad input on the surface beyond the losses' call (`RolloutCorrection`, `pgloss.estimators`,
+"""Bad input on the surface beyond the losses' call (`RolloutCorrection`, `pgloss.advantages.estimators`,
 `token_masks`, `m2po`, `full_kl`, the `Normalizer`), class by class: the silent wrong answers,
 the torch-internal crashes, the metrics that went infinite, the messages that did not name the
 argument, and the plausible mistakes (a probability for a log-probability, a step counted on other
@@ -12,11 +12,11 @@ import torch
 import pgloss
 from conftest import log_probs, make_batch
 from pgloss import estimators as est
-from pgloss.aggregate import MAX_GROUPS
-from pgloss.advantages import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
-from pgloss.m2po import m2po_cutoff, m2po_mask
-from pgloss.rollout import Rejection, RolloutCorrection, mismatch_metrics
-from pgloss.token_masks import entropy_threshold, top_entropy_mask
+from pgloss.core.aggregate import MAX_GROUPS
+from pgloss.advantages.group import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
+from pgloss.correction.m2po import m2po_cutoff, m2po_mask
+from pgloss.correction.rollout import Rejection, RolloutCorrection, mismatch_metrics
+from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask
 
 F64 = torch.float64
 META = torch.device("meta")  # a second device: no accelerator is needed to mix two

@@ -1,12 +1,12 @@
-"""pgloss.entropy: chunked, tempered log-probs and entropy against plain torch."""
+"""pgloss.vocab.entropy: chunked, tempered log-probs and entropy against plain torch."""
 
 import math
 
 import pytest
 import torch
 
-import pgloss.entropy
-from pgloss.entropy import default_chunk_size, log_prob_and_entropy
+import pgloss.vocab.entropy
+from pgloss.vocab.entropy import default_chunk_size, log_prob_and_entropy
 
 V = 37
 

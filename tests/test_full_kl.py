@@ -7,8 +7,8 @@ import torch
 
 import loops_vocabulary as loops
 import pgloss
-import pgloss.entropy
-from pgloss.full_kl import full_kl_from_hidden, full_kl_from_logits
+import pgloss.vocab.entropy
+from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
 
 B, T, H, H_REF, V = 3, 5, 8, 6, 37
 

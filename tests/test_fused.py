@@ -1,11 +1,11 @@
-"""pgloss.fused: the loss from hidden states equals the loss on materialised logits."""
+"""pgloss.vocab.fused: the loss from hidden states equals the loss on materialised logits."""
 
 import pytest
 import torch
 
 import pgloss
-import pgloss.entropy
-from pgloss.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
+import pgloss.vocab.entropy
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 
 B, T, H, V = 3, 5, 8, 37  # N = 15 tokens; chunk_size 4 divides neither N nor V
 LENGTHS = [5, 3, 1]

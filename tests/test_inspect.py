@@ -1,4 +1,4 @@
-"""pgloss.inspect: the per-token gradient ∂L/∂log π against autograd, a plain loop and finite differences."""
+"""pgloss.diagnostics.inspect: the per-token gradient ∂L/∂log π against autograd, a plain loop and finite differences."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from conftest import algorithm, log_probs, make_batch
 
 import pgloss
-from pgloss.inspect import clip_factor, inspect, token_gradients
+from pgloss.diagnostics.inspect import clip_factor, inspect, token_gradients
 
 # The families with a closed form today; an algorithm added later may have none (closed_form None).
 CLOSED = ("ppo", "dual_clip_ppo", "grpo", "sample_grpo", "gspo", "gspo_token", "dapo", "bnpo", "dr_grpo", "cispo",

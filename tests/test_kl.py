@@ -7,7 +7,7 @@ import torch
 
 import loops
 import pgloss
-from pgloss.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
+from pgloss.kl.estimators import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 
 
 @pytest.mark.parametrize("estimator", pgloss.KL_ESTIMATORS)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import loops
-from pgloss.kl import kl_estimate
-from pgloss.kl_variants import kl_term, ratio_weighted, straight_through, unbiased_gradient
+from pgloss.kl.estimators import kl_estimate
+from pgloss.kl.corrections import kl_term, ratio_weighted, straight_through, unbiased_gradient
 
 
 def inputs(seed=0):

@@ -6,7 +6,7 @@ import torch
 
 import loops_part2 as loops
 from conftest import log_probs, make_batch
-from pgloss.m2po import m2po_cutoff, m2po_mask
+from pgloss.correction.m2po import m2po_cutoff, m2po_mask
 
 PARTS = [slice(0, 2), slice(2, 5), slice(5, 9)]
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pgloss.metrics import clip_metrics, masked_extremes, masked_fraction, masked_mean, ratio_metrics
+from pgloss.core.metrics import clip_metrics, masked_extremes, masked_fraction, masked_mean, ratio_metrics
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import pgloss
-from pgloss.checks import anomaly_enabled
+from pgloss.core.checks import anomaly_enabled
 from pgloss.losses.ppo import ClippedPolicy
-from pgloss.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 CORRECTIONS = {
     "none": None,

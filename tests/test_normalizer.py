@@ -5,7 +5,7 @@ import torch
 
 import loops
 import pgloss
-from pgloss.aggregate import aggregate
+from pgloss.core.aggregate import aggregate
 
 
 def test_counts_over_micro_batches():

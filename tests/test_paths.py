@@ -1,14 +1,14 @@
 """One answer on every path: the gradient of one optimizer step is the same through one plain call,
 micro-batches counted by `algorithm.step_normalizer`, `from_hidden` (whole and in micro-batches) and
-`pgloss.inspect`, for every name and each kind of rollout correction. (The TRL adapter, the verl
+`pgloss.diagnostics.inspect`, for every name and each kind of rollout correction. (The TRL adapter, the verl
 adapter and the lab's update are held to the same reference in their own test files.)"""
 
 import pytest
 import torch
 
 import pgloss
-from pgloss.inspect import inspect
-from pgloss.rollout import Rejection, RolloutCorrection
+from pgloss.diagnostics.inspect import inspect
+from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 CORRECTIONS = {
     "none": None,

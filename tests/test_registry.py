@@ -131,7 +131,7 @@ def test_kl_options_change_the_kl_term_as_documented(option):
 
 
 def test_inspect_closed_form_follows_the_cispo_convention():
-    from pgloss.inspect import inspect
+    from pgloss.diagnostics.inspect import inspect
 
     data = make_batch(seed=5, spread=0.6)
     alg = pgloss.get("cispo", cispo_convention="absolute", clip_high=1.1)

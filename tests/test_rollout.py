@@ -8,7 +8,7 @@ import torch
 
 import loops_part2 as loops
 from conftest import log_probs, make_batch
-from pgloss.rollout import REJECTION_OPTIONS, Rejection, RolloutCorrection
+from pgloss.correction.rollout import REJECTION_OPTIONS, Rejection, RolloutCorrection
 
 
 def mismatched(seed=0, spread=0.4):

@@ -13,7 +13,7 @@ import loops
 import loops_part2 as lp2
 import pgloss
 from conftest import log_probs, make_batch
-from pgloss.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 F64 = torch.float64
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import make_batch
-from pgloss.rollout import RolloutCorrection
-from pgloss.token_masks import entropy_threshold, top_entropy_mask
+from pgloss.correction.rollout import RolloutCorrection
+from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask
 
 pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402

@@ -6,7 +6,7 @@ import torch
 
 import pgloss
 from conftest import log_probs
-from pgloss.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 
 def batch(seed=0, rows=8, width=12):

@@ -8,7 +8,7 @@ import torch
 import loops_part2 as loops
 import pgloss
 from conftest import make_batch
-from pgloss.token_masks import entropy_threshold, top_entropy_mask, truncated_completion_mask
+from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask, truncated_completion_mask
 
 PARTS = [slice(0, 3), slice(3, 5), slice(5, 9)]
 

@@ -1,4 +1,4 @@
-"""A trainer's name for a pgloss hyperparameter or value gets an error naming pgloss's (`pgloss.vocabulary`)."""
+"""A trainer's name for a pgloss hyperparameter or value gets an error naming pgloss's (`pgloss.core.trainer_names`)."""
 
 import re
 

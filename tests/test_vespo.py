@@ -8,7 +8,7 @@ import torch
 import loops_vocabulary as loops
 import pgloss
 from conftest import make_batch
-from pgloss.batch import TokenBatch
+from pgloss.core.batch import TokenBatch
 from pgloss.losses.vespo import rollout_log_weight, vespo_loss, vespo_phi
 
 SHAPE = dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)

@@ -8,15 +8,18 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import advantages, checks, estimators, kl, m2po, rollout, token_masks
-from .aggregate import AGG_MODES, Normalizer, aggregate
-from .checks import detect_anomaly
+from . import advantages, kl
+from .advantages import estimators
+from .core import checks
+from .correction import m2po, rollout, token_masks
+from .core.aggregate import AGG_MODES, Normalizer, aggregate
+from .core.checks import detect_anomaly
 from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, families, get, names, register
-from .entropy import log_prob_and_entropy
-from .full_kl import full_kl_from_hidden, full_kl_from_logits
-from .fused import log_prob_and_entropy_from_hidden, loss_from_hidden
-from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
-from .rollout import Rejection, RolloutCorrection
+from .vocab.entropy import log_prob_and_entropy
+from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
+from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
+from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
+from .correction.rollout import Rejection, RolloutCorrection
 from .integrations.trl_config import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
 from .integrations.verl_config import from_verl  # verl's actor config as an Algorithm (imports no verl)
 

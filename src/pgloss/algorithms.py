@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .base import Algorithm, LossOutput, PolicyTerms
-from .checks import check_number
-from .vocabulary import field_hint
+from .base import Algorithm
+from .core.output import LossOutput, PolicyTerms
+from .core.checks import check_number
+from .core.trainer_names import field_hint
 from .losses.ce_gppo import CEGPPO
 from .losses.cispo import CISPO
 from .losses.cov import ClipCov, KLCov

@@ -22,35 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
-from .batch import TokenBatch
-from .checks import check_fields
-from .kl_variants import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
-from .metrics import masked_mean
-from .rollout import RolloutCorrection
-from .vocabulary import value_hint
-
-
-@dataclass(frozen=True)
-class LossOutput:
-    """`loss`: scalar with grad. `metrics`: detached 0-d tensors. `per_token`: the `[B, T]` policy term ℓ."""
-
-    loss: Tensor
-    metrics: dict[str, Tensor]
-    per_token: Tensor
-
-
-@dataclass(frozen=True)
-class PolicyTerms:
-    """What a family's policy term hands back to `Algorithm.__call__`."""
-
-    per_token: Tensor
-    metrics: dict[str, Tensor] = field(default_factory=dict)
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+from .core.aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
+from .core.batch import TokenBatch
+from .core.checks import check_fields
+from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
+from .core.metrics import masked_mean
+from .correction.rollout import RolloutCorrection
+from .core.output import LossOutput, PolicyTerms, check
+from .core.trainer_names import value_hint
 
 
 def _seq_advantages(batch: TokenBatch) -> Tensor:
@@ -86,7 +65,7 @@ class Algorithm:
     """β of the KL loss term β·KL(π_θ‖π_ref); 0 disables it and the reference model."""
     kl_estimator: str = "k3"
     """The KL term: k1, abs, k2, k3 on the sampled token; "k1+" ... "k3+": that value with k2's gradient
-    (verl); "full": the exact KL over the vocabulary, passed as `full_kl` (`pgloss.full_kl`)."""
+    (verl); "full": the exact KL over the vocabulary, passed as `full_kl` (`pgloss.vocab.full_kl`)."""
     kl_correction: str | None = None
     """None, "ratio_weighted" (KL·r, r differentiable: TRL's use_bias_correction_kl) or "unbiased_gradient"
     (value kept, k2's gradient weighted by sg[min(r, kl_correction_cap)]: OpenRLHF); `kl_variants.py`."""
@@ -102,7 +81,7 @@ class Algorithm:
     """Cap of the truncated importance weight min(π_old/π_rollout, cap), used when rollout_log_prob is given
     and there is no rollout_correction: `RolloutCorrection(upper=rollout_is_cap)`."""
     rollout_correction: RolloutCorrection | None = None
-    """The rollout correction beside the loss (`pgloss.rollout`): its weight multiplies the policy term (and
+    """The rollout correction beside the loss (`pgloss.correction.rollout`): its weight multiplies the policy term (and
     the KL term when `weight_kl`) before the aggregation; its rejections enter the mask."""
     scale_rewards: bool = True
     """Whether the paper's group advantages divide by the group std (`advantages.group_advantages(scale=)`)."""
@@ -125,34 +104,34 @@ class Algorithm:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        _check(self.loss_agg_mode in AGG_MODES, f"loss_agg_mode must be one of {AGG_MODES}, got {self.loss_agg_mode!r}")
+        check(self.loss_agg_mode in AGG_MODES, f"loss_agg_mode must be one of {AGG_MODES}, got {self.loss_agg_mode!r}")
         if self.fixed_agg_mode is not None:
-            _check(
+            check(
                 self.loss_agg_mode == self.fixed_agg_mode,
                 f"{self.name} defines its loss over {'groups' if 'group' in self.fixed_agg_mode else 'sequences'} "
                 f"and fixes loss_agg_mode={self.fixed_agg_mode!r}; got {self.loss_agg_mode!r}",
             )
         if self.loss_agg_mode == "seq-mean-token-sum-norm":
-            _check(
+            check(
                 self.norm_constant is not None and self.norm_constant > 0,
                 f"loss_agg_mode 'seq-mean-token-sum-norm' requires norm_constant > 0 (the generation budget, "
                 f"e.g. max_new_tokens), got {self.norm_constant!r}",
             )
-        _check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
+        check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
                                                 + value_hint("kl_estimator", self.kl_estimator))
-        _check(self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
+        check(self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
                f"kl_correction must be None or one of {KL_CORRECTIONS}, got {self.kl_correction!r}")
-        _check(not (self.kl_estimator == FULL and self.kl_correction is not None),
+        check(not (self.kl_estimator == FULL and self.kl_correction is not None),
                f"kl_estimator='full' is exact and takes no kl_correction, got {self.kl_correction!r}")
-        _check(self.kl_correction_cap > 0, f"kl_correction_cap must be > 0, got {self.kl_correction_cap}")
-        _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
-        _check(self.max_log_ratio > 0, f"max_log_ratio must be > 0, got {self.max_log_ratio}")
-        _check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
-        _check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
+        check(self.kl_correction_cap > 0, f"kl_correction_cap must be > 0, got {self.kl_correction_cap}")
+        check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        check(self.max_log_ratio > 0, f"max_log_ratio must be > 0, got {self.max_log_ratio}")
+        check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
+        check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
             raise TypeError(f"rollout_correction must be a pgloss.rollout.RolloutCorrection or None, "
                             f"got {type(self.rollout_correction).__name__}")
-        _check(self.rollout_correction is None or not self.consumes_rollout_log_prob,
+        check(self.rollout_correction is None or not self.consumes_rollout_log_prob,
                f"{self.name} uses the rollout log-probs in its own weight; it takes no rollout_correction")
 
     def correction(self, has_rollout: bool) -> RolloutCorrection | None:
@@ -324,7 +303,7 @@ class Algorithm:
     def from_hidden(self, hidden: Tensor, weight: Tensor, targets: Tensor, **kwargs: Any) -> LossOutput:
         """The same loss computed from hidden states `[B, T, H]` and the output projection `[V, H]`
         without materialising the logits; see `pgloss.fused.loss_from_hidden` for the arguments."""
-        from .fused import loss_from_hidden
+        from .vocab.fused import loss_from_hidden
 
         return loss_from_hidden(self, hidden, weight, targets, **kwargs)
 

@@ -12,7 +12,7 @@ import pgloss
 from pgloss.cli import main
 from pgloss.experiments import length
 from pgloss.experiments.length_report import CLAIMS, Claim, interval, run_mean, verdict, write_report
-from pgloss.grads import gradient_table, load_batch
+from pgloss.diagnostics.grads import gradient_table, load_batch
 from pgloss.lab.tasks import demonstration, make_task, reward
 from pgloss.lab.trace import TraceTask
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pgloss
-from pgloss.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 pytest.importorskip("trl")
 

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from pgloss.advantages import group_advantages
+from pgloss.advantages.group import group_advantages
 from pgloss.lab.config import LabConfig
 from pgloss.lab.sampling import Rollout, response_log_probs, teacher_forced
 from pgloss.lab.tasks import SumTask, demonstration, reward

@@ -7,7 +7,7 @@ from lab_helpers import TINY, tiny_policy
 from pgloss.lab.config import LabConfig
 from pgloss.lab.spec import parse_rollout_correction
 from pgloss.lab.trainer import make_sampler, train
-from pgloss.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 RUN = dict(steps=2, warm_steps=3, prompts_per_step=4, group_size=4, eval_prompts=4, samples=2, **TINY)
 

@@ -11,7 +11,7 @@ from lab_helpers import TINY, fixed_batch, tiny_policy
 from pgloss.lab.config import LabConfig
 from pgloss.lab.sampling import response_log_probs
 from pgloss.lab.trainer import update
-from pgloss.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 CORRECTIONS = {
     "none": None,

@@ -108,7 +108,7 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
     import pgloss
     from trl import GRPOConfig, GRPOTrainer
 
-    from ..token_masks import entropy_threshold, top_entropy_mask
+    from ..correction.token_masks import entropy_threshold, top_entropy_mask
 
     config = GRPOConfig(output_dir="pgloss-conformance", report_to=[], use_cpu=True, bf16=False,
                         max_completion_length=_T, **options)

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..aggregate import AGG_MODES
+from ..core.aggregate import AGG_MODES
 from ..integrations.verl_config import LOSS_MODES, from_verl
-from ..kl_variants import kl_term
-from ..vocabulary import translate_value
+from ..kl.corrections import kl_term
+from ..core.trainer_names import translate_value
 from .case import Case
 
 __all__ = ["TRAINER", "available", "cases"]

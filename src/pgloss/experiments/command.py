@@ -29,7 +29,7 @@ def _settings(experiment) -> dict:
 def claim_out(out: str | None, default: str, experiment, overwrite: bool) -> Path:
     """The experiment's folder: new, or one that holds this same experiment (resumed); a taken
     default becomes the next free name beside it; a taken --out is refused unless `overwrite`."""
-    from pgloss.lab.outputs import beside, refusal, taken
+    from ..lab.outputs import beside, refusal, taken
 
     path = Path(default if out is None else out)
     if path.exists() and not path.is_dir():
@@ -63,10 +63,10 @@ def _save(out: Path, experiment, status: str) -> None:
 
 def cmd_experiment(args) -> int:
     """Run (or resume) the experiment in ``--out``, then write report.md and its plots there."""
-    from pgloss.experiments import length
-    from pgloss.experiments.length_report import write_report
-    from pgloss.lab.runner import require_extras
-    from pgloss.lab.spec import parse_algorithms
+    from . import length
+    from .length_report import write_report
+    from ..lab.runner import require_extras
+    from ..lab.spec import parse_algorithms
 
     base = length.QUICK if args.quick else length.LengthExperiment()
     overrides = {k: getattr(args, k) for k in ("seeds", "steps", "workers") if getattr(args, k) is not None}
@@ -121,8 +121,8 @@ def cmd_experiment(args) -> int:
 
 def add_experiment_command(subparsers) -> None:
     """Add ``experiment`` to the ``pgloss`` command's subparsers."""
-    from pgloss.experiments.length import LengthExperiment
-    from pgloss.lab.spec import add_algorithms_argument
+    from .length import LengthExperiment
+    from ..lab.spec import add_algorithms_argument
 
     parser = subparsers.add_parser("experiment", help="run an experiment that tests a published claim (length)")
     parser.add_argument("name", choices=["length"], help="length: which losses lengthen responses (docs/experiments.md)")

@@ -14,7 +14,7 @@ Design: the lab's ``trace`` task (a times table answered after a free-length tra
 lab/trace.py), a warm start per seed shared by every algorithm of that seed, then RL with each
 algorithm from it. Each step records, besides the lab's diagnostics, the mean length of right and
 of wrong responses, the repetition of the traces (rep-4, the share of repeated 4-grams) and the
-gradient weight g = ∂L/∂log π per token (`pgloss.inspect`) by response length and advantage
+gradient weight g = ∂L/∂log π per token (`pgloss.diagnostics.inspect`) by response length and advantage
 sign, at ratio one (the first minibatch of the step is on-policy).
 
 ``run`` writes one JSON line per (algorithm, seed, step) into ``OUT/runs/ALGORITHM-SEED.jsonl``
@@ -83,7 +83,7 @@ class LengthExperiment:
 
     def lab_config(self, algorithm: str, seed: int):
         """The lab's configuration of one run."""
-        from pgloss.lab.config import LabConfig
+        from ..lab.config import LabConfig
 
         return LabConfig(algorithm=algorithm, task="trace", seed=seed, steps=self.steps,
                          prompts_per_step=self.prompts_per_step, group_size=self.group_size,
@@ -118,8 +118,8 @@ def gradient_weights(algorithm, rewards: torch.Tensor, lengths: torch.Tensor, gr
     """The per-token gradient weight g·N = N·∂L/∂log π of each response at ratio one, `[N]`, with the
     step's group advantages and dynamic sampling (dropped responses get NaN); N is the number of
     responses the loss sees, so that weights of different aggregations share one scale."""
-    from pgloss.advantages import dynamic_sampling_keep, group_advantages
-    from pgloss.inspect import token_gradients
+    from ..advantages.group import dynamic_sampling_keep, group_advantages
+    from ..diagnostics.inspect import token_gradients
 
     group_ids = torch.arange(len(rewards)) // group_size
     advantages = group_advantages(rewards, group_ids, scale=algorithm.scale_rewards).to(torch.float64)
@@ -143,7 +143,7 @@ def gradient_weights(algorithm, rewards: torch.Tensor, lengths: torch.Tensor, gr
 
 def measure(problems, texts: list[str], algorithm, group_size: int, max_new_tokens: int) -> dict:
     """One step's length, repetition and gradient measures from its sampled responses."""
-    from pgloss.lab.tasks import reward
+    from ..lab.tasks import reward
 
     lengths = response_lengths(texts, max_new_tokens)
     finished = lengths < max_new_tokens
@@ -173,8 +173,8 @@ def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) 
     """One step's responses as a batch for ``pgloss grads --batch``: their mask, GRPO's group
     advantages of their rewards (with the rewards and group ids), and log π = log π_old = 0 (the
     step's first, on-policy update)."""
-    from pgloss.advantages import group_advantages
-    from pgloss.lab.tasks import reward
+    from ..advantages.group import group_advantages
+    from ..lab.tasks import reward
 
     lengths = response_lengths(texts, max_new_tokens)
     rewards = torch.tensor([reward(t, problems[i // group_size]) if n < max_new_tokens else 0.0
@@ -189,16 +189,16 @@ def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) 
 
 def _warm(experiment: LengthExperiment, seed: int, cache: str) -> None:
     """Train (or find in the cache) the warm start of `seed`; its steps are reported to the progress bar."""
-    from pgloss.lab import warm
-    from pgloss.lab.runner import emit
+    from ..lab import warm
+    from ..lab.runner import emit
 
     warm.state(experiment.lab_config(experiment.algorithms[0], seed), Path(cache),
                on_steps=lambda steps, seconds: emit({"warm": steps, "seconds": seconds}))
 
 
 def _run(experiment: LengthExperiment, algorithm: str, seed: int, cache: str, path: str) -> tuple[str, int]:
-    from pgloss.lab import trainer, warm
-    from pgloss.lab.runner import emit, timed_steps
+    from ..lab import trainer, warm
+    from ..lab.runner import emit, timed_steps
 
     cfg = experiment.lab_config(algorithm, seed)
     loss = trainer.make_algorithm(cfg)
@@ -225,8 +225,8 @@ def _run(experiment: LengthExperiment, algorithm: str, seed: int, cache: str, pa
 
 def check(experiment: LengthExperiment) -> None:
     """Fail before any training on an algorithm the lab cannot build (ValueError/TypeError)."""
-    from pgloss.lab.tasks import make_task
-    from pgloss.lab.trainer import make_algorithm
+    from ..lab.tasks import make_task
+    from ..lab.trainer import make_algorithm
 
     for a in experiment.algorithms:
         make_algorithm(experiment.lab_config(a, 0))
@@ -245,9 +245,9 @@ def run(experiment: LengthExperiment, out: Path, progress: bool = True) -> float
     train every (algorithm, seed) not yet complete in `out`, ``experiment.workers`` at a time, with
     one progress bar on stderr (`progress`); returns the seconds taken. A KeyboardInterrupt (Ctrl-C,
     SIGTERM) stops the workers and propagates: complete runs stay, the next call resumes."""
-    from pgloss.lab import warm
-    from pgloss.lab.progress import Progress
-    from pgloss.lab.runner import RL, WARM, Runner, Sink
+    from ..lab import warm
+    from ..lab.progress import Progress
+    from ..lab.runner import RL, WARM, Runner, Sink
 
     check(experiment)
     start = time.time()

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pgloss.experiments.length import LENGTH_BINS
+from .length import LENGTH_BINS
 
 # t_{0.975, df} for df = 1..30; beyond, the normal quantile.
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -167,7 +167,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pgloss.lab.plots import styles
+    from ..lab.plots import styles
 
     style = styles(algorithms)  # a distinct colour and line style per algorithm
     colors = {a: color for a, (color, _, _) in style.items()}
@@ -244,7 +244,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
 def scale_caveat(runs: dict) -> str | None:
     """A warning when the runs are smaller than the experiment's design (its default seeds and steps):
     their intervals are wide and their verdicts are no result (``--quick`` checks that it all runs)."""
-    from pgloss.experiments.length import LengthExperiment
+    from .length import LengthExperiment
 
     design = LengthExperiment()
     seeds = max((sum(1 for (b, _) in runs if b == a) for a, _ in runs), default=0)

@@ -1,6 +1,6 @@
 """pgloss's losses inside TRL's GRPOTrainer (TRL 1.16).
 
-    from pgloss.integrations.trl import PGLossGRPOTrainer          # was: from trl import GRPOTrainer
+    from .trl import PGLossGRPOTrainer          # was: from trl import GRPOTrainer
     trainer = PGLossGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
                                 algorithm="dapo")                   # a name or a pgloss.Algorithm
 
@@ -48,9 +48,10 @@ import torch
 from torch import Tensor
 
 import pgloss
-from pgloss.aggregate import Normalizer
-from pgloss.algorithms import Algorithm, LossOutput
-from pgloss.token_masks import entropy_threshold, top_entropy_mask
+from ..core.aggregate import Normalizer
+from ..algorithms import Algorithm
+from ..core.output import LossOutput
+from ..correction.token_masks import entropy_threshold, top_entropy_mask
 
 from .trl_config import trainer_algorithm
 
@@ -216,7 +217,7 @@ class PGLossMixin:
 
     def _pgloss_masks(self, batches: list[dict[str, Any]]) -> list[Tensor]:
         """The loss masks of a step's micro-batches: completion · tool mask, and with
-        `top_entropy_quantile` < 1 the top-entropy mask over the step's tokens (`pgloss.token_masks`;
+        `top_entropy_quantile` < 1 the top-entropy mask over the step's tokens (`pgloss.correction.token_masks`;
         TRL takes the quantile per micro-batch, gathered over processes: a collective here too)."""
         masks = [self._pgloss_mask(batch) for batch in batches]
         if self._pgloss_top is None:
@@ -377,7 +378,7 @@ class PGLossMixin:
         a chunk, gradients formed in the forward) is required."""
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-        from pgloss.entropy import check_chunk_size
+        from ..vocab.entropy import check_chunk_size
 
         if is_deepspeed_zero3_enabled() and length > check_chunk_size(self.chunk_size, weight.shape[0]):
             raise ValueError(f"fused=True under ZeRO-3 needs chunk_size >= the completion length {length}")

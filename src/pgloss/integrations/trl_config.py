@@ -18,7 +18,7 @@ TRL 1.16 (`trl/trainer/grpo_trainer.py`, `_compute_loss` and `_generate_and_scor
 | `scale_rewards` | `scale_rewards` (a record: TRL computes the advantages) | |
 | vLLM `vllm_importance_sampling_*` | `RolloutCorrection(weight_level, weight_mode, lower, upper)` | token/sequence × truncate/mask |
 | `off_policy_mask_threshold` | `RolloutCorrection(off_policy_mask=)` | |
-| `top_entropy_quantile` | `pgloss.token_masks` on the mask | not an Algorithm field: the adapter applies it |
+| `top_entropy_quantile` | `pgloss.correction.token_masks` on the mask | not an Algorithm field: the adapter applies it |
 
 Refused, naming the option: `use_adaptive_entropy` (a controller that changes the coefficient between
 steps), a sequence-level ratio where pgloss's loss of that name is per token (cispo, sapo) or where
@@ -38,8 +38,8 @@ from ..losses.cispo import CISPO
 from ..losses.ppo import ClippedPolicy
 from ..losses.sapo import SAPO
 from ..losses.vespo import VESPO
-from ..rollout import RolloutCorrection
-from ..vocabulary import FIELDS
+from ..correction.rollout import RolloutCorrection
+from ..core.trainer_names import FIELDS
 
 __all__ = ["LOSS_TYPES", "from_trl", "rollout_correction", "trainer_algorithm"]
 
@@ -58,7 +58,7 @@ _IS_LEVELS = {"token": "token", "sequence": "sequence_product"}
 
 
 def _ours(option: str) -> str:
-    """pgloss's name for a TRL option (`pgloss.vocabulary`), the option itself where they agree."""
+    """pgloss's name for a TRL option (`pgloss.core.trainer_names`), the option itself where they agree."""
     return FIELDS[option][0] if option in FIELDS and option not in ("loss_type",) else option
 
 
@@ -182,7 +182,7 @@ def from_trl(config: Any, *, entropy_mask_applied: bool = False) -> Algorithm:
     """The pgloss `Algorithm` that computes the loss a TRL `GRPOConfig` asks for (TRL 1.16), or a
     ValueError naming the option pgloss cannot express (see the module's table).
 
-    `top_entropy_quantile < 1` selects tokens, which is a mask (`pgloss.token_masks`), not a field of
+    `top_entropy_quantile < 1` selects tokens, which is a mask (`pgloss.correction.token_masks`), not a field of
     the loss: apply it to each micro-batch's mask before counting the step (the TRL adapter does) and
     pass `entropy_mask_applied=True`; without it such a config is refused.
     """

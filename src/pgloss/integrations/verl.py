@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 
 import pgloss
-from pgloss.aggregate import Normalizer, aggregate
-from pgloss.algorithms import Algorithm
-from pgloss.integrations.verl_config import PREFIX, VARIANTS, algorithm_from_verl, config_get
+from ..core.aggregate import Normalizer, aggregate
+from ..algorithms import Algorithm
+from .verl_config import PREFIX, VARIANTS, algorithm_from_verl, config_get
 
 __all__ = ["PREFIX", "SUPPORTED", "agg_loss", "policy_loss_fn", "register", "registered_name"]
 
@@ -103,7 +103,7 @@ def _normalizer(mask: Tensor, mode: str, info: dict[str, Any]) -> Normalizer | N
 
 def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, dp_size: int = 1,
              batch_num_tokens: Any = None, global_batch_size: Any = None, loss_scale_factor: Any = None) -> Tensor:
-    """verl's `core_algos.agg_loss` signature over `pgloss.aggregate`: the same counts
+    """verl's `core_algos.agg_loss` signature over `pgloss.core.aggregate`: the same counts
     (`global_batch_info`) as a `Normalizer`, `loss_scale_factor` as `norm_constant` (required by
     seq-mean-token-sum-norm: pgloss never divides by the padded width)."""
     info = dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)

@@ -15,7 +15,7 @@ verl: it takes verl's `ActorConfig` / `FSDPActorConfig`, its OmegaConf `DictConf
     policy_loss.dro_beta                         dro_beta (required, as verl)
     policy_loss.ppo_kl_coef, kl_cov_ratio        ppo_kl_coef, kl_cov_ratio (KL-Cov)
     policy_loss.clip_cov_ratio, _lb, _ub         clip_cov_ratio, clip_cov_lb, clip_cov_ub (Clip-Cov)
-    use_kl_loss, kl_loss_coef, kl_loss_type      kl_coef, kl_estimator (`pgloss.vocabulary`)
+    use_kl_loss, kl_loss_coef, kl_loss_type      kl_coef, kl_estimator (`pgloss.core.trainer_names`)
     entropy_coeff                                entropy_coef
     rollout_correction (bypass_mode, or given)   rollout_correction (`RolloutCorrection`)
 
@@ -29,8 +29,8 @@ import dataclasses
 from typing import Any
 
 from ..algorithms import NAMED, Algorithm, get, names
-from ..rollout import Rejection, RolloutCorrection
-from ..vocabulary import translate_value
+from ..correction.rollout import Rejection, RolloutCorrection
+from ..core.trainer_names import translate_value
 
 __all__ = ["LOSS_MODES", "PREFIX", "VARIANTS", "algorithm_from_verl", "config_get", "from_verl", "rollout_correction_from_verl"]
 

@@ -25,11 +25,11 @@ import time
 import traceback
 from pathlib import Path
 
-from pgloss.lab.config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args, mismatched
-from pgloss.lab.outputs import claim_directory
-from pgloss.lab.progress import Progress
-from pgloss.lab.runner import RL, WARM, Runner, Sink, emit, require_extras, timed_steps
-from pgloss.lab.spec import add_algorithms_argument, parse_algorithms
+from .config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args, mismatched
+from .outputs import claim_directory
+from .progress import Progress
+from .runner import RL, WARM, Runner, Sink, emit, require_extras, timed_steps
+from .spec import add_algorithms_argument, parse_algorithms
 
 LAB_FILES = ("metrics.jsonl", "config.json", "samples.md", "report.md", "errors.log")
 
@@ -41,7 +41,7 @@ def _failure(err: BaseException, **extra) -> dict:
 def warm_state(cfg: LabConfig, cache: Path | None) -> dict:
     """``{"state": the warm-started policy of cfg.seed}`` (a CPU state dict, from the cache when it
     holds it), or ``{"error": ...}``; each step of a warm start that trains is emitted."""
-    from pgloss.lab import warm
+    from . import warm
 
     try:
         return {"state": warm.state(cfg, cache, on_steps=lambda steps, seconds: emit({"warm": steps,
@@ -53,7 +53,7 @@ def warm_state(cfg: LabConfig, cache: Path | None) -> dict:
 def run(cfg: LabConfig, warm: dict) -> dict:
     """One RL run from a warm state: ``{"metrics", "samples"}``, or ``{"error", "traceback", "metrics"}``
     with the records of the steps it made. Every step's record is emitted as it is made."""
-    from pgloss.lab import trainer
+    from . import trainer
 
     records: list[dict] = []
     if "error" in warm:
@@ -81,7 +81,7 @@ def progress(desc: str, cold_warm_starts: int, cfg: LabConfig, runs: int, worker
 def prepare_out(out: str | None, default: str, overwrite: bool) -> Path:
     """The output directory (``lab/outputs.py``: a taken ``--out`` is refused, a taken default
     becomes the next free name beside it, ``--overwrite`` removes the lab's files first)."""
-    from pgloss.lab.plots import plot_names
+    from .plots import plot_names
 
     own = [*LAB_FILES, *(f"{n}.png" for n in plot_names(mismatch=True))]
     return claim_directory(out, default, overwrite, own)
@@ -123,8 +123,8 @@ TITLES = {"compare": "comparison", "train": "training run"}
 
 def finish(out: Path, runs: list[dict], config: dict, command: str = "compare") -> Path:
     """samples.md, PNG plots of the finished runs, errors.log, config.json and report.md; returns the report."""
-    from pgloss.lab.plots import plot_all
-    from pgloss.lab.report import write_report, write_samples
+    from .plots import plot_all
+    from .report import write_report, write_samples
 
     finished = [r for r in runs if r["status"] == "finished"]
     write_samples(out, {(r["algorithm"], r["seed"]): r["samples"] for r in finished})
@@ -169,7 +169,7 @@ def _summary_line(command: str, runs: list[dict], report: Path, seconds: float, 
 
 def cmd_compare(args) -> int:
     """Train every algorithm of ``--algorithms`` for every seed and write the comparison."""
-    from pgloss.lab import trainer, warm
+    from . import trainer, warm
 
     start = time.time()
     try:  # every argument is checked before any training
@@ -230,8 +230,8 @@ def _conclude(command: str, out: Path, runs: list[dict], config: dict, start: fl
 
 def cmd_train(args) -> int:
     """Train one algorithm (data parallel under torchrun) and write its files."""
-    from pgloss.lab import distributed as dist
-    from pgloss.lab import trainer, warm
+    from . import distributed as dist
+    from . import trainer, warm
 
     start = time.time()
     try:

@@ -110,7 +110,7 @@ class LabConfig:
         ):
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
-        from pgloss.lab.tasks import TASKS
+        from .tasks import TASKS
 
         if self.task not in TASKS:
             raise ValueError(f"--task: unknown task {self.task!r}; valid names: {', '.join(sorted(TASKS))}")
@@ -119,7 +119,7 @@ class LabConfig:
             raise ValueError(f"--max-new-tokens must be >= {longest} for --task {self.task} (its longest "
                              f"demonstration with the end token), got {self.max_new_tokens}")
         check_device(self.device)
-        from pgloss.lab.spec import parse_rollout_correction
+        from .spec import parse_rollout_correction
 
         parse_rollout_correction(self.rollout_correction)
 
@@ -170,7 +170,7 @@ def add_config_arguments(parser, skip: tuple[str, ...] = ()) -> None:
         kind = _optional_float if f.default is None else type(f.default)
         extra = ""
         if f.name == "task":
-            from pgloss.lab.tasks import TASKS
+            from .tasks import TASKS
 
             extra = f"; one of {', '.join(TASKS)}"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,

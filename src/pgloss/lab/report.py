@@ -131,7 +131,7 @@ def tables(rows: dict[str, dict], window: int = TAIL) -> str:
 
 def _algorithm(label: str, config: dict):
     """The pgloss algorithm behind a run's label, or None when it cannot be built here."""
-    from pgloss.lab.spec import parse_spec
+    from .spec import parse_spec
 
     try:
         return parse_spec(label).build(config["base"]["max_new_tokens"])
@@ -196,7 +196,7 @@ def read_kept(rows: dict[str, dict], base: dict) -> list[str]:
 def mismatch_table(rows: dict[str, dict], base: dict) -> list[str]:
     """The sampler mismatch and the rollout correction's weight, means over every update (empty
     when the run does not simulate a mismatched sampler)."""
-    from pgloss.lab.config import mismatched
+    from .config import mismatched
 
     if not mismatched(base):
         return []

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pgloss.entropy import log_prob_and_entropy
-from pgloss.lab.tokenizer import BOS, EOS, PAD
+from ..vocab.entropy import log_prob_and_entropy
+from .tokenizer import BOS, EOS, PAD
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class Spec:
         aggregation (Dr.GRPO) without a given ``norm_constant`` divides by the response budget,
         `max_new_tokens`. Raises ValueError/TypeError like ``pgloss.get``."""
         import pgloss
-        from pgloss.algorithms import NAMED
+        from ..algorithms import NAMED
 
         kwargs = {**dict(self.args), **fixed}
         if self.name in NAMED:
@@ -179,7 +179,7 @@ def parse_rollout_correction(text: str):
     off_policy_mask, bypass, batch_normalize, weight_kl, max_log_ratio, or a rejection rule
     ``<level>_<k>=BOUND`` (e.g. ``seq_mean_k3=0.01``; for k1 the bound is the ratio's upper one).
     ``none:KEY=VALUE`` keeps the masks without a weight. ValueError/TypeError naming the option."""
-    from pgloss.rollout import REJECTION_OPTIONS, WEIGHT_LEVELS, Rejection, RolloutCorrection
+    from ..correction.rollout import REJECTION_OPTIONS, WEIGHT_LEVELS, Rejection, RolloutCorrection
 
     where = f"--rollout-correction {text!r}"
     if not isinstance(text, str):

@@ -114,7 +114,7 @@ class ChainTask:
         return 2 * (self.max_terms - 1) - 1 + 2
 
 
-from pgloss.lab.trace import TraceTask  # noqa: E402  (free-length traces; imports Problem lazily)
+from .trace import TraceTask  # noqa: E402  (free-length traces; imports Problem lazily)
 
 TASKS = {"sum": SumTask, "mul": MulTask, "chain": ChainTask, "trace": TraceTask}
 

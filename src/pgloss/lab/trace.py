@@ -30,7 +30,7 @@ class TraceTask:
         self.max_trace_items = max_trace_items
 
     def sample(self, rng: random.Random):
-        from pgloss.lab.tasks import Problem  # here, not at the top: tasks.py imports this module
+        from .tasks import Problem  # here, not at the top: tasks.py imports this module
 
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         trace = tuple(str(rng.randrange(10)) for _ in range(rng.randint(1, self.max_trace_items)))

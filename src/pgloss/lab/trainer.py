@@ -38,15 +38,15 @@ import torch
 from torch import Tensor
 
 import pgloss
-from pgloss.advantages import dynamic_sampling_keep, group_advantages
-from pgloss.kl import kl_estimate
-from pgloss.lab import distributed as dist
-from pgloss.lab.config import LabConfig
-from pgloss.lab.model import ModelConfig, TinyGPT
-from pgloss.lab.sampling import Rollout, pad_responses, response_log_probs, sample, teacher_forced
-from pgloss.lab.spec import parse_rollout_correction, parse_spec
-from pgloss.lab.tasks import Problem, demonstration, make_task, reward
-from pgloss.lab.tokenizer import Tokenizer
+from ..advantages.group import dynamic_sampling_keep, group_advantages
+from ..kl.estimators import kl_estimate
+from . import distributed as dist
+from .config import LabConfig
+from .model import ModelConfig, TinyGPT
+from .sampling import Rollout, pad_responses, response_log_probs, sample, teacher_forced
+from .spec import parse_rollout_correction, parse_spec
+from .tasks import Problem, demonstration, make_task, reward
+from .tokenizer import Tokenizer
 
 METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "clip_frac_high", "clip_frac_low",
            "ppo_kl", "grad_norm", "grad_clipped", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",

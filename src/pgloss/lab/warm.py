@@ -66,7 +66,7 @@ def state(cfg, cache: Path | None, on_steps=None) -> dict:
     there (None: trained, not saved). `on_steps(steps, seconds)` is told of the training's progress."""
     import torch
 
-    from pgloss.lab import trainer
+    from . import trainer
 
     file = None if cache is None else path(cfg, cache)
     if file is not None and file.exists():

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import clip_metrics, ratio_metrics
-from ..ratios import importance_ratio, log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,12 @@ class CEGPPO(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
-        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
-        _check(self.gppo_beta_low >= 0 and self.gppo_beta_high >= 0,
+        check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        check(self.gppo_beta_low >= 0 and self.gppo_beta_high >= 0,
                f"gppo_beta_low and gppo_beta_high must be >= 0, got {self.gppo_beta_low}, {self.gppo_beta_high}")
         if self.dual_clip is not None:
-            _check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
+            check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import clip_metrics, ratio_metrics
-from ..ratios import importance_ratio, log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
 
@@ -68,13 +69,13 @@ class CISPO(Algorithm):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.clip_low is not None:
-            _check(self.clip_low >= 0, f"clip_low must be >= 0 or None, got {self.clip_low}")
-        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
-        _check(self.cispo_convention in CISPO_CONVENTIONS,
+            check(self.clip_low >= 0, f"clip_low must be >= 0 or None, got {self.clip_low}")
+        check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        check(self.cispo_convention in CISPO_CONVENTIONS,
                f"cispo_convention must be one of {CISPO_CONVENTIONS}, got {self.cispo_convention!r}")
         if self.cispo_convention == "absolute":
-            _check(self.clip_low is None, f"cispo_convention='absolute' has no lower bound; got clip_low={self.clip_low}")
-            _check(self.clip_high > 0, f"cispo_convention='absolute' needs a cap clip_high > 0, got {self.clip_high}")
+            check(self.clip_low is None, f"cispo_convention='absolute' has no lower bound; got clip_low={self.clip_low}")
+            check(self.clip_high > 0, f"cispo_convention='absolute' needs a cap clip_high > 0, got {self.clip_high}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,

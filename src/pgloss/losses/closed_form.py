@@ -1,4 +1,4 @@
-"""The closed form of a family's gradient per token, which `pgloss.inspect` reads.
+"""The closed form of a family's gradient per token, which `pgloss.diagnostics.inspect` reads.
 
 A family with a closed form gives its policy term's gradient with respect to log π_θ(y_{i,t}) as
 

@@ -49,11 +49,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch, check_mask, check_tensor
-from ..metrics import clip_metrics, masked_mean, ratio_metrics
-from ..ratios import importance_ratio, log_ratio
-from ..token_masks import gather_values
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch, check_mask, check_tensor
+from ..core.metrics import clip_metrics, masked_mean, ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio
+from ..correction.token_masks import gather_values
 from .closed_form import GradientFactor
 from .ppo import clip_factor
 
@@ -301,10 +302,10 @@ class ClipCov(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
-        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
-        _check(self.clip_cov_ratio > 0, f"clip_cov_ratio must be > 0, got {self.clip_cov_ratio}")
-        _check(self.clip_cov_lb < self.clip_cov_ub,
+        check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        check(self.clip_cov_ratio > 0, f"clip_cov_ratio must be > 0, got {self.clip_cov_ratio}")
+        check(self.clip_cov_lb < self.clip_cov_ub,
                f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}")
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
@@ -405,8 +406,8 @@ class KLCov(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.kl_cov_ratio > 0, f"kl_cov_ratio must be > 0, got {self.kl_cov_ratio}")
-        _check(self.ppo_kl_coef >= 0, f"ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
+        check(self.kl_cov_ratio > 0, f"kl_cov_ratio must be > 0, got {self.kl_cov_ratio}")
+        check(self.ppo_kl_coef >= 0, f"ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
 
     def step_selection(
         self,

@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import clip_metrics, ratio_metrics
-from ..ratios import importance_ratio, log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
 DPPO_DIVERGENCES = ("tv", "kl")
@@ -86,11 +87,11 @@ class DPPO(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.divergence in DPPO_DIVERGENCES,
+        check(self.divergence in DPPO_DIVERGENCES,
                f"divergence must be one of {DPPO_DIVERGENCES}, got {self.divergence!r}")
-        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
-        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
-        _check(self.truncation > 0, f"truncation must be > 0, got {self.truncation}")
+        check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        check(self.truncation > 0, f"truncation must be > 0, got {self.truncation}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)

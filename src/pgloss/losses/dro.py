@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import ratio_metrics
-from ..ratios import importance_ratio, log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio
 
 
 def dro_loss(log_prob: Tensor, token_log_ratio: Tensor, advantages: Tensor, *, beta: float) -> Tensor:
@@ -42,7 +43,7 @@ class DRO(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.dro_beta > 0, f"dro_beta must be > 0, got {self.dro_beta}")
+        check(self.dro_beta > 0, f"dro_beta must be > 0, got {self.dro_beta}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)

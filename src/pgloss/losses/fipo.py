@@ -27,11 +27,12 @@ import math
 import torch
 from torch import Tensor
 
-from ..batch import TokenBatch
-from ..metrics import masked_mean
-from ..ratios import log_ratio
+from ..core.batch import TokenBatch
+from ..core.metrics import masked_mean
+from ..core.ratios import log_ratio
 from .closed_form import GradientFactor
-from .ppo import ClippedPolicy, PolicyTerms, _check
+from .ppo import ClippedPolicy
+from ..core.output import PolicyTerms, check
 
 _BLOCK = 128
 _SAFETY_RANGE = 0.2  # ms-swift's fixed safety interval [0.8, 1.0], used when the weight is not clipped
@@ -125,14 +126,14 @@ class FIPO(ClippedPolicy):
     def __post_init__(self) -> None:
         # FIPO's own constraint first, so that a sequence ratio_level is named as the culprit
         # rather than the loss_agg_mode it would otherwise conflict with.
-        _check(self.ratio_level == "token", f"fipo uses token ratios, got ratio_level={self.ratio_level!r}")
+        check(self.ratio_level == "token", f"fipo uses token ratios, got ratio_level={self.ratio_level!r}")
         super().__post_init__()
-        _check(self.fipo_decay_rate > 0, f"fipo_decay_rate must be > 0, got {self.fipo_decay_rate}")
+        check(self.fipo_decay_rate > 0, f"fipo_decay_rate must be > 0, got {self.fipo_decay_rate}")
         if self.fipo_clip_range is not None:
-            _check(0 < self.fipo_clip_range < 1, f"fipo_clip_range must lie in (0, 1), or be None for no clipping "
+            check(0 < self.fipo_clip_range < 1, f"fipo_clip_range must lie in (0, 1), or be None for no clipping "
                                                   f"(ms-swift's 0), got {self.fipo_clip_range}")
         if self.fipo_safety_threshold is not None:
-            _check(self.fipo_safety_threshold > 0, f"fipo_safety_threshold must be > 0, got {self.fipo_safety_threshold}")
+            check(self.fipo_safety_threshold > 0, f"fipo_safety_threshold must be > 0, got {self.fipo_safety_threshold}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         terms = super().policy_terms(batch)

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import clip_metrics, ratio_metrics
-from ..ratios import log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.ratios import log_ratio
 
 
 def gmpo_clipped_log_ratio(token_log_ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float) -> Tensor:
@@ -88,8 +89,8 @@ class GMPO(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
-        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import clip_metrics, ratio_metrics
-from ..ratios import RATIO_LEVELS, importance_ratio, log_ratio, sequence_log_ratio
-from ..slope import with_slope
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.ratios import RATIO_LEVELS, importance_ratio, log_ratio, sequence_log_ratio
+from ..core.slope import with_slope
 from .closed_form import GradientFactor
 
 
@@ -134,13 +135,13 @@ class ClippedPolicy(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.ratio_level in RATIO_LEVELS, f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
-        _check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
-        _check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
+        check(self.ratio_level in RATIO_LEVELS, f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
+        check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
+        check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
         if self.dual_clip is not None:
-            _check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
+            check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
         if self.delta is not None:
-            _check(self.delta > 1 + self.clip_high, f"delta must be > 1 + clip_high = {1 + self.clip_high}, got {self.delta}")
+            check(self.delta > 1 + self.clip_high, f"delta must be > 1 + clip_high = {1 + self.clip_high}, got {self.delta}")
 
     def ratio(self, batch: TokenBatch) -> Tensor:
         return importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import ratio_metrics
-from ..ratios import importance_ratio, log_ratio, sequence_log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio, sequence_log_ratio
 
 
 def real_group_loss(seq_log_ratio: Tensor, seq_advantages: Tensor, valid_rows: Tensor, group_ids: Tensor,
@@ -79,7 +80,7 @@ class REAL(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.real_tau > 0, f"real_tau must be > 0, got {self.real_tau}")
+        check(self.real_tau > 0, f"real_tau must be > 0, got {self.real_tau}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         if batch.group_ids is None:

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import masked_mean, ratio_metrics
-from ..ratios import importance_ratio, log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import masked_mean, ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
 
@@ -92,7 +93,7 @@ class TISPG(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(0 <= self.tis_lower_bound <= self.tis_upper_bound and self.tis_upper_bound > 0,
+        check(0 <= self.tis_lower_bound <= self.tis_upper_bound and self.tis_upper_bound > 0,
                f"tis bounds must satisfy 0 <= tis_lower_bound <= tis_upper_bound, tis_upper_bound > 0; got "
                f"{self.tis_lower_bound}, {self.tis_upper_bound}")
 

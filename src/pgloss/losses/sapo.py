@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import masked_mean, ratio_metrics
-from ..ratios import importance_ratio, log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import masked_mean, ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
 
@@ -55,7 +56,7 @@ class SAPO(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.tau_pos > 0 and self.tau_neg > 0, f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
+        check(self.tau_pos > 0 and self.tau_neg > 0, f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,

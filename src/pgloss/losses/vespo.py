@@ -43,10 +43,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm, PolicyTerms, _check
-from ..batch import TokenBatch
-from ..metrics import masked_mean, ratio_metrics
-from ..ratios import importance_ratio, log_ratio
+from ..base import Algorithm
+from ..core.output import PolicyTerms, check
+from ..core.batch import TokenBatch
+from ..core.metrics import masked_mean, ratio_metrics
+from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
 _LOG_MIN_WEIGHT = math.log(1e-8)
@@ -144,21 +145,21 @@ class VESPO(Algorithm):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        _check(self.vespo_rollout_mode in VESPO_ROLLOUT_MODES,
+            check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        check(self.vespo_rollout_mode in VESPO_ROLLOUT_MODES,
                f"vespo_rollout_mode must be one of {VESPO_ROLLOUT_MODES}, got {self.vespo_rollout_mode!r}")
         low, high = self.vespo_rollout_clip_min, self.vespo_rollout_clip_max
         if self.vespo_rollout_mode == "raw":
-            _check(low is None and high is None,
+            check(low is None and high is None,
                    f"vespo_rollout_mode='raw' folds the unbounded ratio and takes no bounds; got "
                    f"vespo_rollout_clip_min={low}, vespo_rollout_clip_max={high} (use 'truncate' or 'mask')")
         else:
-            _check(low is not None or high is not None,
+            check(low is not None or high is not None,
                    f"vespo_rollout_mode={self.vespo_rollout_mode!r} needs vespo_rollout_clip_min or "
                    f"vespo_rollout_clip_max (TRL's default cap is 3.0)")
-            _check(low is None or low > 0, f"vespo_rollout_clip_min must be > 0 or None, got {low}")
-            _check(high is None or high > 0, f"vespo_rollout_clip_max must be > 0 or None, got {high}")
-            _check(low is None or high is None or low <= high,
+            check(low is None or low > 0, f"vespo_rollout_clip_min must be > 0 or None, got {low}")
+            check(high is None or high > 0, f"vespo_rollout_clip_max must be > 0 or None, got {high}")
+            check(low is None or high is None or low <= high,
                    f"vespo_rollout_clip_min must be <= vespo_rollout_clip_max, got {low} and {high}")
 
     def phi(self, batch: TokenBatch) -> Tensor:

@@ -1,7 +1,7 @@
 """verl 0.9.1's own loss tests with pgloss swapped in (see README.md).
 
 For each test of this folder, verl's `core_algos.agg_loss` becomes pgloss's aggregation
-(`pgloss.integrations.verl.agg_loss`: the same signature over `pgloss.aggregate`) and every
+(`pgloss.integrations.verl.agg_loss`: the same signature over `pgloss.core.aggregate`) and every
 `core_algos.compute_policy_loss_<mode>` becomes the registered `pgloss_<name>` computing it
 (`verl_config.LOSS_MODES`), in verl's module and in the test module's own imports, so the test
 bodies stay verl's. `PGLOSS_PEERS=original` runs them unmodified (verl's own functions).

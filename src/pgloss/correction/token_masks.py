@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .batch import check_mask, check_tensor
-from .checks import check_cut, check_number, check_valid_finite
+from ..core.batch import check_mask, check_tensor
+from ..core.checks import check_cut, check_number, check_valid_finite
 
 
 def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:

@@ -56,10 +56,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .aggregate import Normalizer
-from .batch import check_device, check_mask, check_tensor, compute_dtype
-from .checks import check_log_prob, check_number
-from .metrics import masked_extremes, masked_fraction, masked_mean
+from ..core.aggregate import Normalizer
+from ..core.batch import check_device, check_mask, check_tensor, compute_dtype
+from ..core.checks import check_log_prob, check_number
+from ..core.metrics import masked_extremes, masked_fraction, masked_mean
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
 WEIGHT_MODES = ("truncate", "mask")

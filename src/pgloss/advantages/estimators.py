@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .advantages import group_index
-from .batch import check_device, check_mask, check_tensor
-from .checks import check_flag, check_log_prob, check_number
-from .entropy import check_chunk_size, check_temperature
+from .group import group_index
+from ..core.batch import check_device, check_mask, check_tensor
+from ..core.checks import check_flag, check_log_prob, check_number
+from ..vocab.entropy import check_chunk_size, check_temperature
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .batch import check_device, check_mask, check_tensor
-from .checks import check_flag, check_number, is_integer
+from ..core.batch import check_device, check_mask, check_tensor
+from ..core.checks import check_flag, check_number, is_integer
 
 
 def gae(

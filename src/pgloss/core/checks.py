@@ -12,7 +12,7 @@ tensor *values* are different: on an accelerator each one is a host sync. So:
 - non-finite values at *valid* positions (a NaN log-prob, a -inf log-prob, a NaN advantage) are
   not checked by default: like any torch computation the loss then comes out NaN. Inside
   `detect_anomaly()` they raise a ValueError naming the tensor and its first (row, column).
-  Non-finite values at masked positions are always harmless (`pgloss.batch`).
+  Non-finite values at masked positions are always harmless (`pgloss.core.batch`).
 
     with pgloss.detect_anomaly():
         out = algorithm(log_prob, old_log_prob, advantages, mask)   # raises at the first bad value

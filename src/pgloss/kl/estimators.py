@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .batch import check_mask, check_tensor
-from .checks import check_number
+from ..core.batch import check_mask, check_tensor
+from ..core.checks import check_number
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 

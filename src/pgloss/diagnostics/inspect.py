@@ -53,11 +53,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .aggregate import Normalizer, token_weights
-from .base import Algorithm, _seq_advantages
-from .batch import TokenBatch
-from .losses.closed_form import GradientFactor
-from .losses.ppo import clip_factor
+from ..core.aggregate import Normalizer, token_weights
+from ..base import Algorithm, _seq_advantages
+from ..core.batch import TokenBatch
+from ..losses.closed_form import GradientFactor
+from ..losses.ppo import clip_factor
 
 __all__ = ["TokenGradients", "clip_factor", "inspect", "token_gradients"]
 

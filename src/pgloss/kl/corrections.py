@@ -1,7 +1,7 @@
 """The KL term's gradient corrections: one estimator's value with another gradient.
 
 With d = log π_θ(y) - log π_ref(y), y sampled from π_old, r = π_θ(y)/π_old(y), k_X one of the
-estimators of `pgloss.kl` and k2 = ½d², whose gradient d·∇log π_θ is the score-function gradient
+estimators of `pgloss.kl.estimators` and k2 = ½d², whose gradient d·∇log π_θ is the score-function gradient
 of KL(π_θ‖π_ref) on a sample from π_θ:
 
     straight_through   sg[k_X] + k2 - sg[k2]                   value k_X, gradient d·∇log π_θ
@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kl import KL_ESTIMATORS, kl_estimate
+from .estimators import KL_ESTIMATORS, kl_estimate
 
 KL_CORRECTIONS = ("ratio_weighted", "unbiased_gradient")
 STRAIGHT_THROUGH = tuple(f"{name}+" for name in KL_ESTIMATORS)
 """verl's suffix: "k3+" is k3's value with k2's gradient."""
 FULL = "full"
-"""The exact KL over the vocabulary (`pgloss.full_kl`), passed to an algorithm as `full_kl=`."""
+"""The exact KL over the vocabulary (`pgloss.vocab.full_kl`), passed to an algorithm as `full_kl=`."""
 KL_OPTIONS = KL_ESTIMATORS + STRAIGHT_THROUGH + (FULL,)
 
 

@@ -1,7 +1,7 @@
 """``pgloss grads``: draw how much gradient each token and each sequence gets from chosen losses.
 
 For one batch (synthetic, or a saved one) and each algorithm, `gradient_table` computes with
-`pgloss.inspect` the per-token gradient g_{i,t} = ∂L/∂log π(y_{i,t}) of the policy term, scaled by
+`pgloss.diagnostics.inspect` the per-token gradient g_{i,t} = ∂L/∂log π(y_{i,t}) of the policy term, scaled by
 the number of sequences N so that every aggregation is on one scale (at ratio one, g·N is -Â for
 every token of Dr.GRPO-like sums with C = 1, -Â/|y_i| for GRPO, -Â·N/N_tok for token-mean). The
 figure has one column per algorithm, sharing each row's scale:
@@ -37,7 +37,7 @@ def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 1
     (``scores``) with GRPO's group advantages and their ``group_ids``, log π = log π_old + spread·noise
     (spread 0: ratio one), a reference near π_old and an entropy per token. float64. The one synthetic
     batch of the command line: ``pgloss grads`` and ``pgloss losses`` draw it."""
-    from pgloss.advantages import group_advantages
+    from ..advantages.group import group_advantages
 
     for name, value in (("groups", groups), ("group_size", group_size), ("max_length", max_length)):
         if not isinstance(value, int) or value < (2 if name == "group_size" else 1):
@@ -73,8 +73,8 @@ def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float
     `[B, T]` (policy term, autograd), ``closed_form`` -Â·f·w·N (None where the family has none),
     ``total`` Σ_t g·N `[B]`, and the batch's ``lengths`` and ``advantages`` `[B]`. A sum-norm divisor
     (Dr.GRPO's) defaults to `norm_constant` or the padded width (the generation budget)."""
-    from pgloss.inspect import inspect
-    from pgloss.lab.spec import parse_spec
+    from .inspect import inspect
+    from ..lab.spec import parse_spec
 
     mask = batch["mask"].bool()
     n = int(mask.any(dim=1).sum())
@@ -203,9 +203,9 @@ def summary(table: dict[str, dict]) -> list[str]:
 
 def cmd_grads(args) -> int:
     """Draw the gradient figure and print its summary table."""
-    from pgloss.lab.outputs import claim_file
-    from pgloss.lab.runner import require_extras
-    from pgloss.lab.spec import parse_algorithms
+    from ..lab.outputs import claim_file
+    from ..lab.runner import require_extras
+    from ..lab.spec import parse_algorithms
 
     try:  # every argument is checked before any work
         require_extras()
@@ -224,7 +224,7 @@ def cmd_grads(args) -> int:
 
 def add_grads_command(subparsers) -> None:
     """Add ``grads`` to the ``pgloss`` command's subparsers."""
-    from pgloss.lab.spec import add_algorithms_argument
+    from ..lab.spec import add_algorithms_argument
 
     parser = subparsers.add_parser("grads", help="draw the per-token gradient of chosen losses on one batch")
     add_algorithms_argument(parser, DEFAULT_ALGORITHMS)

@@ -5,7 +5,7 @@ n are z_n = W x_n / τ, and chunk by chunk over the N = B·T tokens
 
     log π(y_n) = z_{n,y} − lse(z_n),        H_n = lse(z_n) − Σᵥ π_{n,v} z_{n,v}
 
-(`pgloss.entropy` holds the per-chunk math). With G = ∂L/∂logits of a chunk
+(`pgloss.vocab.entropy` holds the per-chunk math). With G = ∂L/∂logits of a chunk
 (`pgloss.entropy.chunk_grad_logits`),
 
     ∂L/∂x = G W,        ∂L/∂W = Σ_chunks Gᵀ x.
@@ -17,7 +17,7 @@ entropy=H, ...)` on the full logits, for every algorithm and `Normalizer`:
   aggregation weight depends only on the mask and the step's global counts, and every
   sequence-level coupling (GSPO's ratio, FIPO's future KL) stays inside a row, so a row chunk's
   loss under the step's `Normalizer` is its exact share of the batch loss (the split invariance
-  of `pgloss.aggregate`). Its ∂L/∂log π and ∂L/∂H are therefore known as soon as its logits
+  of `pgloss.core.aggregate`). Its ∂L/∂log π and ∂L/∂H are therefore known as soon as its logits
   are, and G W and Gᵀ x are formed in the forward pass: three N·H·V matmuls, the 6NHV floor.
 - recompute (longer sequences, chunks of tokens): forward keeps only the per-token lse;
   backward recomputes each chunk's logits: four matmuls, 8NHV.
@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .aggregate import Normalizer
-from .algorithms import LossOutput
-from .batch import check_mask, compute_dtype
+from ..core.aggregate import Normalizer
+from ..core.output import LossOutput
+from ..core.batch import check_mask, compute_dtype
 from .entropy import (
     check_chunk_size,
     check_targets,
@@ -48,7 +48,7 @@ from .entropy import (
 )
 
 if TYPE_CHECKING:
-    from .algorithms import Algorithm
+    from ..algorithms import Algorithm
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
 

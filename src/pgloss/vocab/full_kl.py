@@ -9,7 +9,7 @@ and its gradient with respect to the policy logits (the reference is frozen):
 
     ∂KL/∂zᵥ = (1/τ) · πᵥ · (log πᵥ - log ρᵥ - KL)
 
-The sampled-token estimators of `pgloss.kl` (k1, k2, k3) estimate this sum from one token;
+The sampled-token estimators of `pgloss.kl.estimators` (k1, k2, k3) estimate this sum from one token;
 here it is computed exactly, with no variance. verl's `kl_penalty="full"` raises
 NotImplementedError; no other framework computes it.
 
@@ -17,7 +17,7 @@ Memory: both functions walk the positions in chunks and keep only two floats per
 (the two log-normalisers) besides the inputs; the backward pass recomputes each chunk's
 softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: per chunk it
 forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads
-(the chunk helpers of `pgloss.entropy` and `pgloss.fused`), so memory beyond the inputs and
+(the chunk helpers of `pgloss.vocab.entropy` and `pgloss.vocab.fused`), so memory beyond the inputs and
 their gradients is two [chunk, V] buffers. Masked positions are the caller's to drop
 (`torch.where(mask, kl, 0)`); their logits need only be finite.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .batch import compute_dtype
+from ..core.batch import compute_dtype
 from .entropy import _blocks, _tempered, check_chunk_size, check_temperature
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]

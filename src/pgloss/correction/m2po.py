@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .batch import check_device, check_mask, check_tensor
-from .checks import check_cut, check_log_prob, check_number, check_valid_finite
+from ..core.batch import check_device, check_mask, check_tensor
+from ..core.checks import check_cut, check_log_prob, check_number, check_valid_finite
 from .token_masks import gather_values
 
 

@@ -62,7 +62,7 @@ class TokenBatch:
     Token tensors are `[B, T]` in the compute dtype (float32, or float64 for float64 input);
     `advantages` is `[B, T]` (a `[B]` input is broadcast over tokens) and `seq_advantages` keeps
     the `[B]` form when one was given. `scores` are the raw sequence rewards `[B]` (TOPR) and
-    `full_kl` the exact per-token KL `[B, T]` with its gradient (`pgloss.full_kl`).
+    `full_kl` the exact per-token KL `[B, T]` with its gradient (`pgloss.vocab.full_kl`).
     """
 
     log_prob: Tensor

@@ -15,7 +15,7 @@ so ∂/∂logits = (1/τ) ∂/∂z. The math runs in float32 (float64 stays floa
 tokens at a time: the forward pass keeps only the per-token lse, and the backward pass
 recomputes the softmax of each chunk from the saved logits, so no second [N, V] tensor
 (log-softmax, softmax or their gradients) is ever held besides the logits gradient itself.
-The per-chunk helpers are shared with the fused hidden-state path (`pgloss.fused`).
+The per-chunk helpers are shared with the fused hidden-state path (`pgloss.vocab.fused`).
 
 Temperature-scaled sampling and its log-probabilities: Ackley, Hinton & Sejnowski (1985);
 the entropy bonus in policy gradients: Williams & Peng (1991); Mnih et al., "Asynchronous
@@ -29,8 +29,8 @@ import math
 import torch
 from torch import Tensor
 
-from .batch import compute_dtype
-from .checks import check_number, check_values, is_integer
+from ..core.batch import compute_dtype
+from ..core.checks import check_number, check_values, is_integer
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 

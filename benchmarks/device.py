@@ -1,0 +1,94 @@
+"""The device side of every benchmark: `--device cpu|cuda`, a clean refusal without CUDA, the
+device's name for the report, peak memory above a baseline and the time of one call.
+
+On CUDA, memory is the caching allocator's `max_memory_allocated` and time is measured with CUDA
+events; on CPU, memory is the process's resident high-water mark (one variant per process) and time
+is wall-clock with `time.perf_counter` beside the process's CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where to run (cuda: peak memory from the caching allocator, time from CUDA events)")
+
+
+def resolve_device(name: str):
+    """torch.device(name), or exit with a one-line reason when CUDA is asked for and absent."""
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to this torch "
+                         f"({torch.__version__}, CUDA build: {torch.version.cuda is not None}); run with --device cpu")
+    return torch.device(name)
+
+
+def describe(device) -> str:
+    """The device in words, for the first line of a report."""
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def _rss_mib(field: str) -> float:
+    """VmRSS / VmHWM of this process in MiB (Linux); ru_maxrss as a fallback for the peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Memory:
+    """Peak memory above a baseline, on CPU (process RSS) or CUDA (the caching allocator)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.cuda = torch, device.type == "cuda"
+        self.baseline = 0.0
+
+    def set_baseline(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.baseline = self.torch.cuda.memory_allocated() / 2**20
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            self.baseline = _rss_mib("VmRSS")
+
+    def peak_above_baseline(self) -> float:
+        if self.cuda:
+            return self.torch.cuda.max_memory_allocated() / 2**20 - self.baseline
+        return _rss_mib("VmHWM") - self.baseline
+
+
+def timed(fn, device) -> tuple[float, float]:
+    """(seconds, CPU seconds of this process) of fn(): CUDA events on a GPU, perf_counter on CPU
+    (CPU time is the steadier figure on a shared machine; on a GPU it is the host's share)."""
+    import torch
+
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        cpu = time.process_time()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1000, time.process_time() - cpu
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
