@@ -9,7 +9,7 @@ layer and an LM head of V × H, each rank's parameters sharded by `fully_shard` 
 root); every rank holds N tokens. The step: forward, DAPO's loss (no KL term) under the step's all-reduced
 counts, backward (FSDP2's reduce-scatter included). The baseline is the rank's resident memory
 once the sharded model and its inputs exist; the peak is its high-water mark above that
-(`Memory` of benchmarks/fused.py). The fused path gathers the head (`pgloss.fused.full_head`
+(`Memory` of benchmarks/fused.py). The fused path gathers the head (`pgloss.vocab.fused.full_head`
 when it is sharded on its own; here it is in the root's group, unsharded during the step) and
 never holds the N × V logits; the materialised path holds the logits, their log-softmax and
 their gradient.

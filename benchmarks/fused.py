@@ -6,7 +6,7 @@ allocated; the peak reported is the high-water mark above that baseline.
 
 Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
   naive    logits = hidden @ weightᵀ materialised, log_softmax + gather, then the algorithm
-  fused    pgloss.fused.loss_from_hidden (chunked, logits recomputed in backward)
+  fused    pgloss.vocab.fused.loss_from_hidden (chunked, logits recomputed in backward)
   liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss)
   lce      torch.nn.functional.linear_cross_entropy (chunked, pgloss's chunk size) for log π, then
            the algorithm (no entropy: that metric is missing)

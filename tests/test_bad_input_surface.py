@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from pgloss.vocab.entropy import sum_pi_squared
+
 import pgloss
 from conftest import log_probs, make_batch
 from pgloss import estimators as est
@@ -40,10 +42,10 @@ def rollout_step(seed=0, rows=5, width=6):
 def test_sum_pi_squared_refuses_a_chunk_size_below_one(chunk_size, error, message):
     logits = torch.randn(3, 4, 5, dtype=F64)
     with pytest.raises(error, match=message):
-        est.sum_pi_squared(logits, chunk_size=chunk_size)
+        sum_pi_squared(logits, chunk_size=chunk_size)
     exact = logits.softmax(-1).square().sum(-1)
     for size in (1, 5, 12, 13, None):  # every chunking gives the exact sum, never uninitialised memory
-        torch.testing.assert_close(est.sum_pi_squared(logits, chunk_size=size), exact, rtol=1e-12, atol=0)
+        torch.testing.assert_close(sum_pi_squared(logits, chunk_size=size), exact, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("method", ["normalizer", "keep_mask", "step_weight_mean"])
@@ -251,8 +253,8 @@ def test_fipo_future_kl_stays_finite_at_the_lowest_float32_log_prob(clip_range):
      "threshold must be a real number or a 0-d floating tensor, got '1.0'"),
     (lambda d: top_entropy_mask(d["entropy"], d["mask"], torch.ones(2)), TypeError, "threshold must be a real number or a 0-d"),
     (lambda d: m2po_mask(d["old"], d["old"], d["mask"], "0.1"), TypeError, "cutoff must be a real number"),
-    (lambda d: est.sum_pi_squared(d["logits"], chunk_size=0), ValueError, "chunk_size must be >= 1, got 0"),
-    (lambda d: est.sum_pi_squared(d["logits"], temperature="1"), TypeError, "temperature must be a real number"),
+    (lambda d: sum_pi_squared(d["logits"], chunk_size=0), ValueError, "chunk_size must be >= 1, got 0"),
+    (lambda d: sum_pi_squared(d["logits"], temperature="1"), TypeError, "temperature must be a real number"),
     (lambda d: est.discounted_returns(d["entropy"], d["mask"], gamma="0.9"), TypeError, "gamma must be a real number"),
     (lambda d: est.passk_advantages(d["scores"], d["ids"], scale="no"), TypeError, "scale must be a bool, got 'no'"),
     (lambda d: est.optimal_token_baseline_advantages(d["entropy"], d["mask"], d["ids"], d["old"], d["entropy"],

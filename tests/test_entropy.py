@@ -38,7 +38,7 @@ def value_and_grads(fn, logits, w_lp, w_h):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Cache blocks of 2 rows (instead of ~2²² elements), so that chunks hold several blocks."""
-    monkeypatch.setattr(pgloss.entropy, "_BLOCK_ELEMENTS", 2 * V)
+    monkeypatch.setattr(pgloss.vocab.entropy, "_BLOCK_ELEMENTS", 2 * V)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -4,6 +4,8 @@ global statistics over two gloo ranks (`on_rank`, `check_ranks`: run by test_dis
 import pytest
 import torch
 
+from pgloss.vocab.entropy import sum_pi_squared
+
 import loops_part2 as loops
 from pgloss import estimators as est
 
@@ -161,7 +163,7 @@ def test_outputs_are_detached_and_keep_dtype():
      "convention"),
     (lambda s, i: est.remax_advantages(s[:, None], torch.ones(12, 1, dtype=torch.bool), s[:3]), ValueError,
      "baseline"),
-    (lambda s, i: est.sum_pi_squared(s[:, None], temperature=0.0), ValueError, "temperature"),
+    (lambda s, i: sum_pi_squared(s[:, None], temperature=0.0), ValueError, "temperature"),
     (lambda s, i: est.optimal_token_baseline_advantages(s[:, None], torch.ones(12, 1, dtype=torch.bool), i,
                                                         s[:, None], s[:3, None]), ValueError, "sum_pi_sq must have"),
 ])
@@ -216,14 +218,14 @@ def test_sum_pi_squared_is_exact():
     *_, logits = otb_inputs()
     for tau in (1.0, 0.7):
         expected = torch.softmax(logits / tau, -1).square().sum(-1)
-        torch.testing.assert_close(est.sum_pi_squared(logits, temperature=tau, chunk_size=7), expected,
+        torch.testing.assert_close(sum_pi_squared(logits, temperature=tau, chunk_size=7), expected,
                                    rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("zero_tail", [True, False])
 def test_optimal_token_baseline_matches_loop(zero_tail):
     rewards, mask, ids, old, logits = otb_inputs()
-    spp = est.sum_pi_squared(logits)
+    spp = sum_pi_squared(logits)
     adv, ret = est.optimal_token_baseline_advantages(rewards, mask, ids, old, spp, zero_tail=zero_tail)
     exp_adv, exp_ret = loops.optimal_token_baseline(rewards.tolist(), mask.tolist(), ids.tolist(), old.tolist(),
                                                     spp.tolist(), zero_tail=zero_tail)

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from pgloss.vocab.entropy import sum_pi_squared
+
 from pgloss import estimators as est
 
 pytest.importorskip("verl")
@@ -78,7 +80,7 @@ def test_optimal_token_baseline_matches_verl(with_weights):
     rewards = torch.randn(mask.shape, generator=gen, dtype=torch.float64) * mask
     logits = torch.randn(12, 6, 9, generator=gen, dtype=torch.float64)
     old = torch.log_softmax(logits, -1)[..., 3]
-    spp = est.sum_pi_squared(logits)
+    spp = sum_pi_squared(logits)
     weights = (0.8 + 0.4 * torch.rand(mask.shape, generator=gen, dtype=torch.float64)) if with_weights else None
     verl_adv, verl_ret = core_algos.compute_optimal_token_baseline_advantage(
         rewards, mask, np.array(ids.tolist()), old, spp, rollout_is_weights=weights)

@@ -6,7 +6,7 @@ backpropagates each micro-batch's loss; FSDP2 reduce-scatters (averages) the gra
 shards. The shard every rank holds must equal the matching rows of one call on the whole batch in
 one process, for every name of `pgloss.names()`, through the plain call on materialised logits and
 through `from_hidden`, with the LM head in the root's shard group (the unsharded parameter during the
-step) or sharded on its own (a DTensor, gathered once per call by `pgloss.fused.full_head`).
+step) or sharded on its own (a DTensor, gathered once per call by `pgloss.vocab.fused.full_head`).
 
 Clip-Cov and KL-Cov select their tokens within each call, so no split of the batch gives one call's
 loss: their reference is the same per-call selections in one process, summed under the step's counts.

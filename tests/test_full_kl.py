@@ -28,7 +28,7 @@ def make(seed=0, dtype=torch.float64):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(pgloss.entropy, "_BLOCK_ELEMENTS", 3 * V)
+    monkeypatch.setattr(pgloss.vocab.entropy, "_BLOCK_ELEMENTS", 3 * V)
 
 
 def test_one_position_matches_the_loop():

@@ -75,7 +75,7 @@ def leaves(inputs, hidden=True, weight=True):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Cache blocks of 3 rows, so that each 4-token chunk spans two blocks, the last one short."""
-    monkeypatch.setattr(pgloss.entropy, "_BLOCK_ELEMENTS", 3 * V)
+    monkeypatch.setattr(pgloss.vocab.entropy, "_BLOCK_ELEMENTS", 3 * V)
 
 
 # chunk_size 4 < T: token chunks, logits recomputed in backward; 11: two whole sequences per chunk,

@@ -27,8 +27,7 @@ from .estimators import (
     gpg_advantages,
     gdpo_advantages,
     passk_advantages,
-    sum_pi_squared,
     optimal_token_baseline_advantages,
 )
 
-__all__ = ["gae", "group_index", "group_advantages", "dynamic_sampling_keep", "overlong_penalty", "StdConvention", "STD_CONVENTIONS", "GDPO_EPS", "SCALES", "grpo_advantages", "batch_std", "rloo_advantages", "whiten", "discounted_returns", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "remax_advantages", "opo_advantages", "gpg_advantages", "gdpo_advantages", "passk_advantages", "sum_pi_squared", "optimal_token_baseline_advantages"]
+__all__ = ["gae", "group_index", "group_advantages", "dynamic_sampling_keep", "overlong_penalty", "StdConvention", "STD_CONVENTIONS", "GDPO_EPS", "SCALES", "grpo_advantages", "batch_std", "rloo_advantages", "whiten", "discounted_returns", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "remax_advantages", "opo_advantages", "gpg_advantages", "gdpo_advantages", "passk_advantages", "optimal_token_baseline_advantages"]

@@ -33,7 +33,6 @@ from torch import Tensor
 from .group import group_index
 from ..core.batch import check_device, check_mask, check_tensor
 from ..core.checks import check_flag, check_log_prob, check_number
-from ..vocab.entropy import check_chunk_size, check_temperature
 
 
 @dataclass(frozen=True)
@@ -352,22 +351,6 @@ def passk_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     return torch.where(is_best, adv[index], 0.0).to(scores.dtype)
 
 
-def sum_pi_squared(logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = 1024) -> Tensor:
-    """Σ_v π_v² per position of `[..., V]` logits at temperature τ, exactly:
-    exp(lse(2z) - 2·lse(z)) with z = logits/τ, by chunks of positions; detached, float32 (float64
-    stays float64), shape `logits.shape[:-1]`. `chunk_size` >= 1 positions (None: about 2²⁷ / V)."""
-    logits = check_tensor("logits", logits, ndim=tuple(range(1, 8)))
-    temperature = check_temperature(temperature)
-    chunk_size = check_chunk_size(chunk_size, logits.shape[-1])
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
-    for start in range(0, flat.shape[0], chunk_size):
-        z = flat[start:start + chunk_size].to(dtype) / temperature
-        out[start:start + chunk_size] = torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
-    return out.reshape(logits.shape[:-1])
-
-
 def optimal_token_baseline_advantages(
     token_rewards: Tensor,
     mask: Tensor,
@@ -386,7 +369,7 @@ def optimal_token_baseline_advantages(
 
     with G the undiscounted return-to-go and π_t = exp(old_log_prob). A group of one has B = 0.
     `zero_tail`: where a group's single longest response runs past the second longest, its baseline
-    is 0 there (no other trajectory estimates it). `sum_pi_sq` from `sum_pi_squared(logits)`."""
+    is 0 there (no other trajectory estimates it). `sum_pi_sq` from `pgloss.vocab.entropy.sum_pi_squared(logits)`."""
     eps, zero_tail = _positive("eps", eps), check_flag("zero_tail", zero_tail)
     returns = discounted_returns(token_rewards, mask, gamma=1.0).to(torch.float64)
     valid = check_mask(mask, returns.shape, returns.device, "token_rewards")

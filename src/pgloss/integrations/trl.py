@@ -357,7 +357,7 @@ class PGLossMixin:
         hidden = owner.base_model(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
         hidden = hidden[:, -length - 1:-1]  # the positions that predict the completion tokens
         weight = owner.get_output_embeddings().weight
-        weight = pgloss.fused.full_head(weight)  # FSDP2: the whole head, its gradient averaged back onto the shards
+        weight = pgloss.vocab.fused.full_head(weight)  # FSDP2: the whole head, its gradient averaged back onto the shards
         if self.args.cast_lm_head_to_fp32:
             hidden, weight = hidden.float(), weight.float()
         weight_ctx = maybe_gather_lm_head_ctx(weight) if isinstance(weight, torch.nn.Parameter) else nullcontext()

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..core.batch import compute_dtype
+from ..core.batch import check_tensor, compute_dtype
 from ..core.checks import check_number, check_values, is_integer
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
@@ -81,7 +81,7 @@ def check_targets(targets: Tensor, shape: torch.Size, vocab_size: int, valid: Te
 
 
 # ---------------------------------------------------------------------------------------
-# Per-chunk math, shared with pgloss.fused. `z` is an [n, V] buffer holding the tempered
+# Per-chunk math, shared with pgloss.vocab.fused. `z` is an [n, V] buffer holding the tempered
 # logits in the compute dtype (finite: callers clamp −inf). The math walks `z` in blocks of a
 # few rows so that its temporaries stay in cache: one pass over `z` in memory rather than one
 # per elementwise operation, and O(block · V) extra memory.
@@ -251,3 +251,19 @@ def log_prob_and_entropy(
         logits.reshape(-1, vocab), targets.reshape(-1).long(), temperature, chunk_size
     )
     return log_prob.view(lead), entropy.view(lead)
+
+
+def sum_pi_squared(logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = 1024) -> Tensor:
+    """Σ_v π_v² per position of `[..., V]` logits at temperature τ, exactly:
+    exp(lse(2z) - 2·lse(z)) with z = logits/τ, by chunks of positions; detached, float32 (float64
+    stays float64), shape `logits.shape[:-1]`. `chunk_size` >= 1 positions (None: about 2²⁷ / V)."""
+    logits = check_tensor("logits", logits, ndim=tuple(range(1, 8)))
+    temperature = check_temperature(temperature)
+    chunk_size = check_chunk_size(chunk_size, logits.shape[-1])
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        z = flat[start:start + chunk_size].to(dtype) / temperature
+        out[start:start + chunk_size] = torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+    return out.reshape(logits.shape[:-1])

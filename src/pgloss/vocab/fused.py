@@ -6,7 +6,7 @@ n are z_n = W x_n / τ, and chunk by chunk over the N = B·T tokens
     log π(y_n) = z_{n,y} − lse(z_n),        H_n = lse(z_n) − Σᵥ π_{n,v} z_{n,v}
 
 (`pgloss.vocab.entropy` holds the per-chunk math). With G = ∂L/∂logits of a chunk
-(`pgloss.entropy.chunk_grad_logits`),
+(`pgloss.vocab.entropy.chunk_grad_logits`),
 
     ∂L/∂x = G W,        ∂L/∂W = Σ_chunks Gᵀ x.
 
@@ -334,7 +334,7 @@ def loss_from_hidden(
             (float32, or float64 for float64 parameters).
         ref_hidden, ref_weight: [B, T, H'] and [V, H'], the reference model's final hidden states and
             LM head, for kl_estimator="full": the exact KL(π‖π_ref) per token is computed from them
-            chunk by chunk (`pgloss.full_kl.full_kl_from_hidden`) and passed as `full_kl`.
+            chunk by chunk (`pgloss.vocab.full_kl.full_kl_from_hidden`) and passed as `full_kl`.
         temperature: τ > 0, the sampling temperature.
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
