@@ -194,6 +194,16 @@ def test_algorithm_is_a_frozen_dataclass_with_paper_defaults():
     assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
     assert pgloss.get("grpo").kl_coef == 0.04 and pgloss.get("grpo").kl_estimator == "k3"
     assert pgloss.get("dual_clip_ppo").dual_clip == 3.0
-    assert not pgloss.get("dr_grpo", norm_constant=512).scale_rewards
+    assert not pgloss.recipe("dr_grpo").scale_rewards and pgloss.recipe("dapo").dynamic_sampling
+    assert pgloss.recipe("grpo") == pgloss.algorithms.Recipe(scale_rewards=True, dynamic_sampling=False)
     with pytest.raises(Exception):
         dapo.clip_high = 0.3
+
+
+def test_the_recipe_is_not_a_field_of_the_loss():
+    """Advantages and sampling belong to the trainer: get() refuses them and points at pgloss.recipe."""
+    with pytest.raises(TypeError, match=r"dynamic_sampling belongs to the advantages and sampling.*pgloss.recipe\('dapo'\)"):
+        pgloss.get("dapo", dynamic_sampling=False)
+    assert "scale_rewards" not in pgloss.get("dr_grpo", norm_constant=1.0).describe()
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
+        pgloss.recipe("nope")

@@ -47,7 +47,7 @@ def test_numbers_of_other_real_types_are_accepted_as_floats():
 
 
 @pytest.mark.parametrize("field, value, error, message", [
-    ("dynamic_sampling", 1, TypeError, "dynamic_sampling must be a bool, got 1"),
+    ("max_log_ratio", True, TypeError, "max_log_ratio must be a real number"),
     ("loss_agg_mode", None, TypeError, "loss_agg_mode must be a str, got None"),
     ("kl_estimator", 3, TypeError, "kl_estimator must be a str, got 3"),
     ("dual_clip", "3", TypeError, "dual_clip must be a real number or None"),

@@ -89,7 +89,7 @@ def test_bad_selection_is_named():
     alg = dataclasses.replace(algorithm("kl_cov"), selection=torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="selection must be a bool tensor of the call's shape"):
         alg(d["log_prob"], d["old_log_prob"], d["advantages"], d["mask"])
-    with pytest.raises(ValueError, match="one \\[B, T\\] tensor per micro-batch"):
+    with pytest.raises(ValueError, match="one tensor per micro-batch"):
         algorithm("kl_cov").step_selection([d["log_prob"]], [d["advantages"]] * 2, [d["mask"]])
 
 

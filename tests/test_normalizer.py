@@ -30,9 +30,9 @@ def test_aggregate_matches_loop(mode):
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ValueError, match="masks must hold one tensor per micro-batch"):
         pgloss.Normalizer.count([])
-    with pytest.raises(ValueError, match="group_ids has 1 tensors but masks has 2"):
+    with pytest.raises(ValueError, match=r"group_ids must hold one tensor per micro-batch \(2, as masks\), got 1"):
         pgloss.Normalizer.count([torch.ones(1, 2), torch.ones(1, 2)], group_ids=[torch.tensor([0])])
     with pytest.raises(ValueError, match="non-negative"):
         pgloss.Normalizer.count(torch.ones(2, 2), group_ids=torch.tensor([0, -1]))

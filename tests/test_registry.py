@@ -37,7 +37,7 @@ def test_register_adds_a_name_that_works_everywhere(registered):
     alg = pgloss.get("dapo_wide", clip_low=0.1)
     assert (alg.clip_low, alg.clip_high, alg.loss_agg_mode) == (0.1, 0.4, "token-mean")
     data = make_batch(seed=1)
-    reference = pgloss.get("dapo", clip_low=0.1, clip_high=0.4, dynamic_sampling=False)
+    reference = pgloss.get("dapo", clip_low=0.1, clip_high=0.4)
     args = (data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
     assert torch.equal(alg(*args).loss, reference(*args).loss)
 

@@ -14,7 +14,7 @@ from .core import checks
 from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
 from .core.checks import detect_anomaly
-from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, families, get, names, register
+from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, families, get, names, recipe, register
 from .vocab.entropy import log_prob_and_entropy
 from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
 from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
@@ -61,6 +61,7 @@ __all__ = [
     "log_prob_and_entropy_from_hidden",
     "loss_from_hidden",
     "names",
+    "recipe",
     "register",
     "rollout",
     "token_masks",

@@ -10,6 +10,7 @@ the defaults, the sources and where pgloss deliberately differs from them.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from .base import Algorithm
@@ -30,7 +31,7 @@ from .losses.reinforce import GPG, TISPG, TOPR
 from .losses.sapo import SAPO
 from .losses.vespo import VESPO
 
-__all__ = ["Algorithm", "LossOutput", "PolicyTerms", "NAMED", "SOURCES", "register", "names", "get", "families",
+__all__ = ["Algorithm", "LossOutput", "PolicyTerms", "NAMED", "SOURCES", "RECIPES", "Recipe", "recipe", "register", "names", "get", "families",
            "CEGPPO", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "KLCov", "LUSPO",
            "REAL", "SAPO", "TISPG", "TOPR", "VESPO"]
 
@@ -49,15 +50,13 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
                                                                          clip_low=3e-4, clip_high=4e-4)),
     ("gspo_token", ClippedPolicy, "arXiv 2507.18071 eq. 13; verl gspo", dict(loss_agg_mode=SEQ, ratio_level="sequence_token",
                                                                            clip_low=3e-4, clip_high=4e-4)),
-    ("dapo", ClippedPolicy, "Yu et al. 2025, arXiv 2503.14476", dict(loss_agg_mode=TOK, clip_low=0.2, clip_high=0.28,
-                                                                      dynamic_sampling=True)),
+    ("dapo", ClippedPolicy, "Yu et al. 2025, arXiv 2503.14476", dict(loss_agg_mode=TOK, clip_low=0.2, clip_high=0.28)),
     ("bnpo", ClippedPolicy, "TRL / ms-swift loss_type=bnpo", dict(loss_agg_mode=TOK)),
-    ("dr_grpo", ClippedPolicy, "Liu et al. 2025, arXiv 2503.20783", dict(loss_agg_mode="seq-mean-token-sum-norm",
-                                                                          scale_rewards=False)),
+    ("dr_grpo", ClippedPolicy, "Liu et al. 2025, arXiv 2503.20783", dict(loss_agg_mode="seq-mean-token-sum-norm")),
     ("cispo", CISPO, "MiniMax-M1, arXiv 2506.13585", dict(loss_agg_mode=TOK)),
     ("sapo", SAPO, "Gao et al. 2025, arXiv 2511.20347", dict(loss_agg_mode=SEQ)),
     ("fipo", FIPO, "Ma et al. 2026, arXiv 2603.19835; ms-swift fipo",
-     dict(loss_agg_mode=TOK, clip_low=0.2, clip_high=0.28, delta=10.0, dynamic_sampling=True,
+     dict(loss_agg_mode=TOK, clip_low=0.2, clip_high=0.28, delta=10.0,
           fipo_clip_high_only=True, fipo_safety_threshold=10.0)),
     ("gmpo", GMPO, "Zhao et al. 2025, arXiv 2507.20673; verl geo_mean (trainer/ppo/core_algos.py)", dict()),
     ("clip_cov", ClipCov, "Cui et al. 2025, arXiv 2505.22617; verl clip_cov (trainer/ppo/core_algos.py)", dict()),
@@ -75,6 +74,34 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
 ]
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What a name's paper does around its loss: how the trainer computes the advantages and samples
+    the groups. The loss never reads it; the lab follows it and the adapters report where the
+    trainer's own settings differ (the trainer computes its advantages)."""
+
+    scale_rewards: bool = True
+    """Whether the group advantages divide by the group std (`pgloss.advantages.group_advantages(scale=)`)."""
+    dynamic_sampling: bool = False
+    """Whether groups whose rewards are all equal are dropped (`pgloss.advantages.dynamic_sampling_keep`)."""
+
+
+RECIPES: dict[str, Recipe] = {}
+"""name -> its paper's advantage and sampling recipe (`Recipe()` unless the paper says otherwise)."""
+_PAPER_RECIPES = {
+    "dapo": Recipe(dynamic_sampling=True),  # arXiv 2503.14476 eq. 11
+    "fipo": Recipe(dynamic_sampling=True),  # FIPO trains on DAPO's recipe
+    "dr_grpo": Recipe(scale_rewards=False),  # arXiv 2503.20783: no std division
+}
+
+
+def recipe(name: str) -> Recipe:
+    """The advantage and sampling recipe of `name`'s paper (`Recipe`); ValueError for an unknown name."""
+    if name not in NAMED:
+        raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(NAMED)}")
+    return RECIPES[name]
+
+
 def _valid_fields(family: type[Algorithm]) -> set[str]:
     return {f.name for f in dataclasses.fields(family)} - {"name"}
 
@@ -83,18 +110,24 @@ def _check_hyperparameters(name: str, family: type[Algorithm], values: dict[str,
     unknown = sorted(set(values) - _valid_fields(family))
     if unknown:
         hints = "".join(field_hint(key) for key in unknown)
+        recipe_fields = sorted(set(unknown) & {f.name for f in dataclasses.fields(Recipe)})
+        if recipe_fields:
+            hints += (f" ({', '.join(recipe_fields)} belongs to the advantages and sampling, not the loss: "
+                      f"pgloss.recipe({name!r}), or register(..., recipe=pgloss.algorithms.Recipe(...)))")
         raise TypeError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}{hints}; "
                         f"valid: {', '.join(sorted(_valid_fields(family)))}")
 
 
-def register(name: str, family: type[Algorithm], *, source: str = "user-registered", **defaults: Any) -> None:
+def register(name: str, family: type[Algorithm], *, source: str = "user-registered", recipe: Recipe | None = None,
+             **defaults: Any) -> None:
     """Add `name`: `family` (an `Algorithm` subclass) with `defaults` over the family's own.
 
     Refuses a name already taken (ValueError, listing the taken names), a family that is not an
     `Algorithm` subclass (TypeError) and an unknown hyperparameter (TypeError naming it); values
     are checked when `get` builds the algorithm (a default may leave a required value to the
     caller, as Dr.GRPO's `norm_constant`). The name then works everywhere a built-in one does:
-    `get`, `names`, `pgloss list`, the lab and the adapters. `source` is shown by `pgloss list`.
+    `get`, `names`, `pgloss list`, the lab and the adapters. `source` is shown by `pgloss list`;
+    `recipe` (`Recipe`, default `Recipe()`) is what the lab does around the loss.
 
         pgloss.register("dapo_wide", pgloss.algorithms.ClippedPolicy, clip_high=0.4, loss_agg_mode="token-mean")
     """
@@ -106,13 +139,16 @@ def register(name: str, family: type[Algorithm], *, source: str = "user-register
         raise TypeError(f"family must be a subclass of pgloss.Algorithm, got {family!r}")
     if not isinstance(source, str):
         raise TypeError(f"source must be a string, got {type(source).__name__}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a pgloss.algorithms.Recipe or None, got {type(recipe).__name__}")
     _check_hyperparameters(name, family, defaults)
     NAMED[name] = (family, dict(defaults))
     SOURCES[name] = source
+    RECIPES[name] = recipe or Recipe()
 
 
 for _name, _family, _source, _defaults in _TABLE:
-    register(_name, _family, source=_source, **_defaults)
+    register(_name, _family, source=_source, recipe=_PAPER_RECIPES.get(_name), **_defaults)
 
 
 def names() -> list[str]:

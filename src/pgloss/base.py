@@ -83,10 +83,6 @@ class Algorithm:
     rollout_correction: RolloutCorrection | None = None
     """The rollout correction beside the loss (`pgloss.correction.rollout`): its weight multiplies the policy term (and
     the KL term when `weight_kl`) before the aggregation; its rejections enter the mask."""
-    scale_rewards: bool = True
-    """Whether the paper's group advantages divide by the group std (`advantages.group_advantages(scale=)`)."""
-    dynamic_sampling: bool = False
-    """Whether the paper drops groups whose rewards are all equal (`advantages.dynamic_sampling_keep`)."""
 
     couples_rows: ClassVar[bool] = False
     """True when ℓ of a row depends on other rows of the call (a token selection over the batch, a

@@ -57,9 +57,9 @@ def test_gradient_weights_at_ratio_one_are_the_closed_forms(name):
     lengths = torch.tensor([4, 9, 30, 12, 5, 5, 7, 40, 3, 3, 8, 8], dtype=torch.float64)
     got = length.gradient_weights(algorithm, rewards, lengths, group_size=4)
     ids = torch.arange(12) // 4
-    adv = pgloss.advantages.group_advantages(rewards, ids, scale=algorithm.scale_rewards).double()
+    adv = pgloss.advantages.group_advantages(rewards, ids, scale=pgloss.recipe(algorithm.name).scale_rewards).double()
     keep = torch.ones(12, dtype=torch.bool)
-    if algorithm.dynamic_sampling:  # DAPO drops the groups whose rewards are all equal
+    if pgloss.recipe(algorithm.name).dynamic_sampling:  # DAPO drops the groups whose rewards are all equal
         keep = pgloss.advantages.dynamic_sampling_keep(rewards, ids)
     n, n_tok = float(keep.sum()), float(lengths[keep].sum())
     expected = {"grpo": -adv / lengths, "gspo": -adv / lengths, "bnpo": -adv * n / n_tok, "dapo": -adv * n / n_tok,

@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .batch import per_micro_batch
 from .checks import check_values, host_reads, is_integer
+from .distributed import is_distributed
 
 AGG_MODES = (
     "token-mean",
@@ -45,12 +47,6 @@ AGG_MODES = (
 
 MAX_GROUPS = 1 << 20
 """Group ids index a dense float64 count array (8 MiB at this bound)."""
-
-
-def _as_list(value: Tensor | Sequence[Tensor] | None) -> list[Tensor] | None:
-    if value is None:
-        return None
-    return [value] if isinstance(value, Tensor) else list(value)
 
 
 @dataclass(frozen=True)
@@ -97,9 +93,7 @@ class Normalizer:
             process_group: the data-parallel group (None: the default group).
             reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
         """
-        mask_list = _as_list(masks)
-        if not mask_list:
-            raise ValueError("masks must hold at least one [B, T] mask")
+        mask_list = per_micro_batch("masks", masks)
         for k, mask in enumerate(mask_list):
             if not isinstance(mask, Tensor) or mask.ndim != 2:
                 raise ValueError(f"masks[{k}] must be a [B, T] tensor, got {getattr(mask, 'shape', type(mask))}")
@@ -109,14 +103,12 @@ class Normalizer:
             sum(length.sum() for length in lengths),
             sum((length > 0).sum() for length in lengths).to(torch.float64),
         ])
-        distributed = reduce and dist.is_available() and dist.is_initialized()
+        distributed = is_distributed(reduce)
         if distributed:
             dist.all_reduce(counts, group=process_group)
         group_tokens = None
         if group_ids is not None:
-            id_list = _as_list(group_ids)
-            if len(id_list) != len(mask_list):
-                raise ValueError(f"group_ids has {len(id_list)} tensors but masks has {len(mask_list)}")
+            id_list = per_micro_batch("group_ids", group_ids, len(mask_list))
             for k, (ids, length) in enumerate(zip(id_list, lengths)):
                 if not isinstance(ids, Tensor) or ids.shape != length.shape or not is_integer(ids):
                     raise ValueError(f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "

@@ -7,6 +7,8 @@ by zeros with `torch.where`, so they reach neither the loss nor the gradient.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 import torch
@@ -158,3 +160,13 @@ class TokenBatch:
             scores=scores,
             full_kl=token("full_kl", full_kl, is_log_prob=False),
         )
+
+
+def per_micro_batch(name: str, value: "Tensor | Sequence[Tensor]", count: int | None = None) -> list[Tensor]:
+    """The step's tensors as a list, one per micro-batch: a tensor is one micro-batch, a sequence holds
+    one per micro-batch. ValueError naming `name` when there is none, or not `count` (the masks')."""
+    values = [value] if isinstance(value, Tensor) else list(value)
+    if not values or (count is not None and len(values) != count):
+        raise ValueError(f"{name} must hold one tensor per micro-batch"
+                         + (f" ({count}, as masks), got {len(values)}" if count is not None else ", got none"))
+    return values

@@ -45,16 +45,6 @@ def masked_extremes(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
 
 
-def masked_max(values: Tensor, mask: Tensor) -> Tensor:
-    """Largest valid value, detached; NaN when nothing is valid."""
-    return masked_extremes(values, mask)[1]
-
-
-def masked_min(values: Tensor, mask: Tensor) -> Tensor:
-    """Smallest valid value, detached; NaN when nothing is valid."""
-    return masked_extremes(values, mask)[0]
-
-
 def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """ratio_mean / ratio_max / ratio_min of the ratio the loss used, and ppo_kl = mean(log π_old - log π_θ)."""
     count = mask.sum()

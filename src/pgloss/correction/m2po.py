@@ -29,13 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..core.batch import check_device, check_mask, check_tensor
+from ..core.batch import check_device, check_mask, check_tensor, per_micro_batch
 from ..core.checks import check_cut, check_log_prob, check_number, check_valid_finite
 from .token_masks import gather_values
-
-
-def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
-    return [value] if isinstance(value, Tensor) else list(value)
 
 
 def second_moment(behave_log_prob: Tensor, prox_log_prob: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -67,10 +63,9 @@ def m2po_cutoff(
     is initialized and `reduce`: a collective); 0-d float64, +inf when no token is valid."""
     if check_number("threshold", threshold) <= 0:
         raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
-    behaves, proxes, ms = _as_list(behave_log_probs), _as_list(prox_log_probs), _as_list(masks)
-    if not ms or not len(behaves) == len(proxes) == len(ms):
-        raise ValueError(f"behave_log_probs, prox_log_probs and masks must hold one tensor per micro-batch, "
-                         f"got {len(behaves)}, {len(proxes)}, {len(ms)}")
+    ms = per_micro_batch("masks", masks)
+    behaves = per_micro_batch("behave_log_probs", behave_log_probs, len(ms))
+    proxes = per_micro_batch("prox_log_probs", prox_log_probs, len(ms))
     values = []
     for k, (behave, prox, mask) in enumerate(zip(behaves, proxes, ms)):
         m2 = second_moment(behave, prox, mask)

@@ -57,7 +57,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core.aggregate import Normalizer
-from ..core.batch import check_device, check_mask, check_tensor, compute_dtype
+from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
+from ..core.distributed import is_distributed
 from ..core.checks import check_log_prob, check_number
 from ..core.metrics import masked_extremes, masked_fraction, masked_mean
 
@@ -276,7 +277,7 @@ class RolloutCorrection:
             else:
                 rows = mask.any(dim=-1)
                 totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
-        if reduce and dist.is_available() and dist.is_initialized():
+        if is_distributed(reduce):
             dist.all_reduce(totals, group=process_group)
         return totals[0] / totals[1].clamp(min=1)
 
@@ -358,10 +359,6 @@ class RolloutCorrection:
         return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics)
 
 
-def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
-    return [value] if isinstance(value, Tensor) else list(value)
-
-
 def _micro_batches(masks: Tensor | Sequence[Tensor], old_log_probs: Tensor | Sequence[Tensor],
                    rollout_log_probs: Tensor | Sequence[Tensor], *,
                    names: tuple[str, str, str] = ("masks", "old_log_probs", "rollout_log_probs"),
@@ -369,11 +366,10 @@ def _micro_batches(masks: Tensor | Sequence[Tensor], old_log_probs: Tensor | Seq
     """(bool mask, old, rollout) per micro-batch, checked as a loss call checks them: one tensor of
     each per micro-batch, floating `[B, T]` log-probs of the mask's shape and device, at most 0 at
     valid positions (a value check)."""
-    masks, olds, rollouts = _as_list(masks), _as_list(old_log_probs), _as_list(rollout_log_probs)
-    if not masks or not len(masks) == len(olds) == len(rollouts):
-        raise ValueError(f"{', '.join(names[:2])} and {names[2]} must hold one tensor per micro-batch, "
-                         f"got {len(masks)}, {len(olds)}, {len(rollouts)}")
     mask_name, old_name, rollout_name = names
+    masks = per_micro_batch(mask_name, masks)
+    olds = per_micro_batch(old_name, old_log_probs, len(masks))
+    rollouts = per_micro_batch(rollout_name, rollout_log_probs, len(masks))
     out = []
     for k, (mask, old, rollout) in enumerate(zip(masks, olds, rollouts)):
         at = "" if len(masks) == 1 else f"[{k}]"

@@ -27,12 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..core.batch import check_mask, check_tensor
+from ..core.batch import check_mask, check_tensor, per_micro_batch
+from ..core.distributed import is_distributed
 from ..core.checks import check_cut, check_number, check_valid_finite
-
-
-def _as_list(value: Tensor | Sequence[Tensor]) -> list[Tensor]:
-    return [value] if isinstance(value, Tensor) else list(value)
 
 
 def entropy_threshold(
@@ -48,9 +45,8 @@ def entropy_threshold(
     0-d float64 tensor; -inf when no token is valid (then the mask keeps nothing anyway)."""
     if not 0 < check_number("top", top) <= 1:
         raise ValueError(f"top must be a share in (0, 1], got {top!r}")
-    ents, ms = _as_list(entropies), _as_list(masks)
-    if not ents or len(ents) != len(ms):
-        raise ValueError(f"entropies and masks must hold one tensor per micro-batch, got {len(ents)} and {len(ms)}")
+    ms = per_micro_batch("masks", masks)
+    ents = per_micro_batch("entropies", entropies, len(ms))
     values = []
     for k, (ent, mask) in enumerate(zip(ents, ms)):
         ent = check_tensor(f"entropies[{k}]", ent, ndim=(2,))
@@ -67,7 +63,7 @@ def entropy_threshold(
 def gather_values(local: Tensor, *, process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> Tensor:
     """The 1-d `local` values of every rank, concatenated in rank order (uneven lengths: padded for
     the all-gather, then cut); `local` itself outside torch.distributed or with `reduce=False`."""
-    if not (reduce and dist.is_available() and dist.is_initialized()):
+    if not is_distributed(reduce):
         return local
     world = dist.get_world_size(process_group)
     size = torch.tensor([local.numel()], device=local.device)

@@ -121,9 +121,12 @@ def gradient_weights(algorithm, rewards: torch.Tensor, lengths: torch.Tensor, gr
     from ..advantages.group import dynamic_sampling_keep, group_advantages
     from ..diagnostics.inspect import token_gradients
 
+    from ..algorithms import recipe
+
     group_ids = torch.arange(len(rewards)) // group_size
-    advantages = group_advantages(rewards, group_ids, scale=algorithm.scale_rewards).to(torch.float64)
-    keep = dynamic_sampling_keep(rewards, group_ids) if algorithm.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
+    paper = recipe(algorithm.name)
+    advantages = group_advantages(rewards, group_ids, scale=paper.scale_rewards).to(torch.float64)
+    keep = dynamic_sampling_keep(rewards, group_ids) if paper.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
     weights = torch.full((len(rewards),), math.nan, dtype=torch.float64)
     if not bool(keep.any()):
         return weights

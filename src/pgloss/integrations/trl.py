@@ -131,11 +131,12 @@ class PGLossMixin:
                          "use_bias_correction_kl=True (its default) would multiply k3 by the importance ratio "
                          "(kl_correction='ratio_weighted').", algorithm.name, algorithm.kl_estimator, algorithm.kl_coef,
                          algorithm.kl_correction)
-        if algorithm.scale_rewards != (config.scale_rewards != "none"):
+        paper = pgloss.recipe(algorithm.name) if algorithm.name in pgloss.names() else pgloss.algorithms.Recipe()
+        if paper.scale_rewards != (config.scale_rewards != "none"):
             _log.warning("%s's paper %s the group advantages by their std; TRL's scale_rewards=%r is kept.",
-                         algorithm.name, "divides" if algorithm.scale_rewards else "does not divide",
+                         algorithm.name, "divides" if paper.scale_rewards else "does not divide",
                          config.scale_rewards)
-        if algorithm.dynamic_sampling:
+        if paper.dynamic_sampling:
             _log.warning("%s's paper drops groups whose rewards are all equal (dynamic sampling); TRL has no such "
                          "option, so every group is kept.", algorithm.name)
         if len(args) > 2:

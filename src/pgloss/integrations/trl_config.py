@@ -15,7 +15,7 @@ TRL 1.16 (`trl/trainer/grpo_trainer.py`, `_compute_loss` and `_generate_and_scor
 | `beta` | `kl_coef`, `kl_estimator="k3"` | `use_bias_correction_kl`: `kl_correction="ratio_weighted"` |
 | `entropy_coef` | `entropy_coef` | pgloss aggregates H like the loss (docs/reference.md) |
 | `max_completion_length` | `generation_budget` | Dr.GRPO's divisor |
-| `scale_rewards` | `scale_rewards` (a record: TRL computes the advantages) | |
+| `scale_rewards` | none: TRL computes the advantages | the adapter warns where it differs from the paper's `pgloss.recipe(name)` |
 | vLLM `vllm_importance_sampling_*` | `RolloutCorrection(weight_level, weight_mode, lower, upper)` | token/sequence × truncate/mask |
 | `off_policy_mask_threshold` | `RolloutCorrection(off_policy_mask=)` | |
 | `top_entropy_quantile` | `pgloss.correction.token_masks` on the mask | not an Algorithm field: the adapter applies it |
@@ -204,8 +204,7 @@ def from_trl(config: Any, *, entropy_mask_applied: bool = False) -> Algorithm:
                         "use_bias_correction_kl=False")
     if problems:
         raise ValueError("pgloss cannot express these TRL options: " + "; ".join(problems))
-    fields |= dict(entropy_coef=config.entropy_coef, scale_rewards=config.scale_rewards != "none",
-                   dynamic_sampling=False)
+    fields |= dict(entropy_coef=config.entropy_coef)
     if not NAMED[name][0].consumes_rollout_log_prob:
         fields["rollout_correction"] = rollout_correction(config)
     elif config.off_policy_mask_threshold is not None:

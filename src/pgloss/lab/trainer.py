@@ -178,7 +178,7 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
         rollout_log_prob = response_log_probs(sampler, rollout, temperature=temperature)[0]
     elif algorithm.rollout_correction is not None:  # the sampler is the policy: weight 1, no mismatch
         rollout_log_prob = old_log_prob
-    advantages = group_advantages(rewards, rollout.group_ids, scale=algorithm.scale_rewards)
+    advantages = group_advantages(rewards, rollout.group_ids, scale=pgloss.recipe(algorithm.name).scale_rewards)
     batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards, rollout_log_prob)
     mask = rollout.mask.float()
     tokens = mask.sum()
@@ -360,7 +360,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         n_groups = cfg.prompts_per_step
         stats |= {"sampled_groups": torch.tensor(float(n_groups)), "groups": torch.tensor(float(n_groups)),
                   "kept": torch.tensor(1.0)}
-        if algorithm.dynamic_sampling:
+        if pgloss.recipe(algorithm.name).dynamic_sampling:
             def draw(round_: int) -> Batch:
                 fresh = [task.sample(refill_rng) for _ in range(cfg.prompts_per_step)][rank::world]
                 return collect(policy, reference, algorithm, fresh, tokenizer, cfg, generator, rank, world, sampler,

@@ -51,7 +51,8 @@ from torch import Tensor
 
 from ..base import Algorithm
 from ..core.output import PolicyTerms, check
-from ..core.batch import TokenBatch, check_mask, check_tensor
+from ..core.batch import TokenBatch, check_mask, check_tensor, per_micro_batch
+from ..core.distributed import is_distributed
 from ..core.metrics import clip_metrics, masked_mean, ratio_metrics
 from ..core.ratios import importance_ratio, log_ratio
 from ..correction.token_masks import gather_values
@@ -186,18 +187,6 @@ def kl_cov_loss(
     return torch.where(top, surrogate + kl_coef * token_log_ratio.abs(), surrogate), top
 
 
-def _as_list(name: str, value: Tensor | Sequence[Tensor], count: int | None = None) -> list[Tensor]:
-    values = [value] if isinstance(value, Tensor) else list(value)
-    if not values or (count is not None and len(values) != count):
-        raise ValueError(f"{name} must hold one [B, T] tensor per micro-batch"
-                         + (f" ({count}, as masks), got {len(values)}" if count is not None else ", got none"))
-    return values
-
-
-def _distributed(reduce: bool) -> bool:
-    return reduce and dist.is_available() and dist.is_initialized()
-
-
 class _StepTokens:
     """The valid tokens of a step's micro-batches on this rank, in order (micro-batch, then row-major),
     and where this rank's tokens sit among every rank's (rank order)."""
@@ -208,7 +197,7 @@ class _StepTokens:
         self.count = sum(len(i) for i in self.index)
         device = masks[0].device
         sizes = gather_values(torch.tensor([self.count], device=device), process_group=process_group, reduce=reduce)
-        rank = dist.get_rank(process_group) if _distributed(reduce) else 0
+        rank = dist.get_rank(process_group) if is_distributed(reduce) else 0
         self.offset = int(sizes[:rank].sum())
         self.total = int(sizes.sum())
 
@@ -244,9 +233,9 @@ def step_covariance(
     """cov_t = (A_t - mean A)(log π_t - mean log π) with the means over the step's valid tokens (every
     micro-batch, and every rank when torch.distributed is initialized and `reduce`: a collective);
     one detached `[B, T]` tensor per micro-batch. `advantages` `[B]` or `[B, T]` per micro-batch."""
-    ms = [check_mask(m, m.shape, m.device) for m in _as_list("masks", masks)]
-    lps = [check_tensor("log_probs", lp, ndim=(2,)).detach() for lp in _as_list("log_probs", log_probs, len(ms))]
-    advs = [check_tensor("advantages", a, ndim=(1, 2)).detach() for a in _as_list("advantages", advantages, len(ms))]
+    ms = [check_mask(m, m.shape, m.device) for m in per_micro_batch("masks", masks)]
+    lps = [check_tensor("log_probs", lp, ndim=(2,)).detach() for lp in per_micro_batch("log_probs", log_probs, len(ms))]
+    advs = [check_tensor("advantages", a, ndim=(1, 2)).detach() for a in per_micro_batch("advantages", advantages, len(ms))]
     advs = [a[:, None].expand_as(m) if a.ndim == 1 else a for a, m in zip(advs, ms)]
     for k, (lp, a, m) in enumerate(zip(lps, advs, ms)):
         if lp.shape != m.shape or a.shape != m.shape:
@@ -256,7 +245,7 @@ def step_covariance(
     sums = torch.stack([sum(torch.where(m, a, 0.0).sum() for a, m in zip(advs, ms)),
                         sum(torch.where(m, lp, 0.0).sum() for lp, m in zip(lps, ms)),
                         sum(m.sum() for m in ms)]).to(torch.float64)
-    if _distributed(reduce):
+    if is_distributed(reduce):
         dist.all_reduce(sums, group=process_group)
     count = sums[2].clamp(min=1)
     mean_a, mean_lp = (sums[0] / count).to(dtype), (sums[1] / count).to(dtype)
@@ -332,10 +321,10 @@ class ClipCov(Algorithm):
         the old log-probs on an on-policy step); `old_log_probs` as in the call.
         """
         covs = step_covariance(log_probs, advantages, masks, process_group=process_group, reduce=reduce)
-        ms = [check_mask(m, m.shape, m.device) for m in _as_list("masks", masks)]
-        olds = _as_list("old_log_probs", old_log_probs, len(ms))
-        lps = _as_list("log_probs", log_probs, len(ms))
-        advs = [a[:, None].expand_as(m) if a.ndim == 1 else a for a, m in zip(_as_list("advantages", advantages), ms)]
+        ms = [check_mask(m, m.shape, m.device) for m in per_micro_batch("masks", masks)]
+        olds = per_micro_batch("old_log_probs", old_log_probs, len(ms))
+        lps = per_micro_batch("log_probs", log_probs, len(ms))
+        advs = [a[:, None].expand_as(m) if a.ndim == 1 else a for a, m in zip(per_micro_batch("advantages", advantages), ms)]
         candidates = []
         for cov, lp, old, adv, m in zip(covs, lps, olds, advs, ms):
             ratio = importance_ratio(lp.detach().to(cov.dtype), old.detach().to(cov.dtype), m, level="token",
@@ -345,13 +334,13 @@ class ClipCov(Algorithm):
             candidates.append(_clip_cov_candidates(cov, by_clip, m, cov_lb=self.clip_cov_lb, cov_ub=self.clip_cov_ub))
         tokens = _StepTokens(candidates, process_group=process_group, reduce=reduce)
         valid = torch.tensor(float(sum(int(m.sum()) for m in ms)), dtype=torch.float64, device=ms[0].device)
-        if _distributed(reduce):
+        if is_distributed(reduce):
             dist.all_reduce(valid, group=process_group)
         k = max(int(self.clip_cov_ratio * int(valid)), 1)
         # every rank draws the keys of every rank's positions (the same generator state), and keeps its own
         sizes = gather_values(torch.tensor([sum(m.numel() for m in ms)], device=ms[0].device),
                               process_group=process_group, reduce=reduce)
-        rank = dist.get_rank(process_group) if _distributed(reduce) else 0
+        rank = dist.get_rank(process_group) if is_distributed(reduce) else 0
         keys = draw_keys((int(sizes.sum()),), ms[0].device, self.generator)[int(sizes[:rank].sum()):]
         parts = list(keys[:int(sizes[rank])].split([m.numel() for m in ms]))
         values = gather_values(tokens.values([part.view(m.shape) for part, m in zip(parts, ms)]),
@@ -423,7 +412,7 @@ class KLCov(Algorithm):
         torch.distributed: a collective). Pass each part to its call: `dataclasses.replace(algorithm,
         selection=part)`. `log_probs`: as for `ClipCov.step_selection`.
         """
-        ms = [check_mask(m, m.shape, m.device) for m in _as_list("masks", masks)]
+        ms = [check_mask(m, m.shape, m.device) for m in per_micro_batch("masks", masks)]
         covs = step_covariance(log_probs, advantages, ms, process_group=process_group, reduce=reduce)
         tokens = _StepTokens(ms, process_group=process_group, reduce=reduce)
         values = gather_values(tokens.values(covs), process_group=process_group, reduce=reduce)
