@@ -7,7 +7,8 @@ import torch
 from conftest import algorithm, log_probs, make_batch
 
 import pgloss
-from pgloss.diagnostics.inspect import clip_factor, inspect, token_gradients
+from pgloss.diagnostics.inspect import inspect, token_gradients
+from pgloss.losses.ppo import clip_factor
 
 # The families with a closed form today; an algorithm added later may have none (closed_form None).
 CLOSED = ("ppo", "dual_clip_ppo", "grpo", "sample_grpo", "gspo", "gspo_token", "dapo", "bnpo", "dr_grpo", "cispo",

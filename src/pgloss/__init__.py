@@ -14,7 +14,10 @@ from .core import checks
 from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
 from .core.checks import detect_anomaly
-from .algorithms import CISPO, FIPO, SAPO, Algorithm, ClippedPolicy, LossOutput, families, get, names, recipe, register
+from .algorithms import (
+    CEGPPO, CISPO, DPPO, DRO, FIPO, GMPO, GPG, LUSPO, REAL, SAPO, TISPG, TOPR, VESPO,  # the families: losses/<family>.py
+    Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
+)
 from .vocab.entropy import log_prob_and_entropy
 from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
 from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
@@ -29,37 +32,49 @@ except PackageNotFoundError:  # a source tree that was not installed
     __version__ = "0+unknown"
 
 __all__ = [
-    "AGG_MODES",
-    "KL_ESTIMATORS",
     "AdaptiveKLController",
+    "AGG_MODES",
     "Algorithm",
+    "CEGPPO",
     "CISPO",
+    "ClipCov",
     "ClippedPolicy",
+    "DPPO",
+    "DRO",
     "FIPO",
     "FixedKLController",
+    "GMPO",
+    "GPG",
+    "KL_ESTIMATORS",
+    "KLCov",
     "LossOutput",
+    "LUSPO",
     "Normalizer",
+    "REAL",
     "Rejection",
     "RolloutCorrection",
     "SAPO",
+    "TISPG",
+    "TOPR",
+    "VESPO",
     "advantages",
-    "estimators",
+    "aggregate",
     "checks",
     "detect_anomaly",
-    "aggregate",
+    "estimators",
     "families",
-    "full_kl_from_hidden",
-    "full_kl_from_logits",
     "from_trl",
     "from_verl",
+    "full_kl_from_hidden",
+    "full_kl_from_logits",
     "get",
     "kl",
-    "m2po",
     "kl_estimate",
     "kl_penalized_rewards",
     "log_prob_and_entropy",
     "log_prob_and_entropy_from_hidden",
     "loss_from_hidden",
+    "m2po",
     "names",
     "recipe",
     "register",

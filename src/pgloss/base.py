@@ -27,7 +27,7 @@ from .core.batch import TokenBatch
 from .core.checks import check_fields
 from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 from .core.metrics import masked_mean
-from .correction.rollout import RolloutCorrection
+from .correction.rollout import Corrected, RolloutCorrection
 from .core.output import LossOutput, PolicyTerms, check
 from .core.trainer_names import value_hint
 
@@ -205,6 +205,24 @@ class Algorithm:
             raise ValueError(f"{self.name} has a rollout correction that needs rollout_log_probs to count the step")
         return Normalizer.count(masks, group_ids=groups, process_group=process_group, reduce=reduce)
 
+    def corrected(self, batch: TokenBatch, normalizer: Normalizer | None) -> tuple[TokenBatch, Normalizer, Corrected | None]:
+        """The prelude of a call, shared with `pgloss.diagnostics.inspect`: the step's counts (this batch
+        counted as the whole step by `step_normalizer` when `normalizer` is None) and the rollout
+        correction (`correction`) applied, its corrected old log-probs and rejections in the batch.
+        Returns (batch, normalizer, the correction's output or None)."""
+        if normalizer is None:  # this batch is the whole step: counted once, by the step's own rule
+            normalizer = self.step_normalizer(batch.mask, old_log_probs=batch.old_log_prob,
+                                              rollout_log_probs=batch.rollout_log_prob, group_ids=batch.group_ids,
+                                              reduce=False)
+        correction = self.correction(batch.rollout_log_prob is not None)
+        if correction is None:
+            return batch, normalizer, None
+        corrected = correction.apply(
+            log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
+            mask=batch.mask, seq_advantages=_seq_advantages(batch), weight_mean=getattr(normalizer, "weight_mean", None))
+        batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
+        return batch, normalizer, corrected
+
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         """The per-token policy term ℓ_{i,t} (zero at masked positions is not required) and its metrics."""
         raise NotImplementedError
@@ -246,17 +264,8 @@ class Algorithm:
             ref_log_prob=ref_log_prob, entropy=entropy, rollout_log_prob=rollout_log_prob, group_ids=group_ids,
             scores=scores, full_kl=full_kl,
         )
-        if normalizer is None:  # this batch is the whole step: counted once, by the step's own rule
-            normalizer = self.step_normalizer(batch.mask, old_log_probs=batch.old_log_prob,
-                                              rollout_log_probs=batch.rollout_log_prob, group_ids=batch.group_ids,
-                                              reduce=False)
-        corrected, correction = None, self.correction(batch.rollout_log_prob is not None)
-        if correction is not None:
-            corrected = correction.apply(
-                log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
-                mask=batch.mask, seq_advantages=_seq_advantages(batch),
-                weight_mean=getattr(normalizer, "weight_mean", None))
-            batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
+        batch, normalizer, corrected = self.corrected(batch, normalizer)
+        correction = self.correction(batch.rollout_log_prob is not None)
         mask = batch.mask
         terms = self.policy_terms(batch)
         per_token = terms.per_token

@@ -54,12 +54,11 @@ import torch
 from torch import Tensor
 
 from ..core.aggregate import Normalizer, token_weights
-from ..base import Algorithm, _seq_advantages
+from ..base import Algorithm
 from ..core.batch import TokenBatch
 from ..losses.closed_form import GradientFactor
-from ..losses.ppo import clip_factor
 
-__all__ = ["TokenGradients", "clip_factor", "inspect", "token_gradients"]
+__all__ = ["TokenGradients", "inspect", "token_gradients"]
 
 
 @dataclass(frozen=True)
@@ -125,19 +124,8 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
         rewind()
         batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask,
                                    rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores)
-        if normalizer is None:  # the batch is the whole step, counted by the algorithm's own rule
-            normalizer = algorithm.step_normalizer(batch.mask, old_log_probs=batch.old_log_prob,
-                                                   rollout_log_probs=batch.rollout_log_prob,
-                                                   group_ids=batch.group_ids, reduce=False)
-        tis = None
-        correction = algorithm.correction(batch.rollout_log_prob is not None)
-        if correction is not None:  # the call's own rollout correction: its weight, mask and old log-probs
-            corrected = correction.apply(
-                log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
-                mask=batch.mask, seq_advantages=_seq_advantages(batch),
-                weight_mean=getattr(normalizer, "weight_mean", None))
-            batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
-            tis = corrected.weight
+        batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
+        tis = None if corrected is None else corrected.weight
         weight = token_weights(batch.mask, algorithm.loss_agg_mode, normalizer, norm_constant=algorithm.norm_constant,
                                group_ids=batch.group_ids).to(batch.log_prob.dtype) * normalizer.world_size
         closed = _closed_form(algorithm, batch)

@@ -31,8 +31,6 @@ https://arxiv.org/abs/2411.09009).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -46,9 +44,6 @@ from .entropy import (
     chunk_grad_logits,
     chunk_log_prob_entropy,
 )
-
-if TYPE_CHECKING:
-    from ..algorithms import Algorithm
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
 
@@ -292,7 +287,7 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
 
 
 def loss_from_hidden(
-    algorithm: Algorithm,
+    algorithm: "pgloss.Algorithm",  # handed in by Algorithm.from_hidden: vocab/ sits below base.py
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
