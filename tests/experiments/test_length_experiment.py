@@ -14,7 +14,7 @@ from pgloss.experiments import length
 from pgloss.experiments.length_report import CLAIMS, Claim, interval, run_mean, verdict, write_report
 from pgloss.diagnostics.grads import gradient_table, load_batch
 from pgloss.lab.tasks import demonstration, make_task, reward
-from pgloss.lab.trace import TraceTask
+from pgloss.lab.tasks import TraceTask
 
 
 def test_trace_task_leaves_length_free():

@@ -49,7 +49,7 @@ def test_build_applies_the_settings_and_gives_sum_norm_the_response_budget():
 def test_a_typo_names_the_valid_hyperparameters():
     with pytest.raises(TypeError, match=r"dapo:clip_hihg=0.3: .*clip_hihg.*clip_high"):
         parse_spec("dapo:clip_hihg=0.3").build(24)
-    with pytest.raises(TypeError, match="clip_high takes float, got 'wide'"):
+    with pytest.raises(TypeError, match="clip_high must be a real number, got 'wide'"):
         parse_spec("dapo:clip_high=wide").build(24)
     with pytest.raises(ValueError, match="unknown algorithm 'grop'"):
         parse_spec("grop").build(24)

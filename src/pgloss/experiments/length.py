@@ -11,7 +11,7 @@ Published claims under test (docs/experiments.md states each with its prediction
   (and right ones shorter) than under a constant divisor (``dr_grpo``).
 
 Design: the lab's ``trace`` task (a times table answered after a free-length trace of digits,
-lab/trace.py), a warm start per seed shared by every algorithm of that seed, then RL with each
+lab/tasks.py), a warm start per seed shared by every algorithm of that seed, then RL with each
 algorithm from it. Each step records, besides the lab's diagnostics, the mean length of right and
 of wrong responses, the repetition of the traces (rep-4, the share of repeated 4-grams) and the
 gradient weight g = ∂L/∂log π per token (`pgloss.diagnostics.inspect`) by response length and advantage

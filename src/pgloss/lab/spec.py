@@ -44,16 +44,8 @@ class Spec:
         aggregation (Dr.GRPO) without a given ``norm_constant`` divides by the response budget,
         `max_new_tokens`. Raises ValueError/TypeError like ``pgloss.get``."""
         import pgloss
-        from ..algorithms import NAMED
 
-        kwargs = {**dict(self.args), **fixed}
-        if self.name in NAMED:
-            family = NAMED[self.name][0]
-            fields = {f.name: f for f in dataclasses.fields(family)}
-            for key, value in kwargs.items():
-                if key in fields:
-                    kind = fields[key].type
-                    _check_type(self.label, key, value, kind if isinstance(kind, str) else kind.__name__)
+        kwargs = {**dict(self.args), **fixed}  # checked by the family's own check_fields, named with the label
         if rollout_correction is not None:
             kwargs["rollout_correction"] = rollout_correction
         try:
@@ -86,21 +78,6 @@ def _value(text: str) -> Any:
     except (ValueError, SyntaxError):
         return text
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else text
-
-
-def _check_type(label: str, key: str, value: Any, annotation: str) -> None:
-    """Refuse a value of the wrong kind for a hyperparameter annotated `annotation` (e.g. ``float | None``)."""
-    kinds = {part.strip() for part in annotation.split("|")}
-    if value is None:
-        ok = "None" in kinds
-    elif isinstance(value, bool):
-        ok = "bool" in kinds
-    elif isinstance(value, (int, float)):
-        ok = bool(kinds & {"float", "int"})
-    else:
-        ok = "str" in kinds
-    if not ok:
-        raise TypeError(f"{label}: {key} takes {annotation}, got {value!r}")
 
 
 def parse_setting(text: str, where: str) -> tuple[str, Any]:

@@ -11,6 +11,8 @@ scratchpad itself is not graded, so whether to write it (and how long) is the po
   The times table can be memorised, so here the short answer can be as good as the long one.
 - ``chain``: digits joined by ``+`` and ``*``, left to right modulo 10. ``3+5*2+7=`` -> ``8,6,3|3``.
   The order matters, so a direct answer is hard and the scratchpad pays.
+- ``trace``: a digit times a digit after a free-length trace that the reward ignores (`TraceTask`):
+  whatever length the policy settles on comes from the loss, not from the task.
 
 The warm start shows both forms (with and without scratchpad), so RL starts from a policy
 that can write either and learns which one pays.
@@ -114,7 +116,40 @@ class ChainTask:
         return 2 * (self.max_terms - 1) - 1 + 2
 
 
-from .trace import TraceTask  # noqa: E402  (free-length traces; imports Problem lazily)
+class TraceTask:
+    """A task where the response's length is the policy's choice: a free trace, then the answer.
+
+    ``trace``: a digit times a digit, ``7*4=`` -> ``<trace>|28``. Before the bar the policy may write
+    a trace of any length (digits and commas, up to the response budget); the reward reads only
+    the text after the last bar, so a trace neither earns nor costs reward by itself. The times
+    table can be answered directly, so no trace length is needed for the answer: whatever length
+    the policy settles on comes from the loss, not from the task.
+
+    The warm start shows the bare answer (``|28``) or a trace of uniformly random length
+    ``1..max_trace_items`` items of random digits (``5,0,9|28``), so RL starts from a policy that
+    writes short and long traces alike. A problem carries its demonstration trace in ``steps``
+    (the field the other tasks use for their scratchpad), so the lab's ``demonstration`` applies
+    unchanged; the trace does not enter the reward.
+    """
+
+    name = "trace"
+    max_terms = 2  # the prompt's operands (the trainer sizes the prompt from this)
+
+    def __init__(self, max_trace_items: int = 16) -> None:
+        if not isinstance(max_trace_items, int) or max_trace_items < 1:
+            raise ValueError(f"max_trace_items: need an int >= 1, got {max_trace_items!r}")
+        self.max_trace_items = max_trace_items
+
+    def sample(self, rng: random.Random) -> Problem:
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        trace = tuple(str(rng.randrange(10)) for _ in range(rng.randint(1, self.max_trace_items)))
+        return Problem(f"{a}*{b}=", str(a * b), trace)
+
+    @property
+    def max_response_chars(self) -> int:
+        """Longest demonstration: the longest trace (items and commas), the bar, a two-digit answer."""
+        return 2 * self.max_trace_items - 1 + 1 + 2
+
 
 TASKS = {"sum": SumTask, "mul": MulTask, "chain": ChainTask, "trace": TraceTask}
 

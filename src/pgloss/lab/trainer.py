@@ -48,10 +48,6 @@ from .spec import parse_rollout_correction, parse_spec
 from .tasks import Problem, demonstration, make_task, reward
 from .tokenizer import Tokenizer
 
-METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "clip_frac_high", "clip_frac_low",
-           "ppo_kl", "grad_norm", "grad_clipped", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",
-           "eval_reward",
-           "sampled_groups", "groups")
 # the rollout correction's metrics, recorded when the loss sees rollout log-probs (a simulated mismatch)
 ROLLOUT_METRICS = ("rollout_kl", "rollout_k3_kl", "rollout_chi2_token", "rollout_ppl_ratio", "rollout_is_weight_mean",
                    "rollout_is_weight_min", "rollout_is_weight_max", "rollout_is_ess", "rollout_is_bounded_frac",
@@ -60,7 +56,10 @@ ROLLOUT_METRICS = ("rollout_kl", "rollout_k3_kl", "rollout_chi2_token", "rollout
 LOSS_METRICS = {"clip_frac": "pg_clipfrac", "clip_frac_high": "pg_clipfrac_high", "clip_frac_low": "pg_clipfrac_low",
                 "ppo_kl": "ppo_kl"}
 UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss", *ROLLOUT_METRICS)
-METRICS = (*METRICS, *ROLLOUT_METRICS)
+METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "clip_frac_high", "clip_frac_low",
+           "ppo_kl", "grad_norm", "grad_clipped", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",
+           "eval_reward", "sampled_groups", "groups", *ROLLOUT_METRICS)
+"""Every metric a lab run records per step, in the order of the history file."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 FIELDS = ("task", "seed", "max_new_tokens", "warm_steps", "warm_batch", "warm_lr", "scratchpad_prob", "d_model",
           "n_layer", "n_head", "device", "threads")
 """The LabConfig fields the warm start reads (max_new_tokens sizes the model's positions)."""
-CODE = ("model.py", "tokenizer.py", "tasks.py", "trace.py", "sampling.py", "trainer.py")
+CODE = ("model.py", "tokenizer.py", "tasks.py", "sampling.py", "trainer.py")
 """The lab's modules whose code computes the warm start."""
 
 

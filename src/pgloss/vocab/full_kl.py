@@ -17,7 +17,7 @@ Memory: both functions walk the positions in chunks and keep only two floats per
 (the two log-normalisers) besides the inputs; the backward pass recomputes each chunk's
 softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: per chunk it
 forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads
-(the chunk helpers of `pgloss.vocab.entropy` and `pgloss.vocab.fused`), so memory beyond the inputs and
+(the chunk helpers of `pgloss.vocab.entropy` and `pgloss.vocab.chunks`), so memory beyond the inputs and
 their gradients is two [chunk, V] buffers. Masked positions are the caller's to drop
 (`torch.where(mask, kl, 0)`); their logits need only be finite.
 """
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
+from .chunks import HeadChunks, weight_grad_buffer
 from .entropy import _blocks, _tempered, check_chunk_size, check_temperature
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
@@ -142,12 +143,10 @@ class _FullKLFromHidden(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, ref_hidden, ref_weight, temperature, chunk_size):
-        from .fused import _Chunks
-
         n = hidden.shape[0]
         dtype = compute_dtype(weight.dtype)
         kl, lse, lse_ref = (hidden.new_empty(n, dtype=dtype) for _ in range(3))
-        chunks, ref_chunks = _Chunks(hidden, weight, chunk_size, dtype), _Chunks(ref_hidden, ref_weight, chunk_size, dtype)
+        chunks, ref_chunks = HeadChunks(hidden, weight, chunk_size, dtype), HeadChunks(ref_hidden, ref_weight, chunk_size, dtype)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             z = chunks.logits(hidden[rows], weight, temperature)
@@ -160,17 +159,14 @@ class _FullKLFromHidden(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_kl):
-        from .fused import _Chunks
-
         hidden, weight, ref_hidden, ref_weight, lse, lse_ref, kl = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if not (need_hidden or need_weight):
             return None, None, None, None, None, None
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        chunks, ref_chunks = _Chunks(hidden, weight, chunk_size, lse.dtype), _Chunks(ref_hidden, ref_weight, chunk_size, lse.dtype)
+        chunks, ref_chunks = HeadChunks(hidden, weight, chunk_size, lse.dtype), HeadChunks(ref_hidden, ref_weight, chunk_size, lse.dtype)
         grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        empty = torch.empty if hidden.shape[0] else torch.zeros  # the first chunk writes ∂L/∂W; no chunk: zeros
-        grad_weight = empty(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
+        grad_weight = weight_grad_buffer(weight, lse.dtype, rows=hidden.shape[0]) if need_weight else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             x = hidden[rows]

@@ -37,6 +37,7 @@ from torch import Tensor
 from ..core.aggregate import Normalizer
 from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
+from .chunks import HeadChunks, weight_grad_buffer
 from .entropy import (
     check_chunk_size,
     check_targets,
@@ -46,53 +47,6 @@ from .entropy import (
 )
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
-
-
-class _Chunks:
-    """A reusable [chunk, V] buffer for the chunk's tempered logits z = x Wᵀ / τ."""
-
-    def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype) -> None:
-        rows = min(hidden.shape[0], chunk_size)
-        self.z = weight.new_empty(rows, weight.shape[0], dtype=dtype)
-        # Low-precision parameters: the matmul writes in their dtype, the softmax runs in float32.
-        self.raw = None if weight.dtype == dtype else weight.new_empty(rows, weight.shape[0])
-
-    def logits(self, x: Tensor, weight: Tensor, temperature: float) -> Tensor:
-        m = x.shape[0]
-        z = self.z[:m]
-        if self.raw is None:
-            torch.mm(x, weight.t(), out=z)
-        else:
-            z.copy_(torch.mm(x, weight.t(), out=self.raw[:m]))
-        if temperature != 1.0:
-            z.div_(temperature)
-        return z
-
-    def apply_grad(self, grad: Tensor, x: Tensor, weight: Tensor, grad_hidden: Tensor | None,
-                   grad_weight: Tensor | None, first: bool) -> None:
-        """grad_hidden ← G W for this chunk's rows; grad_weight ← Gᵀ x (first chunk) or += Gᵀ x.
-
-        `grad_weight` is in the compute dtype: in place for float32/64 parameters, a float32
-        accumulator for half-precision ones (whose matmuls run in their own dtype)."""
-        if self.raw is not None:
-            grad = self.raw[: grad.shape[0]].copy_(grad)
-        if grad_hidden is not None:
-            torch.mm(grad, weight, out=grad_hidden)
-        if grad_weight is None:
-            return
-        if grad_weight.dtype != grad.dtype and first:
-            grad_weight.copy_(torch.mm(grad.t(), x))
-        elif grad_weight.dtype != grad.dtype:
-            grad_weight.add_(torch.mm(grad.t(), x))
-        elif first:
-            torch.mm(grad.t(), x, out=grad_weight)
-        else:
-            grad_weight.addmm_(grad.t(), x)
-
-
-def _weight_grad_buffer(weight: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
-    """∂L/∂W's buffer: left unfilled for the first chunk to write, zeros when there is no chunk."""
-    return (torch.empty if rows else torch.zeros)(weight.shape, dtype=dtype, device=weight.device)
 
 
 class _FusedLogProbEntropy(torch.autograd.Function):
@@ -105,7 +59,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         log_prob = hidden.new_empty(n, dtype=dtype)
         entropy = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
-        chunks = _Chunks(hidden, weight, chunk_size, dtype)
+        chunks = HeadChunks(hidden, weight, chunk_size, dtype)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             z = chunks.logits(hidden[rows], weight, temperature)
@@ -123,9 +77,9 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         if (grad_log_prob is None and grad_entropy is None) or not (need_hidden or need_weight):
             return None, None, None, None, None
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        chunks = _Chunks(hidden, weight, chunk_size, lse.dtype)
+        chunks = HeadChunks(hidden, weight, chunk_size, lse.dtype)
         grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        grad_weight = _weight_grad_buffer(weight, lse.dtype, rows=hidden.shape[0]) if need_weight else None
+        grad_weight = weight_grad_buffer(weight, lse.dtype, rows=hidden.shape[0]) if need_weight else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             x = hidden[rows]
@@ -259,9 +213,9 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
     log_prob = hidden.new_empty(n_rows, length, dtype=dtype)
     entropy = torch.empty_like(log_prob)
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-    grad_weight = _weight_grad_buffer(weight, dtype, rows=n_rows * length) if need_weight else None
+    grad_weight = weight_grad_buffer(weight, dtype, rows=n_rows * length) if need_weight else None
     x_all, w, y_all = hidden.detach().reshape(-1, size), weight.detach(), targets.reshape(-1)
-    chunks = _Chunks(x_all, w, chunk_rows * length, dtype)
+    chunks = HeadChunks(x_all, w, chunk_rows * length, dtype)
     with_entropy = algorithm.entropy_coef != 0
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
