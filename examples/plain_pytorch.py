@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import pgloss
-from pgloss.advantages.group import group_advantages
+from pgloss.advantages import group_advantages
 
 VOCAB, END, MAX_NEW_TOKENS = 11, 10, 8  # digits 0-9 and the end token
 

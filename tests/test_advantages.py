@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import loops
-from pgloss.advantages.group import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
+from pgloss.advantages import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
 
 
 @pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])

@@ -8,7 +8,7 @@ import torch
 
 import pgloss
 from conftest import algorithm, make_batch
-from pgloss.advantages.group import gae
+from pgloss.advantages import gae
 from pgloss.kl.estimators import AdaptiveKLController, kl_penalized_rewards
 
 NAMES = pgloss.names()

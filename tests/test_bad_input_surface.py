@@ -13,9 +13,9 @@ from pgloss.vocab.entropy import sum_pi_squared
 
 import pgloss
 from conftest import log_probs, make_batch
-from pgloss import estimators as est
+from pgloss import advantages as est
 from pgloss.core.aggregate import MAX_GROUPS
-from pgloss.advantages.group import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
+from pgloss.advantages import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
 from pgloss.correction.m2po import m2po_cutoff, m2po_mask
 from pgloss.correction.rollout import Rejection, RolloutCorrection, mismatch_metrics
 from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask

@@ -7,7 +7,7 @@ import torch
 from pgloss.vocab.entropy import sum_pi_squared
 
 import loops_part2 as loops
-from pgloss import estimators as est
+from pgloss import advantages as est
 
 F64 = dict(dtype=torch.float64)
 

@@ -7,7 +7,7 @@ import torch
 
 from pgloss.vocab.entropy import sum_pi_squared
 
-from pgloss import estimators as est
+from pgloss import advantages as est
 
 pytest.importorskip("verl")
 from verl.trainer.ppo import core_algos  # noqa: E402

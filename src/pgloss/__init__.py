@@ -9,7 +9,6 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from . import advantages, kl
-from .advantages import estimators
 from .core import checks
 from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
@@ -61,7 +60,6 @@ __all__ = [
     "aggregate",
     "checks",
     "detect_anomaly",
-    "estimators",
     "families",
     "from_trl",
     "from_verl",

@@ -1,5 +1,5 @@
-"""Advantage estimators beyond GAE and plain GRPO: RLOO, REINFORCE++ (and its baseline variant),
-ReMax, OPO, GPG, GDPO, pass@k, batch-std scaling, and GRPO's std conventions by name.
+"""Advantage estimators beside GRPO's (`group.py`): GAE, RLOO, REINFORCE++ (and its baseline
+variant), ReMax, OPO, GPG, GDPO, pass@k and the optimal token baseline.
 
 Sequence-level estimators take one score per sequence, `scores` `[B]`, and integer `group_ids`
 `[B]` (the prompt of each sequence; every member of a group must be in the call, as in every
@@ -11,148 +11,61 @@ Statistics over the whole batch (REINFORCE++'s whitening, TRL's batch std, GPG's
 with `process_group` (or the default group, when torch.distributed is initialized and
 `reduce=True`) they are all-reduced, so a rollout spread over ranks gets the advantages of the
 whole rollout on one process.
-
-GRPO's std conventions differ between frameworks (docs/reference.md has the table):
-
-    name       std                 ε      a group of one
-    pgloss     Bessel (n - 1)      1e-6   Â = 0 (no relative signal)
-    verl       Bessel              1e-6   μ = 0, σ = 1: Â = s / (1 + ε)
-    trl        Bessel (nanstd)     1e-4   Â = 0 (σ = 0, s - μ = 0)
-    ms-swift   Bessel (torch.std)  1e-4   Â = 0
-    openrlhf   Bessel (torch.std)  1e-9   undefined there (NaN); 0 here
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from .group import group_index
+from .group import (StdConvention, _group_center, _group_sum, _grpo, _positive, _scores, _std, batch_std, group_index,
+                    grpo_advantages)
 from ..core.batch import check_device, check_mask, check_tensor
 from ..core.checks import check_flag, check_log_prob, check_number
+from ..core.distributed import all_reduce
 
 
-@dataclass(frozen=True)
-class StdConvention:
-    """How a framework divides GRPO's centred scores: (s - μ_g) / (σ_g + eps)."""
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438).
 
-    bessel: bool
-    """σ with n - 1 (torch.std's default) rather than n."""
-    eps: float
-    """Added to σ."""
-    singleton: str
-    """A group of one: 'zero' (Â = 0) or 'raw' (μ = 0, σ = 1, as verl)."""
+        δ_t = r_t + γ V_{t+1} - V_t,     A_t = δ_t + γ λ A_{t+1},     returns_t = A_t + V_t
+
+    the recursion of the loss blog post (2025-10-21) (with λ = 1 it is the discounted return minus V_t). Positions with
+    m_t = 0 (padding, tool output) are skipped: the recursion carries V and A across them, as in
+    verl's `compute_gae_advantage_return`, and they get A = 0. Past the last token V = 0.
+    Inputs `[B, T]`; returns (advantages, returns), `[B, T]`, detached.
+    """
+    if not (0.0 <= check_number("gamma", gamma) <= 1.0 and 0.0 <= check_number("lam", lam) <= 1.0):
+        raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
+    rewards = check_tensor("rewards", rewards, ndim=(2,))
+    values = check_tensor("values", values, ndim=(2,))
+    if rewards.shape != values.shape or rewards.shape != mask.shape:
+        raise ValueError(
+            f"rewards, values and mask must share one [B, T] shape, got {tuple(rewards.shape)}, "
+            f"{tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    check_device("values", values, rewards.device, "rewards")
+    valid = check_mask(mask, rewards.shape, rewards.device, "rewards")
+    # Values at masked positions (NaN and inf included) never enter the recursion.
+    rewards = torch.where(valid, rewards.detach(), 0.0)
+    values = torch.where(valid, values.detach(), 0.0)
+    next_value = rewards.new_zeros(rewards.shape[0])
+    last = rewards.new_zeros(rewards.shape[0])
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        current = delta + gamma * lam * last
+        m = valid[:, t]
+        next_value = torch.where(m, values[:, t], next_value)
+        last = torch.where(m, current, last)
+        advantages[:, t] = torch.where(m, current, 0.0)
+    return advantages, torch.where(valid, advantages + values, 0.0)
 
 
-STD_CONVENTIONS = {
-    "pgloss": StdConvention(bessel=True, eps=1e-6, singleton="zero"),
-    "verl": StdConvention(bessel=True, eps=1e-6, singleton="raw"),
-    "trl": StdConvention(bessel=True, eps=1e-4, singleton="zero"),
-    "ms-swift": StdConvention(bessel=True, eps=1e-4, singleton="zero"),
-    "openrlhf": StdConvention(bessel=True, eps=1e-9, singleton="zero"),
-}
 GDPO_EPS = {"trl": 1e-4, "ms-swift": 1e-8}
 """GDPO's ε, inside each reward's group normalisation and in the final batch normalisation."""
-SCALES = ("group", "batch", "none")
-
-
-def _scores(scores: object, name: str = "scores") -> Tensor:
-    scores = check_tensor(name, scores, ndim=(1,))
-    return scores.detach()
-
-
-def _positive(name: str, value: object) -> float:
-    """A hyperparameter that must be a finite real > 0 (an ε that keeps a division finite, a scale)."""
-    value = check_number(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
-
-
-def _group_sum(values: Tensor, index: Tensor, n_groups: int) -> Tensor:
-    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, index, values)
-
-
-def _distributed(reduce: bool) -> bool:
-    return reduce and dist.is_available() and dist.is_initialized()
-
-
-def _all_reduce(t: Tensor, process_group, reduce: bool) -> Tensor:
-    if _distributed(reduce):
-        dist.all_reduce(t, group=process_group)
-    return t
-
-
-def _check_convention(convention: str) -> StdConvention:
-    if convention not in STD_CONVENTIONS:
-        raise ValueError(f"convention must be one of {tuple(STD_CONVENTIONS)}, got {convention!r}")
-    return STD_CONVENTIONS[convention]
-
-
-def _group_center(work: Tensor, index: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
-    """(s - μ_g, group sizes per row)."""
-    count = _group_sum(torch.ones_like(work), index, n_groups)
-    mean = _group_sum(work, index, n_groups) / count
-    return work - mean[index], count[index]
-
-
-def _std(centered_sq_sum: Tensor, count: Tensor, bessel: bool) -> Tensor:
-    return (centered_sq_sum / (count - 1 if bessel else count).clamp(min=1)).sqrt()
-
-
-def grpo_advantages(
-    scores: Tensor,
-    group_ids: Tensor,
-    *,
-    convention: str = "pgloss",
-    scale: str = "group",
-    process_group: "dist.ProcessGroup | None" = None,
-    reduce: bool = True,
-) -> Tensor:
-    """GRPO's group-relative advantage (Shao et al. 2024, arXiv 2402.03300) with a framework's
-    std convention (`STD_CONVENTIONS`), `[B]`:
-
-        group  Â_i = (s_i - μ_g) / (σ_g + ε)                      GRPO; verl, TRL `scale_rewards="group"`
-        batch  Â_i = (s_i - μ_g) / (σ_batch(s) + ε)               TRL `scale_rewards="batch"` (σ of the raw scores)
-        none   Â_i = s_i - μ_g                                    Dr.GRPO (arXiv 2503.20783)
-    """
-    return _grpo(scores, group_ids, _check_convention(convention), scale, process_group, reduce)
-
-
-def _grpo(scores, group_ids, conv: StdConvention, scale: str, process_group, reduce: bool) -> Tensor:
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
-    scores = _scores(scores)
-    work = scores.to(torch.float64)
-    index, n_groups = group_index(group_ids, work.shape[0], work.device)
-    centered, size = _group_center(work, index, n_groups)
-    single = size == 1
-    if scale == "none":
-        out = centered
-    elif scale == "group":
-        std = _std(_group_sum(centered.square(), index, n_groups), _group_sum(torch.ones_like(work), index, n_groups),
-                   conv.bessel)[index]
-        out = centered / (std + conv.eps)
-    else:
-        std = batch_std(work, bessel=conv.bessel, process_group=process_group, reduce=reduce)
-        out = centered / (std + conv.eps)
-    if conv.singleton == "raw":
-        out = torch.where(single, work / (1.0 + conv.eps) if scale == "group" else work, out)
-    else:
-        out = torch.where(single, 0.0, out)
-    return out.to(scores.dtype)
-
-
-def batch_std(values: Tensor, *, bessel: bool = True, process_group=None, reduce: bool = True) -> Tensor:
-    """The std of `[N]` values over the whole batch (all ranks): two passes, mean then Σ(x - μ)²."""
-    work = values.detach().to(torch.float64)
-    totals = _all_reduce(torch.stack([work.sum(), work.new_tensor(work.numel())]), process_group, reduce)
-    mean = totals[0] / totals[1].clamp(min=1)
-    sq = _all_reduce((work - mean).square().sum().reshape(1), process_group, reduce)[0]
-    return _std(sq, totals[1], bessel)
 
 
 def rloo_advantages(scores: Tensor, group_ids: Tensor) -> Tensor:
@@ -179,9 +92,9 @@ def whiten(values: Tensor, mask: Tensor, *, convention: str = "verl", process_gr
     values = check_tensor("values", values, ndim=(2,))
     mask = check_mask(mask, values.shape, values.device, "values")
     work = torch.where(mask, values.detach().to(torch.float64), 0.0)
-    totals = _all_reduce(torch.stack([work.sum(), mask.sum().to(torch.float64)]), process_group, reduce)
+    totals = all_reduce(torch.stack([work.sum(), mask.sum().to(torch.float64)]), process_group, reduce)
     mean = totals[0] / totals[1].clamp(min=1)
-    sq = _all_reduce(torch.where(mask, work - mean, 0.0).square().sum().reshape(1), process_group, reduce)[0]
+    sq = all_reduce(torch.where(mask, work - mean, 0.0).square().sum().reshape(1), process_group, reduce)[0]
     if convention == "verl":
         var = sq / (totals[1] - 1).clamp(min=1)
         out = (work - mean) * torch.rsqrt(var + 1e-8)
@@ -276,7 +189,7 @@ def gpg_advantages(scores: Tensor, group_ids: Tensor, *, f_norm: float = 1.0, pr
     index, n_groups = group_index(group_ids, work.shape[0], work.device)
     centered, size = _group_center(work, index, n_groups)
     centered = torch.where(size > 1, centered, work)
-    counts = _all_reduce(torch.stack([work.new_tensor(work.numel()), (work != 0).sum().to(torch.float64)]),
+    counts = all_reduce(torch.stack([work.new_tensor(work.numel()), (work != 0).sum().to(torch.float64)]),
                          process_group, reduce)
     alpha = counts[0] / counts[1].clamp(min=1)
     return (alpha * centered / f_norm).to(scores.dtype)
@@ -308,7 +221,7 @@ def gdpo_advantages(scores: Tensor, group_ids: Tensor, *, weights: Tensor | None
         conv = StdConvention(bessel=True, eps=eps, singleton="zero")
         per_key = torch.stack([_grpo(work[:, j], group_ids, conv, "group", None, False) for j in range(k)], dim=1)
         total = (per_key * w).sum(dim=1)
-        totals = _all_reduce(torch.stack([total.sum(), total.new_tensor(total.numel())]), process_group, reduce)
+        totals = all_reduce(torch.stack([total.sum(), total.new_tensor(total.numel())]), process_group, reduce)
         mean = totals[0] / totals[1].clamp(min=1)
         return ((total - mean) / (batch_std(total, process_group=process_group, reduce=reduce) + eps)).to(scores.dtype)
     if convention == "verl":

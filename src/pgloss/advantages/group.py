@@ -1,51 +1,91 @@
-"""Advantage estimators: GAE, group-relative (GRPO, Dr.GRPO), and DAPO's sampling-side rules."""
+"""GRPO's group-relative advantages and the group statistics every estimator shares.
+
+`grpo_advantages` is the one implementation of the group advantage (s - μ_g)/(σ_g + ε), with each
+framework's std convention by name; `group_advantages` is pgloss's convention of it (and Dr.GRPO's
+unscaled form). DAPO's sampling-side rules, dynamic sampling and the overlong penalty, sit beside it.
+
+GRPO's std conventions differ between frameworks (docs/reference.md has the table):
+
+    name       std                 ε      a group of one
+    pgloss     Bessel (n - 1)      1e-6   Â = 0 (no relative signal)
+    verl       Bessel              1e-6   μ = 0, σ = 1: Â = s / (1 + ε)
+    trl        Bessel (nanstd)     1e-4   Â = 0 (σ = 0, s - μ = 0)
+    ms-swift   Bessel (torch.std)  1e-4   Â = 0
+    openrlhf   Bessel (torch.std)  1e-9   undefined there (NaN); 0 here
+
+Statistics over the whole batch (TRL's batch std) are global: with `process_group` (or the default
+group, when torch.distributed is initialised and `reduce=True`) they are all-reduced.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ..core.batch import check_device, check_mask, check_tensor
+from ..core.batch import check_device, check_tensor
 from ..core.checks import check_flag, check_number, is_integer
+from ..core.distributed import all_reduce
 
 
-def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438).
+@dataclass(frozen=True)
+class StdConvention:
+    """How a framework divides GRPO's centred scores: (s - μ_g) / (σ_g + eps)."""
 
-        δ_t = r_t + γ V_{t+1} - V_t,     A_t = δ_t + γ λ A_{t+1},     returns_t = A_t + V_t
+    bessel: bool
+    """σ with n - 1 (torch.std's default) rather than n."""
+    eps: float
+    """Added to σ."""
+    singleton: str
+    """A group of one: 'zero' (Â = 0) or 'raw' (μ = 0, σ = 1, as verl)."""
 
-    the recursion of the loss blog post (2025-10-21) (with λ = 1 it is the discounted return minus V_t). Positions with
-    m_t = 0 (padding, tool output) are skipped: the recursion carries V and A across them, as in
-    verl's `compute_gae_advantage_return`, and they get A = 0. Past the last token V = 0.
-    Inputs `[B, T]`; returns (advantages, returns), `[B, T]`, detached.
-    """
-    if not (0.0 <= check_number("gamma", gamma) <= 1.0 and 0.0 <= check_number("lam", lam) <= 1.0):
-        raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
-    rewards = check_tensor("rewards", rewards, ndim=(2,))
-    values = check_tensor("values", values, ndim=(2,))
-    if rewards.shape != values.shape or rewards.shape != mask.shape:
-        raise ValueError(
-            f"rewards, values and mask must share one [B, T] shape, got {tuple(rewards.shape)}, "
-            f"{tuple(values.shape)}, {tuple(mask.shape)}"
-        )
-    check_device("values", values, rewards.device, "rewards")
-    valid = check_mask(mask, rewards.shape, rewards.device, "rewards")
-    # Values at masked positions (NaN and inf included) never enter the recursion.
-    rewards = torch.where(valid, rewards.detach(), 0.0)
-    values = torch.where(valid, values.detach(), 0.0)
-    next_value = rewards.new_zeros(rewards.shape[0])
-    last = rewards.new_zeros(rewards.shape[0])
-    advantages = torch.zeros_like(rewards)
-    for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        current = delta + gamma * lam * last
-        m = valid[:, t]
-        next_value = torch.where(m, values[:, t], next_value)
-        last = torch.where(m, current, last)
-        advantages[:, t] = torch.where(m, current, 0.0)
-    return advantages, torch.where(valid, advantages + values, 0.0)
+
+STD_CONVENTIONS = {
+    "pgloss": StdConvention(bessel=True, eps=1e-6, singleton="zero"),
+    "verl": StdConvention(bessel=True, eps=1e-6, singleton="raw"),
+    "trl": StdConvention(bessel=True, eps=1e-4, singleton="zero"),
+    "ms-swift": StdConvention(bessel=True, eps=1e-4, singleton="zero"),
+    "openrlhf": StdConvention(bessel=True, eps=1e-9, singleton="zero"),
+}
+
+
+SCALES = ("group", "batch", "none")
+
+
+def _scores(scores: object, name: str = "scores") -> Tensor:
+    scores = check_tensor(name, scores, ndim=(1,))
+    return scores.detach()
+
+
+def _positive(name: str, value: object) -> float:
+    """A hyperparameter that must be a finite real > 0 (an ε that keeps a division finite, a scale)."""
+    value = check_number(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _group_sum(values: Tensor, index: Tensor, n_groups: int) -> Tensor:
+    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, index, values)
+
+
+def _check_convention(convention: str) -> StdConvention:
+    if convention not in STD_CONVENTIONS:
+        raise ValueError(f"convention must be one of {tuple(STD_CONVENTIONS)}, got {convention!r}")
+    return STD_CONVENTIONS[convention]
+
+
+def _group_center(work: Tensor, index: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """(s - μ_g, group sizes per row)."""
+    count = _group_sum(torch.ones_like(work), index, n_groups)
+    mean = _group_sum(work, index, n_groups) / count
+    return work - mean[index], count[index]
+
+
+def _std(centered_sq_sum: Tensor, count: Tensor, bessel: bool) -> Tensor:
+    return (centered_sq_sum / (count - 1 if bessel else count).clamp(min=1)).sqrt()
 
 
 def group_index(group_ids: object, n: int, device: torch.device, reference: str = "scores") -> tuple[Tensor, int]:
@@ -59,8 +99,51 @@ def group_index(group_ids: object, n: int, device: torch.device, reference: str 
     return index, (int(index.max()) + 1 if n else 0)
 
 
+def grpo_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    *,
+    convention: str = "pgloss",
+    scale: str = "group",
+    process_group: "dist.ProcessGroup | None" = None,
+    reduce: bool = True,
+) -> Tensor:
+    """GRPO's group-relative advantage (Shao et al. 2024, arXiv 2402.03300) with a framework's
+    std convention (`STD_CONVENTIONS`), `[B]`:
+
+        group  Â_i = (s_i - μ_g) / (σ_g + ε)                      GRPO; verl, TRL `scale_rewards="group"`
+        batch  Â_i = (s_i - μ_g) / (σ_batch(s) + ε)               TRL `scale_rewards="batch"` (σ of the raw scores)
+        none   Â_i = s_i - μ_g                                    Dr.GRPO (arXiv 2503.20783)
+    """
+    return _grpo(scores, group_ids, _check_convention(convention), scale, process_group, reduce)
+
+
+def _grpo(scores, group_ids, conv: StdConvention, scale: str, process_group, reduce: bool) -> Tensor:
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    scores = _scores(scores)
+    work = scores.to(torch.float64)
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
+    centered, size = _group_center(work, index, n_groups)
+    single = size == 1
+    if scale == "none":
+        out = centered
+    elif scale == "group":
+        std = _std(_group_sum(centered.square(), index, n_groups), _group_sum(torch.ones_like(work), index, n_groups),
+                   conv.bessel)[index]
+        out = centered / (std + conv.eps)
+    else:
+        std = batch_std(work, bessel=conv.bessel, process_group=process_group, reduce=reduce)
+        out = centered / (std + conv.eps)
+    if conv.singleton == "raw":
+        out = torch.where(single, work / (1.0 + conv.eps) if scale == "group" else work, out)
+    else:
+        out = torch.where(single, 0.0, out)
+    return out.to(scores.dtype)
+
+
 def group_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, eps: float = 1e-6) -> Tensor:
-    """Group-relative advantages, one per sequence, `[B]`.
+    """Group-relative advantages, one per sequence, `[B]`: `grpo_advantages` with pgloss's convention.
 
     GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300): Â_i = (r_i - mean_g r) / (std_g r + ε),
     with the unbiased (n - 1) standard deviation, as TRL and verl.
@@ -69,19 +152,17 @@ def group_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     A group of one sequence carries no relative signal and gets Â = 0 (verl instead uses mean 0 and
     std 1 there, i.e. Â = r).
     """
-    if check_number("eps", eps) <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    check_flag("scale", scale)
-    scores = check_tensor("scores", scores, ndim=(1,)).detach()
-    work = scores.to(torch.float64)
-    index, n_groups = group_index(group_ids, scores.shape[0], scores.device)
-    count = torch.zeros(n_groups, dtype=work.dtype, device=work.device).index_add_(0, index, torch.ones_like(work))
-    mean = torch.zeros_like(count).index_add_(0, index, work) / count
-    centered = work - mean[index]
-    if not scale:
-        return centered.to(scores.dtype)
-    var = torch.zeros_like(count).index_add_(0, index, centered.square()) / (count - 1).clamp(min=1)
-    return (centered / (var.sqrt()[index] + eps)).to(scores.dtype)
+    convention = StdConvention(bessel=True, eps=_positive("eps", eps), singleton="zero")
+    return _grpo(scores, group_ids, convention, "group" if check_flag("scale", scale) else "none", None, False)
+
+
+def batch_std(values: Tensor, *, bessel: bool = True, process_group=None, reduce: bool = True) -> Tensor:
+    """The std of `[N]` values over the whole batch (all ranks): two passes, mean then Σ(x - μ)²."""
+    work = values.detach().to(torch.float64)
+    totals = all_reduce(torch.stack([work.sum(), work.new_tensor(work.numel())]), process_group, reduce)
+    mean = totals[0] / totals[1].clamp(min=1)
+    sq = all_reduce((work - mean).square().sum().reshape(1), process_group, reduce)[0]
+    return _std(sq, totals[1], bessel)
 
 
 def dynamic_sampling_keep(scores: Tensor, group_ids: Tensor) -> Tensor:

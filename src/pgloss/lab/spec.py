@@ -11,7 +11,6 @@ hyperparameters.
 from __future__ import annotations
 
 import ast
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

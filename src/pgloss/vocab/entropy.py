@@ -24,7 +24,6 @@ Methods for Deep Reinforcement Learning" (2016), https://arxiv.org/abs/1602.0178
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor

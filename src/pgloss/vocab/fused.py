@@ -31,6 +31,8 @@ https://arxiv.org/abs/2411.09009).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -241,7 +243,7 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
 
 
 def loss_from_hidden(
-    algorithm: "pgloss.Algorithm",  # handed in by Algorithm.from_hidden: vocab/ sits below base.py
+    algorithm: Callable[..., LossOutput],  # a pgloss.Algorithm, handed in by its from_hidden: vocab/ sits below base.py
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
