@@ -23,7 +23,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -203,8 +202,7 @@ def child(args) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = resolve_device(args.device)
-    hyper = {"norm_constant": float(args.seq_len)} if args.algorithm == "dr_grpo" else {}
-    algorithm = pgloss.get(args.algorithm, **hyper)
+    algorithm = pgloss.get(args.algorithm, generation_budget=args.seq_len)
     result = {"variant": args.child, "time_s": None, "cpu_s": None, "peak_mib": None, "loss": None, "note": ""}
 
     inputs = make_inputs(args, torch)
@@ -258,7 +256,10 @@ def main(argv=None) -> None:
         return
     import torch
 
-    threads = args.threads or torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(describe(resolve_device(args.device)))
+    threads = torch.get_num_threads()
     print(f"N={args.tokens} (B={args.tokens // args.seq_len} x T={args.seq_len}) H={args.hidden} V={args.vocab} "
           f"{args.dtype} on {args.device}, algorithm={args.algorithm}, temperature={args.temperature}, "
           f"repeats={args.repeats}, torch {torch.__version__}, {threads} threads, "

@@ -22,12 +22,16 @@ its loss path imports) into .venv for the adapters' tests, and this benchmark us
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import time
+import sys
 
 import torch
 
 import pgloss
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device import add_device_argument, describe, resolve_device, timed as timed_call  # noqa: E402
 
 MODES = ("token-mean", "seq-mean-token-mean")
 
@@ -42,23 +46,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="leave out pgloss under torch.compile")
+    parser.add_argument("--no-read-metrics", dest="read_metrics", action="store_false",
+                        help="leave every metric on the device (no host read after the step), for both libraries")
+    add_device_argument(parser)
     return parser.parse_args(argv)
 
 
-def make_batch(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+def make_batch(batch: int, length: int, seed: int, device=None) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(length // 8, length + 1, (batch,), generator=gen)
     mask = torch.arange(length)[None, :] < lengths[:, None]
     old = -torch.rand(batch, length, generator=gen) * 3
-    return {
+    data = {
         "old_log_prob": old,
         "log_prob": -(old + 0.2 * torch.randn(batch, length, generator=gen)).abs(),  # log-probs are <= 0
         "advantages": torch.randn(batch, length, generator=gen),
         "mask": mask,
     }
+    return {k: v.to(device) for k, v in data.items()} if device is not None else data
 
 
-def verl_step(mode: str, data: dict):
+def verl_step(mode: str, data: dict, *, read_metrics: bool = True):
     from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
     from verl.workers.config.actor import ActorConfig
 
@@ -72,12 +80,12 @@ def verl_step(mode: str, data: dict):
         loss, metrics = compute_policy_loss_vanilla(data["old_log_prob"], log_prob, data["advantages"], response_mask,
                                                     loss_agg_mode=mode, config=config)
         loss.backward()
-        return loss.detach(), metrics
+        return loss.detach(), ({k: float(v) for k, v in metrics.items()} if read_metrics else metrics)
 
     return step
 
 
-def pgloss_step(mode: str, data: dict, *, compiled: bool = False):
+def pgloss_step(mode: str, data: dict, *, compiled: bool = False, read_metrics: bool = True):
     algorithm = pgloss.get("dual_clip_ppo", loss_agg_mode=mode)
     normalizer = pgloss.Normalizer.count(data["mask"])
 
@@ -91,33 +99,35 @@ def pgloss_step(mode: str, data: dict, *, compiled: bool = False):
     def step(log_prob):
         loss, metrics = call(log_prob)
         loss.backward()
-        return loss.detach(), {k: float(v) for k, v in metrics.items()}  # one host read per metric, as verl
+        return loss.detach(), ({k: float(v) for k, v in metrics.items()} if read_metrics else metrics)
 
     return step
 
 
 def timed(step, data) -> tuple[float, torch.Tensor, torch.Tensor]:
     log_prob = data["log_prob"].clone().requires_grad_(True)
-    start = time.perf_counter()
-    loss, _ = step(log_prob)
-    return time.perf_counter() - start, loss, log_prob.grad
+    result = {}
+    seconds, _ = timed_call(lambda: result.update(loss=step(log_prob)[0]), log_prob.device)
+    return seconds, result["loss"], log_prob.grad
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    data = make_batch(args.batch, args.length, args.seed)
-    print(f"B={args.batch}, T={args.length}, {int(data['mask'].sum())} valid tokens, float32, "
-          f"{args.threads} thread(s), {args.repeats} interleaved runs each; torch {torch.__version__}")
+    device = resolve_device(args.device)
+    data = make_batch(args.batch, args.length, args.seed, device)
+    print(f"{describe(device)}; B={args.batch}, T={args.length}, {int(data['mask'].sum())} valid tokens, float32, "
+          f"{args.repeats} interleaved runs each; metrics {'read on the host' if args.read_metrics else 'not read'}")
     names = ["verl", "pgloss"] + (["compiled"] if args.compile else [])
     header = f"{'loss_agg_mode':<22}{'verl (ms)':>11}{'pgloss (ms)':>13}{'ratio':>8}"
     if args.compile:
-        header += f"{'compiled (ms)':>15}{'/ eager':>9}"
+        header += f"{'compiled (ms)':>15}{'/ eager':>9}{'/ verl':>8}"
     print(header + "   max |Δloss|  max |Δgrad|" + ("  compiled: |Δloss|  |Δgrad|" if args.compile else ""))
     for mode in args.modes.split(","):
-        steps = {"verl": verl_step(mode, data), "pgloss": pgloss_step(mode, data)}
+        read = args.read_metrics
+        steps = {"verl": verl_step(mode, data, read_metrics=read), "pgloss": pgloss_step(mode, data, read_metrics=read)}
         if args.compile:
-            steps["compiled"] = pgloss_step(mode, data, compiled=True)
+            steps["compiled"] = pgloss_step(mode, data, compiled=True, read_metrics=read)
         times = {name: [] for name in steps}
         for _ in range(3):  # warm-up (and, for the compiled step, compilation)
             for step in steps.values():
@@ -130,7 +140,7 @@ def main(argv=None) -> None:
         (_, verl_loss, verl_grad), (_, our_loss, our_grad) = results["verl"], results["pgloss"]
         line = f"{mode:<22}{ms['verl']:>11.2f}{ms['pgloss']:>13.2f}{ms['pgloss'] / ms['verl']:>8.3f}"
         if args.compile:
-            line += f"{ms['compiled']:>15.2f}{ms['compiled'] / ms['pgloss']:>9.3f}"
+            line += f"{ms['compiled']:>15.2f}{ms['compiled'] / ms['pgloss']:>9.3f}{ms['compiled'] / ms['verl']:>8.3f}"
         line += f"   {abs(float(verl_loss - our_loss)):.2e}     {float((verl_grad - our_grad).abs().max()):.2e}"
         if args.compile:
             _, c_loss, c_grad = results["compiled"]

@@ -11,24 +11,32 @@ with the length, the geometric mean does not. Prints, per length, the effective 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
 from pgloss.correction.rollout import RolloutCorrection
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device import add_device_argument, describe, resolve_device  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sigma", type=float, default=0.05, help="std of log π_old - log π_rollout per token")
     parser.add_argument("--rows", type=int, default=512, help="sequences per length")
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = resolve_device(args.device)
     gen = torch.Generator().manual_seed(0)
+    print(describe(device))
     print(f"sigma={args.sigma}, {args.rows} sequences per length; ESS of the raw weight / share truncated at 2")
     print(f"{'length':>7} | {'token':>15} | {'sequence_product':>17} | {'sequence_geometric':>18}")
     for length in (16, 64, 256, 1024, 4096, 16384):
-        rollout = torch.zeros(args.rows, length, dtype=torch.float64)
-        old = args.sigma * torch.randn(args.rows, length, generator=gen, dtype=torch.float64)
-        mask = torch.ones(args.rows, length, dtype=torch.bool)
+        rollout = torch.zeros(args.rows, length, dtype=torch.float64, device=device)
+        old = (args.sigma * torch.randn(args.rows, length, generator=gen, dtype=torch.float64)).to(device)
+        mask = torch.ones(args.rows, length, dtype=torch.bool, device=device)
         cells = []
         for level in ("token", "sequence_product", "sequence_geometric"):
             kw = dict(log_prob=old, old_log_prob=old, rollout_log_prob=rollout, mask=mask)

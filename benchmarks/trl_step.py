@@ -25,10 +25,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device import add_device_argument, describe, resolve_device, timed  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--on-policy", action="store_true", help="no old log-probs (TRL's default schedule)")
     parser.add_argument("--json", default=None, help="write the results here")
+    add_device_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -93,6 +95,8 @@ def main(argv=None) -> dict:
 
     if options.threads:
         torch.set_num_threads(options.threads)
+    device = resolve_device(options.device)
+    print(describe(device))
     import trl_tiny
     from trl import GRPOTrainer
 
@@ -102,7 +106,8 @@ def main(argv=None) -> dict:
         model_dir = make_model(os.path.join(tmp, "model"), options.hidden, options.layers, options.vocab)
         config = trl_tiny.config(os.path.join(tmp, "out"), per_device_train_batch_size=options.batch,
                                  gradient_accumulation_steps=options.accumulation, num_generations=options.batch,
-                                 max_completion_length=options.completion, max_steps=1, epsilon_high=0.28)
+                                 max_completion_length=options.completion, max_steps=1, epsilon_high=0.28,
+                                 use_cpu=device.type == "cpu")
         trainers = {
             "trl": GRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
                                args=config),
@@ -112,7 +117,7 @@ def main(argv=None) -> dict:
                                        train_dataset=trl_tiny.make_dataset(), args=config, algorithm="dapo",
                                        fused=True),
         }
-        window = make_window(options, options.vocab)
+        window = [{k: v.to(device) for k, v in batch.items()} for batch in make_window(options, options.vocab)]
         total_tokens = sum(int(b["completion_mask"].sum()) for b in window)
         for batch in window:  # TRL's dapo divides by the generation batch's count, here the window's
             batch["num_items_in_batch"] = torch.tensor(float(total_tokens))
@@ -125,7 +130,8 @@ def main(argv=None) -> dict:
                 with torch.no_grad():
                     log_prob, _, _ = trainer._get_per_token_logps_and_entropies(
                         trainer.model, ids, attention, options.completion)
-                batch["old_per_token_logps"] = (log_prob + 0.05 * torch.randn(log_prob.shape, generator=gen)).clamp(max=0.0)
+                noise = 0.05 * torch.randn(log_prob.shape, generator=gen).to(device)
+                batch["old_per_token_logps"] = (log_prob + noise).clamp(max=0.0)
 
         def step(name):
             trainer = trainers[name]
@@ -135,13 +141,15 @@ def main(argv=None) -> dict:
             trainer.current_gradient_accumulation_steps = options.accumulation
             trainer.state.global_step += 1
             losses = []
-            start = time.perf_counter()
-            for j, batch in enumerate(window):
-                trainer._step = j
-                loss = trainer._compute_loss(trainer.model, batch)
-                loss.backward()
-                losses.append(loss.detach())
-            elapsed = time.perf_counter() - start
+
+            def window_step():
+                for j, batch in enumerate(window):
+                    trainer._step = j
+                    loss = trainer._compute_loss(trainer.model, batch)
+                    loss.backward()
+                    losses.append(loss.detach())
+
+            elapsed, _ = timed(window_step, device)
             grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
             return elapsed, float(sum(losses)), grad
 

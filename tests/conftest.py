@@ -2,6 +2,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import socket
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -43,3 +45,10 @@ def algorithm(name, **overrides):
 @pytest.fixture
 def batch():
     return make_batch()
+
+
+def free_port() -> int:
+    """A free TCP port on this host for a gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

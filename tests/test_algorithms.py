@@ -10,7 +10,7 @@ import pgloss
 from conftest import algorithm, log_probs, make_batch
 
 # The families whose loops live in tests/loops.py (LUSPO and FIPO subclass the clipped family);
-# the other names are checked against tests/loops_vocabulary.py in test_vocabulary.py.
+# the other names are checked against tests/loops/losses.py in losses/test_families_against_loops.py.
 NAMES = [n for n, (family, _) in pgloss.algorithms.NAMED.items()
          if issubclass(family, (pgloss.ClippedPolicy, pgloss.CISPO, pgloss.SAPO))]
 

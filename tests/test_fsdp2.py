@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pgloss
-from test_distributed import free_port
+from conftest import free_port
 
 ROWS, WIDTH, HIDDEN, VOCAB = 16, 6, 5, 11
 # rank -> its micro-batches, each of whole groups (group_ids = row // 2: REAL contrasts a group's rows).

@@ -21,7 +21,7 @@ import pgloss
 pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
-from test_distributed import free_port  # noqa: E402
+from conftest import free_port  # noqa: E402
 from test_fsdp2 import VOCAB, selects_per_call, tiny  # noqa: E402
 from test_verl import BUDGET, LENGTH, ROWS, actor_config, make_batch, micro_batch, own_mode  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402

@@ -6,7 +6,7 @@ Read top to bottom:
 2. ``warm_start``: a short supervised phase on demonstrations (with and without scratchpad),
    so that RL starts above zero reward.
 3. ``collect``: G completions per prompt at the sampling temperature; rewards; group
-   advantages (scaled by the group std unless the algorithm says not to); old, reference and
+   advantages (scaled by the group std unless the name's `pgloss.recipe` says not to); old, reference and
    entropy values under no_grad. A simulated mismatched sampler (``sampler_temperature``,
    ``sampler_noise``) samples instead of the policy; its log-probs become ``rollout_log_prob``.
    DAPO's dynamic sampling then refills the batch (``refill``).

@@ -96,7 +96,7 @@ def test_bad_selection_is_named():
 RANK_PARTS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
 
 
-def on_rank(rank):  # inside a gloo process of test_distributed_part2.py: the step spans both ranks
+def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_statistics.py: the step spans both ranks
     d = data(5)
     parts = RANK_PARTS[rank]
     out = {}

@@ -5,25 +5,17 @@ ranks' gradients, as DDP does, must give the gradient of the whole batch on one 
 """
 
 import os
-import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pgloss
-from conftest import algorithm, make_batch
+from conftest import algorithm, free_port, make_batch
 
 CASES = [("grpo", mode) for mode in pgloss.AGG_MODES] + [("gspo", "seq-mean-token-mean"), ("fipo", "token-mean")]
 # Rank 0 gets 3 rows split in two micro-batches, rank 1 gets 6 rows: uneven on purpose.
 RANK_ROWS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, port: int, results) -> None:

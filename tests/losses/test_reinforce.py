@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import loops_vocabulary as loops
+import loops
 from conftest import make_batch
 from pgloss.losses.reinforce import reinforce_loss, tis_pg_loss, topr_loss
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import loops_vocabulary as loops
+import loops
 import pgloss
 from conftest import make_batch
 from pgloss.core.batch import TokenBatch

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import loops_vocabulary as loops
+import loops
 from conftest import make_batch
 from pgloss.losses.dppo import dppo_loss, dppo_valid
 

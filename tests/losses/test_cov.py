@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import loops_vocabulary as loops
+import loops
 import pgloss
 from conftest import make_batch
 from pgloss.losses.cov import clip_cov_loss, kl_cov_loss, selection_size, token_covariance

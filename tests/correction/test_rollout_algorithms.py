@@ -1,6 +1,6 @@
 """Rollout correction beside the loss: any algorithm composes with any correction, the weight enters
 before the aggregation with the loss's mask and normaliser. Against plain float64 loops, gradients,
-micro-batches, two gloo ranks (`on_rank`, `check_ranks`: run by test_distributed_part2.py), the
+micro-batches, two gloo ranks (`on_rank`, `check_ranks`: run by properties/test_two_ranks_step_statistics.py), the
 fused path, and decoupled (three-policy) PPO as AReaL writes it."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import loops
-import loops_part2 as lp2
+import loops as lp2
 import pgloss
 from conftest import log_probs, make_batch
 from pgloss.correction.rollout import Rejection, RolloutCorrection
@@ -225,7 +225,7 @@ def test_decoupled_ppo_matches_areal_loop():
 RANK_PARTS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
 
 
-def on_rank(rank):  # inside a gloo process of test_distributed_part2.py
+def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_statistics.py
     d = data(seed=8)
     out = []
     for corr in CORRECTIONS:

@@ -1,10 +1,10 @@
 """M2PO's second-moment mask against AReaL's algorithm as a plain loop, split into micro-batches,
-and over two gloo ranks (`on_rank`, `check_ranks`: run by test_distributed_part2.py)."""
+and over two gloo ranks (`on_rank`, `check_ranks`: run by properties/test_two_ranks_step_statistics.py)."""
 
 import pytest
 import torch
 
-import loops_part2 as loops
+import loops
 from conftest import log_probs, make_batch
 from pgloss.correction.m2po import m2po_cutoff, m2po_mask
 
@@ -61,7 +61,7 @@ def test_bad_input_is_named(call, error, match):
 RANK_PARTS = {0: [slice(0, 2), slice(2, 3)], 1: [slice(3, 9)]}
 
 
-def on_rank(rank):  # inside a gloo process of test_distributed_part2.py
+def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_statistics.py
     d = data()
     parts = RANK_PARTS[rank]
     return m2po_cutoff([d["behave"][p] for p in parts], [d["old_log_prob"][p] for p in parts],

@@ -1,7 +1,7 @@
-"""Plain loops, written from the formulas of the frameworks' other losses and KL terms, in Python floats.
+"""The per-token terms of every family, from the papers' and the frameworks' formulas.
 
-Nothing here imports pgloss. Inputs are nested lists `[B][T]` (advantages per token), `mask[i][t]`
-a bool. Each function returns the per-token values `[B][T]` (masked positions: 0.0) unless said.
+Nothing here imports pgloss: these are the independent references the tests compare against, written
+in Python floats (float64). Inputs are nested lists; `mask[i][t]` is a bool.
 """
 
 from __future__ import annotations
@@ -9,8 +9,99 @@ from __future__ import annotations
 import math
 
 
-def clip(x, low, high):
-    return min(max(x, low), high)
+def clip(x: float, low: float | None, high: float | None) -> float:
+    if low is not None:
+        x = max(x, low)
+    if high is not None:
+        x = min(x, high)
+    return x
+
+
+def ppo_token(r: float, a: float, *, clip_low: float, clip_high: float, dual_clip=None, delta=None) -> float:
+    """max(-A r, -A clip(r)); dual clip min(., -cA) for A < 0; δ caps r in the first branch."""
+    r1 = r if delta is None else min(r, delta)
+    loss = max(-a * r1, -a * clip(r, 1 - clip_low, 1 + clip_high))
+    if dual_clip is not None and a < 0:
+        loss = min(loss, -a * dual_clip)
+    return loss
+
+
+def seq_log_ratio(lp_row, old_row, mask_row, *, normalized: bool) -> float:
+    total = sum(a - b for a, b, m in zip(lp_row, old_row, mask_row) if m)
+    n = sum(1 for m in mask_row if m)
+    return total / max(n, 1) if normalized else total
+
+
+def clipped_policy_per_token(lp, old, adv, mask, *, level: str, clip_low, clip_high, dual_clip=None, delta=None,
+                             max_log_ratio=20.0):
+    """ℓ_{i,t} for the clipped family; adv[i][t]. Sequence levels copy ℓ_i onto every token."""
+    out = []
+    for i in range(len(lp)):
+        row = []
+        if level == "token":
+            for t in range(len(lp[i])):
+                r = math.exp(clip(lp[i][t] - old[i][t], -max_log_ratio, max_log_ratio))
+                row.append(ppo_token(r, adv[i][t], clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta))
+        else:
+            s = math.exp(clip(seq_log_ratio(lp[i], old[i], mask[i], normalized=level != "sequence_product"),
+                              -max_log_ratio, max_log_ratio))
+            row = [ppo_token(s, adv[i][t], clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta)
+                   for t in range(len(lp[i]))]
+        out.append(row)
+    return out
+
+
+def cispo_per_token(lp, old, adv, *, clip_low, clip_high):
+    out = []
+    for i in range(len(lp)):
+        row = []
+        for t in range(len(lp[i])):
+            r = math.exp(lp[i][t] - old[i][t])
+            w = clip(r, None if clip_low is None else 1 - clip_low, 1 + clip_high)
+            row.append(-w * adv[i][t] * lp[i][t])
+        out.append(row)
+    return out
+
+
+def sapo_per_token(lp, old, adv, *, tau_pos, tau_neg):
+    out = []
+    for i in range(len(lp)):
+        row = []
+        for t in range(len(lp[i])):
+            r = math.exp(lp[i][t] - old[i][t])
+            tau = tau_pos if adv[i][t] > 0 else tau_neg
+            gate = 4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0)))
+            row.append(-gate * adv[i][t])
+        out.append(row)
+    return out
+
+
+def fipo_weights(lp, old, adv, mask, *, decay_rate, clip_range, clip_high_only, safety_threshold, delta):
+    """f_{i,t} = clip(exp(Σ_{k≥t} γ^{k-t} m_k Δ_k)), with the δ filter and the safety rule."""
+    gamma = 2.0 ** (-1.0 / decay_rate)
+    out = []
+    for i in range(len(lp)):
+        T = len(lp[i])
+        shift = []
+        for k in range(T):
+            d = lp[i][k] - old[i][k]
+            keep = mask[i][k] and not (delta is not None and math.exp(d) > delta)
+            shift.append(d if keep else 0.0)
+        row = []
+        for t in range(T):
+            if not mask[i][t]:
+                row.append(1.0)
+                continue
+            future = sum(gamma ** (k - t) * shift[k] for k in range(t, T))
+            f = math.exp(future)
+            if clip_range is not None:  # None: no clipping
+                f = clip(f, 1.0 if clip_high_only else 1.0 - clip_range, 1.0 + clip_range)
+            r = math.exp(lp[i][t] - old[i][t])
+            if safety_threshold is not None and adv[i][t] < 0 and r > safety_threshold:
+                f = clip(f, 1.0 - (0.2 if clip_range is None else clip_range), 1.0)  # ms-swift's [0.8, 1]
+            row.append(f)
+        out.append(row)
+    return out
 
 
 def sign(x):
@@ -194,17 +285,6 @@ def real_loss(lp, old, adv, mask, group_ids, *, tau):
         if neg and pos:
             total += math.log(1 + sum(math.exp(s / tau) for s in neg)) + math.log(1 + sum(math.exp(-s / tau) for s in pos))
     return total / max(len(groups), 1)
-
-
-def full_kl(logits_row, ref_row, temperature=1.0):
-    """Σ_v π_v (log π_v - log ρ_v) for one position."""
-    def log_softmax(row):
-        z = [x / temperature for x in row]
-        m = max(z)
-        lse = m + math.log(sum(math.exp(x - m) for x in z))
-        return [x - lse for x in z]
-    lp, lr = log_softmax(logits_row), log_softmax(ref_row)
-    return sum(math.exp(a) * (a - b) for a, b in zip(lp, lr))
 
 
 def lists(data):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import loops_vocabulary as loops
+import loops
 import pgloss
 import pgloss.vocab.entropy
 from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits

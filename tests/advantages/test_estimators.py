@@ -1,12 +1,12 @@
-"""Advantage estimators against plain float64 loops (tests/loops_part2.py), bad input, and the
-global statistics over two gloo ranks (`on_rank`, `check_ranks`: run by test_distributed_part2.py)."""
+"""Advantage estimators against plain float64 loops (tests/loops/advantages.py), bad input, and the
+global statistics over two gloo ranks (`on_rank`, `check_ranks`: run by properties/test_two_ranks_step_statistics.py)."""
 
 import pytest
 import torch
 
 from pgloss.vocab.entropy import sum_pi_squared
 
-import loops_part2 as loops
+import loops
 from pgloss import advantages as est
 
 F64 = dict(dtype=torch.float64)
@@ -99,7 +99,7 @@ def test_opo_matches_loop_and_is_rloo_free_length_weighting():
 def test_gpg_matches_loop():
     scores, ids, _, _ = sample(9)
     assert 0 < int((scores != 0).sum()) < 12
-    close(est.gpg_advantages(scores, ids, f_norm=2.0), loops.gpg(scores.tolist(), ids.tolist(), 2.0))
+    close(est.gpg_advantages(scores, ids, f_norm=2.0), loops.gpg_advantages(scores.tolist(), ids.tolist(), 2.0))
 
 
 @pytest.mark.parametrize("scale", [True, False])
@@ -173,7 +173,7 @@ def test_bad_input_is_named(call, error, match):
         call(scores, ids)
 
 
-# -- global statistics over two gloo ranks (run by tests/test_distributed_part2.py) ----------
+# -- global statistics over two gloo ranks (run by tests/properties/test_two_ranks_step_statistics.py) ----------
 
 ROWS = {0: slice(0, 4), 1: slice(4, 12)}  # whole groups per rank, uneven on purpose
 

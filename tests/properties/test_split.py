@@ -66,7 +66,7 @@ def test_per_micro_batch_normalisation_would_not_be_invariant():
     cuts=st.lists(st.integers(1, 8), min_size=1, max_size=4),
     mode=st.sampled_from(pgloss.AGG_MODES),
     # Row-coupled names (Clip-Cov and KL-Cov select among a call's tokens, REAL contrasts a group's rows)
-    # are split-invariant only for calls holding whole groups: tests/test_vocabulary.py.
+    # are split-invariant only for calls holding whole groups: tests/losses/test_families_against_loops.py.
     name=st.sampled_from([n for n, (family, _) in pgloss.algorithms.NAMED.items() if not family.couples_rows]),
 )
 def test_any_split_of_any_algorithm_is_invariant(seed, cuts, mode, name):

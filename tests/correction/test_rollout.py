@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import loops_part2 as loops
+import loops
 from conftest import log_probs, make_batch
 from pgloss.correction.rollout import REJECTION_OPTIONS, Rejection, RolloutCorrection
 

@@ -2,7 +2,7 @@
 
 import torch
 
-import loops_vocabulary as loops
+import loops
 from conftest import make_batch
 from pgloss.losses.dro import dro_loss
 

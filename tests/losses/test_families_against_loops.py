@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import loops
-import loops_vocabulary as lv
+
 import pgloss
 from conftest import make_batch
 
@@ -25,43 +25,43 @@ def call(alg, data, log_prob=None, **extra):
 
 
 def reference_loss(alg, data):
-    """The loss from tests/loops_vocabulary.py, aggregated by tests/loops.py."""
-    lp, old, adv, mask = lv.lists(data)
+    """The loss from tests/loops/losses.py, aggregated by tests/loops/aggregate.py."""
+    lp, old, adv, mask = loops.lists(data)
     name = alg.name
     agg = lambda values: loops.aggregate(values, mask, alg.loss_agg_mode, norm_constant=alg.norm_constant,
                                          group_ids=data["group_ids"].tolist())
     if name == "gmpo":
-        return agg(lv.gmpo(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high))
+        return agg(loops.gmpo(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high))
     if name == "clip_cov":
         seed = alg.generator.initial_seed()
         keys = torch.rand(data["mask"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
         draw = lambda cells: sorted(cells, key=lambda c: float(keys[c]))  # the candidates of smallest key
-        return agg(lv.clip_cov(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
+        return agg(loops.clip_cov(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
                                ratio=alg.clip_cov_ratio, lb=alg.clip_cov_lb, ub=alg.clip_cov_ub, draw=draw)[0])
     if name == "kl_cov":
-        return agg(lv.kl_cov(lp, old, adv, mask, ratio=alg.kl_cov_ratio, kl_coef=alg.ppo_kl_coef)[0])
+        return agg(loops.kl_cov(lp, old, adv, mask, ratio=alg.kl_cov_ratio, kl_coef=alg.ppo_kl_coef)[0])
     if name == "gpg":
-        return agg(lv.gpg(lp, old, adv, mask))
+        return agg(loops.gpg(lp, old, adv, mask))
     if name == "tis_pg":
-        return agg(lv.tis_pg(lp, old, adv, mask, low=alg.tis_lower_bound, high=alg.tis_upper_bound))
+        return agg(loops.tis_pg(lp, old, adv, mask, low=alg.tis_lower_bound, high=alg.tis_upper_bound))
     if name == "topr":
         scores = SCORES[:len(lp)].tolist()
-        return agg(lv.topr(lp, old, adv, mask, scores, low=alg.tis_lower_bound, high=alg.tis_upper_bound))
+        return agg(loops.topr(lp, old, adv, mask, scores, low=alg.tis_lower_bound, high=alg.tis_upper_bound))
     if name in ("dppo_tv", "dppo_kl"):
-        return agg(lv.dppo(lp, old, adv, mask, divergence=alg.divergence, clip_low=alg.clip_low,
+        return agg(loops.dppo(lp, old, adv, mask, divergence=alg.divergence, clip_low=alg.clip_low,
                            clip_high=alg.clip_high, truncation=alg.truncation))
     if name == "dro":
-        return agg(lv.dro(lp, old, adv, mask, beta=alg.dro_beta))
+        return agg(loops.dro(lp, old, adv, mask, beta=alg.dro_beta))
     if name == "vespo":
-        return agg(lv.vespo(lp, old, adv, mask, k_pos=alg.vespo_k_pos, lambda_pos=alg.vespo_lambda_pos,
+        return agg(loops.vespo(lp, old, adv, mask, k_pos=alg.vespo_k_pos, lambda_pos=alg.vespo_lambda_pos,
                             k_neg=alg.vespo_k_neg, lambda_neg=alg.vespo_lambda_neg))
     if name == "luspo":
-        return lv.luspo_loss(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high)
+        return loops.luspo_loss(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high)
     if name == "ce_gppo":
-        return agg(lv.ce_gppo(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
+        return agg(loops.ce_gppo(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
                               beta_low=alg.gppo_beta_low, beta_high=alg.gppo_beta_high, dual_clip=alg.dual_clip)[0])
     if name == "real":
-        return lv.real_loss(lp, old, adv, mask, data["group_ids"].tolist(), tau=alg.real_tau)
+        return loops.real_loss(lp, old, adv, mask, data["group_ids"].tolist(), tau=alg.real_tau)
     raise KeyError(name)
 
 
@@ -169,7 +169,7 @@ def test_vespo_takes_the_rollout_ratio_into_its_weight_instead_of_multiplying():
     with_rollout = call(alg, data, rollout_log_prob=rollout)
     shifted = dict(data, log_prob=data["log_prob"], old_log_prob=data["old_log_prob"])
     # log(π_old/π_rollout) = -0.1 per token enters S_i, exactly as a 0.1-lower old policy would.
-    phi_direct = lv.vespo(*lv.lists(dict(shifted, old_log_prob=data["old_log_prob"] + 0.1)), k_pos=2, lambda_pos=3,
+    phi_direct = loops.vespo(*loops.lists(dict(shifted, old_log_prob=data["old_log_prob"] + 0.1)), k_pos=2, lambda_pos=3,
                           k_neg=3, lambda_neg=2)
     mask = data["mask"].tolist()
     expected = loops.aggregate(phi_direct, mask, "token-mean")

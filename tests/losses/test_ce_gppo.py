@@ -2,7 +2,7 @@
 
 import torch
 
-import loops_vocabulary as loops
+import loops
 from conftest import make_batch
 from pgloss.losses.ce_gppo import ce_gppo_loss
 from pgloss.losses.ppo import clipped_surrogate

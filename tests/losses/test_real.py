@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import loops_vocabulary as loops
+import loops
 import pgloss
 from conftest import make_batch
 from pgloss.losses.real import real_group_loss
@@ -109,7 +109,7 @@ def test_a_group_split_across_calls_is_not_invariant():
 RANK_PARTS = {0: [slice(0, 3)], 1: [slice(3, 6), slice(6, 9)]}
 
 
-def on_rank(rank):  # inside a gloo process of test_distributed_part2.py: whole groups on each rank
+def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_statistics.py: whole groups on each rank
     data = real_data(2)
     parts = RANK_PARTS[rank]
     _, grad = split_run(pgloss.get("real", kl_coef=0.1), data, parts)  # Normalizer all-reduced: world size 2

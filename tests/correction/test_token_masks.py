@@ -1,11 +1,11 @@
 """The top-entropy mask with a step-global quantile and truncated-completion masking: against a
 plain loop, split into micro-batches, entering the normaliser, and over two gloo ranks (`on_rank`,
-`check_ranks`: run by test_distributed_part2.py)."""
+`check_ranks`: run by properties/test_two_ranks_step_statistics.py)."""
 
 import pytest
 import torch
 
-import loops_part2 as loops
+import loops
 import pgloss
 from conftest import make_batch
 from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask, truncated_completion_mask
@@ -78,7 +78,7 @@ def test_empty_step_keeps_nothing():
 RANK_PARTS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
 
 
-def on_rank(rank):  # inside a gloo process of test_distributed_part2.py
+def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_statistics.py
     d = data()
     parts = RANK_PARTS[rank]
     threshold = entropy_threshold([d["entropy"][p] for p in parts], [d["mask"][p] for p in parts], top=0.25)
