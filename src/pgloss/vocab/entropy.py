@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core.batch import check_tensor, compute_dtype
+from ..core.batch import check_tensor
 from ..core.checks import check_number, check_values, is_integer
+from .chunks import ChunkLoop
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -147,62 +148,28 @@ def chunk_grad_logits(
     return z
 
 
-def _tempered(chunk: Tensor, temperature: float, out: Tensor) -> Tensor:
-    """`chunk` / τ written into `out` (compute dtype), with −inf logits (banned tokens)
-    clamped to the lowest finite value so that their π is exactly 0 and 0 · log π stays 0."""
-    if temperature == 1.0:
-        out.copy_(chunk)
-    else:
-        torch.div(chunk, temperature, out=out)
-    return out.clamp_(min=torch.finfo(out.dtype).min)
+class LogProbEntropy:
+    """Statistic of `chunks.ChunkLoop`: (log π(y), H) per token of one source, saving lse."""
 
+    def __init__(self, targets: Tensor) -> None:
+        self.targets = targets
 
-class _LogProbEntropy(torch.autograd.Function):
-    """[N, V] logits → (log π(y), H) [N]; saves the logits and the per-token lse only."""
+    def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+        return [torch.empty(n, dtype=dtype, device=device) for _ in range(3)]  # log π(y), H, lse
 
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk_size):
-        n, vocab = logits.shape
-        dtype = compute_dtype(logits.dtype)
-        log_prob = logits.new_empty(n, dtype=dtype)
-        entropy = logits.new_empty(n, dtype=dtype)
-        lse = logits.new_empty(n, dtype=dtype)
-        z = logits.new_empty(min(n, chunk_size), vocab, dtype=dtype)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            zc = _tempered(logits[rows], temperature, z[: min(chunk_size, n - start)])
-            log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(zc, targets[rows])
-        ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.set_materialize_grads(False)
-        return log_prob, entropy
+    def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
+        log_prob, entropy, lse = values
+        log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(zs[0], self.targets[rows])
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_log_prob, grad_entropy):
-        logits, targets, lse, entropy = ctx.saved_tensors
-        if grad_log_prob is None and grad_entropy is None:
-            return None, None, None, None
-        n, vocab = logits.shape
-        dtype, temperature, chunk_size = lse.dtype, ctx.temperature, ctx.chunk_size
-        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        in_place = grad_logits.dtype == dtype  # compute straight into the gradient rows
-        z = None if in_place else logits.new_empty(min(n, chunk_size), vocab, dtype=dtype)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            zc = _tempered(logits[rows], temperature, grad_logits[rows] if in_place else z[: min(chunk_size, n - start)])
-            grad = chunk_grad_logits(
-                zc,
-                targets[rows],
-                lse[rows],
-                entropy[rows],
-                None if grad_log_prob is None else grad_log_prob[rows],
-                None if grad_entropy is None else grad_entropy[rows],
-                temperature,
-            )
-            if not in_place:
-                grad_logits[rows] = grad
-        return grad_logits, None, None, None
+    def outputs(self, values: list[Tensor]) -> tuple[Tensor, Tensor]:
+        return values[0], values[1]
+
+    def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        _, entropy, lse = values
+        grad_log_prob, grad_entropy = grads
+        return chunk_grad_logits(zs[0], self.targets[rows], lse[rows], entropy[rows],
+                                 None if grad_log_prob is None else grad_log_prob[rows],
+                                 None if grad_entropy is None else grad_entropy[rows], temperature)
 
 
 def log_prob_and_entropy(
@@ -246,9 +213,8 @@ def log_prob_and_entropy(
     vocab = logits.shape[-1]
     chunk_size = check_chunk_size(chunk_size, vocab)
     lead = logits.shape[:-1]
-    log_prob, entropy = _LogProbEntropy.apply(
-        logits.reshape(-1, vocab), targets.reshape(-1).long(), temperature, chunk_size
-    )
+    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), ("logits",), temperature,
+                                        chunk_size, logits.reshape(-1, vocab))
     return log_prob.view(lead), entropy.view(lead)
 
 

@@ -17,7 +17,7 @@ Memory: both functions walk the positions in chunks and keep only two floats per
 (the two log-normalisers) besides the inputs; the backward pass recomputes each chunk's
 softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: per chunk it
 forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads
-(the chunk helpers of `pgloss.vocab.entropy` and `pgloss.vocab.chunks`), so memory beyond the inputs and
+(`chunks.ChunkLoop` with two sources, the `FullKL` statistic), so memory beyond the inputs and
 their gradients is two [chunk, V] buffers. Masked positions are the caller's to drop
 (`torch.where(mask, kl, 0)`); their logits need only be finite.
 """
@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
-from .chunks import HeadChunks, weight_grad_buffer
-from .entropy import _blocks, _tempered, check_chunk_size, check_temperature
+from .chunks import ChunkLoop
+from .entropy import _blocks, check_chunk_size, check_temperature
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
 
@@ -60,43 +60,22 @@ def chunk_full_kl_grad(z: Tensor, z_ref: Tensor, lse: Tensor, lse_ref: Tensor, k
     return z
 
 
-class _FullKLFromLogits(torch.autograd.Function):
-    """(logits, ref_logits) [N, V] → KL [N]; saves both logits and two floats per row."""
+class FullKL:
+    """Statistic of `chunks.ChunkLoop`: KL(π‖ρ) per token between its two sources, saving both lse."""
 
-    @staticmethod
-    def forward(ctx, logits, ref_logits, temperature, chunk_size):
-        n, vocab = logits.shape
-        dtype = compute_dtype(logits.dtype)
-        kl, lse, lse_ref = (logits.new_empty(n, dtype=dtype) for _ in range(3))
-        z = logits.new_empty(min(n, chunk_size), vocab, dtype=dtype)
-        z_ref = logits.new_empty(min(n, chunk_size), vocab, dtype=dtype)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            m = min(chunk_size, n - start)
-            zc = _tempered(logits[rows], temperature, z[:m])
-            zr = _tempered(ref_logits[rows], temperature, z_ref[:m])
-            kl[rows], lse[rows], lse_ref[rows] = chunk_full_kl(zc, zr)
-        ctx.save_for_backward(logits, ref_logits, lse, lse_ref, kl)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return kl
+    def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+        return [torch.empty(n, dtype=dtype, device=device) for _ in range(3)]  # KL, lse, lse_ref
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_kl):
-        logits, ref_logits, lse, lse_ref, kl = ctx.saved_tensors
-        n, vocab = logits.shape
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        z = logits.new_empty(min(n, chunk_size), vocab, dtype=lse.dtype)
-        z_ref = logits.new_empty(min(n, chunk_size), vocab, dtype=lse.dtype)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            m = min(chunk_size, n - start)
-            zc = _tempered(logits[rows], temperature, z[:m])
-            zr = _tempered(ref_logits[rows], temperature, z_ref[:m])
-            grad_logits[rows] = chunk_full_kl_grad(zc, zr, lse[rows], lse_ref[rows], kl[rows], grad_kl[rows],
-                                                   temperature)
-        return grad_logits, None, None, None
+    def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
+        kl, lse, lse_ref = values
+        kl[rows], lse[rows], lse_ref[rows] = chunk_full_kl(*zs)
+
+    def outputs(self, values: list[Tensor]) -> Tensor:
+        return values[0]
+
+    def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        kl, lse, lse_ref = values
+        return chunk_full_kl_grad(*zs, lse[rows], lse_ref[rows], kl[rows], grads[0][rows], temperature)
 
 
 def _check_pair(name: str, value: object, ref_name: str, ref: object, rank: int | None) -> None:
@@ -133,51 +112,9 @@ def full_kl_from_logits(
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
     chunk_size = check_chunk_size(chunk_size, vocab)
-    kl = _FullKLFromLogits.apply(logits.reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab),
-                                 temperature, chunk_size)
+    kl = ChunkLoop.apply(FullKL(), ("logits", "logits"), temperature, chunk_size,
+                         logits.reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab))
     return kl.view(logits.shape[:-1])
-
-
-class _FullKLFromHidden(torch.autograd.Function):
-    """(x [N, H], W [V, H], x_ref [N, H'], W_ref [V, H']) → KL [N]; saves the inputs and two floats per row."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, temperature, chunk_size):
-        n = hidden.shape[0]
-        dtype = compute_dtype(weight.dtype)
-        kl, lse, lse_ref = (hidden.new_empty(n, dtype=dtype) for _ in range(3))
-        chunks, ref_chunks = HeadChunks(hidden, weight, chunk_size, dtype), HeadChunks(ref_hidden, ref_weight, chunk_size, dtype)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = chunks.logits(hidden[rows], weight, temperature)
-            z_ref = ref_chunks.logits(ref_hidden[rows], ref_weight, temperature)
-            kl[rows], lse[rows], lse_ref[rows] = chunk_full_kl(z, z_ref)
-        ctx.save_for_backward(hidden, weight, ref_hidden, ref_weight, lse, lse_ref, kl)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return kl
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_kl):
-        hidden, weight, ref_hidden, ref_weight, lse, lse_ref, kl = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        if not (need_hidden or need_weight):
-            return None, None, None, None, None, None
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        chunks, ref_chunks = HeadChunks(hidden, weight, chunk_size, lse.dtype), HeadChunks(ref_hidden, ref_weight, chunk_size, lse.dtype)
-        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        grad_weight = weight_grad_buffer(weight, lse.dtype, rows=hidden.shape[0]) if need_weight else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            x = hidden[rows]
-            z = chunks.logits(x, weight, temperature)
-            z_ref = ref_chunks.logits(ref_hidden[rows], ref_weight, temperature)
-            grad = chunk_full_kl_grad(z, z_ref, lse[rows], lse_ref[rows], kl[rows], grad_kl[rows], temperature)
-            chunks.apply_grad(grad, x, weight, None if grad_hidden is None else grad_hidden[rows], grad_weight,
-                              first=start == 0)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
 
 
 def full_kl_from_hidden(
@@ -221,7 +158,6 @@ def full_kl_from_hidden(
     temperature = check_temperature(temperature)
     chunk_size = check_chunk_size(chunk_size, weight.shape[0])
     batch, length, size = hidden.shape
-    kl = _FullKLFromHidden.apply(hidden.reshape(batch * length, size), weight,
-                                 ref_hidden.detach().reshape(batch * length, ref_hidden.shape[-1]), ref_weight.detach(),
-                                 temperature, chunk_size)
+    kl = ChunkLoop.apply(FullKL(), ("head", "head"), temperature, chunk_size, hidden.reshape(batch * length, size),
+                         weight, ref_hidden.detach().reshape(batch * length, ref_hidden.shape[-1]), ref_weight.detach())
     return kl.view(batch, length)

@@ -19,8 +19,8 @@ entropy=H, ...)` on the full logits, for every algorithm and `Normalizer`:
   loss under the step's `Normalizer` is its exact share of the batch loss (the split invariance
   of `pgloss.core.aggregate`). Its ∂L/∂log π and ∂L/∂H are therefore known as soon as its logits
   are, and G W and Gᵀ x are formed in the forward pass: three N·H·V matmuls, the 6NHV floor.
-- recompute (longer sequences, chunks of tokens): forward keeps only the per-token lse;
-  backward recomputes each chunk's logits: four matmuls, 8NHV.
+- recompute (longer sequences, chunks of tokens): `chunks.ChunkLoop` with a head source; forward
+  keeps only the per-token lse; backward recomputes each chunk's logits: four matmuls, 8NHV.
 
 Memory beyond the inputs and their gradients: one [chunk, V] buffer and cache-sized blocks.
 
@@ -39,8 +39,9 @@ from torch import Tensor
 from ..core.aggregate import Normalizer
 from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
-from .chunks import HeadChunks, weight_grad_buffer
+from .chunks import ChunkLoop, HeadChunks, weight_grad_buffer
 from .entropy import (
+    LogProbEntropy,
     check_chunk_size,
     check_targets,
     check_temperature,
@@ -49,57 +50,6 @@ from .entropy import (
 )
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
-
-
-class _FusedLogProbEntropy(torch.autograd.Function):
-    """(x [N, H], W [V, H]) → (log π(y), H) [N]; saves x, W, y and the per-token lse only."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
-        n = hidden.shape[0]
-        dtype = compute_dtype(weight.dtype)
-        log_prob = hidden.new_empty(n, dtype=dtype)
-        entropy = hidden.new_empty(n, dtype=dtype)
-        lse = hidden.new_empty(n, dtype=dtype)
-        chunks = HeadChunks(hidden, weight, chunk_size, dtype)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = chunks.logits(hidden[rows], weight, temperature)
-            log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(z, targets[rows])
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.set_materialize_grads(False)
-        return log_prob, entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_log_prob, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        if (grad_log_prob is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return None, None, None, None, None
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        chunks = HeadChunks(hidden, weight, chunk_size, lse.dtype)
-        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        grad_weight = weight_grad_buffer(weight, lse.dtype, rows=hidden.shape[0]) if need_weight else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            x = hidden[rows]
-            z = chunks.logits(x, weight, temperature)
-            grad = chunk_grad_logits(
-                z,
-                targets[rows],
-                lse[rows],
-                entropy[rows],
-                None if grad_log_prob is None else grad_log_prob[rows],
-                None if grad_entropy is None else grad_entropy[rows],
-                temperature,
-            )
-            chunks.apply_grad(grad, x, weight, None if grad_hidden is None else grad_hidden[rows], grad_weight,
-                              first=start == 0)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
 
 
 def full_head(weight: Tensor) -> Tensor:
@@ -170,9 +120,8 @@ def log_prob_and_entropy_from_hidden(
     temperature = check_temperature(temperature)
     chunk_size = check_chunk_size(chunk_size, weight.shape[0])
     batch, length, size = hidden.shape
-    log_prob, entropy = _FusedLogProbEntropy.apply(
-        hidden.reshape(batch * length, size), weight, targets.reshape(-1).long(), temperature, chunk_size
-    )
+    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), ("head",), temperature, chunk_size,
+                                        hidden.reshape(batch * length, size), weight)
     return log_prob.view(batch, length), entropy.view(batch, length)
 
 
