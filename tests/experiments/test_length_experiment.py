@@ -197,5 +197,6 @@ def test_the_experiment_resumes_its_own_out_and_refuses_another(tmp_path, capsys
     (out / "notes.txt").write_text("mine")
     assert claim_out(str(out), "unused", other, overwrite=True) == out
     assert not (out / "runs").exists() and not (out / "experiment.json").exists() and (out / "notes.txt").exists()
+    assert (out / "replaced" / "runs").is_dir() and (out / "replaced" / "experiment.json").exists()  # set aside, not deleted
     assert main(["experiment", "length", "--quick", "--steps", "5", "--out", str(out / "notes.txt")]) == 2
     assert "is a file" in capsys.readouterr().err

@@ -34,6 +34,8 @@ def test_an_out_that_holds_a_run_is_refused_and_nothing_is_deleted(tmp_path, cap
     (out / "notes.txt").write_text("mine")  # --overwrite replaces the lab's files and keeps the others
     assert cli.main([*COMPARE, "--steps", "2", "--out", str(out), "--overwrite"]) == 0
     assert json.loads((out / "config.json").read_text())["base"]["steps"] == 2 and (out / "notes.txt").exists()
+    assert {p.name: p.read_bytes() for p in (out / "replaced").iterdir()} == before  # the earlier run is kept
+    assert f"kept in {out / 'replaced'}" in capsys.readouterr().err
 
 
 def test_the_default_out_when_taken_is_written_beside(tmp_path, monkeypatch, capsys):
@@ -54,7 +56,8 @@ def test_grads_refuses_an_existing_figure_and_takes_the_same_grammar(tmp_path, c
     assert cli.main(args) == 2 and out.read_bytes() == figure
     assert "already exists: a run never replaces another" in capsys.readouterr().err
     assert cli.main([*args, "--overwrite"]) == 0
-    capsys.readouterr()
+    assert (tmp_path / "g.replaced.png").read_bytes() == figure  # the earlier figure is kept beside
+    assert f"kept as {tmp_path / 'g.replaced.png'}" in capsys.readouterr().err
     assert cli.main(["grads", "--algorithms", "all", "--max-length", "8", "--out", str(tmp_path / "all.png")]) == 0
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]]
     assert rows == pgloss.names()  # every loss, those that need scores (TOPR) or groups (REAL) included

@@ -11,15 +11,7 @@ from lab_helpers import TINY, fixed_batch, tiny_policy
 from pgloss.lab.config import LabConfig
 from pgloss.lab.sampling import response_log_probs
 from pgloss.lab.trainer import update
-from pgloss.correction.rollout import Rejection, RolloutCorrection
-
-CORRECTIONS = {
-    "none": None,
-    "token TIS": RolloutCorrection(upper=1.2),
-    "k3 rejection": RolloutCorrection(rejection=(Rejection("token_k3", upper=0.02),)),
-    "batch-normalised": RolloutCorrection(upper=1.5, batch_normalize=True),
-    "off-policy mask": RolloutCorrection(weight_level=None, off_policy_mask=0.05),
-}
+from properties.steps import CORRECTIONS  # the same corrections as every other path's test
 N_PROMPTS = 6
 
 

@@ -236,5 +236,5 @@ def add_grads_command(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="synthetic batch: seed (default 0)")
     parser.add_argument("--out", help="the figure's path (default: runs/grads.png, or runs/grads-2.png, ... when "
                                       "taken); an --out that exists is refused")
-    parser.add_argument("--overwrite", action="store_true", help="replace the figure at --out (otherwise refused)")
+    parser.add_argument("--overwrite", action="store_true", help="write over the figure at --out, the earlier one kept as <name>.replaced.png")
     parser.set_defaults(func=cmd_grads)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
-# the files and folders an experiment writes into --out (what --overwrite removes)
+# the files and folders an experiment writes into --out (what --overwrite sets aside)
 OWN = ("runs", "warm", "experiment.json", "seconds.json", "report.md", "length_reward.png", "length_length.png",
        "length_repetition.png", "length_gradient.png")
 UNCOMPARED = ("workers", "status")  # experiment.json entries that do not make another experiment
@@ -29,7 +28,7 @@ def _settings(experiment) -> dict:
 def claim_out(out: str | None, default: str, experiment, overwrite: bool) -> Path:
     """The experiment's folder: new, or one that holds this same experiment (resumed); a taken
     default becomes the next free name beside it; a taken --out is refused unless `overwrite`."""
-    from ..lab.outputs import beside, refusal, taken
+    from ..lab.outputs import beside, refusal, set_aside, taken
 
     path = Path(default if out is None else out)
     if path.exists() and not path.is_dir():
@@ -43,9 +42,7 @@ def claim_out(out: str | None, default: str, experiment, overwrite: bool) -> Pat
             {k: v for k, v in mine.items() if k not in UNCOMPARED}:
         return path  # the same experiment: resumed
     if overwrite:
-        for name in OWN:
-            target = path / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        set_aside(path, OWN)
         return path
     if out is None:
         return beside(path)
@@ -136,6 +133,6 @@ def add_experiment_command(subparsers) -> None:
     parser.add_argument("--out", help="output folder (default: runs/length, or runs/length-quick; taken by another "
                                       "experiment: the next free name beside it); the same experiment is resumed")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an experiment with other settings in --out (otherwise refused)")
+                        help="replace an experiment with other settings in --out, its files kept in --out/replaced")
     parser.add_argument("--report-only", action="store_true", help="only write the report from the runs in --out")
     parser.set_defaults(func=cmd_experiment)

@@ -287,7 +287,7 @@ def _add_run_arguments(parser, default_out: str) -> None:
     parser.add_argument("--out", help=f"output directory (default: {default_out}, or {default_out}-2, ... when "
                                       "taken); an --out that holds files is refused")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the lab's files in an --out that holds a run (otherwise refused)")
+                        help="write over a run in --out, its files kept in --out/replaced (otherwise refused)")
     parser.add_argument("--warm-cache", metavar="DIR",
                         help="where warm starts are cached, keyed by their settings, torch and the lab's code "
                              "(default: $XDG_CACHE_HOME/pgloss/warm or ~/.cache/pgloss/warm; none: no cache)")

@@ -7,12 +7,15 @@ One rule for every command that writes (``train``, ``compare``, ``experiment``, 
   work (``experiment`` resumes its own runs instead, when the settings are the same);
 - the default ``--out`` (``runs/compare``, ...), when taken, becomes the first free name beside
   it: ``runs/compare-2``, ``runs/compare-3``, ...;
-- ``--overwrite`` replaces: the command's own files in ``--out`` are removed first, others kept.
+- ``--overwrite`` replaces, and still deletes nothing: the command's earlier files in ``--out`` are
+  moved into ``--out``'s first free ``replaced``, ``replaced-2``, ... folder (an earlier file given
+  as ``--out`` becomes ``<name>.replaced<suffix>``, ``<name>.replaced-2<suffix>``, ...); other files stay.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -42,17 +45,30 @@ def refusal(path: Path) -> str:
             "to replace it")
 
 
+def set_aside(folder: Path, names) -> Path | None:
+    """Move the entries of `folder` named in `names` that exist into its first free ``replaced``
+    folder, say where on stderr and return it (None when none of them is there)."""
+    present = [folder / name for name in names if (folder / name).exists()]
+    if not present:
+        return None
+    kept = beside(folder / "replaced")
+    kept.mkdir(parents=True)
+    for entry in present:
+        entry.rename(kept / entry.name)
+    print(f"--overwrite: the earlier {', '.join(e.name for e in present)} kept in {kept}", file=sys.stderr)
+    return kept
+
+
 def claim_directory(out: str | None, default: str, overwrite: bool, own: list[str]) -> Path:
     """The directory a run writes into, created, by the rule of the module docstring; `own` are the
-    names of the files the command writes (removed under `overwrite`). ValueError when it cannot
+    names of the files the command writes (set aside under `overwrite`). ValueError when it cannot
     be used."""
     path = Path(default if out is None else out)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {path}: is a file, not a directory")
     if taken(path):
         if overwrite:
-            for name in own:
-                (path / name).unlink(missing_ok=True)
+            set_aside(path, own)
         elif out is None:
             path = beside(path)
         else:
@@ -71,7 +87,11 @@ def claim_file(out: str | None, default: str, overwrite: bool) -> Path:
     path = Path(default if out is None else out)
     if path.is_dir():
         raise ValueError(f"--out {path}: is a directory, not a file")
-    if path.exists() and not overwrite:
+    if path.exists() and overwrite:
+        kept = beside(path.with_name(f"{path.stem}.replaced{path.suffix}"))
+        path.rename(kept)
+        print(f"--overwrite: the earlier {path.name} kept as {kept}", file=sys.stderr)
+    elif path.exists():
         if out is not None:
             raise ValueError(refusal(path))
         path = beside(path)
