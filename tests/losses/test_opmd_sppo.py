@@ -60,3 +60,31 @@ def test_sppo_gradcheck_and_gradient_is_reinforce_inside_the_band():
     inside = d.abs() <= math.log(1.3)
     expected = torch.where(mask & inside, -data["advantages"], 0.0) / mask.sum()
     torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name, scale", [("rec_oneside", 1.0), ("rec_ring", 1.0), ("sppo", 1.0), ("opmd", 0.5)])
+def test_reinforce_identity_at_ratio_one(name, scale):
+    """At π_θ = π_old every token is kept: the gradient is -Â·∇log π_θ / N (OPMD's scaled by 1/(1+τ))."""
+    data = make_batch(batch=6, length=5, seed=7, per_token_adv=True)
+    x = data["old_log_prob"].clone().requires_grad_()
+    pgloss.get(name)(x, data["old_log_prob"], data["advantages"], data["mask"]).loss.backward()
+    mask = data["mask"]
+    torch.testing.assert_close(x.grad, torch.where(mask, -scale * data["advantages"], 0.0) / mask.sum(),
+                               rtol=1e-12, atol=1e-15)
+
+
+def test_gvpo_gradient_at_ratio_one_is_the_centred_advantage():
+    """R_θ = 0 at π_θ = π_old: c_i = -(Â_i - mean Â), so ∂L/∂log π_{i,t} = -β·(Â_i - Ā_g)/((k - 1)·groups)."""
+    data = make_batch(batch=6, length=5, seed=8)
+    ids = torch.arange(6) // 3
+    x = data["old_log_prob"].clone().requires_grad_()
+    pgloss.get("gvpo", gvpo_beta=0.5)(x, data["old_log_prob"], data["advantages"], data["mask"],
+                                      group_ids=ids).loss.backward()
+    mask, adv = data["mask"], data["advantages"].clone()
+    valid = mask.any(-1)
+    expected = torch.zeros(6, dtype=torch.float64)
+    for g in range(2):
+        rows = (ids == g) & valid
+        k = int(rows.sum())
+        expected[rows] = -0.5 * (adv[rows] - adv[rows].mean()) / ((k - 1) * 2)
+    torch.testing.assert_close(x.grad, torch.where(mask, expected[:, None], 0.0), rtol=1e-12, atol=1e-15)
