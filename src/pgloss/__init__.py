@@ -14,7 +14,7 @@ from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
 from .core.checks import detect_anomaly
 from .algorithms import (
-    CEGPPO, CISPO, DPPO, DRO, FIPO, GMPO, GPG, LUSPO, REAL, SAPO, TISPG, TOPR, VESPO,  # the families: losses/<family>.py
+    CEGPPO, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
     Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
 )
 from .vocab.entropy import log_prob_and_entropy
@@ -44,15 +44,19 @@ __all__ = [
     "FixedKLController",
     "GMPO",
     "GPG",
+    "GVPO",
     "KL_ESTIMATORS",
     "KLCov",
     "LossOutput",
     "LUSPO",
+    "OPMD",
     "Normalizer",
     "REAL",
+    "REC",
     "Rejection",
     "RolloutCorrection",
     "SAPO",
+    "SPPO",
     "TISPG",
     "TOPR",
     "VESPO",

@@ -24,16 +24,20 @@ from .losses.dppo import DPPO
 from .losses.dro import DRO
 from .losses.fipo import FIPO
 from .losses.gmpo import GMPO
+from .losses.gvpo import GVPO
 from .losses.luspo import LUSPO
+from .losses.opmd import OPMD
 from .losses.ppo import ClippedPolicy
 from .losses.real import REAL
+from .losses.rec import REC
 from .losses.reinforce import GPG, TISPG, TOPR
 from .losses.sapo import SAPO
+from .losses.sppo import SPPO
 from .losses.vespo import VESPO
 
 __all__ = ["Algorithm", "LossOutput", "PolicyTerms", "NAMED", "SOURCES", "RECIPES", "Recipe", "recipe", "register", "names", "get", "families",
-           "CEGPPO", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "KLCov", "LUSPO",
-           "REAL", "SAPO", "TISPG", "TOPR", "VESPO"]
+           "CEGPPO", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "GVPO", "KLCov", "LUSPO",
+           "OPMD", "REAL", "REC", "SAPO", "SPPO", "TISPG", "TOPR", "VESPO"]
 
 NAMED: dict[str, tuple[type[Algorithm], dict[str, Any]]] = {}
 """name -> (family, defaults), in registration order."""
@@ -71,6 +75,14 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
     ("luspo", LUSPO, "TRL luspo (trl/trainer/grpo_trainer.py)", dict()),
     ("ce_gppo", CEGPPO, "Su et al. 2025, Kwai-Klear/CE-GPPO compute_gppo_loss_general_beta", dict()),
     ("real", REAL, "arXiv 2602.05630; ms-swift real (swift/rlhf_trainers/grpo_trainer.py)", dict()),
+    ("rec_oneside", REC, "Yao et al. 2025, arXiv 2509.24203; Trinity-RFT rec REC-OneSide-NoIS "
+     "(trinity/algorithm/policy_loss_fn/rec_policy_loss.py)", dict(rec_clip_mode="one-side")),
+    ("rec_ring", REC, "Yao et al. 2025, arXiv 2509.24203; Trinity-RFT rec REC-Ring-NoIS "
+     "(trinity/algorithm/policy_loss_fn/rec_policy_loss.py)", dict(rec_clip_mode="ring", ring_low=0.6, ring_high=2.0)),
+    ("opmd", OPMD, "Kimi k1.5, arXiv 2501.12599; Trinity-RFT opmd (trinity/algorithm/policy_loss_fn/opmd_policy_loss.py)",
+     dict()),
+    ("sppo", SPPO, "arXiv 2108.05828; Trinity-RFT sppo (trinity/algorithm/policy_loss_fn/sppo_loss_fn.py)", dict()),
+    ("gvpo", GVPO, "Zhang et al. 2025, arXiv 2504.19599; verl-recipe gvpo (gvpo/gvpo_core_algos.py)", dict()),
 ]
 
 
@@ -92,6 +104,11 @@ _PAPER_RECIPES = {
     "dapo": Recipe(dynamic_sampling=True),  # arXiv 2503.14476 eq. 11
     "fipo": Recipe(dynamic_sampling=True),  # FIPO trains on DAPO's recipe
     "dr_grpo": Recipe(scale_rewards=False),  # arXiv 2503.20783: no std division
+    "rec_oneside": Recipe(scale_rewards=False),  # Trinity RECGroupedAdvantage std_normalize=False
+    "rec_ring": Recipe(scale_rewards=False),
+    "opmd": Recipe(scale_rewards=False),  # r - mean(r) (Trinity opmd_baseline="mean"), or τ·logavgexp(r/τ)
+    "sppo": Recipe(scale_rewards=False),  # Trinity sPPOAlgorithm: OPMD's advantages
+    "gvpo": Recipe(scale_rewards=False),  # arXiv 2504.19599: R - mean(R); verl-recipe norm_adv_by_std_in_grpo=False
 }
 
 
