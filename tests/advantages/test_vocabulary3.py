@@ -224,3 +224,35 @@ def test_bad_input_is_named(call, error, match):
     scores, ids = binary()
     with pytest.raises(error, match=match):
         call(scores, ids)
+
+
+# -- RAE over two gloo ranks (run by tests/properties/test_two_ranks_step_statistics.py) -----------------
+
+RANK_ROWS = {0: slice(0, 4), 1: slice(4, None)}
+
+
+def _rae_states(rows):
+    out = {}
+    for update in ("trace", "step", "sequential"):
+        rae = est.RoleBaseline(3, decay=0.8, update=update)
+        out[update] = torch.cat([rae(r[rows], k[rows]) for r, k in rae_steps()] + [rae.baseline])
+    return out
+
+
+def on_rank(rank):
+    return _rae_states(RANK_ROWS[rank])
+
+
+def check_ranks(results):
+    whole = _rae_states(slice(None))
+    for update, expected in whole.items():
+        got, offsets = [], [0, 0]
+        for r, _ in rae_steps():  # each step: rank 0 holds the first 4 rows, rank 1 the rest
+            for rank, n in ((0, 4), (1, r.shape[0] - 4)):
+                got.append(results[rank][update][offsets[rank]:offsets[rank] + n])
+                offsets[rank] += n
+        torch.testing.assert_close(torch.cat(got), expected[:-3], rtol=1e-12, atol=1e-12, msg=update)
+        for rank in (0, 1):  # every rank holds the same baseline
+            torch.testing.assert_close(results[rank][update][-3:], expected[-3:], rtol=1e-12, atol=1e-12, msg=update)
+    # one process on its own rows only would hold another baseline: the comparison can fail
+    assert not torch.allclose(_rae_states(RANK_ROWS[0])["trace"][-3:], whole["trace"][-3:])

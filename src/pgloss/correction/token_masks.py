@@ -198,6 +198,7 @@ def clip_v_mask(log_prob: Tensor, entropy: Tensor, expected_discriminator: Tenso
     # the K-th largest D among the negative outliers of the step (all ranks)
     ranked = gather_values(torch.where(negative, d, -math.inf).flatten(), process_group=process_group, reduce=reduce)
     ranked = torch.sort(ranked, descending=True).values
-    kth = ranked[(k.to(torch.long) - 1).clamp(max=max(ranked.numel() - 1, 0))] if ranked.numel() else d.new_tensor(math.inf)
+    at = (k.to(torch.long) - 1).clamp(max=ranked.numel() - 1).reshape(1)
+    kth = ranked.gather(0, at)[0] if ranked.numel() else d.new_tensor(math.inf)  # a gather: no host read
     clipped = torch.where(capped, (test & ~negative) | (negative & (d >= kth)), test)
     return mask & ~(clipped & (std >= 1e-12))
