@@ -159,6 +159,13 @@ def test_role_baseline_state_dict_round_trip():
         est.RoleBaseline(2, decay=0.8).load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize("update", ["trace", "step", "sequential"])
+def test_role_baseline_runs_on_meta_without_host_reads(update):
+    rae = est.RoleBaseline(3, update=update)
+    out = rae(torch.zeros(6, device="meta"), torch.zeros(6, dtype=torch.long, device="meta"))
+    assert out.device.type == "meta" and rae.baseline.device.type == "meta"
+
+
 def test_role_baseline_keeps_the_reward_dtype():
     out = est.RoleBaseline(2)(torch.tensor([1.0, 0.0], requires_grad=True), torch.tensor([0, 1]))
     assert out.dtype == torch.float32 and not out.requires_grad

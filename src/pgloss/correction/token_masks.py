@@ -170,7 +170,8 @@ def clip_v_mask(log_prob: Tensor, entropy: Tensor, expected_discriminator: Tenso
         clip_t = m_t ∧ Â_t < 0 ∧ D_t > μ σ(D)          σ the population std over the step's valid tokens
 
     and when more than max(⌊max_frac · n⌋, 1) = K tokens would be clipped (n the valid tokens), only
-    the K with the largest D are. Every token is kept when σ < 1e-12.
+    the K with the largest D are (a tie at the K-th value clips every tied token; Trinity's `topk` picks
+    among them). Every token is kept when σ < 1e-12.
 
     `convention="trinity"`: Trinity's test also clips zero-advantage tokens with D > μσ (its `keep`
     is `Â > 0 ∨ D ≤ μσ`), and counts them against the share; the cap then re-admits only negative
