@@ -359,7 +359,8 @@ def tir_optimal_token_baseline_advantages(
     response the tool output between turns is masked, and the k-th generated token of each response
     sits at a different column. With k the generated-token index, t_i(k) its column in row i:
 
-        B_k = Σ_{i∈g, k<|y_i|} G_{i,t_i(k)} W_{i,t_i(k)} / (Σ_{i∈g, k<|y_i|} W_{i,t_i(k)} + ε),   Â_{i,t_i(k)} = G - B_k
+        B_k = Σ_{i∈g, k<|y_i|} G_{i,t_i(k)} W_{i,t_i(k)} / (Σ_{i∈g, k<|y_i|} W_{i,t_i(k)} + ε),
+        Â_{i,t_i(k)} = G_{i,t_i(k)} - B_k
 
     Rows without a valid token are left out of their group (its size counts the others), as verl.
     Without holes in the mask it equals `optimal_token_baseline_advantages`. The returns are 0 at
@@ -449,7 +450,8 @@ def asymre_advantages(scores: Tensor, group_ids: Tensor, *, baseline_shift: floa
     delta = check_number("baseline_shift", baseline_shift)
 
     def baseline(work, index, n_groups):
-        return _group_sum(work, index, n_groups)[index] / _group_sum(torch.ones_like(work), index, n_groups)[index] + delta
+        centered, _ = _group_center(work, index, n_groups)
+        return work - centered + delta
 
     return _shifted_group_baseline(scores, group_ids, baseline, singleton)
 
@@ -473,7 +475,8 @@ def opmd_advantages(scores: Tensor, group_ids: Tensor, *, baseline: str = "mean"
     tau = _positive("tau", tau)
 
     def mean(work, index, n_groups):
-        return _group_sum(work, index, n_groups)[index] / _group_sum(torch.ones_like(work), index, n_groups)[index]
+        centered, _ = _group_center(work, index, n_groups)
+        return work - centered
 
     def logavgexp(work, index, n_groups):
         x = work / tau

@@ -85,7 +85,8 @@ class RoleBaseline:
         rewards = check_tensor("rewards", rewards, ndim=(1,))
         keys = check_tensor("keys", keys, ndim=(1,), floating=False)
         if keys.shape != rewards.shape or not is_integer(keys):
-            raise ValueError(f"keys must be integers of shape {tuple(rewards.shape)}, got {keys.dtype} {tuple(keys.shape)}")
+            raise ValueError(f"keys must be integers of shape {tuple(rewards.shape)}, "
+                             f"got {keys.dtype} {tuple(keys.shape)}")
         check_device("keys", keys, rewards.device, "rewards")
         check_values(keys, lambda: (keys < 0) | (keys >= self.num_keys),
                      lambda at: f"keys must lie in [0, {self.num_keys}), got {int(keys[at[0]])} at row {int(at[0])}")
