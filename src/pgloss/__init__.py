@@ -22,6 +22,7 @@ from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
 from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 from .correction.rollout import Rejection, RolloutCorrection
+from .advantages.role_baseline import RoleBaseline  # RAE's per-role running baseline: state across steps
 from .integrations.trl_config import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
 from .integrations.verl_config import from_verl  # verl's actor config as an Algorithm (imports no verl)
 
@@ -54,6 +55,7 @@ __all__ = [
     "REAL",
     "REC",
     "Rejection",
+    "RoleBaseline",
     "RolloutCorrection",
     "SAPO",
     "SPPO",

@@ -5,4 +5,3 @@ from .aggregate import *  # noqa: F401,F403
 from .correction import *  # noqa: F401,F403
 from .kl import *  # noqa: F401,F403
 from .losses import *  # noqa: F401,F403
-from .trinity import *  # noqa: F401,F403

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE, GRPO's group advantages, RLOO, REINFORCE++, OPO, GPG, pass@k, GDPO, the optimal token baseline.
+"""Advantage estimators: GAE, GRPO's group advantages, RLOO, REINFORCE++, OPO, GPG, pass@k, GDPO, the optimal token baseline
+(single- and multi-turn), MaxRL, AsymRE, OPMD, RAE's role baseline, and the Clip_B / Clip_V token masks.
 
 Nothing here imports pgloss: these are the independent references the tests compare against, written
 in Python floats (float64). Inputs are nested lists; `mask[i][t]` is a bool.
@@ -162,3 +163,129 @@ def optimal_token_baseline(rewards, mask, ids, old_lp, spp, *, zero_tail=True, e
             for t in range(lens[-2], T):
                 base[longest[0]][t] = 0.0
     return [[G[i][t] - base[i][t] if mask[i][t] else 0.0 for t in range(T)] for i in range(B)], G
+
+
+def tir_optimal_token_baseline(rewards, mask, ids, old_lp, spp, *, zero_tail=True, eps=1e-8):
+    """The k-th generated token of each response shares a baseline with the k-th of the others."""
+    G = returns(rewards, mask, 1.0)
+    B, T = len(mask), len(mask[0])
+    cols = [[t for t in range(T) if mask[i][t]] for i in range(B)]
+    W = []
+    for i in range(B):
+        acc, row = 0.0, []
+        for t in cols[i]:
+            acc += 1 - 2 * math.exp(old_lp[i][t]) + spp[i][t]
+            row.append(acc)
+        W.append(row)
+    adv = [[0.0] * T for _ in range(B)]
+    for members in _groups(ids).values():
+        members = [i for i in members if cols[i]]
+        lens = sorted(len(cols[i]) for i in members)
+        for i in members:
+            for k, t in enumerate(cols[i]):
+                if len(members) == 1:
+                    b = 0.0
+                else:
+                    num = sum(G[j][cols[j][k]] * W[j][k] for j in members if k < len(cols[j]))
+                    b = num / (sum(W[j][k] for j in members if k < len(cols[j])) + eps)
+                    unique_longest = sum(1 for j in members if len(cols[j]) == lens[-1]) == 1
+                    if zero_tail and unique_longest and len(cols[i]) == lens[-1] and k >= lens[-2]:
+                        b = 0.0
+                adv[i][t] = G[i][t] - b
+    return adv
+
+
+def maxrl_adv(scores, ids, *, eps=0.0, skyrl=False):
+    """(s - μ)/μ, 0 when μ ≤ 0 (paper); SkyRL: (s - μ)/(μ + ε) and a group of one keeps s."""
+    out = [0.0] * len(scores)
+    for members in _groups(ids).values():
+        mean = sum(scores[i] for i in members) / len(members)
+        for i in members:
+            if len(members) == 1:
+                out[i] = scores[i] if skyrl else 0.0
+            elif skyrl:
+                out[i] = (scores[i] - mean) / (mean + eps)
+            else:
+                out[i] = (scores[i] - mean) / (mean + eps) if mean > 0 else 0.0
+    return out
+
+
+def shifted_baseline(scores, ids, baseline, *, raw_singleton=False):
+    """s - b(group's scores); a group of one: 0, or s (b = 0)."""
+    out = [0.0] * len(scores)
+    for members in _groups(ids).values():
+        xs = [scores[i] for i in members]
+        for i in members:
+            out[i] = (scores[i] if raw_singleton else 0.0) if len(xs) == 1 else scores[i] - baseline(xs)
+    return out
+
+
+def asymre_adv(scores, ids, delta, **kw):
+    return shifted_baseline(scores, ids, lambda xs: sum(xs) / len(xs) + delta, **kw)
+
+
+def opmd_adv(scores, ids, *, tau=None, **kw):
+    if tau is None:
+        return shifted_baseline(scores, ids, lambda xs: sum(xs) / len(xs), **kw)
+    return shifted_baseline(scores, ids, lambda xs: tau * math.log(sum(math.exp(x / tau) for x in xs) / len(xs)), **kw)
+
+
+def rae_sequential(steps, decay, num_keys):
+    """SPIRAL / prime-rl: each row scored against its key's baseline, which then moves toward its reward."""
+    b = [0.0] * num_keys
+    out = []
+    for rewards, keys in steps:
+        adv = []
+        for r, k in zip(rewards, keys):
+            adv.append(r - b[k])
+            b[k] = decay * b[k] + (1 - decay) * r
+        out.append(adv)
+    return out, b
+
+
+def rae_per_step(steps, decay, num_keys, *, per_trace=True):
+    """Scored against the baseline before the step; then b ← α^n b + (1-α^n) mean (or α, once per step)."""
+    b = [0.0] * num_keys
+    out = []
+    for rewards, keys in steps:
+        out.append([r - b[k] for r, k in zip(rewards, keys)])
+        for k in range(num_keys):
+            mine = [r for r, kk in zip(rewards, keys) if kk == k]
+            if mine:
+                keep = decay ** len(mine) if per_trace else decay
+                b[k] = keep * b[k] + (1 - keep) * sum(mine) / len(mine)
+    return out, b
+
+
+def _valid_moments(values, mask):
+    xs = [v for row, m in zip(values, mask) for v, k in zip(row, m) if k]
+    mean = sum(xs) / len(xs)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+
+
+def clipb_mask(log_prob, entropy, adv, mask, mu):
+    """Keep unless Â < 0 and S - mean(S) < -μ σ(S), S = p (H + log p) over the valid tokens."""
+    S = [[math.exp(lp) * (h + lp) for lp, h in zip(lr, hr)] for lr, hr in zip(log_prob, entropy)]
+    mean, std = _valid_moments(S, mask)
+    return [[bool(mask[i][t]) and (std < 1e-12 or adv[i][t] >= 0 or S[i][t] - mean >= -mu * std)
+             for t in range(len(mask[0]))] for i in range(len(mask))]
+
+
+def clipv_mask(log_prob, entropy, necs, adv, mask, mu, max_frac, *, trinity=False):
+    """Clip Â < 0 (Trinity: Â ≤ 0) where D = N - S > μσ(D); past ⌊max_frac·n⌋ clipped tokens, only the
+    K negative ones with the largest D."""
+    B, T = len(mask), len(mask[0])
+    D = [[necs[i][t] - math.exp(log_prob[i][t]) * (entropy[i][t] + log_prob[i][t]) for t in range(T)] for i in range(B)]
+    _, std = _valid_moments(D, mask)
+    n = sum(sum(1 for m in row if m) for row in mask)
+    if std < 1e-12:
+        return [[bool(m) for m in row] for row in mask]
+    out = lambda i, t: mask[i][t] and D[i][t] > mu * std  # noqa: E731
+    test = {(i, t) for i in range(B) for t in range(T) if out(i, t) and (adv[i][t] <= 0 if trinity else adv[i][t] < 0)}
+    negative = {(i, t) for (i, t) in test if adv[i][t] < 0}
+    k = max(int(max_frac * n), 1)
+    clipped = set(test)
+    if len(test) / n > max_frac and len(negative) > k:
+        worst = sorted(negative, key=lambda it: -D[it[0]][it[1]])[:k]
+        clipped = (test - negative) | set(worst)
+    return [[bool(mask[i][t]) and (i, t) not in clipped for t in range(T)] for i in range(B)]

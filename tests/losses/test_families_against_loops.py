@@ -127,7 +127,7 @@ def test_where_the_identity_does_not_hold():
 
 def test_row_coupled_names_are_marked():
     coupled = {name for name, (family, _) in pgloss.algorithms.NAMED.items() if family.couples_rows}
-    assert coupled == {"clip_cov", "kl_cov", "real"}
+    assert coupled == {"clip_cov", "gvpo", "kl_cov", "real"}
 
 
 def test_real_is_split_invariant_when_calls_hold_whole_groups():

@@ -1,4 +1,4 @@
-"""OPMD and sPPO (losses/opmd.py, losses/sppo.py) against the float64 loops of tests/loops/trinity.py,
+"""OPMD and sPPO (losses/opmd.py, losses/sppo.py) against the float64 loops of tests/loops/losses.py,
 with gradcheck."""
 
 import math

@@ -1,5 +1,5 @@
 """REC (losses/rec.py: rec_oneside, rec_ring and the other keep rules and weights) against the float64
-loop of tests/loops/trinity.py, with gradcheck."""
+loop of tests/loops/losses.py, with gradcheck."""
 
 import pytest
 import torch

@@ -1,7 +1,8 @@
 """Advantages, computed once per step before the loss: GRPO's group advantages with every
 framework's std convention, Dr.GRPO, DAPO's dynamic sampling and overlong penalty (`group`), and the
 estimators beside them: GAE, RLOO, REINFORCE++, ReMax, OPO, GPG, GDPO, pass@k, the optimal token baseline
-(`estimators`)."""
+(single- and multi-turn), MaxRL, AsymRE, OPMD (`estimators`), and RAE's per-role running baseline, the
+one estimator with state across steps (`role_baseline`)."""
 
 from .group import (
     StdConvention,
@@ -28,7 +29,14 @@ from .estimators import (
     gdpo_advantages,
     passk_advantages,
     optimal_token_baseline_advantages,
+    tir_optimal_token_baseline_advantages,
+    MAXRL_CONVENTIONS,
+    maxrl_advantages,
+    asymre_advantages,
+    OPMD_BASELINES,
+    opmd_advantages,
 )
+from .role_baseline import RoleBaseline
 
 __all__ = [
     "StdConvention",
@@ -53,4 +61,11 @@ __all__ = [
     "gdpo_advantages",
     "passk_advantages",
     "optimal_token_baseline_advantages",
+    "tir_optimal_token_baseline_advantages",
+    "MAXRL_CONVENTIONS",
+    "maxrl_advantages",
+    "asymre_advantages",
+    "OPMD_BASELINES",
+    "opmd_advantages",
+    "RoleBaseline",
 ]

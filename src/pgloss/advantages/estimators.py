@@ -264,6 +264,52 @@ def passk_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     return torch.where(is_best, adv[index], 0.0).to(scores.dtype)
 
 
+def _otb_inputs(token_rewards, mask, group_ids, old_log_prob, sum_pi_sq, rollout_weights, zero_tail, eps):
+    """Checked inputs of the optimal token baseline: (returns, valid, w, index, n_groups, zero_tail, eps)."""
+    eps, zero_tail = _positive("eps", eps), check_flag("zero_tail", zero_tail)
+    returns = discounted_returns(token_rewards, mask, gamma=1.0).to(torch.float64)
+    valid = check_mask(mask, returns.shape, returns.device, "token_rewards")
+    index, n_groups = group_index(group_ids, returns.shape[0], returns.device, "token_rewards")
+    for name, value in (("old_log_prob", old_log_prob), ("sum_pi_sq", sum_pi_sq), ("rollout_weights", rollout_weights)):
+        if value is None and name != "rollout_weights":
+            raise TypeError(f"{name} must be a [B, T] tensor, got None")
+        if value is not None and (check_tensor(name, value, ndim=(2,)).shape != returns.shape):
+            raise ValueError(f"{name} must have shape {tuple(returns.shape)}, got {tuple(value.shape)}")
+        if value is not None:
+            check_device(name, value, returns.device, "token_rewards")
+    check_log_prob("old_log_prob", old_log_prob, valid)
+    pi = torch.where(valid, old_log_prob.detach().to(torch.float64), 0.0).exp()
+    w = 1 - 2 * pi + torch.where(valid, sum_pi_sq.detach().to(torch.float64), 0.0)
+    if rollout_weights is not None:
+        w = w * torch.where(valid, rollout_weights.detach().to(torch.float64), 0.0).square()
+    return returns, valid, torch.where(valid, w, 0.0), index, n_groups, zero_tail, eps
+
+
+def _otb_baseline(returns, valid, w, index, n_groups, size, zero_tail, eps) -> Tensor:
+    """B_t = Σ_{i∈g} G_it W_it m_it / (Σ_{i∈g} W_it m_it + ε) at each column t, with W the running sum of
+    w; 0 for a group of `size` 1, and past the second-longest response of a group's single longest one
+    (`zero_tail`)."""
+    cum = w.cumsum(dim=-1)
+    m = valid.to(torch.float64)
+    width = returns.shape[1]
+    num = torch.zeros(n_groups, width, dtype=torch.float64, device=returns.device)
+    num = num.index_add_(0, index, returns * cum * m)
+    den = torch.zeros_like(num).index_add_(0, index, cum * m) + eps
+    baseline = torch.where(size[:, None] > 1, (num / den)[index], 0.0)
+    if zero_tail and returns.shape[0]:
+        lengths = valid.sum(dim=-1)
+        longest = torch.zeros(n_groups, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
+            0, index, lengths, reduce="amax", include_self=False)
+        at_max = lengths == longest[index]
+        n_at_max = torch.zeros_like(longest).index_add_(0, index, at_max.to(lengths.dtype))
+        second = torch.zeros_like(longest).scatter_reduce(
+            0, index, torch.where(at_max, 0, lengths), reduce="amax", include_self=False)
+        tail_row = at_max & (n_at_max[index] == 1) & (size > 1)
+        tail = tail_row[:, None] & (torch.arange(width, device=returns.device)[None, :] >= second[index][:, None])
+        baseline = torch.where(tail, 0.0, baseline)
+    return baseline
+
+
 def optimal_token_baseline_advantages(
     token_rewards: Tensor,
     mask: Tensor,
@@ -282,42 +328,162 @@ def optimal_token_baseline_advantages(
 
     with G the undiscounted return-to-go and π_t = exp(old_log_prob). A group of one has B = 0.
     `zero_tail`: where a group's single longest response runs past the second longest, its baseline
-    is 0 there (no other trajectory estimates it). `sum_pi_sq` from `pgloss.vocab.entropy.sum_pi_squared(logits)`."""
-    eps, zero_tail = _positive("eps", eps), check_flag("zero_tail", zero_tail)
-    returns = discounted_returns(token_rewards, mask, gamma=1.0).to(torch.float64)
-    valid = check_mask(mask, returns.shape, returns.device, "token_rewards")
-    index, n_groups = group_index(group_ids, returns.shape[0], returns.device, "token_rewards")
-    for name, value in (("old_log_prob", old_log_prob), ("sum_pi_sq", sum_pi_sq), ("rollout_weights", rollout_weights)):
-        if value is None and name != "rollout_weights":
-            raise TypeError(f"{name} must be a [B, T] tensor, got None")
-        if value is not None and (check_tensor(name, value, ndim=(2,)).shape != returns.shape):
-            raise ValueError(f"{name} must have shape {tuple(returns.shape)}, got {tuple(value.shape)}")
-        if value is not None:
-            check_device(name, value, returns.device, "token_rewards")
-    check_log_prob("old_log_prob", old_log_prob, valid)
-    pi = torch.where(valid, old_log_prob.detach().to(torch.float64), 0.0).exp()
-    w = 1 - 2 * pi + torch.where(valid, sum_pi_sq.detach().to(torch.float64), 0.0)
-    if rollout_weights is not None:
-        w = w * torch.where(valid, rollout_weights.detach().to(torch.float64), 0.0).square()
-    cum = torch.where(valid, w, 0.0).cumsum(dim=-1)
-    m = valid.to(torch.float64)
-    width = returns.shape[1]
-    num = torch.zeros(n_groups, width, dtype=torch.float64, device=returns.device)
-    num = num.index_add_(0, index, returns * cum * m)
-    den = torch.zeros_like(num).index_add_(0, index, cum * m) + eps
-    baseline = (num / den)[index]
+    is 0 there (no other trajectory estimates it). `sum_pi_sq` from `pgloss.vocab.entropy.sum_pi_squared(logits)`.
+    The baseline pools the group's tokens at the same column t (`tir_optimal_token_baseline_advantages`
+    pools the same generated-token index instead, for multi-turn responses with tool output inside)."""
+    returns, valid, w, index, n_groups, zero_tail, eps = _otb_inputs(
+        token_rewards, mask, group_ids, old_log_prob, sum_pi_sq, rollout_weights, zero_tail, eps)
     size = _group_sum(torch.ones(returns.shape[0], dtype=torch.float64, device=returns.device), index, n_groups)[index]
-    baseline = torch.where(size[:, None] > 1, baseline, 0.0)
-    if zero_tail and returns.shape[0]:
-        lengths = valid.sum(dim=-1)
-        longest = torch.zeros(n_groups, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
-            0, index, lengths, reduce="amax", include_self=False)
-        at_max = lengths == longest[index]
-        n_at_max = torch.zeros_like(longest).index_add_(0, index, at_max.to(lengths.dtype))
-        second = torch.zeros_like(longest).scatter_reduce(
-            0, index, torch.where(at_max, 0, lengths), reduce="amax", include_self=False)
-        tail_row = at_max & (n_at_max[index] == 1) & (size > 1)
-        tail = tail_row[:, None] & (torch.arange(width, device=returns.device)[None, :] >= second[index][:, None])
-        baseline = torch.where(tail, 0.0, baseline)
+    baseline = _otb_baseline(returns, valid, w, index, n_groups, size, zero_tail, eps)
     adv = torch.where(valid, returns - baseline, 0.0)
     return adv.to(token_rewards.dtype), returns.to(token_rewards.dtype)
+
+
+def tir_optimal_token_baseline_advantages(
+    token_rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    old_log_prob: Tensor,
+    sum_pi_sq: Tensor,
+    *,
+    rollout_weights: Tensor | None = None,
+    zero_tail: bool = True,
+    eps: float = 1e-8,
+) -> tuple[Tensor, Tensor]:
+    """The multi-turn (tool-integrated reasoning) optimal token baseline (verl 0.9.1
+    `tir_optimal_token_baseline`, `compute_multi_turn_optimal_token_baseline_advantage`), `[B, T]`
+    (advantages, returns).
+
+    The formula of `optimal_token_baseline_advantages`, with the tokens of a group aligned by their
+    index k among each response's valid (generated) tokens rather than by column: in a multi-turn
+    response the tool output between turns is masked, and the k-th generated token of each response
+    sits at a different column. With k the generated-token index, t_i(k) its column in row i:
+
+        B_k = Σ_{i∈g, k<|y_i|} G_{i,t_i(k)} W_{i,t_i(k)} / (Σ_{i∈g, k<|y_i|} W_{i,t_i(k)} + ε),
+        Â_{i,t_i(k)} = G_{i,t_i(k)} - B_k
+
+    Rows without a valid token are left out of their group (its size counts the others), as verl.
+    Without holes in the mask it equals `optimal_token_baseline_advantages`. The returns are 0 at
+    masked positions (verl's carry the next valid return there; the advantages agree)."""
+    returns, valid, w, index, n_groups, zero_tail, eps = _otb_inputs(
+        token_rewards, mask, group_ids, old_log_prob, sum_pi_sq, rollout_weights, zero_tail, eps)
+    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices  # the valid columns first, in order
+    compact_valid = torch.gather(valid, 1, order)
+    compact = [torch.gather(x, 1, order) for x in (returns, w)]
+    nonempty = valid.any(dim=-1).to(torch.float64)
+    size = _group_sum(nonempty, index, n_groups)[index]
+    baseline = _otb_baseline(compact[0], compact_valid, compact[1], index, n_groups, size, zero_tail, eps)
+    baseline = torch.zeros_like(baseline).scatter_(1, order, baseline)  # back to the columns
+    adv = torch.where(valid, returns - baseline, 0.0)
+    return adv.to(token_rewards.dtype), returns.to(token_rewards.dtype)
+
+MAXRL_CONVENTIONS = {"pgloss": (0.0, "zero"), "prime-rl": (0.0, "zero"), "skyrl": (1e-6, "raw")}
+SINGLETONS = ("zero", "raw")
+
+
+def _singleton(singleton: str) -> str:
+    if singleton not in SINGLETONS:
+        raise ValueError(f"singleton must be one of {SINGLETONS}, got {singleton!r}")
+    return singleton
+
+
+def maxrl_advantages(scores: Tensor, group_ids: Tensor, *, convention: str = "pgloss",
+                     eps: float | None = None) -> Tensor:
+    """MaxRL, maximum-likelihood RL (Tajwar, Zeng et al. 2026, arXiv 2602.02710), `[B]`:
+
+        Â_i = (s_i - μ_g) / μ_g        (0 when μ_g ≤ 0: a group without a success carries no signal)
+
+    For binary rewards, Σ_i Â_i ∇log π(y_i) / n = (1/K) Σ_{i: s_i=1} ∇log π(y_i) - the mean score
+    function: an unbiased gradient of the order-n truncation of log p (n the group size, K the
+    successes), where GRPO's σ-scaling estimates the gradient of p. Low pass rates get ~1/p weight.
+
+    `convention`:
+        pgloss, prime-rl   the paper's division, ε = 0; μ_g ≤ 0 gives 0; a group of one gives 0
+                           (prime-rl `orchestrator/algo/max_rl.py`)
+        skyrl              Â_i = (s_i - μ_g)/(μ_g + ε), ε = 1e-6, whatever the sign of μ_g; a group
+                           of one keeps Â = s (μ = 0) (SkyRL `ppo_utils.py compute_maxrl_advantage`)
+    `eps` overrides the convention's ε. The rewards are meant to be non-negative (canonically 0/1);
+    that is not checked (a check would read the host)."""
+    if convention not in MAXRL_CONVENTIONS:
+        raise ValueError(f"convention must be one of {tuple(MAXRL_CONVENTIONS)}, got {convention!r}")
+    default_eps, singleton = MAXRL_CONVENTIONS[convention]
+    eps = default_eps if eps is None else check_number("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    scores = _scores(scores)
+    work = scores.to(torch.float64)
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
+    centered, size = _group_center(work, index, n_groups)
+    mean = work - centered
+    if convention == "skyrl":
+        out = centered / (mean + eps)
+    else:
+        out = torch.where(mean > 0, centered / torch.where(mean > 0, mean + eps, 1.0), 0.0)
+    out = torch.where(size > 1, out, work if singleton == "raw" else 0.0)
+    return out.to(scores.dtype)
+
+
+def _shifted_group_baseline(scores, group_ids, baseline_of, singleton: str) -> Tensor:
+    """Â_i = s_i - b_g with b_g = baseline_of(work, index, n_groups, size) per row; a group of one:
+    Â = 0 (`singleton="zero"`) or Â = s (b = 0, `"raw"`, as Trinity)."""
+    _singleton(singleton)
+    scores = _scores(scores)
+    work = scores.to(torch.float64)
+    index, n_groups = group_index(group_ids, work.shape[0], work.device)
+    size = _group_sum(torch.ones_like(work), index, n_groups)[index]
+    out = work - baseline_of(work, index, n_groups)
+    out = torch.where(size > 1, out, work if singleton == "raw" else 0.0)
+    return out.to(scores.dtype)
+
+
+def asymre_advantages(scores: Tensor, group_ids: Tensor, *, baseline_shift: float = -0.1,
+                      singleton: str = "zero") -> Tensor:
+    """AsymRE, asymmetric REINFORCE (Arnal et al. 2025, arXiv 2506.20520), `[B]`:
+
+        Â_i = s_i - (μ_g + δ)
+
+    with δ = `baseline_shift` (Trinity-RFT's default -0.1: a baseline below the group mean weights
+    positive rewards more than negative ones, which keeps off-policy training stable; δ = 0 is the
+    Dr.GRPO / group-mean baseline). Trinity-RFT 0.6.0 `algorithm/advantage_fn/asymre_advantage.py`.
+    A group of one: Â = 0 (`singleton="zero"`, no group estimate of the mean) or Trinity's Â = s
+    (baseline 0, `singleton="raw"`)."""
+    delta = check_number("baseline_shift", baseline_shift)
+
+    def baseline(work, index, n_groups):
+        centered, _ = _group_center(work, index, n_groups)
+        return work - centered + delta
+
+    return _shifted_group_baseline(scores, group_ids, baseline, singleton)
+
+
+OPMD_BASELINES = ("mean", "logavgexp")
+
+
+def opmd_advantages(scores: Tensor, group_ids: Tensor, *, baseline: str = "mean", tau: float = 1.0,
+                    singleton: str = "zero") -> Tensor:
+    """OPMD, online policy mirror descent (Trinity-RFT; arXiv 2509.24203 section 2.2, after Kimi k1.5,
+    arXiv 2501.12599), `[B]`: Â_i = s_i - b_g with
+
+        mean       b_g = μ_g
+        logavgexp  b_g = τ · log( (1/n) Σ_{j∈g} exp(s_j / τ) )     (the mirror-descent normaliser;
+                   → max_g s as τ → 0, → μ_g as τ → ∞)
+
+    Trinity-RFT 0.6.0 `algorithm/advantage_fn/opmd_advantage.py` (`opmd_baseline`, `tau`). A group of
+    one: Â = 0 (`singleton="zero"`) or Trinity's Â = s (`"raw"`)."""
+    if baseline not in OPMD_BASELINES:
+        raise ValueError(f"baseline must be one of {OPMD_BASELINES}, got {baseline!r}")
+    tau = _positive("tau", tau)
+
+    def mean(work, index, n_groups):
+        centered, _ = _group_center(work, index, n_groups)
+        return work - centered
+
+    def logavgexp(work, index, n_groups):
+        x = work / tau
+        top = torch.full((n_groups,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce(
+            0, index, x, reduce="amax")
+        total = _group_sum((x - top[index]).exp(), index, n_groups)
+        count = _group_sum(torch.ones_like(x), index, n_groups)
+        return (tau * (top + total.log() - count.log()))[index]
+
+    return _shifted_group_baseline(scores, group_ids, mean if baseline == "mean" else logavgexp, singleton)

@@ -1,0 +1,47 @@
+"""The trainers' own advantage functions, read from their source files without importing their
+packages (which pull in ray, vLLM, verifiers, ...): each named top-level function or class is cut out
+of the file (decorators dropped) and executed in a namespace that holds what it refers to.
+
+The sources are found through environment variables, each the root of an unpacked release or checkout:
+
+    PGLOSS_TRINITY_SRC   holds trinity/algorithm/advantage_fn/        (trinity-rft 0.6.0 wheel)
+    PGLOSS_SKYRL_SRC     holds skyrl/backends/skyrl_train/utils/ppo_utils.py  (SkyRL repository)
+    PGLOSS_PRIME_RL_SRC  holds src/prime_rl/orchestrator/algo/          (prime-rl repository)
+
+A test that needs one absent source is skipped with the variable's name."""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+
+def source_file(variable: str, *relative: str) -> Path:
+    """The first of `relative` under $`variable`; skip the test when the variable or the file is absent."""
+    root = os.environ.get(variable)
+    if not root:
+        pytest.skip(f"{variable} is not set (the root of the trainer's source)")
+    for rel in relative:
+        path = Path(root) / rel
+        if path.is_file():
+            return path
+    pytest.skip(f"{variable}={root} holds none of {relative}")
+
+
+def load(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
+    """Execute the top-level definitions `names` of `path` (without their decorators) in `namespace`."""
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    found = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in names:
+            found[node.name] = "".join(lines[node.lineno - 1:node.end_lineno])
+    missing = [n for n in names if n not in found]
+    if missing:
+        pytest.skip(f"{path} defines none of {missing}")
+    for name in names:
+        exec(compile(found[name], str(path), "exec"), namespace)  # noqa: S102 - the trainer's own code
+    return namespace
