@@ -14,6 +14,7 @@ and implements `policy_terms`; `algorithms.py` names the families' configuration
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,18 +26,12 @@ from torch import Tensor
 from .core.aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
 from .core.batch import TokenBatch
 from .core.checks import check_fields
+from .core.inputs import OPTIONAL_INPUTS, check_names, keyword_parameters
 from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 from .core.metrics import masked_mean
 from .correction.rollout import Corrected, RolloutCorrection
 from .core.output import LossOutput, PolicyTerms, check
 from .core.trainer_names import value_hint
-
-
-def _seq_advantages(batch: TokenBatch) -> Tensor:
-    """Â_i: the `[B]` advantages, or the mean over a row's valid tokens of `[B, T]` ones."""
-    if batch.seq_advantages is not None:
-        return batch.seq_advantages
-    return (batch.advantages * batch.mask).sum(dim=-1) / batch.mask.sum(dim=-1).clamp(min=1)
 
 
 _WHY = {
@@ -47,9 +42,9 @@ _WHY = {
     "rollout_log_prob": lambda a: "its rollout_correction weighs or rejects on the inference engine's log-probs",
     "group_ids": lambda a: ("[B], " + ("loss_agg_mode='group-mean-token-mean'" if a.loss_agg_mode == "group-mean-token-mean"
                                        else "its loss contrasts the rows of a group")),
-    "scores": lambda a: "[B], the raw sequence rewards its loss weighs by",
 }
-"""Why an input in `Algorithm.needs` is needed, for the error of a call without it."""
+"""Why this configuration needs an input of `Algorithm.needs`, for the error of a call without it (the
+inputs not here say their table's `doc`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +149,8 @@ class Algorithm:
     @property
     def needs(self) -> frozenset[str]:
         """The optional call inputs this configured algorithm cannot do without, read by every path
-        (the plain call's checks, `from_hidden`, the adapters, the lab): any of "ref_log_prob",
-        "full_kl", "entropy", "rollout_log_prob", "group_ids", "scores". The family declares its own
+        (the plain call's checks, `from_hidden`, the adapters, the lab): names of core/inputs.py's
+        `OPTIONAL_INPUTS`. The family declares its own
         in `required_inputs`; the rest follow from the fields (kl_coef, kl_estimator, entropy_coef,
         loss_agg_mode, rollout_correction)."""
         needed = set(self.required_inputs)
@@ -219,7 +214,7 @@ class Algorithm:
             return batch, normalizer, None
         corrected = correction.apply(
             log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
-            mask=batch.mask, seq_advantages=_seq_advantages(batch), weight_mean=getattr(normalizer, "weight_mean", None))
+            mask=batch.mask, seq_advantages=batch.row_advantages, weight_mean=getattr(normalizer, "weight_mean", None))
         batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
         return batch, normalizer, corrected
 
@@ -234,36 +229,27 @@ class Algorithm:
         advantages: Tensor,
         mask: Tensor,
         *,
-        ref_log_prob: Tensor | None = None,
-        entropy: Tensor | None = None,
-        rollout_log_prob: Tensor | None = None,
         normalizer: Normalizer | None = None,
-        group_ids: Tensor | None = None,
-        scores: Tensor | None = None,
-        full_kl: Tensor | None = None,
+        **inputs: Tensor | None,
     ) -> LossOutput:
         """The loss of one (micro-)batch. Token tensors `[B, T]`, `advantages` `[B]` or `[B, T]`.
 
         Pass the step's `Normalizer` when the step has several micro-batches or ranks; without it
         this batch is the whole step (counted locally, even under torch.distributed).
-        `group_ids` `[B]` is needed by `group-mean-token-mean` (and by REAL); `scores` `[B]`, the raw
-        sequence rewards, by TOPR; `full_kl` `[B, T]`, the exact KL with its gradient
-        (`pgloss.full_kl_from_logits` / `full_kl_from_hidden`), by kl_estimator="full". The metrics
-        are means over this call's valid tokens; average them over micro-batches and ranks for a
-        step's figure.
+        `inputs` are the optional inputs of `pgloss.core.inputs.OPTIONAL_INPUTS` (`ref_log_prob`,
+        `entropy`, `rollout_log_prob` `[B, T]`; `group_ids`, `scores` `[B]`; `full_kl` `[B, T]`, the
+        exact KL with its gradient from `pgloss.full_kl_from_logits` / `full_kl_from_hidden`); a
+        call without one the configuration `needs` is refused, saying why. The metrics are means
+        over this call's valid tokens; average them over micro-batches and ranks for a step's figure.
         """
         if normalizer is not None and not isinstance(normalizer, Normalizer):
             raise TypeError(f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}")
-        given = dict(ref_log_prob=ref_log_prob, full_kl=full_kl, entropy=entropy, rollout_log_prob=rollout_log_prob,
-                     group_ids=group_ids, scores=scores)
+        check_names(inputs)
         for needed in sorted(self.needs):
-            if given[needed] is None:
-                raise ValueError(f"{self.name} needs {needed} in the call ({_WHY[needed](self)})")
-        batch = TokenBatch.prepare(
-            log_prob, old_log_prob, advantages, mask,
-            ref_log_prob=ref_log_prob, entropy=entropy, rollout_log_prob=rollout_log_prob, group_ids=group_ids,
-            scores=scores, full_kl=full_kl,
-        )
+            if inputs.get(needed) is None:
+                why = _WHY[needed](self) if needed in _WHY else OPTIONAL_INPUTS[needed].doc
+                raise ValueError(f"{self.name} needs {needed} in the call ({why})")
+        batch = TokenBatch.prepare(log_prob, old_log_prob, advantages, mask, **inputs)
         batch, normalizer, corrected = self.corrected(batch, normalizer)
         correction = self.correction(batch.rollout_log_prob is not None)
         mask = batch.mask
@@ -317,3 +303,11 @@ class Algorithm:
         return dataclasses.asdict(self)
 
 
+def _call_signature() -> inspect.Signature:
+    """`Algorithm.__call__`'s signature with the optional inputs spelled out (for help() and editors)."""
+    signature = inspect.signature(Algorithm.__call__)
+    fixed = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    return signature.replace(parameters=fixed + keyword_parameters())
+
+
+Algorithm.__call__.__signature__ = _call_signature()

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_finite, check_log_prob, check_values, is_integer
+from .inputs import OPTIONAL_INPUTS, OptionalInput, check_names
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -63,8 +64,8 @@ class TokenBatch:
 
     Token tensors are `[B, T]` in the compute dtype (float32, or float64 for float64 input);
     `advantages` is `[B, T]` (a `[B]` input is broadcast over tokens) and `seq_advantages` keeps
-    the `[B]` form when one was given. `scores` are the raw sequence rewards `[B]` (TOPR) and
-    `full_kl` the exact per-token KL `[B, T]` with its gradient (`pgloss.vocab.full_kl`).
+    the `[B]` form when one was given. The optional inputs (`ref_log_prob` to `full_kl`) are those
+    of core/inputs.py's `OPTIONAL_INPUTS`, None when not given.
     """
 
     log_prob: Tensor
@@ -79,30 +80,26 @@ class TokenBatch:
     scores: Tensor | None = None
     full_kl: Tensor | None = None
 
+    @property
+    def row_advantages(self) -> Tensor:
+        """Â_i, `[B]`: the `[B]` advantages as given, or the mean over a row's valid tokens of `[B, T]` ones."""
+        if self.seq_advantages is not None:
+            return self.seq_advantages
+        return (self.advantages * self.mask).sum(dim=-1) / self.mask.sum(dim=-1).clamp(min=1)
+
     @classmethod
-    def prepare(
-        cls,
-        log_prob: Tensor,
-        old_log_prob: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        ref_log_prob: Tensor | None = None,
-        entropy: Tensor | None = None,
-        rollout_log_prob: Tensor | None = None,
-        group_ids: Tensor | None = None,
-        scores: Tensor | None = None,
-        full_kl: Tensor | None = None,
-    ) -> "TokenBatch":
+    def prepare(cls, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor,
+                **inputs: Tensor | None) -> "TokenBatch":
+        """Check, upcast and mask the call's tensors; `inputs` are optional inputs (core/inputs.py)."""
+        check_names(inputs)
         log_prob = check_tensor("log_prob", log_prob, ndim=(2,))
         shape, device, dtype = log_prob.shape, log_prob.device, log_prob.dtype
         bool_mask = check_mask(mask, shape, device)
+        valid_rows = bool_mask.any(dim=1)
         cdtype = compute_dtype(dtype)
 
-        def token(name: str, value: Tensor | None, *, is_log_prob: bool) -> Tensor | None:
+        def token(name: str, value: Tensor, *, is_log_prob: bool) -> Tensor:
             # log-probabilities share log_prob's dtype and are at most 0
-            if value is None:
-                return None
             value = check_tensor(name, value, ndim=(2,))
             if value.shape != shape:
                 raise ValueError(f"{name} must have the shape of log_prob {tuple(shape)}, got {tuple(value.shape)}")
@@ -117,6 +114,24 @@ class TokenBatch:
                 check_log_prob(name, value)  # zeroed at masked positions
             return value
 
+        def row(spec: OptionalInput, value: Tensor) -> Tensor:
+            value = check_tensor(spec.name, value, ndim=(1,), floating=not spec.integer)
+            if spec.integer:
+                if value.shape[0] != shape[0] or not is_integer(value):
+                    raise ValueError(f"{spec.name} must be an integer tensor of shape [{shape[0]}], got "
+                                     f"{value.dtype} {tuple(value.shape)}")
+                check_device(spec.name, value, device)
+                return value
+            if value.shape[0] != shape[0]:
+                raise ValueError(f"{spec.name} must have shape [{shape[0]}], got {tuple(value.shape)}")
+            check_device(spec.name, value, device)
+            check_finite(spec.name, value, bool_mask)
+            return torch.where(valid_rows, value.to(cdtype), 0.0)
+
+        def optional(spec: OptionalInput, value: Tensor) -> Tensor:
+            value = token(spec.name, value, is_log_prob=spec.log_prob) if spec.per == "token" else row(spec, value)
+            return value if spec.grad or spec.integer else value.detach()
+
         advantages = check_tensor("advantages", advantages, ndim=(1, 2))
         check_device("advantages", advantages, device)
         seq_advantages = None
@@ -127,23 +142,7 @@ class TokenBatch:
             advantages = seq_advantages[:, None].expand(shape)
         advantages = token("advantages", advantages, is_log_prob=False).detach()
         if seq_advantages is not None:
-            valid_rows = bool_mask.any(dim=1)
             seq_advantages = torch.where(valid_rows, seq_advantages, 0.0)
-
-        if group_ids is not None:
-            group_ids = check_tensor("group_ids", group_ids, ndim=(1,), floating=False)
-            if group_ids.shape[0] != shape[0] or not is_integer(group_ids):
-                raise ValueError(f"group_ids must be an integer tensor of shape [{shape[0]}], got "
-                                 f"{group_ids.dtype} {tuple(group_ids.shape)}")
-            check_device("group_ids", group_ids, device)
-
-        if scores is not None:
-            scores = check_tensor("scores", scores, ndim=(1,))
-            if scores.shape[0] != shape[0]:
-                raise ValueError(f"scores must have shape [{shape[0]}], got {tuple(scores.shape)}")
-            check_device("scores", scores, device)
-            check_finite("scores", scores, bool_mask)
-            scores = torch.where(bool_mask.any(dim=1), scores.detach().to(cdtype), 0.0)
 
         return cls(
             log_prob=token("log_prob", log_prob, is_log_prob=True),
@@ -151,14 +150,7 @@ class TokenBatch:
             advantages=advantages,
             mask=bool_mask,
             seq_advantages=seq_advantages,
-            ref_log_prob=None if ref_log_prob is None else token("ref_log_prob", ref_log_prob, is_log_prob=True).detach(),
-            entropy=token("entropy", entropy, is_log_prob=False),
-            rollout_log_prob=None
-            if rollout_log_prob is None
-            else token("rollout_log_prob", rollout_log_prob, is_log_prob=True).detach(),
-            group_ids=group_ids,
-            scores=scores,
-            full_kl=token("full_kl", full_kl, is_log_prob=False),
+            **{name: optional(OPTIONAL_INPUTS[name], value) for name, value in inputs.items() if value is not None},
         )
 
 

@@ -56,6 +56,7 @@ from torch import Tensor
 from ..core.aggregate import Normalizer, token_weights
 from ..base import Algorithm
 from ..core.batch import TokenBatch
+from ..core.inputs import check_names
 from ..losses.closed_form import GradientFactor
 
 __all__ = ["TokenGradients", "inspect", "token_gradients"]
@@ -100,11 +101,12 @@ def token_gradients(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor
     return torch.zeros_like(leaf) if grad is None else grad.detach()
 
 
+_TERM_INPUTS = ("ref_log_prob", "entropy", "full_kl")
+"""The inputs of the KL and entropy terms, which `policy_grad` leaves out."""
+
+
 def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, *,
-            ref_log_prob: Tensor | None = None, entropy: Tensor | None = None,
-            rollout_log_prob: Tensor | None = None, normalizer: Normalizer | None = None,
-            group_ids: Tensor | None = None, scores: Tensor | None = None,
-            full_kl: Tensor | None = None) -> TokenGradients:
+            normalizer: Normalizer | None = None, **inputs: Tensor | None) -> TokenGradients:
     """The per-token gradient of `algorithm`'s loss on this batch and its decomposition -Â·f·w.
 
     Arguments as for `algorithm(...)`; without `normalizer` the batch is the whole step. A random
@@ -112,18 +114,18 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
     `policy_grad` and the closed form, and the generators are left as they were found.
     """
     _check_algorithm(algorithm)
-    extra = dict(rollout_log_prob=rollout_log_prob, normalizer=normalizer, group_ids=group_ids, scores=scores)
+    check_names(inputs)
+    policy_inputs = {name: value for name, value in inputs.items() if name not in _TERM_INPUTS}
     policy_only = algorithm
     if algorithm.kl_coef != 0 or algorithm.entropy_coef != 0:
         policy_only = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0)
     with _replayed_draws(algorithm) as rewind:
-        grad = token_gradients(algorithm, log_prob, old_log_prob, advantages, mask,
-                               ref_log_prob=ref_log_prob, entropy=entropy, full_kl=full_kl, **extra)
+        grad = token_gradients(algorithm, log_prob, old_log_prob, advantages, mask, normalizer=normalizer, **inputs)
         rewind()
-        policy_grad = token_gradients(policy_only, log_prob, old_log_prob, advantages, mask, **extra)
+        policy_grad = token_gradients(policy_only, log_prob, old_log_prob, advantages, mask, normalizer=normalizer,
+                                      **policy_inputs)
         rewind()
-        batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask,
-                                   rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores)
+        batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask, **policy_inputs)
         batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
         tis = None if corrected is None else corrected.weight
         weight = token_weights(batch.mask, algorithm.loss_agg_mode, normalizer, norm_constant=algorithm.norm_constant,

@@ -37,6 +37,7 @@ from torch import Tensor
 
 import pgloss
 from ..core.aggregate import Normalizer, aggregate
+from ..core.inputs import OPTIONAL_INPUTS
 from ..algorithms import Algorithm
 from .verl_config import PREFIX, VARIANTS, algorithm_from_verl, config_get
 
@@ -61,8 +62,8 @@ def registered_name(name: str) -> str:
     return PREFIX + name
 
 
-_NOT_PASSED = frozenset({"ref_log_prob", "full_kl", "entropy", "rollout_log_prob", "group_ids", "scores"})
-"""Inputs verl never passes to a policy loss."""
+_NOT_PASSED = frozenset(OPTIONAL_INPUTS)
+"""verl passes a policy loss none of the optional inputs (its KL and entropy terms are its own)."""
 
 
 def _algorithm(name: str, base: Algorithm | None, loss_agg_mode: str, config: Any) -> Algorithm:

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm
 from ..core.batch import TokenBatch
-from ..core.metrics import ratio_metrics
-from ..core.output import PolicyTerms, check
-from ..core.ratios import importance_ratio, log_ratio, sequence_log_ratio
+from ..core.output import check
+from ..core.ratios import sequence_log_ratio
+from .group_contrast import GroupContrast
 
 
 def gvpo_group_loss(implicit_reward: Tensor, seq_advantages: Tensor, valid_rows: Tensor, group_ids: Tensor,
@@ -62,38 +61,20 @@ def gvpo_group_loss(implicit_reward: Tensor, seq_advantages: Tensor, valid_rows:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GVPO(Algorithm):
-    """ℓ_{i,t} = L_{g(i)} (`gvpo_group_loss`), reduced with group-mean-token-mean: Σ_g L_g / N_groups.
+class GVPO(GroupContrast):
+    """ℓ_{i,t} = L_{g(i)} (`gvpo_group_loss`): a `GroupContrast`, Σ_g L_g / N_groups over the step's groups."""
 
-    Needs `group_ids`; a call must hold every row of each group it sees (`couples_rows`).
-    """
-
-    loss_agg_mode: str = "group-mean-token-mean"
     gvpo_beta: float = 0.1
     """β, the KL coefficient of the implicit reward β·log(π_θ/π_old) (verl-recipe `gvpo_beta`)."""
     gvpo_center_advantages: bool = True
     """Centre Â within its group (the paper's R - R̄); False: Â as given (verl-recipe)."""
 
-    couples_rows = True
-    required_inputs = ("group_ids",)
-
-    @property
-    def fixed_agg_mode(self) -> str | None:
-        return "group-mean-token-mean"
-
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.gvpo_beta > 0, f"gvpo_beta must be > 0, got {self.gvpo_beta}")
 
-    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
-        if batch.group_ids is None:
-            raise ValueError(f"{self.name} contrasts the completions of a prompt and needs group_ids=[B] in the call")
-        delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        m = batch.mask.to(delta.dtype)
+    def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
         implicit = self.gvpo_beta * sequence_log_ratio(delta, batch.mask, length_normalized=False).squeeze(-1)
-        seq_adv = (batch.advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
-        per_row = gvpo_group_loss(implicit, seq_adv, batch.mask.any(-1), batch.group_ids,
-                                  center_advantages=self.gvpo_center_advantages)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
-        return PolicyTerms(per_row[:, None].expand_as(delta), ratio_metrics(ratio, delta, batch.mask))
+        return gvpo_group_loss(implicit, batch.row_advantages, batch.mask.any(-1), batch.group_ids,
+                               center_advantages=self.gvpo_center_advantages)
+

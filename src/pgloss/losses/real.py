@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..base import Algorithm
-from ..core.output import PolicyTerms, check
+from ..core.output import check
 from ..core.batch import TokenBatch
-from ..core.metrics import ratio_metrics
-from ..core.ratios import importance_ratio, log_ratio, sequence_log_ratio
+from ..core.ratios import sequence_log_ratio
+from .group_contrast import GroupContrast
 
 
 def real_group_loss(seq_log_ratio: Tensor, seq_advantages: Tensor, valid_rows: Tensor, group_ids: Tensor,
@@ -61,35 +60,17 @@ def real_group_loss(seq_log_ratio: Tensor, seq_advantages: Tensor, valid_rows: T
 
 
 @dataclass(frozen=True, kw_only=True)
-class REAL(Algorithm):
-    """ℓ_{i,t} = L_{g(i)} (`real_group_loss`), reduced with group-mean-token-mean: Σ_g L_g / N_groups.
+class REAL(GroupContrast):
+    """ℓ_{i,t} = L_{g(i)} (`real_group_loss`): a `GroupContrast`, Σ_g L_g / N_groups over the step's groups."""
 
-    Needs `group_ids`; a call must hold every row of each group it sees (`couples_rows`).
-    """
-
-    loss_agg_mode: str = "group-mean-token-mean"
     real_tau: float = 0.5
     """τ, the temperature of the sequence scores (ms-swift `real_tau`)."""
-
-    couples_rows = True
-    required_inputs = ("group_ids",)
-
-    @property
-    def fixed_agg_mode(self) -> str | None:
-        return "group-mean-token-mean"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.real_tau > 0, f"real_tau must be > 0, got {self.real_tau}")
 
-    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
-        if batch.group_ids is None:
-            raise ValueError(f"{self.name} contrasts the completions of a prompt and needs group_ids=[B] in the call")
-        delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        m = batch.mask.to(delta.dtype)
+    def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
         seq = sequence_log_ratio(delta, batch.mask, length_normalized=True).squeeze(-1)
-        seq_adv = (batch.advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
-        per_row = real_group_loss(seq, seq_adv, batch.mask.any(-1), batch.group_ids, tau=self.real_tau)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
-        return PolicyTerms(per_row[:, None].expand_as(delta), ratio_metrics(ratio, delta, batch.mask))
+        return real_group_loss(seq, batch.row_advantages, batch.mask.any(-1), batch.group_ids, tau=self.real_tau)
+

@@ -37,8 +37,10 @@ import torch
 from torch import Tensor
 
 from ..core.aggregate import Normalizer
+from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
+from ..kl.corrections import FULL
 from .chunks import ChunkLoop, HeadChunks, weight_grad_buffer
 from .entropy import (
     LogProbEntropy,
@@ -146,6 +148,10 @@ class _AttachGradients(torch.autograd.Function):
         return None, grad_hidden, grad_weight, None, None
 
 
+_PASSED = {name: spec for name, spec in OPTIONAL_INPUTS.items() if name not in ("entropy", "full_kl")}
+"""The optional inputs `from_hidden` passes to the loss as given; it computes the entropy and the exact KL."""
+
+
 def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
     """`value[rows]` (the sequences of one chunk), or None."""
     return None if value is None else value[rows]
@@ -201,14 +207,11 @@ def loss_from_hidden(
     advantages: Tensor,
     mask: Tensor,
     temperature: float = 1.0,
-    ref_log_prob: Tensor | None = None,
-    rollout_log_prob: Tensor | None = None,
     normalizer: Normalizer | None = None,
-    group_ids: Tensor | None = None,
-    scores: Tensor | None = None,
     ref_hidden: Tensor | None = None,
     ref_weight: Tensor | None = None,
     chunk_size: int | None = None,
+    **inputs: Tensor | None,
 ) -> LossOutput:
     """`algorithm`'s loss on the logits hidden @ weightᵀ / τ, computed without materialising them.
 
@@ -229,9 +232,9 @@ def loss_from_hidden(
         weight: [V, H] output projection (the LM head), same dtype and device as `hidden`; an
             FSDP2-sharded head (DTensor) is gathered once for the call (`full_head`).
         targets: [B, T] integer token ids; values at masked positions are ignored (e.g. -100).
-        old_log_prob, advantages, mask, ref_log_prob, rollout_log_prob, normalizer, group_ids, scores:
-            as for `algorithm(...)`; floating token tensors are cast to the compute dtype
-            (float32, or float64 for float64 parameters).
+        old_log_prob, advantages, mask, normalizer, **inputs: as for `algorithm(...)`, the optional
+            inputs but `entropy` and `full_kl` (computed here); floating tensors are cast to the
+            compute dtype (float32, or float64 for float64 parameters).
         ref_hidden, ref_weight: [B, T, H'] and [V, H'], the reference model's final hidden states and
             LM head, for kl_estimator="full": the exact KL(π‖π_ref) per token is computed from them
             chunk by chunk (`pgloss.vocab.full_kl.full_kl_from_hidden`) and passed as `full_kl`.
@@ -239,6 +242,7 @@ def loss_from_hidden(
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
     """
+    check_names(inputs, _PASSED)
     weight = full_head(weight)
     valid = _check_inputs(hidden, weight, targets, mask)
     temperature = check_temperature(temperature)
@@ -251,9 +255,9 @@ def loss_from_hidden(
         return value.to(dtype) if floating else value
 
     # The mask as bool, checked once here rather than again by every chunk's call.
-    batch = dict(old_log_prob=cast(old_log_prob), advantages=advantages, mask=valid, ref_log_prob=cast(ref_log_prob),
-                 rollout_log_prob=cast(rollout_log_prob), group_ids=group_ids, scores=cast(scores))
-    exact_kl = algorithm.kl_estimator == "full" and (algorithm.kl_coef != 0 or ref_hidden is not None)
+    batch = dict(old_log_prob=cast(old_log_prob), advantages=advantages, mask=valid,
+                 **{name: cast(value) for name, value in inputs.items() if value is not None})
+    exact_kl = algorithm.kl_estimator == FULL and (algorithm.kl_coef != 0 or ref_hidden is not None)
     if exact_kl:
         if ref_hidden is None or ref_weight is None:
             raise ValueError(f"{algorithm.name} has kl_estimator='full' and needs ref_hidden and ref_weight")
@@ -277,7 +281,8 @@ def loss_from_hidden(
     step = normalizer
     if step is None:  # this batch is the whole step: counted once for every chunk, by the algorithm's rule
         step = algorithm.step_normalizer(valid, old_log_probs=batch["old_log_prob"],
-                                         rollout_log_probs=batch["rollout_log_prob"], group_ids=group_ids, reduce=False)
+                                         rollout_log_probs=batch.get("rollout_log_prob"),
+                                         group_ids=batch.get("group_ids"), reduce=False)
     with torch.no_grad():
         log_prob, entropy, grad_hidden, grad_weight = _loss_one_pass(
             algorithm, hidden, weight, safe_targets, temperature, chunk_size // length, step, batch

@@ -1,0 +1,60 @@
+"""The loss call's optional inputs: one table of their names, shapes and checks, read by every path.
+
+`Algorithm.needs` says which of them a configured loss cannot do without; the call refuses a
+missing one (base.py), `TokenBatch.prepare` checks and masks those given (core/batch.py),
+`from_hidden` passes them through (vocab/fused.py), and an adapter refuses a loss that needs one
+its trainer never passes (integrations/verl.py). A new input is one row here and one field of
+`TokenBatch`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OptionalInput:
+    """One optional input of the loss call.
+
+    `per`: "token" for `[B, T]` (log_prob's shape, zeroed at masked positions), "row" for `[B]`.
+    `log_prob`: a log-probability (log_prob's dtype, at most 0). `grad`: keeps its gradient (the
+    others are detached). `integer`: an integer tensor (ids), passed as given."""
+
+    name: str
+    per: str
+    doc: str
+    log_prob: bool = False
+    grad: bool = False
+    integer: bool = False
+
+
+OPTIONAL_INPUTS: dict[str, OptionalInput] = {spec.name: spec for spec in (
+    OptionalInput("ref_log_prob", "token", "log π_ref(y_t), the frozen reference model's, for the KL term",
+                  log_prob=True),
+    OptionalInput("entropy", "token", "H(π_θ(·|s_t)) with its gradient, for the entropy bonus", grad=True),
+    OptionalInput("rollout_log_prob", "token", "the inference engine's log-probs, for a rollout correction",
+                  log_prob=True),
+    OptionalInput("group_ids", "row", "the prompt of each row (integers), for the group modes and contrasts",
+                  integer=True),
+    OptionalInput("scores", "row", "[B], the raw sequence rewards its loss weighs by"),
+    OptionalInput("full_kl", "token", "the exact per-token KL(π‖π_ref) with its gradient, for kl_estimator='full'",
+                  grad=True),
+)}
+"""Every optional input of `Algorithm.__call__`, in the order of its signature."""
+
+
+def check_names(inputs: dict[str, object], allowed: dict[str, OptionalInput] = OPTIONAL_INPUTS) -> None:
+    """TypeError naming an argument that is not an optional input, with the closest name."""
+    for name in inputs:
+        if name not in allowed:
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the optional inputs are {', '.join(allowed)}"
+            raise TypeError(f"unexpected argument {name!r}{hint}")
+
+
+def keyword_parameters(allowed: dict[str, OptionalInput] = OPTIONAL_INPUTS) -> list[inspect.Parameter]:
+    """The inputs as keyword parameters defaulting to None, for a signature that spells them out."""
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Tensor | None")
+            for name in allowed]
