@@ -30,8 +30,9 @@ def make_batch(batch=5, length=7, *, seed=0, spread=0.3, dtype=torch.float64, pe
     entropy = torch.rand(batch, length, generator=gen, dtype=dtype)
     group_ids = torch.arange(batch) % 2
     scores = torch.randn(batch, generator=gen, dtype=dtype)
+    teacher = log_probs(old + 0.3 * torch.randn(batch, length, generator=gen, dtype=dtype))
     return dict(log_prob=log_prob, old_log_prob=old, ref_log_prob=ref, advantages=advantages, mask=mask,
-                entropy=entropy, group_ids=group_ids, scores=scores)
+                entropy=entropy, group_ids=group_ids, scores=scores, teacher_log_prob=teacher)
 
 
 def algorithm(name, **overrides):

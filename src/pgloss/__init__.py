@@ -14,7 +14,7 @@ from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
 from .core.checks import detect_anomaly
 from .algorithms import (
-    CEGPPO, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
+    CEGPPO, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPD, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
     Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
 )
 from .vocab.entropy import log_prob_and_entropy
@@ -50,6 +50,7 @@ __all__ = [
     "KLCov",
     "LossOutput",
     "LUSPO",
+    "OPD",
     "OPMD",
     "Normalizer",
     "REAL",

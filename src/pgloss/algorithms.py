@@ -26,6 +26,7 @@ from .losses.fipo import FIPO
 from .losses.gmpo import GMPO
 from .losses.gvpo import GVPO
 from .losses.luspo import LUSPO
+from .losses.opd import OPD
 from .losses.opmd import OPMD
 from .losses.ppo import ClippedPolicy
 from .losses.real import REAL
@@ -37,7 +38,7 @@ from .losses.vespo import VESPO
 
 __all__ = ["Algorithm", "LossOutput", "PolicyTerms", "NAMED", "SOURCES", "RECIPES", "Recipe", "recipe", "register", "names", "get", "families",
            "CEGPPO", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "GVPO", "KLCov", "LUSPO",
-           "OPMD", "REAL", "REC", "SAPO", "SPPO", "TISPG", "TOPR", "VESPO"]
+           "OPD", "OPMD", "REAL", "REC", "SAPO", "SPPO", "TISPG", "TOPR", "VESPO"]
 
 NAMED: dict[str, tuple[type[Algorithm], dict[str, Any]]] = {}
 """name -> (family, defaults), in registration order."""
@@ -83,6 +84,10 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
      dict()),
     ("sppo", SPPO, "arXiv 2108.05828; Trinity-RFT sppo (trinity/algorithm/policy_loss_fn/sppo_loss_fn.py)", dict()),
     ("gvpo", GVPO, "Zhang et al. 2025, arXiv 2504.19599; verl-recipe gvpo (gvpo/gvpo_core_algos.py)", dict()),
+    ("opd", OPD, "On-Policy Distillation (Thinking Machines, 2025), GKD arXiv 2306.13649; tinker-cookbook "
+     "distillation/train_on_policy.py", dict(loss_agg_mode=TOK)),
+    ("iw_opd", OPD, "Xie et al. 2026, arXiv 2606.22600; TRL iw_opd (trl/experimental/iw_opd/iw_opd_trainer.py)",
+     dict(loss_agg_mode=TOK, opd_position_gamma=0.5, opd_surrogate="log_prob")),
 ]
 
 

@@ -82,7 +82,7 @@ def cmd_losses(args: argparse.Namespace) -> int:
         log_prob = data["log_prob"].clone().requires_grad_(True)
         out = algorithm(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
                         ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], group_ids=data["group_ids"],
-                        scores=data["scores"])
+                        scores=data["scores"], teacher_log_prob=data["teacher_log_prob"])
         out.loss.backward()
         values = {"loss": out.loss.detach(), **out.metrics}
         if not algorithm.uses_reference:  # measured, but no term of this loss

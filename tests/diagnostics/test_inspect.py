@@ -69,13 +69,7 @@ def test_closed_form_matches_a_plain_loop(name):
 def test_closed_form_equals_autograd_for_every_algorithm(name, per_token_adv):
     batch = make_batch(6, 9, seed=1, spread=0.4, per_token_adv=per_token_adv)
     alg = algorithm(name)
-    kwargs = {"ref_log_prob": batch["ref_log_prob"]} if alg.uses_reference else {}
-    if alg.entropy_coef:
-        kwargs["entropy"] = batch["entropy"]
-    if alg.loss_agg_mode == "group-mean-token-mean":
-        kwargs["group_ids"] = batch["group_ids"]
-    if "scores" in alg.required_inputs:  # TOPR splits on the raw reward
-        kwargs["scores"] = batch["scores"]
+    kwargs = {key: batch[key] for key in alg.needs}  # e.g. TOPR's raw rewards, OPD's teacher
     result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"], **kwargs)
     assert result.grad.shape == batch["mask"].shape and torch.isfinite(result.grad).all()
     assert (result.grad[~batch["mask"]] == 0).all()

@@ -357,3 +357,26 @@ def gvpo(lp, old, adv, mask, group_ids, *, beta=0.1, center=True):
         mean_a = sum(a for _, a in members) / k if center else 0.0
         total += sum(0.5 * ((r - mean_r) - (a - mean_a)) ** 2 for r, a in members) / (k - 1)
     return total / max(len(groups), 1)
+
+
+# On-policy distillation (GKD arXiv 2306.13649; Thinking Machines' "On-Policy Distillation") and IW-OPD
+# (arXiv 2606.22600, TRL trl/experimental/iw_opd).
+def opd_advantages(old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8):
+    """A = Â + λ·w·a per token, a = log π_T - log π_old, w = 1 + γ(1 - Σ_{s<t}|a_s| / max(Σ_s|a_s|, ε))."""
+    out = []
+    for i in range(len(old)):
+        a = [teacher[i][t] - old[i][t] if mask[i][t] else 0.0 for t in range(len(old[i]))]
+        total = max(sum(abs(x) for x in a), eps)
+        row, before = [], 0.0
+        for t in range(len(a)):
+            row.append(adv[i][t] + coef * (1.0 + gamma * (1.0 - before / total)) * a[t])
+            before += abs(a[t])
+        out.append(row)
+    return out
+
+
+def opd(lp, old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8, surrogate="ratio"):
+    """-r·A ("ratio") or -log π·A ("log_prob") per token, A from `opd_advantages`."""
+    advantages = opd_advantages(old, teacher, adv, mask, coef=coef, gamma=gamma, eps=eps)
+    return [[-(math.exp(lp[i][t] - old[i][t]) if surrogate == "ratio" else lp[i][t]) * advantages[i][t]
+             for t in range(len(lp[i]))] for i in range(len(lp))]

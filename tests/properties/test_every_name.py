@@ -11,10 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pgloss
+from pgloss.core.inputs import OPTIONAL_INPUTS
 from conftest import free_port
 from steps import PARTS, data, log_probs
 
-OPTIONAL = ("ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores")
+OPTIONAL = tuple(name for name in OPTIONAL_INPUTS if name != "full_kl")  # the exact KL has its own tests
 RANKS = {0: [slice(0, 2), slice(2, 4)], 1: [slice(4, 8)]}  # uneven shares of whole groups
 
 

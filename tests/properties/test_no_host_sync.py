@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import pgloss
+from pgloss.core.inputs import OPTIONAL_INPUTS
 from pgloss.core.checks import anomaly_enabled
 from pgloss.losses.ppo import ClippedPolicy
 from pgloss.correction.rollout import Rejection, RolloutCorrection
@@ -44,11 +45,13 @@ def build(name, kind="none", **hyperparameters):
 
 def meta_inputs(rows=ROWS):
     """Every optional input a call may take, on `meta`; each algorithm reads what it needs."""
-    token = lambda: torch.empty(rows, WIDTH, device=META)  # noqa: E731
-    return dict(old_log_prob=token(), advantages=torch.empty(rows, device=META),
-                mask=torch.empty(rows, WIDTH, dtype=torch.bool, device=META), ref_log_prob=token(),
-                entropy=token(), rollout_log_prob=token(), group_ids=torch.empty(rows, dtype=torch.long, device=META),
-                scores=torch.empty(rows, device=META))
+    def empty(spec):
+        shape = (rows, WIDTH) if spec.per == "token" else (rows,)
+        return torch.empty(shape, dtype=torch.long if spec.integer else torch.float32, device=META)
+
+    optional = {name: empty(spec) for name, spec in OPTIONAL_INPUTS.items() if name != "full_kl"}
+    return dict(old_log_prob=torch.empty(rows, WIDTH, device=META), advantages=torch.empty(rows, device=META),
+                mask=torch.empty(rows, WIDTH, dtype=torch.bool, device=META), **optional)
 
 
 def test_meta_tensors_catch_a_host_read():
@@ -102,7 +105,7 @@ def test_from_hidden_runs_on_meta_tensors(name, exact_kl):
     hidden = torch.empty(ROWS, WIDTH, HIDDEN, device=META, requires_grad=True)
     weight = torch.empty(VOCAB, HIDDEN, device=META, requires_grad=True)
     targets = torch.empty(ROWS, WIDTH, dtype=torch.long, device=META)
-    extra = {key: data[key] for key in ("group_ids", "scores")}
+    extra = {key: data[key] for key in ("group_ids", "scores", "teacher_log_prob")}
     if algorithm.consumes_rollout_log_prob:
         extra["rollout_log_prob"] = data["rollout_log_prob"]
     if exact_kl:
@@ -143,7 +146,8 @@ def cpu_inputs(algorithm, seed=0):
     mask = torch.rand(ROWS, WIDTH, generator=g) < 0.8
     mask[2] = False  # an empty row
     inputs = dict(old_log_prob=old, advantages=torch.randn(ROWS, generator=g), mask=mask)
-    available = dict(ref_log_prob=noisy(0.1), group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g))
+    available = dict(ref_log_prob=noisy(0.1), group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g),
+                     teacher_log_prob=noisy(0.2))
     inputs |= {key: value for key, value in available.items() if key in algorithm.needs}
     return noisy(0.3), inputs
 

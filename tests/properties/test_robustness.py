@@ -10,9 +10,10 @@ NAMES = pgloss.names()
 
 
 def call(alg, data, log_prob=None, **extra):
-    # Group ids and raw scores for the families that need them (REAL, TOPR); the others ignore them.
-    extra.setdefault("group_ids", data["group_ids"])
-    extra.setdefault("scores", data["scores"])
+    # Group ids, raw scores and the teacher for the families that need them (REAL, TOPR, OPD); the others
+    # ignore them.
+    for key in ("group_ids", "scores", "teacher_log_prob"):
+        extra.setdefault(key, data[key])
     return alg(data["log_prob"] if log_prob is None else log_prob, data["old_log_prob"], data["advantages"],
                data["mask"], ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], **extra)
 
@@ -114,7 +115,8 @@ def test_empty_batches_from_hidden(name):
         targets = torch.randint(0, 6, (B, T), generator=gen)
         out = algorithm(name, kl_coef=0.1).from_hidden(
             hidden, weight, targets, old_log_prob=data["old_log_prob"], advantages=data["advantages"],
-            mask=data["mask"], ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"], scores=data["scores"])
+            mask=data["mask"], ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"], scores=data["scores"],
+            teacher_log_prob=data["teacher_log_prob"])
         out.loss.backward()
         assert out.loss.item() == 0.0, label
         assert (hidden.grad == 0).all() and (weight.grad == 0).all(), label

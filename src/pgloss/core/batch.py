@@ -79,6 +79,7 @@ class TokenBatch:
     group_ids: Tensor | None = None
     scores: Tensor | None = None
     full_kl: Tensor | None = None
+    teacher_log_prob: Tensor | None = None
 
     @property
     def row_advantages(self) -> Tensor:

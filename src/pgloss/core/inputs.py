@@ -41,6 +41,8 @@ OPTIONAL_INPUTS: dict[str, OptionalInput] = {spec.name: spec for spec in (
     OptionalInput("scores", "row", "[B], the raw sequence rewards its loss weighs by"),
     OptionalInput("full_kl", "token", "the exact per-token KL(π‖π_ref) with its gradient, for kl_estimator='full'",
                   grad=True),
+    OptionalInput("teacher_log_prob", "token", "log π_T(y_t), the teacher's log-probs of the sampled tokens, "
+                  "for on-policy distillation", log_prob=True),
 )}
 """Every optional input of `Algorithm.__call__`, in the order of its signature."""
 

@@ -27,16 +27,16 @@ from torch import Tensor
 
 DEFAULT_ALGORITHMS = ("grpo", "bnpo", "dr_grpo", "sample_grpo", "gspo")
 BATCH_KEYS = ("log_prob", "old_log_prob", "advantages", "mask")
-EXTRA_KEYS = ("scores", "group_ids")
-"""What some losses also need (TOPR the raw rewards, REAL the groups); a batch may hold them."""
+EXTRA_KEYS = ("scores", "group_ids", "teacher_log_prob")
+"""What some losses also need (TOPR the raw rewards, REAL the groups, OPD a teacher); a batch may hold them."""
 
 
 def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 128, spread: float = 0.0,
                     seed: int = 0) -> dict[str, Tensor]:
     """`groups` prompts × `group_size` responses of lengths spread over 1..max_length, 0/1 rewards
     (``scores``) with GRPO's group advantages and their ``group_ids``, log π = log π_old + spread·noise
-    (spread 0: ratio one), a reference near π_old and an entropy per token. float64. The one synthetic
-    batch of the command line: ``pgloss grads`` and ``pgloss losses`` draw it."""
+    (spread 0: ratio one), a reference and a teacher near π_old and an entropy per token. float64. The
+    one synthetic batch of the command line: ``pgloss grads`` and ``pgloss losses`` draw it."""
     from ..advantages.group import group_advantages
 
     for name, value in (("groups", groups), ("group_size", group_size), ("max_length", max_length)):
@@ -55,8 +55,9 @@ def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 1
     advantages = group_advantages(rewards, group_ids)
     ref = -(old + 0.05 * torch.randn(n, max_length, generator=gen, dtype=torch.float64)).abs()
     entropy = torch.rand(n, max_length, generator=gen, dtype=torch.float64)
+    teacher = -(old + 0.3 * torch.randn(n, max_length, generator=gen, dtype=torch.float64)).abs()
     return {"log_prob": log_prob, "old_log_prob": old, "advantages": advantages, "mask": mask, "scores": rewards,
-            "group_ids": group_ids, "ref_log_prob": ref, "entropy": entropy}
+            "group_ids": group_ids, "ref_log_prob": ref, "entropy": entropy, "teacher_log_prob": teacher}
 
 
 def load_batch(path: str | Path) -> dict[str, Tensor]:

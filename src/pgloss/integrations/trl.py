@@ -80,6 +80,10 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_
                "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
+_PASSED = frozenset({"ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores"})
+"""The optional inputs (core/inputs.py) the adapter gives the loss from GRPOTrainer's batch."""
+
+
 def _refusals(args: Any) -> list[str]:
     """The GRPOConfig options about the trainer's schedule whose effect the adapter cannot reproduce
     (the loss options are `trl_config`'s)."""
@@ -122,6 +126,10 @@ class PGLossMixin:
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         algorithm = trainer_algorithm(config, algorithm)
         refused = _refusals(config)
+        missing = sorted(algorithm.needs - _PASSED)
+        if missing:  # e.g. on-policy distillation's teacher_log_prob: GRPOTrainer has no teacher
+            refused.append(f"{algorithm.name}, which needs {', '.join(missing)} in each call (GRPOTrainer passes "
+                           f"{', '.join(sorted(_PASSED))})")
         if refused:
             raise ValueError("PGLossGRPOTrainer cannot honour: " + "; ".join(refused))
         config = copy.copy(config)  # the caller's config stays as it was

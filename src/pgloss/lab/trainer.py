@@ -20,6 +20,9 @@ Read top to bottom:
    split, ppo_kl, gradient norm and the share of clipped gradients). Every diagnostic is a
    tensor until the single ``tolist`` of the step.
 
+On-policy distillation (``opd``, ``iw_opd``) takes the reference, the warm-start model, as its teacher:
+the teacher's log-probs of the sampled tokens are the reference's, and the group advantages ride along.
+
 PPO in the papers learns a critic and uses GAE; the lab has no critic and gives ``ppo`` and
 ``dual_clip_ppo`` the same group advantages as the GRPO family (one reward per response).
 DAPO's dynamic sampling drops the groups whose rewards are all equal and refills the batch with
@@ -242,6 +245,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     """
     use_groups = "group_ids" in algorithm.needs
     use_scores = "scores" in algorithm.needs
+    use_teacher = "teacher_log_prob" in algorithm.needs  # the lab's teacher is the reference, the warm-start model
     values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
 
     def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
@@ -270,6 +274,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                                 ref_log_prob=micro.ref_log_prob if algorithm.uses_reference else None,
                                 group_ids=micro.rollout.group_ids if use_groups else None,
                                 scores=micro.scores if use_scores else None,
+                                teacher_log_prob=micro.ref_log_prob if use_teacher else None,
                                 rollout_log_prob=micro.rollout_log_prob)
                 out.loss.backward()
                 for name, key in (*LOSS_METRICS.items(), *((k, k) for k in ROLLOUT_METRICS)):

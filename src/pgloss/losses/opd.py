@@ -1,0 +1,103 @@
+"""On-policy distillation: the teacher's per-token reverse KL as the advantage of a policy gradient.
+
+The student samples y; the teacher scores the same tokens (`teacher_log_prob`, log π_T(y_t)). With
+the sampling policy's log-probs log π_old and the per-token sample of -KL(π_old‖π_T),
+
+    a_t = log π_T(y_t) - log π_old(y_t)
+    w_t = 1 + γ·(1 - Σ_{s<t} |a_s| / max(Σ_s |a_s|, ε))          (IW-OPD; γ = 0: w = 1)
+    A_t = Â_t + λ·w_t·a_t                                        (Â: the given advantages, 0 for pure distillation)
+
+and the loss per token is the importance-sampled policy gradient -r·A, r = π_θ/π_old
+(`opd_surrogate="ratio"`), or REINFORCE's -log π_θ·A (`"log_prob"`); both have the gradient -A·∇log π_θ
+at r = 1. A is detached: the student moves toward the teacher's likely tokens through the policy
+gradient, and minimising E[-A] over its own samples minimises the reverse KL(π_θ‖π_T), mode-seeking,
+on the states the student visits (Agarwal et al., GKD, arXiv 2306.13649; Lu & Thinking Machines,
+"On-Policy Distillation", 2025).
+
+IW-OPD (Xie et al., "On the Position Bias of On-Policy Distillation", arXiv 2606.22600) weighs a token
+by how little teacher-student discrepancy its prefix has accumulated: w runs from 1 + γ at the first
+token down to 1 at the last, so early tokens (whose errors compound) count more.
+
+References: tinker-cookbook `distillation/train_on_policy.py` (advantages = -λ·(log π_sample - log π_T)
+added to the environment's, the `importance_sampling` loss -r·A; λ `kl_penalty_coef` = 1); TRL 1.16
+`IWOPDTrainer._compute_iw_opd_loss` (trl/experimental/iw_opd: -log π_θ·w·a, γ = `iw_opd_gamma` = 0.5,
+ε = 1e-8, token mean). Deliberate difference: the sampling policy here is `old_log_prob` (pass the
+inference engine's log-probs there to use them); TRL takes its rollout log-probs when it has them, else
+the student's current log-probs detached, which equal `old_log_prob` on the first epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..base import Algorithm
+from ..core.batch import TokenBatch
+from ..core.metrics import masked_mean, ratio_metrics
+from ..core.output import PolicyTerms, check
+from ..core.ratios import importance_ratio, log_ratio
+from .closed_form import GradientFactor
+
+OPD_SURROGATES = ("ratio", "log_prob")
+
+
+def distillation_advantage(teacher_log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
+    """a_t = log π_T(y_t) - log π_old(y_t), detached, 0 where masked, `[B, T]`."""
+    return torch.where(mask, teacher_log_prob - old_log_prob, 0.0).detach()
+
+
+def position_weights(advantage: Tensor, *, gamma: float, eps: float = 1e-8) -> Tensor:
+    """IW-OPD's w_t = 1 + γ·(1 - Σ_{s<t}|a_s| / max(Σ_s|a_s|, ε)), `[B, T]` (a is 0 where masked)."""
+    size = advantage.abs()
+    before = size.cumsum(dim=-1) - size
+    total = size.sum(dim=-1, keepdim=True).clamp(min=eps)
+    return 1.0 + gamma * (1.0 - before / total)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OPD(Algorithm):
+    """ℓ_{i,t} = -r·A or -log π_θ·A with A = Â + λ·w·(log π_T - log π_old) (`distillation_advantage`,
+    `position_weights`). Needs `teacher_log_prob`."""
+
+    opd_coef: float = 1.0
+    """λ, the weight of the teacher's advantage beside the given one (tinker-cookbook `kl_penalty_coef`)."""
+    opd_position_gamma: float = 0.0
+    """γ of IW-OPD's position weights; 0 is plain on-policy distillation (TRL `iw_opd_gamma` = 0.5)."""
+    opd_position_eps: float = 1e-8
+    """ε, the floor of a row's Σ|a| in the position weights (TRL `iw_opd_epsilon`)."""
+    opd_surrogate: str = "ratio"
+    """"ratio": -r·A, the importance-sampled gradient (tinker-cookbook); "log_prob": -log π_θ·A (TRL IW-OPD)."""
+
+    required_inputs = ("teacher_log_prob",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.opd_coef > 0, f"opd_coef must be > 0, got {self.opd_coef}")
+        check(self.opd_position_gamma >= 0, f"opd_position_gamma must be >= 0, got {self.opd_position_gamma}")
+        check(self.opd_position_eps > 0, f"opd_position_eps must be > 0, got {self.opd_position_eps}")
+        check(self.opd_surrogate in OPD_SURROGATES,
+              f"opd_surrogate must be one of {OPD_SURROGATES}, got {self.opd_surrogate!r}")
+
+    def advantages(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """(A, a, w), each `[B, T]` and detached."""
+        if batch.teacher_log_prob is None:
+            raise ValueError(f"{self.name} distils a teacher and needs teacher_log_prob=[B, T] in the call")
+        a = distillation_advantage(batch.teacher_log_prob, batch.old_log_prob, batch.mask)
+        w = position_weights(a, gamma=self.opd_position_gamma, eps=self.opd_position_eps)
+        return batch.advantages + self.opd_coef * w * a, a, w
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        advantages, a, w = self.advantages(batch)
+        delta = log_ratio(batch.log_prob, batch.old_log_prob)
+        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
+                                 max_log_ratio=self.max_log_ratio)
+        surrogate = ratio if self.opd_surrogate == "ratio" else batch.log_prob
+        metrics = ratio_metrics(ratio, delta, batch.mask)
+        metrics["teacher_reverse_kl"] = masked_mean(-a, batch.mask)  # the k1 sample of KL(π_old‖π_T)
+        metrics["opd_position_weight"] = masked_mean(w, batch.mask)
+        return PolicyTerms(-surrogate * advantages, metrics)
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        return GradientFactor(None, "OPD: the advantage is the teacher's A = Â + λ·w·a, not the given Â")
