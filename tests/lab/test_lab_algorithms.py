@@ -35,9 +35,7 @@ def test_every_algorithm_updates_the_policy(name):
     assert float(metrics["grad_norm"]) > 0 and 0 <= float(metrics["grad_clipped"]) <= 1
     assert max(float((p.detach() - s).abs().max()) for p, s in zip(policy.parameters(), start)) > 1e-4
     reports_clip = "pg_clipfrac" in algorithm(batch.old_log_prob, batch.old_log_prob, batch.advantages,
-                                              batch.rollout.mask, ref_log_prob=batch.ref_log_prob,
-                                              group_ids=batch.rollout.group_ids, scores=batch.scores,
-                                              teacher_log_prob=batch.ref_log_prob).metrics
+                                              batch.rollout.mask, **batch.inputs(algorithm)).metrics
     assert math.isnan(float(metrics["clip_frac"])) == (not reports_clip)  # SAPO has no clip: None, not an error
     if reports_clip:
         assert float(metrics["clip_frac"]) == pytest.approx(

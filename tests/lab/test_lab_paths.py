@@ -57,8 +57,7 @@ def test_the_labs_update_takes_the_step_of_one_call(name, kind):
     log_prob, entropy = response_log_probs(policy, batch.rollout, temperature=cfg.temperature)
     torch.manual_seed(0)
     out = algorithm(log_prob=log_prob, old_log_prob=batch.old_log_prob, advantages=batch.advantages,
-                    mask=batch.rollout.mask, entropy=entropy, ref_log_prob=batch.ref_log_prob,
-                    group_ids=batch.rollout.group_ids, scores=batch.scores, rollout_log_prob=batch.rollout_log_prob)
+                    mask=batch.rollout.mask, entropy=entropy, **batch.inputs(algorithm))
     reference = torch.autograd.grad(out.loss, recorder.params, allow_unused=True)
     for got, want in zip(recorder.grads, reference):
         want = torch.zeros_like(got) if want is None else want

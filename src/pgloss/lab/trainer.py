@@ -86,6 +86,14 @@ class Batch:
                      self.advantages[index], self.scores[index],
                      None if self.rollout_log_prob is None else self.rollout_log_prob[index])
 
+    def inputs(self, algorithm) -> dict[str, Tensor | None]:
+        """The optional inputs of `algorithm`'s call from this batch: those it `needs`, and the sampler's
+        log-probs. The lab's teacher (on-policy distillation) is its reference, the warm-start model."""
+        available = dict(ref_log_prob=self.ref_log_prob, group_ids=self.rollout.group_ids, scores=self.scores,
+                         teacher_log_prob=self.ref_log_prob)
+        return {key: value for key, value in available.items() if key in algorithm.needs} | {
+            "rollout_log_prob": self.rollout_log_prob}
+
     @staticmethod
     def cat(parts: list["Batch"]) -> "Batch":
         """The rows of `parts` in order (responses right-padded to the longest)."""
@@ -244,8 +252,6 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     ``grad_clipped`` is the share of optimizer steps whose gradient norm exceeded ``max_grad_norm``.
     """
     use_groups = "group_ids" in algorithm.needs
-    use_scores = "scores" in algorithm.needs
-    use_teacher = "teacher_log_prob" in algorithm.needs  # the lab's teacher is the reference, the warm-start model
     values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
 
     def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
@@ -271,11 +277,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                 log_prob, entropy = response_log_probs(policy, micro.rollout, temperature=cfg.temperature)
                 out = algorithm(log_prob=log_prob, old_log_prob=micro.old_log_prob, advantages=micro.advantages,
                                 mask=micro.rollout.mask, entropy=entropy, normalizer=normalizer,
-                                ref_log_prob=micro.ref_log_prob if algorithm.uses_reference else None,
-                                group_ids=micro.rollout.group_ids if use_groups else None,
-                                scores=micro.scores if use_scores else None,
-                                teacher_log_prob=micro.ref_log_prob if use_teacher else None,
-                                rollout_log_prob=micro.rollout_log_prob)
+                                **micro.inputs(algorithm))
                 out.loss.backward()
                 for name, key in (*LOSS_METRICS.items(), *((k, k) for k in ROLLOUT_METRICS)):
                     if key in out.metrics:
