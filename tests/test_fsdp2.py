@@ -77,7 +77,8 @@ def data():
     old = (log_prob + noise(0.1)).clamp(max=-1e-3)
     inputs = dict(old_log_prob=old, advantages=torch.randn(ROWS, generator=g, dtype=torch.float64), mask=mask,
                   ref_log_prob=(old + noise(0.2)).clamp(max=-1e-3), rollout_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
-                  group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g, dtype=torch.float64))
+                  group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g, dtype=torch.float64),
+                  teacher_log_prob=(old + noise(0.3)).clamp(max=-1e-3))
     return ids, targets, inputs
 
 
