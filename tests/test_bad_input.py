@@ -15,9 +15,9 @@ NAMES = pgloss.names()
 
 
 def call(alg, data, **extra):
-    # Group ids and raw scores for the families that need them (REAL, TOPR); the others ignore them.
-    extra.setdefault("group_ids", data["group_ids"])
-    extra.setdefault("scores", data["scores"])
+    # Group ids, raw scores and the teacher for the families that need them (REAL, TOPR, OPD); the others ignore them.
+    for key in ("group_ids", "scores", "teacher_log_prob"):
+        extra.setdefault(key, data[key])
     return alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
                ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], **extra)
 
@@ -189,7 +189,7 @@ def test_detect_anomaly_passes_clean_batches_and_masked_poison(name):
     alg = algorithm(name, kl_coef=0.1)
     expected = call(alg, data).loss
     masked = {k: v.clone() for k, v in data.items()}
-    for key in ("log_prob", "old_log_prob", "ref_log_prob", "advantages"):
+    for key in ("log_prob", "old_log_prob", "ref_log_prob", "teacher_log_prob", "advantages"):
         masked[key][~data["mask"]] = math.nan
     with pgloss.detect_anomaly():
         assert torch.equal(call(alg, masked).loss, expected)

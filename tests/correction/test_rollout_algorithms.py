@@ -27,7 +27,8 @@ def data(seed=0, spread=0.3, per_token_adv=False):
 
 def call(alg, d, log_prob=None, **kw):
     return alg(d["log_prob"] if log_prob is None else log_prob, d["old_log_prob"], d["advantages"], d["mask"],
-               rollout_log_prob=d["rollout_log_prob"], ref_log_prob=d["ref_log_prob"], group_ids=d["group_ids"], **kw)
+               rollout_log_prob=d["rollout_log_prob"], ref_log_prob=d["ref_log_prob"], group_ids=d["group_ids"],
+               teacher_log_prob=d["teacher_log_prob"], **kw)
 
 
 def expected_dapo(d, *, weight, keep, counted, clip_low=0.2, clip_high=0.28):
@@ -292,7 +293,7 @@ def test_every_named_loss_composes_with_a_correction(name):
     plain = pgloss.get(name, **extra)
     torch.manual_seed(0)
     ref = plain(d["log_prob"], d["old_log_prob"], d["advantages"], keep, ref_log_prob=d["ref_log_prob"],
-                group_ids=d["group_ids"], scores=SCORES)
+                group_ids=d["group_ids"], scores=SCORES, teacher_log_prob=d["teacher_log_prob"])
     w = torch.where(keep, (d["old_log_prob"] - d["rollout_log_prob"]).exp().clamp(max=1.3), 0.0)
     expected = pgloss.aggregate(ref.per_token * w, keep, plain.loss_agg_mode, norm_constant=plain.norm_constant,
                                 group_ids=d["group_ids"])

@@ -32,11 +32,12 @@ def make(dtype=torch.float64, seed=0):
     old = (current + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).to(dtype)
     ref = (current + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)).to(dtype)
     rollout = (current + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)).to(dtype)
+    teacher = (current + 0.4 * torch.randn(B, T, generator=gen, dtype=torch.float64)).to(dtype)
     old = old.masked_fill(~mask, float("nan"))
     old[2, 4] = float("inf")
     ref = ref.masked_fill(~mask, -float("inf"))
     return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, old_log_prob=old, ref_log_prob=ref,
-                rollout_log_prob=rollout, advantages=randn(B))
+                rollout_log_prob=rollout, teacher_log_prob=teacher, advantages=randn(B))
 
 
 def unfused(alg, inputs, *, temperature=1.0, **kw):
@@ -89,8 +90,9 @@ PATHS = {"recompute": 4, "one_pass": 11}
 def test_every_algorithm_matches_unfused_float64(name, temperature, path, small_blocks):
     alg = algorithm(name, kl_coef=0.05, entropy_coef=0.01)
     inputs = leaves(make())
-    # Group ids and raw scores for the names that need them (REAL, TOPR); the others ignore them.
-    extra = dict(group_ids=torch.tensor([0, 0, 1]), scores=torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64))
+    # The row inputs and the teacher for the names that need them (REAL, TOPR, OPD); the others ignore them.
+    extra = dict(group_ids=torch.tensor([0, 0, 1]), scores=torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64),
+                 teacher_log_prob=inputs["teacher_log_prob"])
     torch.manual_seed(0)  # Clip-Cov draws from the global generator: the same draw on both paths
     out, gh, gw = run(fused, alg, inputs, temperature=temperature, chunk_size=PATHS[path], **extra)
     torch.manual_seed(0)
