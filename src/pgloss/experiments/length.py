@@ -113,7 +113,7 @@ QUICK = LengthExperiment(seeds=2, steps=12)
 
 GROWTH = LengthExperiment(
     algorithms=("grpo", "grpo:kl_coef=0", "bnpo", "dr_grpo", "sample_grpo"), task="chain", seeds=5, steps=120,
-    max_new_tokens=256, warm_steps=1500, warm_batch=64, d_model=96, lr=2e-4, entropy_coef=0.05,
+    max_new_tokens=256, warm_steps=1500, warm_batch=64, d_model=96, lr=2e-4, entropy_coef=0.02,
     workers=1)
 """``--task chain``: the claims where a longer trace raises the reward, so responses lengthen
 (docs/experiments.md, "Where length grows"): the lab's ``chain`` task, where the scratchpad pays; the
