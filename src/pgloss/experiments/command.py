@@ -131,6 +131,8 @@ def add_experiment_command(subparsers) -> None:
                         help="trace: length is the policy's free choice (default); chain: a longer trace raises "
                              "the reward, so responses lengthen (its own algorithms, budget, warm start and entropy bonus)")
     add_algorithms_argument(parser, LengthExperiment().algorithms)
+    action = next(a for a in parser._actions if a.dest == "algorithms")
+    action.help = action.help[:-1] + f"; --task chain: {' '.join(EXPERIMENTS['chain'].algorithms)})"
     parser.set_defaults(algorithms=None)  # None: the experiment's own (or --quick's) algorithms
     parser.add_argument("--seeds", type=int, help="seeds per algorithm (default: 5; --quick: 2)")
     parser.add_argument("--steps", type=int,
@@ -139,7 +141,8 @@ def add_experiment_command(subparsers) -> None:
     parser.add_argument("--workers", type=int, help="runs trained at once (default: 2; --task chain 1)")
     parser.add_argument("--entropy-coef", type=float, help="entropy bonus of every algorithm (default: none; "
                                                            f"--task chain {EXPERIMENTS['chain'].entropy_coef})")
-    parser.add_argument("--out", help="output folder (default: runs/length, or runs/length-quick; taken by another "
+    parser.add_argument("--out", help="output folder (default: runs/length, runs/length-quick, runs/length-chain or "
+                                      "runs/length-chain-quick; taken by another "
                                       "experiment: the next free name beside it); the same experiment is resumed")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an experiment with other settings in --out, its files kept in --out/replaced")
