@@ -11,7 +11,7 @@ import torch
 import pgloss
 from pgloss.cli import main
 from pgloss.experiments import length
-from pgloss.experiments.length_report import CLAIMS, Claim, interval, run_mean, verdict, write_report
+from pgloss.experiments.length_report import CLAIMS, Claim, growth, interval, run_mean, verdict, write_report
 from pgloss.diagnostics.grads import gradient_table, load_batch
 from pgloss.lab.tasks import demonstration, make_task, reward
 from pgloss.lab.tasks import TraceTask
@@ -200,3 +200,52 @@ def test_the_experiment_resumes_its_own_out_and_refuses_another(tmp_path, capsys
     assert (out / "replaced" / "runs").is_dir() and (out / "replaced" / "experiment.json").exists()  # set aside, not deleted
     assert main(["experiment", "length", "--quick", "--steps", "5", "--out", str(out / "notes.txt")]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_growth_is_the_least_squares_slope_per_100_steps():
+    records = [{"step": s, "length": 10 + 0.05 * s + (0.3 if s % 2 else -0.3)} for s in range(0, 41)]
+    # a loop of the textbook formula: slope = Σ(x - x̄)(y - ȳ) / Σ(x - x̄)²
+    xs, ys = [r["step"] for r in records], [r["length"] for r in records]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert growth(records, "length") == pytest.approx(100 * slope)
+    assert growth([{"step": s, "length": 3.0 - 0.02 * s} for s in range(5)], "length") == pytest.approx(-2.0)
+    assert math.isnan(growth([{"step": 0, "length": 3.0}, {"step": 1, "length": None}], "length"))
+    rate = verdict(CLAIMS[0], _runs([4, 5, 6], [1, 1, 1], steps=11), window=1, measure=growth)
+    assert rate["mean"] == pytest.approx(100 * 4 / 10) and rate["verdict"] == "reproduced"  # 4 tokens over 10 steps
+
+
+def test_the_growth_experiment_is_the_claims_where_length_is_free_to_grow():
+    g = length.EXPERIMENTS["chain"]
+    assert g.task == "chain" and g.max_new_tokens >= 256 and g.seeds >= 5
+    assert {"grpo", "grpo:kl_coef=0", "bnpo", "dr_grpo", "sample_grpo"} <= set(g.algorithms)
+    assert g.entropy_coef and g.entropy_coef > 0
+    configs = [g.lab_config(a, 0) for a in g.algorithms]
+    assert {c.entropy_coef for c in configs} == {g.entropy_coef} and {c.task for c in configs} == {"chain"}
+    from pgloss.lab.trainer import make_algorithm
+
+    assert {make_algorithm(c).entropy_coef for c in configs} == {g.entropy_coef}  # the same bonus for every loss
+    assert length.quick(g) == dataclasses.replace(g, seeds=2, steps=12)
+    assert length.EXPERIMENTS["trace"] == length.LengthExperiment() and length.LengthExperiment().entropy_coef is None
+    with pytest.raises(ValueError, match="task"):
+        length.LengthExperiment(task="nope")
+    with pytest.raises(ValueError, match="entropy_coef"):
+        length.LengthExperiment(entropy_coef=-1.0)
+
+
+def test_reduced_growth_run_through_the_command(tmp_path, capsys, monkeypatch):
+    """``--task chain --quick`` at a reduced scale: chain runs with the entropy bonus, the
+    report carries the growth column and the check-run caveat of the chain design."""
+    small = dataclasses.replace(length.EXPERIMENTS["chain"], algorithms=("grpo", "sample_grpo"), prompts_per_step=2,
+                                group_size=2, max_new_tokens=24, warm_steps=3, warm_batch=4, d_model=16, eval_prompts=2)
+    monkeypatch.setitem(length.EXPERIMENTS, "chain", small)
+    out = tmp_path / "g"
+    assert main(["experiment", "length", "--task", "chain", "--quick", "--steps", "2", "--out", str(out)]) == 0
+    settings = json.loads((out / "experiment.json").read_text())
+    assert settings["task"] == "chain" and settings["entropy_coef"] == small.entropy_coef and settings["steps"] == 2
+    runs = length.load(out)
+    assert set(runs) == {(a, s) for a in ("grpo", "sample_grpo") for s in range(2)}
+    assert all(r["entropy"] is not None for records in runs.values() for r in records)
+    text = (out / "report.md").read_text()
+    assert "--task chain --quick --steps 2" in text and "length growth (tokens/100 steps)" in text
+    assert f"against the experiment's 5 x {small.steps}" in text and "growth rate per 100 steps" in text

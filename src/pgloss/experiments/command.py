@@ -65,9 +65,10 @@ def cmd_experiment(args) -> int:
     from ..lab.runner import require_extras
     from ..lab.spec import parse_algorithms
 
-    base = length.QUICK if args.quick else length.LengthExperiment()
-    overrides = {k: getattr(args, k) for k in ("seeds", "steps", "workers") if getattr(args, k) is not None}
-    default = "runs/length-quick" if args.quick else "runs/length"
+    design = length.EXPERIMENTS[args.task]
+    base = length.quick(design) if args.quick else design
+    overrides = {k: getattr(args, k) for k in ("seeds", "steps", "workers", "entropy_coef") if getattr(args, k) is not None}
+    default = "runs/length" + ("" if args.task == "trace" else f"-{args.task}") + ("-quick" if args.quick else "")
     try:  # every argument is checked before any work
         require_extras()
         if args.algorithms is not None:
@@ -102,12 +103,13 @@ def cmd_experiment(args) -> int:
         return 130 if interrupted else 2
     seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else None
     window = max(1, min(10, (experiment.steps + 1) // 4))
-    command = " ".join(["pgloss experiment length", *(["--quick"] if args.quick else []),
+    command = " ".join(["pgloss experiment length", *([f"--task {args.task}"] if args.task != "trace" else []),
+                        *(["--quick"] if args.quick else []),
                         *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "algorithms"),
                         *([f"--algorithms {' '.join(overrides['algorithms'])}"] if args.algorithms else []),
                         f"--out {out}"])
     names = list(experiment.algorithms) + sorted({a for a, _ in runs} - set(experiment.algorithms))
-    report = write_report(runs, names, out, command=command, seconds=seconds, window=window)
+    report = write_report(runs, names, out, command=command, seconds=seconds, window=window, design=design)
     if interrupted:
         print(f"pgloss experiment: interrupted; {len(runs)} of {total} runs complete; report: {report}; "
               "the same command resumes", file=sys.stderr)
@@ -118,19 +120,29 @@ def cmd_experiment(args) -> int:
 
 def add_experiment_command(subparsers) -> None:
     """Add ``experiment`` to the ``pgloss`` command's subparsers."""
-    from .length import LengthExperiment
+    from .length import EXPERIMENTS, LengthExperiment
     from ..lab.spec import add_algorithms_argument
 
     parser = subparsers.add_parser("experiment", help="run an experiment that tests a published claim (length)")
     parser.add_argument("name", choices=["length"], help="length: which losses lengthen responses (docs/experiments.md)")
     parser.add_argument("--quick", action="store_true",
                         help="two seeds, 12 steps: checks that everything runs (minutes, not a result)")
+    parser.add_argument("--task", choices=sorted(EXPERIMENTS), default="trace",
+                        help="trace: length is the policy's free choice (default); chain: a longer trace raises "
+                             "the reward, so responses lengthen (its own algorithms, budget, warm start and entropy bonus)")
     add_algorithms_argument(parser, LengthExperiment().algorithms)
+    action = next(a for a in parser._actions if a.dest == "algorithms")
+    action.help = action.help[:-1] + f"; --task chain: {' '.join(EXPERIMENTS['chain'].algorithms)})"
     parser.set_defaults(algorithms=None)  # None: the experiment's own (or --quick's) algorithms
     parser.add_argument("--seeds", type=int, help="seeds per algorithm (default: 5; --quick: 2)")
-    parser.add_argument("--steps", type=int, help="RL steps per run (default: 100; --quick: 12)")
-    parser.add_argument("--workers", type=int, help="runs trained at once (default: 2)")
-    parser.add_argument("--out", help="output folder (default: runs/length, or runs/length-quick; taken by another "
+    parser.add_argument("--steps", type=int,
+                        help=f"RL steps per run (default: {EXPERIMENTS['trace'].steps}, --task chain "
+                             f"{EXPERIMENTS['chain'].steps}; --quick: 12)")
+    parser.add_argument("--workers", type=int, help="runs trained at once (default: 2; --task chain 1)")
+    parser.add_argument("--entropy-coef", type=float, help="entropy bonus of every algorithm (default: none; "
+                                                           f"--task chain {EXPERIMENTS['chain'].entropy_coef})")
+    parser.add_argument("--out", help="output folder (default: runs/length, runs/length-quick, runs/length-chain or "
+                                      "runs/length-chain-quick; taken by another "
                                       "experiment: the next free name beside it); the same experiment is resumed")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an experiment with other settings in --out, its files kept in --out/replaced")

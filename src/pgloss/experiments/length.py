@@ -25,6 +25,7 @@ goes and skips runs already complete, so an interrupted experiment resumes where
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -57,6 +58,8 @@ class LengthExperiment:
     """Supervised warm-start steps: enough that a trace no longer costs accuracy (about 0.9 either way)."""
     warm_batch: int = 32
     """Demonstrations per warm-start step."""
+    scratchpad_prob: float = 0.5
+    """Share of warm-start demonstrations that write a trace (the rest answer directly)."""
     d_model: int = 64
     """Width of the transformer."""
     lr: float = 5e-4
@@ -65,6 +68,10 @@ class LengthExperiment:
     """Held-out prompts answered greedily every step."""
     workers: int = 2
     """Runs trained at once, one process and one thread each."""
+    task: str = "trace"
+    """The lab task (lab/tasks.py): ``trace``, where length is free, or ``chain``, where a longer trace pays."""
+    entropy_coef: float | None = None
+    """Entropy bonus given alike to every algorithm (the lab's ``entropy_coef``); None: each algorithm's own (none)."""
 
     def __post_init__(self) -> None:
         if not self.algorithms:
@@ -80,20 +87,48 @@ class LengthExperiment:
             raise ValueError(f"group_size: need >= 2 for group advantages, got {self.group_size}")
         if not self.lr > 0:
             raise ValueError(f"lr: need > 0, got {self.lr}")
+        if not 0 <= self.scratchpad_prob <= 1:
+            raise ValueError(f"scratchpad_prob: need a share in [0, 1], got {self.scratchpad_prob}")
+        from ..lab.tasks import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"task: unknown task {self.task!r}; valid names: {', '.join(sorted(TASKS))}")
+        if self.entropy_coef is not None and not (isinstance(self.entropy_coef, (int, float)) and self.entropy_coef >= 0):
+            raise ValueError(f"entropy_coef: need a number >= 0 or None, got {self.entropy_coef!r}")
 
     def lab_config(self, algorithm: str, seed: int):
         """The lab's configuration of one run."""
         from ..lab.config import LabConfig
 
-        return LabConfig(algorithm=algorithm, task="trace", seed=seed, steps=self.steps,
+        return LabConfig(algorithm=algorithm, task=self.task, seed=seed, steps=self.steps, entropy_coef=self.entropy_coef,
                          prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                          max_new_tokens=self.max_new_tokens, warm_steps=self.warm_steps, warm_batch=self.warm_batch,
+                         scratchpad_prob=self.scratchpad_prob,
                          d_model=self.d_model, lr=self.lr, eval_prompts=self.eval_prompts,
                          samples=min(4, self.eval_prompts), threads=1)
 
 
 QUICK = LengthExperiment(seeds=2, steps=12)
 """``--quick``: every algorithm on two seeds for 12 steps (a check that it all runs, not a result)."""
+
+GROWTH = LengthExperiment(
+    algorithms=("grpo", "grpo:kl_coef=0", "bnpo", "dr_grpo", "sample_grpo"), task="chain", seeds=5, steps=120,
+    max_new_tokens=256, warm_steps=1500, warm_batch=64, d_model=96, lr=2e-4, entropy_coef=0.02,
+    workers=1)
+"""``--task chain``: the claims where a longer trace raises the reward, so responses lengthen
+(docs/experiments.md, "Where length grows"): the lab's ``chain`` task, where the scratchpad pays; the
+algorithms of the claims with the control; a 256-token budget (the longest demonstration is 12 tokens,
+so no response is cut off by the budget unless it runs on); the lab's default warm start (width 96,
+1500 x 64 demonstrations); and the same entropy bonus for every algorithm, so the entropy does not
+collapse within the run."""
+
+EXPERIMENTS = {"trace": LengthExperiment(), "chain": GROWTH}
+"""The experiment of each ``--task``."""
+
+
+def quick(experiment: LengthExperiment) -> LengthExperiment:
+    """``--quick``: `experiment` on two seeds for 12 steps (a check that it all runs, not a result)."""
+    return dataclasses.replace(experiment, seeds=2, steps=12)
 
 
 def repeated_ngrams(texts: list[str], n: int = 4) -> float:
@@ -233,7 +268,7 @@ def check(experiment: LengthExperiment) -> None:
 
     for a in experiment.algorithms:
         make_algorithm(experiment.lab_config(a, 0))
-    make_task("trace")
+    make_task(experiment.task)
 
 
 def jobs(experiment: LengthExperiment, out: Path) -> list[tuple]:

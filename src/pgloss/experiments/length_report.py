@@ -97,6 +97,18 @@ def run_mean(records: list[dict], key: str) -> float:
     return window_mean(records, key, range(1, records[-1]["step"] + 1)) - window_mean(records, key, range(1))
 
 
+def growth(records: list[dict], key: str) -> float:
+    """The growth rate of `key` in one run, per 100 steps: 100 times the least-squares slope of its
+    values against the step over every recorded step (0 to the last; None values left out)."""
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None and not math.isnan(r[key])]
+    if len(points) < 2:
+        return math.nan
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return 100 * sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else math.nan
+
+
 def verdict(claim: Claim, runs: dict, window: int, measure=change) -> dict | None:
     """The paired difference of the claim's `measure` (by default the end-minus-start change) over the
     seeds both algorithms ran; None if none."""
@@ -127,6 +139,7 @@ def summary_rows(runs: dict, algorithms: list[str], window: int) -> list[dict]:
         if not seeds:
             continue
         row = {"algorithm": a, "seeds": len(seeds)}
+        row["growth"] = interval([growth(runs[(a, s)], "length") for s in seeds])
         for key in ("reward", "length", "length_right", "length_wrong", "rep4", "entropy", "truncated"):
             starts, ends = [], []
             for s in seeds:
@@ -241,12 +254,13 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
     return paths
 
 
-def scale_caveat(runs: dict) -> str | None:
-    """A warning when the runs are smaller than the experiment's design (its default seeds and steps):
-    their intervals are wide and their verdicts are no result (``--quick`` checks that it all runs)."""
+def scale_caveat(runs: dict, design=None) -> str | None:
+    """A warning when the runs are smaller than the experiment's `design` (its seeds and steps; by
+    default the ``trace`` experiment's): their intervals are wide and their verdicts are no result
+    (``--quick`` checks that it all runs)."""
     from .length import LengthExperiment
 
-    design = LengthExperiment()
+    design = LengthExperiment() if design is None else design
     seeds = max((sum(1 for (b, _) in runs if b == a) for a, _ in runs), default=0)
     steps = max((records[-1]["step"] for records in runs.values()), default=0)
     if seeds >= design.seeds and steps >= design.steps:
@@ -257,42 +271,47 @@ def scale_caveat(runs: dict) -> str | None:
 
 
 def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, seconds: float | None,
-                 window: int) -> Path:
-    """report.md with the table, the verdicts and the plots, in `out`; returns its path."""
+                 window: int, design=None) -> Path:
+    """report.md with the table, the verdicts and the plots, in `out`; returns its path. `design` is the
+    experiment the runs belong to (its seeds and steps decide whether they are a check run)."""
     plots = plot(runs, algorithms, out)
     rows = summary_rows(runs, algorithms, window)
-    caveat = scale_caveat(runs)
+    caveat = scale_caveat(runs, design)
     lines = ["# The length experiment", "", f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
              "", *([f"**{caveat}**", ""] if caveat else []), f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.", "",
              "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "
-             "rep-4 start → end | entropy start → end | cut off at end |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "rep-4 start → end | entropy start → end | cut off at end | length growth (tokens/100 steps) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         def arrow(key, digits=2):
             start, end = row[key]
             return f"{_fmt(start, digits)} → {_fmt(end, digits)}"
         lines.append(f"| {row['algorithm']} | {row['seeds']} | {arrow('reward')} | {arrow('length', 1)} | "
                      f"{arrow('length_right', 1)} | {arrow('length_wrong', 1)} | {arrow('rep4', 3)} | "
-                     f"{arrow('entropy', 3)} | {_fmt(row['truncated'][1], 3)} |")
+                     f"{arrow('entropy', 3)} | {_fmt(row['truncated'][1], 3)} | {_fmt(row['growth'], 2)} |")
     lines += ["", "## Claims", "",
               "Paired by seed: the change (end minus step 0) under the first algorithm minus under the second, "
               "its 95% interval over seeds, and the verdict it gives. The last column compares the mean over "
-              "every RL step instead of the end (how fast, not only how far), as a secondary reading.", "",
-              "| source | claim | predicts | measured at the end (95% CI) | verdict | over the whole run (95% CI) |",
-              "|---|---|---|---|---|---|"]
+              "every RL step instead of the end (how fast, not only how far), as a secondary reading; the growth "
+              "column compares the least-squares slope of the measure against the step, per 100 steps.", "",
+              "| source | claim | predicts | measured at the end (95% CI) | verdict | over the whole run (95% CI) | "
+              "growth rate per 100 steps (95% CI) |",
+              "|---|---|---|---|---|---|---|"]
     for claim in CLAIMS:
         v = verdict(claim, runs, window)
         if v is None:
             continue
         whole = verdict(claim, runs, window, measure=run_mean)
+        rate = verdict(claim, runs, window, measure=growth)
         side = ">" if claim.sign > 0 else "<"
         if caveat:  # a verdict of a check run is shown as what it would read, not as a finding
-            v, whole = ({**x, "verdict": f"(would read: {x['verdict']}; not a result at this scale)"}
-                        for x in (v, whole))
+            v, whole, rate = ({**x, "verdict": f"(would read: {x['verdict']}; not a result at this scale)"}
+                              for x in (v, whole, rate))
         lines.append(f"| {claim.source} | {claim.statement} | Δ{claim.key}({claim.a}) - Δ{claim.key}({claim.b}) "
                      f"{side} 0 | {v['mean']:+.3f} [{v['low']:+.3f}, {v['high']:+.3f}] {claim.unit}, "
                      f"{v['seeds']} seeds | {v['verdict']} | {whole['mean']:+.3f} [{whole['low']:+.3f}, "
-                     f"{whole['high']:+.3f}]: {whole['verdict']} |")
+                     f"{whole['high']:+.3f}]: {whole['verdict']} | {rate['mean']:+.3f} [{rate['low']:+.3f}, "
+                     f"{rate['high']:+.3f}]: {rate['verdict']} |")
     lines += [""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     path = out / "report.md"
     path.write_text("\n".join(lines))

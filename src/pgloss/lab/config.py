@@ -7,6 +7,7 @@ docstring), so a run's ``config.json`` is all it takes to reproduce it.
 from __future__ import annotations
 
 import ast
+import math
 import dataclasses
 import inspect
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ class LabConfig:
     """Optimizer steps of linear learning-rate warmup at the start of RL (Adam's first steps are otherwise full-size)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip of each optimizer step."""
+    entropy_coef: float | None = None
+    """Entropy bonus (the loss's entropy_coef) given to every algorithm whose spec does not set one (none: each algorithm's own default)."""
     warm_steps: int = 1500
     """Supervised steps on demonstrations before RL, so that RL starts above zero reward."""
     warm_batch: int = 64
@@ -96,6 +99,8 @@ class LabConfig:
             ("lr", self.lr > 0, "> 0"),
             ("warmup", self.warmup >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
+            ("entropy_coef", self.entropy_coef is None or (isinstance(self.entropy_coef, (int, float))
+                                                           and math.isfinite(self.entropy_coef)), "a finite number or none"),
             ("warm_steps", self.warm_steps >= 0, ">= 0"),
             ("warm_batch", self.warm_batch >= 1, ">= 1"),
             ("warm_lr", self.warm_lr > 0, "> 0"),

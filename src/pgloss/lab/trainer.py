@@ -105,9 +105,12 @@ class Batch:
 
 def make_algorithm(cfg: LabConfig):
     """The pgloss algorithm of ``cfg.algorithm`` (a spec: ``dapo`` or ``dapo:clip_high=0.3``) with the
-    rollout correction of ``cfg.rollout_correction``; Dr.GRPO's constant divisor is the response
-    budget unless the spec sets ``norm_constant``."""
-    return parse_spec(cfg.algorithm).build(cfg.max_new_tokens, parse_rollout_correction(cfg.rollout_correction))
+    rollout correction of ``cfg.rollout_correction`` and the entropy bonus ``cfg.entropy_coef`` (unless the
+    spec sets its own); Dr.GRPO's constant divisor is the response budget unless the spec sets ``norm_constant``."""
+    spec = parse_spec(cfg.algorithm)
+    if cfg.entropy_coef is not None:
+        spec = spec.with_args({"entropy_coef": cfg.entropy_coef})  # the spec's own setting wins
+    return spec.build(cfg.max_new_tokens, parse_rollout_correction(cfg.rollout_correction))
 
 
 def make_sampler(policy, cfg: LabConfig, step: int):
