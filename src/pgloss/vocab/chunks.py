@@ -220,8 +220,9 @@ class ChunkLoop(torch.autograd.Function):
     def forward(ctx, statistic, kinds, temperature, tiles, *tensors):
         chunk_size, vocab_block = tiles
         dtype = compute_dtype(tensors[0].dtype if kinds[0] == "logits" else tensors[1].dtype)
+        if not tileable(statistic):  # whole-vocabulary token chunks
+            vocab_block = tensors[0].shape[1] if kinds[0] == "logits" else tensors[1].shape[0]
         sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype)
-        vocab_block = vocab_block if tileable(statistic) else sources[0].vocab
         n = tensors[0].shape[0]
         values = statistic.allocate(n, sources[0].dtype, tensors[0].device)
         for start in range(0, n, chunk_size):
