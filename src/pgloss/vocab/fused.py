@@ -22,7 +22,9 @@ entropy=H, ...)` on the full logits, for every algorithm and `Normalizer`:
 - recompute (longer sequences, chunks of tokens): `chunks.ChunkLoop` with a head source; forward
   keeps only the per-token lse; backward recomputes each chunk's logits: four matmuls, 8NHV.
 
-Memory beyond the inputs and their gradients: one [chunk, V] buffer and cache-sized blocks.
+Memory beyond the inputs and their gradients: one [chunk, V] buffer and cache-sized blocks; with
+`vocab_block` < V (or a `memory_budget`), one [chunk, vocab_block] tile, the statistics accumulated
+over tiles with an online max and each tile recomputed for the gradient (8NHV on either route).
 
 The same idea: Liger-Kernel's fused linear losses (Hsu et al. 2024, https://arxiv.org/abs/2410.10989)
 and "Cut Your Losses in Large-Vocabulary Language Models" (Wijmans et al. 2024,
