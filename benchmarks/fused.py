@@ -6,7 +6,11 @@ allocated; the peak reported is the high-water mark above that baseline.
 
 Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
   naive    logits = hidden @ weightᵀ materialised, log_softmax + gather, then the algorithm
-  fused    pgloss.vocab.fused.loss_from_hidden (chunked, logits recomputed in backward)
+  fused    pgloss.vocab.fused.loss_from_hidden, token chunks of whole-vocabulary rows (--chunk-size)
+  tiled    pgloss.vocab.fused.loss_from_hidden, token chunks and vocabulary tiles chosen from
+           --memory-budget (bytes), each tile's logits recomputed in backward
+  trl      TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py: token chunks of 4096 and
+           vocabulary tiles of --trl-chunk columns, torch ops off Triton) for log π and H, then the algorithm
   liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss)
   lce      torch.nn.functional.linear_cross_entropy (chunked, pgloss's chunk size) for log π, then
            the algorithm (no entropy: that metric is missing)
@@ -21,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import warnings
@@ -28,7 +33,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device import Memory, add_device_argument, describe, resolve_device, timed  # noqa: E402
 
-VARIANTS = ("naive", "fused", "liger", "lce", "floor")
+VARIANTS = ("naive", "fused", "tiled", "trl", "liger", "lce", "floor")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float64": "float64"}
 
 
@@ -40,10 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=151936, help="V, vocabulary size")
     add_device_argument(parser)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per variant (the minimum is reported)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per variant (the median is reported)")
     parser.add_argument("--algorithm", default="grpo", help="a name from pgloss.names()")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--chunk-size", type=int, default=None, help="pgloss chunk (tokens); default ≈ 2²⁵ / V")
+    parser.add_argument("--memory-budget", type=int, default=64 << 20,
+                        help="bytes for the tiled variant's buffers (pgloss memory_budget=)")
+    parser.add_argument("--trl-chunk", type=int, default=4096, help="vocabulary columns per tile of the trl variant")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--timeout", type=int, default=300, help="seconds allowed to one variant's process")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -127,6 +135,30 @@ def build_variant(name, args, algorithm):
         def run(inputs):
             return loss_from_hidden(algorithm, inputs["hidden"], inputs["weight"], inputs["targets"],
                                     temperature=tau, chunk_size=args.chunk_size, **common(inputs)).loss
+        return run
+
+    if name == "tiled":
+        def run(inputs):
+            return loss_from_hidden(algorithm, inputs["hidden"], inputs["weight"], inputs["targets"],
+                                    temperature=tau, memory_budget=args.memory_budget, **common(inputs)).loss
+        return run
+
+    if name == "trl":
+        try:
+            from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+            raise RuntimeError(f"trl.kernels.chunked_logprob does not import: {type(error).__name__}: {error}") from None
+
+        def run(inputs):
+            hidden = inputs["hidden"]
+            batch, length, size = hidden.shape
+            targets = torch.where(inputs["mask"], inputs["targets"], 0).reshape(-1)
+            log_prob, entropy, *_ = ChunkedLogProbFunction.apply(hidden.reshape(-1, size), inputs["weight"], None,
+                                                                 targets, tau, args.trl_chunk, None, 1.0, ("entropy",))
+            if algorithm.entropy_coef == 0:
+                entropy = entropy.detach()
+            return algorithm(log_prob=log_prob.view(batch, length), entropy=entropy.view(batch, length),
+                             **common(inputs)).loss
         return run
 
     if name == "lce":
@@ -213,7 +245,7 @@ def child(args) -> dict:
 
     if args.child == "floor":
         times = [timed(floor_step(inputs, args, torch), device) for _ in range(args.repeats)]
-        result.update(time_s=min(t[0] for t in times), cpu_s=min(t[1] for t in times),
+        result.update(time_s=statistics.median(t[0] for t in times), cpu_s=statistics.median(t[1] for t in times),
                       note="three matmuls, logits-sized G: time only")
         return result
     try:
@@ -235,7 +267,7 @@ def child(args) -> dict:
 
     for _ in range(args.repeats):
         times.append(timed(step, device))
-    result.update(time_s=min(t[0] for t in times), cpu_s=min(t[1] for t in times),
+    result.update(time_s=statistics.median(t[0] for t in times), cpu_s=statistics.median(t[1] for t in times),
                   peak_mib=memory.peak_above_baseline(), loss=losses[-1])
     return result
 
@@ -288,7 +320,9 @@ def main(argv=None) -> None:
     def ratio(r, key, base):
         return r.get(key) / base[key] if r.get(key) and base.get(key) else None
 
-    columns = ["variant", "peak above inputs+grads (MiB)", "naive / this (mem)", "wall (s)", "CPU (s)",
+    grads_mib = (args.tokens * args.hidden + args.vocab * args.hidden) * (2 if args.dtype == "bfloat16" else
+                                                                          8 if args.dtype == "float64" else 4) / 2**20
+    columns = ["variant", "peak above floor (MiB)", "naive / this (mem)", "above inputs (MiB)", "ratio above inputs", "wall (s)", "CPU (s)",
                "vs naive (wall / CPU)", "vs floor (wall / CPU)", "loss", "note"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "|".join("-" * (len(c) + 2) for c in columns) + "|")
@@ -299,16 +333,21 @@ def main(argv=None) -> None:
             r["variant"].ljust(len(columns[0])),
             _cell(peak, ".0f", len(columns[1])),
             _cell(mem, ".1f", len(columns[2])),
-            _cell(r.get("time_s"), ".2f", len(columns[3])),
-            _cell(r.get("cpu_s"), ".2f", len(columns[4])),
+            _cell(None if peak is None else peak + grads_mib, ".0f", len(columns[3])),
+            _cell((naive["peak_mib"] + grads_mib) / (peak + grads_mib) if peak and naive.get("peak_mib") else None,
+                  ".1f", len(columns[4])),
+            _cell(r.get("time_s"), ".2f", len(columns[5])),
+            _cell(r.get("cpu_s"), ".2f", len(columns[6])),
             (_cell(ratio(r, "time_s", naive), ".2f", 0) + " / " + _cell(ratio(r, "cpu_s", naive), ".2f", 0)
-             ).rjust(len(columns[5])),
+             ).rjust(len(columns[7])),
             (_cell(ratio(r, "time_s", floor), ".2f", 0) + " / " + _cell(ratio(r, "cpu_s", floor), ".2f", 0)
-             ).rjust(len(columns[6])),
-            _cell(r.get("loss"), ".6f", len(columns[7])),
+             ).rjust(len(columns[8])),
+            _cell(r.get("loss"), ".6f", len(columns[9])),
             r.get("note", ""),
         ]
         print("| " + " | ".join(cells) + " |")
+    print(f"peak above floor: above the inputs and the room of hidden.grad and weight.grad (measured); above inputs: "
+          f"that plus the gradients' {grads_mib:.0f} MiB, which every path holds")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -28,8 +28,16 @@ def test_log_prob_paths_agree(name, kind):
         torch.testing.assert_close(split, reference, rtol=1e-10, atol=1e-13)
 
 
+# Whole-vocabulary chunks (the default sizes), and vocabulary tiles of 4 columns (11 = 4 + 4 + 3) with
+# whole rows per chunk (the one-pass route) or 5-token chunks (shorter than a row: the recompute route).
+TILES = {"whole": {}, "tiles_one_pass": dict(chunk_size=12, vocab_block=4),
+         "tiles_recompute": dict(chunk_size=5, vocab_block=4)}
+
+
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("name, kind", cases())
-def test_hidden_state_paths_agree(name, kind):
+def test_hidden_state_paths_agree(name, kind, tiles):
+    sizes = TILES[tiles]
     algorithm = build(name, kind)
     hidden, weight, targets, inputs = data(seed=1)
     hidden.requires_grad_(True), weight.requires_grad_(True)
@@ -38,7 +46,7 @@ def test_hidden_state_paths_agree(name, kind):
     reference = torch.autograd.grad(plain, (hidden, weight))
 
     torch.manual_seed(0)
-    fused = algorithm.from_hidden(hidden, weight, targets, **inputs).loss
+    fused = algorithm.from_hidden(hidden, weight, targets, **inputs, **sizes).loss
     for got, want in zip(torch.autograd.grad(fused, (hidden, weight)), reference):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
@@ -48,6 +56,6 @@ def test_hidden_state_paths_agree(name, kind):
         for p in PARTS:
             torch.manual_seed(0)
             total = total + algorithm.from_hidden(hidden[p], weight, targets[p], normalizer=normalizer,
-                                                  **{k: v[p] for k, v in inputs.items()}).loss
+                                                  **{k: v[p] for k, v in inputs.items()}, **sizes).loss
         for got, want in zip(torch.autograd.grad(total, (hidden, weight)), reference):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

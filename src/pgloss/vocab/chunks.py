@@ -11,36 +11,48 @@ from ..core.batch import compute_dtype
 
 
 class HeadChunks:
-    """A reusable [chunk, V] buffer for a chunk's tempered logits z = x Wᵀ / τ from hidden states x and a
-    head W, and the chunk's gradient applied back to both (`apply_grad`). One per model in a loop."""
+    """A reusable buffer for a tile of tempered logits z = x W[cols]ᵀ / τ from hidden states x and a
+    head W (`width` vocabulary columns at most, the whole vocabulary by default), and the tile's
+    gradient applied back to both (`apply_grad`). One per model in a loop. The buffer is flat, so
+    that a short last tile is a contiguous [rows, k] view."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype,
+                 width: int | None = None) -> None:
         rows = min(hidden.shape[0], chunk_size)
-        self.z = weight.new_empty(rows, weight.shape[0], dtype=dtype)
+        width = weight.shape[0] if width is None else min(width, weight.shape[0])
+        self.z = weight.new_empty(rows * width, dtype=dtype)
         # Low-precision parameters: the matmul writes in their dtype, the softmax runs in float32.
-        self.raw = None if weight.dtype == dtype else weight.new_empty(rows, weight.shape[0])
+        self.raw = None if weight.dtype == dtype else weight.new_empty(rows * width)
 
-    def logits(self, x: Tensor, weight: Tensor, temperature: float) -> Tensor:
-        m = x.shape[0]
-        z = self.z[:m]
+    def logits(self, x: Tensor, weight: Tensor, temperature: float, cols: slice | None = None) -> Tensor:
+        w = weight if cols is None else weight[cols]
+        m, k = x.shape[0], w.shape[0]
+        z = self.z[: m * k].view(m, k)
         if self.raw is None:
-            torch.mm(x, weight.t(), out=z)
+            torch.mm(x, w.t(), out=z)
         else:
-            z.copy_(torch.mm(x, weight.t(), out=self.raw[:m]))
+            z.copy_(torch.mm(x, w.t(), out=self.raw[: m * k].view(m, k)))
         if temperature != 1.0:
             z.div_(temperature)
         return z
 
     def apply_grad(self, grad: Tensor, x: Tensor, weight: Tensor, grad_hidden: Tensor | None,
-                   grad_weight: Tensor | None, first: bool) -> None:
-        """grad_hidden ← G W for this chunk's rows; grad_weight ← Gᵀ x (first chunk) or += Gᵀ x.
+                   grad_weight: Tensor | None, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
+        """grad_hidden ← G W[cols] for this tile's rows (+= after the first column tile);
+        grad_weight[cols] ← Gᵀ x (first row chunk) or += Gᵀ x.
 
         `grad_weight` is in the compute dtype: in place for float32/64 parameters, a float32
         accumulator for half-precision ones (whose matmuls run in their own dtype)."""
+        if cols is not None:
+            weight = weight[cols]
+            grad_weight = None if grad_weight is None else grad_weight[cols]
         if self.raw is not None:
-            grad = self.raw[: grad.shape[0]].copy_(grad)
+            grad = self.raw[: grad.numel()].view(grad.shape).copy_(grad)
         if grad_hidden is not None:
-            torch.mm(grad, weight, out=grad_hidden)
+            if first_col:
+                torch.mm(grad, weight, out=grad_hidden)
+            else:
+                grad_hidden.addmm_(grad, weight)
         if grad_weight is None:
             return
         if grad_weight.dtype != grad.dtype and first:
@@ -67,30 +79,35 @@ def weight_grad_buffer(weight: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
 
 
 class LogitRows:
-    """Source: given logits `[N, V]` (any float dtype). A chunk is copied into the compute dtype,
+    """Source: given logits `[N, V]` (any float dtype). A tile is copied into the compute dtype,
     divided by τ, with −inf (banned tokens) clamped to the lowest finite value so that π is exactly
-    0 there. Its gradient goes to the logits; in backward, when the dtypes agree, the chunk is
+    0 there. Its gradient goes to the logits; in backward, when the dtypes agree, the tile is
     recomputed straight into the gradient's rows (no second buffer)."""
 
     arity = 1
 
-    def __init__(self, logits: Tensor, chunk_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, logits: Tensor, chunk_size: int, dtype: torch.dtype, width: int | None = None) -> None:
         self.logits, self.dtype, self.chunk_size, self.grad, self.z = logits, dtype, chunk_size, None, None
+        self.vocab = logits.shape[1]
+        self.width = self.vocab if width is None else min(width, self.vocab)
 
-    def chunk(self, rows: slice, temperature: float, for_grad: bool = False) -> Tensor:
+    def chunk(self, rows: slice, temperature: float, for_grad: bool = False, cols: slice | None = None) -> Tensor:
+        block = self.logits[rows] if cols is None else self.logits[rows, cols]
         if for_grad and self.grad is not None and self.grad.dtype == self.dtype:
-            return tempered(self.logits[rows], temperature, self.grad[rows])
+            return tempered(block, temperature, self.grad[rows] if cols is None else self.grad[rows, cols])
         if self.z is None:  # allocated on first use: not at all when backward writes into the gradient
-            rows_max = min(self.logits.shape[0], self.chunk_size)
-            self.z = self.logits.new_empty(rows_max, self.logits.shape[1], dtype=self.dtype)
-        return tempered(self.logits[rows], temperature, self.z[: self.logits[rows].shape[0]])
+            self.z = self.logits.new_empty(min(self.logits.shape[0], self.chunk_size) * self.width, dtype=self.dtype)
+        return tempered(block, temperature, self.z[: block.numel()].view(block.shape))
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
         self.grad = torch.empty_like(self.logits, memory_format=torch.contiguous_format) if needs[0] else None
 
-    def send(self, rows: slice, grad: Tensor, first: bool) -> None:
-        if self.grad is not None and grad.data_ptr() != self.grad[rows].data_ptr():
-            self.grad[rows] = grad
+    def send(self, rows: slice, grad: Tensor, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
+        if self.grad is None:
+            return
+        target = self.grad[rows] if cols is None else self.grad[rows, cols]
+        if grad.data_ptr() != target.data_ptr():
+            target.copy_(grad)
 
     def gradients(self) -> tuple[Tensor | None, ...]:
         return (self.grad,)
@@ -102,13 +119,14 @@ class HeadRows:
 
     arity = 2
 
-    def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype) -> None:
-        self.hidden, self.weight, self.dtype = hidden, weight, dtype
-        self.head = HeadChunks(hidden, weight, chunk_size, dtype)
+    def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype,
+                 width: int | None = None) -> None:
+        self.hidden, self.weight, self.dtype, self.vocab = hidden, weight, dtype, weight.shape[0]
+        self.head = HeadChunks(hidden, weight, chunk_size, dtype, width)
         self.grad_hidden = self.grad_weight = None
 
-    def chunk(self, rows: slice, temperature: float, for_grad: bool = False) -> Tensor:
-        return self.head.logits(self.hidden[rows], self.weight, temperature)
+    def chunk(self, rows: slice, temperature: float, for_grad: bool = False, cols: slice | None = None) -> Tensor:
+        return self.head.logits(self.hidden[rows], self.weight, temperature, cols)
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
         if needs[0]:
@@ -116,9 +134,10 @@ class HeadRows:
         if needs[1]:
             self.grad_weight = weight_grad_buffer(self.weight, self.dtype, rows=self.hidden.shape[0])
 
-    def send(self, rows: slice, grad: Tensor, first: bool) -> None:
+    def send(self, rows: slice, grad: Tensor, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
         self.head.apply_grad(grad, self.hidden[rows], self.weight,
-                             None if self.grad_hidden is None else self.grad_hidden[rows], self.grad_weight, first)
+                             None if self.grad_hidden is None else self.grad_hidden[rows], self.grad_weight, first,
+                             cols, first_col)
 
     def gradients(self) -> tuple[Tensor | None, ...]:
         return self.grad_hidden, None if self.grad_weight is None else self.grad_weight.to(self.weight.dtype)
@@ -137,25 +156,78 @@ def tempered(chunk: Tensor, temperature: float, out: Tensor) -> Tensor:
     return out.clamp_(min=torch.finfo(out.dtype).min)
 
 
+def tileable(statistic) -> bool:
+    """Whether `statistic` has the per-tile interface (`tile_forward`, `tile_finish`, `tile_grad`):
+    its values accumulate over vocabulary blocks with an online max. Without it, the loop runs
+    whole-vocabulary token chunks."""
+    return all(hasattr(statistic, name) for name in ("tile_forward", "tile_finish", "tile_grad"))
+
+
+def _columns(vocab: int, vocab_block: int):
+    for start in range(0, vocab, vocab_block):
+        yield slice(start, min(start + vocab_block, vocab)), start == 0
+
+
+def forward_rows(statistic, sources: list, rows: slice, temperature: float, vocab_block: int,
+                 values: list[Tensor]) -> list[Tensor] | None:
+    """The statistic's per-token values for one chunk of tokens, into `values[...][rows]`.
+
+    Untiled (`vocab_block` >= V): one [chunk, V] block per source, returned (a caller may reuse it
+    for the gradient). Tiled: vocabulary blocks of `vocab_block` columns, the statistic's running
+    state carried from tile to tile (`tile_forward`) and turned into values at the end
+    (`tile_finish`); returns None (no block outlives its tile)."""
+    vocab = sources[0].vocab
+    if vocab_block >= vocab:
+        zs = [s.chunk(rows, temperature) for s in sources]
+        statistic.forward(zs, rows, values)
+        return zs
+    state = None
+    for cols, _ in _columns(vocab, vocab_block):
+        state = statistic.tile_forward([s.chunk(rows, temperature, cols=cols) for s in sources], rows, cols, state)
+    statistic.tile_finish(state, rows, values)
+    return None
+
+
+def backward_rows(statistic, sources: list, rows: slice, temperature: float, vocab_block: int,
+                  values: list[Tensor], grads, first: bool, zs: list[Tensor] | None = None) -> None:
+    """One chunk's ∂L/∂z sent back to the first source, tile by tile (recomputing each tile's logits),
+    or from the forward's whole-vocabulary blocks `zs` when given."""
+    vocab = sources[0].vocab
+    if vocab_block >= vocab:
+        if zs is None:
+            zs = [sources[0].chunk(rows, temperature, for_grad=True)] + [s.chunk(rows, temperature) for s in sources[1:]]
+        sources[0].send(rows, statistic.grad(zs, rows, values, grads, temperature), first=first)
+        return
+    for cols, first_col in _columns(vocab, vocab_block):
+        zs = ([sources[0].chunk(rows, temperature, for_grad=True, cols=cols)]
+              + [s.chunk(rows, temperature, cols=cols) for s in sources[1:]])
+        grad = statistic.tile_grad(zs, rows, cols, values, grads, temperature)
+        sources[0].send(rows, grad, first=first, cols=cols, first_col=first_col)
+
+
 class ChunkLoop(torch.autograd.Function):
     """The loop every vocabulary computation runs: `statistic` over the chunks of its sources.
 
     `kinds` names each source ("logits" or "head", `SOURCES`); `tensors` are their inputs in order
-    (one for logits, hidden and weight for a head). Only the first source is differentiated (the
-    others, a reference or a teacher, are detached by the caller). Saves the inputs and the
-    statistic's per-token values, never a [N, V] tensor; backward recomputes each chunk's logits.
+    (one for logits, hidden and weight for a head). `tiles` is (tokens per chunk, vocabulary columns
+    per tile) from `plan_tiles`; a statistic without the per-tile interface runs whole-vocabulary
+    chunks whatever the second number. Only the first source is differentiated (the others, a
+    reference or a teacher, are detached by the caller). Saves the inputs and the statistic's
+    per-token values, never a [N, V] tensor; backward recomputes each tile's logits.
     """
 
     @staticmethod
-    def forward(ctx, statistic, kinds, temperature, chunk_size, *tensors):
-        sources = _sources(kinds, tensors, chunk_size, compute_dtype(tensors[0].dtype if kinds[0] == "logits"
-                                                                     else tensors[1].dtype))
+    def forward(ctx, statistic, kinds, temperature, tiles, *tensors):
+        chunk_size, vocab_block = tiles
+        dtype = compute_dtype(tensors[0].dtype if kinds[0] == "logits" else tensors[1].dtype)
+        if not tileable(statistic):  # whole-vocabulary token chunks
+            vocab_block = tensors[0].shape[1] if kinds[0] == "logits" else tensors[1].shape[0]
+        sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype)
         n = tensors[0].shape[0]
         values = statistic.allocate(n, sources[0].dtype, tensors[0].device)
         for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            statistic.forward([s.chunk(rows, temperature) for s in sources], rows, values)
-        ctx.statistic, ctx.kinds, ctx.temperature, ctx.chunk_size = statistic, kinds, temperature, chunk_size
+            forward_rows(statistic, sources, slice(start, start + chunk_size), temperature, vocab_block, values)
+        ctx.statistic, ctx.kinds, ctx.temperature, ctx.tiles = statistic, kinds, temperature, (chunk_size, vocab_block)
         ctx.arity = sources[0].arity
         ctx.save_for_backward(*tensors, *values)
         ctx.set_materialize_grads(False)
@@ -164,7 +236,7 @@ class ChunkLoop(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        statistic, kinds, temperature, chunk_size = ctx.statistic, ctx.kinds, ctx.temperature, ctx.chunk_size
+        statistic, kinds, temperature, (chunk_size, vocab_block) = ctx.statistic, ctx.kinds, ctx.temperature, ctx.tiles
         saved = ctx.saved_tensors
         n_inputs = sum(SOURCES[k].arity for k in kinds)
         tensors, values = saved[:n_inputs], saved[n_inputs:]
@@ -172,19 +244,72 @@ class ChunkLoop(torch.autograd.Function):
         nothing = (None,) * (4 + n_inputs)
         if all(g is None for g in grads) or not any(needs):
             return nothing
-        sources = _sources(kinds, tensors, chunk_size, values[0].dtype)
+        sources = _sources(kinds, tensors, chunk_size, vocab_block, values[0].dtype)
         sources[0].begin_backward(needs)
         for start in range(0, tensors[0].shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            zs = [sources[0].chunk(rows, temperature, for_grad=True)] + [s.chunk(rows, temperature) for s in sources[1:]]
-            sources[0].send(rows, statistic.grad(zs, rows, values, grads, temperature), first=start == 0)
+            backward_rows(statistic, sources, slice(start, start + chunk_size), temperature, vocab_block, values,
+                          grads, first=start == 0)
         return (None,) * 4 + sources[0].gradients() + (None,) * (n_inputs - ctx.arity)
 
 
-def _sources(kinds, tensors, chunk_size, dtype) -> list:
+def _sources(kinds, tensors, chunk_size, vocab_block, dtype) -> list:
     sources, at = [], 0
     for kind in kinds:
         cls = SOURCES[kind]
-        sources.append(cls(*tensors[at:at + cls.arity], chunk_size, dtype))
+        sources.append(cls(*tensors[at:at + cls.arity], chunk_size, dtype, vocab_block))
         at += cls.arity
     return sources
+
+
+# ---------------------------------------------------------------------------------------
+# Choosing the tiles: tokens per chunk and vocabulary columns per tile, from explicit sizes or
+# from a memory budget in bytes.
+# ---------------------------------------------------------------------------------------
+
+# Default chunk: about 2²⁷ logits (512 MiB in float32) per chunk buffer.
+CHUNK_ELEMENTS = 1 << 27
+# Under a budget, a chunk keeps whole-vocabulary rows while it can hold this many tokens; below,
+# it tiles the vocabulary with chunks of up to TILE_ROWS tokens (the matmuls stay large).
+WHOLE_ROWS, TILE_ROWS = 512, 2048
+
+
+def _positive_int(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def plan_tiles(tokens: int, vocab: int, *, chunk_size: int | None = None, vocab_block: int | None = None,
+               memory_budget: int | None = None, buffers: int = 1, itemsize: int = 4) -> tuple[int, int]:
+    """(tokens per chunk, vocabulary columns per tile) for a loop over `tokens` x `vocab` logits.
+
+    Explicit `chunk_size` / `vocab_block` are taken as they are (None: about 2²⁷ / V tokens, the
+    whole vocabulary). `memory_budget` (bytes, exclusive with both) bounds the loop's buffers:
+    `buffers` tiles of logits (one per source) and two cache-block temporaries, each
+    chunk x vocab_block values of `itemsize` bytes. A budget that holds whole-vocabulary rows for
+    at least 512 tokens (or all of them) keeps whole rows; a smaller one tiles the vocabulary with
+    chunks of up to 2048 tokens. A budget below one value per buffer is refused.
+    """
+    chunk_size = _positive_int("chunk_size", chunk_size)
+    vocab_block = _positive_int("vocab_block", vocab_block)
+    memory_budget = _positive_int("memory_budget", memory_budget)
+    if memory_budget is None:
+        return chunk_size or max(1, CHUNK_ELEMENTS // max(1, vocab)), min(vocab_block or vocab, max(1, vocab))
+    if chunk_size is not None or vocab_block is not None:
+        given = "chunk_size" if chunk_size is not None else "vocab_block"
+        raise ValueError(f"memory_budget and {given} are exclusive: pass a budget in bytes, or the sizes")
+    per_value = itemsize * (buffers + 2)
+    elements = memory_budget // per_value
+    if elements < 1:
+        raise ValueError(f"memory_budget must hold at least one value per buffer ({per_value} bytes), "
+                         f"got {memory_budget}")
+    vocab = max(1, vocab)
+    rows = elements // vocab
+    if rows >= min(max(1, tokens), WHOLE_ROWS):
+        return max(1, rows), vocab
+    rows = max(1, min(max(1, tokens), TILE_ROWS, elements))
+    return rows, max(1, min(vocab, elements // rows))

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..core.batch import check_tensor
 from ..core.checks import check_number, check_values, is_integer
-from .chunks import ChunkLoop
+from .chunks import ChunkLoop, plan_tiles
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -124,15 +124,18 @@ def chunk_grad_logits(
     grad_log_prob: Tensor | None,
     grad_entropy: Tensor | None,
     temperature: float,
+    hit: Tensor | None = None,
 ) -> Tensor:
     """∂L/∂logits [n, V] for one chunk, from ∂L/∂log π(y) and ∂L/∂H (either may be None).
 
         ∂L/∂logitsᵥ = (1/τ) [ g_logp (1[v = y] − πᵥ) − g_H πᵥ (log πᵥ + H) ]
 
-    The result is written into `z` (the recomputed tempered logits) and returned.
+    The result is written into `z` (the recomputed tempered logits) and returned. On a tile of the
+    vocabulary `targets` are the tile's column indices and `hit` says which rows' target is in it.
     """
     g_lp = None if grad_log_prob is None else (grad_log_prob / temperature).unsqueeze(-1)
     neg_g_lp = None if g_lp is None else -g_lp
+    g_hit = g_lp if hit is None or g_lp is None else torch.where(hit.unsqueeze(-1), g_lp, 0.0)
     g_h = None if grad_entropy is None else (grad_entropy / -temperature).unsqueeze(-1)
     for rows, (p,) in _blocks(z):
         log_pi = z[rows].sub_(lse[rows].unsqueeze(-1))
@@ -144,12 +147,49 @@ def chunk_grad_logits(
         else:
             grad = torch.mul(p, neg_g_lp[rows], out=log_pi)
         if g_lp is not None:
-            grad.scatter_add_(-1, targets[rows].unsqueeze(-1), g_lp[rows])
+            grad.scatter_add_(-1, targets[rows].unsqueeze(-1), g_hit[rows])
     return z
 
 
+def tile_target(targets: Tensor, cols: slice) -> tuple[Tensor, Tensor]:
+    """The targets' column indices in the vocabulary tile `cols` (clamped into it), and which rows'
+    target falls inside the tile."""
+    local = targets - cols.start
+    width = cols.stop - cols.start
+    return local.clamp(0, width - 1), (local >= 0) & (local < width)
+
+
+def online_max(state_max: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
+    """The running max after the tile `z` and exp(old max − new max), the factor rescaling sums."""
+    new = torch.maximum(state_max, z.amax(dim=-1))
+    return new, torch.exp(state_max - new)
+
+
+def tile_exp_sums(z: Tensor, shift: Tensor, *others: Tensor) -> list[Tensor]:
+    """Per row of the tile `z`: Σᵥ e^{zᵥ−m} and Σᵥ e^{zᵥ−m} (zᵥ − m), and for each tile in `others`
+    (z'ᵥ, shifted by the caller) Σᵥ e^{zᵥ−m} z'ᵥ, walking cache-sized row blocks."""
+    n = z.shape[0]
+    sums = [z.new_empty(n) for _ in range(2 + len(others))]
+    for rows, (d, e) in _blocks(z, 2):
+        torch.sub(z[rows], shift[rows].unsqueeze(-1), out=d)
+        torch.exp(d, out=e)
+        sums[0][rows] = e.sum(dim=-1)
+        sums[1][rows] = (e * d).sum(dim=-1) if others else d.mul_(e).sum(dim=-1)
+        for k, other in enumerate(others):
+            sums[2 + k][rows] = d.copy_(other[rows]).mul_(e).sum(dim=-1)
+    return sums
+
+
 class LogProbEntropy:
-    """Statistic of `chunks.ChunkLoop`: (log π(y), H) per token of one source, saving lse."""
+    """Statistic of `chunks.ChunkLoop`: (log π(y), H) per token of one source, saving lse.
+
+    Per tile of the vocabulary (online max m, as in Milakov & Gimelshein 2018,
+    https://arxiv.org/abs/1805.02867), each row keeps s = Σᵥ e^{zᵥ−m}, a = Σᵥ e^{zᵥ−m}(zᵥ − m) and
+    z_y; a new max m' rescales them: s ← e^{m−m'} s, a ← e^{m−m'} (a + (m − m') s). At the end
+
+        lse = m + log s,   log π(y) = z_y − lse,   H = log s − a / s
+
+    (−a/s and log s are both ≥ 0: no cancellation, as in −Σ π log π)."""
 
     def __init__(self, targets: Tensor) -> None:
         self.targets = targets
@@ -161,6 +201,29 @@ class LogProbEntropy:
         log_prob, entropy, lse = values
         log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(zs[0], self.targets[rows])
 
+    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
+        z = zs[0]
+        local, hit = tile_target(self.targets[rows], cols)
+        z_y = z.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        if state is None:
+            m = z.amax(dim=-1)
+            s, a = tile_exp_sums(z, m)
+            return m, s, a, torch.where(hit, z_y, 0.0)
+        m, s, a, y = state
+        new, scale = online_max(m, z)
+        s_tile, a_tile = tile_exp_sums(z, new)
+        a = scale * (a + (m - new) * s) + a_tile
+        s = scale * s + s_tile
+        return new, s, a, torch.where(hit, z_y, y)
+
+    def tile_finish(self, state, rows: slice, values: list[Tensor]) -> None:
+        log_prob, entropy, lse = values
+        m, s, a, z_y = state
+        log_s = torch.log(s)
+        lse[rows] = m + log_s
+        log_prob[rows] = z_y - lse[rows]
+        entropy[rows] = log_s - a / s
+
     def outputs(self, values: list[Tensor]) -> tuple[Tensor, Tensor]:
         return values[0], values[1]
 
@@ -171,6 +234,15 @@ class LogProbEntropy:
                                  None if grad_log_prob is None else grad_log_prob[rows],
                                  None if grad_entropy is None else grad_entropy[rows], temperature)
 
+    def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
+                  temperature: float) -> Tensor:
+        _, entropy, lse = values
+        grad_log_prob, grad_entropy = grads
+        local, hit = tile_target(self.targets[rows], cols)
+        return chunk_grad_logits(zs[0], local, lse[rows], entropy[rows],
+                                 None if grad_log_prob is None else grad_log_prob[rows],
+                                 None if grad_entropy is None else grad_entropy[rows], temperature, hit)
+
 
 def log_prob_and_entropy(
     logits: Tensor,
@@ -178,6 +250,8 @@ def log_prob_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    vocab_block: int | None = None,
+    memory_budget: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Target log-probabilities and entropies of tempered logits, chunked over tokens.
 
@@ -196,6 +270,9 @@ def log_prob_and_entropy(
             An id outside [0, V) is a ValueError (replace padding ids before calling).
         temperature: τ > 0, the sampling temperature the logits are divided by.
         chunk_size: tokens per chunk; None picks about 2²⁷ / V.
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary); below V, lse,
+            log π(y) and H accumulate over tiles with an online max.
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
 
     Returns:
         (log_prob, entropy), each [...] in float32 (float64 for float64 logits).
@@ -211,10 +288,11 @@ def log_prob_and_entropy(
     check_targets(targets, logits.shape[:-1], logits.shape[-1])
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
-    chunk_size = check_chunk_size(chunk_size, vocab)
     lead = logits.shape[:-1]
+    tiles = plan_tiles(logits.numel() // vocab, vocab, chunk_size=chunk_size, vocab_block=vocab_block,
+                       memory_budget=memory_budget, itemsize=8 if logits.dtype == torch.float64 else 4)
     log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), ("logits",), temperature,
-                                        chunk_size, logits.reshape(-1, vocab))
+                                        tiles, logits.reshape(-1, vocab))
     return log_prob.view(lead), entropy.view(lead)
 
 

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
-from .chunks import ChunkLoop
-from .entropy import _blocks, check_chunk_size, check_temperature
+from .chunks import ChunkLoop, plan_tiles
+from .entropy import _blocks, check_temperature, online_max
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
 
@@ -60,8 +60,31 @@ def chunk_full_kl_grad(z: Tensor, z_ref: Tensor, lse: Tensor, lse_ref: Tensor, k
     return z
 
 
+def tile_kl_sums(z: Tensor, z_ref: Tensor, m: Tensor, m_ref: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of a vocabulary tile: Σᵥ e^{zᵥ−m}, Σᵥ e^{z_refᵥ−m_ref} and
+    Σᵥ e^{zᵥ−m} ((zᵥ − m) − (z_refᵥ − m_ref)), in cache-sized row blocks."""
+    n = z.shape[0]
+    s, s_ref, d = z.new_empty(n), z.new_empty(n), z.new_empty(n)
+    for rows, (a, b) in _blocks(z, 2):
+        torch.sub(z[rows], m[rows].unsqueeze(-1), out=a)
+        torch.sub(z_ref[rows], m_ref[rows].unsqueeze(-1), out=b)
+        b.sub_(a).neg_()  # (z − m) − (z_ref − m_ref)
+        a.exp_()
+        s[rows] = a.sum(dim=-1)
+        d[rows] = b.mul_(a).sum(dim=-1)
+        torch.sub(z_ref[rows], m_ref[rows].unsqueeze(-1), out=b)
+        s_ref[rows] = b.exp_().sum(dim=-1)
+    return s, s_ref, d
+
+
 class FullKL:
-    """Statistic of `chunks.ChunkLoop`: KL(π‖ρ) per token between its two sources, saving both lse."""
+    """Statistic of `chunks.ChunkLoop`: KL(π‖ρ) per token between its two sources, saving both lse.
+
+    Per tile of the vocabulary, with running maxima m, m_ref (online max), each row keeps
+    s = Σᵥ e^{zᵥ−m}, s_ref = Σᵥ e^{z_refᵥ−m_ref} and D = Σᵥ e^{zᵥ−m} ((zᵥ − m) − (z_refᵥ − m_ref)); new maxima
+    m', m_ref' rescale them (D ← e^{m−m'} (D + s ((m − m') + (m_ref' − m_ref)))). At the end
+
+        KL = D / s − log s + log s_ref,   lse = m + log s,   lse_ref = m_ref + log s_ref."""
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(3)]  # KL, lse, lse_ref
@@ -70,12 +93,36 @@ class FullKL:
         kl, lse, lse_ref = values
         kl[rows], lse[rows], lse_ref[rows] = chunk_full_kl(*zs)
 
+    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
+        z, z_ref = zs
+        if state is None:
+            m, m_ref = z.amax(dim=-1), z_ref.amax(dim=-1)
+            return (m, m_ref, *tile_kl_sums(z, z_ref, m, m_ref))
+        m, m_ref, s, s_ref, d = state
+        new, scale = online_max(m, z)
+        new_ref, scale_ref = online_max(m_ref, z_ref)
+        s_tile, s_ref_tile, d_tile = tile_kl_sums(z, z_ref, new, new_ref)
+        d = scale * (d + s * ((m - new) + (new_ref - m_ref))) + d_tile
+        return new, new_ref, scale * s + s_tile, scale_ref * s_ref + s_ref_tile, d
+
+    def tile_finish(self, state, rows: slice, values: list[Tensor]) -> None:
+        kl, lse, lse_ref = values
+        m, m_ref, s, s_ref, d = state
+        log_s, log_s_ref = torch.log(s), torch.log(s_ref)
+        kl[rows] = d / s - log_s + log_s_ref
+        lse[rows] = m + log_s
+        lse_ref[rows] = m_ref + log_s_ref
+
     def outputs(self, values: list[Tensor]) -> Tensor:
         return values[0]
 
     def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse, lse_ref = values
         return chunk_full_kl_grad(*zs, lse[rows], lse_ref[rows], kl[rows], grads[0][rows], temperature)
+
+    def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
+                  temperature: float) -> Tensor:
+        return self.grad(zs, rows, values, grads, temperature)  # elementwise given lse, lse_ref and KL
 
 
 def _check_pair(name: str, value: object, ref_name: str, ref: object, rank: int | None) -> None:
@@ -91,7 +138,8 @@ def _check_pair(name: str, value: object, ref_name: str, ref: object, rank: int 
 
 
 def full_kl_from_logits(
-    logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+    logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None,
+    vocab_block: int | None = None, memory_budget: int | None = None,
 ) -> Tensor:
     """KL(π‖π_ref) = Σᵥ πᵥ (log πᵥ - log π_ref,ᵥ) at every position, chunked; gradient to `logits` only.
 
@@ -100,6 +148,9 @@ def full_kl_from_logits(
         ref_logits: [..., V] reference logits of the same shape (never differentiated).
         temperature: τ > 0, dividing both logits.
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary); below V the KL and
+            both log-normalisers accumulate over tiles with online maxima.
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
 
     Returns:
         [...] the exact KL per position, float32 (float64 for float64 logits).
@@ -111,8 +162,9 @@ def full_kl_from_logits(
         raise ValueError(f"ref_logits must have the shape of logits {tuple(logits.shape)}, got {tuple(ref_logits.shape)}")
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
-    chunk_size = check_chunk_size(chunk_size, vocab)
-    kl = ChunkLoop.apply(FullKL(), ("logits", "logits"), temperature, chunk_size,
+    tiles = plan_tiles(logits.numel() // vocab, vocab, chunk_size=chunk_size, vocab_block=vocab_block,
+                       memory_budget=memory_budget, buffers=2, itemsize=8 if logits.dtype == torch.float64 else 4)
+    kl = ChunkLoop.apply(FullKL(), ("logits", "logits"), temperature, tiles,
                          logits.reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab))
     return kl.view(logits.shape[:-1])
 
@@ -125,6 +177,8 @@ def full_kl_from_hidden(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    vocab_block: int | None = None,
+    memory_budget: int | None = None,
 ) -> Tensor:
     """KL(π‖π_ref) per position from the final hidden states and LM heads of both models, [B, T].
 
@@ -139,6 +193,8 @@ def full_kl_from_hidden(
         ref_weight: [V, H'] reference output projection, the dtype of `ref_hidden`.
         temperature: τ > 0.
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary).
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
     """
     _check_pair("hidden", hidden, "ref_hidden", ref_hidden, 3)
     _check_pair("weight", weight, "ref_weight", ref_weight, 2)
@@ -156,8 +212,11 @@ def full_kl_from_hidden(
     if compute_dtype(ref_weight.dtype) != compute_dtype(weight.dtype):
         raise TypeError(f"ref_weight computes in {compute_dtype(ref_weight.dtype)} but weight in {compute_dtype(weight.dtype)}")
     temperature = check_temperature(temperature)
-    chunk_size = check_chunk_size(chunk_size, weight.shape[0])
     batch, length, size = hidden.shape
-    kl = ChunkLoop.apply(FullKL(), ("head", "head"), temperature, chunk_size, hidden.reshape(batch * length, size),
+    dtype = compute_dtype(weight.dtype)
+    tiles = plan_tiles(batch * length, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
+                       memory_budget=memory_budget, buffers=2 * (1 if weight.dtype == dtype else 2),
+                       itemsize=torch.finfo(dtype).bits // 8)
+    kl = ChunkLoop.apply(FullKL(), ("head", "head"), temperature, tiles, hidden.reshape(batch * length, size),
                          weight, ref_hidden.detach().reshape(batch * length, ref_hidden.shape[-1]), ref_weight.detach())
     return kl.view(batch, length)

@@ -22,7 +22,9 @@ entropy=H, ...)` on the full logits, for every algorithm and `Normalizer`:
 - recompute (longer sequences, chunks of tokens): `chunks.ChunkLoop` with a head source; forward
   keeps only the per-token lse; backward recomputes each chunk's logits: four matmuls, 8NHV.
 
-Memory beyond the inputs and their gradients: one [chunk, V] buffer and cache-sized blocks.
+Memory beyond the inputs and their gradients: one [chunk, V] buffer and cache-sized blocks; with
+`vocab_block` < V (or a `memory_budget`), one [chunk, vocab_block] tile, the statistics accumulated
+over tiles with an online max and each tile recomputed for the gradient (8NHV on either route).
 
 The same idea: Liger-Kernel's fused linear losses (Hsu et al. 2024, https://arxiv.org/abs/2410.10989)
 and "Cut Your Losses in Large-Vocabulary Language Models" (Wijmans et al. 2024,
@@ -41,15 +43,8 @@ from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
 from ..kl.corrections import FULL
-from .chunks import ChunkLoop, HeadChunks, weight_grad_buffer
-from .entropy import (
-    LogProbEntropy,
-    check_chunk_size,
-    check_targets,
-    check_temperature,
-    chunk_grad_logits,
-    chunk_log_prob_entropy,
-)
+from .chunks import ChunkLoop, HeadRows, backward_rows, forward_rows, plan_tiles
+from .entropy import LogProbEntropy, check_targets, check_temperature
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
 
@@ -103,6 +98,8 @@ def log_prob_and_entropy_from_hidden(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    vocab_block: int | None = None,
+    memory_budget: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log π(y) and H of the logits hidden @ weightᵀ / τ, each [B, T], without the [B, T, V] logits.
 
@@ -112,6 +109,10 @@ def log_prob_and_entropy_from_hidden(
         targets: [B, T] integer token ids in [0, V).
         temperature: τ > 0.
         chunk_size: tokens per chunk; None picks about 2²⁷ / V.
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary); below V, log-sum-exp,
+            log π(y) and H accumulate over tiles with an online max (`chunks.plan_tiles`).
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block:
+            the tiles are chosen from it (`chunks.plan_tiles`).
 
     Returns:
         (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
@@ -120,11 +121,21 @@ def log_prob_and_entropy_from_hidden(
     weight = full_head(weight)
     _check_inputs(hidden, weight, targets)
     temperature = check_temperature(temperature)
-    chunk_size = check_chunk_size(chunk_size, weight.shape[0])
     batch, length, size = hidden.shape
-    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), ("head",), temperature, chunk_size,
+    tiles = head_tiles(batch * length, weight, chunk_size, vocab_block, memory_budget)
+    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), ("head",), temperature, tiles,
                                         hidden.reshape(batch * length, size), weight)
     return log_prob.view(batch, length), entropy.view(batch, length)
+
+
+def head_tiles(tokens: int, weight: Tensor, chunk_size: int | None, vocab_block: int | None,
+               memory_budget: int | None, heads: int = 1) -> tuple[int, int]:
+    """`plan_tiles` for `heads` LM heads like `weight`: one logits buffer each in the compute dtype,
+    and one more for the matmul's output in a half-precision head's own dtype."""
+    dtype = compute_dtype(weight.dtype)
+    buffers = heads * (1 if weight.dtype == dtype else 2)
+    return plan_tiles(tokens, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
+                      memory_budget=memory_budget, buffers=buffers, itemsize=torch.finfo(dtype).bits // 8)
 
 
 class _AttachGradients(torch.autograd.Function):
@@ -157,44 +168,41 @@ def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
     return None if value is None else value[rows]
 
 
-def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, normalizer, batch):
+def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, vocab_block, normalizer, batch):
     """Row chunks of whole sequences: each chunk's loss, with the step's `normalizer`, is its exact
     share of the batch loss (split invariance), so its ∂L/∂log π and ∂L/∂H are known as soon as its
-    logits are, and G W, Gᵀ x follow without recomputing them: 6NHV flops instead of 8NHV.
+    logits are, and G W, Gᵀ x follow without recomputing them: 6NHV flops instead of 8NHV. With
+    vocabulary tiles (`vocab_block` < V) no chunk's logits outlive their tile, and each tile is
+    recomputed for the gradient (8NHV).
 
     Returns the [B, T] log π and H (detached) and the gradients of hidden and weight (or None).
     """
     n_rows, length, size = hidden.shape
     dtype = compute_dtype(weight.dtype)
-    need_hidden, need_weight = hidden.requires_grad, weight.requires_grad
-    log_prob = hidden.new_empty(n_rows, length, dtype=dtype)
-    entropy = torch.empty_like(log_prob)
-    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-    grad_weight = weight_grad_buffer(weight, dtype, rows=n_rows * length) if need_weight else None
-    x_all, w, y_all = hidden.detach().reshape(-1, size), weight.detach(), targets.reshape(-1)
-    chunks = HeadChunks(x_all, w, chunk_rows * length, dtype)
+    x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
+    source = HeadRows(x_all, weight.detach(), chunk_rows * length, dtype, vocab_block)
+    source.begin_backward((hidden.requires_grad, weight.requires_grad))
+    statistic = LogProbEntropy(y_all)
+    values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
+    grads = (torch.empty_like(values[0]), torch.empty_like(values[1]) if with_entropy else None)
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
         tokens = slice(start * length, (start + chunk_rows) * length)
-        x, y = x_all[tokens], y_all[tokens]
-        z = chunks.logits(x, w, temperature)
-        lp, ent, lse = chunk_log_prob_entropy(z, y)
-        shape = (x.shape[0] // length, length)
-        log_prob[rows], entropy[rows] = lp.view(shape), ent.view(shape)
+        zs = forward_rows(statistic, [source], tokens, temperature, vocab_block, values)
+        shape = (min(n_rows, start + chunk_rows) - start, length)
         with torch.enable_grad():
-            lp_leaf = lp.view(shape).requires_grad_()
-            ent_leaf = ent.view(shape).requires_grad_(with_entropy)
+            lp_leaf = values[0][tokens].view(shape).detach().requires_grad_()
+            ent_leaf = values[1][tokens].view(shape).detach().requires_grad_(with_entropy)
             out = algorithm(log_prob=lp_leaf, entropy=ent_leaf, normalizer=normalizer,
                             **{key: _rows(value, rows) for key, value in batch.items()})
-            grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
-        grad = chunk_grad_logits(z, y, lse, ent, grads[0].reshape(-1),
-                                 grads[1].reshape(-1) if with_entropy else None, temperature)
-        chunks.apply_grad(grad, x, w, None if grad_hidden is None else grad_hidden.view(-1, size)[tokens],
-                          grad_weight, first=start == 0)
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    return log_prob, entropy, grad_hidden, grad_weight
+            chunk_grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
+        for whole, part in zip(grads, chunk_grads):
+            whole[tokens] = part.reshape(-1)
+        backward_rows(statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs)
+    grad_hidden, grad_weight = source.gradients()
+    grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
+    return values[0].view(n_rows, length), values[1].view(n_rows, length), grad_hidden, grad_weight
 
 
 def loss_from_hidden(
@@ -211,6 +219,8 @@ def loss_from_hidden(
     ref_hidden: Tensor | None = None,
     ref_weight: Tensor | None = None,
     chunk_size: int | None = None,
+    vocab_block: int | None = None,
+    memory_budget: int | None = None,
     **inputs: Tensor | None,
 ) -> LossOutput:
     """`algorithm`'s loss on the logits hidden @ weightᵀ / τ, computed without materialising them.
@@ -241,12 +251,19 @@ def loss_from_hidden(
         temperature: τ > 0, the sampling temperature.
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary). Below V, each chunk's
+            log-sum-exp, log π(y), H and exact KL accumulate over tiles with an online max, and
+            each tile's logits are recomputed for the gradient (8NHV flops on either route).
+        memory_budget: bytes for the loop's logits buffers, exclusive with chunk_size and
+            vocab_block; the chunk and tile are chosen from it (`pgloss.vocab.chunks.plan_tiles`).
     """
     check_names(inputs, _PASSED)
     weight = full_head(weight)
     valid = _check_inputs(hidden, weight, targets, mask)
     temperature = check_temperature(temperature)
-    chunk_size = check_chunk_size(chunk_size, weight.shape[0])
+    tokens = hidden.shape[0] * hidden.shape[1]
+    sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+    chunk_size, vocab_block = head_tiles(tokens, weight, **sizes)
     safe_targets = torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device)).long()
     dtype = compute_dtype(weight.dtype)
 
@@ -264,7 +281,7 @@ def loss_from_hidden(
         from .full_kl import full_kl_from_hidden
 
         batch["full_kl"] = full_kl_from_hidden(hidden, weight, ref_hidden, full_head(ref_weight), temperature=temperature,
-                                               chunk_size=chunk_size)
+                                               **sizes)
     elif ref_hidden is not None or ref_weight is not None:
         raise ValueError(f"ref_hidden and ref_weight are for kl_estimator='full'; {algorithm.name} has "
                          f"kl_estimator={algorithm.kl_estimator!r} (pass ref_log_prob)")
@@ -274,7 +291,7 @@ def loss_from_hidden(
         # Sequences longer than a chunk, row-coupled losses and the exact KL: log π and H by token chunks, one
         # call for the batch, logits recomputed in backward.
         log_prob, entropy = log_prob_and_entropy_from_hidden(
-            hidden, weight, safe_targets, temperature=temperature, chunk_size=chunk_size
+            hidden, weight, safe_targets, temperature=temperature, chunk_size=chunk_size, vocab_block=vocab_block
         )
         return algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
 
@@ -285,7 +302,7 @@ def loss_from_hidden(
                                          group_ids=batch.get("group_ids"), reduce=False)
     with torch.no_grad():
         log_prob, entropy, grad_hidden, grad_weight = _loss_one_pass(
-            algorithm, hidden, weight, safe_targets, temperature, chunk_size // length, step, batch
+            algorithm, hidden, weight, safe_targets, temperature, chunk_size // length, vocab_block, step, batch
         )
         out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=step, **batch)
     loss = _AttachGradients.apply(out.loss, hidden, weight, grad_hidden, grad_weight)
