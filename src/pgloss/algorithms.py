@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Algorithm
+from .core.aggregate import BUDGET_MODES
 from .core.output import LossOutput, PolicyTerms
 from .core.checks import check_number
 from .core.trainer_names import field_hint
@@ -191,11 +192,11 @@ def _resolved(name: str, hyperparameters: dict[str, Any]) -> tuple[type[Algorith
 
 def divides_by_budget(name: str, **hyperparameters: Any) -> bool:
     """True when `name` with `hyperparameters` divides by a fixed generation budget (loss_agg_mode
-    `seq-mean-token-sum-norm`, Dr.GRPO) and no `norm_constant` is set: `get` then needs
+    `seq-mean-token-sum-norm`, Dr.GRPO, or `delta-l-norm`) and no `norm_constant` is set: `get` then needs
     `generation_budget=` (or `norm_constant=`)."""
     family, values = _resolved(name, hyperparameters)
     mode = values.get("loss_agg_mode", {f.name: f.default for f in dataclasses.fields(family)}["loss_agg_mode"])
-    return mode == "seq-mean-token-sum-norm" and values.get("norm_constant") is None
+    return mode in BUDGET_MODES and values.get("norm_constant") is None
 
 
 def get(name: str, *, generation_budget: float | None = None, **hyperparameters: Any) -> Algorithm:
@@ -203,7 +204,7 @@ def get(name: str, *, generation_budget: float | None = None, **hyperparameters:
 
     `generation_budget`: the trainer's response budget (max new tokens). It becomes `norm_constant`
     where the loss divides by a fixed budget (`divides_by_budget`: Dr.GRPO's
-    `seq-mean-token-sum-norm`) and no `norm_constant` is given; every other algorithm ignores it.
+    `seq-mean-token-sum-norm`, `delta-l-norm`) and no `norm_constant` is given; every other algorithm ignores it.
     Trainers and the lab pass their budget here, so no path decides by name which loss needs one.
 
     Raises ValueError for an unknown name (listing the valid ones), TypeError for an unknown

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .core.aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
+from .core.aggregate import AGG_MODES, BUDGET_MODES, Normalizer, row_weights, weighted_sum
 from .core.batch import TokenBatch
 from .core.checks import check_fields
 from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
@@ -60,7 +60,11 @@ class Algorithm:
     loss_agg_mode: str = "token-mean"
     """How per-token values become the loss (`aggregate.AGG_MODES`)."""
     norm_constant: float | None = None
-    """The fixed divisor C of `seq-mean-token-sum-norm` (Dr.GRPO: the generation budget). Required there."""
+    """The fixed divisor C of `seq-mean-token-sum-norm` (Dr.GRPO) and `delta-l-norm` (ΔL Norm): the
+    generation budget. Required there."""
+    delta_l_alpha: float = 1.0
+    """α of `delta-l-norm`: sequence i's token sum weighs |y_i|^-α / (C·Σ_j |y_j|^-α) (arXiv 2509.07558;
+    1 is the minimum-variance weight, 0 is Dr.GRPO). Ignored by the other modes."""
     kl_coef: float = 0.0
     """β of the KL loss term β·KL(π_θ‖π_ref); 0 disables it and the reference model."""
     kl_estimator: str = "k3"
@@ -107,12 +111,13 @@ class Algorithm:
                 f"{self.name} defines its loss over {'groups' if 'group' in self.fixed_agg_mode else 'sequences'} "
                 f"and fixes loss_agg_mode={self.fixed_agg_mode!r}; got {self.loss_agg_mode!r}",
             )
-        if self.loss_agg_mode == "seq-mean-token-sum-norm":
+        if self.loss_agg_mode in BUDGET_MODES:
             check(
                 self.norm_constant is not None and self.norm_constant > 0,
-                f"loss_agg_mode 'seq-mean-token-sum-norm' requires norm_constant > 0 (the generation budget, "
+                f"loss_agg_mode {self.loss_agg_mode!r} requires norm_constant > 0 (the generation budget, "
                 f"e.g. max_new_tokens), got {self.norm_constant!r}",
             )
+        check(self.delta_l_alpha >= 0, f"delta_l_alpha must be >= 0, got {self.delta_l_alpha}")
         check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
                                                 + value_hint("kl_estimator", self.kl_estimator))
         check(self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
@@ -223,6 +228,12 @@ class Algorithm:
         batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
         return batch, normalizer, corrected
 
+    def row_weights(self, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None) -> Tensor:
+        """c_i of this algorithm's `loss_agg_mode` (`core.aggregate.row_weights`) with its constants: the
+        one place the call and `inspect` take the aggregation weights from."""
+        return row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
+                           group_ids=group_ids, delta_l_alpha=self.delta_l_alpha)
+
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         """The per-token policy term ℓ_{i,t} (zero at masked positions is not required) and its metrics."""
         raise NotImplementedError
@@ -275,8 +286,7 @@ class Algorithm:
             if corrected.weight is not None:
                 per_token = per_token * corrected.weight
         per_token = torch.where(mask, per_token, 0.0)
-        rows = row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
-                           group_ids=batch.group_ids)
+        rows = self.row_weights(mask, normalizer, batch.group_ids)
 
         def reduce(masked_values: Tensor) -> Tensor:
             return weighted_sum(masked_values, rows, normalizer.world_size)

@@ -303,7 +303,7 @@ class RolloutCorrection:
         if self.batch_normalize:
             mean = self.step_weight_mean(masks, olds, rollouts, process_group=process_group, reduce=reduce)
         return CorrectedNormalizer(tokens=base.tokens, sequences=base.sequences, group_tokens=base.group_tokens,
-                                   world_size=base.world_size, weight_mean=mean)
+                                   world_size=base.world_size, length_counts=base.length_counts, weight_mean=mean)
 
     # -- the call -------------------------------------------------------------------------------
 

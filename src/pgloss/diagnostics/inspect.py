@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.aggregate import Normalizer, token_weights
+from ..core.aggregate import Normalizer
 from ..base import Algorithm
 from ..core.batch import TokenBatch
 from ..losses.closed_form import GradientFactor
@@ -126,8 +126,8 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
                                    rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores)
         batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
         tis = None if corrected is None else corrected.weight
-        weight = token_weights(batch.mask, algorithm.loss_agg_mode, normalizer, norm_constant=algorithm.norm_constant,
-                               group_ids=batch.group_ids).to(batch.log_prob.dtype) * normalizer.world_size
+        rows = algorithm.row_weights(batch.mask, normalizer, batch.group_ids)
+        weight = (batch.mask.to(torch.float64) * rows[:, None]).to(batch.log_prob.dtype) * normalizer.world_size
         closed = _closed_form(algorithm, batch)
     factor, reason = closed.factor, closed.reason
     if factor is not None:
