@@ -5,7 +5,8 @@
     3. the rollout correction (`pgloss.rollout.RolloutCorrection`): its weight before the aggregation and
        its rejections in the mask; with only `rollout_log_prob`, truncated importance sampling;
     4. + kl_coef · KL_t(π_θ‖π_ref) (`kl_variants.kl_term`, or the exact `full_kl`) and - entropy_coef · H_t;
-    5. `aggregate` with `loss_agg_mode` and the step's `Normalizer`.
+    5. `aggregate` with `loss_agg_mode` and the step's `Normalizer`;
+    6. + positive_nll_coef · (VAPO's NLL on the rewarded sequences, their token mean over the step).
 
 A family subclasses `Algorithm` beside its per-token function, adds its hyperparameters as fields
 and implements `policy_terms`; `algorithms.py` names the families' configurations.
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .core.aggregate import AGG_MODES, BUDGET_MODES, Normalizer, row_weights, weighted_sum
+from .core.aggregate import AGG_MODES, BUDGET_MODES, Normalizer, rewarded_row_weights, row_weights, weighted_sum
 from .core.batch import TokenBatch
 from .core.checks import check_fields
 from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
@@ -47,7 +48,9 @@ _WHY = {
     "rollout_log_prob": lambda a: "its rollout_correction weighs or rejects on the inference engine's log-probs",
     "group_ids": lambda a: ("[B], " + ("loss_agg_mode='group-mean-token-mean'" if a.loss_agg_mode == "group-mean-token-mean"
                                        else "its loss contrasts the rows of a group")),
-    "scores": lambda a: "[B], the raw sequence rewards its loss weighs by",
+    "scores": lambda a: ("[B], the raw sequence rewards its loss weighs by" if "scores" in a.required_inputs
+                         else f"[B], the sequence rewards: positive_nll_coef={a.positive_nll_coef} trains on the "
+                              "rewarded (reward > 0) sequences"),
 }
 """Why an input in `Algorithm.needs` is needed, for the error of a call without it."""
 
@@ -77,6 +80,9 @@ class Algorithm:
     """The cap of the detached ratio weight of kl_correction="unbiased_gradient" (OpenRLHF's 10)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus; the entropy gets a gradient only when this is non-zero."""
+    positive_nll_coef: float = 0.0
+    """μ of VAPO's positive-example NLL (arXiv 2504.05118, eq. 10; NeMo-RL `positive_example_nll_weight`):
+    + μ·(-Σ_{i: s_i>0} Σ_t m log π / N_rew), N_rew the step's tokens of rewarded sequences; needs `scores`."""
     max_log_ratio: float = 20.0
     """Log-ratios are clamped to ±max_log_ratio before exp (zero gradient beyond)."""
     max_kl: float = 10.0
@@ -126,6 +132,7 @@ class Algorithm:
                f"kl_estimator='full' is exact and takes no kl_correction, got {self.kl_correction!r}")
         check(self.kl_correction_cap > 0, f"kl_correction_cap must be > 0, got {self.kl_correction_cap}")
         check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        check(self.positive_nll_coef >= 0, f"positive_nll_coef must be >= 0, got {self.positive_nll_coef}")
         check(self.max_log_ratio > 0, f"max_log_ratio must be > 0, got {self.max_log_ratio}")
         check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
         check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
@@ -170,6 +177,8 @@ class Algorithm:
             needed.add("ref_log_prob")
         if self.entropy_coef != 0:
             needed.add("entropy")
+        if self.positive_nll_coef != 0:
+            needed.add("scores")
         if self.loss_agg_mode == "group-mean-token-mean":
             needed.add("group_ids")
         if self.rollout_correction is not None and self.rollout_correction.needs_rollout:
@@ -183,6 +192,7 @@ class Algorithm:
         old_log_probs: Tensor | Sequence[Tensor] | None = None,
         rollout_log_probs: Tensor | Sequence[Tensor] | None = None,
         group_ids: Tensor | Sequence[Tensor] | None = None,
+        scores: Tensor | Sequence[Tensor] | None = None,
         count_rejected: bool = False,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
@@ -196,19 +206,21 @@ class Algorithm:
         AReaL) and carry the step's mean weight for `batch_normalize`
         (`RolloutCorrection.normalizer`); otherwise `Normalizer.count` of the masks. Group ids are
         counted when the algorithm needs them (`needs`). A collective under torch.distributed, like
-        `Normalizer.count`: every rank calls it at every step, even with empty micro-batches.
+        `Normalizer.count`: every rank calls it at every step, even with empty micro-batches. The
+        tokens of rewarded sequences are counted from `scores` when `positive_nll_coef` is set.
         """
         groups = group_ids if "group_ids" in self.needs else None
+        scores = scores if self.positive_nll_coef != 0 else None
         correction = self.correction(rollout_log_probs is not None)
         if correction is not None and rollout_log_probs is not None:
             if old_log_probs is None:
                 raise ValueError(f"{self.name}'s rollout correction counts the step on the old and rollout log-probs: "
                                  "pass old_log_probs beside rollout_log_probs")
-            return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups,
+            return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups, scores=scores,
                                          count_rejected=count_rejected, process_group=process_group, reduce=reduce)
         if correction is not None and correction.needs_rollout:
             raise ValueError(f"{self.name} has a rollout correction that needs rollout_log_probs to count the step")
-        return Normalizer.count(masks, group_ids=groups, process_group=process_group, reduce=reduce)
+        return Normalizer.count(masks, group_ids=groups, scores=scores, process_group=process_group, reduce=reduce)
 
     def corrected(self, batch: TokenBatch, normalizer: Normalizer | None) -> tuple[TokenBatch, Normalizer, Corrected | None]:
         """The prelude of a call, shared with `pgloss.diagnostics.inspect`: the step's counts (this batch
@@ -218,7 +230,7 @@ class Algorithm:
         if normalizer is None:  # this batch is the whole step: counted once, by the step's own rule
             normalizer = self.step_normalizer(batch.mask, old_log_probs=batch.old_log_prob,
                                               rollout_log_probs=batch.rollout_log_prob, group_ids=batch.group_ids,
-                                              reduce=False)
+                                              scores=batch.scores, reduce=False)
         correction = self.correction(batch.rollout_log_prob is not None)
         if correction is None:
             return batch, normalizer, None
@@ -313,6 +325,11 @@ class Algorithm:
             metrics["entropy"] = masked_mean(batch.entropy, mask)
             if self.entropy_coef != 0:
                 loss = loss - self.entropy_coef * reduce(batch.entropy)
+        if self.positive_nll_coef != 0:
+            nll = weighted_sum(torch.where(mask, -batch.log_prob, 0.0),
+                               rewarded_row_weights(mask, batch.scores > 0, normalizer), normalizer.world_size)
+            metrics["positive_nll_loss"] = nll.detach()
+            loss = loss + self.positive_nll_coef * nll
         return LossOutput(loss=loss, metrics=metrics, per_token=per_token)
 
     def from_hidden(self, hidden: Tensor, weight: Tensor, targets: Tensor, **kwargs: Any) -> LossOutput:

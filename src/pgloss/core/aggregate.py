@@ -69,6 +69,8 @@ class Normalizer:
 
     `length_counts[L]` is the number of the step's sequences with L valid tokens (L >= 1; index 0
     holds 0), the statistic of `delta-l-norm`; a Normalizer built by hand without it refuses that mode.
+    `rewarded_tokens` (counted when `scores` are given) is the number of valid tokens of the step's
+    sequences whose reward is > 0, the divisor of the positive-example NLL term (`rewarded_row_weights`).
 
     Build it once per optimizer step with `Normalizer.count` over all of the step's micro-batch
     masks, and pass it to every micro-batch's loss call. When the counts were all-reduced over a
@@ -81,6 +83,7 @@ class Normalizer:
     group_tokens: Tensor | None = None
     world_size: int = 1
     length_counts: Tensor | None = None
+    rewarded_tokens: Tensor | None = None
 
     @property
     def groups(self) -> Tensor:
@@ -95,6 +98,7 @@ class Normalizer:
         masks: Tensor | Sequence[Tensor],
         *,
         group_ids: Tensor | Sequence[Tensor] | None = None,
+        scores: Tensor | Sequence[Tensor] | None = None,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
     ) -> "Normalizer":
@@ -111,6 +115,8 @@ class Normalizer:
             group_ids: the `[B]` integer group (prompt) id of each row, one tensor per micro-batch.
                 Ids are global: the same prompt has the same id on every rank. They number the
                 step's groups from 0 (below `MAX_GROUPS`): the counts are a dense array.
+            scores: the `[B]` sequence rewards of each micro-batch: counts the tokens of the rewarded
+                (reward > 0) sequences, for the positive-example NLL term (`positive_nll_coef`).
             process_group: the data-parallel group (None: the default group).
             reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
         """
@@ -129,9 +135,18 @@ class Normalizer:
         per_length = torch.zeros(width + 1, dtype=torch.float64, device=device)
         for length in lengths:
             per_length.index_add_(0, length.to(device).long(), (length > 0).to(torch.float64))
+        rewarded = torch.zeros((), dtype=torch.float64, device=device)
+        if scores is not None:
+            score_list = per_micro_batch("scores", scores, len(mask_list))
+            for k, (score, length) in enumerate(zip(score_list, lengths)):
+                if not isinstance(score, Tensor) or score.shape != length.shape:
+                    raise ValueError(f"scores[{k}] must be a tensor of shape {tuple(length.shape)}, got "
+                                     f"{tuple(getattr(score, 'shape', ())) or type(score).__name__}")
+                rewarded = rewarded + torch.where(score.to(device) > 0, length.to(device), 0.0).sum()
         counts = torch.cat([torch.stack([
             sum(length.sum() for length in lengths),
             sum((length > 0).sum() for length in lengths).to(torch.float64),
+            rewarded,
         ]), per_length])
         if distributed:
             dist.all_reduce(counts, group=process_group)
@@ -165,7 +180,7 @@ class Normalizer:
                 dist.all_reduce(group_tokens, group=process_group)
         world_size = dist.get_world_size(process_group) if distributed else 1
         return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size,
-                   length_counts=counts[2:])
+                   length_counts=counts[3:], rewarded_tokens=counts[2] if scores is not None else None)
 
 
 def row_weights(
@@ -239,6 +254,21 @@ def _delta_l_rows(mask: Tensor, normalizer: Normalizer, norm_constant: float, al
     total = (counts * support.clamp(min=1).pow(-alpha)).sum()  # Σ_j |y_j|^-α (counts[0] = 0)
     own = torch.where(lengths > 0, lengths.clamp(min=1).pow(-alpha), 0.0)
     return own / (norm_constant * torch.where(total > 0, total, 1.0).to(own.device))
+
+
+def rewarded_row_weights(mask: Tensor, rewarded: Tensor, normalizer: Normalizer) -> Tensor:
+    """c_i = [rewarded_i] / N_rew: the token mean over the step's rewarded sequences (`[B]` bool
+    `rewarded`), N_rew = `normalizer.rewarded_tokens` (clamped at 1: a step without a rewarded token
+    gives 0). The aggregation of VAPO's positive-example NLL (arXiv 2504.05118, eq. 10); `[B]`, float64."""
+    if normalizer.rewarded_tokens is None:
+        raise ValueError("the positive-example NLL term needs a Normalizer counted with scores "
+                         "(Algorithm.step_normalizer(..., scores=...) or Normalizer.count(..., scores=...))")
+    held = torch.where(rewarded, mask.sum(dim=-1, dtype=torch.float64), 0.0).sum()
+    check_values(mask, lambda: held > normalizer.rewarded_tokens,
+                 lambda _: f"the normalizer counted {int(normalizer.rewarded_tokens)} tokens of rewarded sequences "
+                           f"but this call holds {int(held)}; count the step's Normalizer on every micro-batch's "
+                           f"mask and scores")
+    return rewarded.to(torch.float64) / normalizer.rewarded_tokens.clamp(min=1).to(mask.device)
 
 
 def check_counts(mask: Tensor, normalizer: Normalizer) -> None:

@@ -114,8 +114,8 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
     _check_algorithm(algorithm)
     extra = dict(rollout_log_prob=rollout_log_prob, normalizer=normalizer, group_ids=group_ids, scores=scores)
     policy_only = algorithm
-    if algorithm.kl_coef != 0 or algorithm.entropy_coef != 0:
-        policy_only = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0)
+    if algorithm.kl_coef != 0 or algorithm.entropy_coef != 0 or algorithm.positive_nll_coef != 0:
+        policy_only = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0, positive_nll_coef=0.0)
     with _replayed_draws(algorithm) as rewind:
         grad = token_gradients(algorithm, log_prob, old_log_prob, advantages, mask,
                                ref_log_prob=ref_log_prob, entropy=entropy, full_kl=full_kl, **extra)
