@@ -23,6 +23,7 @@ from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 from .correction.rollout import Rejection, RolloutCorrection
 from .advantages.role_baseline import RoleBaseline  # RAE's per-role running baseline: state across steps
+from .controllers import AdaptiveEntropy  # TRL's adaptive entropy coefficient: state across steps
 from .integrations.trl_config import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
 from .integrations.verl_config import from_verl  # verl's actor config as an Algorithm (imports no verl)
 
@@ -32,6 +33,7 @@ except PackageNotFoundError:  # a source tree that was not installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "AdaptiveEntropy",
     "AdaptiveKLController",
     "AGG_MODES",
     "Algorithm",

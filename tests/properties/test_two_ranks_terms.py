@@ -1,8 +1,11 @@
 """The step-level terms over two real gloo ranks: ΔL Normalization at α ≠ 1 (its length counts), VAPO's
 positive-example NLL (the step's rewarded-token count); each rank computes its share with the
-all-reduced step counts, and DDP's gradient average equals one process's gradient."""
+all-reduced step counts, and DDP's gradient average equals one process's gradient. The adaptive
+entropy controller, stepped on each rank from its own micro-batches, moves as on one process."""
 
 import os
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -10,6 +13,7 @@ import torch.multiprocessing as mp
 
 import pgloss
 from conftest import free_port, make_batch
+from pgloss.controllers import AdaptiveEntropy
 
 RANK_ROWS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
 
@@ -38,6 +42,19 @@ def step(alg, batch, parts, extra):
     return log_prob.grad
 
 
+def controller_run(parts_per_step):
+    """Three steps; the entropy scaled so the step's mean crosses the target: (coef, last entropy) per step."""
+    batch = data()
+    controller = AdaptiveEntropy(0.01, target=0.5, delta=0.004)
+    out = []
+    for scale in (0.6, 1.4, 0.9):
+        for p in parts_per_step:
+            controller.observe(batch["entropy"][p] * scale, batch["mask"][p])
+        controller.step()
+        out.append((controller.coef, controller.last_entropy))
+    return out
+
+
 def worker(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -47,6 +64,7 @@ def worker(rank: int, port: int, results) -> None:
             grad = step(alg, data(), RANK_ROWS[rank], extra).clone()
             dist.all_reduce(grad)
             out[key] = grad / dist.get_world_size()
+        out["adaptive_entropy"] = controller_run(RANK_ROWS[rank])
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -60,3 +78,8 @@ def test_two_gloo_ranks_match_one_process():
         whole = step(alg, data(), [slice(0, 9)], extra)
         for rank in (0, 1):
             torch.testing.assert_close(results[rank][key], whole, rtol=1e-12, atol=1e-14, msg=f"{key} rank {rank}")
+    one = controller_run([slice(0, 9)])
+    assert [c for c, _ in one] == pytest.approx([0.014, 0.010, 0.014])  # the coefficient moved both ways
+    for rank in (0, 1):
+        for (c, h), (c1, h1) in zip(results[rank]["adaptive_entropy"], one):
+            assert c == pytest.approx(c1, abs=1e-15) and h == pytest.approx(h1, rel=1e-14)
