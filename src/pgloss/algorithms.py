@@ -19,6 +19,7 @@ from .core.output import LossOutput, PolicyTerms
 from .core.checks import check_number
 from .core.trainer_names import field_hint
 from .losses.ce_gppo import CEGPPO
+from .losses.chord import CHORD
 from .losses.cispo import CISPO
 from .losses.cov import ClipCov, KLCov
 from .losses.dppo import DPPO
@@ -37,7 +38,7 @@ from .losses.sppo import SPPO
 from .losses.vespo import VESPO
 
 __all__ = ["Algorithm", "LossOutput", "PolicyTerms", "NAMED", "SOURCES", "RECIPES", "Recipe", "recipe", "register", "names", "get", "families",
-           "CEGPPO", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "GVPO", "KLCov", "LUSPO",
+           "CEGPPO", "CHORD", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "GVPO", "KLCov", "LUSPO",
            "OPMD", "REAL", "REC", "SAPO", "SPPO", "TISPG", "TOPR", "VESPO"]
 
 NAMED: dict[str, tuple[type[Algorithm], dict[str, Any]]] = {}
@@ -84,6 +85,8 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
      dict()),
     ("sppo", SPPO, "arXiv 2108.05828; Trinity-RFT sppo (trinity/algorithm/policy_loss_fn/sppo_loss_fn.py)", dict()),
     ("gvpo", GVPO, "Zhang et al. 2025, arXiv 2504.19599; verl-recipe gvpo (gvpo/gvpo_core_algos.py)", dict()),
+    ("chord", CHORD, "CHORD, arXiv 2508.11408; Trinity-RFT mix_chord (trinity/algorithm/policy_loss_fn/"
+     "chord_policy_loss.py)", dict(loss_agg_mode=TOK, dual_clip=3.0)),
 ]
 
 

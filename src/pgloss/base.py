@@ -102,6 +102,9 @@ class Algorithm:
     """True when the family uses `rollout_log_prob` itself, instead of the truncated IS weight."""
     required_inputs: ClassVar[tuple[str, ...]] = ()
     """Optional call arguments this family cannot do without (e.g. "scores", "group_ids")."""
+    takes_expert: ClassVar[bool] = False
+    """True when the family reads `expert` (the `[B]` flags of demonstration rows, CHORD): the step's
+    Normalizer then counts the expert rows apart (`Normalizer.expert`)."""
 
     @property
     def fixed_agg_mode(self) -> str | None:
@@ -193,6 +196,7 @@ class Algorithm:
         rollout_log_probs: Tensor | Sequence[Tensor] | None = None,
         group_ids: Tensor | Sequence[Tensor] | None = None,
         scores: Tensor | Sequence[Tensor] | None = None,
+        expert: Tensor | Sequence[Tensor] | None = None,
         count_rejected: bool = False,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
@@ -207,20 +211,23 @@ class Algorithm:
         (`RolloutCorrection.normalizer`); otherwise `Normalizer.count` of the masks. Group ids are
         counted when the algorithm needs them (`needs`). A collective under torch.distributed, like
         `Normalizer.count`: every rank calls it at every step, even with empty micro-batches. The
-        tokens of rewarded sequences are counted from `scores` when `positive_nll_coef` is set.
+        tokens of rewarded sequences are counted from `scores` when `positive_nll_coef` is set, the
+        expert rows apart from `expert` when the family reads it (`takes_expert`).
         """
         groups = group_ids if "group_ids" in self.needs else None
         scores = scores if self.positive_nll_coef != 0 else None
+        expert = expert if self.takes_expert else None
         correction = self.correction(rollout_log_probs is not None)
         if correction is not None and rollout_log_probs is not None:
             if old_log_probs is None:
                 raise ValueError(f"{self.name}'s rollout correction counts the step on the old and rollout log-probs: "
                                  "pass old_log_probs beside rollout_log_probs")
             return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups, scores=scores,
-                                         count_rejected=count_rejected, process_group=process_group, reduce=reduce)
+                                         expert=expert, count_rejected=count_rejected, process_group=process_group, reduce=reduce)
         if correction is not None and correction.needs_rollout:
             raise ValueError(f"{self.name} has a rollout correction that needs rollout_log_probs to count the step")
-        return Normalizer.count(masks, group_ids=groups, scores=scores, process_group=process_group, reduce=reduce)
+        return Normalizer.count(masks, group_ids=groups, scores=scores, expert=expert, process_group=process_group,
+                                reduce=reduce)
 
     def corrected(self, batch: TokenBatch, normalizer: Normalizer | None) -> tuple[TokenBatch, Normalizer, Corrected | None]:
         """The prelude of a call, shared with `pgloss.diagnostics.inspect`: the step's counts (this batch
@@ -230,7 +237,7 @@ class Algorithm:
         if normalizer is None:  # this batch is the whole step: counted once, by the step's own rule
             normalizer = self.step_normalizer(batch.mask, old_log_probs=batch.old_log_prob,
                                               rollout_log_probs=batch.rollout_log_prob, group_ids=batch.group_ids,
-                                              scores=batch.scores, reduce=False)
+                                              scores=batch.scores, expert=batch.expert, reduce=False)
         correction = self.correction(batch.rollout_log_prob is not None)
         if correction is None:
             return batch, normalizer, None
@@ -245,6 +252,12 @@ class Algorithm:
         one place the call and `inspect` take the aggregation weights from."""
         return row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
                            group_ids=group_ids, delta_l_alpha=self.delta_l_alpha)
+
+    def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
+        """c_i of the policy term, given the call's `rows` (`row_weights`): those rows, unless the family
+        aggregates subsets of rows apart (CHORD's on-policy and expert rows). The KL, entropy and NLL
+        terms keep `rows`."""
+        return rows
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         """The per-token policy term ℓ_{i,t} (zero at masked positions is not required) and its metrics."""
@@ -264,6 +277,7 @@ class Algorithm:
         group_ids: Tensor | None = None,
         scores: Tensor | None = None,
         full_kl: Tensor | None = None,
+        expert: Tensor | None = None,
     ) -> LossOutput:
         """The loss of one (micro-)batch. Token tensors `[B, T]`, `advantages` `[B]` or `[B, T]`.
 
@@ -273,7 +287,8 @@ class Algorithm:
         sequence rewards, by TOPR; `full_kl` `[B, T]`, the exact KL with its gradient
         (`pgloss.full_kl_from_logits` / `full_kl_from_hidden`), by kl_estimator="full". The metrics
         are means over this call's valid tokens; average them over micro-batches and ranks for a
-        step's figure.
+        step's figure. `expert` `[B]` bool flags the demonstration rows of a family that reads them
+        (`takes_expert`: CHORD); count the step's Normalizer with the same flags.
         """
         if normalizer is not None and not isinstance(normalizer, Normalizer):
             raise TypeError(f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}")
@@ -282,10 +297,12 @@ class Algorithm:
         for needed in sorted(self.needs):
             if given[needed] is None:
                 raise ValueError(f"{self.name} needs {needed} in the call ({_WHY[needed](self)})")
+        if expert is not None and not self.takes_expert:
+            raise ValueError(f"{self.name} has no expert rows: expert is read by CHORD-like families only")
         batch = TokenBatch.prepare(
             log_prob, old_log_prob, advantages, mask,
             ref_log_prob=ref_log_prob, entropy=entropy, rollout_log_prob=rollout_log_prob, group_ids=group_ids,
-            scores=scores, full_kl=full_kl,
+            scores=scores, full_kl=full_kl, expert=expert,
         )
         batch, normalizer, corrected = self.corrected(batch, normalizer)
         correction = self.correction(batch.rollout_log_prob is not None)
@@ -303,7 +320,7 @@ class Algorithm:
         def reduce(masked_values: Tensor) -> Tensor:
             return weighted_sum(masked_values, rows, normalizer.world_size)
 
-        loss = reduce(per_token)
+        loss = weighted_sum(per_token, self.policy_row_weights(batch, normalizer, rows), normalizer.world_size)
         metrics["pg_loss"] = loss.detach()
         kl = None
         if self.kl_estimator == FULL:

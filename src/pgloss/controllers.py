@@ -23,12 +23,23 @@ or below the target. Step it once per optimizer step, after the step's loss call
         controller.step()                              # all-reduces the window's sums, one host read
 
 The loss call stays free of host reads: the coefficient is a Python float fixed for the step.
+
+`MuSchedule` is CHORD's μ(t) (arXiv 2508.11408; Trinity-RFT 0.6.0 `mu_schedule_function`,
+trinity/algorithm/policy_loss_fn/chord_policy_loss.py): a function of the global step, no state:
+
+    μ(t) = μ_peak · t / T_warm                                   t < T_warm
+    μ(t) = μ_valley + (μ_peak − μ_valley) · ½(1 + cos(π (t − T_warm) / T_decay))   T_warm ≤ t < T_warm + T_decay
+    μ(t) = μ_valley                                              t ≥ T_warm + T_decay
+
+    algorithm = schedule.algorithm(pgloss.get("chord"), step)   # chord_mu = μ(step)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,10 +47,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import Algorithm
-from .core.checks import check_number
+from .core.checks import check_fields, check_number
 from .core.distributed import is_distributed
 
-__all__ = ["AdaptiveEntropy"]
+__all__ = ["AdaptiveEntropy", "MuSchedule"]
 
 
 class AdaptiveEntropy:
@@ -125,3 +136,41 @@ class AdaptiveEntropy:
     def __repr__(self) -> str:
         return (f"AdaptiveEntropy(coef={self.coef}, target={self.target}, delta={self.delta}, "
                 f"coef_min={self.coef_min}, coef_max={self.coef_max}, last_entropy={self.last_entropy})")
+
+
+@dataclass(frozen=True)
+class MuSchedule:
+    """CHORD's μ(t): linear warm-up to `peak`, cosine decay to `valley` over `decay_steps`, then `valley`
+    (see the module docstring). Trinity's defaults: peak = valley = 0.1, no warm-up, no decay (constant)."""
+
+    peak: float = 0.1
+    valley: float = 0.1
+    warmup_steps: int = 0
+    decay_steps: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("peak", "valley"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1] (μ weighs the SFT part against the RL part), "
+                                 f"got {getattr(self, name)}")
+        for name in ("warmup_steps", "decay_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def __call__(self, step: int) -> float:
+        """μ at global step `step`."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"step must be an integer, got {step!r} ({type(step).__name__})")
+        if step < self.warmup_steps:
+            return step / self.warmup_steps * self.peak
+        if step >= self.warmup_steps + self.decay_steps:
+            return self.valley
+        cosine = 0.5 * (1.0 + math.cos(math.pi * (step - self.warmup_steps) / self.decay_steps))
+        return (self.peak - self.valley) * cosine + self.valley
+
+    def algorithm(self, base: Algorithm, step: int) -> Algorithm:
+        """`base` (a CHORD-like family, with a `chord_mu` field) with chord_mu = μ(step)."""
+        if not hasattr(base, "chord_mu"):
+            raise TypeError(f"{type(base).__name__} has no chord_mu: MuSchedule steers CHORD (pgloss.get('chord'))")
+        return dataclasses.replace(base, chord_mu=self(step))

@@ -71,6 +71,8 @@ class Normalizer:
     holds 0), the statistic of `delta-l-norm`; a Normalizer built by hand without it refuses that mode.
     `rewarded_tokens` (counted when `scores` are given) is the number of valid tokens of the step's
     sequences whose reward is > 0, the divisor of the positive-example NLL term (`rewarded_row_weights`).
+    `expert` (counted when `expert` flags are given) holds the same counts over the step's expert rows
+    alone (CHORD's SFT rows); `complement(self.expert)` are the other rows' counts.
 
     Build it once per optimizer step with `Normalizer.count` over all of the step's micro-batch
     masks, and pass it to every micro-batch's loss call. When the counts were all-reduced over a
@@ -84,6 +86,18 @@ class Normalizer:
     world_size: int = 1
     length_counts: Tensor | None = None
     rewarded_tokens: Tensor | None = None
+    expert: "Normalizer | None" = None
+
+    def complement(self, part: "Normalizer | None") -> "Normalizer":
+        """The counts of the step's rows outside `part` (a sub-count of the same rows, e.g. `self.expert`):
+        every count minus `part`'s; `self` when `part` is None."""
+        if part is None:
+            return self
+        minus = lambda mine, theirs: None if mine is None or theirs is None else mine - theirs  # noqa: E731
+        return Normalizer(tokens=self.tokens - part.tokens, sequences=self.sequences - part.sequences,
+                          group_tokens=minus(self.group_tokens, part.group_tokens), world_size=self.world_size,
+                          length_counts=minus(self.length_counts, part.length_counts),
+                          rewarded_tokens=minus(self.rewarded_tokens, part.rewarded_tokens))
 
     @property
     def groups(self) -> Tensor:
@@ -99,6 +113,7 @@ class Normalizer:
         *,
         group_ids: Tensor | Sequence[Tensor] | None = None,
         scores: Tensor | Sequence[Tensor] | None = None,
+        expert: Tensor | Sequence[Tensor] | None = None,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
     ) -> "Normalizer":
@@ -117,6 +132,8 @@ class Normalizer:
                 step's groups from 0 (below `MAX_GROUPS`): the counts are a dense array.
             scores: the `[B]` sequence rewards of each micro-batch: counts the tokens of the rewarded
                 (reward > 0) sequences, for the positive-example NLL term (`positive_nll_coef`).
+            expert: the `[B]` bool flags of the expert (off-policy demonstration) rows of each micro-batch:
+                the same counts over them alone, in `expert` (CHORD; one more collective of the counts).
             process_group: the data-parallel group (None: the default group).
             reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
         """
@@ -179,8 +196,19 @@ class Normalizer:
             if distributed:
                 dist.all_reduce(group_tokens, group=process_group)
         world_size = dist.get_world_size(process_group) if distributed else 1
+        expert_counts = None
+        if expert is not None:
+            flag_list = per_micro_batch("expert", expert, len(mask_list))
+            for k, (flags, length) in enumerate(zip(flag_list, lengths)):
+                if not isinstance(flags, Tensor) or flags.shape != length.shape:
+                    raise ValueError(f"expert[{k}] must be a tensor of shape {tuple(length.shape)}, got "
+                                     f"{tuple(getattr(flags, 'shape', ())) or type(flags).__name__}")
+            expert_counts = cls.count([m * (f != 0).to(m.device)[:, None] for m, f in zip(mask_list, flag_list)],
+                                      group_ids=group_ids, scores=scores, process_group=process_group,
+                                      reduce=reduce)
         return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size,
-                   length_counts=counts[3:], rewarded_tokens=counts[2] if scores is not None else None)
+                   length_counts=counts[3:], rewarded_tokens=counts[2] if scores is not None else None,
+                   expert=expert_counts)
 
 
 def row_weights(

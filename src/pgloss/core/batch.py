@@ -64,7 +64,8 @@ class TokenBatch:
     Token tensors are `[B, T]` in the compute dtype (float32, or float64 for float64 input);
     `advantages` is `[B, T]` (a `[B]` input is broadcast over tokens) and `seq_advantages` keeps
     the `[B]` form when one was given. `scores` are the raw sequence rewards `[B]` (TOPR) and
-    `full_kl` the exact per-token KL `[B, T]` with its gradient (`pgloss.vocab.full_kl`).
+    `full_kl` the exact per-token KL `[B, T]` with its gradient (`pgloss.vocab.full_kl`); `expert`
+    the `[B]` bool flags of expert (demonstration) rows (CHORD).
     """
 
     log_prob: Tensor
@@ -78,6 +79,7 @@ class TokenBatch:
     group_ids: Tensor | None = None
     scores: Tensor | None = None
     full_kl: Tensor | None = None
+    expert: Tensor | None = None
 
     @classmethod
     def prepare(
@@ -93,6 +95,7 @@ class TokenBatch:
         group_ids: Tensor | None = None,
         scores: Tensor | None = None,
         full_kl: Tensor | None = None,
+        expert: Tensor | None = None,
     ) -> "TokenBatch":
         log_prob = check_tensor("log_prob", log_prob, ndim=(2,))
         shape, device, dtype = log_prob.shape, log_prob.device, log_prob.dtype
@@ -145,6 +148,13 @@ class TokenBatch:
             check_finite("scores", scores, bool_mask)
             scores = torch.where(bool_mask.any(dim=1), scores.detach().to(cdtype), 0.0)
 
+        if expert is not None:
+            expert = check_tensor("expert", expert, ndim=(1,), floating=False)
+            if expert.shape[0] != shape[0] or expert.dtype != torch.bool:
+                raise ValueError(f"expert must be a bool tensor of shape [{shape[0]}], got {expert.dtype} "
+                                 f"{tuple(expert.shape)}")
+            check_device("expert", expert, device)
+
         return cls(
             log_prob=token("log_prob", log_prob, is_log_prob=True),
             old_log_prob=token("old_log_prob", old_log_prob, is_log_prob=True).detach(),
@@ -159,6 +169,7 @@ class TokenBatch:
             group_ids=group_ids,
             scores=scores,
             full_kl=token("full_kl", full_kl, is_log_prob=False),
+            expert=expert,
         )
 
 

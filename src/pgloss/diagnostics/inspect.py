@@ -126,7 +126,8 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
                                    rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores)
         batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
         tis = None if corrected is None else corrected.weight
-        rows = algorithm.row_weights(batch.mask, normalizer, batch.group_ids)
+        rows = algorithm.policy_row_weights(batch, normalizer, algorithm.row_weights(batch.mask, normalizer,
+                                                                                   batch.group_ids))
         weight = (batch.mask.to(torch.float64) * rows[:, None]).to(batch.log_prob.dtype) * normalizer.world_size
         closed = _closed_form(algorithm, batch)
     factor, reason = closed.factor, closed.reason
