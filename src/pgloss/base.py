@@ -46,8 +46,8 @@ _WHY = {
                          "full_kl_from_hidden, [B, T]",
     "entropy": lambda a: f"entropy_coef={a.entropy_coef}",
     "rollout_log_prob": lambda a: "its rollout_correction weighs or rejects on the inference engine's log-probs",
-    "group_ids": lambda a: ("[B], " + ("loss_agg_mode='group-mean-token-mean'" if a.loss_agg_mode == "group-mean-token-mean"
-                                       else "its loss contrasts the rows of a group")),
+    "group_ids": lambda a: ("[B], " + ("loss_agg_mode='group-mean-token-mean'" if "group-mean-token-mean"
+                                       in a.aggregation_modes() else "its loss contrasts the rows of a group")),
     "scores": lambda a: ("[B], the raw sequence rewards its loss weighs by" if "scores" in a.required_inputs
                          else f"[B], the sequence rewards: positive_nll_coef={a.positive_nll_coef} trains on the "
                               "rewarded (reward > 0) sequences"),
@@ -182,7 +182,7 @@ class Algorithm:
             needed.add("entropy")
         if self.positive_nll_coef != 0:
             needed.add("scores")
-        if self.loss_agg_mode == "group-mean-token-mean":
+        if "group-mean-token-mean" in self.aggregation_modes():
             needed.add("group_ids")
         if self.rollout_correction is not None and self.rollout_correction.needs_rollout:
             needed.add("rollout_log_prob")
@@ -252,6 +252,10 @@ class Algorithm:
         one place the call and `inspect` take the aggregation weights from."""
         return row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
                            group_ids=group_ids, delta_l_alpha=self.delta_l_alpha)
+
+    def aggregation_modes(self) -> tuple[str, ...]:
+        """The loss_agg_modes the loss aggregates with (`loss_agg_mode`; CHORD adds its SFT part's)."""
+        return (self.loss_agg_mode,)
 
     def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
         """c_i of the policy term, given the call's `rows` (`row_weights`): those rows, unless the family

@@ -1,5 +1,6 @@
 """The step-level terms over two real gloo ranks: ΔL Normalization at α ≠ 1 (its length counts), VAPO's
-positive-example NLL (the step's rewarded-token count); each rank computes its share with the
+positive-example NLL (the step's rewarded-token count), CHORD (the step's counts of its expert and
+on-policy rows apart, the expert rows on both ranks); each rank computes its share with the
 all-reduced step counts, and DDP's gradient average equals one process's gradient. The adaptive
 entropy controller, stepped on each rank from its own micro-batches, moves as on one process."""
 
@@ -23,7 +24,13 @@ def cases():
         "delta_l_0.75": (pgloss.get("dapo", loss_agg_mode="delta-l-norm", norm_constant=6.0, delta_l_alpha=0.75,
                                     kl_coef=0.1), {}),
         "positive_nll": (pgloss.get("grpo", positive_nll_coef=0.5), {}),
+        "chord": (pgloss.get("chord", chord_mu=0.3, kl_coef=0.1), {"expert": EXPERT}),
+        "chord_seq": (pgloss.get("chord", chord_mu=0.6, loss_agg_mode="seq-mean-token-mean", sft_weight="none"),
+                      {"expert": EXPERT}),
     }
+
+
+EXPERT = torch.tensor([True, False, False, True, False, False, True, True, False])
 
 
 def data():
@@ -34,7 +41,8 @@ def data():
 
 def step(alg, batch, parts, extra):
     log_prob = batch["log_prob"].clone().requires_grad_(True)
-    normalizer = alg.step_normalizer([batch["mask"][p] for p in parts], scores=[batch["scores"][p] for p in parts])
+    normalizer = alg.step_normalizer([batch["mask"][p] for p in parts], scores=[batch["scores"][p] for p in parts],
+                                     **{k: [v[p] for p in parts] for k, v in extra.items()})
     for p in parts:
         alg(log_prob[p], batch["old_log_prob"][p], batch["advantages"][p], batch["mask"][p],
             ref_log_prob=batch["ref_log_prob"][p], scores=batch["scores"][p], normalizer=normalizer,

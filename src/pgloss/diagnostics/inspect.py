@@ -104,7 +104,7 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
             ref_log_prob: Tensor | None = None, entropy: Tensor | None = None,
             rollout_log_prob: Tensor | None = None, normalizer: Normalizer | None = None,
             group_ids: Tensor | None = None, scores: Tensor | None = None,
-            full_kl: Tensor | None = None) -> TokenGradients:
+            full_kl: Tensor | None = None, expert: Tensor | None = None) -> TokenGradients:
     """The per-token gradient of `algorithm`'s loss on this batch and its decomposition -Â·f·w.
 
     Arguments as for `algorithm(...)`; without `normalizer` the batch is the whole step. A random
@@ -113,6 +113,8 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
     """
     _check_algorithm(algorithm)
     extra = dict(rollout_log_prob=rollout_log_prob, normalizer=normalizer, group_ids=group_ids, scores=scores)
+    if expert is not None:  # CHORD's demonstration rows
+        extra["expert"] = expert
     policy_only = algorithm
     if algorithm.kl_coef != 0 or algorithm.entropy_coef != 0 or algorithm.positive_nll_coef != 0:
         policy_only = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0, positive_nll_coef=0.0)
@@ -123,7 +125,8 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
         policy_grad = token_gradients(policy_only, log_prob, old_log_prob, advantages, mask, **extra)
         rewind()
         batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask,
-                                   rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores)
+                                   rollout_log_prob=rollout_log_prob, group_ids=group_ids, scores=scores,
+                                   expert=expert)
         batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
         tis = None if corrected is None else corrected.weight
         rows = algorithm.policy_row_weights(batch, normalizer, algorithm.row_weights(batch.mask, normalizer,

@@ -91,12 +91,8 @@ class CHORD(ClippedPolicy):
     def sft_agg_mode(self) -> str:
         return self.loss_agg_mode if self.sft_loss_agg_mode is None else self.sft_loss_agg_mode
 
-    @property
-    def needs(self) -> frozenset[str]:
-        needed = set(super().needs)
-        if self.sft_agg_mode == "group-mean-token-mean":
-            needed.add("group_ids")
-        return frozenset(needed)
+    def aggregation_modes(self) -> tuple[str, ...]:
+        return (self.loss_agg_mode, self.sft_agg_mode)
 
     def _expert_rows(self, batch: TokenBatch) -> Tensor:
         if batch.expert is None:
@@ -108,8 +104,8 @@ class CHORD(ClippedPolicy):
         on_policy = super().policy_terms(dataclasses.replace(batch, mask=batch.mask & ~expert))
         sft = sft_per_token(batch.log_prob, weight=self.sft_weight, cutoff_prob=self.sft_cutoff_prob)
         metrics = dict(on_policy.metrics)
-        metrics["sft_loss"] = masked_mean(sft.detach(), batch.mask & expert)
-        metrics["chord_mu"] = torch.tensor(self.chord_mu, dtype=batch.log_prob.dtype, device=batch.log_prob.device)
+        if batch.expert is not None:  # the expert tokens' mean ℓ^SFT (NaN over none, as every token mean)
+            metrics["sft_loss"] = masked_mean(sft.detach(), batch.mask & expert)
         return PolicyTerms(torch.where(expert, sft, on_policy.per_token), metrics)
 
     def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
