@@ -175,7 +175,7 @@ def test_inspect_has_no_closed_form_with_expert_rows():
     call(alg, data, lp).loss.backward()
     torch.testing.assert_close(report.grad, lp.grad, rtol=1e-13, atol=1e-16)
     plain = inspect(alg, data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
-    assert plain.factor is not None  # no expert rows: the clipped family's closed form, scaled by 1 − μ in w
+    assert plain.factor is not None  # no expert rows: the clipped family's closed form times 1 − μ
     torch.testing.assert_close(plain.grad, -plain.advantage * plain.factor * plain.weight, rtol=1e-12, atol=1e-15)
 
 

@@ -256,7 +256,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
             normalizer = algorithm.step_normalizer(
                 [m.rollout.mask for m in micros], old_log_probs=[m.old_log_prob for m in micros],
                 rollout_log_probs=None if batch.rollout_log_prob is None else [m.rollout_log_prob for m in micros],
-                group_ids=group_ids)
+                group_ids=group_ids, scores=[m.scores for m in micros] if use_scores else None)
             if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
                 continue
             optimizer.zero_grad(set_to_none=True)

@@ -106,25 +106,31 @@ class CHORD(ClippedPolicy):
         metrics = dict(on_policy.metrics)
         if batch.expert is not None:  # the expert tokens' mean ℓ^SFT (NaN over none, as every token mean)
             metrics["sft_loss"] = masked_mean(sft.detach(), batch.mask & expert)
-        return PolicyTerms(torch.where(expert, sft, on_policy.per_token), metrics)
+        mu = self.chord_mu
+        return PolicyTerms(torch.where(expert, mu * sft, (1.0 - mu) * on_policy.per_token), metrics)
 
     def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
-        """(1 − μ)·c_i over the on-policy rows with their counts, μ·c_i over the expert rows with theirs."""
-        expert = self._expert_rows(batch)
+        """c_i over the on-policy rows with their counts, over the expert rows with theirs (μ and 1 − μ are
+        in the per-token term); the call's `rows` when neither the call nor the step has expert rows."""
+        if batch.expert is None and normalizer.expert is None:
+            return rows
         if batch.expert is not None and normalizer.expert is None:
             raise ValueError(f"{self.name} with expert rows needs a Normalizer that counted them apart: "
                              "Algorithm.step_normalizer(..., expert=...) or Normalizer.count(..., expert=...)")
+        expert = self._expert_rows(batch)
         constants = dict(norm_constant=self.norm_constant, group_ids=batch.group_ids, delta_l_alpha=self.delta_l_alpha)
         usual = row_weights(batch.mask & ~expert[:, None], self.loss_agg_mode,
                             normalizer.complement(normalizer.expert), **constants)
-        if batch.expert is None:
-            return (1.0 - self.chord_mu) * usual
         demo = row_weights(batch.mask & expert[:, None], self.sft_agg_mode, normalizer.expert, **constants)
-        return torch.where(expert, self.chord_mu * demo, (1.0 - self.chord_mu) * usual)
+        return torch.where(expert, demo, usual)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
-        """The clipped family's f on the on-policy rows; none when the call holds expert tokens (their
-        gradient, −sg[φ]·w, has no advantage to factor)."""
+        """(1 − μ) times the clipped family's f on the on-policy rows; none when the call holds expert tokens
+        (their gradient, −μ·sg[φ]·w, has no advantage to factor)."""
         if batch.expert is not None and bool((batch.mask & batch.expert[:, None]).any()):
             return GradientFactor(None, "CHORD's expert rows carry an SFT term (−sg[φ(p)]·log p): no −Â·f·w form")
-        return super().gradient_factor(batch)
+        clipped = super().gradient_factor(batch)
+        if clipped.factor is None:
+            return clipped
+        return dataclasses.replace(clipped, factor=(1.0 - self.chord_mu) * clipped.factor,
+                                   reason=clipped.reason + ", times 1 − μ")
