@@ -35,6 +35,14 @@ def make_batch(batch=5, length=7, *, seed=0, spread=0.3, dtype=torch.float64, pe
                 entropy=entropy, group_ids=group_ids, scores=scores, teacher_log_prob=teacher)
 
 
+def optional_inputs(data, part=slice(None)):
+    """The loss call's optional inputs (core/inputs.py's table) that `data` holds, rows `part`: a test
+    passes them all and each loss reads those it needs, so a new input reaches every such test."""
+    from pgloss.core.inputs import OPTIONAL_INPUTS
+
+    return {name: data[name][part] for name in OPTIONAL_INPUTS if name in data}
+
+
 def algorithm(name, **overrides):
     import pgloss
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pgloss
-from conftest import algorithm, make_batch
+from conftest import algorithm, make_batch, optional_inputs
 from pgloss.advantages import gae
 from pgloss.kl.estimators import AdaptiveKLController, kl_penalized_rewards
 
@@ -15,11 +15,8 @@ NAMES = pgloss.names()
 
 
 def call(alg, data, **extra):
-    # Group ids, raw scores and the teacher for the families that need them (REAL, TOPR, OPD); the others ignore them.
-    for key in ("group_ids", "scores", "teacher_log_prob"):
-        extra.setdefault(key, data[key])
     return alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
-               ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], **extra)
+               **(optional_inputs(data) | extra))
 
 
 def numeric_fields(alg):

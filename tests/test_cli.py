@@ -18,7 +18,7 @@ def test_list_groups_every_algorithm_by_family_with_its_defaults_and_source():
     lines = out.strip().splitlines()
     headers = [line for line in lines if line.startswith("[")]
     assert len(headers) == len(pgloss.families()) and "[DPPO] losses/dppo.py" in headers
-    assert len(lines) == len(headers) + 2 * len(pgloss.names()) and len(pgloss.names()) == 32
+    assert len(lines) == len(headers) + 2 * len(pgloss.names()) and len(pgloss.names()) == 33
     for name in pgloss.names():
         row = next(i for i, line in enumerate(lines) if line.split()[:1] == [name])
         assert lines[row + 1].split()[0] == "source:", name

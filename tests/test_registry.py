@@ -20,14 +20,14 @@ def registered():
 
 
 def test_every_name_has_a_family_a_source_and_builds():
-    assert len(pgloss.names()) == 32 and len(set(pgloss.names())) == 32
+    assert len(pgloss.names()) == 33 and len(set(pgloss.names())) == 33
     for name in pgloss.names():
         family, defaults = NAMED[name]
         assert issubclass(family, pgloss.Algorithm) and SOURCES[name]
         alg = pgloss.get(name, norm_constant=8.0) if name == "dr_grpo" else pgloss.get(name)
         assert type(alg) is family and alg.name == name
     assert pgloss.families()["DPPO"] == ["dppo_tv", "dppo_kl"]
-    assert sum(len(v) for v in pgloss.families().values()) == 32
+    assert sum(len(v) for v in pgloss.families().values()) == 33
 
 
 def test_register_adds_a_name_that_works_everywhere(registered):

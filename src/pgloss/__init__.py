@@ -14,7 +14,7 @@ from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
 from .core.checks import detect_anomaly
 from .algorithms import (
-    CEGPPO, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPD, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
+    CEGPPO, CHORD, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPD, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
     Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
 )
 from .vocab.entropy import log_prob_and_entropy
@@ -23,6 +23,7 @@ from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 from .correction.rollout import Rejection, RolloutCorrection
 from .advantages.role_baseline import RoleBaseline  # RAE's per-role running baseline: state across steps
+from .controllers import AdaptiveEntropy, MuSchedule  # TRL's adaptive entropy coefficient: state across steps
 from .integrations.trl_config import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
 from .integrations.verl_config import from_verl  # verl's actor config as an Algorithm (imports no verl)
 
@@ -32,10 +33,12 @@ except PackageNotFoundError:  # a source tree that was not installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "AdaptiveEntropy",
     "AdaptiveKLController",
     "AGG_MODES",
     "Algorithm",
     "CEGPPO",
+    "CHORD",
     "CISPO",
     "ClipCov",
     "ClippedPolicy",
@@ -50,6 +53,7 @@ __all__ = [
     "KLCov",
     "LossOutput",
     "LUSPO",
+    "MuSchedule",
     "OPD",
     "OPMD",
     "Normalizer",

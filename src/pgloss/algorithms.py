@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Algorithm
+from .core.aggregate import BUDGET_MODES
 from .core.output import LossOutput, PolicyTerms
 from .core.checks import check_number
 from .core.trainer_names import field_hint
 from .losses.ce_gppo import CEGPPO
+from .losses.chord import CHORD
 from .losses.cispo import CISPO
 from .losses.cov import ClipCov, KLCov
 from .losses.dppo import DPPO
@@ -37,8 +39,8 @@ from .losses.sppo import SPPO
 from .losses.vespo import VESPO
 
 __all__ = ["Algorithm", "LossOutput", "PolicyTerms", "NAMED", "SOURCES", "RECIPES", "Recipe", "recipe", "register", "names", "get", "families",
-           "CEGPPO", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "GVPO", "KLCov", "LUSPO",
-           "OPD", "OPMD", "REAL", "REC", "SAPO", "SPPO", "TISPG", "TOPR", "VESPO"]
+           "CEGPPO", "CHORD", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "GVPO", "KLCov",
+           "LUSPO", "OPD", "OPMD", "REAL", "REC", "SAPO", "SPPO", "TISPG", "TOPR", "VESPO"]
 
 NAMED: dict[str, tuple[type[Algorithm], dict[str, Any]]] = {}
 """name -> (family, defaults), in registration order."""
@@ -88,6 +90,8 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
      "distillation/train_on_policy.py", dict(loss_agg_mode=TOK)),
     ("iw_opd", OPD, "Xie et al. 2026, arXiv 2606.22600; TRL iw_opd (trl/experimental/iw_opd/iw_opd_trainer.py)",
      dict(loss_agg_mode=TOK, opd_position_gamma=0.5, opd_surrogate="log_prob")),
+    ("chord", CHORD, "CHORD, arXiv 2508.11408; Trinity-RFT mix_chord (trinity/algorithm/policy_loss_fn/"
+     "chord_policy_loss.py)", dict(loss_agg_mode=TOK, dual_clip=3.0)),
 ]
 
 
@@ -196,11 +200,11 @@ def _resolved(name: str, hyperparameters: dict[str, Any]) -> tuple[type[Algorith
 
 def divides_by_budget(name: str, **hyperparameters: Any) -> bool:
     """True when `name` with `hyperparameters` divides by a fixed generation budget (loss_agg_mode
-    `seq-mean-token-sum-norm`, Dr.GRPO) and no `norm_constant` is set: `get` then needs
+    `seq-mean-token-sum-norm`, Dr.GRPO, or `delta-l-norm`) and no `norm_constant` is set: `get` then needs
     `generation_budget=` (or `norm_constant=`)."""
     family, values = _resolved(name, hyperparameters)
     mode = values.get("loss_agg_mode", {f.name: f.default for f in dataclasses.fields(family)}["loss_agg_mode"])
-    return mode == "seq-mean-token-sum-norm" and values.get("norm_constant") is None
+    return mode in BUDGET_MODES and values.get("norm_constant") is None
 
 
 def get(name: str, *, generation_budget: float | None = None, **hyperparameters: Any) -> Algorithm:
@@ -208,7 +212,7 @@ def get(name: str, *, generation_budget: float | None = None, **hyperparameters:
 
     `generation_budget`: the trainer's response budget (max new tokens). It becomes `norm_constant`
     where the loss divides by a fixed budget (`divides_by_budget`: Dr.GRPO's
-    `seq-mean-token-sum-norm`) and no `norm_constant` is given; every other algorithm ignores it.
+    `seq-mean-token-sum-norm`, `delta-l-norm`) and no `norm_constant` is given; every other algorithm ignores it.
     Trainers and the lab pass their budget here, so no path decides by name which loss needs one.
 
     Raises ValueError for an unknown name (listing the valid ones), TypeError for an unknown

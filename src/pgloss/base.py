@@ -5,7 +5,8 @@
     3. the rollout correction (`pgloss.rollout.RolloutCorrection`): its weight before the aggregation and
        its rejections in the mask; with only `rollout_log_prob`, truncated importance sampling;
     4. + kl_coef · KL_t(π_θ‖π_ref) (`kl_variants.kl_term`, or the exact `full_kl`) and - entropy_coef · H_t;
-    5. `aggregate` with `loss_agg_mode` and the step's `Normalizer`.
+    5. `aggregate` with `loss_agg_mode` and the step's `Normalizer`;
+    6. + positive_nll_coef · (VAPO's NLL on the rewarded sequences, their token mean over the step).
 
 A family subclasses `Algorithm` beside its per-token function, adds its hyperparameters as fields
 and implements `policy_terms`; `algorithms.py` names the families' configurations.
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .core.aggregate import AGG_MODES, Normalizer, row_weights, weighted_sum
+from .core.aggregate import AGG_MODES, BUDGET_MODES, Normalizer, rewarded_row_weights, row_weights, weighted_sum
 from .core.batch import TokenBatch
 from .core.checks import check_fields
 from .core.inputs import OPTIONAL_INPUTS, check_names, keyword_parameters
@@ -40,8 +41,11 @@ _WHY = {
                          "full_kl_from_hidden, [B, T]",
     "entropy": lambda a: f"entropy_coef={a.entropy_coef}",
     "rollout_log_prob": lambda a: "its rollout_correction weighs or rejects on the inference engine's log-probs",
-    "group_ids": lambda a: ("[B], " + ("loss_agg_mode='group-mean-token-mean'" if a.loss_agg_mode == "group-mean-token-mean"
-                                       else "its loss contrasts the rows of a group")),
+    "group_ids": lambda a: ("[B], " + ("loss_agg_mode='group-mean-token-mean'" if "group-mean-token-mean"
+                                       in a.aggregation_modes() else "its loss contrasts the rows of a group")),
+    "scores": lambda a: ("[B], the raw sequence rewards its loss weighs by" if "scores" in a.required_inputs
+                         else f"[B], the sequence rewards: positive_nll_coef={a.positive_nll_coef} trains on the "
+                              "rewarded (reward > 0) sequences"),
 }
 """Why this configuration needs an input of `Algorithm.needs`, for the error of a call without it (the
 inputs not here say their table's `doc`)."""
@@ -55,7 +59,11 @@ class Algorithm:
     loss_agg_mode: str = "token-mean"
     """How per-token values become the loss (`aggregate.AGG_MODES`)."""
     norm_constant: float | None = None
-    """The fixed divisor C of `seq-mean-token-sum-norm` (Dr.GRPO: the generation budget). Required there."""
+    """The fixed divisor C of `seq-mean-token-sum-norm` (Dr.GRPO) and `delta-l-norm` (ΔL Norm): the
+    generation budget. Required there."""
+    delta_l_alpha: float = 1.0
+    """α of `delta-l-norm`: sequence i's token sum weighs |y_i|^-α / (C·Σ_j |y_j|^-α) (arXiv 2509.07558;
+    1 is the minimum-variance weight, 0 is Dr.GRPO). Ignored by the other modes."""
     kl_coef: float = 0.0
     """β of the KL loss term β·KL(π_θ‖π_ref); 0 disables it and the reference model."""
     kl_estimator: str = "k3"
@@ -68,6 +76,9 @@ class Algorithm:
     """The cap of the detached ratio weight of kl_correction="unbiased_gradient" (OpenRLHF's 10)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus; the entropy gets a gradient only when this is non-zero."""
+    positive_nll_coef: float = 0.0
+    """μ of VAPO's positive-example NLL (arXiv 2504.05118, eq. 10; NeMo-RL `positive_example_nll_weight`):
+    + μ·(-Σ_{i: s_i>0} Σ_t m log π / N_rew), N_rew the step's tokens of rewarded sequences; needs `scores`."""
     max_log_ratio: float = 20.0
     """Log-ratios are clamped to ±max_log_ratio before exp (zero gradient beyond)."""
     max_kl: float = 10.0
@@ -87,6 +98,9 @@ class Algorithm:
     """True when the family uses `rollout_log_prob` itself, instead of the truncated IS weight."""
     required_inputs: ClassVar[tuple[str, ...]] = ()
     """Optional call arguments this family cannot do without (e.g. "scores", "group_ids")."""
+    takes_expert: ClassVar[bool] = False
+    """True when the family reads `expert` (the `[B]` flags of demonstration rows, CHORD): the step's
+    Normalizer then counts the expert rows apart (`Normalizer.expert`)."""
 
     @property
     def fixed_agg_mode(self) -> str | None:
@@ -102,12 +116,13 @@ class Algorithm:
                 f"{self.name} defines its loss over {'groups' if 'group' in self.fixed_agg_mode else 'sequences'} "
                 f"and fixes loss_agg_mode={self.fixed_agg_mode!r}; got {self.loss_agg_mode!r}",
             )
-        if self.loss_agg_mode == "seq-mean-token-sum-norm":
+        if self.loss_agg_mode in BUDGET_MODES:
             check(
                 self.norm_constant is not None and self.norm_constant > 0,
-                f"loss_agg_mode 'seq-mean-token-sum-norm' requires norm_constant > 0 (the generation budget, "
+                f"loss_agg_mode {self.loss_agg_mode!r} requires norm_constant > 0 (the generation budget, "
                 f"e.g. max_new_tokens), got {self.norm_constant!r}",
             )
+        check(self.delta_l_alpha >= 0, f"delta_l_alpha must be >= 0, got {self.delta_l_alpha}")
         check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
                                                 + value_hint("kl_estimator", self.kl_estimator))
         check(self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
@@ -116,6 +131,7 @@ class Algorithm:
                f"kl_estimator='full' is exact and takes no kl_correction, got {self.kl_correction!r}")
         check(self.kl_correction_cap > 0, f"kl_correction_cap must be > 0, got {self.kl_correction_cap}")
         check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        check(self.positive_nll_coef >= 0, f"positive_nll_coef must be >= 0, got {self.positive_nll_coef}")
         check(self.max_log_ratio > 0, f"max_log_ratio must be > 0, got {self.max_log_ratio}")
         check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
         check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
@@ -160,7 +176,9 @@ class Algorithm:
             needed.add("ref_log_prob")
         if self.entropy_coef != 0:
             needed.add("entropy")
-        if self.loss_agg_mode == "group-mean-token-mean":
+        if self.positive_nll_coef != 0:
+            needed.add("scores")
+        if "group-mean-token-mean" in self.aggregation_modes():
             needed.add("group_ids")
         if self.rollout_correction is not None and self.rollout_correction.needs_rollout:
             needed.add("rollout_log_prob")
@@ -173,6 +191,8 @@ class Algorithm:
         old_log_probs: Tensor | Sequence[Tensor] | None = None,
         rollout_log_probs: Tensor | Sequence[Tensor] | None = None,
         group_ids: Tensor | Sequence[Tensor] | None = None,
+        scores: Tensor | Sequence[Tensor] | None = None,
+        expert: Tensor | Sequence[Tensor] | None = None,
         count_rejected: bool = False,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
@@ -186,29 +206,41 @@ class Algorithm:
         AReaL) and carry the step's mean weight for `batch_normalize`
         (`RolloutCorrection.normalizer`); otherwise `Normalizer.count` of the masks. Group ids are
         counted when the algorithm needs them (`needs`). A collective under torch.distributed, like
-        `Normalizer.count`: every rank calls it at every step, even with empty micro-batches.
+        `Normalizer.count`: every rank calls it at every step, even with empty micro-batches. The
+        tokens of rewarded sequences are counted from `scores` when `positive_nll_coef` is set, the
+        expert rows apart from `expert` when the family reads it (`takes_expert`).
         """
         groups = group_ids if "group_ids" in self.needs else None
+        scores = scores if self.positive_nll_coef != 0 else None
+        expert = expert if self.takes_expert else None
         correction = self.correction(rollout_log_probs is not None)
         if correction is not None and rollout_log_probs is not None:
             if old_log_probs is None:
                 raise ValueError(f"{self.name}'s rollout correction counts the step on the old and rollout log-probs: "
                                  "pass old_log_probs beside rollout_log_probs")
-            return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups,
-                                         count_rejected=count_rejected, process_group=process_group, reduce=reduce)
+            return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups, scores=scores,
+                                         expert=expert, count_rejected=count_rejected, process_group=process_group, reduce=reduce)
         if correction is not None and correction.needs_rollout:
             raise ValueError(f"{self.name} has a rollout correction that needs rollout_log_probs to count the step")
-        return Normalizer.count(masks, group_ids=groups, process_group=process_group, reduce=reduce)
+        return Normalizer.count(masks, group_ids=groups, scores=scores, expert=expert, process_group=process_group,
+                                reduce=reduce)
+
+    def whole_step_normalizer(self, mask: Tensor, old_log_prob: Tensor, **inputs: Tensor | None) -> Normalizer:
+        """The counts of a call that is the whole step (no `normalizer` given): this batch alone, on this
+        process, by `step_normalizer`'s rule, from the call's optional inputs. The call and `from_hidden`
+        read it."""
+        return self.step_normalizer(mask, old_log_probs=old_log_prob, rollout_log_probs=inputs.get("rollout_log_prob"),
+                                    group_ids=inputs.get("group_ids"), scores=inputs.get("scores"),
+                                    expert=inputs.get("expert"), reduce=False)
 
     def corrected(self, batch: TokenBatch, normalizer: Normalizer | None) -> tuple[TokenBatch, Normalizer, Corrected | None]:
         """The prelude of a call, shared with `pgloss.diagnostics.inspect`: the step's counts (this batch
         counted as the whole step by `step_normalizer` when `normalizer` is None) and the rollout
         correction (`correction`) applied, its corrected old log-probs and rejections in the batch.
         Returns (batch, normalizer, the correction's output or None)."""
-        if normalizer is None:  # this batch is the whole step: counted once, by the step's own rule
-            normalizer = self.step_normalizer(batch.mask, old_log_probs=batch.old_log_prob,
-                                              rollout_log_probs=batch.rollout_log_prob, group_ids=batch.group_ids,
-                                              reduce=False)
+        if normalizer is None:
+            normalizer = self.whole_step_normalizer(batch.mask, batch.old_log_prob,
+                                                    **{name: getattr(batch, name) for name in OPTIONAL_INPUTS})
         correction = self.correction(batch.rollout_log_prob is not None)
         if correction is None:
             return batch, normalizer, None
@@ -217,6 +249,22 @@ class Algorithm:
             mask=batch.mask, seq_advantages=batch.row_advantages, weight_mean=getattr(normalizer, "weight_mean", None))
         batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
         return batch, normalizer, corrected
+
+    def row_weights(self, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None) -> Tensor:
+        """c_i of this algorithm's `loss_agg_mode` (`core.aggregate.row_weights`) with its constants: the
+        one place the call and `inspect` take the aggregation weights from."""
+        return row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
+                           group_ids=group_ids, delta_l_alpha=self.delta_l_alpha)
+
+    def aggregation_modes(self) -> tuple[str, ...]:
+        """The loss_agg_modes the loss aggregates with (`loss_agg_mode`; CHORD adds its SFT part's)."""
+        return (self.loss_agg_mode,)
+
+    def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
+        """c_i of the policy term, given the call's `rows` (`row_weights`): those rows, unless the family
+        aggregates subsets of rows apart (CHORD's on-policy and expert rows). The KL, entropy and NLL
+        terms keep `rows`."""
+        return rows
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         """The per-token policy term ℓ_{i,t} (zero at masked positions is not required) and its metrics."""
@@ -237,9 +285,10 @@ class Algorithm:
         Pass the step's `Normalizer` when the step has several micro-batches or ranks; without it
         this batch is the whole step (counted locally, even under torch.distributed).
         `inputs` are the optional inputs of `pgloss.core.inputs.OPTIONAL_INPUTS` (`ref_log_prob`,
-        `entropy`, `rollout_log_prob` `[B, T]`; `group_ids`, `scores` `[B]`; `full_kl` `[B, T]`, the
-        exact KL with its gradient from `pgloss.full_kl_from_logits` / `full_kl_from_hidden`); a
-        call without one the configuration `needs` is refused, saying why. The metrics are means
+        `entropy`, `rollout_log_prob`, `teacher_log_prob` `[B, T]`; `group_ids`, `scores`, `expert` `[B]`;
+        `full_kl` `[B, T]`, the exact KL with its gradient from `pgloss.full_kl_from_logits` /
+        `full_kl_from_hidden`); a call without one the configuration `needs` is refused, saying why,
+        and one it does not read is ignored. The metrics are means
         over this call's valid tokens; average them over micro-batches and ranks for a step's figure.
         """
         if normalizer is not None and not isinstance(normalizer, Normalizer):
@@ -261,13 +310,12 @@ class Algorithm:
             if corrected.weight is not None:
                 per_token = per_token * corrected.weight
         per_token = torch.where(mask, per_token, 0.0)
-        rows = row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
-                           group_ids=batch.group_ids)
+        rows = self.row_weights(mask, normalizer, batch.group_ids)
 
         def reduce(masked_values: Tensor) -> Tensor:
             return weighted_sum(masked_values, rows, normalizer.world_size)
 
-        loss = reduce(per_token)
+        loss = weighted_sum(per_token, self.policy_row_weights(batch, normalizer, rows), normalizer.world_size)
         metrics["pg_loss"] = loss.detach()
         kl = None
         if self.kl_estimator == FULL:
@@ -289,6 +337,11 @@ class Algorithm:
             metrics["entropy"] = masked_mean(batch.entropy, mask)
             if self.entropy_coef != 0:
                 loss = loss - self.entropy_coef * reduce(batch.entropy)
+        if self.positive_nll_coef != 0:
+            nll = weighted_sum(torch.where(mask, -batch.log_prob, 0.0),
+                               rewarded_row_weights(mask, batch.scores > 0, normalizer), normalizer.world_size)
+            metrics["positive_nll_loss"] = nll.detach()
+            loss = loss + self.positive_nll_coef * nll
         return LossOutput(loss=loss, metrics=metrics, per_token=per_token)
 
     def from_hidden(self, hidden: Tensor, weight: Tensor, targets: Tensor, **kwargs: Any) -> LossOutput:

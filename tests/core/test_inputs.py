@@ -48,8 +48,8 @@ def test_a_missing_input_says_why_from_the_configuration():
 
 def test_the_table_says_what_is_detached_and_what_keeps_its_gradient():
     data = batch()
-    given = {name: (torch.zeros(3, dtype=torch.long) if spec.integer else
-                    -torch.rand(3 if spec.per == "row" else (3, 4), dtype=torch.float64).requires_grad_())
+    given = {name: (torch.zeros(3, dtype=torch.long if spec.kind == "integer" else torch.bool) if spec.kind != "real"
+                    else -torch.rand(3 if spec.per == "row" else (3, 4), dtype=torch.float64).requires_grad_())
              for name, spec in OPTIONAL_INPUTS.items()}
     prepared = TokenBatch.prepare(**data, **given)
     for name, spec in OPTIONAL_INPUTS.items():

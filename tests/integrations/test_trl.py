@@ -1,5 +1,6 @@
 """pgloss's losses inside TRL 1.16's real GRPOTrainer: a tiny Qwen2 built locally, CPU, no network."""
 
+import math
 import os
 
 import pytest
@@ -319,6 +320,93 @@ def test_bnpo_differs_from_trl_by_its_per_micro_batch_count(window):
     print(f"bnpo: TRL's gradient differs from the window's token mean by {difference:.3f} (relative), "
           f"micro-batch token counts {counts}")
     assert difference > 1e-3
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_adaptive_entropy_trains_and_checkpoints(tmp_path, model_dir, fused):
+    """Two real optimizer steps with use_adaptive_entropy (a target above any entropy: the coefficient rises
+    by δ at each step), the coefficient logged as TRL logs it, and TRL's checkpoint file holding it."""
+    import json
+
+    os.symlink(model_dir, tmp_path / "model")
+    trainer = train(str(tmp_path), None, fused=fused, use_adaptive_entropy=True, entropy_coef=0.01,
+                    entropy_coef_delta=0.002, entropy_target=100.0, save_strategy="steps", save_steps=2)
+    assert trainer.entropy_controller is not None
+    logged = [row["entropy_coef"] for row in trainer.state.log_history if "entropy_coef" in row]
+    assert logged == pytest.approx([0.012, 0.014])
+    assert trainer.entropy_controller.applied == pytest.approx(0.014)
+    with open(tmp_path / "out" / "checkpoint-2" / "entropy_ctrl_state.json") as f:
+        saved = json.load(f)
+    assert saved["entropy_coef"] == pytest.approx(0.014)
+    assert saved["last_world_entropy"] == pytest.approx(trainer.entropy_controller.last_entropy)
+
+
+def test_adaptive_entropy_follows_trls_controller(window):
+    """use_adaptive_entropy: over six optimizer steps of the window (GA = 2, the target moved between steps
+    so that the coefficient rises, hits its cap, falls and hits its floor), the adapter's coefficient and
+    gate are TRL's own `_compute_loss`'s, step by step, and TRL's attributes (its checkpoint) follow."""
+    from pgloss.controllers import AdaptiveEntropy
+
+    batches = window._buffered_inputs
+    masks = [b["completion_mask"].float() for b in batches]
+    entropy = []
+    for b, m in zip(batches, masks):
+        ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
+        attention = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
+        with torch.no_grad():
+            entropy.append(window._get_per_token_logps_and_entropies(window.model, ids, attention, m.shape[1],
+                                                                     compute_entropy=True)[1])
+    level = float(sum((e * m).sum() for e, m in zip(entropy, masks)) / sum(m.sum() for m in masks))
+    targets = [level + d for d in (0.5, 0.5, 0.5, -0.5, -0.5, -0.5)]
+    settings = dict(entropy_coef=0.004, entropy_coef_delta=0.003, entropy_coef_min=0.001, entropy_coef_max=0.008)
+    saved = {k: getattr(window.args, k) for k in (*settings, "entropy_target", "use_adaptive_entropy")}
+    state = ("entropy_coef", "use_adaptive_entropy", "_entropy_bonus_enabled", "_last_world_entropy",
+             "_entropy_window_stats", "loss_type", "epsilon_low", "epsilon_high")
+    saved_state = {k: getattr(window, k) for k in state}
+    gradient_state = window.accelerator.gradient_state
+
+    def run(compute, target):
+        window.args.entropy_target = target
+        window.state.global_step += 1
+        for j, batch in enumerate(batches):
+            window._step = j
+            gradient_state._set_sync_gradients(j == len(batches) - 1)
+            compute(window.model, batch)
+        gradient_state._set_sync_gradients(True)
+
+    try:
+        for key, value in settings.items():
+            setattr(window.args, key, value)
+        window.args.use_adaptive_entropy = True
+        window.use_adaptive_entropy, window._entropy_bonus_enabled = True, True
+        window.entropy_coef, window._last_world_entropy, window._entropy_window_stats = 0.004, math.inf, None
+        window.loss_type, window.epsilon_low, window.epsilon_high = "dapo", 0.2, 0.28
+        theirs = []
+        for target in targets:
+            applied = window.entropy_coef if window._last_world_entropy <= target else 0.0
+            run(lambda model, inputs: GRPOTrainer._compute_loss(window, model, inputs), target)
+            theirs.append((applied, window.entropy_coef, window._last_world_entropy))
+        window.entropy_coef, window._last_world_entropy = 0.004, math.inf
+        window.algorithm = pgloss.get("dapo")
+        window.entropy_controller = AdaptiveEntropy(0.004, delta=0.003, coef_min=0.001, coef_max=0.008)
+        mine = []
+        for target in targets:
+            window.entropy_controller.target = target
+            applied = window._pgloss_algorithm().entropy_coef
+            run(lambda model, inputs: window._compute_loss(model, inputs), target)
+            mine.append((applied, window.entropy_controller.coef, window.entropy_controller.last_entropy))
+            assert (window.entropy_coef, window._last_world_entropy) == mine[-1][1:]  # what TRL's checkpoint saves
+    finally:
+        window.entropy_controller = None
+        for key, value in saved.items():
+            setattr(window.args, key, value)
+        for key, value in saved_state.items():
+            setattr(window, key, value)
+    assert [round(c, 12) for _, c, _ in theirs] == [0.007, 0.008, 0.008, 0.005, 0.002, 0.001]
+    for (a, c, h), (a2, c2, h2) in zip(theirs, mine):
+        assert a2 == pytest.approx(a, abs=1e-15) and c2 == pytest.approx(c, abs=1e-15)
+        assert h2 == pytest.approx(h, rel=1e-6)  # TRL sums the float32 entropies in float32, pgloss in float64
+    assert [round(a, 12) for a, _, _ in mine] == [0.0, 0.007, 0.008, 0.0, 0.0, 0.0]  # the gate: off, on, off
 
 
 # -- two processes -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ pytest.importorskip("trl")
 
 from trl import GRPOConfig  # noqa: E402
 
-from pgloss.integrations.trl_config import rollout_correction, trainer_algorithm  # noqa: E402
+from pgloss.integrations.trl_config import adaptive_entropy, rollout_correction, trainer_algorithm  # noqa: E402
 
 
 def config(**options):
@@ -124,8 +124,19 @@ def test_refusals_name_the_option_and_their_fix_works():
     assert pgloss.from_trl(config(top_entropy_quantile=0.2), entropy_mask_applied=True).name == "dapo"
 
     message = refusal(dict(use_adaptive_entropy=True))
-    assert "use_adaptive_entropy=True" in message and "use_adaptive_entropy=False" in message
+    assert "use_adaptive_entropy=True" in message and "entropy_controlled=True" in message
+    assert "use_adaptive_entropy=False" in message
     assert pgloss.from_trl(config(use_adaptive_entropy=False, entropy_coef=0.01)).entropy_coef == 0.01
+    adaptive = config(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=0.7, entropy_coef_delta=0.002,
+                      entropy_coef_min=0.001, entropy_coef_max=0.05)
+    assert pgloss.from_trl(adaptive, entropy_controlled=True).entropy_coef == 0.01
+    assert trainer_algorithm(adaptive, None).entropy_coef == 0.01 and trainer_algorithm(adaptive, "dapo").name == "dapo"
+    controller = adaptive_entropy(adaptive)
+    assert (controller.coef, controller.target, controller.delta, controller.coef_min, controller.coef_max) == (
+        0.01, 0.7, 0.002, 0.001, 0.05)
+    assert adaptive_entropy(config()) is None
+    with pytest.raises(ValueError, match="coef_min must be <= coef_max"):
+        adaptive_entropy(config(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1))
 
     message = refusal(dict(importance_sampling_level="sequence"))  # TRL's dapo sums a sequence ratio over tokens
     assert "importance_sampling_level='sequence'" in message and "loss_type='grpo'" in message

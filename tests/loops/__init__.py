@@ -5,3 +5,4 @@ from .aggregate import *  # noqa: F401,F403
 from .correction import *  # noqa: F401,F403
 from .kl import *  # noqa: F401,F403
 from .losses import *  # noqa: F401,F403
+from .terms import *  # noqa: F401,F403

@@ -12,8 +12,8 @@ def lengths(mask) -> list[int]:
     return [sum(1 for m in row if m) for row in mask]
 
 
-def aggregate(values, mask, mode: str, *, norm_constant=None, group_ids=None) -> float:
-    """The five loss_agg_modes written as the sums of their definitions."""
+def aggregate(values, mask, mode: str, *, norm_constant=None, group_ids=None, delta_l_alpha=1.0) -> float:
+    """The loss_agg_modes written as the sums of their definitions."""
     lens = lengths(mask)
     rows = [i for i, n in enumerate(lens) if n > 0]
     row_sum = [sum(v for v, m in zip(values[i], mask[i]) if m) for i in range(len(mask))]
@@ -33,4 +33,14 @@ def aggregate(values, mask, mode: str, *, norm_constant=None, group_ids=None) ->
             groups.setdefault(group_ids[i], []).append(i)
         per_group = [sum(row_sum[i] for i in members) / sum(lens[i] for i in members) for members in groups.values()]
         return sum(per_group) / max(len(per_group), 1)
+    if mode == "delta-l-norm":
+        return delta_l_norm(row_sum, lens, norm_constant, delta_l_alpha)
     raise ValueError(mode)
+
+
+def delta_l_norm(row_sum, lens, budget, alpha) -> float:
+    """ΔL Norm (He et al. 2025, arXiv 2509.07558, sec. 4): g = Σ_i x_i g_i over the non-empty responses,
+    x_i = (1/M) · L_i^-α / Σ_j L_j^-α, g_i the token sum of response i."""
+    rows = [i for i, n in enumerate(lens) if n > 0]
+    total = sum(lens[j] ** -alpha for j in rows)
+    return sum(row_sum[i] * (lens[i] ** -alpha) / (budget * total) for i in rows)

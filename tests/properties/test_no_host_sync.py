@@ -47,7 +47,7 @@ def meta_inputs(rows=ROWS):
     """Every optional input a call may take, on `meta`; each algorithm reads what it needs."""
     def empty(spec):
         shape = (rows, WIDTH) if spec.per == "token" else (rows,)
-        return torch.empty(shape, dtype=torch.long if spec.integer else torch.float32, device=META)
+        return torch.empty(shape, dtype={"integer": torch.long, "bool": torch.bool}.get(spec.kind, torch.float32), device=META)
 
     optional = {name: empty(spec) for name, spec in OPTIONAL_INPUTS.items() if name != "full_kl"}
     return dict(old_log_prob=torch.empty(rows, WIDTH, device=META), advantages=torch.empty(rows, device=META),

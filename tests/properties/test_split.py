@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 import torch
 
 import pgloss
-from conftest import algorithm, make_batch
+from conftest import algorithm, make_batch, optional_inputs
 
 SPLITS = [[0, 1, 2, 3, 4, 5, 6, 7, 8], [2, 4, 3], [1, 1, 7]]  # rows per micro-batch (uneven)
 
@@ -21,8 +21,7 @@ def run(alg, data, sizes, *, normalizer_from_whole_step=True):
     total = 0.0
     for p in parts:
         out = alg(log_prob[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
-                  ref_log_prob=data["ref_log_prob"][p], entropy=data["entropy"][p],
-                  group_ids=data["group_ids"][p], scores=data["scores"][p], normalizer=normalizer)
+                  normalizer=normalizer, **optional_inputs(data, p))
         out.loss.backward()
         total = total + out.loss.detach()
     return total, log_prob.grad

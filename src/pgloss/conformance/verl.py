@@ -30,7 +30,7 @@ TOLERANCE = 1e-7
 """Relative, float64: verl divides a sequence's sum by |y| + 1e-8 (seq-mean-token-mean, geo_mean), a
 relative 1e-8/|y| from the exact mean (measured up to 3e-8); everything else agrees to 1e-12."""
 ROWS, LENGTH, BUDGET = 6, 9, 12
-VERL_AGG_MODES = tuple(mode for mode in AGG_MODES if mode != "group-mean-token-mean")
+VERL_AGG_MODES = tuple(mode for mode in AGG_MODES if mode not in ("group-mean-token-mean", "delta-l-norm"))
 POLICY_LOSS_KEYS = ("dro_beta", "ppo_kl_coef", "kl_cov_ratio", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")
 
 FIELDS: dict[str, dict[str, Any]] = {  # each verl loss with its fields set away from the defaults

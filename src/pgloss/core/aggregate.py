@@ -10,12 +10,22 @@ N_grp non-empty groups, n_g tokens in group g):
     seq-mean-token-sum-norm   ( Σ_i Σ_t m ℓ ) / (N_seq · C)                    (Dr.GRPO, C = norm_constant)
     group-mean-token-mean     ( Σ_g (Σ_{i∈g} Σ_t m ℓ) / n_g ) / N_grp          (per prompt)
     token-sum                 Σ_i Σ_t m ℓ                                      (verl 0.9: no divisor)
+    delta-l-norm              Σ_i x_i Σ_t m ℓ,  x_i = |y_i|^-α / (C · Σ_j |y_j|^-α)   (ΔL Norm, C = norm_constant)
 
 Dr.GRPO (https://arxiv.org/abs/2503.20783, sec. 3.1) replaces GRPO's 1/|y_i| by a constant, the
 generation budget: (1/G) Σ_i (1/C) Σ_t ℓ. C is `norm_constant` and is required: it is never the
 padded width of the batch (verl's default, `loss_mask.shape[-1]`), which changes from batch to
 batch. TRL and ms-swift divide by B·max_completion_length, the same thing. verl divides the token
 sum by C alone, without 1/N_seq: its loss is N_seq times ours.
+
+ΔL Normalization (He et al. 2025, arXiv 2509.07558, renamed "VL Norm" in its v2) treats each sequence's
+token sum g_i = Σ_t ℓ_{i,t} as an unbiased estimate of the step's gradient whose variance grows with
+its length, Var(g_i) ≈ V·|y_i|, and takes the minimum-variance unbiased combination Σ_i x_i g_i with
+Σ_i x_i = 1/C: x_i ∝ 1/|y_i| (α = 1). The exponent α (`delta_l_alpha`) trades variance for the
+weight of long responses: α = 0 is Dr.GRPO's 1/(N_seq·C) exactly, α = 1 the minimum variance; the
+paper's recipes take α = 1 (CountDown) and α = 0.75 (math). The sum Σ_j over the step's non-empty
+sequences (every micro-batch and rank) is the one global statistic: the Normalizer counts the step's
+sequences per length (`length_counts`, whatever α), and Σ_j |y_j|^-α = Σ_L n_L·L^-α.
 
 Every mode is a weighted sum Σ w_{i,t} ℓ_{i,t} whose weights depend only on the mask and the
 global counts, so a micro-batch's loss is its exact share of the step's loss: summing micro-batch
@@ -43,7 +53,11 @@ AGG_MODES = (
     "seq-mean-token-sum-norm",
     "group-mean-token-mean",
     "token-sum",
+    "delta-l-norm",
 )
+
+BUDGET_MODES = ("seq-mean-token-sum-norm", "delta-l-norm")
+"""The modes that divide by a fixed generation budget C (`norm_constant`), which they require."""
 
 MAX_GROUPS = 1 << 20
 """Group ids index a dense float64 count array (8 MiB at this bound)."""
@@ -51,7 +65,14 @@ MAX_GROUPS = 1 << 20
 
 @dataclass(frozen=True)
 class Normalizer:
-    """The token, sequence and group counts of one optimizer step, global over ranks.
+    """The token, sequence, length and group counts of one optimizer step, global over ranks.
+
+    `length_counts[L]` is the number of the step's sequences with L valid tokens (L >= 1; index 0
+    holds 0), the statistic of `delta-l-norm`; a Normalizer built by hand without it refuses that mode.
+    `rewarded_tokens` (counted when `scores` are given) is the number of valid tokens of the step's
+    sequences whose reward is > 0, the divisor of the positive-example NLL term (`rewarded_row_weights`).
+    `expert` (counted when `expert` flags are given) holds the same counts over the step's expert rows
+    alone (CHORD's SFT rows); `complement(self.expert)` are the other rows' counts.
 
     Build it once per optimizer step with `Normalizer.count` over all of the step's micro-batch
     masks, and pass it to every micro-batch's loss call. When the counts were all-reduced over a
@@ -63,6 +84,20 @@ class Normalizer:
     sequences: Tensor
     group_tokens: Tensor | None = None
     world_size: int = 1
+    length_counts: Tensor | None = None
+    rewarded_tokens: Tensor | None = None
+    expert: "Normalizer | None" = None
+
+    def complement(self, part: "Normalizer | None") -> "Normalizer":
+        """The counts of the step's rows outside `part` (a sub-count of the same rows, e.g. `self.expert`):
+        every count minus `part`'s; `self` when `part` is None."""
+        if part is None:
+            return self
+        minus = lambda mine, theirs: None if mine is None or theirs is None else mine - theirs  # noqa: E731
+        return Normalizer(tokens=self.tokens - part.tokens, sequences=self.sequences - part.sequences,
+                          group_tokens=minus(self.group_tokens, part.group_tokens), world_size=self.world_size,
+                          length_counts=minus(self.length_counts, part.length_counts),
+                          rewarded_tokens=minus(self.rewarded_tokens, part.rewarded_tokens))
 
     @property
     def groups(self) -> Tensor:
@@ -77,19 +112,28 @@ class Normalizer:
         masks: Tensor | Sequence[Tensor],
         *,
         group_ids: Tensor | Sequence[Tensor] | None = None,
+        scores: Tensor | Sequence[Tensor] | None = None,
+        expert: Tensor | Sequence[Tensor] | None = None,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
     ) -> "Normalizer":
-        """Count valid tokens, non-empty sequences and (with `group_ids`) tokens per group.
+        """Count valid tokens, non-empty sequences, sequences per length and (with `group_ids`)
+        tokens per group.
 
         Under torch.distributed this is a collective: every rank of `process_group` must call it
-        at every optimizer step, in the same order, even a rank whose micro-batches are empty.
+        at every optimizer step, in the same order, even a rank whose micro-batches are empty. The
+        length counts span the widest mask of the step (a MAX over the ranks' widths, then one SUM
+        of the counts).
 
         Args:
             masks: the `[B, T]` mask of each micro-batch of the step (or one mask).
             group_ids: the `[B]` integer group (prompt) id of each row, one tensor per micro-batch.
                 Ids are global: the same prompt has the same id on every rank. They number the
                 step's groups from 0 (below `MAX_GROUPS`): the counts are a dense array.
+            scores: the `[B]` sequence rewards of each micro-batch: counts the tokens of the rewarded
+                (reward > 0) sequences, for the positive-example NLL term (`positive_nll_coef`).
+            expert: the `[B]` bool flags of the expert (off-policy demonstration) rows of each micro-batch:
+                the same counts over them alone, in `expert` (CHORD; one more collective of the counts).
             process_group: the data-parallel group (None: the default group).
             reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
         """
@@ -99,11 +143,28 @@ class Normalizer:
                 raise ValueError(f"masks[{k}] must be a [B, T] tensor, got {getattr(mask, 'shape', type(mask))}")
         device = mask_list[0].device
         lengths = [(m != 0).sum(dim=-1).to(torch.float64) for m in mask_list]
-        counts = torch.stack([
+        distributed = is_distributed(reduce)
+        width = max(m.shape[-1] for m in mask_list)  # static: the shapes, never the values
+        if distributed:
+            widest = torch.tensor(width, device=device)
+            dist.all_reduce(widest, op=dist.ReduceOp.MAX, group=process_group)
+            width = int(widest)
+        per_length = torch.zeros(width + 1, dtype=torch.float64, device=device)
+        for length in lengths:
+            per_length.index_add_(0, length.to(device).long(), (length > 0).to(torch.float64))
+        rewarded = torch.zeros((), dtype=torch.float64, device=device)
+        if scores is not None:
+            score_list = per_micro_batch("scores", scores, len(mask_list))
+            for k, (score, length) in enumerate(zip(score_list, lengths)):
+                if not isinstance(score, Tensor) or score.shape != length.shape:
+                    raise ValueError(f"scores[{k}] must be a tensor of shape {tuple(length.shape)}, got "
+                                     f"{tuple(getattr(score, 'shape', ())) or type(score).__name__}")
+                rewarded = rewarded + torch.where(score.to(device) > 0, length.to(device), 0.0).sum()
+        counts = torch.cat([torch.stack([
             sum(length.sum() for length in lengths),
             sum((length > 0).sum() for length in lengths).to(torch.float64),
-        ])
-        distributed = is_distributed(reduce)
+            rewarded,
+        ]), per_length])
         if distributed:
             dist.all_reduce(counts, group=process_group)
         group_tokens = None
@@ -135,7 +196,19 @@ class Normalizer:
             if distributed:
                 dist.all_reduce(group_tokens, group=process_group)
         world_size = dist.get_world_size(process_group) if distributed else 1
-        return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size)
+        expert_counts = None
+        if expert is not None:
+            flag_list = per_micro_batch("expert", expert, len(mask_list))
+            for k, (flags, length) in enumerate(zip(flag_list, lengths)):
+                if not isinstance(flags, Tensor) or flags.shape != length.shape:
+                    raise ValueError(f"expert[{k}] must be a tensor of shape {tuple(length.shape)}, got "
+                                     f"{tuple(getattr(flags, 'shape', ())) or type(flags).__name__}")
+            expert_counts = cls.count([m * (f != 0).to(m.device)[:, None] for m, f in zip(mask_list, flag_list)],
+                                      group_ids=group_ids, scores=scores, process_group=process_group,
+                                      reduce=reduce)
+        return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size,
+                   length_counts=counts[3:], rewarded_tokens=counts[2] if scores is not None else None,
+                   expert=expert_counts)
 
 
 def row_weights(
@@ -145,6 +218,7 @@ def row_weights(
     *,
     norm_constant: float | None = None,
     group_ids: Tensor | None = None,
+    delta_l_alpha: float = 1.0,
 ) -> Tensor:
     """c_i with w_{i,t} = m_{i,t}·c_i for `mode`: every mode weighs a row's valid tokens alike; `[B]`, float64.
 
@@ -173,6 +247,10 @@ def row_weights(
                                 f"but this call holds more; count the step's Normalizer on every micro-batch's mask")
         per_row = normalizer.group_tokens[ids].clamp(min=1)
         return 1.0 / (per_row * normalizer.groups.clamp(min=1))
+    if mode in BUDGET_MODES and (norm_constant is None or not norm_constant > 0):
+        raise ValueError(f"{mode} needs norm_constant > 0, got {norm_constant!r}")
+    if mode == "delta-l-norm":
+        return _delta_l_rows(mask, normalizer, norm_constant, delta_l_alpha)
     sequences = normalizer.sequences.clamp(min=1)
     if mode == "seq-mean-token-mean":
         lengths = mask.sum(dim=-1, dtype=torch.float64)
@@ -180,10 +258,45 @@ def row_weights(
     if mode == "seq-mean-token-sum":
         return (1.0 / sequences).expand(mask.shape[0])
     if mode == "seq-mean-token-sum-norm":
-        if norm_constant is None or not norm_constant > 0:
-            raise ValueError(f"seq-mean-token-sum-norm needs norm_constant > 0, got {norm_constant!r}")
         return (1.0 / (sequences * norm_constant)).expand(mask.shape[0])
     raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+
+
+def _delta_l_rows(mask: Tensor, normalizer: Normalizer, norm_constant: float, alpha: float) -> Tensor:
+    """ΔL Norm's x_i = |y_i|^-α / (C · Σ_j |y_j|^-α), Σ_j over the step's non-empty sequences
+    (`normalizer.length_counts`); 0 for an empty row, and 0 for every row of an empty step."""
+    counts = normalizer.length_counts
+    if counts is None:
+        raise ValueError("loss_agg_mode 'delta-l-norm' needs a Normalizer that counted the step's lengths "
+                         "(Normalizer.count or Algorithm.step_normalizer)")
+    lengths = mask.sum(dim=-1, dtype=torch.float64)
+    size = counts.shape[0]
+    check_values(mask, lambda: lengths >= size,
+                 lambda at: f"row {int(at)} holds {int(lengths[at])} valid tokens but the normalizer counted "
+                            f"lengths up to {size - 1}; count the step's Normalizer on every micro-batch's mask")
+    check_values(mask, lambda: torch.zeros_like(counts).index_add_(
+                     0, lengths.long().clamp(max=size - 1), (lengths > 0).to(torch.float64)) > counts,
+                 lambda at: f"the normalizer counted {int(counts[at])} sequences of {int(at)} tokens but this call "
+                            f"holds more; count the step's Normalizer on every micro-batch's mask")
+    support = torch.arange(size, dtype=torch.float64, device=counts.device)
+    total = (counts * support.clamp(min=1).pow(-alpha)).sum()  # Σ_j |y_j|^-α (counts[0] = 0)
+    own = torch.where(lengths > 0, lengths.clamp(min=1).pow(-alpha), 0.0)
+    return own / (norm_constant * torch.where(total > 0, total, 1.0).to(own.device))
+
+
+def rewarded_row_weights(mask: Tensor, rewarded: Tensor, normalizer: Normalizer) -> Tensor:
+    """c_i = [rewarded_i] / N_rew: the token mean over the step's rewarded sequences (`[B]` bool
+    `rewarded`), N_rew = `normalizer.rewarded_tokens` (clamped at 1: a step without a rewarded token
+    gives 0). The aggregation of VAPO's positive-example NLL (arXiv 2504.05118, eq. 10); `[B]`, float64."""
+    if normalizer.rewarded_tokens is None:
+        raise ValueError("the positive-example NLL term needs a Normalizer counted with scores "
+                         "(Algorithm.step_normalizer(..., scores=...) or Normalizer.count(..., scores=...))")
+    held = torch.where(rewarded, mask.sum(dim=-1, dtype=torch.float64), 0.0).sum()
+    check_values(mask, lambda: held > normalizer.rewarded_tokens,
+                 lambda _: f"the normalizer counted {int(normalizer.rewarded_tokens)} tokens of rewarded sequences "
+                           f"but this call holds {int(held)}; count the step's Normalizer on every micro-batch's "
+                           f"mask and scores")
+    return rewarded.to(torch.float64) / normalizer.rewarded_tokens.clamp(min=1).to(mask.device)
 
 
 def check_counts(mask: Tensor, normalizer: Normalizer) -> None:
@@ -208,9 +321,11 @@ def token_weights(
     *,
     norm_constant: float | None = None,
     group_ids: Tensor | None = None,
+    delta_l_alpha: float = 1.0,
 ) -> Tensor:
     """w_{i,t} with loss = Σ w ℓ for `mode` (see the module docstring); `[B, T]`, float64."""
-    rows = row_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids)
+    rows = row_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids,
+                       delta_l_alpha=delta_l_alpha)
     return mask.to(torch.float64) * rows[:, None]
 
 
@@ -228,6 +343,7 @@ def aggregate(
     normalizer: Normalizer | None = None,
     norm_constant: float | None = None,
     group_ids: Tensor | None = None,
+    delta_l_alpha: float = 1.0,
 ) -> Tensor:
     """Reduce `[B, T]` per-token `values` to a scalar with `loss_agg_mode` `mode`.
 
@@ -237,5 +353,6 @@ def aggregate(
     mask = mask.bool()
     if normalizer is None:
         normalizer = Normalizer.count(mask, group_ids=group_ids, reduce=False)
-    rows = row_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids)
+    rows = row_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids,
+                       delta_l_alpha=delta_l_alpha)
     return weighted_sum(torch.where(mask, values, 0.0), rows, normalizer.world_size)

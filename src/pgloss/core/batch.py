@@ -64,7 +64,7 @@ class TokenBatch:
 
     Token tensors are `[B, T]` in the compute dtype (float32, or float64 for float64 input);
     `advantages` is `[B, T]` (a `[B]` input is broadcast over tokens) and `seq_advantages` keeps
-    the `[B]` form when one was given. The optional inputs (`ref_log_prob` to `full_kl`) are those
+    the `[B]` form when one was given. The optional inputs (`ref_log_prob` to `expert`) are those
     of core/inputs.py's `OPTIONAL_INPUTS`, None when not given.
     """
 
@@ -80,6 +80,7 @@ class TokenBatch:
     scores: Tensor | None = None
     full_kl: Tensor | None = None
     teacher_log_prob: Tensor | None = None
+    expert: Tensor | None = None
 
     @property
     def row_advantages(self) -> Tensor:
@@ -116,10 +117,12 @@ class TokenBatch:
             return value
 
         def row(spec: OptionalInput, value: Tensor) -> Tensor:
-            value = check_tensor(spec.name, value, ndim=(1,), floating=not spec.integer)
-            if spec.integer:
-                if value.shape[0] != shape[0] or not is_integer(value):
-                    raise ValueError(f"{spec.name} must be an integer tensor of shape [{shape[0]}], got "
+            value = check_tensor(spec.name, value, ndim=(1,), floating=spec.kind == "real")
+            if spec.kind != "real":
+                right = value.dtype == torch.bool if spec.kind == "bool" else is_integer(value)
+                if value.shape[0] != shape[0] or not right:
+                    kind = "a bool" if spec.kind == "bool" else "an integer"
+                    raise ValueError(f"{spec.name} must be {kind} tensor of shape [{shape[0]}], got "
                                      f"{value.dtype} {tuple(value.shape)}")
                 check_device(spec.name, value, device)
                 return value
@@ -131,7 +134,7 @@ class TokenBatch:
 
         def optional(spec: OptionalInput, value: Tensor) -> Tensor:
             value = token(spec.name, value, is_log_prob=spec.log_prob) if spec.per == "token" else row(spec, value)
-            return value if spec.grad or spec.integer else value.detach()
+            return value if spec.grad or spec.kind != "real" else value.detach()
 
         advantages = check_tensor("advantages", advantages, ndim=(1, 2))
         check_device("advantages", advantages, device)

@@ -20,14 +20,15 @@ class OptionalInput:
 
     `per`: "token" for `[B, T]` (log_prob's shape, zeroed at masked positions), "row" for `[B]`.
     `log_prob`: a log-probability (log_prob's dtype, at most 0). `grad`: keeps its gradient (the
-    others are detached). `integer`: an integer tensor (ids), passed as given."""
+    others are detached). `kind`: "real" (cast to the compute dtype), "integer" (ids) or "bool"
+    (flags); integers and flags are passed as given."""
 
     name: str
     per: str
     doc: str
     log_prob: bool = False
     grad: bool = False
-    integer: bool = False
+    kind: str = "real"
 
 
 OPTIONAL_INPUTS: dict[str, OptionalInput] = {spec.name: spec for spec in (
@@ -37,12 +38,14 @@ OPTIONAL_INPUTS: dict[str, OptionalInput] = {spec.name: spec for spec in (
     OptionalInput("rollout_log_prob", "token", "the inference engine's log-probs, for a rollout correction",
                   log_prob=True),
     OptionalInput("group_ids", "row", "the prompt of each row (integers), for the group modes and contrasts",
-                  integer=True),
+                  kind="integer"),
     OptionalInput("scores", "row", "[B], the raw sequence rewards its loss weighs by"),
     OptionalInput("full_kl", "token", "the exact per-token KL(π‖π_ref) with its gradient, for kl_estimator='full'",
                   grad=True),
     OptionalInput("teacher_log_prob", "token", "log π_T(y_t), the teacher's log-probs of the sampled tokens, "
                   "for on-policy distillation", log_prob=True),
+    OptionalInput("expert", "row", "the flags (bool) of expert (demonstration) rows, for CHORD's SFT term",
+                  kind="bool"),
 )}
 """Every optional input of `Algorithm.__call__`, in the order of its signature."""
 

@@ -288,6 +288,8 @@ class RolloutCorrection:
         rollout_log_probs: Tensor | Sequence[Tensor],
         *,
         group_ids: Tensor | Sequence[Tensor] | None = None,
+        scores: Tensor | Sequence[Tensor] | None = None,
+        expert: Tensor | Sequence[Tensor] | None = None,
         count_rejected: bool = False,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
@@ -298,12 +300,14 @@ class RolloutCorrection:
         masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs))
         counted = masks if count_rejected or self.bypass or not self.rejection else [
             self.keep_mask(m, o, r) for m, o, r in zip(masks, olds, rollouts)]
-        base = Normalizer.count(counted, group_ids=group_ids, process_group=process_group, reduce=reduce)
+        base = Normalizer.count(counted, group_ids=group_ids, scores=scores, expert=expert,
+                                process_group=process_group, reduce=reduce)
         mean = None
         if self.batch_normalize:
             mean = self.step_weight_mean(masks, olds, rollouts, process_group=process_group, reduce=reduce)
         return CorrectedNormalizer(tokens=base.tokens, sequences=base.sequences, group_tokens=base.group_tokens,
-                                   world_size=base.world_size, weight_mean=mean)
+                                   world_size=base.world_size, length_counts=base.length_counts,
+                                   rewarded_tokens=base.rewarded_tokens, expert=base.expert, weight_mean=mean)
 
     # -- the call -------------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.aggregate import Normalizer, token_weights
+from ..core.aggregate import Normalizer
 from ..base import Algorithm
 from ..core.batch import TokenBatch
 from ..core.inputs import check_names
@@ -117,8 +117,8 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
     check_names(inputs)
     policy_inputs = {name: value for name, value in inputs.items() if name not in _TERM_INPUTS}
     policy_only = algorithm
-    if algorithm.kl_coef != 0 or algorithm.entropy_coef != 0:
-        policy_only = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0)
+    if algorithm.kl_coef != 0 or algorithm.entropy_coef != 0 or algorithm.positive_nll_coef != 0:
+        policy_only = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0, positive_nll_coef=0.0)
     with _replayed_draws(algorithm) as rewind:
         grad = token_gradients(algorithm, log_prob, old_log_prob, advantages, mask, normalizer=normalizer, **inputs)
         rewind()
@@ -128,8 +128,9 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
         batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask, **policy_inputs)
         batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
         tis = None if corrected is None else corrected.weight
-        weight = token_weights(batch.mask, algorithm.loss_agg_mode, normalizer, norm_constant=algorithm.norm_constant,
-                               group_ids=batch.group_ids).to(batch.log_prob.dtype) * normalizer.world_size
+        rows = algorithm.policy_row_weights(batch, normalizer, algorithm.row_weights(batch.mask, normalizer,
+                                                                                   batch.group_ids))
+        weight = (batch.mask.to(torch.float64) * rows[:, None]).to(batch.log_prob.dtype) * normalizer.world_size
         closed = _closed_form(algorithm, batch)
     factor, reason = closed.factor, closed.reason
     if factor is not None:

@@ -35,6 +35,14 @@ algorithm's `kl_coef`, and the KL term is pgloss's); vLLM's `sampling_per_token_
 rollout log-probs of the algorithm's rollout correction (TRL's vLLM importance sampling and
 off-policy mask become one); group ids, global over processes, are added to each generation batch.
 Options that cannot be honoured are refused by name. Metrics are logged as `pgloss/<name>`.
+
+`use_adaptive_entropy=True`: `pgloss.controllers.AdaptiveEntropy` (`trl_config.adaptive_entropy`)
+holds the coefficient. Every micro-batch of a step runs the algorithm with the coefficient it
+applies this step (TRL's gate on the previous step's entropy), its entropy over the loss's mask is
+added to the step's window, and at the optimizer-step boundary (`sync_gradients`) the window is
+summed over processes and the coefficient moves, as TRL's `_compute_loss`. TRL's own
+`entropy_coef` and `_last_world_entropy` follow the controller, so TRL's checkpoint file
+(entropy_ctrl_state.json) saves and restores it.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from ..algorithms import Algorithm
 from ..core.output import LossOutput
 from ..correction.token_masks import entropy_threshold, top_entropy_mask
 
-from .trl_config import trainer_algorithm
+from .trl_config import adaptive_entropy, trainer_algorithm
 
 __all__ = ["SUPPORTED", "PGLossGRPOTrainer", "PGLossMixin"]
 
@@ -152,6 +160,7 @@ class PGLossMixin:
         else:
             kwargs["args"] = config
         self.algorithm = algorithm
+        self.entropy_controller = adaptive_entropy(config)
         self.fused = fused
         self.chunk_size = chunk_size
         self._pgloss_top = config.top_entropy_quantile if config.top_entropy_quantile < 1 else None
@@ -240,9 +249,10 @@ class PGLossMixin:
         olds, rollouts = zip(*(self._pgloss_old_and_rollout(batch, None) for batch in batches))
         with_rollout = all(r is not None for r in rollouts)
         groups = [batch["group_ids"] for batch in batches] if "group_ids" in self.algorithm.needs else None
+        scores = [batch["scores"] for batch in batches] if "scores" in self.algorithm.needs else None
         return self.algorithm.step_normalizer(masks, old_log_probs=list(olds) if with_rollout else None,
                                               rollout_log_probs=list(rollouts) if with_rollout else None,
-                                              group_ids=groups, reduce=reduce)
+                                              group_ids=groups, scores=scores, reduce=reduce)
 
     def _pgloss_step(self) -> tuple[Normalizer, Tensor]:
         """This optimizer step's normalizer, counted once per step over its micro-batches on every
@@ -273,6 +283,31 @@ class PGLossMixin:
 
     # -- the loss -------------------------------------------------------------------------------
 
+    def _pgloss_algorithm(self) -> Algorithm:
+        """The algorithm of this step: with adaptive entropy, the coefficient the controller applies."""
+        if self.entropy_controller is None:
+            return self.algorithm
+        return self.entropy_controller.algorithm(self.algorithm)
+
+    def _pgloss_entropy_step(self, mode: str, entropy: Tensor | None, mask: Tensor) -> None:
+        """Adaptive entropy (train only, as TRL): add this micro-batch to the step's window; at the
+        optimizer-step boundary move the coefficient from the step's entropy over every process."""
+        controller = self.entropy_controller
+        if controller is None or mode != "train":
+            return
+        if entropy is None:
+            raise ValueError("use_adaptive_entropy needs the entropies of the loss's tokens")
+        controller.observe(entropy, mask)
+        if self.accelerator.sync_gradients:
+            controller.step(device=mask.device)
+            # TRL's attributes, which its _save_checkpoint / _load_optimizer_and_scheduler keep
+            self.entropy_coef, self._last_world_entropy = controller.coef, controller.last_entropy
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)  # TRL restores entropy_coef and _last_world_entropy
+        if self.entropy_controller is not None and checkpoint is not None:
+            self.entropy_controller.load_state_dict({"coef": self.entropy_coef, "last_entropy": self._last_world_entropy})
+
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
         training = self.model.training
         mode = "train" if training else "eval"
@@ -281,9 +316,11 @@ class PGLossMixin:
         else:  # eval: the batch is its own step
             mask = self._pgloss_masks([inputs])[0]
             normalizer = self._pgloss_count([inputs], [mask], reduce=False)
+        algorithm = self._pgloss_algorithm()
         aux = None
+        entropy = None
         if self.fused:
-            out = self._pgloss_fused(model, inputs, normalizer, mask)
+            out = self._pgloss_fused(model, inputs, normalizer, mask, algorithm)
         else:
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -292,16 +329,20 @@ class PGLossMixin:
                 compute_aux_loss=self.aux_loss_enabled, **{key: inputs.get(key) for key in _MULTIMODAL},
             )
             log_prob = log_prob.float()
-            out = self.algorithm(log_prob=log_prob, entropy=None if entropy is None else entropy.float(),
-                                 normalizer=normalizer, **self._pgloss_arguments(inputs, log_prob, mask))
+            entropy = None if entropy is None else entropy.float()
+            out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer,
+                            **self._pgloss_arguments(inputs, log_prob, mask))
+        if self.fused and self.entropy_controller is not None and mode == "train":
+            entropy = self._pgloss_forward(inputs)[1]  # the fused path keeps no [B, T] entropy outside its call
         loss = out.loss
         accumulation = self.current_gradient_accumulation_steps if training else 1
         if aux is not None and self.aux_loss_enabled:  # TRL's own convention for the MoE router loss
             loss = loss + self.router_aux_loss_coef * aux / accumulation
-        self._pgloss_log(mode, out, accumulation)
+        self._pgloss_entropy_step(mode, entropy, mask)
+        self._pgloss_log(mode, out, accumulation, algorithm)
         return loss
 
-    def _pgloss_log(self, mode: str, out: LossOutput, accumulation: int) -> None:
+    def _pgloss_log(self, mode: str, out: LossOutput, accumulation: int, algorithm: Algorithm) -> None:
         """One gather for every metric, logged as `pgloss/<name>`. `pg_loss` and `kl_loss` are this
         micro-batch's shares of the step's value, so they are logged × accumulation steps: their mean
         over the step is the value."""
@@ -316,11 +357,12 @@ class PGLossMixin:
         # the bonus (policy and KL terms) and the coefficient at each optimizer step.
         if "entropy" in logged:
             self._metrics[mode]["entropy"].append(logged["entropy"])
-        if self.algorithm.entropy_coef != 0:
-            policy = logged["pg_loss"] + self.algorithm.kl_coef * logged.get("kl_loss", 0.0)
+        if algorithm.entropy_coef != 0 or self.entropy_controller is not None:
+            policy = logged["pg_loss"] + algorithm.kl_coef * logged.get("kl_loss", 0.0)
             self._metrics[mode]["policy_loss"].append(policy)
-            if mode == "train" and self.accelerator.sync_gradients:
-                self._metrics[mode]["entropy_coef"].append(self.algorithm.entropy_coef)
+            if mode == "train" and self.accelerator.sync_gradients:  # adaptive: the coefficient after the update
+                coef = algorithm.entropy_coef if self.entropy_controller is None else self.entropy_controller.coef
+                self._metrics[mode]["entropy_coef"].append(coef)
 
     # -- the fused path -------------------------------------------------------------------------
 
@@ -346,7 +388,8 @@ class PGLossMixin:
             raise ValueError("fused=True cannot compute this model's logits: " + ", ".join(problems)
                              + "; use fused=False")
 
-    def _pgloss_fused(self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor):
+    def _pgloss_fused(self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor,
+                      algorithm: Algorithm):
         present = [key for key in _MULTIMODAL if inputs.get(key) is not None]
         if present:
             raise ValueError(f"fused=True supports text-only models; these inputs need fused=False: {present}")
@@ -354,10 +397,10 @@ class PGLossMixin:
         # The loss must run inside the wrapper's forward: called beside it, DDP/FSDP/ZeRO-3 hooks do not
         # fire and the gradient is silently wrong (TRL's Liger integration did the same).
         return _ForwardRedirection()(model, unwrapped, self._pgloss_fused_loss, unwrapped, inputs, normalizer,
-                                     mask)
+                                     mask, algorithm)
 
     def _pgloss_fused_loss(self, unwrapped: torch.nn.Module, inputs: dict[str, Any],
-                           normalizer: Normalizer, mask: Tensor) -> LossOutput:
+                           normalizer: Normalizer, mask: Tensor, algorithm: Algorithm) -> LossOutput:
         owner = self._pgloss_head_owner(unwrapped)
         targets = inputs["completion_ids"]
         length = targets.size(1)
@@ -378,7 +421,7 @@ class PGLossMixin:
                     log_prob, _ = pgloss.log_prob_and_entropy_from_hidden(
                         hidden, weight, torch.where(mask.bool(), targets, 0),
                         temperature=self.temperature, chunk_size=self.chunk_size)
-            return self.algorithm.from_hidden(hidden, weight, targets, temperature=self.temperature,
+            return algorithm.from_hidden(hidden, weight, targets, temperature=self.temperature,
                                               normalizer=normalizer, chunk_size=self.chunk_size,
                                               **self._pgloss_arguments(inputs, log_prob, mask))
 

@@ -19,9 +19,11 @@ TRL 1.16 (`trl/trainer/grpo_trainer.py`, `_compute_loss` and `_generate_and_scor
 | vLLM `vllm_importance_sampling_*` | `RolloutCorrection(weight_level, weight_mode, lower, upper)` | token/sequence × truncate/mask |
 | `off_policy_mask_threshold` | `RolloutCorrection(off_policy_mask=)` | |
 | `top_entropy_quantile` | `pgloss.correction.token_masks` on the mask | not an Algorithm field: the adapter applies it |
+| `use_adaptive_entropy`, `entropy_target`, `entropy_coef_delta/min/max` | `pgloss.controllers.AdaptiveEntropy` (`adaptive_entropy`) | state across steps: the adapter steps it; `entropy_coef` is its initial value |
 
-Refused, naming the option: `use_adaptive_entropy` (a controller that changes the coefficient between
-steps), a sequence-level ratio where pgloss's loss of that name is per token (cispo, sapo) or where
+Refused, naming the option: `use_adaptive_entropy` in `from_trl` alone (the coefficient is a
+controller's, across steps: pass `entropy_controlled=True` and drive `adaptive_entropy(config)`, as
+the adapter does), a sequence-level ratio where pgloss's loss of that name is per token (cispo, sapo) or where
 TRL sums a sequence ratio over tokens (bnpo, dr_grpo, dapo: pgloss's sequence ratio is GSPO's,
 seq-mean-token-mean), the ratio-weighted KL with a sequence-level ratio, the off-policy mask with
 VESPO, and values pgloss's own checks refuse (e.g. `delta <= 1 + epsilon_high`).
@@ -34,6 +36,7 @@ import logging
 from typing import Any
 
 from ..algorithms import NAMED, Algorithm, get
+from ..controllers import AdaptiveEntropy
 from ..losses.cispo import CISPO
 from ..losses.ppo import ClippedPolicy
 from ..losses.sapo import SAPO
@@ -41,7 +44,7 @@ from ..losses.vespo import VESPO
 from ..correction.rollout import RolloutCorrection
 from ..core.trainer_names import FIELDS
 
-__all__ = ["LOSS_TYPES", "from_trl", "rollout_correction", "trainer_algorithm"]
+__all__ = ["LOSS_TYPES", "adaptive_entropy", "from_trl", "rollout_correction", "trainer_algorithm"]
 
 _log = logging.getLogger(__name__)
 
@@ -178,15 +181,19 @@ def _build(name: str, fields: dict[str, Any], config: Any, options: list[str]) -
         raise ValueError(f"{_show(config, options) or name}: no pgloss equivalent ({error})") from error
 
 
-def from_trl(config: Any, *, entropy_mask_applied: bool = False) -> Algorithm:
+def from_trl(config: Any, *, entropy_mask_applied: bool = False, entropy_controlled: bool = False) -> Algorithm:
     """The pgloss `Algorithm` that computes the loss a TRL `GRPOConfig` asks for (TRL 1.16), or a
     ValueError naming the option pgloss cannot express (see the module's table).
 
     `top_entropy_quantile < 1` selects tokens, which is a mask (`pgloss.correction.token_masks`), not a field of
     the loss: apply it to each micro-batch's mask before counting the step (the TRL adapter does) and
     pass `entropy_mask_applied=True`; without it such a config is refused.
+    `use_adaptive_entropy=True` moves the coefficient between steps: drive `adaptive_entropy(config)`
+    (its `algorithm(...)` sets each step's `entropy_coef`, the adapter does) and pass
+    `entropy_controlled=True`; without it such a config is refused. The returned `entropy_coef` is then
+    the controller's initial coefficient.
     """
-    problems = _unexpressible(config)
+    problems = _unexpressible(config, entropy_controlled)
     if config.top_entropy_quantile < 1 and not entropy_mask_applied:
         problems.append(f"top_entropy_quantile={config.top_entropy_quantile} is a token mask, not a field of the "
                         "loss: apply pgloss.token_masks.top_entropy_mask to the masks before counting the step "
@@ -213,19 +220,37 @@ def from_trl(config: Any, *, entropy_mask_applied: bool = False) -> Algorithm:
     return _build(name, fields, config, [option for option in ("loss_type", *_LOSS_OPTIONS) if _is_set(config, option)])
 
 
-def _unexpressible(config: Any) -> list[str]:
+def _unexpressible(config: Any, entropy_controlled: bool) -> list[str]:
     problems = []
-    if config.use_adaptive_entropy:
-        problems.append("use_adaptive_entropy=True (TRL's controller moves the entropy coefficient between steps from "
-                        "the measured entropy; a pgloss Algorithm's entropy_coef is fixed): set "
-                        "use_adaptive_entropy=False and a fixed entropy_coef")
+    if config.use_adaptive_entropy and not entropy_controlled:
+        problems.append("use_adaptive_entropy=True (the entropy coefficient moves between steps from the measured "
+                        "entropy; one Algorithm's entropy_coef is fixed): step "
+                        "pgloss.integrations.trl_config.adaptive_entropy(config) once per optimizer step, take each "
+                        "step's algorithm from its .algorithm(...) and call from_trl(config, entropy_controlled=True) "
+                        "(PGLossGRPOTrainer does), or set use_adaptive_entropy=False and a fixed entropy_coef")
     return problems
+
+
+def adaptive_entropy(config: Any) -> AdaptiveEntropy | None:
+    """TRL's adaptive entropy control of `config` (`use_adaptive_entropy`) as a `pgloss.controllers.AdaptiveEntropy`
+    starting at `entropy_coef`, with `entropy_target`, `entropy_coef_delta`, `entropy_coef_min`,
+    `entropy_coef_max`; None when the option is off."""
+    if not config.use_adaptive_entropy:
+        return None
+    try:
+        return AdaptiveEntropy(config.entropy_coef, target=config.entropy_target, delta=config.entropy_coef_delta,
+                               coef_min=config.entropy_coef_min, coef_max=config.entropy_coef_max)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"use_adaptive_entropy with entropy_target={config.entropy_target}, entropy_coef_delta="
+                         f"{config.entropy_coef_delta}, entropy_coef_min={config.entropy_coef_min}, entropy_coef_max="
+                         f"{config.entropy_coef_max}: {error}") from error
 
 
 def trainer_algorithm(config: Any, algorithm: str | Algorithm | None) -> Algorithm:
     """The algorithm `PGLossGRPOTrainer(args=config, algorithm=...)` runs.
 
-    - None: `from_trl(config, entropy_mask_applied=True)`, the loss the config asks for.
+    - None: `from_trl(config, entropy_mask_applied=True, entropy_controlled=True)`, the loss the config
+      asks for (with `use_adaptive_entropy` the trainer drives `adaptive_entropy(config)`).
     - a name: that algorithm with its own defaults, and TRL's loss options the caller set (away from
       GRPOConfig's defaults) translated onto it: `epsilon`, `epsilon_high`, `delta`,
       `importance_sampling_level`, `sapo_temperature_*`, `vespo_*`, `beta` (with
@@ -237,8 +262,8 @@ def trainer_algorithm(config: Any, algorithm: str | Algorithm | None) -> Algorit
     TRL's options were also set (two corrections), used with a warning when TRL's are its defaults.
     """
     if algorithm is None:
-        return from_trl(config, entropy_mask_applied=True)
-    problems = _unexpressible(config)
+        return from_trl(config, entropy_mask_applied=True, entropy_controlled=True)
+    problems = _unexpressible(config, entropy_controlled=True)
     if isinstance(algorithm, str):
         if algorithm not in NAMED:
             get(algorithm)  # the registry's own error, listing the names

@@ -130,7 +130,7 @@ def policy_loss_fn(name: str, algorithm: Algorithm | None = None) -> Callable[..
         if rollout_is_weights is not None:
             weighted = out.per_token * rollout_is_weights.detach().to(out.per_token.dtype)
             loss = aggregate(weighted, response_mask.bool(), alg.loss_agg_mode, normalizer=normalizer,
-                             norm_constant=alg.norm_constant)
+                             norm_constant=alg.norm_constant, delta_l_alpha=alg.delta_l_alpha)
         metrics = {f"actor/{key}": value for key, value in out.metrics.items() if key != "pg_loss"}
         return loss, metrics
 

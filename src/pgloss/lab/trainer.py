@@ -254,7 +254,6 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     steps and a call always holds whole groups (which losses that couple a group's rows need).
     ``grad_clipped`` is the share of optimizer steps whose gradient norm exceeded ``max_grad_norm``.
     """
-    use_groups = "group_ids" in algorithm.needs
     values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
 
     def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
@@ -265,11 +264,10 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
         for chunk in order.tensor_split(cfg.minibatches):
             micros = [batch.select(torch.isin(batch.rollout.group_ids, part).nonzero().squeeze(1))
                       for part in chunk.tensor_split(cfg.micro_batches)]
-            group_ids = [m.rollout.group_ids for m in micros] if use_groups else None
-            normalizer = algorithm.step_normalizer(
+            normalizer = algorithm.step_normalizer(  # it counts the groups and scores when the loss needs them
                 [m.rollout.mask for m in micros], old_log_probs=[m.old_log_prob for m in micros],
                 rollout_log_probs=None if batch.rollout_log_prob is None else [m.rollout_log_prob for m in micros],
-                group_ids=group_ids)
+                group_ids=[m.rollout.group_ids for m in micros], scores=[m.scores for m in micros])
             if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
                 continue
             optimizer.zero_grad(set_to_none=True)

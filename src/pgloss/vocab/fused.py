@@ -296,10 +296,8 @@ def loss_from_hidden(
         return algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
 
     step = normalizer
-    if step is None:  # this batch is the whole step: counted once for every chunk, by the algorithm's rule
-        step = algorithm.step_normalizer(valid, old_log_probs=batch["old_log_prob"],
-                                         rollout_log_probs=batch.get("rollout_log_prob"),
-                                         group_ids=batch.get("group_ids"), reduce=False)
+    if step is None:  # this batch is the whole step: counted once for every chunk, as the call counts it
+        step = algorithm.whole_step_normalizer(valid, batch["old_log_prob"], **inputs)
     with torch.no_grad():
         log_prob, entropy, grad_hidden, grad_weight = _loss_one_pass(
             algorithm, hidden, weight, safe_targets, temperature, chunk_size // length, vocab_block, step, batch

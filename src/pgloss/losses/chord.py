@@ -1,0 +1,136 @@
+"""CHORD: on-policy RL and SFT on expert data in one loss, with a global weight μ and a per-token weight φ
+(arXiv 2508.11408, "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and
+Reinforcement Learning via Dynamic Weighting").
+
+With `expert` the `[B]` flags of the demonstration rows (E) and the others on-policy (U):
+
+    L = (1 − μ) · Agg_U( ℓ^PPO_{i,t} ) + μ · Agg_E( ℓ^SFT_{i,t} )
+
+    ℓ^SFT = −sg[φ(p)] · log p,  φ(p) = p(1 − p),  p = π_θ(y_t)       sft_weight="phi" (CHORD-φ)
+    ℓ^SFT = −log p                                                  sft_weight="none" (CHORD-μ, plain SFT)
+    ℓ^SFT = −sg[p] · log p                                          sft_weight="is" (Trinity's sft_is)
+
+Each part is aggregated over its own rows with the step's counts of those rows (`Normalizer.expert`
+and its complement): Agg_U with `loss_agg_mode`, Agg_E with `sft_loss_agg_mode` (default: the same).
+φ vanishes at p → 0 and p → 1: it keeps the expert tokens the policy is unsure of and damps both the
+ones it already knows and the ones far from it. With `sft_cutoff_prob` c < 1 (φ only, as Trinity)
+log p is clamped at log c: a token with p > c gets no gradient. ℓ^PPO is `ClippedPolicy`'s (Trinity's
+`PPOPolicyLossFn`: clip 0.2, dual clip 3). μ is a field: set it per step from the schedule
+`pgloss.controllers.MuSchedule` (warm-up, cosine decay, floor), as Trinity's `mu_schedule_function`.
+
+Reference: Trinity-RFT 0.6.0 `MIXCHORDPolicyLossFn`, `SFTPhiLossFn`, `SFTISLossFn`
+(trinity/algorithm/policy_loss_fn/chord_policy_loss.py) and `SFTLossFn` (sft_loss.py). Trinity takes
+each micro-batch's own token means of its U and E rows, weighted by the micro-batch's share of the
+mini-batch's U (E) rows; pgloss divides by the step's counts of U (E), which is the same for one
+micro-batch per step (docs/reference.md has the measured difference otherwise). Trinity's `mix`
+entropy bonus covers the U rows only; pgloss's KL and entropy terms cover every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..core.aggregate import AGG_MODES, BUDGET_MODES, Normalizer, row_weights
+from ..core.batch import TokenBatch
+from ..core.metrics import masked_mean
+from ..core.output import PolicyTerms, check
+from .closed_form import GradientFactor
+from .ppo import ClippedPolicy
+
+SFT_WEIGHTS = ("phi", "none", "is")
+
+
+def sft_per_token(log_prob: Tensor, *, weight: str = "phi", cutoff_prob: float = 1.0) -> Tensor:
+    """ℓ^SFT per token (see the module docstring), `[B, T]`: the weights φ(p) and p are detached."""
+    if weight == "none":
+        return -log_prob
+    p = log_prob.detach().exp()
+    if weight == "is":
+        return -log_prob * p
+    target = log_prob if cutoff_prob >= 1.0 else log_prob.clamp(max=math.log(cutoff_prob))
+    return -target * (p * (1.0 - p))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CHORD(ClippedPolicy):
+    """(1 − μ)·Agg_U(ℓ^PPO) + μ·Agg_E(ℓ^SFT) over the on-policy (U) and expert (E) rows (`expert`)."""
+
+    chord_mu: float = 0.1
+    """μ ∈ [0, 1], the SFT part's weight this step (Trinity `mu_peak` = `mu_valley` = 0.1: constant);
+    `pgloss.controllers.MuSchedule` sets it per step."""
+    sft_weight: str = "phi"
+    """The expert tokens' weight: "phi" (p(1−p), CHORD-φ), "none" (plain SFT), "is" (p)."""
+    sft_cutoff_prob: float = 1.0
+    """c ∈ (0, 1]: with "phi", log p is clamped at log c (no gradient where p > c); 1 disables it."""
+    sft_loss_agg_mode: str | None = None
+    """The SFT part's aggregation over the expert rows (None: `loss_agg_mode`, as Trinity)."""
+
+    takes_expert: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(0.0 <= self.chord_mu <= 1.0, f"chord_mu must lie in [0, 1], got {self.chord_mu}")
+        check(self.sft_weight in SFT_WEIGHTS, f"sft_weight must be one of {SFT_WEIGHTS}, got {self.sft_weight!r}")
+        check(0.0 < self.sft_cutoff_prob <= 1.0, f"sft_cutoff_prob must lie in (0, 1], got {self.sft_cutoff_prob}")
+        check(self.sft_cutoff_prob == 1.0 or self.sft_weight == "phi",
+              f"sft_cutoff_prob applies to sft_weight='phi' only (Trinity's SFTPhiLossFn), got "
+              f"sft_weight={self.sft_weight!r}")
+        mode = self.sft_agg_mode
+        check(mode in AGG_MODES, f"sft_loss_agg_mode must be None or one of {AGG_MODES}, got {mode!r}")
+        if mode in BUDGET_MODES:
+            check(self.norm_constant is not None and self.norm_constant > 0,
+                  f"sft_loss_agg_mode {mode!r} requires norm_constant > 0, got {self.norm_constant!r}")
+
+    @property
+    def sft_agg_mode(self) -> str:
+        return self.loss_agg_mode if self.sft_loss_agg_mode is None else self.sft_loss_agg_mode
+
+    def aggregation_modes(self) -> tuple[str, ...]:
+        return (self.loss_agg_mode, self.sft_agg_mode)
+
+    def _expert_rows(self, batch: TokenBatch) -> Tensor:
+        if batch.expert is None:
+            return torch.zeros(batch.mask.shape[0], dtype=torch.bool, device=batch.mask.device)
+        return batch.expert
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        expert = self._expert_rows(batch)[:, None]
+        on_policy = super().policy_terms(dataclasses.replace(batch, mask=batch.mask & ~expert))
+        sft = sft_per_token(batch.log_prob, weight=self.sft_weight, cutoff_prob=self.sft_cutoff_prob)
+        metrics = dict(on_policy.metrics)
+        if batch.expert is not None:  # the expert tokens' mean ℓ^SFT (NaN over none, as every token mean)
+            metrics["sft_loss"] = masked_mean(sft.detach(), batch.mask & expert)
+        mu = self.chord_mu
+        return PolicyTerms(torch.where(expert, mu * sft, (1.0 - mu) * on_policy.per_token), metrics)
+
+    def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
+        """c_i over the on-policy rows with their counts, over the expert rows with theirs (μ and 1 − μ are
+        in the per-token term); the call's `rows` when neither the call nor the step has expert rows."""
+        if batch.expert is None and normalizer.expert is None:
+            return rows
+        if batch.expert is not None and normalizer.expert is None:
+            raise ValueError(f"{self.name} with expert rows needs a Normalizer that counted them apart: "
+                             "Algorithm.step_normalizer(..., expert=...) or Normalizer.count(..., expert=...)")
+        expert = self._expert_rows(batch)
+        constants = dict(norm_constant=self.norm_constant, group_ids=batch.group_ids, delta_l_alpha=self.delta_l_alpha)
+        usual = row_weights(batch.mask & ~expert[:, None], self.loss_agg_mode,
+                            normalizer.complement(normalizer.expert), **constants)
+        demo = row_weights(batch.mask & expert[:, None], self.sft_agg_mode, normalizer.expert, **constants)
+        return torch.where(expert, demo, usual)
+
+    def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
+        """(1 − μ) times the clipped family's f on the on-policy rows; none when the call holds expert tokens
+        (their gradient, −μ·sg[φ]·w, has no advantage to factor)."""
+        if batch.expert is not None and bool((batch.mask & batch.expert[:, None]).any()):
+            return GradientFactor(None, "CHORD's expert rows carry an SFT term (−sg[φ(p)]·log p): no −Â·f·w form")
+        clipped = super().gradient_factor(batch)
+        if clipped.factor is None:
+            return clipped
+        return dataclasses.replace(clipped, factor=(1.0 - self.chord_mu) * clipped.factor,
+                                   reason=clipped.reason + ", times 1 − μ")

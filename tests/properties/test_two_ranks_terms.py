@@ -1,0 +1,93 @@
+"""The step-level terms over two real gloo ranks: ΔL Normalization at α ≠ 1 (its length counts), VAPO's
+positive-example NLL (the step's rewarded-token count), CHORD (the step's counts of its expert and
+on-policy rows apart, the expert rows on both ranks); each rank computes its share with the
+all-reduced step counts, and DDP's gradient average equals one process's gradient. The adaptive
+entropy controller, stepped on each rank from its own micro-batches, moves as on one process."""
+
+import os
+
+import pytest
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pgloss
+from conftest import free_port, make_batch
+from pgloss.controllers import AdaptiveEntropy
+
+RANK_ROWS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
+
+
+def cases():
+    return {
+        "delta_l_0.75": (pgloss.get("dapo", loss_agg_mode="delta-l-norm", norm_constant=6.0, delta_l_alpha=0.75,
+                                    kl_coef=0.1), {}),
+        "positive_nll": (pgloss.get("grpo", positive_nll_coef=0.5), {}),
+        "chord": (pgloss.get("chord", chord_mu=0.3, kl_coef=0.1), {"expert": EXPERT}),
+        "chord_seq": (pgloss.get("chord", chord_mu=0.6, loss_agg_mode="seq-mean-token-mean", sft_weight="none"),
+                      {"expert": EXPERT}),
+    }
+
+
+EXPERT = torch.tensor([True, False, False, True, False, False, True, True, False])
+
+
+def data():
+    batch = make_batch(batch=9, length=6, seed=33, per_token_adv=True)
+    batch["scores"] = torch.tensor([1.0, 0.0, 2.0, 1.0, 0.0, -1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    return batch
+
+
+def step(alg, batch, parts, extra):
+    log_prob = batch["log_prob"].clone().requires_grad_(True)
+    normalizer = alg.step_normalizer([batch["mask"][p] for p in parts], scores=[batch["scores"][p] for p in parts],
+                                     **{k: [v[p] for p in parts] for k, v in extra.items()})
+    for p in parts:
+        alg(log_prob[p], batch["old_log_prob"][p], batch["advantages"][p], batch["mask"][p],
+            ref_log_prob=batch["ref_log_prob"][p], scores=batch["scores"][p], normalizer=normalizer,
+            **{k: v[p] for k, v in extra.items()}).loss.backward()
+    return log_prob.grad
+
+
+def controller_run(parts_per_step):
+    """Three steps; the entropy scaled so the step's mean crosses the target: (coef, last entropy) per step."""
+    batch = data()
+    controller = AdaptiveEntropy(0.01, target=0.5, delta=0.004)
+    out = []
+    for scale in (0.6, 1.4, 0.9):
+        for p in parts_per_step:
+            controller.observe(batch["entropy"][p] * scale, batch["mask"][p])
+        controller.step()
+        out.append((controller.coef, controller.last_entropy))
+    return out
+
+
+def worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        out = {}
+        for key, (alg, extra) in cases().items():
+            grad = step(alg, data(), RANK_ROWS[rank], extra).clone()
+            dist.all_reduce(grad)
+            out[key] = grad / dist.get_world_size()
+        out["adaptive_entropy"] = controller_run(RANK_ROWS[rank])
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_match_one_process():
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.start_processes(worker, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
+    for key, (alg, extra) in cases().items():
+        whole = step(alg, data(), [slice(0, 9)], extra)
+        for rank in (0, 1):
+            torch.testing.assert_close(results[rank][key], whole, rtol=1e-12, atol=1e-14, msg=f"{key} rank {rank}")
+    one = controller_run([slice(0, 9)])
+    assert [c for c, _ in one] == pytest.approx([0.014, 0.010, 0.014])  # the coefficient moved both ways
+    for rank in (0, 1):
+        for (c, h), (c1, h1) in zip(results[rank]["adaptive_entropy"], one):
+            assert c == pytest.approx(c1, abs=1e-15) and h == pytest.approx(h1, rel=1e-14)
