@@ -86,7 +86,8 @@ def test_every_name_and_correction_runs_on_meta_tensors(name, kind):
     whole = algorithm(log_prob, **inputs)  # the call counts itself (algorithm.step_normalizer)
     both = lambda key: [data[key], data[key][:2]] if key in inputs else None  # noqa: E731  (a step of two)
     step = algorithm.step_normalizer(both("mask"), old_log_probs=both("old_log_prob"),
-                                     rollout_log_probs=both("rollout_log_prob"), group_ids=both("group_ids"))
+                                     rollout_log_probs=both("rollout_log_prob"), group_ids=both("group_ids"),
+                                     scores=both("scores"), expert=both("expert"))
     micro = algorithm(log_prob, **inputs, normalizer=step)
     (whole.loss + micro.loss).backward()
     assert whole.loss.device == META and whole.loss.shape == ()

@@ -29,8 +29,6 @@ EXPECTED_FAILURES = {
     # test (node name without the class): (reason, fails with TRL's own trainer too)
     "test_generate_prefers_rollout_func": (_EITHER, True),
     "test_entropy_bonus_flows_gradients": (_EITHER, True),
-    "test_train_with_adaptive_entropy": (_REFUSED + "use_adaptive_entropy=True", False),
-    "test_train_with_adaptive_entropy_gradient_accumulation": (_REFUSED + "use_adaptive_entropy=True", False),
     **{f"test_warning_raised_sequence_level_with_token_summed_loss[{loss}]":
        (_REFUSED + "importance_sampling_level='sequence' with a token-summed loss", False)
        for loss in ("bnpo", "dr_grpo", "dapo", "cispo")},
