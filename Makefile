@@ -26,8 +26,19 @@ $(INTEGRATIONS): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps "verl>=0.9.1,<0.10"
 	touch $(INTEGRATIONS)
 
-test: $(STAMP) $(INTEGRATIONS)
-	$(PY) -m pytest -n 2 tests
+# The parity tests read some trainers' loss code from their released source, without installing it
+# (their package imports pull in whole training stacks): Trinity-RFT's wheel, unpacked here. The
+# sources not on the package index (SkyRL, prime-rl, verl-recipe, NeMo-RL) are read when their
+# PGLOSS_*_SRC is set, else those tests are skipped.
+SOURCES := $(VENV)/sources
+TRAINER_SOURCES := $(SOURCES)/.unpacked
+$(TRAINER_SOURCES): $(STAMP)
+	$(PY) -m pip download --quiet --no-deps trinity-rft==0.6.0 -d $(SOURCES)
+	$(PY) -m zipfile -e $(SOURCES)/trinity_rft-0.6.0-py3-none-any.whl $(SOURCES)/trinity
+	touch $(TRAINER_SOURCES)
+
+test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES)
+	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} $(PY) -m pytest -n 2 tests
 
 # The trainers' own loss tests (tests/peers/): swapped to pgloss (as in `make test`), then unmodified.
 peers: $(STAMP) $(INTEGRATIONS)

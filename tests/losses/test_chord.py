@@ -16,12 +16,8 @@ SFTPhiLossFn with cutoff 0.5 and SFTISLossFn (μ = 1, every row expert): float64
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
-import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +25,7 @@ import torch
 import loops
 import pgloss
 from conftest import make_batch
+from trinity_losses import policy_loss_modules
 
 TRINITY = os.environ.get("PGLOSS_TRINITY_SRC")
 needs_trinity = pytest.mark.skipif(not TRINITY, reason="PGLOSS_TRINITY_SRC (an unpacked Trinity-RFT 0.6.0) is not set")
@@ -207,31 +204,10 @@ def test_mu_schedule_checks():
 
 # -- Trinity-RFT 0.6.0 -------------------------------------------------------------------------------------------
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def trinity():
-    root = Path(TRINITY) / "trinity" / "algorithm"
-    saved = {k: v for k, v in sys.modules.items() if k == "trinity" or k.startswith("trinity.")}
-    try:
-        for package in ("trinity", "trinity.algorithm", "trinity.algorithm.policy_loss_fn"):
-            sys.modules[package] = types.ModuleType(package)
-        _load("trinity.algorithm.key_mapper", root / "key_mapper.py")
-        _load("trinity.algorithm.utils", root / "utils.py")
-        losses = root / "policy_loss_fn"
-        for name in ("policy_loss_fn", "ppo_policy_loss", "sft_loss", "chord_policy_loss"):
-            module = _load(f"trinity.algorithm.policy_loss_fn.{name}", losses / f"{name}.py")
-        yield module
-    finally:
-        for k in [k for k in sys.modules if k == "trinity" or k.startswith("trinity.")]:
-            del sys.modules[k]
-        sys.modules.update(saved)
+    with policy_loss_modules(TRINITY, "ppo_policy_loss", "sft_loss", "chord_policy_loss") as modules:
+        yield modules["chord_policy_loss"]
 
 
 MEASURED: dict[str, float] = {}

@@ -29,9 +29,7 @@ B = 8, T = 7; value and gradient w.r.t. log π, max |Δ| absolute / relative to 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
-import sys
 import tempfile
 import types
 from pathlib import Path
@@ -42,6 +40,7 @@ import torch.distributed as dist
 
 import pgloss
 from conftest import make_batch
+from trinity_losses import policy_loss_modules
 
 TRINITY = os.environ.get("PGLOSS_TRINITY_SRC")
 RECIPE = os.environ.get("PGLOSS_VERL_RECIPE_SRC")
@@ -49,33 +48,12 @@ needs_trinity = pytest.mark.skipif(not TRINITY, reason="PGLOSS_TRINITY_SRC (an u
 needs_recipe = pytest.mark.skipif(not RECIPE, reason="PGLOSS_VERL_RECIPE_SRC (a verl-recipe checkout) is not set")
 
 
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def trinity():
     """Trinity's loss classes, loaded by path under stub packages that are removed afterwards."""
-    root = Path(TRINITY) / "trinity" / "algorithm"
-    saved = {k: v for k, v in sys.modules.items() if k == "trinity" or k.startswith("trinity.")}
-    try:
-        for package in ("trinity", "trinity.algorithm", "trinity.algorithm.policy_loss_fn"):
-            sys.modules[package] = types.ModuleType(package)
-        _load("trinity.algorithm.key_mapper", root / "key_mapper.py")
-        _load("trinity.algorithm.utils", root / "utils.py")
-        _load("trinity.algorithm.policy_loss_fn.policy_loss_fn", root / "policy_loss_fn" / "policy_loss_fn.py")
-        losses = root / "policy_loss_fn"
-        yield dict(rec=_load("trinity_rec", losses / "rec_policy_loss.py").RECPolicyLossFn,
-                   opmd=_load("trinity_opmd", losses / "opmd_policy_loss.py").OPMDPolicyLossFn,
-                   sppo=_load("trinity_sppo", losses / "sppo_loss_fn.py").sPPOPolicyLossFn)
-    finally:
-        for k in [k for k in sys.modules if k == "trinity" or k.startswith("trinity.") or k.startswith("trinity_")]:
-            del sys.modules[k]
-        sys.modules.update(saved)
+    with policy_loss_modules(TRINITY, "rec_policy_loss", "opmd_policy_loss", "sppo_loss_fn") as modules:
+        yield dict(rec=modules["rec_policy_loss"].RECPolicyLossFn, opmd=modules["opmd_policy_loss"].OPMDPolicyLossFn,
+                   sppo=modules["sppo_loss_fn"].sPPOPolicyLossFn)
 
 
 DTYPES = [torch.float32, torch.float64]
