@@ -56,6 +56,30 @@ def batch():
     return make_batch()
 
 
+def run_ranks(worker, world: int = 2) -> dict:
+    """`worker(rank, world)` in `world` spawned processes joined in one gloo process group (set up and
+    torn down here); {rank: what the worker returned}. `worker` is a module-level function."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.start_processes(_rank_main, args=(world, free_port(), results, worker), nprocs=world, start_method="spawn",
+                       join=True)
+    return {rank: results[rank] for rank in range(world)}
+
+
+def _rank_main(rank: int, world: int, port: int, results, worker) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results[rank] = worker(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     """A free TCP port on this host for a gloo rendezvous."""
     with socket.socket() as s:

@@ -12,15 +12,12 @@ Clip-Cov and KL-Cov select their tokens within each call, so no split of the bat
 loss: their reference is the same per-call selections in one process, summed under the step's counts.
 """
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pgloss
-from conftest import free_port
+from conftest import run_ranks
 
 ROWS, WIDTH, HIDDEN, VOCAB = 16, 6, 5, 11
 # rank -> its micro-batches, each of whole groups (group_ids = row // 2: REAL contrasts a group's rows).
@@ -102,44 +99,37 @@ def step_normalizer(algorithm, inputs, parts):
                                      group_ids=[inputs["group_ids"][p] for p in parts])
 
 
-def worker(rank: int, world: int, port: int, results) -> None:
+def worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        ids, targets, inputs = data()
-        parts = LAYOUT[world][rank]
-        out = {}
-        for head in (ROOT_HEAD, OWN_HEAD):
-            model = tiny()
-            fully_shard(model.block, mesh=mesh)
-            if head == OWN_HEAD:
-                fully_shard(model.lm_head, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            assert all(isinstance(p, DTensor) for p in model.parameters())
-            for path in [path for h, path in RUNS if h == head]:
-                for name in pgloss.names():
-                    algorithm = build(name)
-                    model.zero_grad(set_to_none=True)
-                    normalizer = step_normalizer(algorithm, inputs, parts)
-                    for part in parts:
-                        micro_loss(algorithm, model, path, ids, targets, inputs, part, normalizer).backward()
-                    out[(head, path, name)] = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    ids, targets, inputs = data()
+    parts = LAYOUT[world][rank]
+    out = {}
+    for head in (ROOT_HEAD, OWN_HEAD):
+        model = tiny()
+        fully_shard(model.block, mesh=mesh)
+        if head == OWN_HEAD:
+            fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        for path in [path for h, path in RUNS if h == head]:
+            for name in pgloss.names():
+                algorithm = build(name)
+                model.zero_grad(set_to_none=True)
+                normalizer = step_normalizer(algorithm, inputs, parts)
+                for part in parts:
+                    micro_loss(algorithm, model, path, ids, targets, inputs, part, normalizer).backward()
+                out[(head, path, name)] = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
+    return out
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUT), ids=lambda world: f"{world} ranks")
 def ranks(request):
     world = request.param
-    results = mp.Manager().dict()
-    mp.start_processes(worker, args=(world, free_port(), results), nprocs=world, start_method="spawn", join=True)
-    return world, {rank: dict(results[rank]) for rank in range(world)}
+    return world, run_ranks(worker, world)
 
 
 def reference(name, world):

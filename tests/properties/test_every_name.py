@@ -3,16 +3,14 @@ registered. Beside these: tests/properties/test_paths.py (one call = micro-batch
 inspect, with each kind of rollout correction), test_no_host_sync.py (meta tensors, torch.compile)
 and test_robustness.py (extreme log-ratios, empty and all-masked batches)."""
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pgloss
 from pgloss.core.inputs import OPTIONAL_INPUTS
-from conftest import free_port
+from conftest import run_ranks
 from steps import PARTS, data, log_probs
 
 OPTIONAL = tuple(name for name in OPTIONAL_INPUTS if name != "full_kl")  # the exact KL has its own tests
@@ -80,34 +78,27 @@ def splits_over_ranks(algorithm) -> bool:
     return not algorithm.couples_rows
 
 
-def rank_gradients(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        out = {}
-        for name in pgloss.names():
-            algorithm = build(name)
-            if not splits_over_ranks(algorithm):
-                continue
-            log_prob, inputs = step_inputs(algorithm)
-            parts = RANKS[rank]
-            normalizer = algorithm.step_normalizer([inputs["mask"][p] for p in parts],
-                                                   old_log_probs=[inputs["old_log_prob"][p] for p in parts],
-                                                   group_ids=[data()[3]["group_ids"][p] for p in parts])
-            total = torch.zeros_like(log_prob)
-            for p in parts:
-                total += gradient(algorithm, log_prob, inputs, p, normalizer)[1]
-            dist.all_reduce(total)
-            out[name] = total / dist.get_world_size()  # DDP's gradient average
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
+def rank_gradients(rank: int, world: int) -> dict:
+    out = {}
+    for name in pgloss.names():
+        algorithm = build(name)
+        if not splits_over_ranks(algorithm):
+            continue
+        log_prob, inputs = step_inputs(algorithm)
+        parts = RANKS[rank]
+        normalizer = algorithm.step_normalizer([inputs["mask"][p] for p in parts],
+                                               old_log_probs=[inputs["old_log_prob"][p] for p in parts],
+                                               group_ids=[data()[3]["group_ids"][p] for p in parts])
+        total = torch.zeros_like(log_prob)
+        for p in parts:
+            total += gradient(algorithm, log_prob, inputs, p, normalizer)[1]
+        dist.all_reduce(total)
+        out[name] = total / dist.get_world_size()  # DDP's gradient average
+    return out
 
 
 def test_two_gloo_ranks_give_one_process_gradient_for_every_name():
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.start_processes(rank_gradients, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
+    results = run_ranks(rank_gradients)
     checked = []
     for name in pgloss.names():
         algorithm = build(name)

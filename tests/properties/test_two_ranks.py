@@ -4,48 +4,39 @@ Each rank computes its share of the batch with the all-reduced Normalizer; avera
 ranks' gradients, as DDP does, must give the gradient of the whole batch on one process.
 """
 
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pgloss
-from conftest import algorithm, free_port, make_batch
+from conftest import algorithm, make_batch, run_ranks
 
 CASES = [("grpo", mode) for mode in pgloss.AGG_MODES] + [("gspo", "seq-mean-token-mean"), ("fipo", "token-mean")]
 # Rank 0 gets 3 rows split in two micro-batches, rank 1 gets 6 rows: uneven on purpose.
 RANK_ROWS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
 
 
-def worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        data = make_batch(batch=9, length=6, seed=31, per_token_adv=True)
-        out = {}
-        for name, mode in CASES:
-            alg = algorithm(name, loss_agg_mode=mode, norm_constant=6.0, kl_coef=0.1)
-            parts = RANK_ROWS[rank]
-            normalizer = pgloss.Normalizer.count([data["mask"][p] for p in parts],
-                                                 group_ids=[data["group_ids"][p] for p in parts])
-            log_prob = data["log_prob"].clone().requires_grad_(True)
-            for p in parts:
-                alg(log_prob[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
-                    ref_log_prob=data["ref_log_prob"][p], group_ids=data["group_ids"][p],
-                    normalizer=normalizer).loss.backward()
-            grad = log_prob.grad.clone()
-            dist.all_reduce(grad)
-            out[(name, mode)] = grad / dist.get_world_size()  # DDP's gradient average
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, world: int) -> dict:
+    data = make_batch(batch=9, length=6, seed=31, per_token_adv=True)
+    out = {}
+    for name, mode in CASES:
+        alg = algorithm(name, loss_agg_mode=mode, norm_constant=6.0, kl_coef=0.1)
+        parts = RANK_ROWS[rank]
+        normalizer = pgloss.Normalizer.count([data["mask"][p] for p in parts],
+                                             group_ids=[data["group_ids"][p] for p in parts])
+        log_prob = data["log_prob"].clone().requires_grad_(True)
+        for p in parts:
+            alg(log_prob[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
+                ref_log_prob=data["ref_log_prob"][p], group_ids=data["group_ids"][p],
+                normalizer=normalizer).loss.backward()
+        grad = log_prob.grad.clone()
+        dist.all_reduce(grad)
+        out[(name, mode)] = grad / dist.get_world_size()  # DDP's gradient average
+    return out
 
 
 def test_two_gloo_ranks_match_one_process():
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.start_processes(worker, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
+    results = run_ranks(worker)
     data = make_batch(batch=9, length=6, seed=31, per_token_adv=True)
     for name, mode in CASES:
         alg = algorithm(name, loss_agg_mode=mode, norm_constant=6.0, kl_coef=0.1)

@@ -5,15 +5,12 @@ RAE's role baseline, Clip_B / Clip_V's statistics): each listed test module's `o
 and its `check_ranks(results)` compares the ranks' results with one process on the whole batch."""
 
 import importlib
-import os
 import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import run_ranks
 
 TESTS = Path(__file__).resolve().parents[1]
 MODULES = ["advantages/test_estimators", "correction/test_token_masks", "correction/test_m2po",
@@ -29,20 +26,13 @@ def module(path: str):
     return importlib.import_module(name)
 
 
-def worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        results[rank] = {name: module(name).on_rank(rank) for name in MODULES}
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, world: int) -> dict:
+    return {name: module(name).on_rank(rank) for name in MODULES}
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    results = mp.Manager().dict()
-    mp.start_processes(worker, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
-    return {rank: dict(results[rank]) for rank in (0, 1)}
+    return run_ranks(worker)
 
 
 @pytest.mark.parametrize("name", MODULES)

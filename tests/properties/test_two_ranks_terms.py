@@ -4,16 +4,14 @@ on-policy rows apart, the expert rows on both ranks); each rank computes its sha
 all-reduced step counts, and DDP's gradient average equals one process's gradient. The adaptive
 entropy controller, stepped on each rank from its own micro-batches, moves as on one process."""
 
-import os
 
 import pytest
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pgloss
-from conftest import free_port, make_batch
+from conftest import make_batch, run_ranks
 from pgloss.controllers import AdaptiveEntropy
 
 RANK_ROWS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
@@ -63,25 +61,18 @@ def controller_run(parts_per_step):
     return out
 
 
-def worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        out = {}
-        for key, (alg, extra) in cases().items():
-            grad = step(alg, data(), RANK_ROWS[rank], extra).clone()
-            dist.all_reduce(grad)
-            out[key] = grad / dist.get_world_size()
-        out["adaptive_entropy"] = controller_run(RANK_ROWS[rank])
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, world: int) -> dict:
+    out = {}
+    for key, (alg, extra) in cases().items():
+        grad = step(alg, data(), RANK_ROWS[rank], extra).clone()
+        dist.all_reduce(grad)
+        out[key] = grad / dist.get_world_size()
+    out["adaptive_entropy"] = controller_run(RANK_ROWS[rank])
+    return out
 
 
 def test_two_gloo_ranks_match_one_process():
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.start_processes(worker, args=(free_port(), results), nprocs=2, start_method="spawn", join=True)
+    results = run_ranks(worker)
     for key, (alg, extra) in cases().items():
         whole = step(alg, data(), [slice(0, 9)], extra)
         for rank in (0, 1):

@@ -152,13 +152,18 @@ class Normalizer:
         per_length = torch.zeros(width + 1, dtype=torch.float64, device=device)
         for length in lengths:
             per_length.index_add_(0, length.to(device).long(), (length > 0).to(torch.float64))
+        def per_row(name: str, values: Tensor | Sequence[Tensor]) -> list[Tensor]:
+            """`values` of each micro-batch, checked to be `[B]` like its mask's rows."""
+            value_list = per_micro_batch(name, values, len(mask_list))
+            for k, (value, length) in enumerate(zip(value_list, lengths)):
+                if not isinstance(value, Tensor) or value.shape != length.shape:
+                    raise ValueError(f"{name}[{k}] must be a tensor of shape {tuple(length.shape)}, got "
+                                     f"{tuple(getattr(value, 'shape', ())) or type(value).__name__}")
+            return value_list
+
         rewarded = torch.zeros((), dtype=torch.float64, device=device)
         if scores is not None:
-            score_list = per_micro_batch("scores", scores, len(mask_list))
-            for k, (score, length) in enumerate(zip(score_list, lengths)):
-                if not isinstance(score, Tensor) or score.shape != length.shape:
-                    raise ValueError(f"scores[{k}] must be a tensor of shape {tuple(length.shape)}, got "
-                                     f"{tuple(getattr(score, 'shape', ())) or type(score).__name__}")
+            for score, length in zip(per_row("scores", scores), lengths):
                 rewarded = rewarded + torch.where(score.to(device) > 0, length.to(device), 0.0).sum()
         counts = torch.cat([torch.stack([
             sum(length.sum() for length in lengths),
@@ -198,11 +203,7 @@ class Normalizer:
         world_size = dist.get_world_size(process_group) if distributed else 1
         expert_counts = None
         if expert is not None:
-            flag_list = per_micro_batch("expert", expert, len(mask_list))
-            for k, (flags, length) in enumerate(zip(flag_list, lengths)):
-                if not isinstance(flags, Tensor) or flags.shape != length.shape:
-                    raise ValueError(f"expert[{k}] must be a tensor of shape {tuple(length.shape)}, got "
-                                     f"{tuple(getattr(flags, 'shape', ())) or type(flags).__name__}")
+            flag_list = per_row("expert", expert)
             expert_counts = cls.count([m * (f != 0).to(m.device)[:, None] for m, f in zip(mask_list, flag_list)],
                                       group_ids=group_ids, scores=scores, process_group=process_group,
                                       reduce=reduce)
