@@ -137,6 +137,51 @@ def _check_pair(name: str, value: object, ref_name: str, ref: object, rank: int 
         raise ValueError(f"{ref_name} is on {ref.device} but {name} is on {value.device}")
 
 
+def check_logit_pair(logits: object, other: object, *, names: tuple[str, str]) -> None:
+    """Two floating `[..., V]` logit tensors of one shape on one device (V >= 1), named `names` in errors."""
+    name, other_name = names
+    _check_pair(name, logits, other_name, other, None)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    if other.shape != logits.shape:
+        raise ValueError(f"{other_name} must have the shape of {name} {tuple(logits.shape)}, got {tuple(other.shape)}")
+
+
+def check_head_pair(hidden: object, weight: object, other_hidden: object, other_weight: object, *, other: str) -> None:
+    """The `[B, T, H]` hidden states and `[V, H]` head of the trained model and of another one
+    (`{other}_hidden` `[B, T, H']`, `{other}_weight` `[V, H']`: the reference, the teacher): ranks, widths,
+    dtypes and devices agree, one vocabulary, one compute dtype. Errors name the argument."""
+    _check_pair("hidden", hidden, f"{other}_hidden", other_hidden, 3)
+    _check_pair("weight", weight, f"{other}_weight", other_weight, 2)
+    for name, x, w in (("weight", hidden, weight), (f"{other}_weight", other_hidden, other_weight)):
+        if w.shape[1] != x.shape[-1]:
+            raise ValueError(f"{name} must have shape [V, {x.shape[-1]}], got {tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but its hidden states have {x.dtype}")
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but its hidden states are on {x.device}")
+    if other_hidden.shape[:2] != hidden.shape[:2]:
+        raise ValueError(f"{other}_hidden must have shape [{hidden.shape[0]}, {hidden.shape[1]}, H'], "
+                         f"got {tuple(other_hidden.shape)}")
+    if other_weight.shape[0] != weight.shape[0] or weight.shape[0] < 1:
+        raise ValueError(f"weight and {other}_weight must share a vocabulary V >= 1, got {weight.shape[0]} and "
+                         f"{other_weight.shape[0]}")
+    if compute_dtype(other_weight.dtype) != compute_dtype(weight.dtype):
+        raise TypeError(f"{other}_weight computes in {compute_dtype(other_weight.dtype)} but weight in "
+                        f"{compute_dtype(weight.dtype)}")
+
+
+def pair_tiles(tokens: int, vocab: int, dtype: torch.dtype, *, head: bool, chunk_size: int | None,
+               vocab_block: int | None, memory_budget: int | None) -> tuple[int, int]:
+    """`chunks.plan_tiles` for a loop over two sources (the trained model and a frozen one) whose first
+    input has `dtype`: given logits, or an LM head (`head`), whose half-precision parameters add a
+    matmul buffer per source."""
+    compute = compute_dtype(dtype)
+    buffers = 2 * (2 if head and dtype != compute else 1)
+    return plan_tiles(tokens, vocab, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget,
+                      buffers=buffers, itemsize=torch.finfo(compute).bits // 8)
+
+
 def full_kl_from_logits(
     logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None,
     vocab_block: int | None = None, memory_budget: int | None = None,
@@ -155,15 +200,11 @@ def full_kl_from_logits(
     Returns:
         [...] the exact KL per position, float32 (float64 for float64 logits).
     """
-    _check_pair("logits", logits, "ref_logits", ref_logits, None)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
-    if ref_logits.shape != logits.shape:
-        raise ValueError(f"ref_logits must have the shape of logits {tuple(logits.shape)}, got {tuple(ref_logits.shape)}")
+    check_logit_pair(logits, ref_logits, names=("logits", "ref_logits"))
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
-    tiles = plan_tiles(logits.numel() // vocab, vocab, chunk_size=chunk_size, vocab_block=vocab_block,
-                       memory_budget=memory_budget, buffers=2, itemsize=8 if logits.dtype == torch.float64 else 4)
+    tiles = pair_tiles(logits.numel() // vocab, vocab, logits.dtype, head=False, chunk_size=chunk_size,
+                       vocab_block=vocab_block, memory_budget=memory_budget)
     kl = ChunkLoop.apply(FullKL(), ("logits", "logits"), temperature, tiles,
                          logits.reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab))
     return kl.view(logits.shape[:-1])
@@ -196,27 +237,11 @@ def full_kl_from_hidden(
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
     """
-    _check_pair("hidden", hidden, "ref_hidden", ref_hidden, 3)
-    _check_pair("weight", weight, "ref_weight", ref_weight, 2)
-    for name, x, w in (("weight", hidden, weight), ("ref_weight", ref_hidden, ref_weight)):
-        if w.shape[1] != x.shape[-1]:
-            raise ValueError(f"{name} must have shape [V, {x.shape[-1]}], got {tuple(w.shape)}")
-        if w.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {w.dtype} but its hidden states have {x.dtype}")
-        if w.device != x.device:
-            raise ValueError(f"{name} is on {w.device} but its hidden states are on {x.device}")
-    if ref_hidden.shape[:2] != hidden.shape[:2]:
-        raise ValueError(f"ref_hidden must have shape [{hidden.shape[0]}, {hidden.shape[1]}, H'], got {tuple(ref_hidden.shape)}")
-    if ref_weight.shape[0] != weight.shape[0] or weight.shape[0] < 1:
-        raise ValueError(f"weight and ref_weight must share a vocabulary V >= 1, got {weight.shape[0]} and {ref_weight.shape[0]}")
-    if compute_dtype(ref_weight.dtype) != compute_dtype(weight.dtype):
-        raise TypeError(f"ref_weight computes in {compute_dtype(ref_weight.dtype)} but weight in {compute_dtype(weight.dtype)}")
+    check_head_pair(hidden, weight, ref_hidden, ref_weight, other="ref")
     temperature = check_temperature(temperature)
     batch, length, size = hidden.shape
-    dtype = compute_dtype(weight.dtype)
-    tiles = plan_tiles(batch * length, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
-                       memory_budget=memory_budget, buffers=2 * (1 if weight.dtype == dtype else 2),
-                       itemsize=torch.finfo(dtype).bits // 8)
+    tiles = pair_tiles(batch * length, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
+                       vocab_block=vocab_block, memory_budget=memory_budget)
     kl = ChunkLoop.apply(FullKL(), ("head", "head"), temperature, tiles, hidden.reshape(batch * length, size),
                          weight, ref_hidden.detach().reshape(batch * length, ref_hidden.shape[-1]), ref_weight.detach())
     return kl.view(batch, length)
