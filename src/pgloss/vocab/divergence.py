@@ -1,0 +1,297 @@
+"""The student-teacher divergence over the whole vocabulary, per position: forward KL, reverse KL and
+the generalised Jensen-Shannon divergence JSD(β) of on-policy distillation, from logits or fused from
+both models' hidden states and LM heads.
+
+With the student's and the teacher's tempered logits z_S = logits_S / τ, z_T = logits_T / τ at one
+position, p_S = softmax(z_S), p_T = softmax(z_T) and the mixture m = β p_T + (1 − β) p_S:
+
+    β = 0        D = KL(p_T‖p_S) = Σᵥ p_T,ᵥ (log p_T,ᵥ − log p_S,ᵥ)               forward KL (mode-covering)
+    β = 1        D = KL(p_S‖p_T) = Σᵥ p_S,ᵥ (log p_S,ᵥ − log p_T,ᵥ)               reverse KL (mode-seeking)
+    0 < β < 1    D = JSD(β) = β KL(p_T‖m) + (1 − β) KL(p_S‖m)
+
+and the gradient with respect to the student's logits (the teacher is frozen):
+
+    β = 0        ∂D/∂z_S,ᵥ = p_S,ᵥ − p_T,ᵥ
+    β = 1        ∂D/∂z_S,ᵥ = p_S,ᵥ (log p_S,ᵥ − log p_T,ᵥ − D)
+    0 < β < 1    ∂D/∂z_S,ᵥ = (1 − β) p_S,ᵥ (log p_S,ᵥ − log mᵥ − KL(p_S‖m))
+
+(∂/∂logits_S = (1/τ) ∂/∂z_S). Source: Agarwal et al., "On-Policy Distillation of Language Models:
+Learning from Self-Generated Mistakes" (GKD), arXiv 2306.13649, Eq. (1): D_JSD(β)(P‖Q) =
+β KL(P‖βP + (1−β)Q) + (1−β) KL(Q‖βP + (1−β)Q) with P = p_T, Q = p_S. The paper's JSD(β) is 0 at
+both ends; β = 0 and β = 1 here are its limits JSD(β)/β → KL(p_T‖p_S) (β → 0) and
+JSD(β)/(1−β) → KL(p_S‖p_T) (β → 1), the forward and reverse KL the paper trains with beside JSD(β).
+TRL 1.16 takes the same convention: `GKDTrainer.generalized_jsd_loss` (trl/experimental/gkd/
+gkd_trainer.py) on logits and `ChunkedDivergenceFunction` (trl/kernels/chunked_divergence.py, used
+by trl/trainer/distillation_trainer.py) from hidden states; so β weights the teacher's side, and
+β = 0.5 is the symmetric JSD.
+
+The β = 1 statistic is `full_kl.FullKL` itself (KL(p_S‖p_T) is the exact KL with the teacher as the
+reference): `divergence_from_logits(..., beta=1)` equals `full_kl_from_logits(student, teacher)`.
+β = 0 is the same sums with the roles swapped (`ForwardKL`). Both accumulate over vocabulary tiles in
+one pass with online maxima. JSD(β) needs both log-normalisers before its first term (log m is not a
+sum that rescales), so with vocabulary tiles (`vocab_block` < V) the loop runs twice: once for the
+two log-normalisers (no gradient), then for JSD(β) given them; whole-vocabulary chunks need one pass.
+Every path runs `chunks.ChunkLoop`: memory beyond the inputs and their gradients is one
+[chunk, vocab_block] buffer per model, never the N x V logits; backward recomputes each tile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..core.aggregate import Normalizer, aggregate
+from ..core.batch import check_mask
+from ..core.checks import check_number
+from ..core.output import LossOutput
+from .chunks import ChunkLoop
+from .entropy import _blocks, check_temperature
+from .full_kl import FullKL, check_head_pair, check_logit_pair, pair_tiles
+
+__all__ = ["divergence_from_logits", "divergence_from_hidden"]
+
+
+def check_beta(beta: object) -> float:
+    """β as a float in [0, 1]: TypeError for a non-number, ValueError outside the interval."""
+    beta = check_number("beta", beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0: forward KL(teacher‖student), 1: reverse KL(student‖teacher), "
+                         f"between: the generalised JSD), got {beta}")
+    return beta
+
+
+class ForwardKL(FullKL):
+    """Statistic of `chunks.ChunkLoop`: KL(p_T‖p_S) per token, the student the first source.
+
+    `FullKL`'s sums with the two sources swapped (its values: KL, lse_T, lse_S); the gradient to the
+    student's logits is (g/τ)(p_S − p_T)."""
+
+    def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
+        super().forward(zs[::-1], rows, values)
+
+    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
+        return super().tile_forward(zs[::-1], rows, cols, state)
+
+    def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        z, z_teacher = zs
+        _, lse_teacher, lse = values
+        scale = (grads[0][rows] / temperature).unsqueeze(-1)
+        for block, _ in _blocks(z, 0):
+            p = z[block].sub_(lse[rows][block].unsqueeze(-1)).exp_()
+            p.sub_(z_teacher[block].sub_(lse_teacher[rows][block].unsqueeze(-1)).exp_()).mul_(scale[block])
+        return z
+
+    def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
+                  temperature: float) -> Tensor:
+        return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse
+
+
+class Normalisers(FullKL):
+    """Statistic of `chunks.ChunkLoop` giving (lse(z_S), lse(z_T)) per token: `FullKL`'s first pass,
+    run without gradient before JSD(β) over vocabulary tiles."""
+
+    def outputs(self, values: list[Tensor]) -> tuple[Tensor, Tensor]:
+        return values[1], values[2]
+
+
+def jsd_sums(z: Tensor, z_teacher: Tensor, lse: Tensor, lse_teacher: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """Per row of tempered logits (a whole row or a vocabulary tile), given both log-normalisers:
+    Σᵥ p_T (log p_T − log m) and Σᵥ p_S (log p_S − log m), m = β p_T + (1 − β) p_S; inputs unchanged."""
+    n = z.shape[0]
+    kl_teacher, kl_student = z.new_empty(n), z.new_empty(n)
+    log_keep, log_beta = math.log1p(-beta), math.log(beta)
+    for rows, (log_p, log_q, log_m) in _blocks(z, 3):
+        torch.sub(z[rows], lse[rows].unsqueeze(-1), out=log_p)
+        torch.sub(z_teacher[rows], lse_teacher[rows].unsqueeze(-1), out=log_q)
+        torch.logaddexp(log_p + log_keep, log_q + log_beta, out=log_m)
+        kl_student[rows] = (log_p - log_m).mul_(log_p.exp()).sum(dim=-1)
+        log_p.copy_(log_q).exp_()  # p_T (log p_S is spent)
+        kl_teacher[rows] = log_q.sub_(log_m).mul_(log_p).sum(dim=-1)
+    return kl_teacher, kl_student
+
+
+class GeneralisedJSD:
+    """Statistic of `chunks.ChunkLoop`: JSD(β) = β KL(p_T‖m) + (1 − β) KL(p_S‖m) per token, 0 < β < 1,
+    the student the first source; its values: JSD, lse_S, lse_T and KL(p_S‖m) (the gradient's shift).
+
+    Whole-vocabulary chunks compute both log-normalisers and the sums in one pass. Over vocabulary
+    tiles, `normalisers` (lse_S, lse_T of every token, from a first run of the loop with `Normalisers`)
+    must be given: each tile adds its terms of both sums."""
+
+    def __init__(self, beta: float, normalisers: tuple[Tensor, Tensor] | None = None) -> None:
+        self.beta, self.normalisers = beta, normalisers
+
+    def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+        return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # JSD, lse_S, lse_T, KL(p_S‖m)
+
+    def _store(self, rows: slice, values: list[Tensor], lse: Tensor, lse_teacher: Tensor, kl_teacher: Tensor,
+               kl_student: Tensor) -> None:
+        jsd, lse_out, lse_teacher_out, kl_student_out = values
+        jsd[rows] = self.beta * kl_teacher + (1.0 - self.beta) * kl_student
+        lse_out[rows], lse_teacher_out[rows], kl_student_out[rows] = lse, lse_teacher, kl_student
+
+    def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
+        z, z_teacher = zs
+        lse, lse_teacher = torch.logsumexp(z, dim=-1), torch.logsumexp(z_teacher, dim=-1)
+        self._store(rows, values, lse, lse_teacher, *jsd_sums(z, z_teacher, lse, lse_teacher, self.beta))
+
+    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
+        if self.normalisers is None:
+            raise RuntimeError("GeneralisedJSD over vocabulary tiles needs the log-normalisers of a first pass")
+        lse, lse_teacher = (x[rows] for x in self.normalisers)
+        sums = jsd_sums(*zs, lse, lse_teacher, self.beta)
+        return sums if state is None else (state[0] + sums[0], state[1] + sums[1])
+
+    def tile_finish(self, state, rows: slice, values: list[Tensor]) -> None:
+        self._store(rows, values, *(x[rows] for x in self.normalisers), *state)
+
+    def outputs(self, values: list[Tensor]) -> Tensor:
+        return values[0]
+
+    def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        """(g/τ)(1 − β) p_S (log p_S − log m − KL(p_S‖m)), written into the student's `z` (the teacher's
+        tile is scratch)."""
+        z, z_teacher = zs
+        _, lse, lse_teacher, kl_student = (v[rows] for v in values)
+        scale = (grads[0][rows] * ((1.0 - self.beta) / temperature)).unsqueeze(-1)
+        log_keep, log_beta = math.log1p(-self.beta), math.log(self.beta)
+        for block, (log_m,) in _blocks(z, 1):
+            log_p = z[block].sub_(lse[block].unsqueeze(-1))
+            log_q = z_teacher[block].sub_(lse_teacher[block].unsqueeze(-1)).add_(log_beta)
+            torch.logaddexp(log_p + log_keep, log_q, out=log_m)
+            shift = log_m.sub_(log_p).neg_().sub_(kl_student[block].unsqueeze(-1))  # log p_S − log m − KL(p_S‖m)
+            log_p.exp_().mul_(shift).mul_(scale[block])
+        return z
+
+    def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
+                  temperature: float) -> Tensor:
+        return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse and KL(p_S‖m)
+
+
+def _divergence(beta: float, kinds: tuple[str, str], temperature: float, tiles: tuple[int, int], vocab: int,
+                student: tuple[Tensor, ...], teacher: tuple[Tensor, ...]) -> Tensor:
+    """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached."""
+    teacher = tuple(t.detach() for t in teacher)
+    if beta == 1.0:
+        statistic = FullKL()
+    elif beta == 0.0:
+        statistic = ForwardKL()
+    elif tiles[1] < vocab:  # vocabulary tiles: the two log-normalisers first
+        with torch.no_grad():
+            normalisers = ChunkLoop.apply(Normalisers(), kinds, temperature, tiles,
+                                          *(s.detach() for s in student), *teacher)
+        statistic = GeneralisedJSD(beta, normalisers)
+    else:
+        statistic = GeneralisedJSD(beta)
+    return ChunkLoop.apply(statistic, kinds, temperature, tiles, *student, *teacher)
+
+
+def _output(per_token: Tensor, mask: Tensor, loss_agg_mode: str, normalizer: Normalizer | None,
+            norm_constant: float | None) -> LossOutput:
+    per_token = torch.where(mask, per_token, 0.0)
+    loss = aggregate(per_token, mask, loss_agg_mode, normalizer=normalizer, norm_constant=norm_constant)
+    tokens = mask.sum().clamp(min=1).to(per_token.dtype)
+    return LossOutput(loss=loss, metrics={"divergence": (per_token.detach().sum() / tokens)}, per_token=per_token)
+
+
+def divergence_from_logits(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    loss_agg_mode: str = "token-mean",
+    normalizer: Normalizer | None = None,
+    norm_constant: float | None = None,
+    chunk_size: int | None = None,
+    vocab_block: int | None = None,
+    memory_budget: int | None = None,
+) -> LossOutput:
+    """The student-teacher divergence D_β (module docstring) per position from both models' logits.
+
+    β = 0: KL(p_T‖p_S); β = 1: KL(p_S‖p_T) (= `full_kl_from_logits(student, teacher)`);
+    0 < β < 1: JSD(β) = β KL(p_T‖m) + (1 − β) KL(p_S‖m), m = β p_T + (1 − β) p_S (GKD, arXiv
+    2306.13649, Eq. 1; TRL 1.16 `GKDTrainer.generalized_jsd_loss`).
+
+    Args:
+        student_logits: [B, T, V] student logits (any float dtype; the math runs in float32, float64 stays).
+        teacher_logits: [B, T, V] teacher logits, never differentiated.
+        mask: [B, T] bool or 0/1, the positions that count. Logits at masked positions need only be finite.
+        beta: β in [0, 1], the weight of the teacher's side (above).
+        temperature: τ > 0, dividing both models' logits.
+        loss_agg_mode: how `per_token` becomes `loss` (`pgloss.aggregate`); "token-mean", the default, is
+            TRL's reduction: Σ D / (valid tokens), over the step's tokens with a `normalizer`
+            (TRL's `num_items_in_batch`).
+        normalizer: the step's counts (`Normalizer.count` over every micro-batch's mask); None: this call
+            is the whole step.
+        norm_constant: C of the budget modes (`seq-mean-token-sum-norm`, `delta-l-norm`).
+        chunk_size, vocab_block, memory_budget: the tiles of the loop (`chunks.plan_tiles`).
+
+    Returns:
+        `LossOutput`: `per_token` [B, T] (0 at masked positions; float32, float64 for float64 logits) with
+        its gradient to `student_logits` only, `loss` its aggregate, `metrics["divergence"]` its detached
+        mean over valid tokens.
+    """
+    check_logit_pair(student_logits, teacher_logits, names=("student_logits", "teacher_logits"))
+    if student_logits.dim() != 3:
+        raise ValueError(f"student_logits must have shape [B, T, V], got {tuple(student_logits.shape)}")
+    mask = check_mask(mask, student_logits.shape[:2], student_logits.device, "student_logits")
+    beta, temperature = check_beta(beta), check_temperature(temperature)
+    batch, length, vocab = student_logits.shape
+    tiles = pair_tiles(batch * length, vocab, student_logits.dtype, head=False, chunk_size=chunk_size,
+                       vocab_block=vocab_block, memory_budget=memory_budget)
+    per_token = _divergence(beta, ("logits", "logits"), temperature, tiles, vocab,
+                            (student_logits.reshape(-1, vocab),), (teacher_logits.reshape(-1, vocab),))
+    return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
+
+
+def divergence_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    mask: Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    loss_agg_mode: str = "token-mean",
+    normalizer: Normalizer | None = None,
+    norm_constant: float | None = None,
+    chunk_size: int | None = None,
+    vocab_block: int | None = None,
+    memory_budget: int | None = None,
+) -> LossOutput:
+    """The student-teacher divergence D_β (module docstring) per position from both models' final hidden
+    states and LM heads, without the N x V logits of either: p_S = softmax(hidden @ weightᵀ / τ),
+    p_T = softmax(teacher_hidden @ teacher_weightᵀ / τ). TRL 1.16's `ChunkedDivergenceFunction`
+    (trl/kernels/chunked_divergence.py) computes the same from hidden states; this one runs pgloss's one
+    chunk loop (the tiles of `chunks.plan_tiles`), with no LM-head bias, logit scale or soft-capping.
+
+    Args:
+        hidden: [B, T, H] student hidden states.
+        weight: [V, H] student output projection, the dtype and device of `hidden`.
+        teacher_hidden: [B, T, H'] teacher hidden states (H' may differ from H); never differentiated.
+        teacher_weight: [V, H'] teacher output projection, the dtype of `teacher_hidden`; never differentiated.
+        mask, beta, temperature, loss_agg_mode, normalizer, norm_constant: as `divergence_from_logits`.
+        chunk_size: positions per chunk; None picks about 2²⁷ / V.
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary).
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
+
+    Returns:
+        `LossOutput` as `divergence_from_logits`; gradients flow to `hidden` and `weight` (whichever
+        requires grad).
+    """
+    check_head_pair(hidden, weight, teacher_hidden, teacher_weight, other="teacher")
+    mask = check_mask(mask, hidden.shape[:2], hidden.device, "hidden")
+    beta, temperature = check_beta(beta), check_temperature(temperature)
+    batch, length, size = hidden.shape
+    vocab = weight.shape[0]
+    tiles = pair_tiles(batch * length, vocab, weight.dtype, head=True, chunk_size=chunk_size,
+                       vocab_block=vocab_block, memory_budget=memory_budget)
+    per_token = _divergence(beta, ("head", "head"), temperature, tiles, vocab,
+                            (hidden.reshape(batch * length, size), weight),
+                            (teacher_hidden.reshape(batch * length, teacher_hidden.shape[-1]), teacher_weight))
+    return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
