@@ -3,6 +3,7 @@
 from .advantages import *  # noqa: F401,F403
 from .aggregate import *  # noqa: F401,F403
 from .correction import *  # noqa: F401,F403
+from .divergence import *  # noqa: F401,F403
 from .kl import *  # noqa: F401,F403
 from .losses import *  # noqa: F401,F403
 from .terms import *  # noqa: F401,F403
