@@ -21,6 +21,7 @@ FLOORS = {
     "pgloss.correction": 2,
     "pgloss.kl": 3,
     "pgloss.vocab": 4,
+    "pgloss.vocab.divergence": 4,  # the student-teacher divergences (distillation), beside full_kl on its loop
     "pgloss.base": 5,
     "pgloss.losses": 6,
     "pgloss.algorithms": 7,
