@@ -1,0 +1,236 @@
+"""Peak memory and time of the student-teacher divergence (forward + backward to the student's hidden
+states and LM head), from both models' hidden states and heads.
+
+Each variant runs in its own process, so that its peak memory is its own: the baseline is the resident
+memory (CPU) or the allocator's (CUDA) with the inputs and room for the student's two gradients; the peak
+reported is the high-water mark above it. Ratios are against `materialised` in the same run.
+
+Variants (the token-mean of D_β over the valid tokens, `--beta`):
+  materialised  both models' N x V logits (the teacher's under no_grad), log_softmax of both, D_β in torch ops
+  gkd           both logits materialised, TRL 1.16's GKDTrainer.generalized_jsd_loss (trl/experimental/gkd)
+  fused         pgloss.divergence_from_hidden, token chunks of whole-vocabulary rows (--chunk-size)
+  tiled         pgloss.divergence_from_hidden with --memory-budget bytes (token chunks x vocabulary tiles)
+  trl           TRL 1.16's ChunkedDivergenceFunction (trl/kernels/chunked_divergence.py: 4096 tokens x 32768
+                columns, torch ops off Triton), reduced as its DistillationTrainer does (Σ D / valid tokens)
+
+    python benchmarks/divergence.py --tokens 1024 --hidden 896 --vocab 151936 --beta 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device import Memory, add_device_argument, describe, resolve_device, timed  # noqa: E402
+
+VARIANTS = ("materialised", "gkd", "fused", "tiled", "trl")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1024, help="N, tokens in the batch")
+    parser.add_argument("--seq-len", type=int, default=256, help="T, tokens per sequence (B = N / T)")
+    parser.add_argument("--hidden", type=int, default=896, help="H, the student's hidden size")
+    parser.add_argument("--teacher-hidden", type=int, default=None, help="H', the teacher's (default: H)")
+    parser.add_argument("--vocab", type=int, default=151936, help="V, vocabulary size")
+    parser.add_argument("--beta", type=float, default=0.5, help="0: forward KL, 1: reverse KL, between: JSD(β)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    add_device_argument(parser)
+    parser.add_argument("--chunk-size", type=int, default=None, help="pgloss chunk (tokens); default ≈ 2²⁷ / V")
+    parser.add_argument("--memory-budget", type=int, default=64 << 20, help="bytes for the tiled variant's buffers")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--timeout", type=int, default=600, help="seconds allowed to one variant's process")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tokens % args.seq_len:
+        parser.error(f"--tokens ({args.tokens}) must be a multiple of --seq-len ({args.seq_len})")
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; valid: {VARIANTS}")
+    return args
+
+
+def make_inputs(args, torch, device):
+    gen = torch.Generator().manual_seed(0)
+    batch, length, size = args.tokens // args.seq_len, args.seq_len, args.hidden
+    teacher_size = args.teacher_hidden or size
+    hidden = torch.randn(batch, length, size, generator=gen).to(device).requires_grad_()
+    weight = (torch.randn(args.vocab, size, generator=gen) / math.sqrt(size)).to(device).requires_grad_()
+    teacher_hidden = torch.randn(batch, length, teacher_size, generator=gen).to(device)
+    teacher_weight = (torch.randn(args.vocab, teacher_size, generator=gen) / math.sqrt(teacher_size)).to(device)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=gen)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(device)
+    return dict(hidden=hidden, weight=weight, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, mask=mask)
+
+
+def build_variant(name, args):
+    """A function inputs -> scalar loss (forward only), or raise RuntimeError with the reason."""
+    import torch
+
+    from pgloss.vocab.divergence import divergence_from_hidden
+
+    beta, tau = args.beta, args.temperature
+
+    def logits(inputs):
+        student = inputs["hidden"] @ inputs["weight"].t()
+        with torch.no_grad():
+            teacher = inputs["teacher_hidden"] @ inputs["teacher_weight"].t()
+        return student, teacher
+
+    if name == "materialised":
+        def run(inputs):
+            student, teacher = logits(inputs)
+            log_q, log_p = torch.log_softmax(student / tau, -1), torch.log_softmax(teacher / tau, -1)
+            del student, teacher
+            if beta == 0:
+                d = (log_p.exp() * (log_p - log_q)).sum(-1)
+            elif beta == 1:
+                d = (log_q.exp() * (log_q - log_p)).sum(-1)
+            else:
+                log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+                d = beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - beta) * (log_q.exp() * (log_q - log_m)).sum(-1)
+            mask = inputs["mask"]
+            return torch.where(mask, d, 0.0).sum() / mask.sum().clamp(min=1)
+        return run
+
+    if name == "gkd":
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from trl.experimental.gkd import GKDTrainer
+        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+            raise RuntimeError(f"trl.experimental.gkd does not import: {type(error).__name__}: {error}") from None
+
+        def run(inputs):
+            student, teacher = logits(inputs)
+            labels = torch.where(inputs["mask"], 1, -100)
+            return GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, temperature=tau)
+        return run
+
+    if name in ("fused", "tiled"):
+        sizes = dict(chunk_size=args.chunk_size) if name == "fused" else dict(memory_budget=args.memory_budget)
+
+        def run(inputs):
+            return divergence_from_hidden(inputs["hidden"], inputs["weight"], inputs["teacher_hidden"],
+                                          inputs["teacher_weight"], inputs["mask"], beta=beta, temperature=tau,
+                                          **sizes).loss
+        return run
+
+    if name == "trl":
+        try:
+            from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+            raise RuntimeError(f"trl.kernels.chunked_divergence does not import: {type(error).__name__}: {error}") from None
+
+        def run(inputs):
+            hidden, teacher_hidden, mask = inputs["hidden"], inputs["teacher_hidden"], inputs["mask"]
+            d, _ = ChunkedDivergenceFunction.apply(hidden.reshape(-1, hidden.shape[-1]), inputs["weight"], None,
+                                                   teacher_hidden.reshape(-1, teacher_hidden.shape[-1]),
+                                                   inputs["teacher_weight"], None, beta, tau, 1.0, None, 1.0, None)
+            valid = mask.reshape(-1)
+            return d.masked_fill(~valid, 0).sum() / valid.sum().clamp(min=1)
+        return run
+
+    raise ValueError(name)
+
+
+def child(args) -> dict:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    device = resolve_device(args.device)
+    result = {"variant": args.child, "time_s": None, "cpu_s": None, "peak_mib": None, "loss": None, "note": ""}
+    inputs = make_inputs(args, torch, device)
+    memory = Memory(device)
+    placeholders = [torch.ones_like(inputs["hidden"]), torch.ones_like(inputs["weight"])]  # the gradients' room
+    memory.set_baseline()
+    del placeholders
+    try:
+        run = build_variant(args.child, args)
+        warm = {k: (v[:1].detach().requires_grad_() if k == "hidden" else v if "weight" in k else v[:1])
+                for k, v in inputs.items()}
+        run(warm).backward()  # warm-up on one sequence: thread pools, allocator
+        del warm
+    except Exception as error:  # noqa: BLE001 - the table carries on with the reason
+        result["note"] = f"skipped: {str(error).splitlines()[0][:150]}"
+        return result
+    inputs["weight"].grad = None
+    out = {}
+
+    def step():
+        loss = run(inputs)
+        loss.backward()
+        out["loss"] = float(loss.detach())
+
+    seconds, cpu = timed(step, device)
+    result.update(time_s=seconds, cpu_s=cpu, peak_mib=memory.peak_above_baseline(), loss=out["loss"],
+                  grad_w_norm=float(inputs["weight"].grad.norm()))
+    return result
+
+
+def _cell(value, spec, width):
+    return ("-" if value is None else format(value, spec)).rjust(width)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(describe(resolve_device(args.device)))
+    print(f"N={args.tokens} (B={args.tokens // args.seq_len} x T={args.seq_len}) H={args.hidden} "
+          f"H'={args.teacher_hidden or args.hidden} V={args.vocab} float32 on {args.device}, beta={args.beta}, "
+          f"temperature={args.temperature}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    results = []
+    forwarded = list(argv if argv is not None else sys.argv[1:])
+    for variant in args.variants.split(","):
+        command = [sys.executable, os.path.abspath(__file__), *forwarded, "--child", variant]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            results.append({"variant": variant, "note": f"stopped after {args.timeout} s (--timeout)"})
+            continue
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            results.append({"variant": variant, "note": f"failed: {reason[:150]}"})
+        else:
+            results.append(json.loads(lines[-1]))
+
+    base = next((r for r in results if r["variant"] == "materialised"), {})
+
+    def ratio(r, key):
+        return base[key] / r[key] if r.get(key) and base.get(key) else None
+
+    columns = ["variant", "peak above inputs (MiB)", "materialised / this (mem)", "wall (s)", "CPU (s)",
+               "this / materialised (wall)", "loss", "|∂W|", "note"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("-" * (len(c) + 2) for c in columns) + "|")
+    for r in results:
+        time_ratio = r["time_s"] / base["time_s"] if r.get("time_s") and base.get("time_s") else None
+        cells = [r["variant"].ljust(len(columns[0])), _cell(r.get("peak_mib"), ".0f", len(columns[1])),
+                 _cell(ratio(r, "peak_mib"), ".1f", len(columns[2])), _cell(r.get("time_s"), ".2f", len(columns[3])),
+                 _cell(r.get("cpu_s"), ".2f", len(columns[4])), _cell(time_ratio, ".2f", len(columns[5])),
+                 _cell(r.get("loss"), ".7f", len(columns[6])), _cell(r.get("grad_w_norm"), ".6f", len(columns[7])),
+                 r.get("note", "")]
+        print("| " + " | ".join(cells) + " |")
+    print("peak above inputs: above the inputs and the room of hidden.grad and weight.grad, which every path holds")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
