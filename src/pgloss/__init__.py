@@ -18,6 +18,7 @@ from .algorithms import (
     Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
 )
 from .vocab.entropy import log_prob_and_entropy
+from .vocab.divergence import divergence_from_hidden, divergence_from_logits
 from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
 from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
@@ -71,6 +72,8 @@ __all__ = [
     "aggregate",
     "checks",
     "detect_anomaly",
+    "divergence_from_hidden",
+    "divergence_from_logits",
     "families",
     "from_trl",
     "from_verl",

@@ -155,18 +155,8 @@ def full_kl_from_logits(
     Returns:
         [...] the exact KL per position, float32 (float64 for float64 logits).
     """
-    _check_pair("logits", logits, "ref_logits", ref_logits, None)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
-    if ref_logits.shape != logits.shape:
-        raise ValueError(f"ref_logits must have the shape of logits {tuple(logits.shape)}, got {tuple(ref_logits.shape)}")
-    temperature = check_temperature(temperature)
-    vocab = logits.shape[-1]
-    tiles = plan_tiles(logits.numel() // vocab, vocab, chunk_size=chunk_size, vocab_block=vocab_block,
-                       memory_budget=memory_budget, buffers=2, itemsize=8 if logits.dtype == torch.float64 else 4)
-    kl = ChunkLoop.apply(FullKL(), ("logits", "logits"), temperature, tiles,
-                         logits.reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab))
-    return kl.view(logits.shape[:-1])
+    return pair_from_logits(FullKL(), logits, ref_logits, "ref", temperature=temperature, chunk_size=chunk_size,
+                            vocab_block=vocab_block, memory_budget=memory_budget)
 
 
 def full_kl_from_hidden(
@@ -196,27 +186,65 @@ def full_kl_from_hidden(
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
     """
-    _check_pair("hidden", hidden, "ref_hidden", ref_hidden, 3)
-    _check_pair("weight", weight, "ref_weight", ref_weight, 2)
-    for name, x, w in (("weight", hidden, weight), ("ref_weight", ref_hidden, ref_weight)):
+    return pair_from_hidden(FullKL(), hidden, weight, ref_hidden, ref_weight, "ref", temperature=temperature,
+                            chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+
+
+# ---------------------------------------------------------------------------------------
+# A statistic of two models' distributions (this KL, `divergence.py`'s), from logits or from
+# hidden states and heads: the checks and the loop, shared. The second model is never differentiated.
+# ---------------------------------------------------------------------------------------
+
+
+def pair_from_logits(statistic, logits: Tensor, other_logits: Tensor, other: str, *, temperature: float,
+                     chunk_size: int | None, vocab_block: int | None, memory_budget: int | None) -> Tensor:
+    """`statistic` per position of `logits` [..., V] against `{other}_logits` of the same shape."""
+    other_name = f"{other}_logits"
+    _check_pair("logits", logits, other_name, other_logits, None)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    if other_logits.shape != logits.shape:
+        raise ValueError(f"{other_name} must have the shape of logits {tuple(logits.shape)}, got "
+                         f"{tuple(other_logits.shape)}")
+    temperature = check_temperature(temperature)
+    vocab = logits.shape[-1]
+    tiles = plan_tiles(logits.numel() // vocab, vocab, chunk_size=chunk_size, vocab_block=vocab_block,
+                       memory_budget=memory_budget, buffers=2, itemsize=8 if logits.dtype == torch.float64 else 4)
+    values = ChunkLoop.apply(statistic, ("logits", "logits"), temperature, tiles,
+                             logits.reshape(-1, vocab), other_logits.detach().reshape(-1, vocab))
+    return values.view(logits.shape[:-1])
+
+
+def pair_from_hidden(statistic, hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor,
+                     other: str, *, temperature: float, chunk_size: int | None, vocab_block: int | None,
+                     memory_budget: int | None) -> Tensor:
+    """`statistic` per position [B, T] of hidden @ weightᵀ against `{other}_hidden` @ `{other}_weight`ᵀ."""
+    hidden_name, weight_name = f"{other}_hidden", f"{other}_weight"
+    _check_pair("hidden", hidden, hidden_name, other_hidden, 3)
+    _check_pair("weight", weight, weight_name, other_weight, 2)
+    for name, x, w in (("weight", hidden, weight), (weight_name, other_hidden, other_weight)):
         if w.shape[1] != x.shape[-1]:
             raise ValueError(f"{name} must have shape [V, {x.shape[-1]}], got {tuple(w.shape)}")
         if w.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {w.dtype} but its hidden states have {x.dtype}")
         if w.device != x.device:
             raise ValueError(f"{name} is on {w.device} but its hidden states are on {x.device}")
-    if ref_hidden.shape[:2] != hidden.shape[:2]:
-        raise ValueError(f"ref_hidden must have shape [{hidden.shape[0]}, {hidden.shape[1]}, H'], got {tuple(ref_hidden.shape)}")
-    if ref_weight.shape[0] != weight.shape[0] or weight.shape[0] < 1:
-        raise ValueError(f"weight and ref_weight must share a vocabulary V >= 1, got {weight.shape[0]} and {ref_weight.shape[0]}")
-    if compute_dtype(ref_weight.dtype) != compute_dtype(weight.dtype):
-        raise TypeError(f"ref_weight computes in {compute_dtype(ref_weight.dtype)} but weight in {compute_dtype(weight.dtype)}")
+    if other_hidden.shape[:2] != hidden.shape[:2]:
+        raise ValueError(f"{hidden_name} must have shape [{hidden.shape[0]}, {hidden.shape[1]}, H'], got "
+                         f"{tuple(other_hidden.shape)}")
+    if other_weight.shape[0] != weight.shape[0] or weight.shape[0] < 1:
+        raise ValueError(f"weight and {weight_name} must share a vocabulary V >= 1, got {weight.shape[0]} and "
+                         f"{other_weight.shape[0]}")
+    if compute_dtype(other_weight.dtype) != compute_dtype(weight.dtype):
+        raise TypeError(f"{weight_name} computes in {compute_dtype(other_weight.dtype)} but weight in "
+                        f"{compute_dtype(weight.dtype)}")
     temperature = check_temperature(temperature)
     batch, length, size = hidden.shape
     dtype = compute_dtype(weight.dtype)
     tiles = plan_tiles(batch * length, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
                        memory_budget=memory_budget, buffers=2 * (1 if weight.dtype == dtype else 2),
                        itemsize=torch.finfo(dtype).bits // 8)
-    kl = ChunkLoop.apply(FullKL(), ("head", "head"), temperature, tiles, hidden.reshape(batch * length, size),
-                         weight, ref_hidden.detach().reshape(batch * length, ref_hidden.shape[-1]), ref_weight.detach())
-    return kl.view(batch, length)
+    values = ChunkLoop.apply(statistic, ("head", "head"), temperature, tiles, hidden.reshape(batch * length, size),
+                             weight, other_hidden.detach().reshape(batch * length, other_hidden.shape[-1]),
+                             other_weight.detach())
+    return values.view(batch, length)
