@@ -123,20 +123,6 @@ def test_needs_scores_and_a_counted_normalizer():
         pgloss.get("dapo", positive_nll_coef=-0.1)
 
 
-def test_meta_and_compile():
-    alg = pgloss.get("dapo", positive_nll_coef=0.5)
-    meta = torch.empty(4, 6, device="meta")
-    out = alg(meta, meta, torch.empty(4, device="meta"), torch.empty(4, 6, dtype=torch.bool, device="meta"),
-              scores=torch.empty(4, device="meta"))
-    assert out.loss.device.type == "meta"
-    data = data_with_rewards(8)
-    norm = alg.step_normalizer(data["mask"], scores=data["scores"])
-    compiled = torch.compile(lambda lp, old, adv, m, s: alg(lp, old, adv, m, scores=s, normalizer=norm).loss,
-                             fullgraph=True, backend="eager")
-    args = (data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"], data["scores"])
-    torch.testing.assert_close(compiled(*args), alg(*args[:4], scores=args[4], normalizer=norm).loss, rtol=1e-14, atol=0)
-
-
 def test_inspect_keeps_the_term_out_of_the_policy_gradient():
     data = data_with_rewards(9)
     alg = pgloss.get("dapo", positive_nll_coef=0.5)

@@ -16,7 +16,6 @@ SFTPhiLossFn with cutoff 0.5 and SFTISLossFn (μ = 1, every row expert): float64
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -144,20 +143,6 @@ def test_inputs_and_hyperparameters_are_checked():
     with pytest.raises(ValueError, match="sft_loss_agg_mode 'seq-mean-token-sum-norm' requires norm_constant"):
         pgloss.get("chord", sft_loss_agg_mode="seq-mean-token-sum-norm")
     assert "group_ids" in pgloss.get("chord", sft_loss_agg_mode="group-mean-token-mean").needs
-
-
-def test_meta_and_compile():
-    alg = pgloss.get("chord", chord_mu=0.3)
-    meta = torch.empty(4, 6, device="meta")
-    out = alg(meta, meta, torch.empty(4, device="meta"), torch.empty(4, 6, dtype=torch.bool, device="meta"),
-              expert=torch.empty(4, dtype=torch.bool, device="meta"))
-    assert out.loss.device.type == "meta"
-    data = batch(7)
-    norm = alg.step_normalizer(data["mask"], expert=data["expert"])
-    compiled = torch.compile(lambda lp, old, adv, m, e: alg(lp, old, adv, m, expert=e, normalizer=norm).loss,
-                             fullgraph=True, backend="eager")
-    args = (data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"], data["expert"])
-    torch.testing.assert_close(compiled(*args), alg(*args[:4], expert=args[4], normalizer=norm).loss, rtol=1e-14, atol=0)
 
 
 def test_inspect_has_no_closed_form_with_expert_rows():

@@ -19,6 +19,7 @@ from pgloss.core.inputs import OPTIONAL_INPUTS
 from pgloss.core.checks import anomaly_enabled
 from pgloss.losses.ppo import ClippedPolicy
 from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.vocab.fused import PASSED_INPUTS as PASSED_TO_FROM_HIDDEN
 
 CORRECTIONS = {
     "none": None,
@@ -29,18 +30,24 @@ CORRECTIONS = {
 }
 ROWS, WIDTH, HIDDEN, VOCAB = 6, 5, 4, 7
 META = torch.device("meta")
+TERMS = {  # configurations no name has by default: the terms and aggregations beside the policy loss
+    "dapo+positive_nll": ("dapo", dict(positive_nll_coef=0.5)),
+    "grpo+delta-l-norm": ("grpo", dict(loss_agg_mode="delta-l-norm", delta_l_alpha=0.5)),
+}
+NAMES = [*pgloss.names(), *TERMS]
 
 
 def cases():
-    for name in pgloss.names():
+    for name in NAMES:
         for kind, correction in CORRECTIONS.items():
-            if correction is not None and pgloss.get(name, generation_budget=WIDTH).consumes_rollout_log_prob:
+            if correction is not None and build(name).consumes_rollout_log_prob:
                 continue  # VESPO weighs by the rollout log-probs itself (its own case: "none" with them)
             yield pytest.param(name, kind, id=f"{name}-{kind}")
 
 
 def build(name, kind="none", **hyperparameters):
-    return pgloss.get(name, generation_budget=WIDTH, rollout_correction=CORRECTIONS[kind], **hyperparameters)
+    name, term = TERMS.get(name, (name, {}))
+    return pgloss.get(name, generation_budget=WIDTH, rollout_correction=CORRECTIONS[kind], **term, **hyperparameters)
 
 
 def meta_inputs(rows=ROWS):
@@ -96,7 +103,7 @@ def test_every_name_and_correction_runs_on_meta_tensors(name, kind):
     assert "pg_loss" in whole.metrics and "kl" in whole.metrics
 
 
-@pytest.mark.parametrize("name", pgloss.names())
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("exact_kl", [False, True], ids=["sampled KL", "full KL"])
 def test_from_hidden_runs_on_meta_tensors(name, exact_kl):
     """Both routes of the fused path (one pass, and recompute for row-coupled losses and the exact
@@ -106,14 +113,12 @@ def test_from_hidden_runs_on_meta_tensors(name, exact_kl):
     hidden = torch.empty(ROWS, WIDTH, HIDDEN, device=META, requires_grad=True)
     weight = torch.empty(VOCAB, HIDDEN, device=META, requires_grad=True)
     targets = torch.empty(ROWS, WIDTH, dtype=torch.long, device=META)
-    extra = {key: data[key] for key in ("group_ids", "scores", "teacher_log_prob")}
-    if algorithm.consumes_rollout_log_prob:
-        extra["rollout_log_prob"] = data["rollout_log_prob"]
+    extra = {key: value for key, value in data.items() if key in PASSED_TO_FROM_HIDDEN}
+    if not algorithm.consumes_rollout_log_prob:
+        extra.pop("rollout_log_prob")  # no rollout correction here: the next test has them
     if exact_kl:
         extra |= dict(ref_hidden=torch.empty(ROWS, WIDTH, HIDDEN, device=META),
                       ref_weight=torch.empty(VOCAB, HIDDEN, device=META))
-    else:
-        extra["ref_log_prob"] = data["ref_log_prob"]
     out = algorithm.from_hidden(hidden, weight, targets, old_log_prob=data["old_log_prob"],
                                 advantages=data["advantages"], mask=data["mask"], **extra)
     out.loss.backward()
@@ -150,11 +155,13 @@ def cpu_inputs(algorithm, seed=0):
     available = dict(ref_log_prob=noisy(0.1), group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g),
                      teacher_log_prob=noisy(0.2))
     inputs |= {key: value for key, value in available.items() if key in algorithm.needs}
+    if algorithm.takes_expert:  # CHORD's demonstration rows (an input it reads without needing it)
+        inputs["expert"] = torch.arange(ROWS) % 3 == 0
     return noisy(0.3), inputs
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name", pgloss.names())
+@pytest.mark.parametrize("name", NAMES)
 def test_a_loss_call_compiles_whole_forward_and_backward(name):
     """One graph (fullgraph=True: a host read or an untraceable call would fail here), CPU inductor,
     with the eager loss and gradient. Each name is compiled once, on small shapes."""

@@ -200,14 +200,8 @@ def full_kl_from_logits(
     Returns:
         [...] the exact KL per position, float32 (float64 for float64 logits).
     """
-    check_logit_pair(logits, ref_logits, names=("logits", "ref_logits"))
-    temperature = check_temperature(temperature)
-    vocab = logits.shape[-1]
-    tiles = pair_tiles(logits.numel() // vocab, vocab, logits.dtype, head=False, chunk_size=chunk_size,
-                       vocab_block=vocab_block, memory_budget=memory_budget)
-    kl = ChunkLoop.apply(FullKL(), ("logits", "logits"), temperature, tiles,
-                         logits.reshape(-1, vocab), ref_logits.detach().reshape(-1, vocab))
-    return kl.view(logits.shape[:-1])
+    return pair_from_logits(FullKL(), logits, ref_logits, "ref", temperature=temperature, chunk_size=chunk_size,
+                            vocab_block=vocab_block, memory_budget=memory_budget)
 
 
 def full_kl_from_hidden(
@@ -237,11 +231,40 @@ def full_kl_from_hidden(
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
     """
-    check_head_pair(hidden, weight, ref_hidden, ref_weight, other="ref")
+    return pair_from_hidden(FullKL(), hidden, weight, ref_hidden, ref_weight, "ref", temperature=temperature,
+                            chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+
+
+# ---------------------------------------------------------------------------------------
+# A statistic of two models' distributions (this KL, `divergence.py`'s), from logits or from
+# hidden states and heads: the checks, the tile plan and one run of the loop. The second model is
+# never differentiated.
+# ---------------------------------------------------------------------------------------
+
+
+def pair_from_logits(statistic, logits: Tensor, other_logits: Tensor, other: str, *, temperature: float,
+                     chunk_size: int | None, vocab_block: int | None, memory_budget: int | None) -> Tensor:
+    """`statistic` per position of `logits` [..., V] against `{other}_logits` of the same shape."""
+    check_logit_pair(logits, other_logits, names=("logits", f"{other}_logits"))
+    temperature = check_temperature(temperature)
+    vocab = logits.shape[-1]
+    tiles = pair_tiles(logits.numel() // vocab, vocab, logits.dtype, head=False, chunk_size=chunk_size,
+                       vocab_block=vocab_block, memory_budget=memory_budget)
+    values = ChunkLoop.apply(statistic, ("logits", "logits"), temperature, tiles,
+                             logits.reshape(-1, vocab), other_logits.detach().reshape(-1, vocab))
+    return values.view(logits.shape[:-1])
+
+
+def pair_from_hidden(statistic, hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor,
+                     other: str, *, temperature: float, chunk_size: int | None, vocab_block: int | None,
+                     memory_budget: int | None) -> Tensor:
+    """`statistic` per position [B, T] of hidden @ weightᵀ against `{other}_hidden` @ `{other}_weight`ᵀ."""
+    check_head_pair(hidden, weight, other_hidden, other_weight, other=other)
     temperature = check_temperature(temperature)
     batch, length, size = hidden.shape
     tiles = pair_tiles(batch * length, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
                        vocab_block=vocab_block, memory_budget=memory_budget)
-    kl = ChunkLoop.apply(FullKL(), ("head", "head"), temperature, tiles, hidden.reshape(batch * length, size),
-                         weight, ref_hidden.detach().reshape(batch * length, ref_hidden.shape[-1]), ref_weight.detach())
-    return kl.view(batch, length)
+    values = ChunkLoop.apply(statistic, ("head", "head"), temperature, tiles, hidden.reshape(batch * length, size),
+                             weight, other_hidden.detach().reshape(batch * length, other_hidden.shape[-1]),
+                             other_weight.detach())
+    return values.view(batch, length)

@@ -159,7 +159,7 @@ class _AttachGradients(torch.autograd.Function):
         return None, grad_hidden, grad_weight, None, None
 
 
-_PASSED = {name: spec for name, spec in OPTIONAL_INPUTS.items() if name not in ("entropy", "full_kl")}
+PASSED_INPUTS = {name: spec for name, spec in OPTIONAL_INPUTS.items() if name not in ("entropy", "full_kl")}
 """The optional inputs `from_hidden` passes to the loss as given; it computes the entropy and the exact KL."""
 
 
@@ -257,7 +257,7 @@ def loss_from_hidden(
         memory_budget: bytes for the loop's logits buffers, exclusive with chunk_size and
             vocab_block; the chunk and tile are chosen from it (`pgloss.vocab.chunks.plan_tiles`).
     """
-    check_names(inputs, _PASSED)
+    check_names(inputs, PASSED_INPUTS)
     weight = full_head(weight)
     valid = _check_inputs(hidden, weight, targets, mask)
     temperature = check_temperature(temperature)
