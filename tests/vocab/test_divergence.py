@@ -378,3 +378,20 @@ def test_parity_with_trl_generalized_jsd_loss(dtype, beta, temperature):
     torch.testing.assert_close(ours.per_token[MASK], theirs_per_token.detach(), **tol)
     torch.testing.assert_close(ours.loss, theirs.detach(), **tol)
     torch.testing.assert_close(g_ours, g_theirs, **(tol if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_bfloat16_heads_compute_in_float32(beta):
+    """Half-precision hidden states and heads (the teacher's too): the matmuls run in bfloat16, the divergence
+    in float32, equal to the float64 divergence of the bfloat16 logits to bfloat16 matmul rounding."""
+    x = {k: v.to(torch.bfloat16) for k, v in make(seed=14).items()}
+    hidden, weight = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+    out = divergence_from_hidden(hidden, weight, x["teacher_hidden"], x["teacher_weight"], MASK, beta=beta,
+                                 chunk_size=4, vocab_block=10)
+    out.loss.backward()
+    assert out.per_token.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
+    expected = plain(hidden.detach().double() @ weight.detach().double().t(),
+                     x["teacher_hidden"].double() @ x["teacher_weight"].double().t(), beta)
+    # measured: within 0.2% relative (bfloat16 logits carry 8 bits)
+    torch.testing.assert_close(out.per_token.double(), torch.where(MASK, expected, 0.0), rtol=5e-3, atol=1e-3)
+    assert torch.isfinite(hidden.grad.float()).all() and hidden.grad[MASK].abs().max() > 0
