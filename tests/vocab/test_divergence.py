@@ -395,3 +395,26 @@ def test_bfloat16_heads_compute_in_float32(beta):
     # measured: within 0.2% relative (bfloat16 logits carry 8 bits)
     torch.testing.assert_close(out.per_token.double(), torch.where(MASK, expected, 0.0), rtol=5e-3, atol=1e-3)
     assert torch.isfinite(hidden.grad.float()).all() and hidden.grad[MASK].abs().max() > 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_compiles_whole_forward_and_backward(beta):
+    """torch.compile(fullgraph=True) of the call over vocabulary tiles (a host read or an untraceable call
+    would fail here; JSD(β) with its first run for the log-normalisers), with the eager loss and gradient.
+    Each case from a reset: a β that changes between compiles of one function makes it a symbolic float,
+    which the checks of β and τ (math.isfinite) cannot read."""
+    hidden, weight, teacher_hidden, teacher_weight, mask = small(15)
+    hidden, weight, teacher_hidden, teacher_weight = (t.float() for t in (hidden, weight, teacher_hidden, teacher_weight))
+    call = lambda h, w: divergence_from_hidden(h, w, teacher_hidden, teacher_weight, mask, beta=beta,  # noqa: E731
+                                               chunk_size=4, vocab_block=4).loss
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend="inductor")
+    (h1, w1), (h2, w2) = [(hidden.clone().requires_grad_(), weight.clone().requires_grad_()) for _ in range(2)]
+    loss = compiled(h1, w1)
+    loss.backward()
+    expected = call(h2, w2)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-6)
