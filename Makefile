@@ -27,18 +27,20 @@ $(INTEGRATIONS): $(STAMP)
 	touch $(INTEGRATIONS)
 
 # The parity tests read some trainers' loss code from their released source, without installing it
-# (their package imports pull in whole training stacks): Trinity-RFT's wheel, unpacked here. The
-# sources not on the package index (SkyRL, prime-rl, verl-recipe, NeMo-RL) are read when their
-# PGLOSS_*_SRC is set, else those tests are skipped.
+# (their package imports pull in whole training stacks): Trinity-RFT's and tinker-cookbook's wheels,
+# unpacked here. The sources not on the package index (SkyRL, prime-rl, verl-recipe, NeMo-RL) are read
+# when their PGLOSS_*_SRC is set, else those tests are skipped.
 SOURCES := $(VENV)/sources
 TRAINER_SOURCES := $(SOURCES)/.unpacked
 $(TRAINER_SOURCES): $(STAMP)
-	$(PY) -m pip download --quiet --no-deps trinity-rft==0.6.0 -d $(SOURCES)
+	$(PY) -m pip download --quiet --no-deps trinity-rft==0.6.0 tinker-cookbook==0.6.1 -d $(SOURCES)
 	$(PY) -m zipfile -e $(SOURCES)/trinity_rft-0.6.0-py3-none-any.whl $(SOURCES)/trinity
+	$(PY) -m zipfile -e $(SOURCES)/tinker_cookbook-0.6.1-py3-none-any.whl $(SOURCES)/tinker
 	touch $(TRAINER_SOURCES)
 
 test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES)
-	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} $(PY) -m pytest -n 2 tests
+	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} PGLOSS_TINKER_SRC=$${PGLOSS_TINKER_SRC:-$(SOURCES)/tinker} \
+	$(PY) -m pytest -n 2 tests
 
 # The trainers' own loss tests (tests/peers/): swapped to pgloss (as in `make test`), then unmodified.
 peers: $(STAMP) $(INTEGRATIONS)
