@@ -1,5 +1,6 @@
 """The device side of every benchmark: `--device cpu|cuda`, a clean refusal without CUDA, the
-device's name for the report, peak memory above a baseline and the time of one call.
+device's name for the report, peak memory above a baseline and the time of one call; and the
+runner that gives each variant its own process (`run_variants`) and the table's cells (`cell`).
 
 On CUDA, memory is the caching allocator's `max_memory_allocated` and time is measured with CUDA
 events; on CPU, memory is the process's resident high-water mark (one variant per process) and time
@@ -92,3 +93,32 @@ def timed(fn, device) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
     return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run_variants(script: str, argv: list[str], variants: list[str], timeout: float) -> list[dict]:
+    """Each variant in its own process (`script` with `argv` and `--child <variant>`), so that its peak
+    memory is its own: the JSON line it prints, or a note saying why there is none."""
+    import json
+    import subprocess
+    import sys
+
+    results = []
+    for variant in variants:
+        command = [sys.executable, os.path.abspath(script), *argv, "--child", variant]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            results.append({"variant": variant, "note": f"stopped after {timeout} s (--timeout)"})
+            continue
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            results.append({"variant": variant, "note": f"failed: {reason[:150]}"})
+        else:
+            results.append(json.loads(lines[-1]))
+    return results
+
+
+def cell(value, spec: str, width: int) -> str:
+    """A table cell: `value` formatted by `spec`, "-" when absent, right-aligned to `width`."""
+    return ("-" if value is None else format(value, spec)).rjust(width)

@@ -22,12 +22,11 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import Memory, add_device_argument, describe, resolve_device, timed  # noqa: E402
+from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed  # noqa: E402
 
 VARIANTS = ("materialised", "gkd", "fused", "tiled", "trl")
 
@@ -177,9 +176,6 @@ def child(args) -> dict:
     return result
 
 
-def _cell(value, spec, width):
-    return ("-" if value is None else format(value, spec)).rjust(width)
-
 
 def main(argv=None) -> None:
     args = parse_args(argv)
@@ -195,21 +191,8 @@ def main(argv=None) -> None:
           f"H'={args.teacher_hidden or args.hidden} V={args.vocab} float32 on {args.device}, beta={args.beta}, "
           f"temperature={args.temperature}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.2f}")
-    results = []
-    forwarded = list(argv if argv is not None else sys.argv[1:])
-    for variant in args.variants.split(","):
-        command = [sys.executable, os.path.abspath(__file__), *forwarded, "--child", variant]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            results.append({"variant": variant, "note": f"stopped after {args.timeout} s (--timeout)"})
-            continue
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-            results.append({"variant": variant, "note": f"failed: {reason[:150]}"})
-        else:
-            results.append(json.loads(lines[-1]))
+    results = run_variants(__file__, list(argv if argv is not None else sys.argv[1:]), args.variants.split(","),
+                           args.timeout)
 
     base = next((r for r in results if r["variant"] == "materialised"), {})
 
@@ -222,10 +205,10 @@ def main(argv=None) -> None:
     print("|" + "|".join("-" * (len(c) + 2) for c in columns) + "|")
     for r in results:
         time_ratio = r["time_s"] / base["time_s"] if r.get("time_s") and base.get("time_s") else None
-        cells = [r["variant"].ljust(len(columns[0])), _cell(r.get("peak_mib"), ".0f", len(columns[1])),
-                 _cell(ratio(r, "peak_mib"), ".1f", len(columns[2])), _cell(r.get("time_s"), ".2f", len(columns[3])),
-                 _cell(r.get("cpu_s"), ".2f", len(columns[4])), _cell(time_ratio, ".2f", len(columns[5])),
-                 _cell(r.get("loss"), ".7f", len(columns[6])), _cell(r.get("grad_w_norm"), ".6f", len(columns[7])),
+        cells = [r["variant"].ljust(len(columns[0])), cell(r.get("peak_mib"), ".0f", len(columns[1])),
+                 cell(ratio(r, "peak_mib"), ".1f", len(columns[2])), cell(r.get("time_s"), ".2f", len(columns[3])),
+                 cell(r.get("cpu_s"), ".2f", len(columns[4])), cell(time_ratio, ".2f", len(columns[5])),
+                 cell(r.get("loss"), ".7f", len(columns[6])), cell(r.get("grad_w_norm"), ".6f", len(columns[7])),
                  r.get("note", "")]
         print("| " + " | ".join(cells) + " |")
     print("peak above inputs: above the inputs and the room of hidden.grad and weight.grad, which every path holds")

@@ -26,12 +26,11 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import Memory, add_device_argument, describe, resolve_device, timed  # noqa: E402
+from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed  # noqa: E402
 
 VARIANTS = ("naive", "fused", "tiled", "trl", "liger", "lce", "floor")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float64": "float64"}
@@ -277,9 +276,6 @@ def child(args) -> dict:
 # ------------------------------------------------------------------------------------------
 
 
-def _cell(value, spec, width):
-    return ("-" if value is None else format(value, spec)).rjust(width)
-
 
 def main(argv=None) -> None:
     args = parse_args(argv)
@@ -296,23 +292,8 @@ def main(argv=None) -> None:
           f"{args.dtype} on {args.device}, algorithm={args.algorithm}, temperature={args.temperature}, "
           f"repeats={args.repeats}, torch {torch.__version__}, {threads} threads, "
           f"load average {os.getloadavg()[0]:.2f}")
-    results = []
-    forwarded = list(argv if argv is not None else sys.argv[1:])
-    for variant in args.variants.split(","):
-        command = [sys.executable, os.path.abspath(__file__), *forwarded, "--child", variant]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            results.append({"variant": variant, "time_s": None, "peak_mib": None, "loss": None,
-                            "note": f"stopped after {args.timeout} s (--timeout)"})
-            continue
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-            results.append({"variant": variant, "time_s": None, "peak_mib": None, "loss": None,
-                            "note": f"failed: {reason[:150]}"})
-        else:
-            results.append(json.loads(lines[-1]))
+    results = run_variants(__file__, list(argv if argv is not None else sys.argv[1:]), args.variants.split(","),
+                           args.timeout)
 
     by_name = {r["variant"]: r for r in results}
     naive, floor = by_name.get("naive", {}), by_name.get("floor", {})
@@ -331,18 +312,18 @@ def main(argv=None) -> None:
         mem = naive["peak_mib"] / peak if peak and naive.get("peak_mib") else None
         cells = [
             r["variant"].ljust(len(columns[0])),
-            _cell(peak, ".0f", len(columns[1])),
-            _cell(mem, ".1f", len(columns[2])),
-            _cell(None if peak is None else peak + grads_mib, ".0f", len(columns[3])),
-            _cell((naive["peak_mib"] + grads_mib) / (peak + grads_mib) if peak and naive.get("peak_mib") else None,
+            cell(peak, ".0f", len(columns[1])),
+            cell(mem, ".1f", len(columns[2])),
+            cell(None if peak is None else peak + grads_mib, ".0f", len(columns[3])),
+            cell((naive["peak_mib"] + grads_mib) / (peak + grads_mib) if peak and naive.get("peak_mib") else None,
                   ".1f", len(columns[4])),
-            _cell(r.get("time_s"), ".2f", len(columns[5])),
-            _cell(r.get("cpu_s"), ".2f", len(columns[6])),
-            (_cell(ratio(r, "time_s", naive), ".2f", 0) + " / " + _cell(ratio(r, "cpu_s", naive), ".2f", 0)
+            cell(r.get("time_s"), ".2f", len(columns[5])),
+            cell(r.get("cpu_s"), ".2f", len(columns[6])),
+            (cell(ratio(r, "time_s", naive), ".2f", 0) + " / " + cell(ratio(r, "cpu_s", naive), ".2f", 0)
              ).rjust(len(columns[7])),
-            (_cell(ratio(r, "time_s", floor), ".2f", 0) + " / " + _cell(ratio(r, "cpu_s", floor), ".2f", 0)
+            (cell(ratio(r, "time_s", floor), ".2f", 0) + " / " + cell(ratio(r, "cpu_s", floor), ".2f", 0)
              ).rjust(len(columns[8])),
-            _cell(r.get("loss"), ".6f", len(columns[9])),
+            cell(r.get("loss"), ".6f", len(columns[9])),
             r.get("note", ""),
         ]
         print("| " + " | ".join(cells) + " |")
