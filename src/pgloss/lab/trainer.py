@@ -20,8 +20,9 @@ Read top to bottom:
    split, ppo_kl, gradient norm and the share of clipped gradients). Every diagnostic is a
    tensor until the single ``tolist`` of the step.
 
-On-policy distillation (``opd``, ``iw_opd``) takes the reference, the warm-start model, as its teacher:
-the teacher's log-probs of the sampled tokens are the reference's, and the group advantages ride along.
+On-policy distillation (``opd``, ``iw_opd``) reads the teacher's log-probs of the sampled tokens: those
+of ``train(..., teacher_state=...)``'s teacher (a lab policy's state dict, e.g. one trained by GRPO),
+or of the reference, the warm-start model, without one; the group advantages ride along.
 
 PPO in the papers learns a critic and uses GAE; the lab has no critic and gives ``ppo`` and
 ``dual_clip_ppo`` the same group advantages as the GRPO family (one reward per response).
@@ -59,7 +60,7 @@ ROLLOUT_METRICS = ("rollout_kl", "rollout_k3_kl", "rollout_chi2_token", "rollout
 LOSS_METRICS = {"clip_frac": "pg_clipfrac", "clip_frac_high": "pg_clipfrac_high", "clip_frac_low": "pg_clipfrac_low",
                 "ppo_kl": "ppo_kl"}
 UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss", *ROLLOUT_METRICS)
-METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac", "clip_frac_high", "clip_frac_low",
+METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "kl_teacher", "clip_frac", "clip_frac_high", "clip_frac_low",
            "ppo_kl", "grad_norm", "grad_clipped", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",
            "eval_reward", "sampled_groups", "groups", *ROLLOUT_METRICS)
 """Every metric a lab run records per step, in the order of the history file."""
@@ -80,27 +81,33 @@ class Batch:
     """[N] the raw rewards (TOPR splits on their sign)."""
     rollout_log_prob: Tensor | None = None
     """[N, R] log-probabilities of the sampler, when it is not the policy (or a correction is set)."""
+    teacher_log_prob: Tensor | None = None
+    """[N, R] log-probabilities of the teacher (on-policy distillation); None: the reference is the teacher."""
 
     def select(self, index: Tensor) -> "Batch":
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
         return Batch(self.rollout.select(index), self.old_log_prob[index], self.ref_log_prob[index],
-                     self.advantages[index], self.scores[index],
-                     None if self.rollout_log_prob is None else self.rollout_log_prob[index])
+                     self.advantages[index], self.scores[index], pick(self.rollout_log_prob),
+                     pick(self.teacher_log_prob))
 
     def inputs(self, algorithm) -> dict[str, Tensor | None]:
         """The optional inputs of `algorithm`'s call from this batch: those it `needs`, and the sampler's
-        log-probs. The lab's teacher (on-policy distillation) is its reference, the warm-start model."""
+        log-probs. The teacher (on-policy distillation) is the reference when the run has none of its own."""
+        teacher = self.ref_log_prob if self.teacher_log_prob is None else self.teacher_log_prob
         available = dict(ref_log_prob=self.ref_log_prob, group_ids=self.rollout.group_ids, scores=self.scores,
-                         teacher_log_prob=self.ref_log_prob)
+                         teacher_log_prob=teacher)
         return {key: value for key, value in available.items() if key in algorithm.needs} | {
             "rollout_log_prob": self.rollout_log_prob}
 
     @staticmethod
     def cat(parts: list["Batch"]) -> "Batch":
         """The rows of `parts` in order (responses right-padded to the longest)."""
-        rollout = None if parts[0].rollout_log_prob is None else pad_responses([b.rollout_log_prob for b in parts])
-        return Batch(Rollout.cat([b.rollout for b in parts]), pad_responses([b.old_log_prob for b in parts]),
-                     pad_responses([b.ref_log_prob for b in parts]), torch.cat([b.advantages for b in parts]),
-                     torch.cat([b.scores for b in parts]), rollout)
+        def padded(name: str) -> Tensor | None:
+            return None if getattr(parts[0], name) is None else pad_responses([getattr(b, name) for b in parts])
+
+        return Batch(Rollout.cat([b.rollout for b in parts]), padded("old_log_prob"), padded("ref_log_prob"),
+                     torch.cat([b.advantages for b in parts]), torch.cat([b.scores for b in parts]),
+                     padded("rollout_log_prob"), padded("teacher_log_prob"))
 
 
 def make_algorithm(cfg: LabConfig):
@@ -171,11 +178,13 @@ def score(rollout: Rollout, problems: list[Problem], tokenizer: Tokenizer, group
 
 @torch.no_grad()
 def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, generator: torch.Generator,
-            rank: int = 0, world: int = 1, sampler=None, offset: int = 0) -> tuple[Batch, dict[str, Tensor], list[str]]:
+            rank: int = 0, world: int = 1, sampler=None, offset: int = 0,
+            teacher=None) -> tuple[Batch, dict[str, Tensor], list[str]]:
     """Sample, score and prepare one round of a step's batch. This rank holds the round's prompts
     ``rank, rank + world, ...``; group ids are those global prompt indices plus `offset` (distinct
     over a step's refill rounds). `sampler` (the policy when None) samples at ``sampler_temperature``;
-    the batch carries its log-probs when it is not the policy or a rollout correction is set."""
+    the batch carries its log-probs when it is not the policy or a rollout correction is set, and the
+    `teacher`'s when there is one (``kl_teacher``: the reverse KL to it, k3, per token)."""
     sampler = policy if sampler is None else sampler
     temperature = cfg.temperature if cfg.sampler_temperature is None else cfg.sampler_temperature
     prompts = [tokenizer.encode(p.prompt) for p in problems]
@@ -186,13 +195,14 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
     rewards, texts = score(rollout, problems, tokenizer, cfg.group_size)
     old_log_prob, entropy = response_log_probs(policy, rollout, temperature=cfg.temperature)
     ref_log_prob, _ = response_log_probs(reference, rollout, temperature=cfg.temperature)
+    teacher_log_prob = None if teacher is None else response_log_probs(teacher, rollout, temperature=cfg.temperature)[0]
     rollout_log_prob = None
     if sampler is not policy or temperature != cfg.temperature:
         rollout_log_prob = response_log_probs(sampler, rollout, temperature=temperature)[0]
     elif algorithm.rollout_correction is not None:  # the sampler is the policy: weight 1, no mismatch
         rollout_log_prob = old_log_prob
     advantages = group_advantages(rewards, rollout.group_ids, scale=pgloss.recipe(algorithm.name).scale_rewards)
-    batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards, rollout_log_prob)
+    batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards, rollout_log_prob, teacher_log_prob)
     mask = rollout.mask.float()
     tokens = mask.sum()
     scratch = rollout.responses[:, 0] != tokenizer.stoi["|"]  # the response writes a scratchpad
@@ -201,6 +211,8 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
         "length": tokens / mask.shape[0],
         "entropy": (entropy * mask).sum() / tokens,
         "kl_ref": (kl_estimate(old_log_prob, ref_log_prob, "k3") * mask).sum() / tokens,
+        "kl_teacher": (kl_estimate(old_log_prob, ref_log_prob if teacher_log_prob is None else teacher_log_prob, "k3")
+                       * mask).sum() / tokens,
         "scratchpad": scratch.float().mean(),
         "reward_scratchpad": rewards[scratch].mean(),  # NaN (None in the record) when no response has one
         "reward_direct": rewards[~scratch].mean(),
@@ -325,14 +337,17 @@ def show(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) 
             zip(problems, texts, rollout.finished.tolist(), rewards.tolist())]
 
 
-def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollout=None) -> dict:
+def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollout=None,
+          teacher_state: dict | None = None) -> dict:
     """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}}.
 
     Step k's record holds the rollout of the policy before update k and that update's
     diagnostics; the record of step ``cfg.steps`` measures the final policy (no update, so its
     update diagnostics are None, as are those of a step whose every group DAPO dropped).
 
-    `warm_state` is a warm-started policy's state dict (computed here when None); `on_step`
+    `warm_state` is a warm-started policy's state dict (computed here when None); `teacher_state` a
+    lab policy's state dict (the same shape) whose log-probs the loss reads as its teacher's (on-policy
+    distillation; None: the reference is the teacher); `on_step`
     is called after each step. Under torchrun every rank takes every world-size-th prompt.
     `on_rollout(step, problems, texts)`, if given, sees each step's sampled responses (this rank's
     problems and the decoded texts, ``group_size`` per problem, before any dynamic sampling; DAPO's
@@ -347,6 +362,14 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         policy.load_state_dict(warm_state)
     dist.broadcast_parameters(policy)
     reference = copy.deepcopy(policy).requires_grad_(False)
+    teacher = None
+    if teacher_state is not None:
+        teacher = copy.deepcopy(reference)
+        try:
+            teacher.load_state_dict(teacher_state)
+        except RuntimeError as error:  # another width, depth or vocabulary
+            raise ValueError(f"teacher_state does not fit this run's model ({cfg.d_model} wide, {cfg.n_layer} layers): "
+                             f"{str(error).splitlines()[0]}") from None
     algorithm = make_algorithm(cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, cfg.warmup)))
@@ -361,7 +384,8 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
         mine = problems[rank::world]
         sampler = make_sampler(policy, cfg, step)
-        batch, stats, texts = collect(policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world, sampler)
+        batch, stats, texts = collect(policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world, sampler,
+                                      teacher=teacher)
         if on_rollout is not None:
             on_rollout(step, mine, texts)
         n_groups = cfg.prompts_per_step
@@ -371,7 +395,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
             def draw(round_: int) -> Batch:
                 fresh = [task.sample(refill_rng) for _ in range(cfg.prompts_per_step)][rank::world]
                 return collect(policy, reference, algorithm, fresh, tokenizer, cfg, generator, rank, world, sampler,
-                               offset=round_ * cfg.prompts_per_step)[0]
+                               offset=round_ * cfg.prompts_per_step, teacher=teacher)[0]
 
             batch, counts = refill(batch, draw, cfg.prompts_per_step, cfg.max_refill_rounds)
             stats.update(counts)

@@ -1,0 +1,66 @@
+"""The lab trains with a teacher of its own (on-policy distillation): `train(..., teacher_state=...)`
+gives the loss that model's log-probs of the sampled tokens and records the reverse KL to it."""
+
+import copy
+
+import pytest
+import torch
+
+from pgloss.lab.config import LabConfig
+from pgloss.lab.trainer import Batch, build, collect, make_algorithm, train, warm_start
+
+
+def tiny(**overrides):
+    return LabConfig(**{**dict(algorithm="opd", steps=2, prompts_per_step=4, group_size=2, warm_steps=30,
+                                 warm_batch=16, d_model=32, n_layer=1, eval_prompts=4, samples=1, max_new_tokens=12,
+                                 epochs=1, minibatches=1), **overrides})
+
+
+def models(cfg):
+    tokenizer, task, policy = build(cfg)
+    warm_start(policy, task, tokenizer, cfg)
+    teacher = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return tokenizer, task, policy, teacher
+
+
+def test_the_teachers_log_probs_reach_the_loss_and_the_reference_is_the_default():
+    cfg = tiny()
+    tokenizer, task, policy, teacher = models(cfg)
+    algorithm = make_algorithm(cfg)
+    problems = [task.sample(__import__("random").Random(1)) for _ in range(4)]
+
+    def batch(with_teacher):
+        generator = torch.Generator().manual_seed(0)
+        return collect(policy, policy, algorithm, problems, tokenizer, cfg, generator,
+                       teacher=teacher if with_teacher else None)
+
+    own, own_stats, _ = batch(True)
+    default, default_stats, _ = batch(False)
+    assert default.teacher_log_prob is None and torch.equal(default.inputs(algorithm)["teacher_log_prob"],
+                                                            default.ref_log_prob)
+    assert not torch.equal(own.inputs(algorithm)["teacher_log_prob"], own.ref_log_prob)
+    assert float(own_stats["kl_teacher"]) > 0 and float(default_stats["kl_teacher"]) == pytest.approx(0.0, abs=1e-6)
+
+    def loss(b):
+        return algorithm(log_prob=b.old_log_prob, old_log_prob=b.old_log_prob, advantages=b.advantages,
+                         mask=b.rollout.mask, **b.inputs(algorithm)).loss
+
+    assert float(loss(own)) != pytest.approx(float(loss(default)))
+    rows = torch.tensor([1, 0])
+    picked = own.select(rows)
+    assert torch.equal(picked.teacher_log_prob, own.teacher_log_prob[rows])
+    joined = Batch.cat([own.select(torch.tensor([0])), own.select(torch.tensor([1]))])
+    width = joined.teacher_log_prob.shape[1]
+    assert torch.equal(joined.teacher_log_prob[:, :width], own.teacher_log_prob[:2, :width])
+
+
+def test_a_run_with_a_teacher_records_the_kl_to_it_and_a_misfit_teacher_is_refused():
+    cfg = tiny()
+    _, _, policy, teacher = models(cfg)
+    out = train(cfg, warm_state=policy.state_dict(), teacher_state=teacher.state_dict())
+    assert len(out["metrics"]) == cfg.steps + 1 and out["metrics"][0]["kl_teacher"] > 0
+    with pytest.raises(ValueError, match="teacher_state does not fit this run's model"):
+        train(tiny(d_model=48), warm_state=None, teacher_state=teacher.state_dict())
