@@ -34,6 +34,7 @@ that is cut off at ``max_new_tokens`` gets reward 0 for every algorithm.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -248,8 +249,7 @@ def refill(batch: Batch, draw, n_groups: int, max_rounds: int) -> tuple[Batch, d
     ids = new_id[batch.rollout.group_ids.cpu()].to(batch.rollout.group_ids.device)
     batch = batch.select((ids >= 0).nonzero().squeeze(1))
     r = batch.rollout
-    batch = Batch(Rollout(r.tokens, r.valid, r.prompt_len, r.mask, r.finished, ids[ids >= 0]), batch.old_log_prob,
-                  batch.ref_log_prob, batch.advantages, batch.scores, batch.rollout_log_prob)
+    batch = dataclasses.replace(batch, rollout=Rollout(r.tokens, r.valid, r.prompt_len, r.mask, r.finished, ids[ids >= 0]))
     sampled = len(parts) * n_groups
     return batch, {"sampled_groups": torch.tensor(float(sampled)), "groups": torch.tensor(float(len(chosen))),
                    "kept": torch.tensor(len(chosen) / sampled)}
@@ -339,7 +339,8 @@ def show(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) 
 
 def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollout=None,
           teacher_state: dict | None = None) -> dict:
-    """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}}.
+    """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}, "state": the
+    final policy's state dict (a teacher for another run, `teacher_state`)}.
 
     Step k's record holds the rollout of the policy before update k and that update's
     diagnostics; the record of step ``cfg.steps`` measures the final policy (no update, so its
@@ -412,4 +413,5 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         metrics.append(record)
         if on_step is not None:
             on_step(record)
-    return {"metrics": metrics, "samples": samples}
+    return {"metrics": metrics, "samples": samples,
+            "state": {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}}
