@@ -2,12 +2,14 @@
 gives the loss that model's log-probs of the sampled tokens and records the reverse KL to it."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from pgloss.lab import trainer
 from pgloss.lab.config import LabConfig
-from pgloss.lab.trainer import Batch, build, collect, make_algorithm, train, warm_start
+from pgloss.lab.trainer import Batch, build, collect, make_algorithm, refill, train, warm_start
 
 
 def tiny(**overrides):
@@ -64,3 +66,41 @@ def test_a_run_with_a_teacher_records_the_kl_to_it_and_a_misfit_teacher_is_refus
     assert len(out["metrics"]) == cfg.steps + 1 and out["metrics"][0]["kl_teacher"] > 0
     with pytest.raises(ValueError, match="teacher_state does not fit this run's model"):
         train(tiny(d_model=48), warm_state=None, teacher_state=teacher.state_dict())
+
+
+def test_dapos_refill_keeps_the_teachers_log_probs():
+    cfg = tiny()
+    tokenizer, task, policy, teacher = models(cfg)
+    algorithm = make_algorithm(cfg)
+    problems = [task.sample(__import__("random").Random(2)) for _ in range(4)]
+    own, _, _ = collect(policy, policy, algorithm, problems, tokenizer, cfg, torch.Generator().manual_seed(0),
+                        teacher=teacher)
+    own = dataclasses.replace(own, scores=torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]))  # group 1 all right
+    kept, _ = refill(own, lambda round_: own, 4, max_rounds=0)
+    rows = torch.tensor([0, 1, 4, 5, 6, 7])
+    assert kept.teacher_log_prob is not None
+    assert torch.equal(kept.teacher_log_prob[kept.rollout.mask], own.teacher_log_prob[rows][own.rollout.mask[rows]])
+
+
+def test_reward_coef_weighs_the_task_advantages_and_a_run_returns_its_final_policy(monkeypatch):
+    cfg = tiny()
+    score = trainer.score  # rewards that differ within each group (this small a policy gets none right)
+    monkeypatch.setattr(trainer, "score", lambda rollout, *args: (
+        torch.arange(len(rollout.tokens)).remainder(3).float(), score(rollout, *args)[1]))
+    tokenizer, task, policy, teacher = models(cfg)
+    problems = [task.sample(__import__("random").Random(3)) for _ in range(4)]
+
+    def advantages(**overrides):
+        run = tiny(**overrides)
+        return collect(policy, policy, make_algorithm(run), problems, tokenizer, run,
+                       torch.Generator().manual_seed(0), teacher=teacher)[0].advantages
+
+    full, half, none = advantages(), advantages(reward_coef=0.5), advantages(reward_coef=0.0)
+    assert full.abs().max() > 0 and torch.allclose(half, 0.5 * full) and torch.equal(none, torch.zeros_like(full))
+    with pytest.raises(ValueError, match="--reward-coef must be a finite number >= 0"):
+        tiny(reward_coef=-1.0)
+    out = train(tiny(reward_coef=0.0), warm_state=policy.state_dict(), teacher_state=teacher.state_dict())
+    moved = [k for k, v in out["state"].items() if not torch.equal(v, policy.state_dict()[k])]
+    assert moved  # pure distillation trains the policy from the teacher's advantage alone
+    fresh = build(cfg)[2]
+    fresh.load_state_dict(out["state"])  # the state is a whole lab policy: a teacher for another run

@@ -39,6 +39,8 @@ class LabConfig:
     """Simulated mismatch: the rollouts come from a copy of the policy whose weights carry relative Gaussian noise of this scale."""
     rollout_correction: str = "default"
     """Rollout correction of the loss (docs/lab.md): default (the loss's own truncated IS), none, or LEVEL[:KEY=VALUE,...] e.g. token:upper=2."""
+    reward_coef: float = 1.0
+    """Weight of the task's group advantages in the loss (0 with --algorithm opd: pure on-policy distillation, the teacher's advantage alone)."""
     max_refill_rounds: int = 0
     """DAPO's dynamic sampling: extra rounds of fresh prompts per step to refill the groups it drops (0: no refill; a round costs a sampling pass)."""
     max_new_tokens: int = 24
@@ -91,6 +93,7 @@ class LabConfig:
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
             ("sampler_temperature", self.sampler_temperature is None or self.sampler_temperature > 0, "> 0 or none"),
             ("sampler_noise", self.sampler_noise >= 0, ">= 0"),
+            ("reward_coef", math.isfinite(self.reward_coef) and self.reward_coef >= 0, "a finite number >= 0"),
             ("max_refill_rounds", self.max_refill_rounds >= 0, ">= 0"),
             ("epochs", self.epochs >= 1, ">= 1"),
             ("minibatches", 1 <= self.minibatches <= self.prompts_per_step,

@@ -22,7 +22,8 @@ Read top to bottom:
 
 On-policy distillation (``opd``, ``iw_opd``) reads the teacher's log-probs of the sampled tokens: those
 of ``train(..., teacher_state=...)``'s teacher (a lab policy's state dict, e.g. one trained by GRPO),
-or of the reference, the warm-start model, without one; the group advantages ride along.
+or of the reference, the warm-start model, without one; the group advantages ride along, weighted by
+``reward_coef`` (0: pure distillation).
 
 PPO in the papers learns a critic and uses GAE; the lab has no critic and gives ``ppo`` and
 ``dual_clip_ppo`` the same group advantages as the GRPO family (one reward per response).
@@ -202,7 +203,8 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
         rollout_log_prob = response_log_probs(sampler, rollout, temperature=temperature)[0]
     elif algorithm.rollout_correction is not None:  # the sampler is the policy: weight 1, no mismatch
         rollout_log_prob = old_log_prob
-    advantages = group_advantages(rewards, rollout.group_ids, scale=pgloss.recipe(algorithm.name).scale_rewards)
+    advantages = cfg.reward_coef * group_advantages(rewards, rollout.group_ids,
+                                                    scale=pgloss.recipe(algorithm.name).scale_rewards)
     batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards, rollout_log_prob, teacher_log_prob)
     mask = rollout.mask.float()
     tokens = mask.sum()
