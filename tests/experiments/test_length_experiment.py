@@ -11,7 +11,8 @@ import torch
 import pgloss
 from pgloss.cli import main
 from pgloss.experiments import length
-from pgloss.experiments.length_report import CLAIMS, Claim, growth, interval, run_mean, verdict, write_report
+from pgloss.experiments.claims import Claim, growth, interval, run_mean, verdict
+from pgloss.experiments.length_report import CLAIMS, write_report
 from pgloss.diagnostics.grads import gradient_table, load_batch
 from pgloss.lab.tasks import demonstration, make_task, reward
 from pgloss.lab.tasks import TraceTask

@@ -1,0 +1,107 @@
+"""Published claims as paired comparisons over seeds: a measure of each run, the difference between two
+algorithms per seed (both start from that seed's warm start), its 95% Student-t interval and the verdict.
+
+Every interval is mean ± t_{0.975, n-1}·sd/√n of one number per seed. A claim is reproduced when the
+interval of the difference lies on the predicted side of 0, refuted when it lies on the other side, not
+resolved when it holds 0. The length and the distillation experiments read their claims with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# t_{0.975, df} for df = 1..30; beyond, the normal quantile.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% t-interval) of `values`, NaNs left out; the half-width is NaN
+    for fewer than two values and the mean NaN for none."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.960
+    return mean, t * sd / math.sqrt(n)
+
+
+def nanmean(values) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def window_mean(records: list[dict], key: str, steps: range) -> float:
+    """Mean of `key` over the records of `steps` (None values left out)."""
+    return nanmean(r.get(key) for r in records if r["step"] in steps)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A published claim as a paired comparison: `sign` · (Δ_a - Δ_b) > 0 is what it predicts."""
+
+    source: str
+    statement: str
+    key: str
+    a: str
+    b: str
+    sign: int
+    unit: str
+
+
+def change(records: list[dict], key: str, window: int) -> float:
+    """End minus start of `key` in one run: the mean over the last `window` steps minus step 0's value
+    (the warm-start policy, the same for every algorithm of a seed)."""
+    last = records[-1]["step"]
+    return window_mean(records, key, range(last - window + 1, last + 1)) - window_mean(records, key, range(1))
+
+
+def run_mean(records: list[dict], key: str) -> float:
+    """Mean of `key` over the RL steps (1 to the last) minus step 0's: the area between the curve and its start."""
+    return window_mean(records, key, range(1, records[-1]["step"] + 1)) - window_mean(records, key, range(1))
+
+
+def growth(records: list[dict], key: str) -> float:
+    """The growth rate of `key` in one run, per 100 steps: 100 times the least-squares slope of its
+    values against the step over every recorded step (0 to the last; None values left out)."""
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None and not math.isnan(r[key])]
+    if len(points) < 2:
+        return math.nan
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return 100 * sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else math.nan
+
+
+def verdict(claim: Claim, runs: dict, window: int, measure=change) -> dict | None:
+    """The paired difference of the claim's `measure` (by default the end-minus-start change) over the
+    seeds both algorithms ran; None if none."""
+    seeds = sorted(s for (a, s) in runs if a == claim.a and (claim.b, s) in runs)
+    if not seeds:
+        return None
+    args = (window,) if measure is change else ()
+    diffs = [measure(runs[(claim.a, s)], claim.key, *args) - measure(runs[(claim.b, s)], claim.key, *args)
+             for s in seeds]
+    mean, half = interval(diffs)
+    low, high = mean - half, mean + half
+    if math.isnan(half):
+        result = "not resolved (fewer than two seeds)"
+    elif claim.sign * low > 0 and claim.sign * high > 0:
+        result = "reproduced"
+    elif claim.sign * low < 0 and claim.sign * high < 0:
+        result = "refuted (the opposite holds)"
+    else:
+        result = "not resolved at this scale"
+    return {"claim": claim, "seeds": len(seeds), "mean": mean, "low": low, "high": high, "verdict": result}
+
+
+def fmt(pair: tuple[float, float], digits: int = 2) -> str:
+    mean, half = pair
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {half:.{digits}f}")
