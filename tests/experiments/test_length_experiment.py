@@ -11,6 +11,7 @@ import torch
 import pgloss
 from pgloss.cli import main
 from pgloss.experiments import length
+from pgloss.experiments.runs import load
 from pgloss.experiments.claims import Claim, growth, interval, run_mean, verdict
 from pgloss.experiments.length_report import CLAIMS, write_report
 from pgloss.diagnostics.grads import gradient_table, load_batch
@@ -118,7 +119,7 @@ def test_reduced_run_end_to_end(tmp_path):
     """The experiment's whole path in seconds: warm starts, runs, records, report, resume."""
     experiment = length.LengthExperiment(**REDUCED)
     length.run(experiment, tmp_path, progress=False)
-    runs = length.load(tmp_path)
+    runs = load(tmp_path)
     assert set(runs) == {(a, s) for a in REDUCED["algorithms"] for s in range(2)}
     for records in runs.values():
         assert [r["step"] for r in records] == [0, 1, 2]
@@ -244,7 +245,7 @@ def test_reduced_growth_run_through_the_command(tmp_path, capsys, monkeypatch):
     assert main(["experiment", "length", "--task", "chain", "--quick", "--steps", "2", "--out", str(out)]) == 0
     settings = json.loads((out / "experiment.json").read_text())
     assert settings["task"] == "chain" and settings["entropy_coef"] == small.entropy_coef and settings["steps"] == 2
-    runs = length.load(out)
+    runs = load(out)
     assert set(runs) == {(a, s) for a in ("grpo", "sample_grpo") for s in range(2)}
     assert all(r["entropy"] is not None for records in runs.values() for r in records)
     text = (out / "report.md").read_text()

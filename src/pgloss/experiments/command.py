@@ -62,6 +62,7 @@ def cmd_experiment(args) -> int:
     """Run (or resume) the experiment in ``--out``, then write report.md and its plots there."""
     from . import length
     from .length_report import write_report
+    from .runs import load
     from ..lab.runner import require_extras
     from ..lab.spec import parse_algorithms
 
@@ -94,7 +95,7 @@ def cmd_experiment(args) -> int:
             interrupted = True
         previous = json.loads(timing.read_text())["seconds"] if timing.exists() else 0.0
         timing.write_text(json.dumps({"seconds": round(previous + time.time() - start, 1)}) + "\n")
-    runs = length.load(out)
+    runs = load(out)
     total = experiment.seeds * len(experiment.algorithms)
     if not args.report_only:
         _save(out, experiment, "interrupted" if interrupted else "finished")

@@ -26,13 +26,13 @@ goes and skips runs already complete, so an interrupted experiment resumes where
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .runs import execute, run_path, warm_state, write_run
 
 LENGTH_BINS = (1, 8, 16, 32, 64)
 """Lower edges of the response-length bins (tokens, end token included) of the gradient weight."""
@@ -226,38 +226,24 @@ def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) 
 
 
 def _warm(experiment: LengthExperiment, seed: int, cache: str) -> None:
-    """Train (or find in the cache) the warm start of `seed`; its steps are reported to the progress bar."""
-    from ..lab import warm
-    from ..lab.runner import emit
-
-    warm.state(experiment.lab_config(experiment.algorithms[0], seed), Path(cache),
-               on_steps=lambda steps, seconds: emit({"warm": steps, "seconds": seconds}))
+    warm_state(experiment.lab_config(experiment.algorithms[0], seed), cache)
 
 
 def _run(experiment: LengthExperiment, algorithm: str, seed: int, cache: str, path: str) -> tuple[str, int]:
-    from ..lab import trainer, warm
-    from ..lab.runner import emit, timed_steps
+    from ..lab import trainer
 
     cfg = experiment.lab_config(algorithm, seed)
     loss = trainer.make_algorithm(cfg)
     extra: dict[int, dict] = {}
-    tmp = Path(path + ".tmp")
-    report = timed_steps(emit)
-    with open(tmp, "w") as f:
-        def on_rollout(step, problems, texts):
-            extra[step] = measure(problems, texts, loss, cfg.group_size, cfg.max_new_tokens)
-            batch_path = Path(cache) / f"batch-seed{seed}.pt"  # step 0 is the same for every algorithm
-            if step == 0 and not batch_path.exists():
-                torch.save(lab_batch(problems, texts, cfg.group_size, cfg.max_new_tokens), f"{batch_path}.{algorithm}")
-                Path(f"{batch_path}.{algorithm}").rename(batch_path)
 
-        def on_step(record):
-            f.write(json.dumps({**record, **extra.pop(record["step"])}) + "\n")
-            f.flush()
-            report(record)
+    def on_rollout(step, problems, texts):
+        extra[step] = measure(problems, texts, loss, cfg.group_size, cfg.max_new_tokens)
+        batch_path = Path(cache) / f"batch-seed{seed}.pt"  # step 0 is the same for every algorithm
+        if step == 0 and not batch_path.exists():
+            torch.save(lab_batch(problems, texts, cfg.group_size, cfg.max_new_tokens), f"{batch_path}.{algorithm}")
+            Path(f"{batch_path}.{algorithm}").rename(batch_path)
 
-        trainer.train(cfg, warm.state(cfg, Path(cache)), on_step=on_step, on_rollout=on_rollout)
-    tmp.rename(path)  # only a complete run gets its final name
+    write_run(cfg, path, cache, extra=extra.pop, on_rollout=on_rollout)
     return algorithm, seed
 
 
@@ -273,9 +259,8 @@ def check(experiment: LengthExperiment) -> None:
 
 def jobs(experiment: LengthExperiment, out: Path) -> list[tuple]:
     """The (algorithm, seed) runs not yet complete in `out`, as arguments of `_run`."""
-    return [(experiment, a, s, str(out / "warm"), str(out / "runs" / f"{a}-{s}.jsonl"))
-            for s in range(experiment.seeds) for a in experiment.algorithms
-            if not (out / "runs" / f"{a}-{s}.jsonl").exists()]
+    return [(experiment, a, s, str(out / "warm"), str(run_path(out, a, s)))
+            for s in range(experiment.seeds) for a in experiment.algorithms if not run_path(out, a, s).exists()]
 
 
 def run(experiment: LengthExperiment, out: Path, progress: bool = True) -> float:
@@ -284,40 +269,13 @@ def run(experiment: LengthExperiment, out: Path, progress: bool = True) -> float
     one progress bar on stderr (`progress`); returns the seconds taken. A KeyboardInterrupt (Ctrl-C,
     SIGTERM) stops the workers and propagates: complete runs stay, the next call resumes."""
     from ..lab import warm
-    from ..lab.progress import Progress
-    from ..lab.runner import RL, WARM, Runner, Sink
 
     check(experiment)
-    start = time.time()
     (out / "warm").mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     todo = jobs(experiment, out)
     seeds = sorted({job[2] for job in todo})
     cold = [s for s in seeds if not warm.cached(experiment.lab_config(experiment.algorithms[0], s), out / "warm")]
-    workers = min(experiment.workers, max(1, len(todo)))
-    bar = Progress("experiment length", {WARM: (len(cold) * experiment.warm_steps, min(workers, len(cold))),
-                                         RL: (len(todo) * (experiment.steps + 1), workers)}) if progress else None
-    sink = Sink(None, bar)
-    runner, interrupted = None, False
-    try:
-        runner = Runner(workers, sink)
-        runner.map(_warm, [(experiment, s, str(out / "warm")) for s in seeds], {})
-        runner.map(_run, todo, {})
-    except BaseException:
-        interrupted = True
-        raise
-    finally:
-        if runner is not None:
-            runner.close(terminate=interrupted)
-        sink.close()
-    return time.time() - start
-
-
-def load(out: Path) -> dict[tuple[str, int], list[dict]]:
-    """Every complete run in ``out/runs``: (algorithm, seed) -> its per-step records."""
-    runs = {}
-    for path in sorted((out / "runs").glob("*.jsonl")):
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if records:
-            runs[(records[0]["algorithm"], records[0]["seed"])] = records
-    return runs
+    return execute("length", [(_warm, [(experiment, s, str(out / "warm")) for s in seeds]), (_run, todo)],
+                   workers=min(experiment.workers, max(1, len(todo))), warm_starts=len(cold), warm_steps=experiment.warm_steps,
+                   rl_steps=len(todo) * (experiment.steps + 1), progress=progress)
