@@ -197,7 +197,7 @@ def test_the_experiment_resumes_its_own_out_and_refuses_another(tmp_path, capsys
     assert claim_out(None, str(out), other, overwrite=False) == tmp_path / "exp-2"  # the default: beside it
     (out / "runs").mkdir()
     (out / "notes.txt").write_text("mine")
-    assert claim_out(str(out), "unused", other, overwrite=True) == out
+    assert claim_out(str(out), "unused", other, overwrite=True, own=length.OWN) == out
     assert not (out / "runs").exists() and not (out / "experiment.json").exists() and (out / "notes.txt").exists()
     assert (out / "replaced" / "runs").is_dir() and (out / "replaced" / "experiment.json").exists()  # set aside, not deleted
     assert main(["experiment", "length", "--quick", "--steps", "5", "--out", str(out / "notes.txt")]) == 2

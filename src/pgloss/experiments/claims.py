@@ -105,3 +105,32 @@ def fmt(pair: tuple[float, float], digits: int = 2) -> str:
     if math.isnan(mean):
         return "-"
     return f"{mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {half:.{digits}f}")
+
+
+def interval_curve(ax, runs: dict, label: str, key: str, smooth: int, **style) -> None:
+    """Draw `key` of `label`'s runs against the step on `ax`: each seed's values averaged over a centred
+    window of `smooth` steps, then their mean over seeds with its 95% interval shaded (never below 0:
+    every measure drawn this way is >= 0). Nothing when `label` has no run."""
+    seeds = sorted(s for (name, s) in runs if name == label)
+    if not seeds:
+        return
+    steps = [r["step"] for r in runs[(label, seeds[0])]]
+    stats = [interval([window_mean(runs[(label, s)], key, range(step - smooth // 2, step + smooth // 2 + 1))
+                       for s in seeds]) for step in steps]
+    mean = [m for m, _ in stats]
+    half = [0.0 if math.isnan(h) else h for _, h in stats]
+    ax.plot(steps, mean, label=f"{label} (n={len(seeds)})", lw=1.4, **style)
+    ax.fill_between(steps, [max(0.0, m - h) for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
+                    color=style.get("color"), alpha=0.15, lw=0)
+
+
+def scale_caveat(runs: dict, design) -> str | None:
+    """A warning when the runs are smaller than the experiment's `design` (its ``seeds`` and ``steps``):
+    their intervals are wide and their verdicts are no result (``--quick`` checks that it all runs)."""
+    seeds = max((sum(1 for (b, _) in runs if b == a) for a, _ in runs), default=0)
+    steps = max((records[-1]["step"] for records in runs.values()), default=0)
+    if seeds >= design.seeds and steps >= design.steps:
+        return None
+    return (f"A check run, not a result: {seeds} seed{'s' if seeds != 1 else ''} x {steps} steps against the "
+            f"experiment's {design.seeds} x {design.steps}. With so few seeds and steps the intervals are wide and "
+            "the verdicts below say only what the numbers would read; docs/experiments.md has the full run.")

@@ -34,6 +34,9 @@ import torch
 
 from .runs import execute, run_path, warm_state, write_run
 
+OWN = ("runs", "warm", "experiment.json", "seconds.json", "report.md", "length_reward.png", "length_length.png",
+       "length_repetition.png", "length_gradient.png")
+"""The files and folders the experiment writes into its --out (what --overwrite sets aside)."""
 LENGTH_BINS = (1, 8, 16, 32, 64)
 """Lower edges of the response-length bins (tokens, end token included) of the gradient weight."""
 

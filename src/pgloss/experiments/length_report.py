@@ -10,8 +10,8 @@ import dataclasses
 import math
 from pathlib import Path
 
-from .claims import Claim, fmt, growth, interval, nanmean, run_mean, verdict, window_mean
-from .length import LENGTH_BINS
+from .claims import Claim, fmt, growth, interval, interval_curve, nanmean, run_mean, scale_caveat, verdict, window_mean
+from .length import LENGTH_BINS, LengthExperiment
 
 CLAIMS = (
     Claim("OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
@@ -91,19 +91,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
 
     def curves(ax, key: str, title: str) -> None:
         for a in algorithms:
-            seeds = sorted(s for (name, s) in runs if name == a)
-            if not seeds:
-                continue
-            steps = [r["step"] for r in runs[(a, seeds[0])]]
-            # each seed's curve is first averaged over a centred window of SMOOTH steps, then the seeds
-            stats = [interval([window_mean(runs[(a, s)], key, range(step - SMOOTH // 2, step + SMOOTH // 2 + 1))
-                               for s in seeds]) for step in steps]
-            mean = [m for m, _ in stats]
-            half = [0.0 if math.isnan(h) else h for _, h in stats]
-            ax.plot(steps, mean, color=colors[a], ls=style[a][1], label=f"{a} (n={len(seeds)})", lw=1.4)
-            # every measure here is >= 0: an interval of few seeds is not drawn below zero
-            ax.fill_between(steps, [max(0.0, m - h) for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
-                            color=colors[a], alpha=0.15, lw=0)
+            interval_curve(ax, runs, a, key, SMOOTH, color=colors[a], ls=style[a][1])
         if key in ("rep4", "scratchpad"):  # shares: an interval of few values may reach outside [0, 1]
             ax.set_ylim(0, 1)
         ax.set_title(title, fontsize=10)
@@ -155,29 +143,13 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
     return paths
 
 
-def scale_caveat(runs: dict, design=None) -> str | None:
-    """A warning when the runs are smaller than the experiment's `design` (its seeds and steps; by
-    default the ``trace`` experiment's): their intervals are wide and their verdicts are no result
-    (``--quick`` checks that it all runs)."""
-    from .length import LengthExperiment
-
-    design = LengthExperiment() if design is None else design
-    seeds = max((sum(1 for (b, _) in runs if b == a) for a, _ in runs), default=0)
-    steps = max((records[-1]["step"] for records in runs.values()), default=0)
-    if seeds >= design.seeds and steps >= design.steps:
-        return None
-    return (f"A check run, not a result: {seeds} seed{'s' if seeds != 1 else ''} x {steps} steps against the "
-            f"experiment's {design.seeds} x {design.steps}. With so few seeds and steps the intervals are wide and "
-            "the verdicts below say only what the numbers would read; docs/experiments.md has the full run.")
-
-
 def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, seconds: float | None,
                  window: int, design=None) -> Path:
     """report.md with the table, the verdicts and the plots, in `out`; returns its path. `design` is the
     experiment the runs belong to (its seeds and steps decide whether they are a check run)."""
     plots = plot(runs, algorithms, out)
     rows = summary_rows(runs, algorithms, window)
-    caveat = scale_caveat(runs, design)
+    caveat = scale_caveat(runs, LengthExperiment() if design is None else design)
     lines = ["# The length experiment", "", f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
              "", *([f"**{caveat}**", ""] if caveat else []), f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.", "",
              "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "

@@ -1,0 +1,167 @@
+"""The distillation experiment: does on-policy distillation bring a student to its teacher faster than RL?
+
+Published claim under test (docs/experiments.md states it with its prediction and verdict): "On-Policy
+Distillation" (Kevin Lu and Thinking Machines Lab, 2025; after GKD, Agarwal et al., arXiv 2306.13649):
+a student that samples its own responses and is graded on every token by the teacher (the per-token
+reverse KL, log π_T - log π_student, as its advantage) learns the teacher's behaviour in far fewer
+steps than RL from the task's reward, which grades a whole response with one number.
+
+Design: the lab's ``chain`` task at the lab's default scale (width 96, 32 prompts x 8 responses per step). Per seed, a warm start; a teacher trained
+from it by GRPO for ``teacher_steps``; then students from the same warm start, ``steps`` each, every
+one sampling its own responses and seeing the same prompts (``STUDENTS``): ``grpo`` on the task's
+reward (the teacher's own recipe, so its steps are the teacher's first ones), ``opd`` on the teacher's
+advantage alone (``reward_coef`` 0: pure distillation), ``opd+reward`` on both summed
+(tinker-cookbook's form). Each step records the lab's diagnostics, among them the sampled reward and
+``kl_teacher``, the reverse KL to the teacher per token (k3) on the student's own samples.
+
+Files in OUT: ``warm/`` (warm starts), ``teachers/teacher-seedS.pt`` (each teacher's final state),
+``runs/LABEL-S.jsonl`` (the teacher's run is labelled ``teacher``). Complete runs are kept and skipped
+when the experiment resumes; a teacher is trained again only if its state file is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from .runs import execute, run_path, warm_state, write_run
+
+OWN = ("runs", "warm", "teachers", "experiment.json", "seconds.json", "report.md", "distill.png")
+"""The files and folders the experiment writes into its --out (what --overwrite sets aside)."""
+TEACHER = "teacher"
+"""The label of each seed's teacher run (GRPO from the warm start)."""
+STUDENTS = {"grpo": ("grpo", 1.0), "opd": ("opd", 0.0), "opd+reward": ("opd", 1.0), "iw_opd": ("iw_opd", 0.0)}
+"""Each student's label: (its lab algorithm, the weight of the task's group advantages, ``reward_coef``)."""
+
+
+@dataclass(frozen=True)
+class DistillExperiment:
+    """The experiment's scale: students, seeds and steps; the lab's defaults otherwise."""
+
+    students: tuple[str, ...] = ("grpo", "opd", "opd+reward")
+    """Students trained from each seed's warm start against its teacher (names of ``STUDENTS``)."""
+    seeds: int = 4
+    """Seeds 0..seeds-1 (each its own warm start, teacher, prompts and sampling)."""
+    teacher_steps: int = 60
+    """GRPO steps that make each seed's teacher."""
+    steps: int = 30
+    """RL steps per student."""
+    workers: int = 2
+    """Runs trained at once, one process and one thread each."""
+    task: str = "chain"
+    """The lab task (lab/tasks.py)."""
+    prompts_per_step: int = 32
+    """Prompts per RL step (the lab's default, as are the settings below)."""
+    group_size: int = 8
+    """Completions per prompt."""
+    max_new_tokens: int = 24
+    """Response budget."""
+    warm_steps: int = 1500
+    """Supervised warm-start steps."""
+    warm_batch: int = 64
+    """Demonstrations per warm-start step."""
+    d_model: int = 96
+    """Width of the transformer (teacher and students alike)."""
+    eval_prompts: int = 64
+    """Held-out prompts answered greedily every step."""
+
+    def __post_init__(self) -> None:
+        if not self.students:
+            raise ValueError("students: need at least one student")
+        unknown = [s for s in self.students if s not in STUDENTS]
+        if unknown:
+            raise ValueError(f"students: unknown {', '.join(map(repr, unknown))}; valid names: {', '.join(STUDENTS)}")
+        for name in ("seeds", "teacher_steps", "steps", "workers", "prompts_per_step", "group_size", "max_new_tokens",
+                     "warm_batch", "d_model", "eval_prompts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: need an int >= 1, got {value!r}")
+        if not isinstance(self.warm_steps, int) or self.warm_steps < 0:
+            raise ValueError(f"warm_steps: need an int >= 0, got {self.warm_steps!r}")
+        from ..lab.tasks import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"task: unknown task {self.task!r}; valid names: {', '.join(sorted(TASKS))}")
+
+    def lab_config(self, label: str, seed: int):
+        """The lab's configuration of one run: the teacher's or a student's."""
+        from ..lab.config import LabConfig
+
+        algorithm, reward_coef = ("grpo", 1.0) if label == TEACHER else STUDENTS[label]
+        steps = self.teacher_steps if label == TEACHER else self.steps
+        return LabConfig(algorithm=algorithm, reward_coef=reward_coef, task=self.task, seed=seed, steps=steps,
+                         prompts_per_step=self.prompts_per_step, group_size=self.group_size,
+                         max_new_tokens=self.max_new_tokens, warm_steps=self.warm_steps, warm_batch=self.warm_batch,
+                         d_model=self.d_model, eval_prompts=self.eval_prompts, samples=min(4, self.eval_prompts),
+                         threads=1)
+
+
+DESIGN = DistillExperiment()
+"""The experiment ``pgloss experiment distill`` runs (its options override these settings)."""
+
+
+def quick(experiment: DistillExperiment) -> DistillExperiment:
+    """``--quick``: two seeds, a 12-step teacher and 8-step students (a check that it all runs, not a result)."""
+    return dataclasses.replace(experiment, seeds=2, teacher_steps=12, steps=8)
+
+
+def teacher_path(out: Path, seed: int) -> Path:
+    """Where the teacher of `seed` is kept (its state dict)."""
+    return out / "teachers" / f"{TEACHER}-seed{seed}.pt"
+
+
+def _warm(experiment: DistillExperiment, seed: int, cache: str) -> None:
+    warm_state(experiment.lab_config(TEACHER, seed), cache)
+
+
+def _teacher(experiment: DistillExperiment, seed: int, out: str) -> None:
+    """Train the teacher of `seed` (its run into runs/, its state into teachers/)."""
+    import torch
+
+    out = Path(out)
+    result = write_run(experiment.lab_config(TEACHER, seed), str(run_path(out, TEACHER, seed)), str(out / "warm"),
+                       label=TEACHER)
+    path = teacher_path(out, seed)
+    torch.save(result["state"], path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)  # a complete file or none
+
+
+def _student(experiment: DistillExperiment, label: str, seed: int, out: str) -> None:
+    import torch
+
+    out = Path(out)
+    write_run(experiment.lab_config(label, seed), str(run_path(out, label, seed)), str(out / "warm"), label=label,
+              teacher_state=torch.load(teacher_path(out, seed), map_location="cpu"))
+
+
+def check(experiment: DistillExperiment) -> None:
+    """Fail before any training on a student the lab cannot build (ValueError/TypeError)."""
+    from ..lab.trainer import make_algorithm
+
+    for label in (TEACHER, *experiment.students):
+        make_algorithm(experiment.lab_config(label, 0))
+
+
+def run(experiment: DistillExperiment, out: Path, progress: bool = True) -> float:
+    """Warm-start, then train every teacher and then every student not yet complete in `out`,
+    ``experiment.workers`` at a time, with one progress bar on stderr; returns the seconds taken. A
+    KeyboardInterrupt (Ctrl-C, SIGTERM) stops the workers and propagates: complete runs and teachers
+    stay, the next call resumes."""
+    from ..lab import warm
+
+    check(experiment)
+    for folder in ("warm", "runs", "teachers"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+    seeds = range(experiment.seeds)
+    teachers = [s for s in seeds if not teacher_path(out, s).exists()]
+    students = [(label, s) for s in seeds for label in experiment.students if not run_path(out, label, s).exists()]
+    needed = sorted(set(teachers) | {s for _, s in students})
+    cold = [s for s in needed if not warm.cached(experiment.lab_config(TEACHER, s), out / "warm")]
+    stages = [(_warm, [(experiment, s, str(out / "warm")) for s in needed]),
+              (_teacher, [(experiment, s, str(out)) for s in teachers]),
+              (_student, [(experiment, label, s, str(out)) for label, s in students])]
+    rl_steps = len(teachers) * (experiment.teacher_steps + 1) + len(students) * (experiment.steps + 1)
+    return execute("distill", stages, workers=min(experiment.workers, max(1, len(teachers) + len(students))),
+                   warm_starts=len(cold), warm_steps=experiment.warm_steps, rl_steps=rl_steps,
+                   progress=progress)
