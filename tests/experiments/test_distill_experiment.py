@@ -68,9 +68,9 @@ def test_a_reduced_experiment_runs_resumes_and_reports(tmp_path, monkeypatch, ca
     args = ["experiment", "distill", "--quick", "--teacher-steps", "3", "--steps", "2", "--out", str(out)]
     assert main(args) == 0
     runs = load(out)
-    labels = ("teacher", "grpo", "opd", "opd+reward")
+    labels = ("teacher", "grpo", "opd", "opd+reward", "iw_opd")
     assert set(runs) == {(label, s) for label in labels for s in range(2)}
-    assert [len(runs[(label, 0)]) for label in labels] == [4, 3, 3, 3]
+    assert [len(runs[(label, 0)]) for label in labels] == [4, 3, 3, 3, 3]
     for seed in range(2):
         teacher = torch.load(distill.teacher_path(out, seed))
         assert teacher.keys() and all(torch.isfinite(v).all() for v in teacher.values())
@@ -82,6 +82,7 @@ def test_a_reduced_experiment_runs_resumes_and_reports(tmp_path, monkeypatch, ca
     text = (out / "report.md").read_text()
     assert "| opd+reward | 2 |" in text and "steps to the teacher's reward" in text and "A check run, not a result" in text
     assert "On-Policy Distillation (Thinking Machines Lab, 2025)" in text and "(would read: " in text
+    assert "kl_teacher(iw_opd) - kl_teacher(opd) < 0" in text
     assert (out / "distill.png").stat().st_size > 10_000
     assert json.loads((out / "experiment.json").read_text())["status"] == "finished"
 

@@ -1,18 +1,23 @@
 """The distillation experiment: does on-policy distillation bring a student to its teacher faster than RL?
 
-Published claim under test (docs/experiments.md states it with its prediction and verdict): "On-Policy
-Distillation" (Kevin Lu and Thinking Machines Lab, 2025; after GKD, Agarwal et al., arXiv 2306.13649):
-a student that samples its own responses and is graded on every token by the teacher (the per-token
-reverse KL, log π_T - log π_student, as its advantage) learns the teacher's behaviour in far fewer
-steps than RL from the task's reward, which grades a whole response with one number.
+Published claims under test (docs/experiments.md states each with its prediction and verdict):
 
-Design: the lab's ``chain`` task at the lab's default scale (width 96, 32 prompts x 8 responses per step). Per seed, a warm start; a teacher trained
-from it by GRPO for ``teacher_steps``; then students from the same warm start, ``steps`` each, every
+- "On-Policy Distillation" (Kevin Lu and Thinking Machines Lab, 2025; after GKD, Agarwal et al., arXiv
+  2306.13649): a student that samples its own responses and is graded on every token by the teacher
+  (the per-token reverse KL, log π_T - log π_student, as its advantage) learns the teacher's behaviour
+  in far fewer steps than RL from the task's reward, which grades a whole response with one number.
+- "On the Position Bias of On-Policy Distillation" (Xie et al., arXiv 2606.22600): weighting the tokens
+  by how little discrepancy their prefix has accumulated (IW-OPD) converges faster than OPD's uniform
+  token mean.
+
+Design: the lab's ``chain`` task at the lab's default scale (width 96, 32 prompts x 8 responses per
+step). Per seed, a warm start; a teacher trained from it by GRPO for ``teacher_steps``; then students from the same warm start, ``steps`` each, every
 one sampling its own responses and seeing the same prompts (``STUDENTS``): ``grpo`` on the task's
 reward (the teacher's own recipe, so its steps are the teacher's first ones), ``opd`` on the teacher's
 advantage alone (``reward_coef`` 0: pure distillation), ``opd+reward`` on both summed
-(tinker-cookbook's form). Each step records the lab's diagnostics, among them the sampled reward and
-``kl_teacher``, the reverse KL to the teacher per token (k3) on the student's own samples.
+(tinker-cookbook's form), ``iw_opd`` on the teacher's advantage with IW-OPD's position weights. Each
+step records the lab's diagnostics, among them the sampled reward and ``kl_teacher``, the reverse KL to
+the teacher per token (k3) on the student's own samples.
 
 Files in OUT: ``warm/`` (warm starts), ``teachers/teacher-seedS.pt`` (each teacher's final state),
 ``runs/LABEL-S.jsonl`` (the teacher's run is labelled ``teacher``). Complete runs are kept and skipped
@@ -39,9 +44,9 @@ STUDENTS = {"grpo": ("grpo", 1.0), "opd": ("opd", 0.0), "opd+reward": ("opd", 1.
 class DistillExperiment:
     """The experiment's scale: students, seeds and steps; the lab's defaults otherwise."""
 
-    students: tuple[str, ...] = ("grpo", "opd", "opd+reward")
+    students: tuple[str, ...] = ("grpo", "opd", "opd+reward", "iw_opd")
     """Students trained from each seed's warm start against its teacher (names of ``STUDENTS``)."""
-    seeds: int = 4
+    seeds: int = 8
     """Seeds 0..seeds-1 (each its own warm start, teacher, prompts and sampling)."""
     teacher_steps: int = 60
     """GRPO steps that make each seed's teacher."""
