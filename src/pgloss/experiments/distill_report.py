@@ -134,7 +134,7 @@ def write_report(runs: dict, labels: list[str], out: Path, *, command: str, seco
         reached = row["reached"]
         to_teacher = "-" if row["label"] == TEACHER else (
             f"{sum(reached) / len(reached):.1f} ({len(reached)} of {row['seeds']} seeds)" if reached else
-            f"not within the run (0 of {row['seeds']} seeds)")
+            f"not within the run (0 of {row['seeds']})")
         lines.append(f"| {row['label']} | {row['seeds']} | {arrow('reward')} | {kl} | {arrow('accuracy', early=False)} "
                      f"| {to_teacher} |")
     lines += ["", "## Claims", "",
