@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lab_helpers import TINY, fixed_batch, tiny_policy
+from lab_helpers import TINY, fixed_batch, same_run, tiny_policy
 from pgloss.lab.config import LabConfig
 from pgloss.lab.trainer import Batch, refill, train
 
@@ -106,7 +106,7 @@ def test_a_dapo_run_is_deterministic_and_respects_the_bound():
     cfg = LabConfig(algorithm="dapo", max_refill_rounds=2, steps=2, warm_steps=3, prompts_per_step=4, group_size=4,
                     eval_prompts=4, samples=2, **TINY)
     a, b = train(cfg), train(cfg)
-    assert a == b
+    assert same_run(a, b)
     for r in a["metrics"]:  # the barely warm policy never answers right: every round drops every group
         assert r["sampled_groups"] == 12 and r["groups"] == 0 and r["kept"] == 0
     grpo = train(dataclasses.replace(cfg, algorithm="grpo"))["metrics"]
