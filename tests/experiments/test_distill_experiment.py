@@ -26,7 +26,7 @@ def test_each_run_is_a_lab_config_of_its_own():
     assert distill.quick(e) == dataclasses.replace(e, seeds=2, teacher_steps=12, steps=8)
     with pytest.raises(ValueError, match="students: unknown 'kd'"):
         distill.DistillExperiment(students=("grpo", "kd"))
-    with pytest.raises(ValueError, match="teacher_steps: need an int >= 1"):
+    with pytest.raises(ValueError, match="--teacher-steps must be an int >= 1"):
         distill.DistillExperiment(teacher_steps=0)
 
 

@@ -107,7 +107,7 @@ def test_config_checks():
         length.LengthExperiment(seeds=0)
     with pytest.raises(ValueError, match="algorithms"):
         length.LengthExperiment(algorithms=())
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(ValueError, match="group-size"):
         length.LengthExperiment(group_size=1)
 
 

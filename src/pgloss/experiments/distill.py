@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from .runs import execute, run_path, warm_state, write_run
+from .runs import check_counts, execute, run_path, warm_state, write_run
 
 OWN = ("runs", "warm", "teachers", "experiment.json", "seconds.json", "report.md", "distill.png")
 """The files and folders the experiment writes into its --out (what --overwrite sets aside)."""
@@ -77,17 +77,8 @@ class DistillExperiment:
         unknown = [s for s in self.students if s not in STUDENTS]
         if unknown:
             raise ValueError(f"students: unknown {', '.join(map(repr, unknown))}; valid names: {', '.join(STUDENTS)}")
-        for name in ("seeds", "teacher_steps", "steps", "workers", "prompts_per_step", "group_size", "max_new_tokens",
-                     "warm_batch", "d_model", "eval_prompts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: need an int >= 1, got {value!r}")
-        if not isinstance(self.warm_steps, int) or self.warm_steps < 0:
-            raise ValueError(f"warm_steps: need an int >= 0, got {self.warm_steps!r}")
-        from ..lab.tasks import TASKS
-
-        if self.task not in TASKS:
-            raise ValueError(f"task: unknown task {self.task!r}; valid names: {', '.join(sorted(TASKS))}")
+        check_counts(self, "seeds", "teacher_steps", "workers")
+        self.lab_config(self.students[0], 0)  # the lab's settings, checked where the lab owns them
 
     def lab_config(self, label: str, seed: int):
         """The lab's configuration of one run: the teacher's or a student's."""

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .runs import execute, run_path, warm_state, write_run
+from .runs import check_counts, execute, run_path, warm_state, write_run
 
 OWN = ("runs", "warm", "experiment.json", "seconds.json", "report.md", "length_reward.png", "length_length.png",
        "length_repetition.png", "length_gradient.png")
@@ -79,25 +79,10 @@ class LengthExperiment:
     def __post_init__(self) -> None:
         if not self.algorithms:
             raise ValueError("algorithms: need at least one algorithm name")
-        for name in ("seeds", "steps", "prompts_per_step", "group_size", "max_new_tokens", "warm_batch",
-                     "d_model", "eval_prompts", "workers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: need an int >= 1, got {value!r}")
-        if not isinstance(self.warm_steps, int) or self.warm_steps < 0:
-            raise ValueError(f"warm_steps: need an int >= 0, got {self.warm_steps!r}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size: need >= 2 for group advantages, got {self.group_size}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: need > 0, got {self.lr}")
-        if not 0 <= self.scratchpad_prob <= 1:
-            raise ValueError(f"scratchpad_prob: need a share in [0, 1], got {self.scratchpad_prob}")
-        from ..lab.tasks import TASKS
-
-        if self.task not in TASKS:
-            raise ValueError(f"task: unknown task {self.task!r}; valid names: {', '.join(sorted(TASKS))}")
+        check_counts(self, "seeds", "workers")
         if self.entropy_coef is not None and not (isinstance(self.entropy_coef, (int, float)) and self.entropy_coef >= 0):
             raise ValueError(f"entropy_coef: need a number >= 0 or None, got {self.entropy_coef!r}")
+        self.lab_config(self.algorithms[0], 0)  # the lab's settings, checked where the lab owns them
 
     def lab_config(self, algorithm: str, seed: int):
         """The lab's configuration of one run."""

@@ -10,6 +10,15 @@ import time
 from pathlib import Path
 
 
+def check_counts(experiment, *names: str) -> None:
+    """Refuse an experiment's own count (seeds, workers, ...) that is not an int >= 1, naming its flag.
+    The lab's settings are checked by the lab's configuration, which each experiment builds once."""
+    for name in names:
+        value = getattr(experiment, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+
+
 def run_path(out: Path, label: str, seed: int) -> Path:
     """Where the run of `label` from `seed` is kept (it exists only when the run is complete)."""
     return out / "runs" / f"{label}-{seed}.jsonl"
