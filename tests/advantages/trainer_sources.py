@@ -13,10 +13,13 @@ A test that needs one absent source is skipped with the variable's name."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def source_file(variable: str, *relative: str) -> Path:
@@ -44,4 +47,25 @@ def load(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
         pytest.skip(f"{path} defines none of {missing}")
     for name in names:
         exec(compile(found[name], str(path), "exec"), namespace)  # noqa: S102 - the trainer's own code
+    return namespace
+
+
+def prime_rl(*names: tuple[str, str]) -> dict:
+    """prime-rl's algorithm classes, each a (class, file) pair under src/prime_rl/orchestrator/algo/, with the
+    functions their scoring calls (base.py, routing.py, trajectories.py) and a base class that stores the pool."""
+    algo = "src/prime_rl/orchestrator/algo/"
+    namespace = {"torch": torch, "asyncio": asyncio, "defaultdict": defaultdict}
+    load(source_file("PGLOSS_PRIME_RL_SRC", algo + "base.py"), ("iter_trainable_traces",), namespace)
+    load(source_file("PGLOSS_PRIME_RL_SRC", algo + "routing.py"), ("assign_advantages", "assign_reference_logprobs"),
+         namespace)
+    load(source_file("PGLOSS_PRIME_RL_SRC", "src/prime_rl/orchestrator/trajectories.py"), ("iter_trainable_branches",),
+         namespace)
+
+    class Algorithm:  # the base class's constructor only stores the pool
+        def __init__(self, config, policy_pool):
+            self.policy_pool = policy_pool
+
+    namespace["Algorithm"] = Algorithm
+    for name, file in names:
+        load(source_file("PGLOSS_PRIME_RL_SRC", algo + file), (name,), namespace)
     return namespace
