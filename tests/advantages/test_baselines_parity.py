@@ -4,7 +4,7 @@ when its source is absent; verl 0.9.1 is imported directly).
 
 Measured (float64 inputs; max |Δ| over every row and case of the tests below):
 
-    SkyRL compute_maxrl_advantage (SkyRL commit a9564572e,    convention="skyrl": 2.2e-16 (3 seeds x 15 rows:
+    SkyRL compute_maxrl_advantage (skyrl 0.4.0 wheel,         convention="skyrl": 2.2e-16 (3 seeds x 15 rows:
       skyrl/backends/skyrl_train/utils/ppo_utils.py)          0/1 rewards, a group of one, a group without success)
     prime-rl MaxRLAlgorithm.score_group (prime-rl 559b44772)  convention="pgloss": 1.2e-7 (float32 there), same cases
     prime-rl RAEAlgorithm.score_group                         update="sequential": 2.2e-16 over 4 steps of 5-14
