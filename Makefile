@@ -27,19 +27,27 @@ $(INTEGRATIONS): $(STAMP)
 	touch $(INTEGRATIONS)
 
 # The parity tests read some trainers' loss code from their released source, without installing it
-# (their package imports pull in whole training stacks): Trinity-RFT's and tinker-cookbook's wheels,
-# unpacked here. The sources not on the package index (SkyRL, prime-rl, verl-recipe, NeMo-RL) are read
-# when their PGLOSS_*_SRC is set, else those tests are skipped.
+# (their package imports pull in whole training stacks, and torchrl 0.14 wants a tensordict that verl's pin
+# above excludes): the wheels below, each unpacked into $(SOURCES)/<name> behind its own stamp, so that a
+# checkout built before a source was added fetches it on its next `make test` (to change a version, delete
+# that directory). SkyRL 0.4.0 requires Python >= 3.12, so its pure-Python wheel is fetched for 3.12; torchrl's
+# wheels differ only in compiled parts, so one platform's is fetched everywhere. The sources not on the package
+# index (prime-rl, verl-recipe, NeMo-RL, ...) are read when their PGLOSS_*_SRC is set, else those tests are skipped.
 SOURCES := $(VENV)/sources
-TRAINER_SOURCES := $(SOURCES)/.unpacked
-$(TRAINER_SOURCES): $(STAMP)
-	$(PY) -m pip download --quiet --no-deps trinity-rft==0.6.0 tinker-cookbook==0.6.1 -d $(SOURCES)
-	$(PY) -m zipfile -e $(SOURCES)/trinity_rft-0.6.0-py3-none-any.whl $(SOURCES)/trinity
-	$(PY) -m zipfile -e $(SOURCES)/tinker_cookbook-0.6.1-py3-none-any.whl $(SOURCES)/tinker
-	touch $(TRAINER_SOURCES)
+WHEEL_trinity := trinity-rft==0.6.0
+WHEEL_tinker  := tinker-cookbook==0.6.1
+WHEEL_torchrl := torchrl==0.14.1 --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all:
+WHEEL_skyrl   := skyrl==0.4.0 --python-version 3.12 --only-binary=:all:
+TRAINER_SOURCES := $(foreach name,trinity tinker torchrl skyrl,$(SOURCES)/$(name)/.unpacked)
+$(SOURCES)/%/.unpacked: | $(STAMP)
+	rm -rf $(SOURCES)/$* $(SOURCES)/$*-wheel
+	$(PY) -m pip download --quiet --no-deps $(WHEEL_$*) -d $(SOURCES)/$*-wheel
+	$(PY) -m zipfile -e $(SOURCES)/$*-wheel/*.whl $(SOURCES)/$*
+	touch $@
 
 test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES)
 	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} PGLOSS_TINKER_SRC=$${PGLOSS_TINKER_SRC:-$(SOURCES)/tinker} \
+	PGLOSS_TORCHRL_SRC=$${PGLOSS_TORCHRL_SRC:-$(SOURCES)/torchrl} PGLOSS_SKYRL_SRC=$${PGLOSS_SKYRL_SRC:-$(SOURCES)/skyrl} \
 	$(PY) -m pytest -n 2 tests
 
 # The trainers' own loss tests (tests/peers/): swapped to pgloss (as in `make test`), then unmodified.

@@ -4,7 +4,7 @@ when its source is absent; verl 0.9.1 is imported directly).
 
 Measured (float64 inputs; max |Δ| over every row and case of the tests below):
 
-    SkyRL compute_maxrl_advantage (SkyRL commit a9564572e,    convention="skyrl": 2.2e-16 (3 seeds x 15 rows:
+    SkyRL compute_maxrl_advantage (skyrl 0.4.0 wheel,         convention="skyrl": 2.2e-16 (3 seeds x 15 rows:
       skyrl/backends/skyrl_train/utils/ppo_utils.py)          0/1 rewards, a group of one, a group without success)
     prime-rl MaxRLAlgorithm.score_group (prime-rl 559b44772)  convention="pgloss": 1.2e-7 (float32 there), same cases
     prime-rl RAEAlgorithm.score_group                         update="sequential": 2.2e-16 over 4 steps of 5-14
@@ -37,7 +37,7 @@ import torch
 from pgloss import advantages as est
 from pgloss.correction.token_masks import clip_b_mask, clip_v_mask
 from pgloss.vocab.entropy import sum_pi_squared
-from trainer_sources import load, source_file
+from trainer_sources import load, prime_rl, source_file
 
 F64 = dict(dtype=torch.float64)
 
@@ -79,22 +79,6 @@ def test_maxrl_matches_skyrl(seed):
 
 
 # -- prime-rl ----------------------------------------------------------------------------------------------------
-
-def prime_rl(*names):
-    algo = "src/prime_rl/orchestrator/algo/"
-    helpers = {"torch": torch}
-    load(source_file("PGLOSS_PRIME_RL_SRC", algo + "base.py"), ("iter_trainable_traces",), helpers)
-    load(source_file("PGLOSS_PRIME_RL_SRC", algo + "routing.py"), ("assign_advantages",), helpers)
-
-    class Algorithm:  # the base class's constructor only stores the pool
-        def __init__(self, config, policy_pool):
-            self.policy_pool = policy_pool
-
-    helpers.update(Algorithm=Algorithm, defaultdict=defaultdict)
-    for name, file in names:
-        load(source_file("PGLOSS_PRIME_RL_SRC", algo + file), (name,), helpers)
-    return helpers
-
 
 def trace(reward, agent="a"):
     node = SimpleNamespace(mask=[False, True, True], token_ids=[0, 1, 2], advantages=None)
