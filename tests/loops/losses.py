@@ -362,7 +362,8 @@ def gvpo(lp, old, adv, mask, group_ids, *, beta=0.1, center=True):
 # On-policy distillation (GKD arXiv 2306.13649; Thinking Machines' "On-Policy Distillation") and IW-OPD
 # (arXiv 2606.22600, TRL trl/experimental/iw_opd).
 def opd_advantages(old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8):
-    """A = Â + λ·w·a per token, a = log π_T - log π_old, w = 1 + γ(1 - Σ_{s<t}|a_s| / max(Σ_s|a_s|, ε))."""
+    """A = Â + λ·w·a per token, a = log π_T - log π_old, w = 1 + γ(1 - Σ_{s<t}|a_s| / max(Σ_s|a_s|, ε)).
+    (Pass the current log-probs as `old` for prime-rl's a = log π_T - log π_θ.)"""
     out = []
     for i in range(len(old)):
         a = [teacher[i][t] - old[i][t] if mask[i][t] else 0.0 for t in range(len(old[i]))]
@@ -375,8 +376,17 @@ def opd_advantages(old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8):
     return out
 
 
-def opd(lp, old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8, surrogate="ratio"):
-    """-r·A ("ratio") or -log π·A ("log_prob") per token, A from `opd_advantages`."""
-    advantages = opd_advantages(old, teacher, adv, mask, coef=coef, gamma=gamma, eps=eps)
-    return [[-(math.exp(lp[i][t] - old[i][t]) if surrogate == "ratio" else lp[i][t]) * advantages[i][t]
-             for t in range(len(lp[i]))] for i in range(len(lp))]
+def opd(lp, old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8, surrogate="ratio", current=False,
+        trust_region=None):
+    """-r·A ("ratio") or -log π·A ("log_prob") per token, A from `opd_advantages` (compared with the current
+    log-probs when `current`), 0 where π_θ - π_old < -`trust_region`."""
+    advantages = opd_advantages(lp if current else old, teacher, adv, mask, coef=coef, gamma=gamma, eps=eps)
+    out = []
+    for i in range(len(lp)):
+        row = []
+        for t in range(len(lp[i])):
+            dropped = trust_region is not None and math.exp(lp[i][t]) - math.exp(old[i][t]) < -trust_region
+            surrogate_t = math.exp(lp[i][t] - old[i][t]) if surrogate == "ratio" else lp[i][t]
+            row.append(0.0 if dropped else -surrogate_t * advantages[i][t])
+        out.append(row)
+    return out

@@ -35,17 +35,51 @@ def test_opd_matches_loop(surrogate, gamma, mode):
     assert call(alg, data).loss.item() == pytest.approx(loops.aggregate(values, mask, mode), rel=1e-12, abs=1e-14)
 
 
+PRIME_RL = dict(opd_advantage_policy="current", opd_trust_region=0.05)
+
+
+@pytest.mark.parametrize("trust_region", [None, 0.05])
+@pytest.mark.parametrize("gamma", [0.0, 0.5])
+def test_prime_rl_conventions_match_loop(gamma, trust_region):
+    """The advantage against the current policy and the trust region (prime-rl's conventions)."""
+    data = make_batch(batch=7, length=6, seed=4, spread=0.5, per_token_adv=True)
+    lp, old, adv, mask = loops.lists(data)
+    values = loops.opd(lp, old, data["teacher_log_prob"].tolist(), adv, mask, coef=0.7, gamma=gamma, current=True,
+                       trust_region=trust_region)
+    alg = pgloss.get("opd", opd_coef=0.7, opd_position_gamma=gamma, **dict(PRIME_RL, opd_trust_region=trust_region))
+    out = call(alg, data)
+    assert out.loss.item() == pytest.approx(loops.aggregate(values, mask, "token-mean"), rel=1e-12, abs=1e-14)
+    dropped = sum(v == 0.0 and m for row, mrow in zip(values, mask) for v, m in zip(row, mrow))
+    assert (dropped > 0) == (trust_region is not None)  # the case drops tokens: the rule is exercised
+    if trust_region is not None:
+        assert out.metrics["opd_trust_region_frac"].item() == pytest.approx(dropped / sum(map(sum, mask)))
+
+
 def test_iw_opd_is_trls_configuration():
     alg = pgloss.get("iw_opd")
     assert (alg.opd_position_gamma, alg.opd_position_eps, alg.opd_surrogate, alg.loss_agg_mode) == (
         0.5, 1e-8, "log_prob", "token-mean")
 
 
-@pytest.mark.parametrize("name", ["opd", "iw_opd"])
-def test_gradcheck(name):
+@pytest.mark.parametrize("name, options", [("opd", {}), ("iw_opd", {}), ("opd", dict(opd_trust_region=0.05))])
+def test_gradcheck(name, options):
     data = make_batch(batch=5, length=4, seed=6, spread=0.3)
     x = data["log_prob"].clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda y: call(pgloss.get(name), data, y).loss, (x,))
+    assert torch.autograd.gradcheck(lambda y: call(pgloss.get(name, **options), data, y).loss, (x,))
+
+
+def test_the_advantage_against_the_current_policy_is_detached():
+    """With prime-rl's conventions ∂L/∂log π_θ = -keep·r·(log π_T - log π_θ)/N: the advantage reads the current
+    log-probs without being differentiated (gradcheck would differentiate it), dropped tokens give nothing."""
+    data = make_batch(batch=6, length=5, seed=9, spread=0.5)
+    data["advantages"] = torch.zeros(6, dtype=torch.float64)
+    x = data["log_prob"].clone().requires_grad_()
+    call(pgloss.get("opd", **PRIME_RL), data, x).loss.backward()
+    lp, old, teacher, mask = data["log_prob"], data["old_log_prob"], data["teacher_log_prob"], data["mask"]
+    keep = mask & (lp.exp() - old.exp() >= -0.05)
+    assert 0 < keep.sum() < mask.sum()
+    expected = torch.where(keep, -(lp - old).exp() * (teacher - lp) / mask.sum(), 0.0)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("name", ["opd", "iw_opd"])
@@ -79,6 +113,10 @@ def test_a_missing_teacher_is_named():
         pgloss.get("opd")(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
     with pytest.raises(ValueError, match="opd_surrogate must be one of"):
         pgloss.get("opd", opd_surrogate="clip")
+    with pytest.raises(ValueError, match="opd_advantage_policy must be one of"):
+        pgloss.get("opd", opd_advantage_policy="teacher")
+    with pytest.raises(ValueError, match="opd_trust_region must be > 0 or None, got 0"):
+        pgloss.get("opd", opd_trust_region=0.0)
 
 
 def trl_iw_opd(logits, tokens, labels, teacher, rollout, gamma):

@@ -24,6 +24,9 @@ added to the environment's, the `importance_sampling` loss -r·A; λ `kl_penalty
 ε = 1e-8, token mean). Deliberate difference: the sampling policy here is `old_log_prob` (pass the
 inference engine's log-probs there to use them); TRL takes its rollout log-probs when it has them, else
 the student's current log-probs detached, which equal `old_log_prob` on the first epoch.
+prime-rl (trainer/rl/loss.py `ref_kl_loss_fn`) compares the teacher with the current log π_θ
+(`opd_advantage_policy="current"`) and drops the policy term where π_θ - π_old < -0.2
+(`opd_trust_region=0.2`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
 OPD_SURROGATES = ("ratio", "log_prob")
+OPD_ADVANTAGE_POLICIES = ("old", "current")
 
 
 def distillation_advantage(teacher_log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
@@ -69,6 +73,12 @@ class OPD(Algorithm):
     """ε, the floor of a row's Σ|a| in the position weights (TRL `iw_opd_epsilon`)."""
     opd_surrogate: str = "ratio"
     """"ratio": -r·A, the importance-sampled gradient (tinker-cookbook); "log_prob": -log π_θ·A (TRL IW-OPD)."""
+    opd_advantage_policy: str = "old"
+    """Whose log-probs the teacher's are compared with: "old", a = log π_T - log π_old, the sampling policy's
+    (GKD, tinker-cookbook, TRL); "current", a = log π_T - log π_θ, detached (prime-rl `ref_kl_loss_fn`)."""
+    opd_trust_region: float | None = None
+    """δ: a token's policy term is dropped where π_θ - π_old < -δ, its probability fell by more than δ
+    (kept in the token count); None keeps every token (prime-rl: 0.2)."""
 
     required_inputs = ("teacher_log_prob",)
 
@@ -79,12 +89,17 @@ class OPD(Algorithm):
         check(self.opd_position_eps > 0, f"opd_position_eps must be > 0, got {self.opd_position_eps}")
         check(self.opd_surrogate in OPD_SURROGATES,
               f"opd_surrogate must be one of {OPD_SURROGATES}, got {self.opd_surrogate!r}")
+        check(self.opd_advantage_policy in OPD_ADVANTAGE_POLICIES,
+              f"opd_advantage_policy must be one of {OPD_ADVANTAGE_POLICIES}, got {self.opd_advantage_policy!r}")
+        check(self.opd_trust_region is None or self.opd_trust_region > 0,
+              f"opd_trust_region must be > 0 or None, got {self.opd_trust_region}")
 
     def advantages(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
         """(A, a, w), each `[B, T]` and detached."""
         if batch.teacher_log_prob is None:
             raise ValueError(f"{self.name} distils a teacher and needs teacher_log_prob=[B, T] in the call")
-        a = distillation_advantage(batch.teacher_log_prob, batch.old_log_prob, batch.mask)
+        student = batch.old_log_prob if self.opd_advantage_policy == "old" else batch.log_prob
+        a = distillation_advantage(batch.teacher_log_prob, student, batch.mask)
         w = position_weights(a, gamma=self.opd_position_gamma, eps=self.opd_position_eps)
         return batch.advantages + self.opd_coef * w * a, a, w
 
@@ -94,10 +109,15 @@ class OPD(Algorithm):
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
                                  max_log_ratio=self.max_log_ratio)
         surrogate = ratio if self.opd_surrogate == "ratio" else batch.log_prob
+        per_token = -surrogate * advantages
         metrics = ratio_metrics(ratio, delta, batch.mask)
-        metrics["teacher_reverse_kl"] = masked_mean(-a, batch.mask)  # the k1 sample of KL(π_old‖π_T)
+        if self.opd_trust_region is not None:
+            dropped = batch.log_prob.detach().exp() - batch.old_log_prob.exp() < -self.opd_trust_region
+            per_token = torch.where(dropped, 0.0, per_token)
+            metrics["opd_trust_region_frac"] = masked_mean(dropped.to(delta.dtype), batch.mask)
+        metrics["teacher_reverse_kl"] = masked_mean(-a, batch.mask)  # the k1 sample of KL(π_old‖π_T) (or π_θ's)
         metrics["opd_position_weight"] = masked_mean(w, batch.mask)
-        return PolicyTerms(-surrogate * advantages, metrics)
+        return PolicyTerms(per_token, metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         return GradientFactor(None, "OPD: the advantage is the teacher's A = Â + λ·w·a, not the given Â")
