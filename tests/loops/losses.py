@@ -361,26 +361,33 @@ def gvpo(lp, old, adv, mask, group_ids, *, beta=0.1, center=True):
 
 # On-policy distillation (GKD arXiv 2306.13649; Thinking Machines' "On-Policy Distillation") and IW-OPD
 # (arXiv 2606.22600, TRL trl/experimental/iw_opd).
-def opd_advantages(old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8):
-    """A = Â + λ·w·a per token, a = log π_T - log π_old, w = 1 + γ(1 - Σ_{s<t}|a_s| / max(Σ_s|a_s|, ε)).
+def opd_advantages(old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8, discount=0.0):
+    """A = Â + λ·w·a per token, a = log π_T - log π_old, w = 1 + γ(1 - Σ_{s<t}|a_s| / max(Σ_s|a_s|, ε));
+    with `discount` γ_KL the teacher's term summed over the valid tokens s ≥ t, γ_KL^(number of valid steps).
     (Pass the current log-probs as `old` for prime-rl's a = log π_T - log π_θ.)"""
     out = []
     for i in range(len(old)):
         a = [teacher[i][t] - old[i][t] if mask[i][t] else 0.0 for t in range(len(old[i]))]
         total = max(sum(abs(x) for x in a), eps)
-        row, before = [], 0.0
+        own, before = [], 0.0
         for t in range(len(a)):
-            row.append(adv[i][t] + coef * (1.0 + gamma * (1.0 - before / total)) * a[t])
+            own.append(coef * (1.0 + gamma * (1.0 - before / total)) * a[t])
             before += abs(a[t])
+        row = []
+        for t in range(len(a)):
+            later = [s for s in range(t, len(a)) if mask[i][s]] if mask[i][t] else []
+            future = sum(discount ** k * own[s] for k, s in enumerate(later)) if discount > 0 else own[t]
+            row.append(adv[i][t] + future)
         out.append(row)
     return out
 
 
 def opd(lp, old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8, surrogate="ratio", current=False,
-        trust_region=None):
+        trust_region=None, discount=0.0):
     """-r·A ("ratio") or -log π·A ("log_prob") per token, A from `opd_advantages` (compared with the current
     log-probs when `current`), 0 where π_θ - π_old < -`trust_region`."""
-    advantages = opd_advantages(lp if current else old, teacher, adv, mask, coef=coef, gamma=gamma, eps=eps)
+    advantages = opd_advantages(lp if current else old, teacher, adv, mask, coef=coef, gamma=gamma, eps=eps,
+                                discount=discount)
     out = []
     for i in range(len(lp)):
         row = []

@@ -26,13 +26,27 @@ def call(alg, data, lp=None):
 @pytest.mark.parametrize("surrogate", ["ratio", "log_prob"])
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 2.0])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_opd_matches_loop(surrogate, gamma, mode):
+@pytest.mark.parametrize("discount", [0.0, 0.9])
+def test_opd_matches_loop(surrogate, gamma, mode, discount):
     data = make_batch(batch=7, length=6, seed=3, spread=0.5, per_token_adv=True)
     lp, old, adv, mask = loops.lists(data)
     values = loops.opd(lp, old, data["teacher_log_prob"].tolist(), adv, mask, coef=0.7, gamma=gamma,
-                       surrogate=surrogate)
-    alg = pgloss.get("opd", opd_coef=0.7, opd_position_gamma=gamma, opd_surrogate=surrogate, loss_agg_mode=mode)
+                       surrogate=surrogate, discount=discount)
+    alg = pgloss.get("opd", opd_coef=0.7, opd_position_gamma=gamma, opd_surrogate=surrogate, loss_agg_mode=mode,
+                     opd_discount=discount)
     assert call(alg, data).loss.item() == pytest.approx(loops.aggregate(values, mask, mode), rel=1e-12, abs=1e-14)
+
+
+def test_the_discount_runs_over_valid_tokens():
+    """A multi-turn mask (tool output between the turns): γ_KL counts the valid tokens between two, not the columns."""
+    data = make_batch(batch=5, length=7, seed=5, spread=0.5)
+    data["mask"][:, 2:4] = False
+    lp, old, adv, mask = loops.lists(data)
+    assert sum(map(sum, mask)) > 10 and any(row[1] and row[4] for row in mask)
+    values = loops.opd(lp, old, data["teacher_log_prob"].tolist(), adv, mask, discount=0.8)
+    out = call(pgloss.get("opd", opd_discount=0.8), data)
+    expected = torch.tensor(values, dtype=torch.float64)[data["mask"]]
+    torch.testing.assert_close(out.per_token[data["mask"]], expected, rtol=1e-12, atol=1e-14)
 
 
 PRIME_RL = dict(opd_advantage_policy="current", opd_trust_region=0.05)
@@ -61,7 +75,8 @@ def test_iw_opd_is_trls_configuration():
         0.5, 1e-8, "log_prob", "token-mean")
 
 
-@pytest.mark.parametrize("name, options", [("opd", {}), ("iw_opd", {}), ("opd", dict(opd_trust_region=0.05))])
+@pytest.mark.parametrize("name, options", [("opd", {}), ("iw_opd", {}),
+                                           ("opd", dict(opd_trust_region=0.05, opd_discount=0.9))])
 def test_gradcheck(name, options):
     data = make_batch(batch=5, length=4, seed=6, spread=0.3)
     x = data["log_prob"].clone().requires_grad_()
@@ -115,6 +130,8 @@ def test_a_missing_teacher_is_named():
         pgloss.get("opd", opd_surrogate="clip")
     with pytest.raises(ValueError, match="opd_advantage_policy must be one of"):
         pgloss.get("opd", opd_advantage_policy="teacher")
+    with pytest.raises(ValueError, match=r"opd_discount must lie in \[0, 1\], got 1.5"):
+        pgloss.get("opd", opd_discount=1.5)
     with pytest.raises(ValueError, match="opd_trust_region must be > 0 or None, got 0"):
         pgloss.get("opd", opd_trust_region=0.0)
 

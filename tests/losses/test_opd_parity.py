@@ -7,10 +7,11 @@ default), and trains with Tinker's `importance_sampling` loss, which runs on Tin
 documented as −Σ_t (π_θ/π_sample)·A_t: pgloss's `opd` per-token term −r_t·A_t with π_sample the old
 policy. Measured (float64 inputs, 4 seeds, λ ∈ {1, 0.5}, the environment's advantages zero and not):
 the advantages agree within 1.1e-7 and the per-token terms within 1.3e-7, float32 rounding: tinker
-turns the teacher's log-probs into a float32 tensor (`torch.tensor` of a list). With γ > 0 they differ
-(γ = 0.9: up to 0.53 on these rows): the discounted sum of future tokens' reverse KL is a convention
-pgloss does not offer (a per-token advantage transform before the call would give it). Tinker's loss is a sum over tokens: `opd` with
-loss_agg_mode="seq-mean-token-sum" times the batch size.
+turns the teacher's log-probs into a float32 tensor (`torch.tensor` of a list). γ = 0.9 (`opd_discount`, the
+discounted sum of the future tokens' reverse KL, which moves the advantages by up to 0.53 on these rows):
+within 1.7e-7 (its datums hold one turn; over a multi-turn mask pgloss discounts by valid tokens, tinker by
+positions). Tinker's loss is a sum over tokens: `opd` with loss_agg_mode="seq-mean-token-sum" times the
+batch size.
 
 Source: PGLOSS_TINKER_SRC, the root of the unpacked tinker-cookbook 0.6.1 wheel (`make test` unpacks it).
 """
@@ -69,14 +70,15 @@ def tinker_advantages(data, coef, discount):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("coef", [1.0, 0.5])
 @pytest.mark.parametrize("task_advantages", [False, True])
-def test_tinker_cookbook_advantage_and_importance_sampling_term(seed, coef, task_advantages):
+@pytest.mark.parametrize("discount", [0.0, 0.9])
+def test_tinker_cookbook_advantage_and_importance_sampling_term(seed, coef, task_advantages, discount):
     data = make_batch(batch=6, length=7, seed=seed, per_token_adv=True)
     data["mask"] = torch.arange(7)[None, :] < data["mask"].sum(-1, keepdim=True)  # left-aligned, as tinker's datums
     data["mask"][data["mask"].sum(-1) == 0, 0] = True  # every datum holds a token
     if not task_advantages:
         data["advantages"] = torch.zeros_like(data["advantages"])
-    theirs = tinker_advantages(data, coef, discount=0.0)
-    alg = pgloss.get("opd", opd_coef=coef)
+    theirs = tinker_advantages(data, coef, discount=discount)
+    alg = pgloss.get("opd", opd_coef=coef, opd_discount=discount)
     ours, _, _ = alg.advantages(pgloss.core.batch.TokenBatch.prepare(
         data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"], teacher_log_prob=data["teacher_log_prob"]))
     mask = data["mask"]
@@ -86,10 +88,11 @@ def test_tinker_cookbook_advantage_and_importance_sampling_term(seed, coef, task
     torch.testing.assert_close(out.per_token[mask], (-ratio * theirs)[mask], rtol=0, atol=2e-7)
 
 
-def test_tinker_cookbooks_discount_is_a_convention_pgloss_does_not_offer():
+def test_tinker_cookbooks_discount_moves_the_advantages():
+    """The discount is a real difference (so its parity above is not the undiscounted case twice)."""
     data = make_batch(batch=6, length=7, seed=9, per_token_adv=True)
     data["mask"] = torch.arange(7)[None, :] < data["mask"].sum(-1, keepdim=True).clamp(min=1)
     data["advantages"] = torch.zeros_like(data["advantages"])
     undiscounted, discounted = (tinker_advantages(data, 1.0, discount=g) for g in (0.0, 0.9))
     gap = (discounted - undiscounted)[data["mask"]].abs().max()
-    assert 0.1 < gap < 10  # the future's reverse KL, summed: several tokens' worth
+    assert gap.item() == pytest.approx(0.5251, abs=1e-4)

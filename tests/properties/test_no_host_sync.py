@@ -33,6 +33,7 @@ META = torch.device("meta")
 TERMS = {  # configurations no name has by default: the terms and aggregations beside the policy loss
     "dapo+positive_nll": ("dapo", dict(positive_nll_coef=0.5)),
     "grpo+delta-l-norm": ("grpo", dict(loss_agg_mode="delta-l-norm", delta_l_alpha=0.5)),
+    "opd+trainer-options": ("opd", dict(opd_advantage_policy="current", opd_trust_region=0.2, opd_discount=0.9)),
 }
 NAMES = [*pgloss.names(), *TERMS]
 

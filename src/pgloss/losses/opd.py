@@ -6,6 +6,7 @@ the sampling policy's log-probs log π_old and the per-token sample of -KL(π_ol
     a_t = log π_T(y_t) - log π_old(y_t)
     w_t = 1 + γ·(1 - Σ_{s<t} |a_s| / max(Σ_s |a_s|, ε))          (IW-OPD; γ = 0: w = 1)
     A_t = Â_t + λ·w_t·a_t                                        (Â: the given advantages, 0 for pure distillation)
+    A_t = Â_t + Σ_{s≥t} γ_KL^(s-t)·λ·w_s·a_s                     (with `opd_discount` γ_KL > 0, tinker-cookbook's)
 
 and the loss per token is the importance-sampled policy gradient -r·A, r = π_θ/π_old
 (`opd_surrogate="ratio"`), or REINFORCE's -log π_θ·A (`"log_prob"`); both have the gradient -A·∇log π_θ
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..advantages.estimators import discounted_returns
 from ..base import Algorithm
 from ..core.batch import TokenBatch
 from ..core.metrics import masked_mean, ratio_metrics
@@ -76,6 +78,9 @@ class OPD(Algorithm):
     opd_advantage_policy: str = "old"
     """Whose log-probs the teacher's are compared with: "old", a = log π_T - log π_old, the sampling policy's
     (GKD, tinker-cookbook, TRL); "current", a = log π_T - log π_θ, detached (prime-rl `ref_kl_loss_fn`)."""
+    opd_discount: float = 0.0
+    """γ_KL: the teacher's term becomes its discounted sum over the row's valid tokens from t on,
+    Σ_{s≥t} γ^(s-t)·λ·w_s·a_s (tinker-cookbook `kl_discount_factor`, 0 by default: each token its own)."""
     opd_trust_region: float | None = None
     """δ: a token's policy term is dropped where π_θ - π_old < -δ, its probability fell by more than δ
     (kept in the token count); None keeps every token (prime-rl: 0.2)."""
@@ -91,6 +96,7 @@ class OPD(Algorithm):
               f"opd_surrogate must be one of {OPD_SURROGATES}, got {self.opd_surrogate!r}")
         check(self.opd_advantage_policy in OPD_ADVANTAGE_POLICIES,
               f"opd_advantage_policy must be one of {OPD_ADVANTAGE_POLICIES}, got {self.opd_advantage_policy!r}")
+        check(0 <= self.opd_discount <= 1, f"opd_discount must lie in [0, 1], got {self.opd_discount}")
         check(self.opd_trust_region is None or self.opd_trust_region > 0,
               f"opd_trust_region must be > 0 or None, got {self.opd_trust_region}")
 
@@ -101,7 +107,10 @@ class OPD(Algorithm):
         student = batch.old_log_prob if self.opd_advantage_policy == "old" else batch.log_prob
         a = distillation_advantage(batch.teacher_log_prob, student, batch.mask)
         w = position_weights(a, gamma=self.opd_position_gamma, eps=self.opd_position_eps)
-        return batch.advantages + self.opd_coef * w * a, a, w
+        teacher = self.opd_coef * w * a
+        if self.opd_discount > 0:
+            teacher = discounted_returns(teacher, batch.mask, gamma=self.opd_discount)
+        return batch.advantages + teacher, a, w
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         advantages, a, w = self.advantages(batch)
