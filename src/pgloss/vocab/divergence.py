@@ -46,7 +46,7 @@ from ..core.aggregate import Normalizer, aggregate
 from ..core.batch import check_mask
 from ..core.checks import check_number
 from ..core.output import LossOutput
-from .chunks import ChunkLoop
+from .chunks import PLAIN, ChunkLoop
 from .entropy import _blocks, check_temperature
 from .full_kl import FullKL, check_head_pair, check_logit_pair, pair_tiles
 
@@ -170,22 +170,25 @@ class GeneralisedJSD:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse and KL(p_S‖m)
 
 
-def _divergence(beta: float, kinds: tuple[str, str], temperature: float, tiles: tuple[int, int], vocab: int,
-                student: tuple[Tensor, ...], teacher: tuple[Tensor, ...]) -> Tensor:
+def _divergence(beta: float, kinds: tuple, temperature: float, tiles: tuple[int, int], vocab: int,
+                student: tuple[Tensor | None, ...], teacher: tuple[Tensor | None, ...]) -> Tensor:
     """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached."""
-    teacher = tuple(t.detach() for t in teacher)
+    teacher = _detached(teacher)
     if beta == 1.0:
         statistic = FullKL()
     elif beta == 0.0:
         statistic = ForwardKL()
     elif tiles[1] < vocab:  # vocabulary tiles: the two log-normalisers first
         with torch.no_grad():
-            normalisers = ChunkLoop.apply(Normalisers(), kinds, temperature, tiles,
-                                          *(s.detach() for s in student), *teacher)
+            normalisers = ChunkLoop.apply(Normalisers(), kinds, temperature, tiles, *_detached(student), *teacher)
         statistic = GeneralisedJSD(beta, normalisers)
     else:
         statistic = GeneralisedJSD(beta)
     return ChunkLoop.apply(statistic, kinds, temperature, tiles, *student, *teacher)
+
+
+def _detached(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    return tuple(None if t is None else t.detach() for t in tensors)
 
 
 def _output(per_token: Tensor, mask: Tensor, loss_agg_mode: str, normalizer: Normalizer | None,
@@ -291,7 +294,7 @@ def divergence_from_hidden(
     vocab = weight.shape[0]
     tiles = pair_tiles(batch * length, vocab, weight.dtype, head=True, chunk_size=chunk_size,
                        vocab_block=vocab_block, memory_budget=memory_budget)
-    per_token = _divergence(beta, ("head", "head"), temperature, tiles, vocab,
-                            (hidden.reshape(batch * length, size), weight),
-                            (teacher_hidden.reshape(batch * length, teacher_hidden.shape[-1]), teacher_weight))
+    per_token = _divergence(beta, (PLAIN, PLAIN), temperature, tiles, vocab,
+                            (hidden.reshape(batch * length, size), weight, None),
+                            (teacher_hidden.reshape(batch * length, teacher_hidden.shape[-1]), teacher_weight, None))
     return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
