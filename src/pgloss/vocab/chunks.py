@@ -301,9 +301,9 @@ class ChunkLoop(torch.autograd.Function):
     """The loop every vocabulary computation runs: `statistic` over the chunks of its sources.
 
     `kinds` names each source ("logits", or a `HeadKind` for an LM head); `tensors` are their inputs in
-    order (one for logits; hidden, weight and bias, or None, for a head). `tiles` is (tokens per chunk, vocabulary columns
-    per tile) from `plan_tiles`; a statistic without the per-tile interface runs whole-vocabulary
-    chunks whatever the second number. Only the first source is differentiated (the others, a
+    order (one for logits; hidden, weight and bias, or None, for a head). `tiles` is (tokens per chunk,
+    vocabulary columns per tile) from `plan_tiles`; a statistic without the per-tile interface runs
+    whole-vocabulary chunks whatever the second number. Only the first source is differentiated (the others, a
     reference or a teacher, are detached by the caller). Saves the inputs and the statistic's
     per-token values, never a [N, V] tensor; backward recomputes each tile's logits.
     """
