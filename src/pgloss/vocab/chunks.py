@@ -19,7 +19,8 @@ from ..core.output import check
 @dataclass(frozen=True)
 class HeadKind:
     """What an LM head does after its matmul: r = x Wᵀ + b (the bias b beside the weight W, or none), then
-    the logit scale s and the soft-cap c, in TRL 1.16's order (trl/kernels/chunked_logprob.py, `_transform`):
+    the logit scale s and the soft-cap c, in TRL 1.16's order (trl/kernels/chunked_divergence.py's `_project`
+    adds the bias, chunked_logprob.py's `_transform` scales and caps):
 
         logits = c · tanh(s · r / c)        (s · r without a soft-cap)
 
