@@ -47,3 +47,21 @@ def divergence_grad(student_row, teacher_row, beta, temperature=1.0):
         g = [(1 - beta) * math.log(b / (beta * a + (1 - beta) * b)) for a, b in zip(p, q)]
     mean = sum(b * x for b, x in zip(q, g))
     return [b * (x - mean) / temperature for b, x in zip(q, g)]
+
+
+def head_logits(hidden_row, weight_rows, bias=None, scale=1.0, softcap=None):
+    """An LM head's logits at one position before the temperature: c·tanh(s·(Wx + b)/c), s·(Wx + b)
+    without a soft-cap c (TRL 1.16's order: bias, scale, soft-cap)."""
+    raw = [sum(w * x for w, x in zip(row, hidden_row)) + (0.0 if bias is None else bias[v])
+           for v, row in enumerate(weight_rows)]
+    if softcap is None:
+        return [scale * r for r in raw]
+    return [softcap * math.tanh(scale * r / softcap) for r in raw]
+
+
+def head_slope(hidden_row, weight_rows, bias=None, scale=1.0, softcap=None):
+    """∂logits_v/∂(Wx + b)_v of `head_logits`: s·(1 − tanh²(s·(Wx + b)_v/c)), s without a soft-cap."""
+    if softcap is None:
+        return [scale] * len(weight_rows)
+    capped = head_logits(hidden_row, weight_rows, bias, scale, softcap)
+    return [scale * (1 - (z / softcap) ** 2) for z in capped]

@@ -1,51 +1,138 @@
 """The logits of a chunk of tokens from hidden states and an LM head, never more than one
 [chunk, V] buffer per model, and the chunk's gradient sent back to the hidden states and the head.
-Shared by the fused loss (`fused.py`) and the exact KL from hidden states (`full_kl.py`)."""
+A head is its weight, its bias (or none) and its `HeadKind` (logit scale, soft-cap): described here
+once, for every caller. Shared by the fused loss (`fused.py`), the exact KL from hidden states
+(`full_kl.py`) and the student-teacher divergences (`divergence.py`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
+from ..core.checks import check_number
+from ..core.output import check
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """What an LM head does after its matmul: r = x Wᵀ + b (the bias b beside the weight W, or none), then
+    the logit scale s and the soft-cap c, in TRL 1.16's order (trl/kernels/chunked_divergence.py's `_project`
+    adds the bias, chunked_logprob.py's `_transform` scales and caps):
+
+        logits = c · tanh(s · r / c)        (s · r without a soft-cap)
+
+    the temperature τ dividing them after. `HeadKind()` is the plain head x Wᵀ, whose ops it leaves as they
+    are. The kind of a head source in `ChunkLoop`; its tensors (hidden, weight, bias) are the loop's inputs."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def transform_(self, z: Tensor, bias: Tensor | None, temperature: float, slope: Tensor | None) -> Tensor:
+        """`z` (the tile's x Wᵀ) ← the tempered logits, in place; `slope` (when given) ← ∂logits/∂r before τ,
+        s (1 − tanh²(s r / c)), which the gradient needs once the statistic has overwritten `z`."""
+        if bias is not None:
+            z.add_(bias)
+        if self.softcap is not None:
+            z.mul_(self.scale / self.softcap).tanh_()
+            if slope is not None:
+                torch.mul(z, z, out=slope).neg_().add_(1.0).mul_(self.scale)
+            z.mul_(self.softcap)
+        elif self.scale != 1.0:
+            z.mul_(self.scale)
+        if temperature != 1.0:
+            z.div_(temperature)
+        return z
+
+    def grad_(self, grad: Tensor, slope: Tensor | None) -> Tensor:
+        """∂L/∂logits (before τ) of a tile → ∂L/∂r, in place: × s (1 − tanh²), or × s without a soft-cap."""
+        if self.softcap is not None:
+            grad.mul_(slope)
+        elif self.scale != 1.0:
+            grad.mul_(self.scale)
+        return grad
+
+
+PLAIN = HeadKind()
+
+
+def check_head(weight: Tensor, bias: object, logit_scale: object, softcap: object, *,
+               prefix: str = "") -> HeadKind:
+    """The options of the head `{prefix}weight` [V, H]: `{prefix}bias` None or a [V] tensor of the weight's
+    dtype and device, `{prefix}logit_scale` a finite number > 0, `{prefix}softcap` None or a finite number
+    > 0. Errors name the argument; no value of a tensor is read."""
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"{prefix}bias must be a Tensor or None, got {type(bias).__name__}")
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"{prefix}bias must have shape [V] = [{weight.shape[0]}] (the rows of {prefix}weight), "
+                             f"got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"{prefix}bias has dtype {bias.dtype} but {prefix}weight has {weight.dtype}")
+        if bias.device != weight.device:
+            raise ValueError(f"{prefix}bias is on {bias.device} but {prefix}weight is on {weight.device}")
+    scale = check_number(f"{prefix}logit_scale", logit_scale)
+    check(scale > 0, f"{prefix}logit_scale must be a finite number > 0, got {scale}")
+    softcap = check_number(f"{prefix}softcap", softcap, optional=True)
+    check(softcap is None or softcap > 0, f"{prefix}softcap must be a finite number > 0 or None, got {softcap}")
+    return HeadKind(scale, softcap)
 
 
 class HeadChunks:
-    """A reusable buffer for a tile of tempered logits z = x W[cols]ᵀ / τ from hidden states x and a
-    head W (`width` vocabulary columns at most, the whole vocabulary by default), and the tile's
-    gradient applied back to both (`apply_grad`). One per model in a loop. The buffer is flat, so
-    that a short last tile is a contiguous [rows, k] view."""
+    """A reusable buffer for a tile of tempered logits z = head(x W[cols]ᵀ + b[cols]) / τ from hidden states x
+    and a head (W, b, `kind`: `HeadKind`), `width` vocabulary columns at most (the whole vocabulary by
+    default), and the tile's gradient applied back to x, W and b (`apply_grad`). One per model in a loop.
+    The buffers are flat, so that a short last tile is a contiguous [rows, k] view."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype,
-                 width: int | None = None) -> None:
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, kind: HeadKind, chunk_size: int,
+                 dtype: torch.dtype, width: int | None = None) -> None:
+        self.weight, self.bias, self.kind = weight, bias, kind
         rows = min(hidden.shape[0], chunk_size)
         width = weight.shape[0] if width is None else min(width, weight.shape[0])
         self.z = weight.new_empty(rows * width, dtype=dtype)
         # Low-precision parameters: the matmul writes in their dtype, the softmax runs in float32.
         self.raw = None if weight.dtype == dtype else weight.new_empty(rows * width)
+        # A soft-capped head that is differentiated keeps its tile's slope (`HeadKind.transform_`).
+        self.slope = None
+        self.keep_slope = False
 
-    def logits(self, x: Tensor, weight: Tensor, temperature: float, cols: slice | None = None) -> Tensor:
-        w = weight if cols is None else weight[cols]
+    def logits(self, x: Tensor, temperature: float, cols: slice | None = None) -> Tensor:
+        w = self.weight if cols is None else self.weight[cols]
         m, k = x.shape[0], w.shape[0]
         z = self.z[: m * k].view(m, k)
         if self.raw is None:
             torch.mm(x, w.t(), out=z)
         else:
             z.copy_(torch.mm(x, w.t(), out=self.raw[: m * k].view(m, k)))
-        if temperature != 1.0:
-            z.div_(temperature)
-        return z
+        slope = None
+        if self.keep_slope and self.kind.softcap is not None:
+            if self.slope is None:
+                self.slope = torch.empty_like(self.z)
+            slope = self.slope[: m * k].view(m, k)
+        bias = self.bias if self.bias is None or cols is None else self.bias[cols]
+        return self.kind.transform_(z, bias, temperature, slope)
 
-    def apply_grad(self, grad: Tensor, x: Tensor, weight: Tensor, grad_hidden: Tensor | None,
-                   grad_weight: Tensor | None, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
-        """grad_hidden ← G W[cols] for this tile's rows (+= after the first column tile);
-        grad_weight[cols] ← Gᵀ x (first row chunk) or += Gᵀ x.
+    def apply_grad(self, grad: Tensor, x: Tensor, grad_hidden: Tensor | None, grad_weight: Tensor | None,
+                   grad_bias: Tensor | None, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
+        """The tile's ∂L/∂logits (before τ) through the head's kind to ∂L/∂r = G, then
+        grad_hidden ← G W[cols] for this tile's rows (+= after the first column tile);
+        grad_weight[cols] ← Gᵀ x and grad_bias[cols] ← Σ_rows G (first row chunk), or += after.
 
-        `grad_weight` is in the compute dtype: in place for float32/64 parameters, a float32
-        accumulator for half-precision ones (whose matmuls run in their own dtype)."""
+        `grad_weight` and `grad_bias` are in the compute dtype: in place for float32/64 parameters, float32
+        accumulators for half-precision ones (whose matmuls run in their own dtype)."""
+        weight = self.weight
         if cols is not None:
             weight = weight[cols]
             grad_weight = None if grad_weight is None else grad_weight[cols]
+            grad_bias = None if grad_bias is None else grad_bias[cols]
+        grad = self.kind.grad_(grad, None if self.slope is None else self.slope[: grad.numel()].view(grad.shape))
+        if grad_bias is not None:
+            if first:
+                torch.sum(grad, dim=0, out=grad_bias)
+            else:
+                grad_bias.add_(grad.sum(dim=0))
         if self.raw is not None:
             grad = self.raw[: grad.numel()].view(grad.shape).copy_(grad)
         if grad_hidden is not None:
@@ -65,9 +152,9 @@ class HeadChunks:
             grad_weight.addmm_(grad.t(), x)
 
 
-def weight_grad_buffer(weight: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
-    """∂L/∂W's buffer: left unfilled for the first chunk to write, zeros when there is no chunk."""
-    return (torch.empty if rows else torch.zeros)(weight.shape, dtype=dtype, device=weight.device)
+def head_grad_buffer(param: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
+    """∂L/∂W's (or ∂L/∂b's) buffer: left unfilled for the first chunk to write, zeros when there is no chunk."""
+    return (torch.empty if rows else torch.zeros)(param.shape, dtype=dtype, device=param.device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -114,36 +201,42 @@ class LogitRows:
 
 
 class HeadRows:
-    """Source: hidden states `[N, H]` and an LM head `[V, H]` (`HeadChunks`); the gradient goes to
-    both, whichever needs it."""
+    """Source: hidden states `[N, H]`, an LM head `[V, H]` and its bias `[V]` (or None), the head's `kind`
+    (`HeadKind`: scale, soft-cap) beside them (`HeadChunks`); the gradient goes to each input that needs it."""
 
-    arity = 2
+    arity = 3
 
-    def __init__(self, hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype,
-                 width: int | None = None) -> None:
-        self.hidden, self.weight, self.dtype, self.vocab = hidden, weight, dtype, weight.shape[0]
-        self.head = HeadChunks(hidden, weight, chunk_size, dtype, width)
-        self.grad_hidden = self.grad_weight = None
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int, dtype: torch.dtype,
+                 width: int | None = None, kind: HeadKind = PLAIN) -> None:
+        self.hidden, self.weight, self.bias, self.dtype, self.vocab = hidden, weight, bias, dtype, weight.shape[0]
+        self.head = HeadChunks(hidden, weight, bias, kind, chunk_size, dtype, width)
+        self.grad_hidden = self.grad_weight = self.grad_bias = None
 
     def chunk(self, rows: slice, temperature: float, for_grad: bool = False, cols: slice | None = None) -> Tensor:
-        return self.head.logits(self.hidden[rows], self.weight, temperature, cols)
+        return self.head.logits(self.hidden[rows], temperature, cols)
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
+        rows = self.hidden.shape[0]
         if needs[0]:
             self.grad_hidden = torch.empty_like(self.hidden, memory_format=torch.contiguous_format)
         if needs[1]:
-            self.grad_weight = weight_grad_buffer(self.weight, self.dtype, rows=self.hidden.shape[0])
+            self.grad_weight = head_grad_buffer(self.weight, self.dtype, rows=rows)
+        if len(needs) > 2 and needs[2]:
+            self.grad_bias = head_grad_buffer(self.bias, self.dtype, rows=rows)
+        self.head.keep_slope = True
 
     def send(self, rows: slice, grad: Tensor, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
-        self.head.apply_grad(grad, self.hidden[rows], self.weight,
-                             None if self.grad_hidden is None else self.grad_hidden[rows], self.grad_weight, first,
-                             cols, first_col)
+        self.head.apply_grad(grad, self.hidden[rows], None if self.grad_hidden is None else self.grad_hidden[rows],
+                             self.grad_weight, self.grad_bias, first, cols, first_col)
 
     def gradients(self) -> tuple[Tensor | None, ...]:
-        return self.grad_hidden, None if self.grad_weight is None else self.grad_weight.to(self.weight.dtype)
+        return (self.grad_hidden, *(None if g is None else g.to(p.dtype)
+                                    for g, p in ((self.grad_weight, self.weight), (self.grad_bias, self.bias))))
 
 
-SOURCES = {"logits": LogitRows, "head": HeadRows}
+def source_class(kind) -> type:
+    """The source of a `ChunkLoop` kind: given logits ("logits") or an LM head (a `HeadKind`)."""
+    return HeadRows if isinstance(kind, HeadKind) else LogitRows
 
 
 def tempered(chunk: Tensor, temperature: float, out: Tensor) -> Tensor:
@@ -208,10 +301,10 @@ def backward_rows(statistic, sources: list, rows: slice, temperature: float, voc
 class ChunkLoop(torch.autograd.Function):
     """The loop every vocabulary computation runs: `statistic` over the chunks of its sources.
 
-    `kinds` names each source ("logits" or "head", `SOURCES`); `tensors` are their inputs in order
-    (one for logits, hidden and weight for a head). `tiles` is (tokens per chunk, vocabulary columns
-    per tile) from `plan_tiles`; a statistic without the per-tile interface runs whole-vocabulary
-    chunks whatever the second number. Only the first source is differentiated (the others, a
+    `kinds` names each source ("logits", or a `HeadKind` for an LM head); `tensors` are their inputs in
+    order (one for logits; hidden, weight and bias, or None, for a head). `tiles` is (tokens per chunk,
+    vocabulary columns per tile) from `plan_tiles`; a statistic without the per-tile interface runs
+    whole-vocabulary chunks whatever the second number. Only the first source is differentiated (the others, a
     reference or a teacher, are detached by the caller). Saves the inputs and the statistic's
     per-token values, never a [N, V] tensor; backward recomputes each tile's logits.
     """
@@ -219,9 +312,10 @@ class ChunkLoop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, statistic, kinds, temperature, tiles, *tensors):
         chunk_size, vocab_block = tiles
-        dtype = compute_dtype(tensors[0].dtype if kinds[0] == "logits" else tensors[1].dtype)
+        head = isinstance(kinds[0], HeadKind)
+        dtype = compute_dtype(tensors[1].dtype if head else tensors[0].dtype)
         if not tileable(statistic):  # whole-vocabulary token chunks
-            vocab_block = tensors[0].shape[1] if kinds[0] == "logits" else tensors[1].shape[0]
+            vocab_block = tensors[1].shape[0] if head else tensors[0].shape[1]
         sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype)
         n = tensors[0].shape[0]
         values = statistic.allocate(n, sources[0].dtype, tensors[0].device)
@@ -238,7 +332,7 @@ class ChunkLoop(torch.autograd.Function):
     def backward(ctx, *grads):
         statistic, kinds, temperature, (chunk_size, vocab_block) = ctx.statistic, ctx.kinds, ctx.temperature, ctx.tiles
         saved = ctx.saved_tensors
-        n_inputs = sum(SOURCES[k].arity for k in kinds)
+        n_inputs = sum(source_class(k).arity for k in kinds)
         tensors, values = saved[:n_inputs], saved[n_inputs:]
         needs = ctx.needs_input_grad[4:4 + ctx.arity]
         nothing = (None,) * (4 + n_inputs)
@@ -255,8 +349,9 @@ class ChunkLoop(torch.autograd.Function):
 def _sources(kinds, tensors, chunk_size, vocab_block, dtype) -> list:
     sources, at = [], 0
     for kind in kinds:
-        cls = SOURCES[kind]
-        sources.append(cls(*tensors[at:at + cls.arity], chunk_size, dtype, vocab_block))
+        cls = source_class(kind)
+        extra = (kind,) if cls is HeadRows else ()
+        sources.append(cls(*tensors[at:at + cls.arity], chunk_size, dtype, vocab_block, *extra))
         at += cls.arity
     return sources
 

@@ -15,11 +15,18 @@ and the gradient with respect to the student's logits (the teacher is frozen):
     β = 1        ∂D/∂z_S,ᵥ = p_S,ᵥ (log p_S,ᵥ − log p_T,ᵥ − D)
     0 < β < 1    ∂D/∂z_S,ᵥ = (1 − β) p_S,ᵥ (log p_S,ᵥ − log mᵥ − KL(p_S‖m))
 
-(∂/∂logits_S = (1/τ) ∂/∂z_S). Source: Agarwal et al., "On-Policy Distillation of Language Models:
-Learning from Self-Generated Mistakes" (GKD), arXiv 2306.13649, Eq. (1): D_JSD(β)(P‖Q) =
-β KL(P‖βP + (1−β)Q) + (1−β) KL(Q‖βP + (1−β)Q) with P = p_T, Q = p_S. The paper's JSD(β) is 0 at
-both ends; β = 0 and β = 1 here are its limits JSD(β)/β → KL(p_T‖p_S) (β → 0) and
-JSD(β)/(1−β) → KL(p_S‖p_T) (β → 1), the forward and reverse KL the paper trains with beside JSD(β).
+(∂/∂logits_S = (1/τ) ∂/∂z_S). From hidden states x and an LM head (W, bias b, logit scale s, soft-cap c;
+`chunks.HeadKind`), each model's logits are
+
+    logits = c · tanh(s · (x Wᵀ + b) / c)        (s · (x Wᵀ + b) without a soft-cap)
+
+in TRL's order (bias, scale, soft-cap, then τ), so that ∂/∂(x Wᵀ + b) = s (1 − tanh²(s (x Wᵀ + b) / c)) ∂/∂logits.
+
+Source: Agarwal et al., "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes"
+(GKD), arXiv 2306.13649, Eq. (1): D_JSD(β)(P‖Q) = β KL(P‖βP + (1−β)Q) + (1−β) KL(Q‖βP + (1−β)Q) with
+P = p_T, Q = p_S. The paper's JSD(β) is 0 at both ends; β = 0 and β = 1 here are its limits
+JSD(β)/β → KL(p_T‖p_S) (β → 0) and JSD(β)/(1−β) → KL(p_S‖p_T) (β → 1), the forward and reverse KL the
+paper trains with beside JSD(β).
 TRL 1.16 takes the same convention: `GKDTrainer.generalized_jsd_loss` (trl/experimental/gkd/
 gkd_trainer.py) on logits and `ChunkedDivergenceFunction` (trl/kernels/chunked_divergence.py, used
 by trl/trainer/distillation_trainer.py) from hidden states; so β weights the teacher's side, and
@@ -32,7 +39,8 @@ one pass with online maxima. JSD(β) needs both log-normalisers before its first
 sum that rescales), so with vocabulary tiles (`vocab_block` < V) the loop runs twice: once for the
 two log-normalisers (no gradient), then for JSD(β) given them; whole-vocabulary chunks need one pass.
 Every path runs `chunks.ChunkLoop`: memory beyond the inputs and their gradients is one
-[chunk, vocab_block] buffer per model, never the N x V logits; backward recomputes each tile.
+[chunk, vocab_block] buffer per model (and, in backward, one for a soft-capped student's slope), never
+the N x V logits; backward recomputes each tile.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from ..core.aggregate import Normalizer, aggregate
 from ..core.batch import check_mask
 from ..core.checks import check_number
 from ..core.output import LossOutput
-from .chunks import ChunkLoop
+from .chunks import ChunkLoop, check_head
 from .entropy import _blocks, check_temperature
 from .full_kl import FullKL, check_head_pair, check_logit_pair, pair_tiles
 
@@ -170,22 +178,25 @@ class GeneralisedJSD:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse and KL(p_S‖m)
 
 
-def _divergence(beta: float, kinds: tuple[str, str], temperature: float, tiles: tuple[int, int], vocab: int,
-                student: tuple[Tensor, ...], teacher: tuple[Tensor, ...]) -> Tensor:
+def _divergence(beta: float, kinds: tuple, temperature: float, tiles: tuple[int, int], vocab: int,
+                student: tuple[Tensor | None, ...], teacher: tuple[Tensor | None, ...]) -> Tensor:
     """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached."""
-    teacher = tuple(t.detach() for t in teacher)
+    teacher = _detached(teacher)
     if beta == 1.0:
         statistic = FullKL()
     elif beta == 0.0:
         statistic = ForwardKL()
     elif tiles[1] < vocab:  # vocabulary tiles: the two log-normalisers first
         with torch.no_grad():
-            normalisers = ChunkLoop.apply(Normalisers(), kinds, temperature, tiles,
-                                          *(s.detach() for s in student), *teacher)
+            normalisers = ChunkLoop.apply(Normalisers(), kinds, temperature, tiles, *_detached(student), *teacher)
         statistic = GeneralisedJSD(beta, normalisers)
     else:
         statistic = GeneralisedJSD(beta)
     return ChunkLoop.apply(statistic, kinds, temperature, tiles, *student, *teacher)
+
+
+def _detached(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    return tuple(None if t is None else t.detach() for t in tensors)
 
 
 def _output(per_token: Tensor, mask: Tensor, loss_agg_mode: str, normalizer: Normalizer | None,
@@ -257,6 +268,12 @@ def divergence_from_hidden(
     *,
     beta: float,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
     loss_agg_mode: str = "token-mean",
     normalizer: Normalizer | None = None,
     norm_constant: float | None = None,
@@ -265,10 +282,15 @@ def divergence_from_hidden(
     memory_budget: int | None = None,
 ) -> LossOutput:
     """The student-teacher divergence D_β (module docstring) per position from both models' final hidden
-    states and LM heads, without the N x V logits of either: p_S = softmax(hidden @ weightᵀ / τ),
-    p_T = softmax(teacher_hidden @ teacher_weightᵀ / τ). TRL 1.16's `ChunkedDivergenceFunction`
-    (trl/kernels/chunked_divergence.py) computes the same from hidden states; this one runs pgloss's one
-    chunk loop (the tiles of `chunks.plan_tiles`), with no LM-head bias, logit scale or soft-capping.
+    states and LM heads, without the N x V logits of either. Each model's logits before the temperature are
+
+        logits = c · tanh(s · (x Wᵀ + b) / c)        (s · (x Wᵀ + b) without a soft-cap c)
+
+    with its bias b, logit scale s and soft-cap c, and p_S = softmax(logits_S / τ), p_T = softmax(logits_T / τ):
+    TRL 1.16's `ChunkedDivergenceFunction` (trl/kernels/chunked_divergence.py) computes the same, options
+    included, in the same order (bias, scale, soft-cap, temperature); this one runs pgloss's one chunk loop
+    (the tiles of `chunks.plan_tiles`). The student's gradient passes through the soft-cap's slope
+    s (1 − tanh²(s (x Wᵀ + b) / c)).
 
     Args:
         hidden: [B, T, H] student hidden states.
@@ -276,22 +298,31 @@ def divergence_from_hidden(
         teacher_hidden: [B, T, H'] teacher hidden states (H' may differ from H); never differentiated.
         teacher_weight: [V, H'] teacher output projection, the dtype of `teacher_hidden`; never differentiated.
         mask, beta, temperature, loss_agg_mode, normalizer, norm_constant: as `divergence_from_logits`.
+        bias, teacher_bias: [V] LM-head biases, the dtype and device of their weight, or None (no bias).
+            A half-precision bias is added to the float32 logits.
+        logit_scale, teacher_logit_scale: s > 0 multiplying each model's logits (Cohere's `logit_scale`;
+            Granite's `logits_scaling` is 1/s), before the soft-cap.
+        softcap, teacher_softcap: c > 0 of each model's soft-cap c · tanh(logits / c) (Gemma's
+            `final_logit_softcapping`), or None (none).
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
-        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block (a
+            soft-capped student adds one buffer, its slope).
 
     Returns:
-        `LossOutput` as `divergence_from_logits`; gradients flow to `hidden` and `weight` (whichever
-        requires grad).
+        `LossOutput` as `divergence_from_logits`; gradients flow to `hidden`, `weight` and `bias` (whichever
+        requires grad), none to the teacher's inputs.
     """
     check_head_pair(hidden, weight, teacher_hidden, teacher_weight, other="teacher")
+    kinds = (check_head(weight, bias, logit_scale, softcap),
+             check_head(teacher_weight, teacher_bias, teacher_logit_scale, teacher_softcap, prefix="teacher_"))
     mask = check_mask(mask, hidden.shape[:2], hidden.device, "hidden")
     beta, temperature = check_beta(beta), check_temperature(temperature)
     batch, length, size = hidden.shape
     vocab = weight.shape[0]
     tiles = pair_tiles(batch * length, vocab, weight.dtype, head=True, chunk_size=chunk_size,
-                       vocab_block=vocab_block, memory_budget=memory_budget)
-    per_token = _divergence(beta, ("head", "head"), temperature, tiles, vocab,
-                            (hidden.reshape(batch * length, size), weight),
-                            (teacher_hidden.reshape(batch * length, teacher_hidden.shape[-1]), teacher_weight))
+                       vocab_block=vocab_block, memory_budget=memory_budget, softcap=kinds[0].softcap is not None)
+    student = (hidden.reshape(batch * length, size), weight, bias)
+    teacher = (teacher_hidden.reshape(batch * length, teacher_hidden.shape[-1]), teacher_weight, teacher_bias)
+    per_token = _divergence(beta, kinds, temperature, tiles, vocab, student, teacher)
     return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
-from .chunks import ChunkLoop, plan_tiles
+from .chunks import PLAIN, ChunkLoop, plan_tiles
 from .entropy import _blocks, check_temperature, online_max
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
@@ -172,12 +172,12 @@ def check_head_pair(hidden: object, weight: object, other_hidden: object, other_
 
 
 def pair_tiles(tokens: int, vocab: int, dtype: torch.dtype, *, head: bool, chunk_size: int | None,
-               vocab_block: int | None, memory_budget: int | None) -> tuple[int, int]:
+               vocab_block: int | None, memory_budget: int | None, softcap: bool = False) -> tuple[int, int]:
     """`chunks.plan_tiles` for a loop over two sources (the trained model and a frozen one) whose first
     input has `dtype`: given logits, or an LM head (`head`), whose half-precision parameters add a
-    matmul buffer per source."""
+    matmul buffer per source; a soft-capped trained head (`softcap`) adds its slope's buffer."""
     compute = compute_dtype(dtype)
-    buffers = 2 * (2 if head and dtype != compute else 1)
+    buffers = 2 * (2 if head and dtype != compute else 1) + int(softcap)
     return plan_tiles(tokens, vocab, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget,
                       buffers=buffers, itemsize=torch.finfo(compute).bits // 8)
 
@@ -264,7 +264,7 @@ def pair_from_hidden(statistic, hidden: Tensor, weight: Tensor, other_hidden: Te
     batch, length, size = hidden.shape
     tiles = pair_tiles(batch * length, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
                        vocab_block=vocab_block, memory_budget=memory_budget)
-    values = ChunkLoop.apply(statistic, ("head", "head"), temperature, tiles, hidden.reshape(batch * length, size),
-                             weight, other_hidden.detach().reshape(batch * length, other_hidden.shape[-1]),
-                             other_weight.detach())
+    values = ChunkLoop.apply(statistic, (PLAIN, PLAIN), temperature, tiles, hidden.reshape(batch * length, size),
+                             weight, None, other_hidden.detach().reshape(batch * length, other_hidden.shape[-1]),
+                             other_weight.detach(), None)
     return values.view(batch, length)

@@ -43,7 +43,7 @@ from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
 from ..kl.corrections import FULL
-from .chunks import ChunkLoop, HeadRows, backward_rows, forward_rows, plan_tiles
+from .chunks import PLAIN, ChunkLoop, HeadRows, backward_rows, forward_rows, plan_tiles
 from .entropy import LogProbEntropy, check_targets, check_temperature
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
@@ -123,8 +123,8 @@ def log_prob_and_entropy_from_hidden(
     temperature = check_temperature(temperature)
     batch, length, size = hidden.shape
     tiles = head_tiles(batch * length, weight, chunk_size, vocab_block, memory_budget)
-    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), ("head",), temperature, tiles,
-                                        hidden.reshape(batch * length, size), weight)
+    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), (PLAIN,), temperature, tiles,
+                                        hidden.reshape(batch * length, size), weight, None)
     return log_prob.view(batch, length), entropy.view(batch, length)
 
 
@@ -180,8 +180,8 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
     n_rows, length, size = hidden.shape
     dtype = compute_dtype(weight.dtype)
     x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
-    source = HeadRows(x_all, weight.detach(), chunk_rows * length, dtype, vocab_block)
-    source.begin_backward((hidden.requires_grad, weight.requires_grad))
+    source = HeadRows(x_all, weight.detach(), None, chunk_rows * length, dtype, vocab_block)
+    source.begin_backward((hidden.requires_grad, weight.requires_grad, False))
     statistic = LogProbEntropy(y_all)
     values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
@@ -200,7 +200,7 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
         for whole, part in zip(grads, chunk_grads):
             whole[tokens] = part.reshape(-1)
         backward_rows(statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs)
-    grad_hidden, grad_weight = source.gradients()
+    grad_hidden, grad_weight, _ = source.gradients()
     grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
     return values[0].view(n_rows, length), values[1].view(n_rows, length), grad_hidden, grad_weight
 
