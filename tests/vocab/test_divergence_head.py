@@ -281,7 +281,7 @@ def test_bad_options_name_the_argument():
 
 # --- TRL 1.16 on the same inputs --------------------------------------------------------------------------
 
-TRL_OPTIONS = ["bias", "scale", "softcap", "all"]
+TRL_OPTIONS = ["none", "bias", "scale", "softcap", "all"]
 
 
 @pytest.mark.parametrize("small_tiles", [False, True])
