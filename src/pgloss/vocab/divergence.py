@@ -54,9 +54,9 @@ from ..core.aggregate import Normalizer, aggregate
 from ..core.batch import check_mask
 from ..core.checks import check_number
 from ..core.output import LossOutput
-from .chunks import ChunkLoop, check_head
+from .chunks import ChunkLoop
 from .entropy import _blocks, check_temperature
-from .full_kl import FullKL, check_head_pair, check_logit_pair, pair_tiles
+from .full_kl import FullKL, check_logit_pair, head_pair, pair_tiles
 
 __all__ = ["divergence_from_logits", "divergence_from_hidden"]
 
@@ -313,16 +313,11 @@ def divergence_from_hidden(
         `LossOutput` as `divergence_from_logits`; gradients flow to `hidden`, `weight` and `bias` (whichever
         requires grad), none to the teacher's inputs.
     """
-    check_head_pair(hidden, weight, teacher_hidden, teacher_weight, other="teacher")
-    kinds = (check_head(weight, bias, logit_scale, softcap),
-             check_head(teacher_weight, teacher_bias, teacher_logit_scale, teacher_softcap, prefix="teacher_"))
+    kinds, tiles, student, teacher = head_pair(
+        hidden, weight, teacher_hidden, teacher_weight, "teacher", bias=bias, logit_scale=logit_scale,
+        softcap=softcap, other_bias=teacher_bias, other_logit_scale=teacher_logit_scale,
+        other_softcap=teacher_softcap, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     mask = check_mask(mask, hidden.shape[:2], hidden.device, "hidden")
     beta, temperature = check_beta(beta), check_temperature(temperature)
-    batch, length, size = hidden.shape
-    vocab = weight.shape[0]
-    tiles = pair_tiles(batch * length, vocab, weight.dtype, head=True, chunk_size=chunk_size,
-                       vocab_block=vocab_block, memory_budget=memory_budget, softcap=kinds[0].softcap is not None)
-    student = (hidden.reshape(batch * length, size), weight, bias)
-    teacher = (teacher_hidden.reshape(batch * length, teacher_hidden.shape[-1]), teacher_weight, teacher_bias)
-    per_token = _divergence(beta, kinds, temperature, tiles, vocab, student, teacher)
-    return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
+    per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher)
+    return _output(per_token.view(hidden.shape[:2]), mask, loss_agg_mode, normalizer, norm_constant)

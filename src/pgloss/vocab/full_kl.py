@@ -16,9 +16,10 @@ NotImplementedError; no other framework computes it.
 Memory: both functions walk the positions in chunks and keep only two floats per position
 (the two log-normalisers) besides the inputs; the backward pass recomputes each chunk's
 softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: per chunk it
-forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads
-(`chunks.ChunkLoop` with two sources, the `FullKL` statistic), so memory beyond the inputs and
-their gradients is two [chunk, V] buffers. Masked positions are the caller's to drop
+forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads, each
+with its bias, logit scale and soft-cap (`chunks.HeadKind`), through `chunks.ChunkLoop` with two
+sources and the `FullKL` statistic, so memory beyond the inputs and their gradients is two
+[chunk, V] buffers (three in backward for a soft-capped policy: its slope). Masked positions are the caller's to drop
 (`torch.where(mask, kl, 0)`); their logits need only be finite.
 """
 
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
-from .chunks import PLAIN, ChunkLoop, plan_tiles
+from .chunks import ChunkLoop, HeadKind, check_head, plan_tiles
 from .entropy import _blocks, check_temperature, online_max
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
@@ -211,15 +212,25 @@ def full_kl_from_hidden(
     ref_weight: Tensor,
     *,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    ref_bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    ref_logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ref_softcap: float | None = None,
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
 ) -> Tensor:
     """KL(π‖π_ref) per position from the final hidden states and LM heads of both models, [B, T].
 
-    π = softmax(hidden @ weightᵀ / τ), π_ref = softmax(ref_hidden @ ref_weightᵀ / τ); the logits of
-    either model are never materialised beyond one [chunk, V] buffer each. Gradients flow to
-    `hidden` and `weight` (whichever requires grad); the reference gets none.
+    Each model's logits before the temperature are those of its head (`chunks.HeadKind`),
+
+        logits = c · tanh(s · (x Wᵀ + b) / c)        (s · (x Wᵀ + b) without a soft-cap c)
+
+    and π = softmax(logits / τ), π_ref = softmax(logits_ref / τ); the logits of either model are never
+    materialised beyond one [chunk, V] buffer each. Gradients flow to `hidden`, `weight` and `bias`
+    (whichever requires grad), through the soft-cap's slope s (1 − tanh²); the reference gets none.
 
     Args:
         hidden: [B, T, H] policy hidden states.
@@ -227,12 +238,18 @@ def full_kl_from_hidden(
         ref_hidden: [B, T, H'] reference hidden states (H' may differ from H).
         ref_weight: [V, H'] reference output projection, the dtype of `ref_hidden`.
         temperature: τ > 0.
+        bias, ref_bias: [V] LM-head biases, the dtype and device of their weight, or None (no bias).
+        logit_scale, ref_logit_scale: s > 0 multiplying each model's logits, before the soft-cap.
+        softcap, ref_softcap: c > 0 of each model's soft-cap, or None (none).
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
-        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block (a
+            soft-capped policy adds one buffer, its slope).
     """
     return pair_from_hidden(FullKL(), hidden, weight, ref_hidden, ref_weight, "ref", temperature=temperature,
-                            chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+                            bias=bias, logit_scale=logit_scale, softcap=softcap, other_bias=ref_bias,
+                            other_logit_scale=ref_logit_scale, other_softcap=ref_softcap, chunk_size=chunk_size,
+                            vocab_block=vocab_block, memory_budget=memory_budget)
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,16 +272,36 @@ def pair_from_logits(statistic, logits: Tensor, other_logits: Tensor, other: str
     return values.view(logits.shape[:-1])
 
 
+def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor, other: str, *,
+              bias: Tensor | None, logit_scale: float, softcap: float | None, other_bias: Tensor | None,
+              other_logit_scale: float, other_softcap: float | None, chunk_size: int | None, vocab_block: int | None,
+              memory_budget: int | None) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple]:
+    """The two heads of a loop, checked (`check_head_pair`, then each head's options by `chunks.check_head`,
+    the other's named `{other}_bias`, ...): their kinds, the tiles (`pair_tiles`), and each model's loop inputs
+    (hidden states as [N, H] rows, weight, bias), the other's detached."""
+    check_head_pair(hidden, weight, other_hidden, other_weight, other=other)
+    kinds = (check_head(weight, bias, logit_scale, softcap),
+             check_head(other_weight, other_bias, other_logit_scale, other_softcap, prefix=f"{other}_"))
+    tokens = hidden.shape[0] * hidden.shape[1]
+    tiles = pair_tiles(tokens, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
+                       vocab_block=vocab_block, memory_budget=memory_budget, softcap=kinds[0].softcap is not None)
+    first = (hidden.reshape(tokens, hidden.shape[-1]), weight, bias)
+    second = (other_hidden.detach().reshape(tokens, other_hidden.shape[-1]), other_weight.detach(),
+              None if other_bias is None else other_bias.detach())
+    return kinds, tiles, first, second
+
+
 def pair_from_hidden(statistic, hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor,
                      other: str, *, temperature: float, chunk_size: int | None, vocab_block: int | None,
-                     memory_budget: int | None) -> Tensor:
-    """`statistic` per position [B, T] of hidden @ weightᵀ against `{other}_hidden` @ `{other}_weight`ᵀ."""
-    check_head_pair(hidden, weight, other_hidden, other_weight, other=other)
+                     memory_budget: int | None, bias: Tensor | None = None, logit_scale: float = 1.0,
+                     softcap: float | None = None, other_bias: Tensor | None = None, other_logit_scale: float = 1.0,
+                     other_softcap: float | None = None) -> Tensor:
+    """`statistic` per position [B, T] of the head (`weight`, `bias`, `logit_scale`, `softcap`) on `hidden`
+    against the other model's head on `{other}_hidden` (`head_pair`)."""
+    kinds, tiles, first, second = head_pair(
+        hidden, weight, other_hidden, other_weight, other, bias=bias, logit_scale=logit_scale, softcap=softcap,
+        other_bias=other_bias, other_logit_scale=other_logit_scale, other_softcap=other_softcap,
+        chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     temperature = check_temperature(temperature)
-    batch, length, size = hidden.shape
-    tiles = pair_tiles(batch * length, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
-                       vocab_block=vocab_block, memory_budget=memory_budget)
-    values = ChunkLoop.apply(statistic, (PLAIN, PLAIN), temperature, tiles, hidden.reshape(batch * length, size),
-                             weight, None, other_hidden.detach().reshape(batch * length, other_hidden.shape[-1]),
-                             other_weight.detach(), None)
-    return values.view(batch, length)
+    values = ChunkLoop.apply(statistic, kinds, temperature, tiles, *first, *second)
+    return values.view(hidden.shape[:2])
