@@ -1,14 +1,18 @@
 """The loss straight from hidden states, without materialising the N × V logits.
 
-For hidden states x [B, T, H] and the output projection W [V, H], the tempered logits of token
-n are z_n = W x_n / τ, and chunk by chunk over the N = B·T tokens
+For hidden states x [B, T, H] and the LM head W [V, H] (its bias b [V] or none, its logit scale s
+and soft-cap c: `chunks.HeadKind`), the tempered logits of token n are
+
+    z_n = c · tanh(s · (W x_n + b) / c) / τ        (s · (W x_n + b) / τ without a soft-cap)
+
+and chunk by chunk over the N = B·T tokens
 
     log π(y_n) = z_{n,y} − lse(z_n),        H_n = lse(z_n) − Σᵥ π_{n,v} z_{n,v}
 
-(`pgloss.vocab.entropy` holds the per-chunk math). With G = ∂L/∂logits of a chunk
-(`pgloss.vocab.entropy.chunk_grad_logits`),
+(`pgloss.vocab.entropy` holds the per-chunk math). With G = ∂L/∂(W x + b) of a chunk
+(`pgloss.vocab.entropy.chunk_grad_logits` times the head's slope s (1 − tanh²(s (W x + b) / c))),
 
-    ∂L/∂x = G W,        ∂L/∂W = Σ_chunks Gᵀ x.
+    ∂L/∂x = G W,        ∂L/∂W = Σ_chunks Gᵀ x,        ∂L/∂b = Σ_chunks Σ_rows G.
 
 `loss_from_hidden` takes one of two paths; both give the loss of `algorithm(log_prob=log π,
 entropy=H, ...)` on the full logits, for every algorithm and `Normalizer`:
@@ -39,20 +43,21 @@ import torch
 from torch import Tensor
 
 from ..core.aggregate import Normalizer
+from ..core.checks import check_number
 from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
 from ..kl.corrections import FULL
-from .chunks import PLAIN, ChunkLoop, HeadRows, backward_rows, forward_rows, plan_tiles
+from .chunks import ChunkLoop, HeadKind, HeadRows, backward_rows, check_head, forward_rows, plan_tiles
 from .entropy import LogProbEntropy, check_targets, check_temperature
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
 
 
-def full_head(weight: Tensor) -> Tensor:
-    """The whole LM head from an FSDP2-sharded one (a DTensor: `fully_shard` outside its forward),
-    gathered once, its gradient averaged back onto the shards as FSDP2 averages every other
-    parameter's; any other tensor is returned as it is.
+def full_head(weight: Tensor | None) -> Tensor | None:
+    """The whole LM head (or its bias) from an FSDP2-sharded one (a DTensor: `fully_shard` outside its
+    forward), gathered once, its gradient averaged back onto the shards as FSDP2 averages every other
+    parameter's; any other tensor (or None) is returned as it is.
 
     A bare `weight.full_tensor()` would hand each shard only its own rank's gradient: DTensor
     takes the gathered gradient for a replicated one. `Partial("avg")` says it is each rank's
@@ -97,53 +102,64 @@ def log_prob_and_entropy_from_hidden(
     targets: Tensor,
     *,
     temperature: float = 1.0,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """log π(y) and H of the logits hidden @ weightᵀ / τ, each [B, T], without the [B, T, V] logits.
+    """log π(y) and H of the tempered logits z / τ, each [B, T], without the [B, T, V] logits, where
+
+        z = c · tanh(s · (hidden @ weightᵀ + bias) / c)        (s · (hidden @ weightᵀ + bias) without a soft-cap)
+
+    (`chunks.HeadKind`: TRL 1.16's order, bias, scale, soft-cap, then τ).
 
     Args:
         hidden: [B, T, H] floating hidden states.
         weight: [V, H] output projection of the same dtype and device.
         targets: [B, T] integer token ids in [0, V).
         temperature: τ > 0.
+        bias: [V] LM-head bias of the weight's dtype and device, or None (no bias).
+        logit_scale: s > 0 multiplying the logits (Cohere's `logit_scale`; Granite's `logits_scaling` is 1/s).
+        softcap: c > 0 of the soft-cap c · tanh(logits / c) (Gemma's `final_logit_softcapping`), or None.
         chunk_size: tokens per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary); below V, log-sum-exp,
             log π(y) and H accumulate over tiles with an online max (`chunks.plan_tiles`).
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block:
-            the tiles are chosen from it (`chunks.plan_tiles`).
+            the tiles are chosen from it (`chunks.plan_tiles`; a soft-cap adds one buffer, its slope).
 
     Returns:
         (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
-        hidden and weight (whichever requires grad).
+        hidden, weight and bias (whichever requires grad).
     """
-    weight = full_head(weight)
+    weight, bias = full_head(weight), full_head(bias)
     _check_inputs(hidden, weight, targets)
+    kind = check_head(weight, bias, logit_scale, softcap)
     temperature = check_temperature(temperature)
     batch, length, size = hidden.shape
-    tiles = head_tiles(batch * length, weight, chunk_size, vocab_block, memory_budget)
-    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), (PLAIN,), temperature, tiles,
-                                        hidden.reshape(batch * length, size), weight, None)
+    tiles = head_tiles(batch * length, weight, chunk_size, vocab_block, memory_budget, kind)
+    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), (kind,), temperature, tiles,
+                                        hidden.reshape(batch * length, size), weight, bias)
     return log_prob.view(batch, length), entropy.view(batch, length)
 
 
 def head_tiles(tokens: int, weight: Tensor, chunk_size: int | None, vocab_block: int | None,
-               memory_budget: int | None, heads: int = 1) -> tuple[int, int]:
-    """`plan_tiles` for `heads` LM heads like `weight`: one logits buffer each in the compute dtype,
-    and one more for the matmul's output in a half-precision head's own dtype."""
+               memory_budget: int | None, kind: HeadKind) -> tuple[int, int]:
+    """`plan_tiles` for one LM head like `weight`: a logits buffer in the compute dtype, one more for
+    the matmul's output in a half-precision head's own dtype, and one for a soft-cap's slope."""
     dtype = compute_dtype(weight.dtype)
-    buffers = heads * (1 if weight.dtype == dtype else 2)
+    buffers = (1 if weight.dtype == dtype else 2) + int(kind.softcap is not None)
     return plan_tiles(tokens, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
                       memory_budget=memory_budget, buffers=buffers, itemsize=torch.finfo(dtype).bits // 8)
 
 
 class _AttachGradients(torch.autograd.Function):
-    """The loss value, with ∂L/∂hidden and ∂L/∂weight already computed in the forward pass."""
+    """The loss value, with ∂L/∂hidden, ∂L/∂weight and ∂L/∂bias already computed in the forward pass."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, grad_hidden, grad_weight):
-        ctx.grads = [grad_hidden, grad_weight]
+    def forward(ctx, loss, hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+        ctx.grads = [grad_hidden, grad_weight, grad_bias]
         return loss.detach().clone()
 
     @staticmethod
@@ -151,12 +167,9 @@ class _AttachGradients(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError("the fused loss's gradients were already handed out; backward runs once")
-        grad_hidden, grad_weight = ctx.grads
-        ctx.grads = None  # handed to autograd without a copy, scaled in place by ∂(caller)/∂loss
-        scale = grad_loss.to(grad_hidden.dtype if grad_hidden is not None else grad_weight.dtype)
-        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(scale)
-        grad_weight = None if grad_weight is None else grad_weight.mul_(scale)
-        return None, grad_hidden, grad_weight, None, None
+        grads, ctx.grads = ctx.grads, None  # handed to autograd without a copy, scaled in place by ∂(caller)/∂loss
+        scale = grad_loss.to(next(g for g in grads if g is not None).dtype)
+        return (None, *(None if g is None else g.mul_(scale) for g in grads), None, None, None)
 
 
 PASSED_INPUTS = {name: spec for name, spec in OPTIONAL_INPUTS.items() if name not in ("entropy", "full_kl")}
@@ -168,20 +181,22 @@ def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
     return None if value is None else value[rows]
 
 
-def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, vocab_block, normalizer, batch):
+def _loss_one_pass(algorithm, hidden, weight, bias, kind, targets, temperature, chunk_rows, vocab_block, normalizer,
+                   batch):
     """Row chunks of whole sequences: each chunk's loss, with the step's `normalizer`, is its exact
     share of the batch loss (split invariance), so its ∂L/∂log π and ∂L/∂H are known as soon as its
     logits are, and G W, Gᵀ x follow without recomputing them: 6NHV flops instead of 8NHV. With
     vocabulary tiles (`vocab_block` < V) no chunk's logits outlive their tile, and each tile is
     recomputed for the gradient (8NHV).
 
-    Returns the [B, T] log π and H (detached) and the gradients of hidden and weight (or None).
+    Returns the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or None).
     """
     n_rows, length, size = hidden.shape
     dtype = compute_dtype(weight.dtype)
     x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
-    source = HeadRows(x_all, weight.detach(), None, chunk_rows * length, dtype, vocab_block)
-    source.begin_backward((hidden.requires_grad, weight.requires_grad, False))
+    source = HeadRows(x_all, weight.detach(), None if bias is None else bias.detach(), chunk_rows * length, dtype,
+                      vocab_block, kind)
+    source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
     statistic = LogProbEntropy(y_all)
     values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
@@ -200,9 +215,9 @@ def _loss_one_pass(algorithm, hidden, weight, targets, temperature, chunk_rows, 
         for whole, part in zip(grads, chunk_grads):
             whole[tokens] = part.reshape(-1)
         backward_rows(statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs)
-    grad_hidden, grad_weight, _ = source.gradients()
+    grad_hidden, grad_weight, grad_bias = source.gradients()
     grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
-    return values[0].view(n_rows, length), values[1].view(n_rows, length), grad_hidden, grad_weight
+    return values[0].view(n_rows, length), values[1].view(n_rows, length), grad_hidden, grad_weight, grad_bias
 
 
 def loss_from_hidden(
@@ -216,17 +231,25 @@ def loss_from_hidden(
     mask: Tensor,
     temperature: float = 1.0,
     normalizer: Normalizer | None = None,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     ref_hidden: Tensor | None = None,
     ref_weight: Tensor | None = None,
+    ref_bias: Tensor | None = None,
+    ref_logit_scale: float = 1.0,
+    ref_softcap: float | None = None,
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
     **inputs: Tensor | None,
 ) -> LossOutput:
-    """`algorithm`'s loss on the logits hidden @ weightᵀ / τ, computed without materialising them.
+    """`algorithm`'s loss on the LM head's tempered logits, computed without materialising them:
+
+        logits = c · tanh(s · (hidden @ weightᵀ + bias) / c) / τ        (no tanh without a soft-cap c)
 
     Equal to `algorithm(log_prob=log π(y), entropy=H, ...)` with log π and H from the full
-    logits (see the module docstring), with gradients for `hidden` and `weight`. The entropy
+    logits (see the module docstring), with gradients for `hidden`, `weight` and `bias`. The entropy
     gets a gradient only when `algorithm.entropy_coef` ≠ 0; otherwise it feeds the metric only.
 
     When whole sequences fit in a chunk (T ≤ chunk_size) and a gradient is wanted, the gradients
@@ -245,9 +268,15 @@ def loss_from_hidden(
         old_log_prob, advantages, mask, normalizer, **inputs: as for `algorithm(...)`, the optional
             inputs but `entropy` and `full_kl` (computed here); floating tensors are cast to the
             compute dtype (float32, or float64 for float64 parameters).
+        bias: [V] the LM head's bias, the weight's dtype and device (gathered like it), or None (no bias).
+        logit_scale: s > 0 multiplying the logits before the soft-cap (Cohere's `logit_scale`; Granite's
+            `logits_scaling` is 1/s).
+        softcap: c > 0 of the soft-cap (Gemma's `final_logit_softcapping`), or None (none).
         ref_hidden, ref_weight: [B, T, H'] and [V, H'], the reference model's final hidden states and
             LM head, for kl_estimator="full": the exact KL(π‖π_ref) per token is computed from them
             chunk by chunk (`pgloss.vocab.full_kl.full_kl_from_hidden`) and passed as `full_kl`.
+        ref_bias, ref_logit_scale, ref_softcap: the reference head's options, as the policy's (never
+            differentiated); only with ref_hidden and ref_weight.
         temperature: τ > 0, the sampling temperature.
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
@@ -258,12 +287,13 @@ def loss_from_hidden(
             vocab_block; the chunk and tile are chosen from it (`pgloss.vocab.chunks.plan_tiles`).
     """
     check_names(inputs, PASSED_INPUTS)
-    weight = full_head(weight)
+    weight, bias = full_head(weight), full_head(bias)
     valid = _check_inputs(hidden, weight, targets, mask)
+    kind = check_head(weight, bias, logit_scale, softcap)
     temperature = check_temperature(temperature)
     tokens = hidden.shape[0] * hidden.shape[1]
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
-    chunk_size, vocab_block = head_tiles(tokens, weight, **sizes)
+    chunk_size, vocab_block = head_tiles(tokens, weight, **sizes, kind=kind)
     safe_targets = torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device)).long()
     dtype = compute_dtype(weight.dtype)
 
@@ -280,18 +310,24 @@ def loss_from_hidden(
             raise ValueError(f"{algorithm.name} has kl_estimator='full' and needs ref_hidden and ref_weight")
         from .full_kl import full_kl_from_hidden
 
-        batch["full_kl"] = full_kl_from_hidden(hidden, weight, ref_hidden, full_head(ref_weight), temperature=temperature,
-                                               **sizes)
-    elif ref_hidden is not None or ref_weight is not None:
-        raise ValueError(f"ref_hidden and ref_weight are for kl_estimator='full'; {algorithm.name} has "
-                         f"kl_estimator={algorithm.kl_estimator!r} (pass ref_log_prob)")
+        batch["full_kl"] = full_kl_from_hidden(
+            hidden, weight, ref_hidden, full_head(ref_weight), temperature=temperature, bias=bias,
+            ref_bias=full_head(ref_bias), logit_scale=logit_scale, ref_logit_scale=ref_logit_scale, softcap=softcap,
+            ref_softcap=ref_softcap, **sizes)
+    elif (ref_hidden is not None or ref_weight is not None or ref_bias is not None or ref_softcap is not None
+          or check_number("ref_logit_scale", ref_logit_scale) != 1.0):
+        raise ValueError(f"ref_hidden and ref_weight (and the reference head's ref_bias, ref_logit_scale, ref_softcap) "
+                         f"are for kl_estimator='full'; {algorithm.name} has kl_estimator={algorithm.kl_estimator!r} "
+                         "(pass ref_log_prob)")
     length = hidden.shape[1]
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    params = (hidden, weight) if bias is None else (hidden, weight, bias)
+    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     if not needs_grad or length == 0 or length > chunk_size or algorithm.couples_rows or exact_kl:
         # Sequences longer than a chunk, row-coupled losses and the exact KL: log π and H by token chunks, one
         # call for the batch, logits recomputed in backward.
         log_prob, entropy = log_prob_and_entropy_from_hidden(
-            hidden, weight, safe_targets, temperature=temperature, chunk_size=chunk_size, vocab_block=vocab_block
+            hidden, weight, safe_targets, temperature=temperature, bias=bias, logit_scale=logit_scale, softcap=softcap,
+            chunk_size=chunk_size, vocab_block=vocab_block
         )
         return algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
 
@@ -299,9 +335,9 @@ def loss_from_hidden(
     if step is None:  # this batch is the whole step: counted once for every chunk, as the call counts it
         step = algorithm.whole_step_normalizer(valid, batch["old_log_prob"], **inputs)
     with torch.no_grad():
-        log_prob, entropy, grad_hidden, grad_weight = _loss_one_pass(
-            algorithm, hidden, weight, safe_targets, temperature, chunk_size // length, vocab_block, step, batch
-        )
+        log_prob, entropy, *grads = _loss_one_pass(
+            algorithm, hidden, weight, bias, kind, safe_targets, temperature, chunk_size // length, vocab_block, step,
+            batch)
         out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=step, **batch)
-    loss = _AttachGradients.apply(out.loss, hidden, weight, grad_hidden, grad_weight)
+    loss = _AttachGradients.apply(out.loss, hidden, weight, bias, *grads)
     return LossOutput(loss=loss, metrics=out.metrics, per_token=out.per_token)
