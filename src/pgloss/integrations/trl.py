@@ -61,6 +61,7 @@ from ..algorithms import Algorithm
 from ..core.output import LossOutput
 from ..correction.token_masks import entropy_threshold, top_entropy_mask
 
+from .lm_head import head_options
 from .trl_config import adaptive_entropy, trainer_algorithm
 
 __all__ = ["SUPPORTED", "PGLossGRPOTrainer", "PGLossMixin"]
@@ -115,7 +116,8 @@ class PGLossMixin:
             `pgloss.names()` (built with `generation_budget=max_completion_length`, TRL's loss options
             set away from their defaults translated onto it); or a `pgloss.Algorithm`, as given.
         fused: compute the loss from the backbone's last hidden states and the LM head through
-            `algorithm.from_hidden`, inside the wrapped model's forward.
+            `algorithm.from_hidden`, inside the wrapped model's forward, with the head's bias, logit scale
+            and soft-cap as the model's forward applies them (`pgloss.integrations.lm_head`).
         chunk_size: tokens per chunk of the fused path (None: pgloss's default).
 
     What is translated and what is refused: `pgloss.integrations.trl_config.trainer_algorithm`.
@@ -372,21 +374,8 @@ class PGLossMixin:
         return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
     def _check_fused_head(self) -> None:
-        """Refuse heads whose logits are not hidden @ Wᵀ / τ (pgloss's fused path has no bias or scaling)."""
-        owner = self._pgloss_head_owner(self.model)
-        head = owner.get_output_embeddings()
-        config = owner.config.get_text_config() if hasattr(owner.config, "get_text_config") else owner.config
-        problems = []
-        if getattr(head, "bias", None) is not None:
-            problems.append("an LM head with a bias")
-        if getattr(config, "final_logit_softcapping", None) is not None:
-            problems.append(f"final_logit_softcapping={config.final_logit_softcapping}")
-        for key in ("logit_scale", "lm_head_multiplier", "logits_scaling"):
-            if getattr(config, key, None) not in (None, 1, 1.0):
-                problems.append(f"{key}={getattr(config, key)}")
-        if problems:
-            raise ValueError("fused=True cannot compute this model's logits: " + ", ".join(problems)
-                             + "; use fused=False")
+        """Refuse, at construction, a head whose options `lm_head.head_options` cannot read."""
+        head_options(self._pgloss_head_owner(self.model))
 
     def _pgloss_fused(self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor,
                       algorithm: Algorithm):
@@ -409,21 +398,24 @@ class PGLossMixin:
         hidden = owner.base_model(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
         hidden = hidden[:, -length - 1:-1]  # the positions that predict the completion tokens
         weight = owner.get_output_embeddings().weight
-        weight = pgloss.vocab.fused.full_head(weight)  # FSDP2: the whole head, its gradient averaged back onto the shards
+        head = head_options(owner)  # the bias, logit scale and soft-cap of the model's own logits
+        # FSDP2: the whole head, its gradient averaged back onto the shards
+        weight, bias = pgloss.vocab.fused.full_head(weight), pgloss.vocab.fused.full_head(head["bias"])
         if self.args.cast_lm_head_to_fp32:
-            hidden, weight = hidden.float(), weight.float()
-        weight_ctx = maybe_gather_lm_head_ctx(weight) if isinstance(weight, torch.nn.Parameter) else nullcontext()
-        with weight_ctx:
+            hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
+        head["bias"] = bias
+        params = [p for p in (weight, bias) if isinstance(p, torch.nn.Parameter)]
+        with maybe_gather_lm_head_ctx(*params) if params else nullcontext():
             self._pgloss_check_zero3(weight, length)
             log_prob = None
             if inputs.get("old_per_token_logps") is None:  # on-policy: log π_old is the detached log π
                 with torch.no_grad():
                     log_prob, _ = pgloss.log_prob_and_entropy_from_hidden(
                         hidden, weight, torch.where(mask.bool(), targets, 0),
-                        temperature=self.temperature, chunk_size=self.chunk_size)
+                        temperature=self.temperature, chunk_size=self.chunk_size, **head)
             return algorithm.from_hidden(hidden, weight, targets, temperature=self.temperature,
-                                              normalizer=normalizer, chunk_size=self.chunk_size,
-                                              **self._pgloss_arguments(inputs, log_prob, mask))
+                                         normalizer=normalizer, chunk_size=self.chunk_size, **head,
+                                         **self._pgloss_arguments(inputs, log_prob, mask))
 
     def _pgloss_check_zero3(self, weight: Tensor, length: int) -> None:
         """Under ZeRO-3 the head is gathered for the forward only: the one-pass path (whole sequences in
