@@ -5,18 +5,20 @@ without a soft-cap c), then divides by τ. Read from each model's forward in tra
 (models/<name>/modeling_<name>.py, the lines after `self.lm_head(...)`): a bias lives in the head's Linear, before
 anything else, and no model applies both a scale and a soft-cap, so each is exactly that order:
 
-| model class (and its subclasses) | logits after the head z = x Wᵀ + b | options |
-|---|---|---|
-| Gemma2, Gemma3, Gemma3n, Gemma4, Gemma4Unified, VaultGemma, NanoChat ForCausalLM; Gemma3n, Gemma4, Gemma4Unified ForConditionalGeneration | c · tanh(z / c), c = `final_logit_softcapping` (z when None) | softcap = c |
-| RecurrentGemmaForCausalLM | c · tanh(z / c), c = `logits_soft_cap` | softcap = c |
-| Cohere, Cohere2, Cohere2Moe ForCausalLM | z · `logit_scale` | logit_scale |
-| FalconH1ForCausalLM | z · `lm_head_multiplier` | logit_scale |
-| Granite, GraniteMoe, GraniteMoeShared, GraniteMoeHybrid ForCausalLM; Granite4VisionForConditionalGeneration | z / `logits_scaling` | logit_scale = 1 / logits_scaling |
-| HyperCLOVAXForCausalLM | z · `logits_scaling` | logit_scale = logits_scaling |
-| MptForCausalLM | z (its config's `logit_scale` is not used) | none |
+- Gemma2, Gemma3, Gemma3n, Gemma4, Gemma4Unified, VaultGemma, NanoChat ForCausalLM; Gemma3n, Gemma4, Gemma4Unified
+  ForConditionalGeneration: c · tanh(z / c), c = `final_logit_softcapping` (z when None)  ->  softcap = c
+- RecurrentGemmaForCausalLM: c · tanh(z / c), c = `logits_soft_cap`  ->  softcap = c
+- Cohere, Cohere2, Cohere2Moe ForCausalLM: z · `logit_scale`  ->  logit_scale
+- FalconH1ForCausalLM: z · `lm_head_multiplier`  ->  logit_scale
+- Granite, GraniteMoe, GraniteMoeShared, GraniteMoeHybrid ForCausalLM; Granite4VisionForConditionalGeneration:
+  z / `logits_scaling`  ->  logit_scale = 1 / logits_scaling
+- HyperCLOVAXForCausalLM: z · `logits_scaling` (it multiplies)  ->  logit_scale = logits_scaling
+- MptForCausalLM: z (its config's `logit_scale` is not used)  ->  none
 
-The keys are read from the text config (`config.get_text_config()`), as these forwards read them. Another class
-whose config sets one of the keys (`KEYS`) is refused by name: how its forward applies it is not known here.
+with z = x Wᵀ + b the head's output; a subclass is read as its base class. The keys are read from the text config
+(`config.get_text_config()`), as these forwards read them. Another class whose config sets one of the keys (`KEYS`)
+is refused by name: how its forward applies it is not known here. TRL 1.16's own chunked head (`add_fused_lm_head`,
+used by fused=False) reads the same keys by name for every class instead.
 """
 
 from __future__ import annotations
