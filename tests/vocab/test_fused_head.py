@@ -186,6 +186,23 @@ def test_the_reference_head_gets_no_gradient_and_a_frozen_bias_none():
     assert all(t.grad is None for t in reference) and bias.grad.abs().max() > 0
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_only_the_bias_trains(route):
+    """A frozen hidden state and head with a trainable bias: the bias's gradient alone, on either route."""
+    x = make(seed=10)
+    algorithm, inputs = losses(x, options("all", x))["grpo"]
+    (h1, w1, b1), (h2, w2, b2) = leaves(x), leaves(x)
+    h1.requires_grad_(False), w1.requires_grad_(False)
+    chunk_size, vocab_block = ROUTES[route]
+    out = algorithm.from_hidden(h1, w1, x["targets"], temperature=TAU, chunk_size=chunk_size, vocab_block=vocab_block,
+                                **inputs, **options("all", x, b1))
+    out.loss.backward()
+    materialised_loss(algorithm, inputs, h2, w2, x, options("all", x, b2)).loss.backward()
+    assert h1.grad is None and w1.grad is None
+    # measured: 1.9e-16
+    assert_close_all([b1.grad], [b2.grad])
+
+
 # --- the exact KL ------------------------------------------------------------------------------------------
 
 
