@@ -16,6 +16,7 @@ import torch
 
 import loops
 from pgloss.vocab.divergence import divergence_from_hidden
+from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, with_biases
 
 B, T, H, H_T, V = 3, 5, 8, 6, 37
 TAU = 0.7
@@ -44,13 +45,8 @@ OPTIONS = {
 
 
 def options(name, x, bias=None):
-    """The keyword arguments of option set `name`: True biases replaced by `x`'s (the student's by `bias`)."""
-    out = dict(OPTIONS[name])
-    if out.get("bias"):
-        out["bias"] = x["bias"] if bias is None else bias
-    if out.get("teacher_bias"):
-        out["teacher_bias"] = x["teacher_bias"]
-    return out
+    """The keyword arguments of option set `name`, biases filled in (the student's by `bias` when given)."""
+    return with_biases(OPTIONS[name], x, bias)
 
 
 def leaves(x):
@@ -214,16 +210,7 @@ def test_compiles_whole_forward_and_backward(beta):
     call = lambda h, w, b: divergence_from_hidden(  # noqa: E731
         h, w, teacher_hidden, teacher_weight, mask, beta=beta, bias=b, teacher_bias=teacher_bias, chunk_size=4,
         vocab_block=4, **ALL_ON).loss
-    torch._dynamo.reset()
-    compiled = torch.compile(call, fullgraph=True, backend="inductor")
-    ours, eager = [[t.clone().requires_grad_() for t in (hidden, weight, bias)] for _ in range(2)]
-    loss = compiled(*ours)
-    loss.backward()
-    expected = call(*eager)
-    expected.backward()
-    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
-    for a, b in zip(ours, eager):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert_compiles_like_eager(call, [hidden, weight, bias])
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -251,32 +238,8 @@ def test_bfloat16_heads_with_a_bias(beta):
 def test_bad_options_name_the_argument():
     x = make()
     args = (x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], MASK)
-    call = lambda **kw: divergence_from_hidden(*args, beta=0.5, **kw)  # noqa: E731
-    with pytest.raises(ValueError, match=r"bias must have shape \[V\] = \[37\] \(the rows of weight\), got \(36,\)"):
-        call(bias=x["bias"][:-1])
-    with pytest.raises(ValueError, match=r"teacher_bias must have shape \[V\] = \[37\].*got \(1, 37\)"):
-        call(teacher_bias=x["teacher_bias"][None])
-    with pytest.raises(TypeError, match="bias has dtype torch.float32 but weight has torch.float64"):
-        call(bias=x["bias"].float())
-    with pytest.raises(TypeError, match="teacher_bias must be a Tensor or None, got list"):
-        call(teacher_bias=x["teacher_bias"].tolist())
-    with pytest.raises(ValueError, match="bias is on meta but weight is on cpu"):
-        call(bias=torch.empty(V, dtype=torch.float64, device="meta"))
-    for value in (0.0, -1.0):
-        with pytest.raises(ValueError, match=f"teacher_logit_scale must be a finite number > 0, got {value}"):
-            call(teacher_logit_scale=value)
-        with pytest.raises(ValueError, match=f"softcap must be a finite number > 0 or None, got {value}"):
-            call(softcap=value)
-    for value in (math.inf, math.nan):
-        with pytest.raises(ValueError, match="logit_scale must be finite"):
-            call(logit_scale=value)
-        with pytest.raises(ValueError, match="teacher_softcap must be finite"):
-            call(teacher_softcap=value)
-    for value in ("2", True, None):
-        with pytest.raises(TypeError, match="logit_scale must be a real number"):
-            call(logit_scale=value)
-    with pytest.raises(TypeError, match="softcap must be a real number or None"):
-        call(softcap="30")
+    for prefix in ("", "teacher_"):
+        assert_refuses_bad_head(lambda **kw: divergence_from_hidden(*args, beta=0.5, **kw), x[f"{prefix}bias"], prefix)
 
 
 # --- TRL 1.16 on the same inputs --------------------------------------------------------------------------

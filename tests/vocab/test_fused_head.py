@@ -7,14 +7,13 @@ Covered: `log_prob_and_entropy_from_hidden`, `loss_from_hidden` through `Algorit
 and the recompute routes, and the exact KL to a reference head), `full_kl_from_hidden`.
 """
 
-import math
-
 import pytest
 import torch
 
 import pgloss
 from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
+from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, with_biases
 
 B, T, H, H_REF, V = 3, 5, 8, 6, 37  # N = 15 tokens
 TAU = 0.7
@@ -45,14 +44,8 @@ def make(seed=0, dtype=torch.float64):
 
 
 def options(name, x, bias=None, ref=False):
-    """The keyword arguments of option set `name` (and the reference's, `ref`): True biases replaced by `x`'s
-    (the policy's by `bias` when given)."""
-    out = dict(OPTIONS[name], **(REF if ref else {}))
-    if out.get("bias"):
-        out["bias"] = x["bias"] if bias is None else bias
-    if out.get("ref_bias"):
-        out["ref_bias"] = x["ref_bias"]
-    return out
+    """The keyword arguments of option set `name` (and the reference's, `ref`), biases filled in."""
+    return with_biases(dict(OPTIONS[name], **(REF if ref else {})), x, bias)
 
 
 def leaves(x):
@@ -349,16 +342,7 @@ def test_compiles_whole_forward_and_backward():
         h, w, s["targets"], old_log_prob=s["old"], advantages=s["advantages"], mask=s["mask"], bias=b, **ALL_ON,
         ref_hidden=s["ref_hidden"], ref_weight=s["ref_weight"], ref_bias=s["ref_bias"], ref_logit_scale=0.7,
         ref_softcap=2.0, chunk_size=4, vocab_block=4).loss
-    torch._dynamo.reset()
-    compiled = torch.compile(call, fullgraph=True, backend="inductor")
-    ours, eager = [[s[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")] for _ in range(2)]
-    loss = compiled(*ours)
-    loss.backward()
-    expected = call(*eager)
-    expected.backward()
-    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
-    for a, b in zip(ours, eager):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert_compiles_like_eager(call, [s[k] for k in ("hidden", "weight", "bias")])
 
 
 # --- low precision --------------------------------------------------------------------------------------------
@@ -399,32 +383,11 @@ def test_bad_options_name_the_argument():
         "full_kl": lambda **kw: full_kl_from_hidden(x["hidden"], x["weight"], x["ref_hidden"], x["ref_weight"], **kw),
     }
     for call in calls.values():  # chunks.check_head's messages, naming the policy's argument
-        with pytest.raises(ValueError, match=r"^bias must have shape \[V\] = \[37\] \(the rows of weight\), got"):
-            call(bias=x["bias"][:-1])
-        with pytest.raises(TypeError, match="bias has dtype torch.float32 but weight has torch.float64"):
-            call(bias=x["bias"].float())
-        with pytest.raises(TypeError, match="bias must be a Tensor or None, got list"):
-            call(bias=x["bias"].tolist())
-        with pytest.raises(ValueError, match="bias is on meta but weight is on cpu"):
-            call(bias=torch.empty(V, dtype=torch.float64, device="meta"))
-        for value in (0.0, -1.0):
-            with pytest.raises(ValueError, match=f"^logit_scale must be a finite number > 0, got {value}"):
-                call(logit_scale=value)
-            with pytest.raises(ValueError, match=f"^softcap must be a finite number > 0 or None, got {value}"):
-                call(softcap=value)
-        with pytest.raises(ValueError, match="logit_scale must be finite"):
-            call(logit_scale=math.inf)
-        with pytest.raises(TypeError, match="softcap must be a real number or None"):
-            call(softcap="30")
+        assert_refuses_bad_head(call, x["bias"])
     # The reference head's options, named ref_*, in the exact KL and the loss that computes it.
     for call in (calls["full_kl"], lambda **kw: full.from_hidden(x["hidden"], x["weight"], x["targets"], **inputs,
                                                                   **ref_head, **kw)):
-        with pytest.raises(ValueError, match=r"^ref_bias must have shape \[V\] = \[37\] \(the rows of ref_weight\)"):
-            call(ref_bias=x["ref_bias"][None])
-        with pytest.raises(ValueError, match="^ref_logit_scale must be a finite number > 0, got 0.0"):
-            call(ref_logit_scale=0.0)
-        with pytest.raises(ValueError, match="^ref_softcap must be finite"):
-            call(ref_softcap=math.nan)
+        assert_refuses_bad_head(call, x["ref_bias"], prefix="ref_")
     # A reference head's options without the exact KL are refused, not ignored.
     for extra in (dict(ref_bias=x["ref_bias"]), dict(ref_logit_scale=2.0), dict(ref_softcap=30.0)):
         with pytest.raises(ValueError, match=r"ref_hidden and ref_weight \(and the reference head's ref_bias, "
