@@ -98,6 +98,24 @@ def test_a_reduced_experiment_runs_resumes_and_reports(tmp_path, monkeypatch, ca
     capsys.readouterr()
 
 
+def test_a_wider_teacher_runs_from_its_own_warm_start(tmp_path, monkeypatch, capsys):
+    e = distill.DistillExperiment(**SMALL, teacher_d_model=24)
+    assert [c.d_model for c in e.warm_configs(0)] == [24, 16]
+    assert [c.d_model for c in distill.DistillExperiment(**SMALL).warm_configs(0)] == [16]
+    with pytest.raises(ValueError, match="--d-model must be >= 1 and a multiple of --n-head"):
+        distill.DistillExperiment(**SMALL, teacher_d_model=25)
+    monkeypatch.setattr(distill, "DESIGN", distill.DistillExperiment(**SMALL))
+    out = tmp_path / "w"
+    assert main(["experiment", "distill", "--quick", "--seeds", "1", "--teacher-steps", "2", "--steps", "1",
+                 "--students", "opd", "--teacher-d-model", "24", "--out", str(out)]) == 0
+    teacher = torch.load(distill.teacher_path(out, 0))
+    assert teacher["tok.weight"].shape[1] == 24
+    assert len(list((out / "warm").iterdir())) == 2  # the teacher's warm start and the students'
+    assert all(r["kl_teacher"] > 0 for r in load(out)[("opd", 0)])
+    assert "The teacher is GRPO from a warm start of its own, 24 wide (the students 16)" in (out / "report.md").read_text()
+    capsys.readouterr()
+
+
 def test_options_of_the_other_experiment_are_refused(tmp_path, capsys):
     assert main(["experiment", "distill", "--task", "chain", "--out", str(tmp_path / "x")]) == 2
     assert "--task is an option of another experiment, not of distill" in capsys.readouterr().err

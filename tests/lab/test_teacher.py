@@ -64,8 +64,26 @@ def test_a_run_with_a_teacher_records_the_kl_to_it_and_a_misfit_teacher_is_refus
     _, _, policy, teacher = models(cfg)
     out = train(cfg, warm_state=policy.state_dict(), teacher_state=teacher.state_dict())
     assert len(out["metrics"]) == cfg.steps + 1 and out["metrics"][0]["kl_teacher"] > 0
-    with pytest.raises(ValueError, match="teacher_state does not fit this run's model"):
+    with pytest.raises(ValueError, match=r"teacher_state does not fit the teacher's model \(48 wide, 1 layers; "
+                                         r"pass teacher_cfg for another shape\)"):
         train(tiny(d_model=48), warm_state=None, teacher_state=teacher.state_dict())
+
+
+def test_a_wider_deeper_teacher_is_built_from_its_own_config_without_moving_the_runs_random_numbers():
+    cfg, wide = tiny(), tiny(d_model=48, n_layer=2)
+    student, big = models(cfg)[2], models(wide)[2]
+    own = trainer.teacher_model(cfg, wide, big.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(own.state_dict().values(), big.state_dict().values()))
+    assert not any(p.requires_grad for p in own.parameters())
+    distilled = train(cfg, warm_state=student.state_dict(), teacher_state=big.state_dict(), teacher_cfg=wide)
+    assert all(r["kl_teacher"] > 0 for r in distilled["metrics"])
+    # a GRPO run reads no teacher: with one built beside it, its samples and metrics are the same
+    grpo = dataclasses.replace(cfg, algorithm="grpo")
+    plain = train(grpo, warm_state=student.state_dict())
+    beside = train(grpo, warm_state=student.state_dict(), teacher_state=big.state_dict(), teacher_cfg=wide)
+    without_kl = lambda run: [{k: v for k, v in r.items() if k != "kl_teacher"} for r in run["metrics"]]  # noqa: E731
+    assert without_kl(plain) == without_kl(beside)
+    assert [r["kl_teacher"] for r in plain["metrics"]] != [r["kl_teacher"] for r in beside["metrics"]]
 
 
 def test_dapos_refill_keeps_the_teachers_log_probs():

@@ -81,7 +81,7 @@ def _given(args, names) -> dict:
 
 def _refuse_others(args, allowed: set[str]) -> None:
     """--options of the other experiment are refused, not ignored."""
-    for name in ("task", "algorithms", "entropy_coef", "students", "teacher_steps"):
+    for name in ("task", "algorithms", "entropy_coef", "students", "teacher_steps", "teacher_d_model"):
         if name not in allowed and getattr(args, name, None) is not None:
             raise ValueError(f"--{name.replace('_', '-')} is an option of another experiment, not of {args.name}")
 
@@ -117,8 +117,8 @@ def distill_plan(args) -> Plan:
     from .claims import scale_caveat
     from .distill_report import write_report
 
-    _refuse_others(args, {"students", "teacher_steps"})
-    overrides = _given(args, ("seeds", "steps", "teacher_steps", "workers"))
+    _refuse_others(args, {"students", "teacher_steps", "teacher_d_model"})
+    overrides = _given(args, ("seeds", "steps", "teacher_steps", "teacher_d_model", "workers"))
     if args.students is not None:
         overrides["students"] = tuple(args.students)
     experiment = dataclasses.replace(distill.quick(distill.DESIGN) if args.quick else distill.DESIGN, **overrides)
@@ -130,9 +130,13 @@ def distill_plan(args) -> Plan:
     def report(runs, out, *, command, seconds):
         labels = list(experiment.students) + sorted({a for a, _ in runs} - set(experiment.students) - {distill.TEACHER})
         caveat = scale_caveat({k: v for k, v in runs.items() if k[0] != distill.TEACHER}, distill.DESIGN)
-        return write_report(runs, labels, out, command=command, seconds=seconds, window=window, caveat=caveat)
+        teacher = (f"GRPO from a warm start of its own, {experiment.teacher_d_model} wide (the students "
+                   f"{experiment.d_model})" if experiment.teacher_d_model else "GRPO from the same warm start")
+        return write_report(runs, labels, out, command=command, seconds=seconds, window=window, caveat=caveat,
+                            teacher=teacher)
 
-    return Plan(experiment, distill, "runs/distill" + ("-quick" if args.quick else ""),
+    return Plan(experiment, distill, "runs/distill" + (f"-teacher{experiment.teacher_d_model}"
+                                                       if experiment.teacher_d_model else "") + ("-quick" if args.quick else ""),
                 distill.OWN, command, report, experiment.seeds * (1 + len(experiment.students)))
 
 
@@ -211,6 +215,9 @@ def add_experiment_command(subparsers) -> None:
     parser.add_argument("--teacher-steps", type=int,
                         help=f"distill only. GRPO steps that make each teacher (default: {distill.teacher_steps}; "
                              "--quick: 12)")
+    parser.add_argument("--teacher-d-model", type=int,
+                        help=f"distill only. width of each teacher, a larger model than the students' "
+                             f"({distill.d_model}) from a warm start of its own (default: the students' width)")
     parser.add_argument("--seeds", type=int, help=f"seeds (default: length 5, distill {distill.seeds}; --quick: 2)")
     parser.add_argument("--steps", type=int,
                         help=f"RL steps per run (default: length {EXPERIMENTS['trace'].steps}, --task chain "

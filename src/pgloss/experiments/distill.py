@@ -11,7 +11,9 @@ Published claims under test (docs/experiments.md states each with its prediction
   token mean.
 
 Design: the lab's ``chain`` task at the lab's default scale (width 96, 32 prompts x 8 responses per
-step). Per seed, a warm start; a teacher trained from it by GRPO for ``teacher_steps``; then students from the same warm start, ``steps`` each, every
+step). Per seed, a warm start; a teacher trained from it by GRPO for ``teacher_steps`` (with
+``teacher_d_model``, a wider teacher from a warm start of its own width); then students from the seed's
+warm start, ``steps`` each, every
 one sampling its own responses and seeing the same prompts (``STUDENTS``): ``grpo`` on the task's
 reward (the teacher's own recipe, so its steps are the teacher's first ones), ``opd`` on the teacher's
 advantage alone (``reward_coef`` 0: pure distillation), ``opd+reward`` on both summed
@@ -67,7 +69,10 @@ class DistillExperiment:
     warm_batch: int = 64
     """Demonstrations per warm-start step."""
     d_model: int = 96
-    """Width of the transformer (teacher and students alike)."""
+    """Width of the students' transformer (and of the teachers' without ``teacher_d_model``)."""
+    teacher_d_model: int | None = None
+    """Width of each teacher, a larger model from its own warm start; None: the students' width, and the
+    students' warm start."""
     eval_prompts: int = 64
     """Held-out prompts answered greedily every step."""
 
@@ -77,8 +82,9 @@ class DistillExperiment:
         unknown = [s for s in self.students if s not in STUDENTS]
         if unknown:
             raise ValueError(f"students: unknown {', '.join(map(repr, unknown))}; valid names: {', '.join(STUDENTS)}")
-        check_counts(self, "seeds", "teacher_steps", "workers")
-        self.lab_config(self.students[0], 0)  # the lab's settings, checked where the lab owns them
+        check_counts(self, "seeds", "teacher_steps", "workers", *(["teacher_d_model"] if self.teacher_d_model else []))
+        for label in (TEACHER, self.students[0]):  # the lab's settings, checked where the lab owns them
+            self.lab_config(label, 0)
 
     def lab_config(self, label: str, seed: int):
         """The lab's configuration of one run: the teacher's or a student's."""
@@ -86,11 +92,17 @@ class DistillExperiment:
 
         algorithm, reward_coef = ("grpo", 1.0) if label == TEACHER else STUDENTS[label]
         steps = self.teacher_steps if label == TEACHER else self.steps
+        width = (self.teacher_d_model or self.d_model) if label == TEACHER else self.d_model
         return LabConfig(algorithm=algorithm, reward_coef=reward_coef, task=self.task, seed=seed, steps=steps,
                          prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                          max_new_tokens=self.max_new_tokens, warm_steps=self.warm_steps, warm_batch=self.warm_batch,
-                         d_model=self.d_model, eval_prompts=self.eval_prompts, samples=min(4, self.eval_prompts),
+                         d_model=width, eval_prompts=self.eval_prompts, samples=min(4, self.eval_prompts),
                          threads=1)
+
+    def warm_configs(self, seed: int) -> list:
+        """The configurations whose warm starts a seed needs: the teacher's, and the students' when wider."""
+        configs = [self.lab_config(TEACHER, seed), self.lab_config(self.students[0], seed)]
+        return configs[:1] if configs[0].d_model == configs[1].d_model else configs
 
 
 DESIGN = DistillExperiment()
@@ -108,7 +120,8 @@ def teacher_path(out: Path, seed: int) -> Path:
 
 
 def _warm(experiment: DistillExperiment, seed: int, cache: str) -> None:
-    warm_state(experiment.lab_config(TEACHER, seed), cache)
+    for cfg in experiment.warm_configs(seed):
+        warm_state(cfg, cache)
 
 
 def _teacher(experiment: DistillExperiment, seed: int, out: str) -> None:
@@ -128,7 +141,8 @@ def _student(experiment: DistillExperiment, label: str, seed: int, out: str) -> 
 
     out = Path(out)
     write_run(experiment.lab_config(label, seed), str(run_path(out, label, seed)), str(out / "warm"), label=label,
-              teacher_state=torch.load(teacher_path(out, seed), map_location="cpu"))
+              teacher_state=torch.load(teacher_path(out, seed), map_location="cpu"),
+              teacher_cfg=experiment.lab_config(TEACHER, seed))
 
 
 def check(experiment: DistillExperiment) -> None:
@@ -153,7 +167,7 @@ def run(experiment: DistillExperiment, out: Path, progress: bool = True) -> floa
     teachers = [s for s in seeds if not teacher_path(out, s).exists()]
     students = [(label, s) for s in seeds for label in experiment.students if not run_path(out, label, s).exists()]
     needed = sorted(set(teachers) | {s for _, s in students})
-    cold = [s for s in needed if not warm.cached(experiment.lab_config(TEACHER, s), out / "warm")]
+    cold = [cfg for s in needed for cfg in experiment.warm_configs(s) if not warm.cached(cfg, out / "warm")]
     stages = [(_warm, [(experiment, s, str(out / "warm")) for s in needed]),
               (_teacher, [(experiment, s, str(out)) for s in teachers]),
               (_student, [(experiment, label, s, str(out)) for label, s in students])]

@@ -111,9 +111,9 @@ def plot(runs: dict, labels: list[str], out: Path, window: int) -> Path:
 
 
 def write_report(runs: dict, labels: list[str], out: Path, *, command: str, seconds: float | None, window: int,
-                 caveat: str | None = None) -> Path:
+                 caveat: str | None = None, teacher: str = "GRPO from the same warm start") -> Path:
     """report.md (table, verdicts, plot) in `out`; returns its path. `caveat`: a line that says the runs are
-    a check, not a result."""
+    a check, not a result; `teacher`: what the teacher is."""
     students = [label for label in labels if label in STUDENTS]
     image = plot(runs, students, out, window)
     rows = summary_rows(runs, [TEACHER, *students], window)
@@ -121,8 +121,8 @@ def write_report(runs: dict, labels: list[str], out: Path, *, command: str, seco
              f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""), "",
              *([f"**{caveat}**", ""] if caveat else []),
              f"Step 0 is the warm start (every run of a seed starts there); early: the mean of steps 1-{EARLY}; end: "
-             f"the mean of the last {window} steps; ± the 95% interval over seeds. The teacher is GRPO from the same "
-             "warm start; its KL column is to itself, 0 by definition, and not shown.", "",
+             f"the mean of the last {window} steps; ± the 95% interval over seeds. The teacher is {teacher}; its KL "
+             "column is to itself, 0 by definition, and not shown.", "",
              "| run | seeds | reward: start → early → end | reverse KL to the teacher: start → early → end | "
              "greedy accuracy: start → end | steps to the teacher's reward |",
              "|---|---|---|---|---|---|"]

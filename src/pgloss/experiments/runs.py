@@ -33,11 +33,11 @@ def warm_state(cfg, cache: str):
 
 
 def write_run(cfg, path: str, cache: str, *, label: str | None = None, extra=None, on_rollout=None,
-              teacher_state=None) -> dict:
+              teacher_state=None, teacher_cfg=None) -> dict:
     """Train `cfg` from its warm start in `cache`, each step's record (with ``extra(step)``'s measures,
     and `label` as its ``algorithm`` when given) appended to ``path.tmp`` as it is made and reported to
-    the progress bar; the file takes its final name `path` only when the run is complete. Returns
-    ``trainer.train``'s result."""
+    the progress bar; the file takes its final name `path` only when the run is complete. `teacher_state`
+    and `teacher_cfg` go to ``trainer.train``; returns its result."""
     from ..lab import trainer
     from ..lab.runner import emit, timed_steps
 
@@ -52,7 +52,7 @@ def write_run(cfg, path: str, cache: str, *, label: str | None = None, extra=Non
             report(record)
 
         result = trainer.train(cfg, warm_state(cfg, cache), on_step=on_step, on_rollout=on_rollout,
-                               teacher_state=teacher_state)
+                               teacher_state=teacher_state, teacher_cfg=teacher_cfg)
     tmp.rename(path)  # only a complete run gets its final name
     return result
 

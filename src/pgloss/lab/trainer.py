@@ -21,8 +21,9 @@ Read top to bottom:
    tensor until the single ``tolist`` of the step.
 
 On-policy distillation (``opd``, ``iw_opd``) reads the teacher's log-probs of the sampled tokens: those
-of ``train(..., teacher_state=...)``'s teacher (a lab policy's state dict, e.g. one trained by GRPO),
-or of the reference, the warm-start model, without one; the group advantages ride along, weighted by
+of ``train(..., teacher_state=...)``'s teacher (a lab policy's state dict, e.g. one trained by GRPO, of
+the student's shape or of ``teacher_cfg``'s, a wider or deeper model), or of the reference, the
+warm-start model, without one; the group advantages ride along, weighted by
 ``reward_coef`` (0: pure distillation).
 
 PPO in the papers learns a critic and uses GAE; the lab has no critic and gives ``ppo`` and
@@ -339,8 +340,22 @@ def show(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) 
             zip(problems, texts, rollout.finished.tolist(), rewards.tolist())]
 
 
+def teacher_model(cfg: LabConfig, teacher_cfg: LabConfig, state: dict) -> TinyGPT:
+    """The teacher of a run of `cfg`: a model of `teacher_cfg`'s width, depth and heads (on `cfg`'s task and
+    positions) holding `state`, frozen, built without moving the run's random numbers."""
+    shape = dataclasses.replace(cfg, d_model=teacher_cfg.d_model, n_layer=teacher_cfg.n_layer, n_head=teacher_cfg.n_head)
+    with torch.random.fork_rng():
+        teacher = build(shape)[2]
+    try:
+        teacher.load_state_dict(state)
+    except RuntimeError as error:  # another width, depth or vocabulary
+        raise ValueError(f"teacher_state does not fit the teacher's model ({shape.d_model} wide, {shape.n_layer} "
+                         f"layers; pass teacher_cfg for another shape): {str(error).splitlines()[0]}") from None
+    return teacher.requires_grad_(False)
+
+
 def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollout=None,
-          teacher_state: dict | None = None) -> dict:
+          teacher_state: dict | None = None, teacher_cfg: LabConfig | None = None) -> dict:
     """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}, "state": the
     final policy's state dict (a teacher for another run, `teacher_state`)}.
 
@@ -349,8 +364,9 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
     update diagnostics are None, as are those of a step whose every group DAPO dropped).
 
     `warm_state` is a warm-started policy's state dict (computed here when None); `teacher_state` a
-    lab policy's state dict (the same shape) whose log-probs the loss reads as its teacher's (on-policy
-    distillation; None: the reference is the teacher); `on_step`
+    lab policy's state dict whose log-probs the loss reads as its teacher's (on-policy distillation;
+    None: the reference is the teacher), of `teacher_cfg`'s model shape (d_model, n_layer, n_head;
+    None: the student's); `on_step`
     is called after each step. Under torchrun every rank takes every world-size-th prompt.
     `on_rollout(step, problems, texts)`, if given, sees each step's sampled responses (this rank's
     problems and the decoded texts, ``group_size`` per problem, before any dynamic sampling; DAPO's
@@ -365,14 +381,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         policy.load_state_dict(warm_state)
     dist.broadcast_parameters(policy)
     reference = copy.deepcopy(policy).requires_grad_(False)
-    teacher = None
-    if teacher_state is not None:
-        teacher = copy.deepcopy(reference)
-        try:
-            teacher.load_state_dict(teacher_state)
-        except RuntimeError as error:  # another width, depth or vocabulary
-            raise ValueError(f"teacher_state does not fit this run's model ({cfg.d_model} wide, {cfg.n_layer} layers): "
-                             f"{str(error).splitlines()[0]}") from None
+    teacher = None if teacher_state is None else teacher_model(cfg, teacher_cfg or cfg, teacher_state)
     algorithm = make_algorithm(cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, cfg.warmup)))
