@@ -101,6 +101,9 @@ def test_a_reduced_experiment_runs_resumes_and_reports(tmp_path, monkeypatch, ca
 def test_a_wider_teacher_runs_from_its_own_warm_start(tmp_path, monkeypatch, capsys):
     e = distill.DistillExperiment(**SMALL, teacher_d_model=24)
     assert [c.d_model for c in e.warm_configs(0)] == [24, 16]
+    wide = distill.DistillExperiment(teacher_d_model=192)  # twice the students' width: half their warm-up rate
+    assert (wide.lab_config("teacher", 0).warm_lr, wide.lab_config("opd", 0).warm_lr) == (1.5e-3, 3e-3)
+    assert distill.DistillExperiment().lab_config("teacher", 0).warm_lr == 3e-3  # the lab's own, bit for bit
     assert [c.d_model for c in distill.DistillExperiment(**SMALL).warm_configs(0)] == [16]
     with pytest.raises(ValueError, match="--d-model must be >= 1 and a multiple of --n-head"):
         distill.DistillExperiment(**SMALL, teacher_d_model=25)
