@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,10 @@ import socket
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Without a GPU the Triton kernels (tests/vocab/test_kernels.py) run in Triton's interpreter on CPU tensors;
+# it is chosen when triton is imported, so before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def log_probs(values):

@@ -14,6 +14,7 @@ from torch import Tensor
 from ..core.batch import compute_dtype
 from ..core.checks import check_number
 from ..core.output import check
+from .kernels import RawTile, route
 
 
 @dataclass(frozen=True)
@@ -84,24 +85,31 @@ class HeadChunks:
     """A reusable buffer for a tile of tempered logits z = head(x W[cols]ᵀ + b[cols]) / τ from hidden states x
     and a head (W, b, `kind`: `HeadKind`), `width` vocabulary columns at most (the whole vocabulary by
     default), and the tile's gradient applied back to x, W and b (`apply_grad`). One per model in a loop.
-    The buffers are flat, so that a short last tile is a contiguous [rows, k] view."""
+    The buffers are flat, so that a short last tile is a contiguous [rows, k] view.
+
+    On the kernel route (`kernel=True`, `kernels.py`) the tile is the matmul's output x W[cols]ᵀ in the head's
+    dtype, handed out as a `kernels.RawTile` for a kernel to apply the head to, and the gradient it gets back
+    is already ∂L/∂(x Wᵀ + b)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, kind: HeadKind, chunk_size: int,
-                 dtype: torch.dtype, width: int | None = None) -> None:
-        self.weight, self.bias, self.kind = weight, bias, kind
+                 dtype: torch.dtype, width: int | None = None, kernel: bool = False) -> None:
+        self.weight, self.bias, self.kind, self.kernel = weight, bias, kind, kernel
         rows = min(hidden.shape[0], chunk_size)
         width = weight.shape[0] if width is None else min(width, weight.shape[0])
-        self.z = weight.new_empty(rows * width, dtype=dtype)
+        self.z = weight.new_empty(rows * width, dtype=weight.dtype if kernel else dtype)
         # Low-precision parameters: the matmul writes in their dtype, the softmax runs in float32.
-        self.raw = None if weight.dtype == dtype else weight.new_empty(rows * width)
+        self.raw = None if kernel or weight.dtype == dtype else weight.new_empty(rows * width)
         # A soft-capped head that is differentiated keeps its tile's slope (`HeadKind.transform_`).
         self.slope = None
         self.keep_slope = False
 
-    def logits(self, x: Tensor, temperature: float, cols: slice | None = None) -> Tensor:
+    def logits(self, x: Tensor, temperature: float, cols: slice | None = None) -> Tensor | RawTile:
         w = self.weight if cols is None else self.weight[cols]
         m, k = x.shape[0], w.shape[0]
         z = self.z[: m * k].view(m, k)
+        bias = self.bias if self.bias is None or cols is None else self.bias[cols]
+        if self.kernel:
+            return RawTile(torch.mm(x, w.t(), out=z), bias, self.kind, temperature)
         if self.raw is None:
             torch.mm(x, w.t(), out=z)
         else:
@@ -111,7 +119,6 @@ class HeadChunks:
             if self.slope is None:
                 self.slope = torch.empty_like(self.z)
             slope = self.slope[: m * k].view(m, k)
-        bias = self.bias if self.bias is None or cols is None else self.bias[cols]
         return self.kind.transform_(z, bias, temperature, slope)
 
     def apply_grad(self, grad: Tensor, x: Tensor, grad_hidden: Tensor | None, grad_weight: Tensor | None,
@@ -127,12 +134,13 @@ class HeadChunks:
             weight = weight[cols]
             grad_weight = None if grad_weight is None else grad_weight[cols]
             grad_bias = None if grad_bias is None else grad_bias[cols]
-        grad = self.kind.grad_(grad, None if self.slope is None else self.slope[: grad.numel()].view(grad.shape))
+        if not self.kernel:  # the kernel's gradient has the head's slope in it
+            grad = self.kind.grad_(grad, None if self.slope is None else self.slope[: grad.numel()].view(grad.shape))
         if grad_bias is not None:
             if first:
-                torch.sum(grad, dim=0, out=grad_bias)
+                torch.sum(grad, dim=0, dtype=grad_bias.dtype, out=grad_bias)
             else:
-                grad_bias.add_(grad.sum(dim=0))
+                grad_bias.add_(grad.sum(dim=0, dtype=grad_bias.dtype))
         if self.raw is not None:
             grad = self.raw[: grad.numel()].view(grad.shape).copy_(grad)
         if grad_hidden is not None:
@@ -207,12 +215,13 @@ class HeadRows:
     arity = 3
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int, dtype: torch.dtype,
-                 width: int | None = None, kind: HeadKind = PLAIN) -> None:
+                 width: int | None = None, kind: HeadKind = PLAIN, kernel: bool = False) -> None:
         self.hidden, self.weight, self.bias, self.dtype, self.vocab = hidden, weight, bias, dtype, weight.shape[0]
-        self.head = HeadChunks(hidden, weight, bias, kind, chunk_size, dtype, width)
+        self.head = HeadChunks(hidden, weight, bias, kind, chunk_size, dtype, width, kernel)
         self.grad_hidden = self.grad_weight = self.grad_bias = None
 
-    def chunk(self, rows: slice, temperature: float, for_grad: bool = False, cols: slice | None = None) -> Tensor:
+    def chunk(self, rows: slice, temperature: float, for_grad: bool = False,
+              cols: slice | None = None) -> Tensor | RawTile:
         return self.head.logits(self.hidden[rows], temperature, cols)
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
@@ -316,13 +325,16 @@ class ChunkLoop(torch.autograd.Function):
         dtype = compute_dtype(tensors[1].dtype if head else tensors[0].dtype)
         if not tileable(statistic):  # whole-vocabulary token chunks
             vocab_block = tensors[1].shape[0] if head else tensors[0].shape[1]
-        sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype)
+        kernel = route(statistic, kinds, tensors) == "kernel"
+        if kernel:  # the statistic's Triton twin, on the heads' raw tiles
+            statistic = statistic.kernel()
+        sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel)
         n = tensors[0].shape[0]
         values = statistic.allocate(n, sources[0].dtype, tensors[0].device)
         for start in range(0, n, chunk_size):
             forward_rows(statistic, sources, slice(start, start + chunk_size), temperature, vocab_block, values)
         ctx.statistic, ctx.kinds, ctx.temperature, ctx.tiles = statistic, kinds, temperature, (chunk_size, vocab_block)
-        ctx.arity = sources[0].arity
+        ctx.arity, ctx.kernel = sources[0].arity, kernel
         ctx.save_for_backward(*tensors, *values)
         ctx.set_materialize_grads(False)
         return statistic.outputs(values)
@@ -338,7 +350,7 @@ class ChunkLoop(torch.autograd.Function):
         nothing = (None,) * (4 + n_inputs)
         if all(g is None for g in grads) or not any(needs):
             return nothing
-        sources = _sources(kinds, tensors, chunk_size, vocab_block, values[0].dtype)
+        sources = _sources(kinds, tensors, chunk_size, vocab_block, values[0].dtype, ctx.kernel)
         sources[0].begin_backward(needs)
         for start in range(0, tensors[0].shape[0], chunk_size):
             backward_rows(statistic, sources, slice(start, start + chunk_size), temperature, vocab_block, values,
@@ -346,11 +358,11 @@ class ChunkLoop(torch.autograd.Function):
         return (None,) * 4 + sources[0].gradients() + (None,) * (n_inputs - ctx.arity)
 
 
-def _sources(kinds, tensors, chunk_size, vocab_block, dtype) -> list:
+def _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel: bool = False) -> list:
     sources, at = [], 0
     for kind in kinds:
         cls = source_class(kind)
-        extra = (kind,) if cls is HeadRows else ()
+        extra = (kind, kernel) if cls is HeadRows else ()
         sources.append(cls(*tensors[at:at + cls.arity], chunk_size, dtype, vocab_block, *extra))
         at += cls.arity
     return sources

@@ -54,9 +54,10 @@ from ..core.aggregate import Normalizer, aggregate
 from ..core.batch import check_mask
 from ..core.checks import check_number
 from ..core.output import LossOutput
+from . import kernels
 from .chunks import ChunkLoop
 from .entropy import _blocks, check_temperature
-from .full_kl import FullKL, check_logit_pair, head_pair, pair_tiles
+from .full_kl import FullKL, KernelFullKL, check_logit_pair, head_pair, pair_tiles
 
 __all__ = ["divergence_from_logits", "divergence_from_hidden"]
 
@@ -75,6 +76,9 @@ class ForwardKL(FullKL):
 
     `FullKL`'s sums with the two sources swapped (its values: KL, lse_T, lse_S); the gradient to the
     student's logits is (g/τ)(p_S − p_T)."""
+
+    def kernel(self) -> KernelForwardKL:
+        return KernelForwardKL()
 
     def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
         super().forward(zs[::-1], rows, values)
@@ -96,12 +100,30 @@ class ForwardKL(FullKL):
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse
 
 
+class KernelForwardKL(KernelFullKL):
+    """`ForwardKL` on the kernel route: `KernelFullKL`'s sums with the sources swapped, the gradient (g/τ)(p_S − p_T)."""
+
+    def tile_forward(self, zs: list, rows: slice, cols: slice, state):
+        return super().tile_forward(zs[::-1], rows, cols, state)
+
+    def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        kl, lse_teacher, lse = (v[rows] for v in values)
+        return kernels.pair_backward(*zs, lse, lse_teacher, kl, grads[0][rows], forward_kl=True)
+
+
 class Normalisers(FullKL):
     """Statistic of `chunks.ChunkLoop` giving (lse(z_S), lse(z_T)) per token: `FullKL`'s first pass,
     run without gradient before JSD(β) over vocabulary tiles."""
 
+    def kernel(self) -> KernelNormalisers:
+        return KernelNormalisers()
+
     def outputs(self, values: list[Tensor]) -> tuple[Tensor, Tensor]:
         return values[1], values[2]
+
+
+class KernelNormalisers(KernelFullKL, Normalisers):
+    """`Normalisers` on the kernel route: `KernelFullKL`'s pass, its two log-normalisers as outputs."""
 
 
 def jsd_sums(z: Tensor, z_teacher: Tensor, lse: Tensor, lse_teacher: Tensor, beta: float) -> tuple[Tensor, Tensor]:
@@ -130,6 +152,9 @@ class GeneralisedJSD:
 
     def __init__(self, beta: float, normalisers: tuple[Tensor, Tensor] | None = None) -> None:
         self.beta, self.normalisers = beta, normalisers
+
+    def kernel(self) -> KernelJSD:
+        return KernelJSD(self.beta, self.normalisers)
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # JSD, lse_S, lse_T, KL(p_S‖m)
@@ -176,6 +201,34 @@ class GeneralisedJSD:
     def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
                   temperature: float) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse and KL(p_S‖m)
+
+
+class KernelJSD(GeneralisedJSD):
+    """`GeneralisedJSD` on the kernel route (`kernels.py`): the same values, each tile of the two heads' raw
+    outputs one Triton launch for the sums and one for the gradient. A whole-vocabulary chunk takes one more
+    launch first, `KernelFullKL`'s, for its two log-normalisers."""
+
+    def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
+        m, m_teacher, s, s_teacher, _ = kernels.start_state(zs[0], maxima=2, sums=3)
+        kernels.pair_forward(*zs, [m, m_teacher, s, s_teacher, _])
+        lse, lse_teacher = m + torch.log(s), m_teacher + torch.log(s_teacher)
+        sums = kernels.start_state(zs[0], maxima=0, sums=2)
+        kernels.jsd_forward(*zs, lse, lse_teacher, sums, self.beta)
+        self._store(rows, values, lse, lse_teacher, *sums)
+
+    def tile_forward(self, zs: list, rows: slice, cols: slice, state):
+        if self.normalisers is None:
+            raise RuntimeError("GeneralisedJSD over vocabulary tiles needs the log-normalisers of a first pass")
+        state = kernels.start_state(zs[0], maxima=0, sums=2) if state is None else state
+        kernels.jsd_forward(*zs, *(x[rows] for x in self.normalisers), state, self.beta)
+        return state
+
+    def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        _, lse, lse_teacher, kl_student = (v[rows] for v in values)
+        return kernels.jsd_backward(*zs, lse, lse_teacher, kl_student, grads[0][rows], self.beta)
+
+    def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        return self.grad(zs, rows, values, grads, temperature)
 
 
 def _divergence(beta: float, kinds: tuple, temperature: float, tiles: tuple[int, int], vocab: int,

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..core.batch import check_tensor
 from ..core.checks import check_number, check_values, is_integer
+from . import kernels
 from .chunks import ChunkLoop, plan_tiles
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
@@ -194,6 +195,9 @@ class LogProbEntropy:
     def __init__(self, targets: Tensor) -> None:
         self.targets = targets
 
+    def kernel(self) -> KernelLogProbEntropy:
+        return KernelLogProbEntropy(self.targets)
+
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(3)]  # log π(y), H, lse
 
@@ -242,6 +246,29 @@ class LogProbEntropy:
         return chunk_grad_logits(zs[0], local, lse[rows], entropy[rows],
                                  None if grad_log_prob is None else grad_log_prob[rows],
                                  None if grad_entropy is None else grad_entropy[rows], temperature, hit)
+
+
+class KernelLogProbEntropy(LogProbEntropy):
+    """`LogProbEntropy` on the kernel route (`kernels.py`): the same running state (m, s, a, z_y) and values,
+    each tile of raw head outputs (`kernels.RawTile`) one Triton launch forward and one backward."""
+
+    def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
+        self.tile_finish(self.tile_forward(zs, rows, slice(0, zs[0].r.shape[1]), None), rows, values)
+
+    def tile_forward(self, zs: list, rows: slice, cols: slice, state):
+        state = kernels.start_state(zs[0], maxima=1, sums=3) if state is None else state
+        kernels.log_prob_entropy_forward(zs[0], self.targets[rows], cols.start, state)
+        return state
+
+    def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        return self.tile_grad(zs, rows, slice(0, zs[0].r.shape[1]), values, grads, temperature)
+
+    def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        _, entropy, lse = values
+        grad_log_prob, grad_entropy = grads
+        return kernels.log_prob_entropy_backward(zs[0], self.targets[rows], cols.start, lse[rows], entropy[rows],
+                                                 None if grad_log_prob is None else grad_log_prob[rows],
+                                                 None if grad_entropy is None else grad_entropy[rows])
 
 
 def log_prob_and_entropy(

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
+from . import kernels
 from .chunks import ChunkLoop, HeadKind, check_head, plan_tiles
 from .entropy import _blocks, check_temperature, online_max
 
@@ -87,6 +88,9 @@ class FullKL:
 
         KL = D / s − log s + log s_ref,   lse = m + log s,   lse_ref = m_ref + log s_ref."""
 
+    def kernel(self) -> KernelFullKL:
+        return KernelFullKL()
+
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(3)]  # KL, lse, lse_ref
 
@@ -124,6 +128,26 @@ class FullKL:
     def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
                   temperature: float) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given lse, lse_ref and KL
+
+
+class KernelFullKL(FullKL):
+    """`FullKL` on the kernel route (`kernels.py`): the same running state (m, m_ref, s, s_ref, D) and values,
+    each tile of the two heads' raw outputs (`kernels.RawTile`) one Triton launch forward and one backward."""
+
+    def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
+        self.tile_finish(self.tile_forward(zs, rows, slice(0, zs[0].r.shape[1]), None), rows, values)
+
+    def tile_forward(self, zs: list, rows: slice, cols: slice, state):
+        state = kernels.start_state(zs[0], maxima=2, sums=3) if state is None else state
+        kernels.pair_forward(*zs, state)
+        return state
+
+    def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        kl, lse, lse_other = (v[rows] for v in values)
+        return kernels.pair_backward(*zs, lse, lse_other, kl, grads[0][rows], forward_kl=False)
+
+    def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        return self.grad(zs, rows, values, grads, temperature)
 
 
 def _check_pair(name: str, value: object, ref_name: str, ref: object, rank: int | None) -> None:

@@ -49,6 +49,7 @@ from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
 from ..kl.corrections import FULL
 from .chunks import ChunkLoop, HeadKind, HeadRows, backward_rows, check_head, forward_rows, plan_tiles
+from .kernels import route
 from .entropy import LogProbEntropy, check_targets, check_temperature
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
@@ -194,10 +195,13 @@ def _loss_one_pass(algorithm, hidden, weight, bias, kind, targets, temperature, 
     n_rows, length, size = hidden.shape
     dtype = compute_dtype(weight.dtype)
     x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
-    source = HeadRows(x_all, weight.detach(), None if bias is None else bias.detach(), chunk_rows * length, dtype,
-                      vocab_block, kind)
-    source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
     statistic = LogProbEntropy(y_all)
+    kernel = route(statistic, (kind,), (x_all, weight)) == "kernel"
+    if kernel:  # its Triton twin, on the head's raw tiles
+        statistic = statistic.kernel()
+    source = HeadRows(x_all, weight.detach(), None if bias is None else bias.detach(), chunk_rows * length, dtype,
+                      vocab_block, kind, kernel)
+    source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
     values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
     grads = (torch.empty_like(values[0]), torch.empty_like(values[1]) if with_entropy else None)

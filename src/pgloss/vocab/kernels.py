@@ -1,0 +1,173 @@
+"""Which route the vocabulary loop takes, and the launches of its Triton kernels.
+
+Two routes compute the same statistics (log π(y) and H, the exact KL, the distillation divergences):
+
+- torch (the reference, and the route on CPU): each tile of logits is formed in float32 by torch ops
+  (`chunks.HeadKind.transform_`), then walked by the statistic's torch code;
+- kernel (chosen automatically for LM heads on CUDA when Triton is installed): the tile is the matmul's own
+  output r = x Wᵀ in the head's dtype, and one Triton kernel per tile applies the head (bias, logit scale,
+  soft-cap, τ) in registers and reads the tile once: forward, the statistic's running sums; backward,
+  ∂L/∂r written over the tile, which the two gradient matmuls take as it is (`triton_kernels.py`).
+
+`route(...)` decides, for every caller of the loop (`chunks.ChunkLoop`, the one-pass loss of `fused.py`);
+`use("torch" | "kernel" | "auto")` overrides it for a block of code (a test of the kernels on CPU tensors under
+`TRITON_INTERPRET=1`, or the torch route on CUDA to compare). float64 heads always take the torch route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["use", "route", "RawTile"]
+
+ROUTES = ("auto", "torch", "kernel")
+_chosen = {"route": "auto"}  # a plain global, which torch.compile can read (it guards on its value)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def use(which: str):
+    """Within the block, the vocabulary loop takes route `which`: "kernel" (Triton; refused where it cannot
+    run), "torch", or "auto" (the kernel route for LM heads on CUDA with Triton installed, else torch)."""
+    if which not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {which!r}")
+    before, _chosen["route"] = _chosen["route"], which
+    try:
+        yield
+    finally:
+        _chosen["route"] = before
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def route(statistic, kinds, tensors) -> str:
+    """"kernel" or "torch" for a loop of `statistic` over sources of `kinds` (a `chunks.HeadKind` each, or
+    "logits") on `tensors` (the first is the trained model's input). The kernel route needs LM-head sources,
+    a statistic with a kernel twin (its `kernel` method) and a float32 or half-precision head."""
+    chosen = _chosen["route"]
+    if chosen == "torch":
+        return "torch"
+    device, dtype = tensors[0].device, tensors[1].dtype if len(tensors) > 1 else tensors[0].dtype
+    possible = (all(kind != "logits" for kind in kinds) and hasattr(statistic, "kernel") and dtype in KERNEL_DTYPES)
+    if chosen == "auto":
+        return "kernel" if possible and device.type == "cuda" and triton_installed() else "torch"
+    if not possible:
+        raise ValueError(f"the kernel route runs LM-head sources in float32, bfloat16 or float16 with a statistic "
+                         f"that has a kernel twin; got {type(statistic).__name__} on {kinds} in {dtype}")
+    if not triton_installed():
+        raise RuntimeError("the kernel route needs Triton (pip install triton)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"the kernel route on {device.type} tensors runs only in Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported")
+    return "kernel"
+
+
+@dataclass
+class RawTile:
+    """A tile of one head's raw outputs on the kernel route: `r` = x W[cols]ᵀ [rows, width] in the head's
+    dtype, its `bias` (the tile's columns, or None), its `kind` (`chunks.HeadKind`) and the temperature."""
+
+    r: Tensor
+    bias: Tensor | None
+    kind: object
+    temperature: float
+
+    def args(self) -> tuple:
+        """The kernels' per-head arguments: the tile, its row stride, its bias, scale and soft-cap."""
+        kind = self.kind
+        return (self.r, self.r.stride(0), self.r if self.bias is None else self.bias, kind.scale,
+                1.0 if kind.softcap is None else kind.softcap)
+
+    def flags(self) -> tuple[bool, bool]:
+        """HAS_BIAS, SOFTCAP of the kernels for this head."""
+        return self.bias is not None, self.kind.softcap is not None
+
+
+def _kernels():
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def _launch(kernel, tile: RawTile, *args, **constants) -> None:
+    rows, width = tile.r.shape
+    if rows == 0 or width == 0:
+        return
+    block = min(2048, max(16, 1 << (width - 1).bit_length()))
+    kernel[(rows,)](*args, BLOCK=block, num_warps=8 if block >= 1024 else 4, **constants)
+
+
+def start_state(tile: RawTile, maxima: int, sums: int) -> list[Tensor]:
+    """A running state of the forward kernels for the tile's rows: `maxima` at −inf, then `sums` zeros,
+    float32 [rows] each (filled on the device: no value crosses from the host)."""
+    rows, device = tile.r.shape[0], tile.r.device
+    return ([torch.full((rows,), -torch.inf, dtype=torch.float32, device=device) for _ in range(maxima)]
+            + [torch.zeros(rows, dtype=torch.float32, device=device) for _ in range(sums)])
+
+
+def log_prob_entropy_forward(tile: RawTile, targets: Tensor, col0: int, state: list[Tensor]) -> None:
+    """State (m, s, a, z_y) [rows] updated in place by one tile (`entropy.LogProbEntropy`)."""
+    has_bias, softcap = tile.flags()
+    r, stride, bias, scale, cap = tile.args()
+    _launch(_kernels().log_prob_entropy_forward, tile, r, stride, bias, targets, *state, tile.r.shape[1], col0,
+            scale, cap, 1.0 / tile.temperature, HAS_BIAS=has_bias, SOFTCAP=softcap)
+
+
+def log_prob_entropy_backward(tile: RawTile, targets: Tensor, col0: int, lse: Tensor, entropy: Tensor,
+                              grad_log_prob: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
+    """∂L/∂r over the tile (returned), from the rows' lse, H and the loss's ∂L/∂log π(y), ∂L/∂H."""
+    has_bias, softcap = tile.flags()
+    r, stride, bias, scale, cap = tile.args()
+    _launch(_kernels().log_prob_entropy_backward, tile, r, stride, bias, targets, lse, entropy,
+            lse if grad_log_prob is None else grad_log_prob.contiguous(),
+            lse if grad_entropy is None else grad_entropy.contiguous(),
+            tile.r.shape[1], col0, scale, cap, 1.0 / tile.temperature, HAS_BIAS=has_bias, SOFTCAP=softcap,
+            HAS_GLP=grad_log_prob is not None, HAS_GENT=grad_entropy is not None)
+    return tile.r
+
+
+def _pair(tile: RawTile, other: RawTile) -> tuple[tuple, dict]:
+    (has_bias, softcap), (has_bias2, softcap2) = tile.flags(), other.flags()
+    return (*tile.args(), *other.args()), dict(HAS_BIAS=has_bias, SOFTCAP=softcap, HAS_BIAS2=has_bias2,
+                                               SOFTCAP2=softcap2)
+
+
+def pair_forward(tile: RawTile, other: RawTile, state: list[Tensor]) -> None:
+    """State (m, m₂, s, s₂, D) [rows] updated in place by one tile of each head (`full_kl.FullKL`)."""
+    args, flags = _pair(tile, other)
+    _launch(_kernels().pair_forward, tile, *args, *state, tile.r.shape[1], 1.0 / tile.temperature, **flags)
+
+
+def pair_backward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, kl: Tensor, grad: Tensor, *,
+                  forward_kl: bool) -> Tensor:
+    """∂L/∂r of the first head over its tile (returned): the reverse KL's, or with `forward_kl` KL(ρ‖π)'s."""
+    args, flags = _pair(tile, other)
+    _launch(_kernels().pair_backward, tile, *args, lse, lse_other, kl, grad.contiguous(), tile.r.shape[1],
+            1.0 / tile.temperature, FORWARD_KL=forward_kl, **flags)
+    return tile.r
+
+
+def jsd_forward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, sums: list[Tensor],
+                beta: float) -> None:
+    """The JSD(β) sums (KL(p_T‖m), KL(p_S‖m)) [rows] increased in place by one tile of each head."""
+    args, flags = _pair(tile, other)
+    _launch(_kernels().jsd_forward, tile, *args, lse, lse_other, *sums, tile.r.shape[1], 1.0 / tile.temperature,
+            math.log1p(-beta), math.log(beta), **flags)
+
+
+def jsd_backward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, kl_student: Tensor, grad: Tensor,
+                 beta: float) -> Tensor:
+    """∂L/∂r of the student over its tile (returned), JSD(β)'s."""
+    args, flags = _pair(tile, other)
+    _launch(_kernels().jsd_backward, tile, *args, lse, lse_other, kl_student, grad.contiguous(), tile.r.shape[1],
+            1.0 / tile.temperature, math.log1p(-beta), math.log(beta), 1.0 - beta, **flags)
+    return tile.r
