@@ -268,6 +268,35 @@ def test_plan_tiles_from_a_memory_budget():
     assert plan_tiles(10, vocab, memory_budget=12) == (1, 1)
 
 
+def test_plan_tiles_on_the_kernel_route():
+    """Every token in one chunk (up to 2¹⁵), the widest tile that about 2²⁷ values per buffer (or the budget,
+    the raw tiles alone) leaves; explicit sizes as given."""
+    vocab = 151936
+    assert plan_tiles(4096, vocab, itemsize=2, kernel=True) == (4096, 1 << 15)
+    assert plan_tiles(16384, vocab, itemsize=2, kernel=True) == (16384, 1 << 13)
+    assert plan_tiles(100, vocab, itemsize=2, kernel=True) == (100, vocab)
+    assert plan_tiles(1 << 17, vocab, itemsize=2, kernel=True) == (1 << 15, 1 << 12)
+    assert plan_tiles(4096, vocab, buffers=2, itemsize=2, kernel=True) == (4096, 1 << 16)  # two heads, two buffers
+    assert plan_tiles(4096, vocab, memory_budget=64 << 20, itemsize=2, kernel=True) == (4096, (64 << 20) // 2 // 4096)
+    assert plan_tiles(4096, vocab, chunk_size=64, vocab_block=1000, kernel=True) == (64, 1000)
+    assert plan_tiles(4096, vocab, chunk_size=64, kernel=True) == (64, vocab)
+
+
+@pytest.mark.parametrize("chunk_size, vocab_block, sums", [(4, 10, (True, True)), (15, 10, (True, False)),
+                                                          (4, None, (False, True)), (15, None, (False, False))])
+def test_half_precision_gradients_accumulate_in_float32_only_where_they_sum(chunk_size, vocab_block, sums):
+    """∂L/∂x sums over vocabulary tiles and ∂L/∂W over token chunks: a bfloat16 head's buffer is a float32
+    accumulator where its gradient is such a sum, and the head's own dtype where each part is written once (no
+    float32 [V, H] copy of the head for one chunk of every token)."""
+    from pgloss.vocab.chunks import HeadRows
+
+    hidden, weight = torch.randn(15, 8, dtype=torch.bfloat16), torch.randn(37, 8, dtype=torch.bfloat16)
+    source = HeadRows(hidden, weight, None, chunk_size, torch.float32, vocab_block)
+    source.begin_backward((True, True, False))
+    expected = [torch.float32 if summed else torch.bfloat16 for summed in sums]
+    assert [source.grad_hidden.dtype, source.grad_weight.dtype] == expected
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(memory_budget=0), ValueError, "memory_budget must be >= 1, got 0"),
     (dict(memory_budget=1.5e9), TypeError, "memory_budget must be an int or None, got float"),

@@ -144,20 +144,23 @@ class HeadChunks:
         if self.raw is not None:
             grad = self.raw[: grad.numel()].view(grad.shape).copy_(grad)
         if grad_hidden is not None:
-            if first_col:
-                torch.mm(grad, weight, out=grad_hidden)
-            else:
-                grad_hidden.addmm_(grad, weight)
-        if grad_weight is None:
-            return
-        if grad_weight.dtype != grad.dtype and first:
-            grad_weight.copy_(torch.mm(grad.t(), x))
-        elif grad_weight.dtype != grad.dtype:
-            grad_weight.add_(torch.mm(grad.t(), x))
-        elif first:
-            torch.mm(grad.t(), x, out=grad_weight)
-        else:
-            grad_weight.addmm_(grad.t(), x)
+            matmul_into(grad_hidden, grad, weight, first_col)
+        if grad_weight is not None:
+            matmul_into(grad_weight, grad.t(), x, first)
+
+
+def matmul_into(out: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """`out` ← a b (`first`), else `out` += a b. A float32 `out` for half-precision `a`, `b` is an accumulator over
+    tiles: on CUDA cuBLAS writes the products in float32 (`out_dtype`), so no tile's product is rounded to half
+    precision before the sum; elsewhere each product is formed in the inputs' dtype, then added."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out) if first else out.addmm_(a, b)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, beta=0.0 if first else 1.0, out_dtype=out.dtype, out=out)
+    elif first:
+        out.copy_(torch.mm(a, b))
+    else:
+        out.add_(torch.mm(a, b))
 
 
 def head_grad_buffer(param: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
@@ -219,6 +222,9 @@ class HeadRows:
         self.hidden, self.weight, self.bias, self.dtype, self.vocab = hidden, weight, bias, dtype, weight.shape[0]
         self.head = HeadChunks(hidden, weight, bias, kind, chunk_size, dtype, width, kernel)
         self.grad_hidden = self.grad_weight = self.grad_bias = None
+        # Whether ∂L/∂x sums over vocabulary tiles and ∂L/∂W over token chunks: a half-precision head's sums
+        # then run in float32 accumulators (`matmul_into`); a single term is written in the head's dtype.
+        self.sums = (width is not None and width < self.vocab, chunk_size < hidden.shape[0])
 
     def chunk(self, rows: slice, temperature: float, for_grad: bool = False,
               cols: slice | None = None) -> Tensor | RawTile:
@@ -226,10 +232,12 @@ class HeadRows:
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
         rows = self.hidden.shape[0]
+        over_tiles, over_chunks = (summed and self.weight.dtype != self.dtype for summed in self.sums)
         if needs[0]:
-            self.grad_hidden = torch.empty_like(self.hidden, memory_format=torch.contiguous_format)
+            self.grad_hidden = torch.empty(self.hidden.shape, dtype=self.dtype if over_tiles else self.hidden.dtype,
+                                           device=self.hidden.device)
         if needs[1]:
-            self.grad_weight = head_grad_buffer(self.weight, self.dtype, rows=rows)
+            self.grad_weight = head_grad_buffer(self.weight, self.dtype if over_chunks else self.weight.dtype, rows=rows)
         if len(needs) > 2 and needs[2]:
             self.grad_bias = head_grad_buffer(self.bias, self.dtype, rows=rows)
         self.head.keep_slope = True
@@ -239,8 +247,8 @@ class HeadRows:
                              self.grad_weight, self.grad_bias, first, cols, first_col)
 
     def gradients(self) -> tuple[Tensor | None, ...]:
-        return (self.grad_hidden, *(None if g is None else g.to(p.dtype)
-                                    for g, p in ((self.grad_weight, self.weight), (self.grad_bias, self.bias))))
+        return tuple(None if g is None else g.to(p.dtype) for g, p in
+                     ((self.grad_hidden, self.hidden), (self.grad_weight, self.weight), (self.grad_bias, self.bias)))
 
 
 def source_class(kind) -> type:
@@ -316,6 +324,9 @@ class ChunkLoop(torch.autograd.Function):
     whole-vocabulary chunks whatever the second number. Only the first source is differentiated (the others, a
     reference or a teacher, are detached by the caller). Saves the inputs and the statistic's
     per-token values, never a [N, V] tensor; backward recomputes each tile's logits.
+
+    `kernels.route` picks the route: on the kernel route the statistic's Triton twin (`statistic.kernel()`)
+    walks the heads' raw tiles (`kernels.RawTile`); the loop, the tiles and the gradients' matmuls are the same.
     """
 
     @staticmethod
@@ -378,6 +389,9 @@ CHUNK_ELEMENTS = 1 << 27
 # Under a budget, a chunk keeps whole-vocabulary rows while it can hold this many tokens; below,
 # it tiles the vocabulary with chunks of up to TILE_ROWS tokens (the matmuls stay large).
 WHOLE_ROWS, TILE_ROWS = 512, 2048
+# The kernel route (a GPU) takes every token in one chunk, up to KERNEL_ROWS, and the widest vocabulary tile
+# the buffer holds: large matmuls, and ∂L/∂W written once per tile (no float32 [V, H] accumulator).
+KERNEL_ROWS = 1 << 15
 
 
 def _positive_int(name: str, value) -> int | None:
@@ -391,7 +405,8 @@ def _positive_int(name: str, value) -> int | None:
 
 
 def plan_tiles(tokens: int, vocab: int, *, chunk_size: int | None = None, vocab_block: int | None = None,
-               memory_budget: int | None = None, buffers: int = 1, itemsize: int = 4) -> tuple[int, int]:
+               memory_budget: int | None = None, buffers: int = 1, itemsize: int = 4,
+               kernel: bool = False) -> tuple[int, int]:
     """(tokens per chunk, vocabulary columns per tile) for a loop over `tokens` x `vocab` logits.
 
     Explicit `chunk_size` / `vocab_block` are taken as they are (None: about 2²⁷ / V tokens, the
@@ -400,21 +415,29 @@ def plan_tiles(tokens: int, vocab: int, *, chunk_size: int | None = None, vocab_
     chunk x vocab_block values of `itemsize` bytes. A budget that holds whole-vocabulary rows for
     at least 512 tokens (or all of them) keeps whole rows; a smaller one tiles the vocabulary with
     chunks of up to 2048 tokens. A budget below one value per buffer is refused.
+
+    On the kernel route (`kernel`, `kernels.py`) the buffers are the `buffers` raw tiles alone (no
+    temporaries), and without explicit sizes a chunk holds every token, up to 2¹⁵, in tiles of the width that
+    the budget (None: about 2²⁷ values per buffer) leaves.
     """
     chunk_size = _positive_int("chunk_size", chunk_size)
     vocab_block = _positive_int("vocab_block", vocab_block)
     memory_budget = _positive_int("memory_budget", memory_budget)
-    if memory_budget is None:
+    explicit = chunk_size is not None or vocab_block is not None
+    if memory_budget is None and (explicit or not kernel):
         return chunk_size or max(1, CHUNK_ELEMENTS // max(1, vocab)), min(vocab_block or vocab, max(1, vocab))
-    if chunk_size is not None or vocab_block is not None:
+    if explicit:
         given = "chunk_size" if chunk_size is not None else "vocab_block"
         raise ValueError(f"memory_budget and {given} are exclusive: pass a budget in bytes, or the sizes")
-    per_value = itemsize * (buffers + 2)
-    elements = memory_budget // per_value
+    per_value = itemsize * (buffers if kernel else buffers + 2)
+    elements = CHUNK_ELEMENTS * buffers if memory_budget is None else memory_budget // per_value
     if elements < 1:
         raise ValueError(f"memory_budget must hold at least one value per buffer ({per_value} bytes), "
                          f"got {memory_budget}")
     vocab = max(1, vocab)
+    if kernel:
+        rows = min(max(1, tokens), KERNEL_ROWS, elements)
+        return rows, max(1, min(vocab, elements // rows))
     rows = elements // vocab
     if rows >= min(max(1, tokens), WHOLE_ROWS):
         return max(1, rows), vocab

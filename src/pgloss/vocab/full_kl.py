@@ -197,10 +197,15 @@ def check_head_pair(hidden: object, weight: object, other_hidden: object, other_
 
 
 def pair_tiles(tokens: int, vocab: int, dtype: torch.dtype, *, head: bool, chunk_size: int | None,
-               vocab_block: int | None, memory_budget: int | None, softcap: bool = False) -> tuple[int, int]:
+               vocab_block: int | None, memory_budget: int | None, softcap: bool = False,
+               kernel: bool = False) -> tuple[int, int]:
     """`chunks.plan_tiles` for a loop over two sources (the trained model and a frozen one) whose first
     input has `dtype`: given logits, or an LM head (`head`), whose half-precision parameters add a
-    matmul buffer per source; a soft-capped trained head (`softcap`) adds its slope's buffer."""
+    matmul buffer per source; a soft-capped trained head (`softcap`) adds its slope's buffer. On the kernel
+    route (`kernel`) the two heads' raw tiles in `dtype` are the buffers."""
+    if kernel:
+        return plan_tiles(tokens, vocab, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget,
+                          buffers=2, itemsize=torch.finfo(dtype).bits // 8, kernel=True)
     compute = compute_dtype(dtype)
     buffers = 2 * (2 if head and dtype != compute else 1) + int(softcap)
     return plan_tiles(tokens, vocab, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget,
@@ -308,7 +313,8 @@ def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight
              check_head(other_weight, other_bias, other_logit_scale, other_softcap, prefix=f"{other}_"))
     tokens = hidden.shape[0] * hidden.shape[1]
     tiles = pair_tiles(tokens, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
-                       vocab_block=vocab_block, memory_budget=memory_budget, softcap=kinds[0].softcap is not None)
+                       vocab_block=vocab_block, memory_budget=memory_budget, softcap=kinds[0].softcap is not None,
+                       kernel=kernels.route(FullKL, kinds, (weight, weight)) == "kernel")
     first = (hidden.reshape(tokens, hidden.shape[-1]), weight, bias)
     second = (other_hidden.detach().reshape(tokens, other_hidden.shape[-1]), other_weight.detach(),
               None if other_bias is None else other_bias.detach())

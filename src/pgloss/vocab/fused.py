@@ -147,8 +147,12 @@ def log_prob_and_entropy_from_hidden(
 
 def head_tiles(tokens: int, weight: Tensor, chunk_size: int | None, vocab_block: int | None,
                memory_budget: int | None, kind: HeadKind) -> tuple[int, int]:
-    """`plan_tiles` for one LM head like `weight`: a logits buffer in the compute dtype, one more for
-    the matmul's output in a half-precision head's own dtype, and one for a soft-cap's slope."""
+    """`plan_tiles` for one LM head like `weight`: on the torch route a logits buffer in the compute dtype, one
+    more for the matmul's output in a half-precision head's own dtype, and one for a soft-cap's slope; on the
+    kernel route the matmul's output alone."""
+    if route(LogProbEntropy, (kind,), (weight, weight)) == "kernel":
+        return plan_tiles(tokens, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
+                          memory_budget=memory_budget, itemsize=weight.element_size(), kernel=True)
     dtype = compute_dtype(weight.dtype)
     buffers = (1 if weight.dtype == dtype else 2) + int(kind.softcap is not None)
     return plan_tiles(tokens, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
