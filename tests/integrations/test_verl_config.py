@@ -152,6 +152,30 @@ def test_registered_variant_is_read_by_from_verl():
     assert pgloss.from_verl(config(key, dro_beta=0.05)).dro_beta == 0.05
 
 
+@pytest.fixture
+def registered():
+    """Names registered by a test, removed afterwards so that every other test sees the built-in table."""
+    from pgloss.algorithms import NAMED, RECIPES, SOURCES
+    added = []
+    yield added
+    for name in added:
+        for table in (NAMED, SOURCES, RECIPES):
+            table.pop(name, None)
+
+
+def test_a_name_registered_with_its_own_default_is_read_by_from_verl(registered):
+    """pgloss.register("my_dro", DRO, dro_beta=0.3): unset in verl, the registered β stands (a built-in
+    name without one, pgloss_dro, is refused as verl refuses dro)."""
+    pgloss.register("my_dro_cfgtest", type(pgloss.get("dro")), dro_beta=0.3)
+    registered.append("my_dro_cfgtest")
+    cfg = config("pgloss_my_dro_cfgtest", loss_agg_mode="seq-mean-token-mean")
+    assert pgloss.from_verl(cfg).dro_beta == 0.3
+    assert adapter._algorithm("my_dro_cfgtest", None, "token-mean", cfg).dro_beta == 0.3
+    assert pgloss.from_verl(config("pgloss_my_dro_cfgtest", dro_beta=0.05)).dro_beta == 0.05
+    with pytest.raises(ValueError, match="pgloss_dro.? needs policy_loss.dro_beta"):
+        pgloss.from_verl(config("pgloss_dro"))
+
+
 @pytest.mark.parametrize(("fields", "match"), [
     (dict(loss_mode="dro"), "policy_loss.dro_beta > 0 .verl refuses it unset"),
     (dict(loss_mode="pgloss_dro"), "policy_loss.dro_beta > 0"),
