@@ -267,6 +267,33 @@ def test_decoupled_rollout_correction_as_verl_runs_it(preset, normalize):
     torch.testing.assert_close(our_grad, leaf.grad, rtol=1e-8, atol=1e-13)
 
 
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"])
+def test_from_verl_with_rows_emptied_by_the_rejection_differs_as_documented(agg):
+    """A sequence-level rejection (rollout_rs="seq_mean_k3", threshold 0.02) empties 3 of the 6 rows:
+    verl's seq-mean modes divide by global_batch_size, every row counted, where one pgloss call divides
+    by the 3 kept rows (0.195322 against verl's 0.097661 under seq-mean-token-mean: exactly x 6/3); the
+    step's counts with verl's row count give verl's loss. token-mean counts the kept tokens on both sides."""
+    rc = RolloutCorrectionConfig(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold="0.02")
+    batch = make_batch(seed=4)
+    _, kept, _ = compute_rollout_correction_and_rejection_mask(
+        batch["old"], batch["rollout"], batch["mask"].double(), rollout_is=None, rollout_is_threshold=None,
+        rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
+    kept = kept.bool()
+    assert int(kept.any(-1).sum()) == 3 and torch.equal(kept, batch["mask"] & kept.any(-1, keepdim=True))
+    cfg = config("vanilla", loss_agg_mode=agg)
+    theirs, their_grad = verl_ppo_loss(cfg, dict(batch, mask=kept))  # global_batch_size = ROWS, as verl's trainer
+    algorithm = pgloss.from_verl(cfg, rollout_correction=rc)
+    one_call, _ = pgloss_loss(algorithm, batch, rollout_log_prob=batch["rollout"])
+    ratio = 1.0 if agg == "token-mean" else ROWS / 3
+    torch.testing.assert_close(one_call, theirs * ratio, rtol=1e-10, atol=0)
+    step = algorithm.step_normalizer(batch["mask"], old_log_probs=batch["old"], rollout_log_probs=batch["rollout"])
+    as_verl = dataclasses.replace(step, sequences=torch.tensor(float(ROWS), dtype=torch.float64))
+    ours, our_grad = pgloss_loss(algorithm, batch, rollout_log_prob=batch["rollout"], normalizer=as_verl)
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-8, atol=1e-13)
+    assert "global_batch_size" in pgloss.from_verl.__doc__  # the difference is stated where the promise is made
+
+
 def test_import_pgloss_does_not_import_verl():
     code = "import sys, pgloss; pgloss.from_verl({'policy_loss': {'loss_mode': 'dro', 'dro_beta': 0.1}}); " \
            "print('verl' in sys.modules)"

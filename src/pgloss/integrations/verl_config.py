@@ -318,6 +318,20 @@ def from_verl(actor_config: Any, *, rollout_correction: Any = None) -> Algorithm
     verl's `ppo_loss` does.
 
         algorithm = pgloss.from_verl(config.actor_rollout_ref.actor)
+
+    One exception, the row count. verl's seq-mean modes (`seq-mean-token-mean`, `seq-mean-token-sum`,
+    `seq-mean-token-sum-norm`) divide by `global_batch_size`, the step's rows, empty ones included;
+    pgloss's count (a call without `normalizer`, `algorithm.step_normalizer`) skips a row without a
+    valid token, whether it came empty or the rollout rejection (`rollout_rs`) emptied it. With B rows
+    of which N keep a token, pgloss's loss and gradient are then verl's × B/N (6 rows, 3 emptied by
+    `rollout_rs="seq_mean_k3"` at 0.02: 0.195322 against verl's 0.097661 under seq-mean-token-mean).
+    `token-mean` (verl's `batch_num_tokens` counts the kept tokens, as pgloss) and `token-sum` agree.
+    For verl's number, replace the step's row count by verl's:
+
+        step = algorithm.step_normalizer(masks, old_log_probs=olds, rollout_log_probs=rollouts)
+        step = dataclasses.replace(step, sequences=torch.tensor(float(rows), dtype=torch.float64))
+
+    Inside verl the adapter (`pgloss_<name>`) takes verl's own counts and so equals verl.
     """
     if actor_config is None:
         raise TypeError("actor_config must be verl's actor config (ActorConfig, DictConfig or dict), got None")
