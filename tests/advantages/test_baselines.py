@@ -263,3 +263,109 @@ def check_ranks(results):
             torch.testing.assert_close(results[rank][update][-3:], expected[-3:], rtol=1e-12, atol=1e-12, msg=update)
     # one process on its own rows only would hold another baseline: the comparison can fail
     assert not torch.allclose(_rae_states(RANK_ROWS[0])["trace"][-3:], whole["trace"][-3:])
+
+
+# -- rows without a sampled token ---------------------------------------------------------------------------------
+
+def empty_rows(n, seed=0):
+    """A token mask `[n, 5]` with some rows empty (a trace without sampled tokens), and its row flags."""
+    gen = torch.Generator().manual_seed(seed + 50)
+    lengths = torch.randint(0, 6, (n,), generator=gen)
+    lengths[[i for i in (1, 5, 12) if i < n]] = 0  # row 12 is binary()'s group of one: no counted row there
+    mask = torch.arange(5)[None, :] < lengths[:, None]
+    return mask, mask.any(-1).tolist()
+
+
+def test_maxrl_leaves_a_row_without_tokens_out_as_prime_rl_and_skyrl_counts_it():
+    """One group, rewards [1, 0, 0], the third row empty: prime-rl's group mean is over [1, 0]."""
+    scores, ids = torch.tensor([1.0, 0.0, 0.0], **F64), torch.zeros(3, dtype=torch.long)
+    mask = torch.tensor([[True, True], [True, False], [False, False]])
+    for convention in ("pgloss", "prime-rl"):
+        close(est.maxrl_advantages(scores, ids, convention=convention, mask=mask), [1.0, -1.0, 0.0])
+        close(est.maxrl_advantages(scores, ids, convention=convention, mask=mask.any(-1)), [1.0, -1.0, 0.0])
+    close(est.maxrl_advantages(scores, ids), [2.0, -1.0, -1.0])  # no mask: every row counts
+    close(est.maxrl_advantages(scores, ids, convention="skyrl", mask=mask),
+          [(2 / 3) / (1 / 3 + 1e-6), (-1 / 3) / (1 / 3 + 1e-6), 0.0])
+
+
+@pytest.mark.parametrize("convention", ["pgloss", "skyrl"])
+def test_maxrl_with_empty_rows_matches_loop(convention):
+    scores, ids = binary()
+    mask, rows = empty_rows(15)
+    skyrl = convention == "skyrl"
+    expected = loops.maxrl_adv(scores.tolist(), ids.tolist(), eps=1e-6 if skyrl else 0.0, skyrl=skyrl,
+                               rows=None if skyrl else rows)
+    expected = [e if r else 0.0 for e, r in zip(expected, rows)]
+    close(est.maxrl_advantages(scores, ids, convention=convention, mask=mask), expected)
+
+
+@pytest.mark.parametrize("singleton", ["zero", "raw"])
+def test_asymre_and_opmd_with_empty_rows_match_loop(singleton):
+    scores, ids = binary()
+    scores = scores + torch.linspace(0, 1, 15, **F64)  # distinct rewards, so that every left-out row matters
+    mask, rows = empty_rows(15, seed=1)
+    raw = singleton == "raw"
+    close(est.asymre_advantages(scores, ids, baseline_shift=0.2, singleton=singleton, mask=mask),
+          loops.asymre_adv(scores.tolist(), ids.tolist(), 0.2, raw_singleton=raw, rows=rows))
+    for tau in (None, 0.5):
+        kw = {} if tau is None else dict(baseline="logavgexp", tau=tau)
+        close(est.opmd_advantages(scores, ids, singleton=singleton, mask=mask, **kw),
+              loops.opmd_adv(scores.tolist(), ids.tolist(), tau=tau, raw_singleton=raw, rows=rows))
+
+
+def test_rloo_and_grpo_with_empty_rows_match_loop():
+    scores, ids = binary()
+    scores = scores + torch.linspace(0, 1, 15, **F64)
+    mask, rows = empty_rows(15, seed=2)
+    close(est.rloo_advantages(scores, ids, mask=mask), loops.rloo(scores.tolist(), ids.tolist(), rows=rows))
+    for name, conv in est.STD_CONVENTIONS.items():
+        for scale in est.SCALES:
+            counted = None if conv.counts_empty_rows else rows
+            expected = loops.grpo(scores.tolist(), ids.tolist(), eps=conv.eps, singleton=conv.singleton, scale=scale,
+                                  rows=counted)
+            if scale != "group" and conv.singleton == "raw":  # verl has no batch / none scaling: μ = 0 only
+                expected[12] = scores[12].item()
+            expected = [e if r else 0.0 for e, r in zip(expected, rows)]
+            close(est.grpo_advantages(scores, ids, convention=name, scale=scale, mask=mask), expected)
+    one = torch.tensor([1.0, 0.0, 0.0], **F64), torch.zeros(3, dtype=torch.long), torch.tensor([True, True, False])
+    close(est.grpo_advantages(*one[:2], mask=one[2]), [0.5 / (0.5 ** 0.5 + 1e-6), -0.5 / (0.5 ** 0.5 + 1e-6), 0.0])
+    close(est.grpo_advantages(*one[:2], convention="verl", mask=one[2]),
+          [(2 / 3) / ((1 / 3) ** 0.5 + 1e-6), (-1 / 3) / ((1 / 3) ** 0.5 + 1e-6), 0.0])
+
+
+def test_role_baseline_leaves_a_trace_without_tokens_out_as_prime_rl():
+    """Decay 0.9, one role, rewards [1, 2], the first trace empty: prime-rl scores the second alone."""
+    rewards, keys, mask = torch.tensor([1.0, 2.0], **F64), torch.zeros(2, dtype=torch.long), torch.tensor([False, True])
+    for update in ("sequential", "trace", "step"):
+        rae = est.RoleBaseline(1, decay=0.9, update=update)
+        close(rae(rewards, keys, mask=mask), [0.0, 2.0])
+        close(rae.baseline, [0.2])
+    rae = est.RoleBaseline(1, decay=0.9, update="sequential")
+    close(rae(rewards, keys), [1.0, 1.9])  # without the mask the empty trace counts
+    close(rae.baseline, [0.29])
+
+
+@pytest.mark.parametrize("update", ["trace", "step", "sequential"])
+def test_role_baseline_with_empty_rows_matches_loop(update):
+    steps = rae_steps()
+    masks = [empty_rows(len(r), seed=s)[0][:, :3] for s, (r, _) in enumerate(steps)]
+    rows = [m.any(-1).tolist() for m in masks]
+    assert not all(all(r) for r in rows)
+    rae = est.RoleBaseline(3, decay=0.8, update=update)
+    got = [rae(r, k, mask=m) for (r, k), m in zip(steps, masks)]
+    plain = [(r.tolist(), k.tolist()) for r, k in steps]
+    if update == "sequential":
+        expected, final = loops.rae_sequential(plain, 0.8, 3, rows=rows)
+    else:
+        expected, final = loops.rae_per_step(plain, 0.8, 3, per_trace=update == "trace", rows=rows)
+    for g, e in zip(got, expected):
+        close(g, e)
+    close(rae.baseline, final)
+
+
+def test_mask_of_the_wrong_shape_is_refused():
+    scores, ids = binary()
+    with pytest.raises(ValueError, match=r"mask must have 15 rows \(one per score\), got shape \(14, 5\)"):
+        est.maxrl_advantages(scores, ids, mask=torch.ones(14, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+        est.rloo_advantages(scores, ids, mask=torch.full((15,), 2.0))

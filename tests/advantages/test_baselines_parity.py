@@ -78,6 +78,20 @@ def test_maxrl_matches_skyrl(seed):
     torch.testing.assert_close(adv, ours[:, None] * mask, rtol=0, atol=1e-15)
 
 
+def test_maxrl_matches_skyrl_with_an_empty_row():
+    """SkyRL counts a row without a valid token in its group's mean (and gives it 0 through the mask)."""
+    path = source_file("PGLOSS_SKYRL_SRC", "skyrl/backends/skyrl_train/utils/ppo_utils.py",
+                       "skyrl_train/utils/ppo_utils.py")
+    ns = load(path, ("compute_maxrl_advantage",), {"torch": torch, "np": np, "defaultdict": defaultdict})
+    scores, ids = binary(0)
+    rewards, mask = outcome_batch(scores)
+    mask[[2, 8]] = 0.0
+    adv, _ = ns["compute_maxrl_advantage"](rewards, mask, np.array(ids.tolist()))
+    ours = est.maxrl_advantages(scores, ids, convention="skyrl", mask=mask)
+    torch.testing.assert_close(adv, ours[:, None] * mask, rtol=0, atol=1e-15)
+    assert not torch.allclose(ours, est.maxrl_advantages(scores, ids, mask=mask))  # pgloss leaves the rows out
+
+
 # -- prime-rl ----------------------------------------------------------------------------------------------------
 
 def trace(reward, agent="a"):

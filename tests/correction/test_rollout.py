@@ -83,6 +83,9 @@ def test_rejections_chain_with_and():
     one = apply(RolloutCorrection(weight_level=None, rejection=(a,)), data).mask
     two = apply(RolloutCorrection(weight_level=None, rejection=(b,)), data).mask
     assert torch.equal(both, one & two) and not torch.equal(both, one) and not torch.equal(both, two)
+    counted = RolloutCorrection(weight_level=None, rejection=(a, b)).keep_mask(
+        data["mask"], data["old_log_prob"], data["rollout_log_prob"])
+    assert torch.equal(counted, both)  # the step counts the tokens the call keeps
 
 
 def test_ms_swift_sequence_mask_is_token_weight_with_geometric_rejection():

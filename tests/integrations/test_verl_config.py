@@ -152,6 +152,30 @@ def test_registered_variant_is_read_by_from_verl():
     assert pgloss.from_verl(config(key, dro_beta=0.05)).dro_beta == 0.05
 
 
+@pytest.fixture
+def registered():
+    """Names registered by a test, removed afterwards so that every other test sees the built-in table."""
+    from pgloss.algorithms import NAMED, RECIPES, SOURCES
+    added = []
+    yield added
+    for name in added:
+        for table in (NAMED, SOURCES, RECIPES):
+            table.pop(name, None)
+
+
+def test_a_name_registered_with_its_own_default_is_read_by_from_verl(registered):
+    """pgloss.register("my_dro", DRO, dro_beta=0.3): unset in verl, the registered β stands (a built-in
+    name without one, pgloss_dro, is refused as verl refuses dro)."""
+    pgloss.register("my_dro_cfgtest", type(pgloss.get("dro")), dro_beta=0.3)
+    registered.append("my_dro_cfgtest")
+    cfg = config("pgloss_my_dro_cfgtest", loss_agg_mode="seq-mean-token-mean")
+    assert pgloss.from_verl(cfg).dro_beta == 0.3
+    assert adapter._algorithm("my_dro_cfgtest", None, "token-mean", cfg).dro_beta == 0.3
+    assert pgloss.from_verl(config("pgloss_my_dro_cfgtest", dro_beta=0.05)).dro_beta == 0.05
+    with pytest.raises(ValueError, match="pgloss_dro.? needs policy_loss.dro_beta"):
+        pgloss.from_verl(config("pgloss_dro"))
+
+
 @pytest.mark.parametrize(("fields", "match"), [
     (dict(loss_mode="dro"), "policy_loss.dro_beta > 0 .verl refuses it unset"),
     (dict(loss_mode="pgloss_dro"), "policy_loss.dro_beta > 0"),
@@ -241,6 +265,33 @@ def test_decoupled_rollout_correction_as_verl_runs_it(preset, normalize):
     rtol = 1e-8 if normalize else 1e-10  # verl's masked_mean divides by count + 1e-8 (3.7e-10 relative here)
     torch.testing.assert_close(ours, theirs.detach(), rtol=rtol, atol=1e-13)
     torch.testing.assert_close(our_grad, leaf.grad, rtol=1e-8, atol=1e-13)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"])
+def test_from_verl_with_rows_emptied_by_the_rejection_differs_as_documented(agg):
+    """A sequence-level rejection (rollout_rs="seq_mean_k3", threshold 0.02) empties 3 of the 6 rows:
+    verl's seq-mean modes divide by global_batch_size, every row counted, where one pgloss call divides
+    by the 3 kept rows (0.195322 against verl's 0.097661 under seq-mean-token-mean: exactly x 6/3); the
+    step's counts with verl's row count give verl's loss. token-mean counts the kept tokens on both sides."""
+    rc = RolloutCorrectionConfig(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold="0.02")
+    batch = make_batch(seed=4)
+    _, kept, _ = compute_rollout_correction_and_rejection_mask(
+        batch["old"], batch["rollout"], batch["mask"].double(), rollout_is=None, rollout_is_threshold=None,
+        rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
+    kept = kept.bool()
+    assert int(kept.any(-1).sum()) == 3 and torch.equal(kept, batch["mask"] & kept.any(-1, keepdim=True))
+    cfg = config("vanilla", loss_agg_mode=agg)
+    theirs, their_grad = verl_ppo_loss(cfg, dict(batch, mask=kept))  # global_batch_size = ROWS, as verl's trainer
+    algorithm = pgloss.from_verl(cfg, rollout_correction=rc)
+    one_call, _ = pgloss_loss(algorithm, batch, rollout_log_prob=batch["rollout"])
+    ratio = 1.0 if agg == "token-mean" else ROWS / 3
+    torch.testing.assert_close(one_call, theirs * ratio, rtol=1e-10, atol=0)
+    step = algorithm.step_normalizer(batch["mask"], old_log_probs=batch["old"], rollout_log_probs=batch["rollout"])
+    as_verl = dataclasses.replace(step, sequences=torch.tensor(float(ROWS), dtype=torch.float64))
+    ours, our_grad = pgloss_loss(algorithm, batch, rollout_log_prob=batch["rollout"], normalizer=as_verl)
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-8, atol=1e-13)
+    assert "global_batch_size" in pgloss.from_verl.__doc__  # the difference is stated where the promise is made
 
 
 def test_import_pgloss_does_not_import_verl():

@@ -40,10 +40,13 @@ def group_advantages(scores, group_ids, *, scale: bool, eps: float):
     return out
 
 
-def _groups(ids):
+def _groups(ids, rows=None):
+    """Each group's members; with `rows` (a bool per row) only the rows flagged True (a trace with sampled
+    tokens, as prime-rl's `iter_trainable_traces`): the others belong to no group and keep 0."""
     out: dict[int, list[int]] = {}
     for i, g in enumerate(ids):
-        out.setdefault(g, []).append(i)
+        if rows is None or rows[i]:
+            out.setdefault(g, []).append(i)
     return out
 
 
@@ -52,10 +55,10 @@ def _std(xs, bessel=True):
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1 if bessel else len(xs)))
 
 
-def grpo(scores, ids, *, eps, singleton, scale="group"):
+def grpo(scores, ids, *, eps, singleton, scale="group", rows=None):
     out = [0.0] * len(scores)
-    batch = _std(scores) if scale == "batch" else None
-    for members in _groups(ids).values():
+    batch = _std([s for i, s in enumerate(scores) if rows is None or rows[i]]) if scale == "batch" else None
+    for members in _groups(ids, rows).values():
         xs = [scores[i] for i in members]
         for i in members:
             if len(members) == 1:
@@ -66,9 +69,9 @@ def grpo(scores, ids, *, eps, singleton, scale="group"):
     return out
 
 
-def rloo(scores, ids):
+def rloo(scores, ids, rows=None):
     out = [0.0] * len(scores)
-    for members in _groups(ids).values():
+    for members in _groups(ids, rows).values():
         for i in members:
             others = [scores[j] for j in members if j != i]
             out[i] = scores[i] - sum(others) / len(others) if others else 0.0
@@ -195,10 +198,10 @@ def tir_optimal_token_baseline(rewards, mask, ids, old_lp, spp, *, zero_tail=Tru
     return adv
 
 
-def maxrl_adv(scores, ids, *, eps=0.0, skyrl=False):
+def maxrl_adv(scores, ids, *, eps=0.0, skyrl=False, rows=None):
     """(s - μ)/μ, 0 when μ ≤ 0 (paper); SkyRL: (s - μ)/(μ + ε) and a group of one keeps s."""
     out = [0.0] * len(scores)
-    for members in _groups(ids).values():
+    for members in _groups(ids, rows).values():
         mean = sum(scores[i] for i in members) / len(members)
         for i in members:
             if len(members) == 1:
@@ -210,10 +213,10 @@ def maxrl_adv(scores, ids, *, eps=0.0, skyrl=False):
     return out
 
 
-def shifted_baseline(scores, ids, baseline, *, raw_singleton=False):
+def shifted_baseline(scores, ids, baseline, *, raw_singleton=False, rows=None):
     """s - b(group's scores); a group of one: 0, or s (b = 0)."""
     out = [0.0] * len(scores)
-    for members in _groups(ids).values():
+    for members in _groups(ids, rows).values():
         xs = [scores[i] for i in members]
         for i in members:
             out[i] = (scores[i] if raw_singleton else 0.0) if len(xs) == 1 else scores[i] - baseline(xs)
@@ -230,27 +233,33 @@ def opmd_adv(scores, ids, *, tau=None, **kw):
     return shifted_baseline(scores, ids, lambda xs: tau * math.log(sum(math.exp(x / tau) for x in xs) / len(xs)), **kw)
 
 
-def rae_sequential(steps, decay, num_keys):
-    """SPIRAL / prime-rl: each row scored against its key's baseline, which then moves toward its reward."""
+def rae_sequential(steps, decay, num_keys, rows=None):
+    """SPIRAL / prime-rl: each row scored against its key's baseline, which then moves toward its reward.
+    `rows`: per step, a bool per row; a row flagged False (no sampled token) is skipped and keeps 0."""
     b = [0.0] * num_keys
     out = []
-    for rewards, keys in steps:
+    for step, (rewards, keys) in enumerate(steps):
         adv = []
-        for r, k in zip(rewards, keys):
+        for i, (r, k) in enumerate(zip(rewards, keys)):
+            if rows is not None and not rows[step][i]:
+                adv.append(0.0)
+                continue
             adv.append(r - b[k])
             b[k] = decay * b[k] + (1 - decay) * r
         out.append(adv)
     return out, b
 
 
-def rae_per_step(steps, decay, num_keys, *, per_trace=True):
-    """Scored against the baseline before the step; then b ← α^n b + (1-α^n) mean (or α, once per step)."""
+def rae_per_step(steps, decay, num_keys, *, per_trace=True, rows=None):
+    """Scored against the baseline before the step; then b ← α^n b + (1-α^n) mean (or α, once per step),
+    over the rows flagged True in `rows` (per step; the others keep 0)."""
     b = [0.0] * num_keys
     out = []
-    for rewards, keys in steps:
-        out.append([r - b[k] for r, k in zip(rewards, keys)])
+    for step, (rewards, keys) in enumerate(steps):
+        counted = [True] * len(rewards) if rows is None else rows[step]
+        out.append([r - b[k] if ok else 0.0 for r, k, ok in zip(rewards, keys, counted)])
         for k in range(num_keys):
-            mine = [r for r, kk in zip(rewards, keys) if kk == k]
+            mine = [r for r, kk, ok in zip(rewards, keys, counted) if kk == k and ok]
             if mine:
                 keep = decay ** len(mine) if per_trace else decay
                 b[k] = keep * b[k] + (1 - keep) * sum(mine) / len(mine)

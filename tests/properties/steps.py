@@ -8,10 +8,16 @@ import torch
 import pgloss
 from pgloss.correction.rollout import Rejection, RolloutCorrection
 
+# verl's rollout_rs="token_k1,seq_mean_k3,seq_max_k2" with rollout_rs_threshold="1.5,0.03,0.3": a sequence rule
+# after a token rule, each reading the original mask (on `data()` the chain keeps 26 of 32 tokens; a sequence
+# rule fed the token rule's output would keep 30)
+CHAINED = (Rejection("token_k1", upper=1.5), Rejection("seq_mean_k3", upper=0.03), Rejection("seq_max_k2", upper=0.3))
+VERL_CHAINED = dict(rollout_rs="token_k1,seq_mean_k3,seq_max_k2", rollout_rs_threshold="1.5,0.03,0.3")
 CORRECTIONS = {
     "none": None,
     "token TIS": RolloutCorrection(upper=1.2),
     "k3 rejection": RolloutCorrection(rejection=(Rejection("token_k3", upper=0.02),)),
+    "chained rejection": RolloutCorrection(weight_level=None, rejection=CHAINED),
     "batch-normalised": RolloutCorrection(upper=1.5, batch_normalize=True),
     "off-policy mask": RolloutCorrection(weight_level=None, off_policy_mask=0.05),
 }

@@ -3,11 +3,13 @@ micro-batches counted by `algorithm.step_normalizer`, `from_hidden` (whole and i
 `pgloss.diagnostics.inspect`, for every name and each kind of rollout correction. (The TRL adapter, the verl
 adapter and the lab's update are held to the same reference in their own test files.)"""
 
+import dataclasses
+
 import pytest
 import torch
 
 from pgloss.diagnostics.inspect import inspect
-from steps import PARTS, build, call, cases, data, entropy, log_probs, splits, step
+from steps import PARTS, VERL_CHAINED, build, call, cases, data, entropy, log_probs, splits, step
 
 @pytest.mark.parametrize("name, kind", cases())
 def test_log_prob_paths_agree(name, kind):
@@ -23,6 +25,35 @@ def test_log_prob_paths_agree(name, kind):
 
     if splits(algorithm):
         normalizer = step(algorithm, inputs)
+        total = sum(call(algorithm, log_prob[p], inputs, p, normalizer).loss for p in PARTS)
+        (split,) = torch.autograd.grad(total, log_prob)
+        torch.testing.assert_close(split, reference, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", sorted({p.values[0] for p in cases() if p.values[1] == "chained rejection"}))
+def test_chained_rejection_counts_and_applies_verl_s_mask(name):
+    """Rules of mixed levels in a chain (a token rule, then sequence rules): the step counts and the call
+    applies the tokens verl's `compute_rollout_correction_and_rejection_mask` keeps, so the loss is the
+    loss without a correction on verl's kept mask, whole and in micro-batches."""
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    algorithm = build(name, "chained rejection")
+    hidden, weight, targets, inputs = data()
+    _, kept, _ = helper.compute_rollout_correction_and_rejection_mask(
+        inputs["old_log_prob"], inputs["rollout_log_prob"], inputs["mask"].double(), rollout_is=None,
+        rollout_is_threshold=None, **VERL_CHAINED)
+    kept = kept.bool()
+    assert (int(kept.sum()), int(inputs["mask"].sum())) == (26, 32)
+    log_prob = log_probs(hidden, weight, targets).detach().requires_grad_(True)
+    plain = dataclasses.replace(algorithm, rollout_correction=None)
+    on_kept = {k: v for k, v in inputs.items() if k != "rollout_log_prob"} | {"mask": kept}
+    (reference,) = torch.autograd.grad(call(plain, log_prob, on_kept).loss, log_prob)
+    assert reference.abs().sum() > 0
+
+    normalizer = step(algorithm, inputs)
+    assert int(normalizer.tokens) == 26
+    (whole,) = torch.autograd.grad(call(algorithm, log_prob, inputs).loss, log_prob)
+    torch.testing.assert_close(whole, reference, rtol=1e-10, atol=1e-13)
+    if splits(algorithm):
         total = sum(call(algorithm, log_prob[p], inputs, p, normalizer).loss for p in PARTS)
         (split,) = torch.autograd.grad(total, log_prob)
         torch.testing.assert_close(split, reference, rtol=1e-10, atol=1e-13)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .group import (StdConvention, _group_center, _group_sum, _grpo, _positive, _scores, _std, batch_std, group_index,
-                    grpo_advantages)
+from .group import (StdConvention, _counted, _group_center, _group_sum, _grpo, _positive, _scores, _std, batch_std,
+                    group_index, grpo_advantages, rows_of)
 from ..core.batch import check_device, check_mask, check_tensor
 from ..core.checks import check_flag, check_log_prob, check_number
 from ..core.distributed import all_reduce
@@ -68,17 +68,21 @@ GDPO_EPS = {"trl": 1e-4, "ms-swift": 1e-8}
 """GDPO's ε, inside each reward's group normalisation and in the final batch normalisation."""
 
 
-def rloo_advantages(scores: Tensor, group_ids: Tensor) -> Tensor:
+def rloo_advantages(scores: Tensor, group_ids: Tensor, *, mask: Tensor | None = None) -> Tensor:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv 2402.14740), `[B]`:
 
         Â_i = s_i - (1/(n-1)) Σ_{j≠i} s_j = n/(n-1) · (s_i - μ_g)
 
-    verl `rloo`, TRL's RLOOTrainer, OpenRLHF `rloo`. A group of one gets 0 (verl leaves s_i)."""
+    verl `rloo`, TRL's RLOOTrainer, OpenRLHF `rloo`. A group of one gets 0 (verl leaves s_i). With
+    `mask` (`[B, T]` or `[B]` row flags) a row without a valid token is not one of the others j and
+    gets 0 (verl, TRL, OpenRLHF count its reward: `group.py`'s docstring)."""
     scores = _scores(scores)
     work = scores.to(torch.float64)
     index, n_groups = group_index(group_ids, work.shape[0], work.device)
-    centered, size = _group_center(work, index, n_groups)
-    return torch.where(size > 1, centered * size / (size - 1).clamp(min=1), 0.0).to(scores.dtype)
+    rows = rows_of(mask, work.shape[0], work.device)
+    centered, size = _group_center(work, index, n_groups, rows)
+    out = torch.where(size > 1, centered * size / (size - 1).clamp(min=1), 0.0)
+    return (out if rows is None else torch.where(rows, out, 0.0)).to(scores.dtype)
 
 
 def whiten(values: Tensor, mask: Tensor, *, convention: str = "verl", process_group=None,
@@ -377,7 +381,8 @@ def tir_optimal_token_baseline_advantages(
     adv = torch.where(valid, returns - baseline, 0.0)
     return adv.to(token_rewards.dtype), returns.to(token_rewards.dtype)
 
-MAXRL_CONVENTIONS = {"pgloss": (0.0, "zero"), "prime-rl": (0.0, "zero"), "skyrl": (1e-6, "raw")}
+MAXRL_CONVENTIONS = {"pgloss": (0.0, "zero", False), "prime-rl": (0.0, "zero", False), "skyrl": (1e-6, "raw", True)}
+"""convention: (ε, a group of one, whether a row without a valid token counts in its group given a mask)."""
 SINGLETONS = ("zero", "raw")
 
 
@@ -388,7 +393,7 @@ def _singleton(singleton: str) -> str:
 
 
 def maxrl_advantages(scores: Tensor, group_ids: Tensor, *, convention: str = "pgloss",
-                     eps: float | None = None) -> Tensor:
+                     eps: float | None = None, mask: Tensor | None = None) -> Tensor:
     """MaxRL, maximum-likelihood RL (Tajwar, Zeng et al. 2026, arXiv 2602.02710), `[B]`:
 
         Â_i = (s_i - μ_g) / μ_g        (0 when μ_g ≤ 0: a group without a success carries no signal)
@@ -403,41 +408,49 @@ def maxrl_advantages(scores: Tensor, group_ids: Tensor, *, convention: str = "pg
         skyrl              Â_i = (s_i - μ_g)/(μ_g + ε), ε = 1e-6, whatever the sign of μ_g; a group
                            of one keeps Â = s (μ = 0) (SkyRL `ppo_utils.py compute_maxrl_advantage`)
     `eps` overrides the convention's ε. The rewards are meant to be non-negative (canonically 0/1);
-    that is not checked (a check would read the host)."""
+    that is not checked (a check would read the host).
+
+    `mask` (`[B, T]`, or `[B]` row flags): a row without a valid token gets Â = 0 and, under pgloss's and
+    prime-rl's conventions, leaves its group's μ_g and size (prime-rl scores only the traces with
+    sampled tokens); SkyRL counts its reward. One group, rewards [1, 0, 0], the third row empty:
+    pgloss, prime-rl [1, -1, 0]; skyrl [2, -1, 0] (within ε); without a mask [2, -1, -1]."""
     if convention not in MAXRL_CONVENTIONS:
         raise ValueError(f"convention must be one of {tuple(MAXRL_CONVENTIONS)}, got {convention!r}")
-    default_eps, singleton = MAXRL_CONVENTIONS[convention]
+    default_eps, singleton, counts_empty_rows = MAXRL_CONVENTIONS[convention]
     eps = default_eps if eps is None else check_number("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     scores = _scores(scores)
     work = scores.to(torch.float64)
     index, n_groups = group_index(group_ids, work.shape[0], work.device)
-    centered, size = _group_center(work, index, n_groups)
+    rows = rows_of(mask, work.shape[0], work.device)
+    centered, size = _group_center(work, index, n_groups, None if counts_empty_rows else rows)
     mean = work - centered
     if convention == "skyrl":
         out = centered / (mean + eps)
     else:
         out = torch.where(mean > 0, centered / torch.where(mean > 0, mean + eps, 1.0), 0.0)
     out = torch.where(size > 1, out, work if singleton == "raw" else 0.0)
-    return out.to(scores.dtype)
+    return (out if rows is None else torch.where(rows, out, 0.0)).to(scores.dtype)
 
 
-def _shifted_group_baseline(scores, group_ids, baseline_of, singleton: str) -> Tensor:
-    """Â_i = s_i - b_g with b_g = baseline_of(work, index, n_groups, size) per row; a group of one:
-    Â = 0 (`singleton="zero"`) or Â = s (b = 0, `"raw"`, as Trinity)."""
+def _shifted_group_baseline(scores, group_ids, baseline_of, singleton: str, mask) -> Tensor:
+    """Â_i = s_i - b_g with b_g = baseline_of(work, index, n_groups, counted) per row, over the rows
+    with a valid token of `mask` (the others get 0); a group of one: Â = 0 (`singleton="zero"`) or
+    Â = s (b = 0, `"raw"`, as Trinity)."""
     _singleton(singleton)
     scores = _scores(scores)
     work = scores.to(torch.float64)
     index, n_groups = group_index(group_ids, work.shape[0], work.device)
-    size = _group_sum(torch.ones_like(work), index, n_groups)[index]
-    out = work - baseline_of(work, index, n_groups)
+    rows = rows_of(mask, work.shape[0], work.device)
+    size = _group_sum(_counted(work, rows), index, n_groups)[index]
+    out = work - baseline_of(work, index, n_groups, rows)
     out = torch.where(size > 1, out, work if singleton == "raw" else 0.0)
-    return out.to(scores.dtype)
+    return (out if rows is None else torch.where(rows, out, 0.0)).to(scores.dtype)
 
 
 def asymre_advantages(scores: Tensor, group_ids: Tensor, *, baseline_shift: float = -0.1,
-                      singleton: str = "zero") -> Tensor:
+                      singleton: str = "zero", mask: Tensor | None = None) -> Tensor:
     """AsymRE, asymmetric REINFORCE (Arnal et al. 2025, arXiv 2506.20520), `[B]`:
 
         Â_i = s_i - (μ_g + δ)
@@ -446,21 +459,22 @@ def asymre_advantages(scores: Tensor, group_ids: Tensor, *, baseline_shift: floa
     positive rewards more than negative ones, which keeps off-policy training stable; δ = 0 is the
     Dr.GRPO / group-mean baseline). Trinity-RFT 0.6.0 `algorithm/advantage_fn/asymre_advantage.py`.
     A group of one: Â = 0 (`singleton="zero"`, no group estimate of the mean) or Trinity's Â = s
-    (baseline 0, `singleton="raw"`)."""
+    (baseline 0, `singleton="raw"`). With `mask` (`[B, T]` or `[B]` row flags) a row without a valid
+    token leaves its group's mean and size and gets 0 (Trinity counts its reward)."""
     delta = check_number("baseline_shift", baseline_shift)
 
-    def baseline(work, index, n_groups):
-        centered, _ = _group_center(work, index, n_groups)
+    def baseline(work, index, n_groups, counted):
+        centered, _ = _group_center(work, index, n_groups, counted)
         return work - centered + delta
 
-    return _shifted_group_baseline(scores, group_ids, baseline, singleton)
+    return _shifted_group_baseline(scores, group_ids, baseline, singleton, mask)
 
 
 OPMD_BASELINES = ("mean", "logavgexp")
 
 
 def opmd_advantages(scores: Tensor, group_ids: Tensor, *, baseline: str = "mean", tau: float = 1.0,
-                    singleton: str = "zero") -> Tensor:
+                    singleton: str = "zero", mask: Tensor | None = None) -> Tensor:
     """OPMD, online policy mirror descent (Trinity-RFT; arXiv 2509.24203 section 2.2, after Kimi k1.5,
     arXiv 2501.12599), `[B]`: Â_i = s_i - b_g with
 
@@ -469,21 +483,25 @@ def opmd_advantages(scores: Tensor, group_ids: Tensor, *, baseline: str = "mean"
                    → max_g s as τ → 0, → μ_g as τ → ∞)
 
     Trinity-RFT 0.6.0 `algorithm/advantage_fn/opmd_advantage.py` (`opmd_baseline`, `tau`). A group of
-    one: Â = 0 (`singleton="zero"`) or Trinity's Â = s (`"raw"`)."""
+    one: Â = 0 (`singleton="zero"`) or Trinity's Â = s (`"raw"`). With `mask` (`[B, T]` or `[B]` row
+    flags) a row without a valid token leaves its group's b_g and size and gets 0 (Trinity counts its
+    reward)."""
     if baseline not in OPMD_BASELINES:
         raise ValueError(f"baseline must be one of {OPMD_BASELINES}, got {baseline!r}")
     tau = _positive("tau", tau)
 
-    def mean(work, index, n_groups):
-        centered, _ = _group_center(work, index, n_groups)
+    def mean(work, index, n_groups, counted):
+        centered, _ = _group_center(work, index, n_groups, counted)
         return work - centered
 
-    def logavgexp(work, index, n_groups):
-        x = work / tau
+    def logavgexp(work, index, n_groups, counted):
+        weight = _counted(work, counted)
+        x = torch.where(weight > 0, work / tau, -torch.inf)
         top = torch.full((n_groups,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce(
             0, index, x, reduce="amax")
+        top = torch.where(top > -torch.inf, top, 0.0)  # a group without a counted row (its rows get 0)
         total = _group_sum((x - top[index]).exp(), index, n_groups)
-        count = _group_sum(torch.ones_like(x), index, n_groups)
+        count = _group_sum(weight, index, n_groups)
         return (tau * (top + total.log() - count.log()))[index]
 
-    return _shifted_group_baseline(scores, group_ids, mean if baseline == "mean" else logavgexp, singleton)
+    return _shifted_group_baseline(scores, group_ids, mean if baseline == "mean" else logavgexp, singleton, mask)

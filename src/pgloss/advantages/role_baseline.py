@@ -24,6 +24,11 @@ from the step keeps its baseline. `trace` forgets at the trainers' rate per traj
 baseline keeps the weight α^{n_k}, as after n_k sequential updates) and weighs the step's rewards
 equally where the recursion weighs the later ones more: the two agree exactly when a key has one row
 per step or equal rewards within the step. `sequential` reproduces prime-rl and SPIRAL row for row.
+
+Given the step's `mask` (`[B, T]`, or `[B]` row flags), a row without a valid token gets Â = 0 and
+neither moves the baseline nor counts in n_k, under every update rule: prime-rl scores only the
+traces that hold sampled tokens. Decay 0.9, one key, rewards [1, 2], the first trace empty: Â = [0, 2]
+and b = 0.2 (without the mask, sequential: [1, 1.9] and b = 0.29).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import Tensor
 from ..core.batch import check_device, check_tensor
 from ..core.checks import check_number, check_values, is_integer
 from ..core.distributed import all_reduce, rank, world_size
+from .group import rows_of
 
 UPDATES = ("trace", "step", "sequential")
 
@@ -47,6 +53,7 @@ class RoleBaseline:
 
     `rae(rewards, keys)` returns Â_i = R_i - b_{key_i} with the baseline before this step (for
     `update="sequential"`, before row i) and then folds the step into the baseline (module docstring).
+    `rae(rewards, keys, mask=mask)` leaves the rows without a valid token out (Â = 0, no update).
     Call it once per step with the whole step's rows on each rank: the update all-reduces per-key
     counts and sums over `process_group` (when torch.distributed is initialised and `reduce=True`), so
     every rank keeps the same state. `advantages` and `update` are the two halves, for rows computed
@@ -81,7 +88,7 @@ class RoleBaseline:
 
     # -- the step ------------------------------------------------------------------------------------
 
-    def _inputs(self, rewards, keys) -> tuple[Tensor, Tensor, Tensor]:
+    def _inputs(self, rewards, keys, mask=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         rewards = check_tensor("rewards", rewards, ndim=(1,))
         keys = check_tensor("keys", keys, ndim=(1,), floating=False)
         if keys.shape != rewards.shape or not is_integer(keys):
@@ -91,35 +98,39 @@ class RoleBaseline:
         check_values(keys, lambda: (keys < 0) | (keys >= self.num_keys),
                      lambda at: f"keys must lie in [0, {self.num_keys}), got {int(keys[at[0]])} at row {int(at[0])}")
         self.baseline = self.baseline.to(rewards.device)
-        return rewards.detach().to(torch.float64), keys.long(), rewards
+        rows = rows_of(mask, rewards.shape[0], rewards.device, "rewards")
+        rows = torch.ones_like(keys, dtype=torch.bool) if rows is None else rows
+        return rewards.detach().to(torch.float64), keys.long(), rewards, rows
 
-    def advantages(self, rewards: Tensor, keys: Tensor) -> Tensor:
-        """Â_i = R_i - b_{key_i} against the current baseline, `[B]`; the state is not changed."""
-        work, keys, rewards = self._inputs(rewards, keys)
-        return (work - self.baseline[keys]).to(rewards.dtype)
+    def advantages(self, rewards: Tensor, keys: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        """Â_i = R_i - b_{key_i} against the current baseline, `[B]` (0 on the rows without a valid
+        token of `mask`); the state is not changed."""
+        work, keys, rewards, rows = self._inputs(rewards, keys, mask)
+        return torch.where(rows, work - self.baseline[keys], 0.0).to(rewards.dtype)
 
-    def update(self, rewards: Tensor, keys: Tensor, *, process_group: "dist.ProcessGroup | None" = None,
-               reduce: bool = True) -> None:
-        """Fold the step's rows into the baseline (`trace` or `step`; `sequential` updates in `__call__`)."""
+    def update(self, rewards: Tensor, keys: Tensor, *, mask: Tensor | None = None,
+               process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> None:
+        """Fold the step's rows (those with a valid token of `mask`) into the baseline (`trace` or
+        `step`; `sequential` updates in `__call__`)."""
         if self.update_rule == "sequential":
             raise ValueError("update='sequential' folds the rows in order inside the call: use rae(rewards, keys)")
-        work, keys, _ = self._inputs(rewards, keys)
+        work, keys, _, rows = self._inputs(rewards, keys, mask)
         stats = torch.zeros(2, self.num_keys, dtype=torch.float64, device=work.device)
-        stats[0].index_add_(0, keys, torch.ones_like(work))
-        stats[1].index_add_(0, keys, work)
+        stats[0].index_add_(0, keys, rows.to(torch.float64))
+        stats[1].index_add_(0, keys, torch.where(rows, work, 0.0))
         count, total = all_reduce(stats, process_group, reduce)
         mean = total / count.clamp(min=1)
         keep = self.decay ** (count if self.update_rule == "trace" else (count > 0).to(torch.float64))
         self.baseline = keep * self.baseline + (1 - keep) * mean
 
-    def __call__(self, rewards: Tensor, keys: Tensor, *, process_group: "dist.ProcessGroup | None" = None,
-                 reduce: bool = True) -> Tensor:
+    def __call__(self, rewards: Tensor, keys: Tensor, *, mask: Tensor | None = None,
+                 process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> Tensor:
         if self.update_rule != "sequential":
-            out = self.advantages(rewards, keys)
-            self.update(rewards, keys, process_group=process_group, reduce=reduce)
+            out = self.advantages(rewards, keys, mask=mask)
+            self.update(rewards, keys, mask=mask, process_group=process_group, reduce=reduce)
             return out
-        work, keys, rewards = self._inputs(rewards, keys)
-        before, scale, shift = _sequential_scan(work, keys, self.num_keys, self.decay)
+        work, keys, rewards, rows = self._inputs(rewards, keys, mask)
+        before, scale, shift = _sequential_scan(work, keys, self.num_keys, self.decay, rows)
         # Over ranks: each rank's rows act on the baseline as b -> scale b + shift; compose them in rank order.
         n_ranks, me = world_size(process_group, reduce), rank(process_group, reduce)
         maps = torch.zeros(n_ranks, 2, self.num_keys, dtype=torch.float64, device=work.device)
@@ -133,16 +144,18 @@ class RoleBaseline:
         self.baseline = start
         b = before[0][torch.arange(work.shape[0], device=work.device), keys] * mine[keys] + \
             before[1][torch.arange(work.shape[0], device=work.device), keys]
-        return (work - b).to(rewards.dtype)
+        return torch.where(rows, work - b, 0.0).to(rewards.dtype)
 
 
-def _sequential_scan(rewards: Tensor, keys: Tensor, num_keys: int, decay: float):
-    """The recursion b ← α b + (1 - α) R over the rows in order, per key, as affine maps b ↦ a b + c:
-    the map of the rows before each row (`[2, B, K]`: a, c) and of all rows (`[K]` a, `[K]` c). A
-    Hillis-Steele scan: log2(B) steps of `[B, K]` products, every a in [0, 1] (no overflow)."""
+def _sequential_scan(rewards: Tensor, keys: Tensor, num_keys: int, decay: float, rows: Tensor):
+    """The recursion b ← α b + (1 - α) R over the rows in order (those flagged in `rows`; the others
+    leave b as it is), per key, as affine maps b ↦ a b + c: the map of the rows before each row
+    (`[2, B, K]`: a, c) and of all rows (`[K]` a, `[K]` c). A Hillis-Steele scan: log2(B) steps of
+    `[B, K]` products, every a in [0, 1] (no overflow)."""
     n = rewards.shape[0]
     onehot = torch.zeros(n, num_keys, dtype=torch.bool, device=rewards.device)
     onehot[torch.arange(n, device=rewards.device), keys] = True
+    onehot = onehot & rows[:, None]
     a = torch.ones(n, num_keys, dtype=torch.float64, device=rewards.device).masked_fill(onehot, decay)
     c = torch.where(onehot, (1 - decay) * rewards[:, None], 0.0)
     d = 1

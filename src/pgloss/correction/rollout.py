@@ -20,9 +20,9 @@ then, with bounds [lower, upper] (either may be None: unbounded),
 detached. The sequence weight is a separate choice from GSPO's sequence ratio: a product of
 ratios collapses or explodes on long sequences, the geometric mean does not.
 
-KL-based rejection (verl `rollout_rs`), chainable (AND), with k1 = -log ρ, k2 = ½(log ρ)²,
-k3 = ρ - 1 - log ρ per token, at token level or as a sequence's sum, mean or max: a `Rejection`
-keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
+KL-based rejection (verl `rollout_rs`), chainable (AND, each rule's statistic over the original mask,
+as verl), with k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ per token, at token level or as a
+sequence's sum, mean or max: a `Rejection` keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
 exp(statistic) (a ratio π_rollout/π_train, lower defaulting to 1/upper), for k2 and k3 on the
 statistic (upper only). Off-policy sequence masking (the DeepSeek-V3.2 technical report; TRL
 `off_policy_mask_threshold`, ms-swift `off_policy_sequence_mask_delta`) drops sequence i when
@@ -248,10 +248,19 @@ class RolloutCorrection:
         ((mask, old_log_prob, rollout_log_prob),) = _micro_batches(
             mask, old_log_prob, rollout_log_prob, names=("mask", "old_log_prob", "rollout_log_prob"))
         dtype = compute_dtype(old_log_prob.dtype)  # the loss call's arithmetic, so both see one mask
-        log_rho = self._log_rho(old_log_prob.detach().to(dtype), rollout_log_prob.detach().to(dtype), mask)
+        return self.kept(old_log_prob.detach().to(dtype), rollout_log_prob.detach().to(dtype), mask)
+
+    def kept(self, train: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+        """The tokens the KL-based rejection keeps, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n, where
+        every rule computes its statistic over the original `mask` (a sequence rule after a token rule
+        averages over the sequence's valid tokens, not over the ones the token rule kept), as verl's
+        `compute_rollout_rejection_mask`. The one rule the step's count (`keep_mask`) and the call
+        (`apply`) use."""
+        log_rho = self._log_rho(train, rollout, mask)
+        keep = mask
         for rule in self.rejection:
-            mask = mask & rule.keep(log_rho, mask)
-        return mask
+            keep = keep & rule.keep(log_rho, mask)
+        return keep
 
     def step_weight_mean(
         self,
@@ -340,10 +349,8 @@ class RolloutCorrection:
         count = mask.sum()
         if rollout is not None:
             metrics |= mismatch_metrics(train, rollout, mask)
-            log_rho = self._log_rho(train, rollout, mask)
-            for rule in self.rejection:
-                effective = effective & rule.keep(log_rho, mask)
             if self.rejection:
+                effective = self.kept(train, rollout, mask)
                 metrics["rollout_rejected_frac"] = masked_fraction(~effective, mask, count)
         if self.off_policy_mask is not None:
             if seq_advantages is None:

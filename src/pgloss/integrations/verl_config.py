@@ -12,7 +12,7 @@ verl: it takes verl's `ActorConfig` / `FSDPActorConfig`, its OmegaConf `DictConf
     clip_ratio, clip_ratio_low, clip_ratio_high  clip_low, clip_high (None: clip_ratio)
     clip_ratio_c                                 dual_clip (where the algorithm has one), DPPO's truncation
     tau_pos, tau_neg                             tau_pos, tau_neg (SAPO)
-    policy_loss.dro_beta                         dro_beta (required, as verl)
+    policy_loss.dro_beta                         dro_beta (required, as verl, unless registered with one)
     policy_loss.ppo_kl_coef, kl_cov_ratio        ppo_kl_coef, kl_cov_ratio (KL-Cov)
     policy_loss.clip_cov_ratio, _lb, _ub         clip_cov_ratio, clip_cov_lb, clip_cov_ub (Clip-Cov)
     use_kl_loss, kl_loss_coef, kl_loss_type      kl_coef, kl_estimator (`pgloss.core.trainer_names`)
@@ -187,6 +187,14 @@ def _default(family: type[Algorithm], name: str | None, algorithm: Algorithm | N
     return NAMED[name][1].get(field, defaults.get(field))
 
 
+def _own_value(name: str | None, algorithm: Algorithm | None, field: str) -> bool:
+    """Whether the algorithm verl runs brings its own value of `field`, to stand where verl's field is
+    unset: a variant (`register(name, algorithm)`) always does, a name does when it was registered with
+    one (`pgloss.register("my_dro", DRO, dro_beta=0.3)`). A family's default is not one: verl refuses
+    its own dro without dro_beta, and pgloss_dro does the same."""
+    return algorithm is not None or name in NAMED and field in NAMED[name][1]
+
+
 def algorithm_from_verl(
     config: Any,
     *,
@@ -250,9 +258,10 @@ def algorithm_from_verl(
         if field not in own:
             continue
         value = config_get(policy, field, None)
-        if value is None and field in VERL_FALLBACKS and not base_is_variant:
+        registered = _own_value(name, algorithm, field)
+        if value is None and field in VERL_FALLBACKS and not registered:
             value = VERL_FALLBACKS[field]
-        if value is None and not base_is_variant:
+        if value is None and not registered:
             raise ValueError(f"{label} needs policy_loss.{field} > 0 (verl refuses it unset; pgloss uses no default "
                              "in verl's place)")
         if value is not None:
@@ -309,6 +318,20 @@ def from_verl(actor_config: Any, *, rollout_correction: Any = None) -> Algorithm
     verl's `ppo_loss` does.
 
         algorithm = pgloss.from_verl(config.actor_rollout_ref.actor)
+
+    One exception, the row count. verl's seq-mean modes (`seq-mean-token-mean`, `seq-mean-token-sum`,
+    `seq-mean-token-sum-norm`) divide by `global_batch_size`, the step's rows, empty ones included;
+    pgloss's count (a call without `normalizer`, `algorithm.step_normalizer`) skips a row without a
+    valid token, whether it came empty or the rollout rejection (`rollout_rs`) emptied it. With B rows
+    of which N keep a token, pgloss's loss and gradient are then verl's × B/N (6 rows, 3 emptied by
+    `rollout_rs="seq_mean_k3"` at 0.02: 0.195322 against verl's 0.097661 under seq-mean-token-mean).
+    `token-mean` (verl's `batch_num_tokens` counts the kept tokens, as pgloss) and `token-sum` agree.
+    For verl's number, replace the step's row count by verl's:
+
+        step = algorithm.step_normalizer(masks, old_log_probs=olds, rollout_log_probs=rollouts)
+        step = dataclasses.replace(step, sequences=torch.tensor(float(rows), dtype=torch.float64))
+
+    Inside verl the adapter (`pgloss_<name>`) takes verl's own counts and so equals verl.
     """
     if actor_config is None:
         raise TypeError("actor_config must be verl's actor config (ActorConfig, DictConfig or dict), got None")
