@@ -6,7 +6,9 @@ Parity with TRL 1.16 (its CPU path; B, T, V = 3, 5, 37; H = 8, teacher H' = 6; �
 τ ∈ {1, 0.7}; whole-vocabulary and tiled, TRL's tiles shrunk to 4 tokens x 10 columns too; the option sets
 of `TRL_OPTIONS`), measured worst cases: float32 inputs: per-token value max abs 2.86e-6 (max rel 1.03e-6),
 ∂/∂hidden 6.90e-6, ∂/∂weight 8.26e-6, ∂/∂bias 1.46e-6; float64 inputs (ours in float64, TRL's in float32):
-value 2.67e-6 (rel 1.18e-6), ∂/∂hidden 5.93e-6, ∂/∂weight 5.58e-6, ∂/∂bias 1.67e-6.
+value 2.67e-6 (rel 1.18e-6), ∂/∂hidden 5.93e-6, ∂/∂weight 5.58e-6, ∂/∂bias 1.67e-6. With Triton installed (the
+test environment has it for pgloss's kernels) TRL's CPU path folds its float32 tiles in another order: per-token
+value max abs 4.77e-6 (rel 8.2e-7), the gradients within the bounds above.
 """
 
 import math
@@ -276,7 +278,7 @@ def test_parity_with_trl_chunked_divergence(dtype, name, beta, temperature, smal
         opts.get("softcap"), opts.get("teacher_logit_scale", 1.0), opts.get("teacher_softcap"))
     (theirs.view(B, T) * x["upstream"].to(theirs.dtype)).sum().backward()
     assert ours.dtype == dtype and theirs.dtype == torch.float32
-    torch.testing.assert_close(ours.double(), theirs.view(B, T).double(), rtol=0, atol=3.5e-6)
+    torch.testing.assert_close(ours.double(), theirs.view(B, T).double(), rtol=0, atol=5e-6)
     torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=8e-6)
     torch.testing.assert_close(w1.grad, w2.grad, rtol=0, atol=1e-5)
     if "bias" in opts:
