@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, torch.compile left out: checks the command in well under a minute on a CPU")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole run (default 345, --quick 170): rows past it are skipped")
+                        help="seconds for the measurements (default 330, --quick 170): rows past it are skipped")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "gpu.json",
                         help="the JSON file; an existing one is kept and the next free name -2, -3, ... is used")
     parser.add_argument("--sections", default="hidden,plain,divergence", help="comma-separated subset")
@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "offline (pip install --no-index --find-links)")
     args = parser.parse_args(argv)
     if args.budget is None:
-        args.budget = 170.0 if args.quick else 345.0
+        args.budget = 170.0 if args.quick else 330.0
     if args.jobs is None:
         args.jobs = 2 if args.quick and args.device == "cpu" else 1
     if args.jobs < 1 or (args.jobs > 1 and args.device == "cuda"):
@@ -133,6 +133,14 @@ def free_path(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
     return candidate
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the current directory when it lies under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def finite(value):
@@ -331,7 +339,7 @@ def agreement(row: dict, reference, name: str) -> None:
 
 
 def header(args, device) -> dict:
-    return {"command": " ".join([os.path.relpath(__file__), *sys.argv[1:]]),
+    return {"command": " ".join([shown(Path(__file__)), *sys.argv[1:]]),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "device": describe(device), "python": platform.python_version(), "versions": peers.versions(),
             "quick": args.quick, "budget_s": args.budget, "jobs": args.jobs}
@@ -348,13 +356,13 @@ def main(argv=None) -> None:
     print("versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in info["versions"].items()), flush=True)
     for peer, outcome in installs.items():
         print(f"{peer}: {outcome}", flush=True)
-    print(f"rows -> {report.path} (budget {args.budget:.0f} s)", flush=True)
+    print(f"rows -> {shown(report.path)} (budget {args.budget:.0f} s, processes at a time: {args.jobs})", flush=True)
     runners = {"hidden": run_hidden, "plain": run_plain, "divergence": run_divergence}
     sections = args.sections.split(",")
     for case in QUICK if args.quick else FULL:
         if case.section in sections:
             runners[case.section](case, args, report, clock)
-    print(f"\n{len(report.rows)} rows in {report.path}", flush=True)
+    print(f"\n{len(report.rows)} rows in {shown(report.path)}", flush=True)
 
 
 if __name__ == "__main__":
