@@ -109,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fused-option", action="append", default=[], metavar="NAME=VALUE",
                         help="one more fused row with this keyword of loss_from_hidden (e.g. a route), repeatable")
     parser.add_argument("--jobs", type=int, default=None,
-                        help="processes at a time, CPU only (default 1; --quick: 2): on a GPU each has the device alone")
+                        help="processes at a time, CPU only (default 1; --quick: 2): on a GPU each runs alone")
     parser.add_argument("--wheels", type=Path, default=None,
                         help="a folder of wheels (make gpu-wheels): the missing peers are installed from it first, "
                              "offline (pip install --no-index --find-links)")
