@@ -10,8 +10,9 @@ STAMP  := $(VENV)/.installed
 INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"
 VERL_LOSS_DEPS := ray "tensordict>=0.8,<=0.10.0,!=0.9.0" omegaconf hydra-core codetiming
+VERL_PIN := "verl>=0.9.1,<0.10"
 
-.PHONY: setup test peers demo list clean
+.PHONY: setup test peers demo list clean bench-gpu gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +24,7 @@ setup: $(STAMP)
 
 $(INTEGRATIONS): $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0 -e ".[dev,trl]" $(INTEGRATION_PINS) $(VERL_LOSS_DEPS)
-	$(PY) -m pip install --quiet --no-deps "verl>=0.9.1,<0.10"
+	$(PY) -m pip install --quiet --no-deps $(VERL_PIN)
 	touch $(INTEGRATIONS)
 
 # The parity tests read some trainers' loss code from their released source, without installing it
@@ -54,6 +55,34 @@ test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES)
 peers: $(STAMP) $(INTEGRATIONS)
 	$(PY) -m pytest -q -rx tests/peers/verl
 	PGLOSS_PEERS=original $(PY) -m pytest -q tests/peers/verl
+
+# The GPU benchmark (benchmarks/gpu.py: every row printed and written to benchmarks/results/ as it is
+# measured, about 6 minutes on one H100). It runs in the venv, or in any Python that has a CUDA torch:
+# `make bench-gpu BENCH_PYTHON=python3` builds no venv, for a machine without network. The peers it lacks
+# are installed first, offline, from $(GPU_WHEELS); BENCH_ARGS passes options (BENCH_ARGS="--device cpu --quick").
+GPU_WHEELS := .gpu-wheels
+BENCH_PYTHON ?=
+bench-gpu: $(if $(BENCH_PYTHON),,$(STAMP))
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(or $(BENCH_PYTHON),$(PY)) benchmarks/gpu.py \
+		--wheels $(GPU_WHEELS) $(BENCH_ARGS)
+
+# The peers' wheels for a GPU machine without network, fetched once on a machine with it (then copy the
+# folder across): for CPython 3.12 on manylinux x86-64 and for this machine's Python. The peers at the
+# versions the tests use (verl without its requirements: its loss is read from its files), and what TRL
+# needs beside torch and triton, which the GPU machine has: accelerate without its requirements (they would
+# fetch torch), the rest with theirs. To fetch again, delete the folder.
+GPU_PEERS := "trl>=1.16,<1.17" liger-kernel==0.8.5 cut-cross-entropy==25.1.1 $(VERL_PIN) accelerate
+GPU_PEER_DEPS := "datasets>=4.7.0" $(INTEGRATION_PINS) psutil
+GPU_PY312 := --python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	--platform manylinux1_x86_64
+gpu-wheels: $(GPU_WHEELS)/.fetched
+$(GPU_WHEELS)/.fetched:
+	for target in "$(GPU_PY312)" ""; do \
+		$(PYTHON) -m pip download --quiet --no-deps -d $(GPU_WHEELS) $$target $(GPU_PEERS) && \
+		$(PYTHON) -m pip download --quiet -d $(GPU_WHEELS) $$target $(GPU_PEER_DEPS) || exit 1; \
+	done
+	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/pgloss losses

@@ -95,28 +95,29 @@ def timed(fn, device) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run_variants(script: str, argv: list[str], variants: list[str], timeout: float) -> list[dict]:
-    """Each variant in its own process (`script` with `argv` and `--child <variant>`), so that its peak
-    memory is its own: the JSON line it prints, or a note saying why there is none."""
+def run_variant(script: str, argv: list[str], variant: str, timeout: float) -> dict:
+    """One variant in its own process (`script` with `argv` and `--child <variant>`), so that its peak
+    memory is its own: the JSON line it prints, or a note saying why there is none (with `status`
+    "timed out" or "failed")."""
     import json
     import subprocess
     import sys
 
-    results = []
-    for variant in variants:
-        command = [sys.executable, os.path.abspath(script), *argv, "--child", variant]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            results.append({"variant": variant, "note": f"stopped after {timeout} s (--timeout)"})
-            continue
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-            results.append({"variant": variant, "note": f"failed: {reason[:150]}"})
-        else:
-            results.append(json.loads(lines[-1]))
-    return results
+    command = [sys.executable, os.path.abspath(script), *argv, "--child", variant]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "status": "timed out", "note": f"stopped after {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"variant": variant, "status": "failed", "note": f"failed: {reason[:150]}"}
+    return json.loads(lines[-1])
+
+
+def run_variants(script: str, argv: list[str], variants: list[str], timeout: float) -> list[dict]:
+    """`run_variant` for each of `variants`, in order."""
+    return [run_variant(script, argv, variant, timeout) for variant in variants]
 
 
 def cell(value, spec: str, width: int) -> str:

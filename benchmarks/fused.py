@@ -14,7 +14,11 @@ Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
   liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss)
   lce      torch.nn.functional.linear_cross_entropy (chunked, pgloss's chunk size) for log π, then
            the algorithm (no entropy: that metric is missing)
+  cce      Cut Cross-Entropy's linear_cross_entropy (package cut-cross-entropy; Triton, CUDA only; its
+           default gradient filter) with reduction="none" for log π, then the algorithm (no entropy)
   floor    the three matmuls no loss can avoid: x Wᵀ, G W and Gᵀ x (6·N·H·V flops)
+  reference  the loss on float64 logits of the same inputs, materialised a token chunk at a time,
+           forward only: the value every variant's loss is compared with (its time is not a route's)
 
     python benchmarks/fused.py --tokens 4096 --hidden 1024 --vocab 151936
 """
@@ -32,7 +36,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed  # noqa: E402
 
-VARIANTS = ("naive", "fused", "tiled", "trl", "liger", "lce", "floor")
+VARIANTS = ("naive", "fused", "tiled", "trl", "liger", "lce", "cce", "floor", "reference")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float64": "float64"}
 
 
@@ -51,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-budget", type=int, default=64 << 20,
                         help="bytes for the tiled variant's buffers (pgloss memory_budget=)")
     parser.add_argument("--trl-chunk", type=int, default=4096, help="vocabulary columns per tile of the trl variant")
+    parser.add_argument("--fused-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a keyword of pgloss.vocab.fused.loss_from_hidden for the fused variant (repeatable; "
+                             "the value is read as a Python literal, else kept as a string)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--timeout", type=int, default=300, help="seconds allowed to one variant's process")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -131,9 +138,11 @@ def build_variant(name, args, algorithm):
         return run
 
     if name == "fused":
+        options = {"chunk_size": args.chunk_size, **fused_options(args.fused_option)}
+
         def run(inputs):
             return loss_from_hidden(algorithm, inputs["hidden"], inputs["weight"], inputs["targets"],
-                                    temperature=tau, chunk_size=args.chunk_size, **common(inputs)).loss
+                                    temperature=tau, **options, **common(inputs)).loss
         return run
 
     if name == "tiled":
@@ -182,6 +191,24 @@ def build_variant(name, args, algorithm):
             return algorithm(log_prob=log_prob, **common(inputs)).loss  # no entropy: no entropy metric
         return run
 
+    if name == "cce":
+        try:
+            from cut_cross_entropy import linear_cross_entropy
+        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+            raise RuntimeError(f"cut_cross_entropy does not import: {type(error).__name__}: {error}") from None
+        if args.device != "cuda":
+            raise RuntimeError("Cut Cross-Entropy's kernels are Triton's: they need --device cuda")
+
+        def run(inputs):
+            hidden = inputs["hidden"]
+            batch, length, size = hidden.shape
+            targets = torch.where(inputs["mask"], inputs["targets"], -100)
+            nll = linear_cross_entropy((hidden / tau).reshape(-1, size), inputs["weight"], targets.reshape(-1),
+                                       reduction="none")
+            log_prob = -nll.view(batch, length).float()
+            return algorithm(log_prob=log_prob, **common(inputs)).loss  # no entropy: no entropy metric
+        return run
+
     if name == "liger":
         try:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -209,6 +236,50 @@ def build_variant(name, args, algorithm):
         return run
 
     raise ValueError(name)
+
+
+def fused_options(pairs: list[str]) -> dict:
+    """--fused-option NAME=VALUE pairs as keywords of loss_from_hidden; a name it does not take is refused."""
+    import ast
+    import inspect
+
+    from pgloss.vocab.fused import loss_from_hidden
+
+    accepted = inspect.signature(loss_from_hidden).parameters
+    options = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in accepted:
+            raise RuntimeError(f"--fused-option {pair!r}: loss_from_hidden takes no keyword {name!r} in this pgloss")
+        try:
+            options[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[name] = value
+    return options
+
+
+def reference_loss(inputs, args, algorithm, torch) -> float:
+    """The loss on the float64 logits of the same (rounded) inputs, one token chunk of logits at a time,
+    forward only; log π and H from log_softmax in float64."""
+    from pgloss.vocab.entropy import default_chunk_size
+
+    with torch.no_grad():
+        hidden = inputs["hidden"].detach().reshape(-1, args.hidden)
+        weight = inputs["weight"].detach().double()
+        targets = torch.where(inputs["mask"], inputs["targets"], 0).reshape(-1, 1)
+        chunk = max(1, default_chunk_size(args.vocab) // 2)  # float64 rows are twice float32's
+        log_prob, entropy = [], []
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            log_softmax = torch.log_softmax(hidden[rows].double() @ weight.t() / args.temperature, dim=-1)
+            log_prob.append(log_softmax.gather(-1, targets[rows]).squeeze(-1))
+            entropy.append(-(log_softmax.exp() * log_softmax).sum(-1))
+        shape = inputs["mask"].shape
+        loss = algorithm(log_prob=torch.cat(log_prob).view(shape), entropy=torch.cat(entropy).view(shape),
+                         old_log_prob=inputs["old_log_prob"].double(), advantages=inputs["advantages"].double(),
+                         mask=inputs["mask"],
+                         ref_log_prob=inputs["ref_log_prob"].double() if algorithm.uses_reference else None).loss
+    return float(loss)
 
 
 def floor_step(inputs, args, torch):
@@ -242,6 +313,10 @@ def child(args) -> dict:
     memory.set_baseline()
     del placeholders
 
+    if args.child == "reference":
+        times = [timed(lambda: result.update(loss=reference_loss(inputs, args, algorithm, torch)), device)]
+        result.update(time_s=times[0][0], cpu_s=times[0][1], note="float64 logits, forward only: the loss's reference")
+        return result
     if args.child == "floor":
         times = [timed(floor_step(inputs, args, torch), device) for _ in range(args.repeats)]
         result.update(time_s=statistics.median(t[0] for t in times), cpu_s=statistics.median(t[1] for t in times),

@@ -16,12 +16,14 @@ alike; the median of each is reported with the ratios.
     python benchmarks/plain.py --batch 64 --length 4096 --repeats 30 --threads 1
 
 verl is never a runtime dependency of pgloss: `make test` installs verl 0.9.1 (--no-deps, plus what
-its loss path imports) into .venv for the adapters' tests, and this benchmark uses that.
+its loss path imports) into .venv for the adapters' tests, and this benchmark reads its loss from those
+files (peers.verl_policy_loss: verl's own functions, without importing its package, which needs ray).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -32,6 +34,7 @@ import pgloss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device import add_device_argument, describe, resolve_device, timed as timed_call  # noqa: E402
+from peers import VerlActorConfig, installed, verl_policy_loss  # noqa: E402
 
 MODES = ("token-mean", "seq-mean-token-mean")
 
@@ -49,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-read-metrics", dest="read_metrics", action="store_false",
                         help="leave every metric on the device (no host read after the step), for both libraries")
     add_device_argument(parser)
+    parser.add_argument("--child", default=None, help="one loss_agg_mode, its results as one JSON line")
     return parser.parse_args(argv)
 
 
@@ -67,18 +71,16 @@ def make_batch(batch: int, length: int, seed: int, device=None) -> dict[str, tor
 
 
 def verl_step(mode: str, data: dict, *, read_metrics: bool = True):
-    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
-    from verl.workers.config.actor import ActorConfig
-
+    verl = verl_policy_loss()  # read from verl's files: no ray needed
     mask = data["mask"]
-    config = ActorConfig(strategy="fsdp", clip_ratio=0.2, clip_ratio_c=3.0, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+    config = VerlActorConfig(clip_ratio=0.2, clip_ratio_c=3.0)
     config.global_batch_info.update(dp_size=1, batch_num_tokens=int(mask.sum()),  # as verl's ppo_loss fills it
                                     global_batch_size=int(mask.any(dim=1).sum()))
     response_mask = mask.float()
 
     def step(log_prob):
-        loss, metrics = compute_policy_loss_vanilla(data["old_log_prob"], log_prob, data["advantages"], response_mask,
-                                                    loss_agg_mode=mode, config=config)
+        loss, metrics = verl["compute_policy_loss_vanilla"](data["old_log_prob"], log_prob, data["advantages"],
+                                                            response_mask, loss_agg_mode=mode, config=config)
         loss.backward()
         return loss.detach(), ({k: float(v) for k, v in metrics.items()} if read_metrics else metrics)
 
@@ -111,40 +113,63 @@ def timed(step, data) -> tuple[float, torch.Tensor, torch.Tensor]:
     return seconds, result["loss"], log_prob.grad
 
 
+def measure(mode: str, data: dict, args) -> dict:
+    """One loss_agg_mode: the median milliseconds of verl, pgloss and (with compile) pgloss compiled over
+    `args.repeats` interleaved runs, and the largest differences of their losses and gradients (pgloss's
+    alone, with None against verl, where verl is not installed)."""
+    read = args.read_metrics
+    steps = {"verl": verl_step(mode, data, read_metrics=read)} if installed("verl") else {}
+    steps["pgloss"] = pgloss_step(mode, data, read_metrics=read)
+    if args.compile:
+        steps["compiled"] = pgloss_step(mode, data, compiled=True, read_metrics=read)
+    times = {name: [] for name in steps}
+    for _ in range(3):  # warm-up (and, for the compiled step, compilation)
+        for step in steps.values():
+            timed(step, data)
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            times[name].append(timed(step, data)[0])
+    results = {name: timed(step, data) for name, step in steps.items()}
+    _, our_loss, our_grad = results["pgloss"]
+    row = {"mode": mode, "ms": {name: 1e3 * statistics.median(times[name]) for name in steps}, "loss": float(our_loss),
+           "verl_loss": None, "loss_vs_verl": None, "grad_vs_verl": None}
+    if "verl" in results:
+        _, verl_loss, verl_grad = results["verl"]
+        row.update(verl_loss=float(verl_loss), loss_vs_verl=abs(float(verl_loss - our_loss)),
+                   grad_vs_verl=float((verl_grad - our_grad).abs().max()))
+    if args.compile:
+        _, c_loss, c_grad = results["compiled"]
+        row.update(compiled_loss=float(c_loss), compiled_vs_eager=abs(float(c_loss - our_loss)),
+                   compiled_grad_vs_eager=float((c_grad - our_grad).abs().max()))
+    return row
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     data = make_batch(args.batch, args.length, args.seed, device)
+    if args.child:
+        print(json.dumps(measure(args.child, data, args)))
+        return
+    if not installed("verl"):
+        raise SystemExit("verl is not installed: `make test` installs verl 0.9.1 into .venv (its files are read, "
+                         "ray is not needed)")
     print(f"{describe(device)}; B={args.batch}, T={args.length}, {int(data['mask'].sum())} valid tokens, float32, "
           f"{args.repeats} interleaved runs each; metrics {'read on the host' if args.read_metrics else 'not read'}")
-    names = ["verl", "pgloss"] + (["compiled"] if args.compile else [])
     header = f"{'loss_agg_mode':<22}{'verl (ms)':>11}{'pgloss (ms)':>13}{'ratio':>8}"
     if args.compile:
         header += f"{'compiled (ms)':>15}{'/ eager':>9}{'/ verl':>8}"
     print(header + "   max |Δloss|  max |Δgrad|" + ("  compiled: |Δloss|  |Δgrad|" if args.compile else ""))
     for mode in args.modes.split(","):
-        read = args.read_metrics
-        steps = {"verl": verl_step(mode, data, read_metrics=read), "pgloss": pgloss_step(mode, data, read_metrics=read)}
-        if args.compile:
-            steps["compiled"] = pgloss_step(mode, data, compiled=True, read_metrics=read)
-        times = {name: [] for name in steps}
-        for _ in range(3):  # warm-up (and, for the compiled step, compilation)
-            for step in steps.values():
-                timed(step, data)
-        for _ in range(args.repeats):
-            for name, step in steps.items():
-                times[name].append(timed(step, data)[0])
-        results = {name: timed(step, data) for name, step in steps.items()}
-        ms = {name: 1e3 * statistics.median(times[name]) for name in names}
-        (_, verl_loss, verl_grad), (_, our_loss, our_grad) = results["verl"], results["pgloss"]
+        row = measure(mode, data, args)
+        ms = row["ms"]
         line = f"{mode:<22}{ms['verl']:>11.2f}{ms['pgloss']:>13.2f}{ms['pgloss'] / ms['verl']:>8.3f}"
         if args.compile:
             line += f"{ms['compiled']:>15.2f}{ms['compiled'] / ms['pgloss']:>9.3f}{ms['compiled'] / ms['verl']:>8.3f}"
-        line += f"   {abs(float(verl_loss - our_loss)):.2e}     {float((verl_grad - our_grad).abs().max()):.2e}"
+        line += f"   {row['loss_vs_verl']:.2e}     {row['grad_vs_verl']:.2e}"
         if args.compile:
-            _, c_loss, c_grad = results["compiled"]
-            line += f"     {abs(float(c_loss - our_loss)):.2e}  {float((c_grad - our_grad).abs().max()):.2e}"
+            line += f"     {row['compiled_vs_eager']:.2e}  {row['compiled_grad_vs_eager']:.2e}"
         print(line)
 
 

@@ -1,6 +1,12 @@
 """Every benchmark takes --device cuda and, on a machine without CUDA, refuses in one line with a
-non-zero exit and no traceback (the measurements themselves are in BENCHMARKS.md, not in tests)."""
+non-zero exit and no traceback (the measurements themselves are in BENCHMARKS.md, not in tests); the
+GPU command (benchmarks/gpu.py) runs as a user runs it, on a CPU with --quick, and its rows are read back."""
 
+import importlib.util
+import json
+import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +16,115 @@ import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 EXTRA = {"fsdp2_memory.py": ["--path", "fused"]}
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if '__name__ == "__main__"' in p.read_text())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the refusal cannot be seen")
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name != "device.py"))
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_benchmark_refuses_cuda_cleanly_without_it(script):
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), *EXTRA.get(script, []), "--device", "cuda"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("--device cuda: no CUDA device is visible"), done.stderr
+
+
+# -- benchmarks/gpu.py, run as a user runs it ---------------------------------------------------------------------
+
+GPU = [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu", "--quick"]
+PEER_MODULES = {"trl": "trl", "liger": "liger_kernel", "cce": "cut_cross_entropy", "verl": "verl"}
+
+
+def installed(peer):
+    return importlib.util.find_spec(PEER_MODULES[peer]) is not None
+
+
+def rows_of(path):
+    return {(row["section"], row["shape"], row["variant"]): row for row in json.loads(path.read_text())["rows"]}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    done = subprocess.run([*GPU, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, json.loads(out.read_text())
+
+
+def test_gpu_quick_header_and_printed_rows(quick_run):
+    stdout, report = quick_run
+    header = report["header"]
+    assert header["device"].startswith("CPU") and header["quick"] is True
+    assert header["versions"]["torch"] == torch.__version__
+    assert header["date"][:2] == "20"
+    printed = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert len(printed) == len(report["rows"])  # every row printed, one line each
+    assert [line.split("|")[1].strip() for line in printed] == [row["variant"] for row in report["rows"]]
+
+
+def test_gpu_quick_hidden_rows(quick_run):
+    _, report = quick_run
+    rows = {row["variant"]: row for row in report["rows"] if row["section"] == "hidden"}
+    reference = rows["reference"]
+    assert reference["status"] == "measured" and math.isfinite(reference["loss"])
+    assert rows["floor"]["status"] == "measured" and rows["floor"]["time_s"] > 0
+    for name in ("naive", "fused", "tiled"):
+        row = rows[name]
+        assert row["status"] == "measured", row
+        assert row["time_s"] > 0 and row["peak_mib"] is not None and row["floor_ratio"] > 0
+        assert row["reference"] == "reference"
+        # bfloat16 inputs, float32 log-softmax: within bfloat16's rounding of the float64 loss, and not exact
+        assert 0 < row["loss_rel_error"] < 2e-2, row
+        assert row["loss_error"] == pytest.approx(abs(row["loss"] - reference["loss"]))
+    assert rows["naive"]["time_ratio"] == 1.0 and rows["naive"]["memory_ratio"] == 1.0
+    assert rows["fused"]["loss"] == pytest.approx(rows["naive"]["loss"], rel=1e-3)
+    for peer in ("trl", "liger", "cce"):
+        if not installed(peer):
+            assert rows[peer]["status"] == "not installed", rows[peer]
+        elif peer == "cce":
+            assert rows[peer]["status"] == "needs CUDA", rows[peer]  # Triton kernels, and this is a CPU run
+        else:
+            assert rows[peer]["status"] == "measured" and rows[peer]["loss_rel_error"] < 2e-2, rows[peer]
+
+
+def test_gpu_quick_plain_and_divergence_rows(quick_run):
+    _, report = quick_run
+    plain = [row for row in report["rows"] if row["section"] == "plain"]
+    assert {row["shape"].rsplit(" ", 1)[-1] for row in plain} == {"token-mean", "seq-mean-token-mean"}
+    for row in plain:
+        if row["variant"] == "pgloss compiled":
+            assert row["status"] == "skipped" and "--quick" in row["note"]
+        elif row["variant"] == "verl" and not installed("verl"):
+            assert row["status"] == "not installed"
+        else:
+            assert row["status"] == "measured" and row["time_s"] > 0, row
+            if row["variant"] == "pgloss" and installed("verl"):
+                assert row["loss_error"] < 1e-6 and row["grad_error"] < 1e-6, row
+    divergence = {row["variant"]: row for row in report["rows"] if row["section"] == "divergence"}
+    for name in ("materialised", "fused", "tiled"):
+        assert divergence[name]["status"] == "measured", divergence[name]
+    for name in ("fused", "tiled"):  # float32 on both sides
+        assert divergence[name]["loss_rel_error"] < 1e-5, divergence[name]
+    assert divergence["trl"]["status"] == ("measured" if installed("trl") else "not installed")
+
+
+def test_gpu_run_cut_short_keeps_its_rows_and_never_overwrites(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.Popen([*GPU, "--sections", "hidden", "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # the first measured row, then the run is killed with the process it runs
+            if line.startswith("| reference"):
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    kept = json.loads(out.read_text())["rows"]
+    assert [row["variant"] for row in kept][:1] == ["reference"] and kept[0]["status"] == "measured"
+
+    done = subprocess.run([*GPU, "--out", str(out), "--budget", "0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text())["rows"] == kept  # the earlier file is kept
+    spent = json.loads((tmp_path / "gpu-2.json").read_text())["rows"]
+    assert {row["status"] for row in spent} <= {"skipped", "not installed", "needs CUDA"}
+    assert any("--budget" in row["note"] for row in spent)
