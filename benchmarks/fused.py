@@ -6,7 +6,9 @@ allocated; the peak reported is the high-water mark above that baseline.
 
 Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
   naive    logits = hidden @ weightᵀ materialised, log_softmax + gather, then the algorithm
-  fused    pgloss.vocab.fused.loss_from_hidden, token chunks of whole-vocabulary rows (--chunk-size)
+  fused    pgloss.vocab.fused.loss_from_hidden on the route the library picks (Triton kernels on CUDA):
+           its tiles, or --chunk-size
+  fused-torch  the same on the torch route (`pgloss.vocab.kernels.use("torch")`), the kernels' reference
   tiled    pgloss.vocab.fused.loss_from_hidden, token chunks and vocabulary tiles chosen from
            --memory-budget (bytes), each tile's logits recomputed in backward
   trl      TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py: token chunks of 4096 and
@@ -36,7 +38,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed  # noqa: E402
 
-VARIANTS = ("naive", "fused", "tiled", "trl", "liger", "lce", "cce", "floor", "reference")
+VARIANTS = ("naive", "fused", "fused-torch", "tiled", "trl", "liger", "lce", "cce", "floor", "reference")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float64": "float64"}
 
 
@@ -137,12 +139,16 @@ def build_variant(name, args, algorithm):
             return algorithm(log_prob=log_prob, entropy=entropy, **common(inputs)).loss
         return run
 
-    if name == "fused":
+    if name in ("fused", "fused-torch"):
+        from pgloss.vocab import kernels
+
         options = {"chunk_size": args.chunk_size, **fused_options(args.fused_option)}
+        route = "torch" if name == "fused-torch" else "auto"
 
         def run(inputs):
-            return loss_from_hidden(algorithm, inputs["hidden"], inputs["weight"], inputs["targets"],
-                                    temperature=tau, **options, **common(inputs)).loss
+            with kernels.use(route):
+                return loss_from_hidden(algorithm, inputs["hidden"], inputs["weight"], inputs["targets"],
+                                        temperature=tau, **options, **common(inputs)).loss
         return run
 
     if name == "tiled":

@@ -4,7 +4,8 @@ written to a JSON file at once, so that a run cut short keeps its rows.
 Sections (each variant in its own process, run by the benchmark that owns it):
   hidden      the loss from hidden states (benchmarks/fused.py), GRPO, on N = 4096, H = 896, V = 151936
               and N = 16384, H = 3584, V = 152064 (T = 256) in bfloat16: the float64 reference, the matmul
-              floor, materialised logits (naive), pgloss fused (the route the library picks) and tiled,
+              floor, materialised logits (naive), pgloss fused (the route the library picks: its Triton
+              kernels on CUDA), the same on the torch route (fused-torch) and tiled,
               TRL's ChunkedLogProbFunction, torch's linear_cross_entropy, Cut Cross-Entropy and Liger
   plain       the loss from log-probabilities (benchmarks/plain.py), dual-clip PPO on B = 64 x T = 4096
               in float32, token-mean and seq-mean-token-mean: verl's compute_policy_loss_vanilla (read
@@ -84,7 +85,7 @@ QUICK = (
     Case("divergence", dict(tokens=128, seq_len=64, hidden=32, vocab=1024), repeats=1, timeout=60),
 )
 
-HIDDEN = ("reference", "floor", "naive", "fused", "tiled", "trl", "lce", "cce", "liger")
+HIDDEN = ("reference", "floor", "naive", "fused", "fused-torch", "tiled", "trl", "lce", "cce", "liger")
 """The hidden-state variants in the order they run: the reference and the baselines first, so that every
 later row's ratios and agreement are known when it is printed; the slowest peer last."""
 DIVERGENCE = ("materialised", "fused", "tiled", "trl")
