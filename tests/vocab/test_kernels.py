@@ -213,3 +213,21 @@ def test_float64_and_logits_stay_on_the_torch_route_when_automatic():
     statistic = pgloss.vocab.entropy.LogProbEntropy(x["targets"].reshape(-1))
     assert kernels.route(statistic, (pgloss.vocab.chunks.PLAIN,), (x["hidden"].reshape(-1, 8), x["weight"])) == "torch"
     assert kernels.route(statistic, ("logits",), (x["hidden"].float().reshape(-1, 8),)) == "torch"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host sync shows on CUDA alone (set_sync_debug_mode)")
+@pytest.mark.parametrize("path", test_fused.PATHS)
+@pytest.mark.parametrize("name", ["grpo", "gspo", "dapo"])
+def test_the_kernel_route_never_waits_on_the_host(name, path):
+    """Forward and backward on the kernel route with every input already on the GPU: CUDA's sync debug mode
+    raises at the first call that waits on the host."""
+    alg = test_fused.algorithm(name, entropy_coef=0.01)
+    inputs = test_fused.leaves({k: v.to(DEVICE) for k, v in test_fused.make(dtype=torch.float32).items()})
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = test_fused.fused(alg, inputs, temperature=TAU, chunk_size=test_fused.PATHS[path])
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert inputs["weight"].grad.abs().sum() > 0

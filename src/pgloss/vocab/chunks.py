@@ -149,13 +149,17 @@ class HeadChunks:
             matmul_into(grad_weight, grad.t(), x, first)
 
 
+# torch >= 2.8 multiplies half-precision matrices into a float32 output on CUDA (addmm's out_dtype).
+FLOAT32_PRODUCTS = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
 def matmul_into(out: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
     """`out` ← a b (`first`), else `out` += a b. A float32 `out` for half-precision `a`, `b` is an accumulator over
     tiles: on CUDA cuBLAS writes the products in float32 (`out_dtype`), so no tile's product is rounded to half
     precision before the sum; elsewhere each product is formed in the inputs' dtype, then added."""
     if out.dtype == a.dtype:
         torch.mm(a, b, out=out) if first else out.addmm_(a, b)
-    elif out.is_cuda:
+    elif out.is_cuda and FLOAT32_PRODUCTS:
         torch.addmm(out, a, b, beta=0.0 if first else 1.0, out_dtype=out.dtype, out=out)
     elif first:
         out.copy_(torch.mm(a, b))
