@@ -108,7 +108,7 @@ class KernelForwardKL(KernelFullKL):
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse_teacher, lse = (v[rows] for v in values)
-        return kernels.pair_backward(*zs, lse, lse_teacher, kl, grads[0][rows], forward_kl=True)
+        return kernels.pair_backward(*zs, lse, lse_teacher, kl, grads[0][rows], mode=kernels.FORWARD_KL)
 
 
 class Normalisers(FullKL):
@@ -225,7 +225,8 @@ class KernelJSD(GeneralisedJSD):
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         _, lse, lse_teacher, kl_student = (v[rows] for v in values)
-        return kernels.jsd_backward(*zs, lse, lse_teacher, kl_student, grads[0][rows], self.beta)
+        return kernels.pair_backward(*zs, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD,
+                                     beta=self.beta)
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)

@@ -144,7 +144,7 @@ class KernelFullKL(FullKL):
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse, lse_other = (v[rows] for v in values)
-        return kernels.pair_backward(*zs, lse, lse_other, kl, grads[0][rows], forward_kl=False)
+        return kernels.pair_backward(*zs, lse, lse_other, kl, grads[0][rows], mode=kernels.REVERSE_KL)
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)

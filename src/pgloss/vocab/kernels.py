@@ -147,12 +147,18 @@ def pair_forward(tile: RawTile, other: RawTile, state: list[Tensor]) -> None:
     _launch(_kernels().pair_forward, tile, *args, *state, tile.r.shape[1], 1.0 / tile.temperature, **flags)
 
 
-def pair_backward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, kl: Tensor, grad: Tensor, *,
-                  forward_kl: bool) -> Tensor:
-    """∂L/∂r of the first head over its tile (returned): the reverse KL's, or with `forward_kl` KL(ρ‖π)'s."""
+# The gradients of `triton_kernels.pair_backward`, by statistic.
+REVERSE_KL, FORWARD_KL, JSD = 0, 1, 2
+
+
+def pair_backward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, shift: Tensor, grad: Tensor, *,
+                  mode: int, beta: float = 1.0) -> Tensor:
+    """∂L/∂r of the first head over its tile (returned): KL(π‖ρ)'s (`REVERSE_KL`, `shift` = KL), KL(ρ‖π)'s
+    (`FORWARD_KL`) or JSD(β)'s (`JSD`, `shift` = KL(π‖m))."""
     args, flags = _pair(tile, other)
-    _launch(_kernels().pair_backward, tile, *args, lse, lse_other, kl, grad.contiguous(), tile.r.shape[1],
-            1.0 / tile.temperature, FORWARD_KL=forward_kl, **flags)
+    mixture = (math.log1p(-beta), math.log(beta), 1.0 - beta) if mode == JSD else (0.0, 0.0, 1.0)
+    _launch(_kernels().pair_backward, tile, *args, lse, lse_other, shift, grad.contiguous(), tile.r.shape[1],
+            1.0 / tile.temperature, *mixture, MODE=mode, **flags)
     return tile.r
 
 
@@ -162,12 +168,3 @@ def jsd_forward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, s
     args, flags = _pair(tile, other)
     _launch(_kernels().jsd_forward, tile, *args, lse, lse_other, *sums, tile.r.shape[1], 1.0 / tile.temperature,
             math.log1p(-beta), math.log(beta), **flags)
-
-
-def jsd_backward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, kl_student: Tensor, grad: Tensor,
-                 beta: float) -> Tensor:
-    """∂L/∂r of the student over its tile (returned), JSD(β)'s."""
-    args, flags = _pair(tile, other)
-    _launch(_kernels().jsd_backward, tile, *args, lse, lse_other, kl_student, grad.contiguous(), tile.r.shape[1],
-            1.0 / tile.temperature, math.log1p(-beta), math.log(beta), 1.0 - beta, **flags)
-    return tile.r

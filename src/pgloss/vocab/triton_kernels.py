@@ -42,6 +42,15 @@ def _tile_logits(R, B, cols, inside, scale, softcap, inv_t, HAS_BIAS: tl.constex
 
 
 @triton.jit
+def _pair_logits(R, B, scale, softcap, R2, B2, scale2, softcap2, cols, inside, inv_t, HAS_BIAS: tl.constexpr,
+                 SOFTCAP: tl.constexpr, HAS_BIAS2: tl.constexpr, SOFTCAP2: tl.constexpr):
+    """Both heads' tempered logits on the block `cols` of their tiles, and the first head's slope."""
+    z, slope = _tile_logits(R, B, cols, inside, scale, softcap, inv_t, HAS_BIAS, SOFTCAP)
+    z2, _ = _tile_logits(R2, B2, cols, inside, scale2, softcap2, inv_t, HAS_BIAS2, SOFTCAP2)
+    return z, slope, z2
+
+
+@triton.jit
 def _online(m, s, z, inside):
     """The running max m' after the block `z`, the step m − m' ≤ 0 (0 before the first block, whose sum s
     is 0), the factor e^{m − m'} rescaling the sums, and the block's z − m' and e^{z − m'} (0 outside)."""
@@ -116,8 +125,8 @@ def pair_forward(R, stride, B, scale, softcap, R2, stride2, B2, scale2, softcap2
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < width
-        z, _ = _tile_logits(R, B, cols, inside, scale, softcap, inv_t, HAS_BIAS, SOFTCAP)
-        z2, _ = _tile_logits(R2, B2, cols, inside, scale2, softcap2, inv_t, HAS_BIAS2, SOFTCAP2)
+        z, _, z2 = _pair_logits(R, B, scale, softcap, R2, B2, scale2, softcap2, cols, inside, inv_t, HAS_BIAS, SOFTCAP,
+                                HAS_BIAS2, SOFTCAP2)
         new, step, alpha, d, e = _online(m, s, z, inside)
         new2, step2, alpha2, d2, e2 = _online(m2, s2, z2, inside)
         dsum = alpha * (dsum + s * (step - step2)) + tl.sum(e * (d - d2), 0)
@@ -129,31 +138,6 @@ def pair_forward(R, stride, B, scale, softcap, R2, stride2, B2, scale2, softcap2
     tl.store(S + row, s)
     tl.store(S2 + row, s2)
     tl.store(D + row, dsum)
-
-
-@triton.jit
-def pair_backward(R, stride, B, scale, softcap, R2, stride2, B2, scale2, softcap2, LSE, LSE2, KL, G, width, inv_t,
-                  FORWARD_KL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS2: tl.constexpr,
-                  SOFTCAP2: tl.constexpr, BLOCK: tl.constexpr):
-    """∂L/∂r of the first head over R: the reverse KL(π‖ρ)'s slope · (g/τ) π (log π − log ρ − KL)
-    (`full_kl.chunk_full_kl_grad`), or with FORWARD_KL the forward KL(ρ‖π)'s slope · (g/τ)(π − ρ)
-    (`divergence.ForwardKL.grad`)."""
-    row = tl.program_id(0).to(tl.int64)
-    R += row * stride
-    R2 += row * stride2
-    lse, lse2, kl = tl.load(LSE + row), tl.load(LSE2 + row), tl.load(KL + row)
-    g = tl.load(G + row) * inv_t
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < width
-        z, slope = _tile_logits(R, B, cols, inside, scale, softcap, inv_t, HAS_BIAS, SOFTCAP)
-        z2, _ = _tile_logits(R2, B2, cols, inside, scale2, softcap2, inv_t, HAS_BIAS2, SOFTCAP2)
-        log_p, log_q = z - lse, z2 - lse2
-        if FORWARD_KL:
-            grad = g * (tl.exp(log_p) - tl.exp(log_q))
-        else:
-            grad = g * tl.exp(log_p) * (log_p - log_q - kl)
-        tl.store(R + cols, (grad * slope).to(R.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -178,8 +162,8 @@ def jsd_forward(R, stride, B, scale, softcap, R2, stride2, B2, scale2, softcap2,
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < width
-        z, _ = _tile_logits(R, B, cols, inside, scale, softcap, inv_t, HAS_BIAS, SOFTCAP)
-        z2, _ = _tile_logits(R2, B2, cols, inside, scale2, softcap2, inv_t, HAS_BIAS2, SOFTCAP2)
+        z, _, z2 = _pair_logits(R, B, scale, softcap, R2, B2, scale2, softcap2, cols, inside, inv_t, HAS_BIAS, SOFTCAP,
+                                HAS_BIAS2, SOFTCAP2)
         log_p, log_q = z - lse, z2 - lse2
         log_m = _log_mixture(log_p, log_q, log_keep, log_beta)
         kl_s += tl.sum(tl.where(inside, tl.exp(log_p) * (log_p - log_m), 0.0), 0)
@@ -189,22 +173,30 @@ def jsd_forward(R, stride, B, scale, softcap, R2, stride2, B2, scale2, softcap2,
 
 
 @triton.jit
-def jsd_backward(R, stride, B, scale, softcap, R2, stride2, B2, scale2, softcap2, LSE, LSE2, KL_S, G, width, inv_t,
-                 log_keep, log_beta, keep, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS2: tl.constexpr,
-                 SOFTCAP2: tl.constexpr, BLOCK: tl.constexpr):
-    """∂L/∂r of the student over R: slope · (g/τ)(1 − β) p_S (log p_S − log m − KL(p_S‖m))
-    (`divergence.GeneralisedJSD.grad`)."""
+def pair_backward(R, stride, B, scale, softcap, R2, stride2, B2, scale2, softcap2, LSE, LSE2, SHIFT, G, width, inv_t,
+                  log_keep, log_beta, keep, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                  HAS_BIAS2: tl.constexpr, SOFTCAP2: tl.constexpr, BLOCK: tl.constexpr):
+    """∂L/∂r of the first head (π, from R) against the second (ρ, from R2) over R, times the head's slope:
+
+        MODE 0, KL(π‖ρ):   (g/τ) π (log π − log ρ − KL)                  SHIFT = KL (`full_kl.chunk_full_kl_grad`)
+        MODE 1, KL(ρ‖π):   (g/τ) (π − ρ)                                 (`divergence.ForwardKL.grad`)
+        MODE 2, JSD(β):    (g/τ)(1 − β) π (log π − log m − KL(π‖m))      SHIFT = KL(π‖m), `keep` = 1 − β
+                           (`divergence.GeneralisedJSD.grad`)"""
     row = tl.program_id(0).to(tl.int64)
     R += row * stride
     R2 += row * stride2
-    lse, lse2, kl_s = tl.load(LSE + row), tl.load(LSE2 + row), tl.load(KL_S + row)
+    lse, lse2, shift = tl.load(LSE + row), tl.load(LSE2 + row), tl.load(SHIFT + row)
     g = tl.load(G + row) * inv_t * keep
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < width
-        z, slope = _tile_logits(R, B, cols, inside, scale, softcap, inv_t, HAS_BIAS, SOFTCAP)
-        z2, _ = _tile_logits(R2, B2, cols, inside, scale2, softcap2, inv_t, HAS_BIAS2, SOFTCAP2)
+        z, slope, z2 = _pair_logits(R, B, scale, softcap, R2, B2, scale2, softcap2, cols, inside, inv_t, HAS_BIAS,
+                                    SOFTCAP, HAS_BIAS2, SOFTCAP2)
         log_p, log_q = z - lse, z2 - lse2
-        log_m = _log_mixture(log_p, log_q, log_keep, log_beta)
-        grad = g * tl.exp(log_p) * (log_p - log_m - kl_s)
+        if MODE == 1:
+            grad = g * (tl.exp(log_p) - tl.exp(log_q))
+        else:
+            if MODE == 2:
+                log_q = _log_mixture(log_p, log_q, log_keep, log_beta)
+            grad = g * tl.exp(log_p) * (log_p - log_q - shift)
         tl.store(R + cols, (grad * slope).to(R.dtype.element_ty), mask=inside)
