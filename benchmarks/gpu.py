@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the JSON file; an existing one is kept and the next free name -2, -3, ... is used")
     parser.add_argument("--sections", default="hidden,plain,divergence", help="comma-separated subset")
     parser.add_argument("--fused-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="one more fused row with this keyword of loss_from_hidden (e.g. a route), repeatable")
+                        help="one more fused row with this keyword of loss_from_hidden (e.g. chunk_size=2048), repeatable")
     parser.add_argument("--jobs", type=int, default=None,
                         help="processes at a time, CPU only (default 1; --quick: 2): on a GPU each runs alone")
     parser.add_argument("--wheels", type=Path, default=None,
