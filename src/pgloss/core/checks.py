@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 _ANOMALY = contextvars.ContextVar("pgloss_detect_anomaly", default=False)
+_ON_ACCELERATOR = contextvars.ContextVar("pgloss_as_on_accelerator", default=False)
 
 
 @contextlib.contextmanager
@@ -57,12 +58,25 @@ def anomaly_enabled() -> bool:
     return _ANOMALY.get()
 
 
+@contextlib.contextmanager
+def as_on_accelerator(enabled: bool = True) -> Iterator[None]:
+    """Within this context, CPU tensors are checked as accelerator tensors are: the value checks
+    (`host_reads`) are skipped outside `detect_anomaly()`. A CPU run then takes the path of a GPU run,
+    which is how the tests prove that a call reads nothing on the host. Nests; thread- and task-local."""
+    token = _ON_ACCELERATOR.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ON_ACCELERATOR.reset(token)
+
+
 def host_reads(tensor: Tensor) -> bool:
     """True when reading `tensor`'s values on the host costs no sync: a CPU tensor outside
-    `torch.compile` tracing, or any tensor inside `detect_anomaly()` (where syncs are the point)."""
+    `torch.compile` tracing (and outside `as_on_accelerator()`), or any tensor inside
+    `detect_anomaly()` (where syncs are the point)."""
     if anomaly_enabled():
         return True
-    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling() and not _ON_ACCELERATOR.get()
 
 
 def is_integer(tensor: Tensor) -> bool:
@@ -112,7 +126,8 @@ def check_finite(name: str, value: Tensor | None, mask: Tensor) -> None:
 def check_cut(name: str, value: Any, device: torch.device) -> Tensor:
     """A threshold that values are compared with: a real number or a 0-d floating tensor (±inf
     allowed: keep everything or nothing), never NaN, which no value passes. Returned as a 0-d
-    float64 tensor on `device`. A NaN tensor is refused by a value check (`check_values`)."""
+    float64 tensor on `device` (filled there, never copied from the host). A NaN tensor is refused by
+    a value check (`check_values`)."""
     if isinstance(value, Tensor):
         if value.ndim != 0 or not value.dtype.is_floating_point:
             raise TypeError(f"{name} must be a real number or a 0-d floating tensor, got a {value.dtype} tensor "
@@ -123,7 +138,7 @@ def check_cut(name: str, value: Any, device: torch.device) -> Tensor:
         raise TypeError(f"{name} must be a real number or a 0-d floating tensor, got {value!r} ({type(value).__name__})")
     if math.isnan(value):
         raise ValueError(f"{name} is NaN: no value passes it")
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
+    return torch.full((), float(value), dtype=torch.float64, device=device)  # a fill: no copy from the host
 
 
 def check_valid_finite(name: str, values: Tensor, mask: Tensor) -> None:

@@ -72,9 +72,10 @@ def clipped_surrogate(
     positive, negative = advantages > 0, advantages < 0
     caps = [c for c in (dual_clip, delta) if c is not None]
     cap = min(caps) if caps else torch.inf  # A < 0: the factor max(r, 1-ε_low) is at most c
-    # Bounds as tensors of the ratio's dtype: python scalars would make them float32.
-    low = torch.where(positive, ratio.new_tensor(-torch.inf), ratio.new_tensor(1.0 - clip_low))
-    high = torch.where(positive, ratio.new_tensor(1.0 + clip_high), ratio.new_tensor(cap))
+    # Bounds in the ratio's dtype (two Python numbers would make them float32): one operand is a 0-d
+    # fill of that dtype on the ratio's device, never `new_tensor(c)`, a copy from the host (a sync).
+    low = torch.where(positive, ratio.new_full((), -torch.inf), 1.0 - clip_low)
+    high = torch.where(positive, ratio.new_full((), 1.0 + clip_high), cap)
     factor = torch.clamp(ratio, low, high)
     r = ratio.detach().expand_as(advantages)
     return ClippedSurrogate(
