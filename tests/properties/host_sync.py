@@ -20,6 +20,8 @@ run as if nothing were read. On CPU, with real values, every one of them is an a
 Allowed, since none of them waits for the device: fills (`torch.full`, `new_full`, `zeros`), a Python
 number as an operand (`torch.where(c, x, 0.0)` dispatches `aten.scalar_tensor`, a CPU scalar passed
 to the kernel as an argument), `torch._assert_async` (checked on the device, reported later).
+
+One compile hazard is refused beside them (`HAZARDS`): a dtype view, `t.view(torch.uint8)`.
 """
 
 from __future__ import annotations
@@ -53,12 +55,18 @@ ALWAYS = {
     aten.is_nonzero.default: "returns a Python bool",
 }
 READ_BY_NAME = ("tolist", "numpy", "__array__")  # Tensor methods that read values without an aten call
+# Not a sync, a compile hazard of the same code: a tensor's bits viewed as another dtype. Inductor's CUDA
+# split reductions refused `mask.view(torch.uint8).argmax()` at real sizes ("torch.bool is not supported
+# by torch.iinfo"), while the small shapes a test compiles went through; convert (`.to`) instead.
+HAZARDS = {aten.view.dtype: "views a tensor's bits as another dtype (a compile hazard: convert with .to)"}
 
 
 def sync_reason(func, args, kwargs) -> str | None:
     """Why `func(*args, **kwargs)` waits for the device, or None."""
     if func in ALWAYS:
         return ALWAYS[func]
+    if func in HAZARDS:
+        return HAZARDS[func]
     if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
         if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None):
             return "indexes by a bool mask (a nonzero inside: the output size depends on values)"
@@ -97,8 +105,9 @@ class _FunctionDetector(TorchFunctionMode):
 
 @contextlib.contextmanager
 def no_host_sync():
-    """Raise `HostSync` at the first operation that would wait for an accelerator, inside the context
-    (autograd's backward, run from inside it, included). The value checks that read inputs on the host
+    """Raise `HostSync` at the first operation that would wait for an accelerator (or view a tensor's
+    bits as another dtype, `HAZARDS`), inside the context (autograd's backward, run from inside it,
+    included). The value checks that read inputs on the host
     for free on CPU run as on an accelerator (skipped: `pgloss.core.checks.as_on_accelerator`)."""
     from pgloss.core.checks import as_on_accelerator
 

@@ -204,6 +204,7 @@ SYNCS = {  # one of each kind the detector refuses, and what it must say
     "torch.equal": (lambda x, m: torch.equal(x, x), "equal"),
     "tolist": (lambda x, m: x.tolist(), "tolist"),
     "to another device": (lambda x, m: x.to("meta"), "copies from cpu to meta"),
+    "a bool viewed as uint8 (a compile hazard)": (lambda x, m: m.view(torch.uint8).argmax(), "dtype"),
 }
 ALLOWED = {  # fills and Python operands: no copy, no read
     "full": lambda x, m: torch.full((2,), -torch.inf, device=x.device),
@@ -365,3 +366,36 @@ def test_the_micro_batch_masks_and_corrections_compute_without_a_host_sync():
         }
     for kind, kept in masks.items():
         assert kept.dtype == torch.bool and not (kept & ~mask).any(), kind
+
+
+@pytest.mark.compile
+def test_dual_clip_ppo_compiles_whole_at_a_moderate_size():
+    """The small shapes above compile without splitting a reduction; inductor splits the large ones
+    (on CUDA an argmax over a bool viewed as uint8 failed there, at B=64, T=4096). A loss call with its
+    metrics and a step's `Normalizer`, forward and backward, at 32 x 2048 with uneven lengths: the
+    eager values, the eager gradient."""
+    g = torch.Generator().manual_seed(0)
+    rows, width = 32, 2048
+    old = -torch.rand(rows, width, generator=g) * 3
+    log_prob = -(old + 0.2 * torch.randn(rows, width, generator=g)).abs()
+    mask = torch.arange(width) < torch.randint(width // 8, width + 1, (rows, 1), generator=g)
+    mask[3] = False
+    advantages = torch.randn(rows, width, generator=g)
+    algorithm = pgloss.get("dual_clip_ppo")
+    normalizer = pgloss.Normalizer.count(mask)
+
+    def call(lp):
+        out = algorithm(lp, old, advantages, mask, normalizer=normalizer)
+        return out.loss, out.metrics
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True)
+    x, y = log_prob.clone().requires_grad_(), log_prob.clone().requires_grad_()
+    (loss, metrics), (expected, expected_metrics) = compiled(x), call(y)
+    (loss + expected).backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-9)
+    assert metrics.keys() == expected_metrics.keys()
+    for key in ("ratio_min", "ratio_max", "pg_clipfrac", "pg_clipfrac_lower"):
+        assert metrics[key] == expected_metrics[key], key  # extremes and counts: exact
+    assert expected_metrics["ratio_min"] < 1 < expected_metrics["ratio_max"]

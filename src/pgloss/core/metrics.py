@@ -29,26 +29,25 @@ def masked_fraction(flags: Tensor, mask: Tensor, count: Tensor | None = None) ->
     return (flags & mask).sum() / count
 
 
-def masked_extremes(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(smallest, largest) valid value, detached; NaN when nothing is valid. One pass: masked
-    positions take the value of the first valid one, which changes neither extreme. It is read by
-    `gather` on the device (indexing by a 0-d tensor would read the index on the host)."""
+def masked_extremes(values: Tensor, mask: Tensor, count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(smallest, largest) valid value, detached; NaN when nothing is valid (`count` = mask.sum()
+    when known). Masked positions take +inf for the minimum and -inf for the maximum, which change
+    neither extreme: two plain reductions, which `torch.compile` fuses and splits at any size (no
+    argmax over a bool view, which inductor's split reductions refuse on CUDA), and no index read."""
     values = values.detach().expand_as(mask)
-    if values.numel() == 0:  # aminmax refuses empty tensors
+    if values.numel() == 0:  # amin and amax refuse empty tensors
         nan = values.new_full((), torch.nan)
         return nan, nan
-    first = mask.reshape(-1).view(torch.uint8).argmax()  # 0 when nothing is valid
-    width = mask.shape[-1]
-    row = values.gather(0, (first // width).view(1, 1).expand(1, width))
-    low, high = torch.aminmax(torch.where(mask, values, row.gather(1, (first % width).view(1, 1))))
-    none = ~mask.any()
+    low = torch.where(mask, values, torch.inf).amin()
+    high = torch.where(mask, values, -torch.inf).amax()
+    none = ~mask.any() if count is None else count == 0
     return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
 
 
 def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """ratio_mean / ratio_max / ratio_min of the ratio the loss used, and ppo_kl = mean(log π_old - log π_θ)."""
     count = mask.sum()
-    low, high = masked_extremes(ratio, mask)
+    low, high = masked_extremes(ratio, mask, count)
     return {
         "ppo_kl": -masked_mean(token_log_ratio, mask, count),
         "ratio_mean": masked_mean(ratio, mask, count),
