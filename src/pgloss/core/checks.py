@@ -5,10 +5,13 @@ tensor *values* are different: on an accelerator each one is a host sync. So:
 
 - value checks that guard against an internal error or a silently wrong loss (a mask of values
   other than 0 and 1, group ids outside the step's `Normalizer`, token ids outside the
-  vocabulary, a positive log-probability, a `Normalizer` counted on fewer tokens than the call
-  holds) run on CPU tensors always, where they cost no sync, and on accelerator tensors only
-  inside `detect_anomaly()` (`host_reads`). Under `torch.compile` they are skipped as on an
-  accelerator: a read of a value would break the graph;
+  vocabulary, a `Normalizer` counted on fewer tokens than the call holds) run on CPU tensors
+  always, where they cost no sync, and on accelerator tensors only inside `detect_anomaly()`
+  (`host_reads`). Under `torch.compile` they are skipped as on an accelerator: a read of a value
+  would break the graph;
+- a positive log-probability is refused on every device (`check_log_prob`): by a ValueError with
+  its position where the host reads the values for free, elsewhere by an assert on the device
+  (`torch._assert_async`), which needs no sync and compiles;
 - non-finite values at *valid* positions (a NaN log-prob, a -inf log-prob, a NaN advantage) are
   not checked by default: like any torch computation the loss then comes out NaN. Inside
   `detect_anomaly()` they raise a ValueError naming the tensor and its first (row, column).
@@ -97,13 +100,28 @@ def check_values(tensor: Tensor, bad: Callable[[], Tensor], message: Callable[[T
 
 def check_log_prob(name: str, value: Tensor, mask: Tensor | None = None) -> None:
     """A log-probability is at most 0: refuse a positive one where `mask` is valid (everywhere when
-    None: pass values already zeroed at masked positions), naming `name`, the value and its
-    position; probabilities passed for log-probabilities are the likely cause. A value check
-    (`host_reads`): one max over the values, the position only when one is positive."""
-    if not host_reads(value) or value.numel() == 0:
+    None: pass values already zeroed at masked positions), naming `name`; probabilities passed for
+    log-probabilities are the likely cause. Refused on every device, never with a host sync:
+
+    - where the host reads the values for free (`host_reads`: a CPU tensor outside `torch.compile`,
+      any tensor inside `detect_anomaly()`), a ValueError naming the first positive value and its
+      position;
+    - elsewhere (an accelerator, a compiled call, `as_on_accelerator()`), `torch._assert_async`, a check
+      on the device: a RuntimeError with this message at once on CPU, a device-side assert on CUDA,
+      reported at the host's next sync with the device (CUDA cannot go on after it: rerun the step
+      inside `detect_anomaly()` to find the tensor and position). Nothing on `meta` tensors.
+
+    NaN is not positive: `check_finite` finds it."""
+    if value.numel() == 0:
         return
     valid = value.detach() if mask is None else torch.where(mask, value.detach(), 0.0)
-    if bool(valid.amax() > 0):  # NaN is not positive: `check_finite` finds it
+    if not host_reads(value):
+        torch._assert_async((valid > 0).any().logical_not(),
+                            f"{name} must hold log-probabilities (<= 0), got a positive value at a valid position; "
+                            "were probabilities passed instead of their log? (run the step inside "
+                            "pgloss.detect_anomaly() for its position)")
+        return
+    if bool(valid.amax() > 0):
         where = tuple(int(i) for i in (valid > 0).nonzero()[0])
         raise ValueError(f"{name} must hold log-probabilities (<= 0), got {float(value.detach()[where])} at a valid position "
                          f"{where}; were probabilities passed instead of their log?")
