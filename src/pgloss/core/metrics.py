@@ -44,9 +44,10 @@ def masked_extremes(values: Tensor, mask: Tensor, count: Tensor | None = None) -
     return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
 
 
-def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """ratio_mean / ratio_max / ratio_min of the ratio the loss used, and ppo_kl = mean(log π_old - log π_θ)."""
-    count = mask.sum()
+def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor, count: Tensor | None = None) -> dict[str, Tensor]:
+    """ratio_mean / ratio_max / ratio_min of the ratio the loss used, and ppo_kl = mean(log π_old - log π_θ);
+    `count` = mask.sum() when known."""
+    count = mask.sum() if count is None else count
     low, high = masked_extremes(ratio, mask, count)
     return {
         "ppo_kl": -masked_mean(token_log_ratio, mask, count),
@@ -56,9 +57,11 @@ def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor) -> dict[
     }
 
 
-def clip_metrics(clipped_high: Tensor, clipped_low: Tensor, mask: Tensor, clipped_dual: Tensor | None = None) -> dict[str, Tensor]:
-    """pg_clipfrac (either bound), its high / low split and, for dual clip, pg_clipfrac_lower."""
-    count = mask.sum()
+def clip_metrics(clipped_high: Tensor, clipped_low: Tensor, mask: Tensor, clipped_dual: Tensor | None = None,
+                 count: Tensor | None = None) -> dict[str, Tensor]:
+    """pg_clipfrac (either bound), its high / low split and, for dual clip, pg_clipfrac_lower;
+    `count` = mask.sum() when known."""
+    count = mask.sum() if count is None else count
     high = masked_fraction(clipped_high, mask, count)
     low = masked_fraction(clipped_low, mask, count)
     out = {"pg_clipfrac": high + low, "pg_clipfrac_high": high, "pg_clipfrac_low": low}
