@@ -63,9 +63,10 @@ def anomaly_enabled() -> bool:
 
 @contextlib.contextmanager
 def as_on_accelerator(enabled: bool = True) -> Iterator[None]:
-    """Within this context, CPU tensors are checked as accelerator tensors are: the value checks
-    (`host_reads`) are skipped outside `detect_anomaly()`. A CPU run then takes the path of a GPU run,
-    which is how the tests prove that a call reads nothing on the host. Nests; thread- and task-local."""
+    """Within this context, CPU tensors are checked as accelerator tensors are (`host_reads` is False
+    outside `detect_anomaly()`): the value checks are skipped, a positive log-prob is refused by the
+    device assert. A CPU run then takes the path of a GPU run, which is how the tests prove that a call
+    reads nothing on the host. Nests; thread- and task-local."""
     token = _ON_ACCELERATOR.set(bool(enabled))
     try:
         yield
