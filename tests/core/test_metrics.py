@@ -17,8 +17,9 @@ def test_masked_statistics_equal_those_of_the_valid_values(seed):
     values[~mask] = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64).repeat(60)[: int((~mask).sum())]
     valid = values[mask]
     assert masked_mean(values, mask).item() == pytest.approx(valid.mean().item(), rel=1e-12)
-    low, high = masked_extremes(values, mask)
-    assert (low.item(), high.item()) == (valid.min().item(), valid.max().item())
+    for count in (None, mask.sum()):
+        low, high = masked_extremes(values, mask, count)
+        assert (low.item(), high.item()) == (valid.min().item(), valid.max().item())
     flags = torch.rand(6, 9, generator=gen) > 0.3
     assert masked_fraction(flags, mask).item() == pytest.approx(flags[mask].double().mean().item())
 

@@ -13,6 +13,8 @@ from pgloss.vocab.entropy import sum_pi_squared
 
 import pgloss
 from conftest import log_probs, make_batch
+from host_sync import no_host_sync
+from pgloss.core.checks import as_on_accelerator
 from pgloss import advantages as est
 from pgloss.core.aggregate import MAX_GROUPS
 from pgloss.advantages import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
@@ -295,6 +297,61 @@ def test_probabilities_passed_for_log_probabilities_are_refused(key):
     masked[key][~data["mask"]] = 3.0  # at masked positions: never read
     masked[key][row, column] = 0.0  # probability one: a log-prob of 0 is valid
     assert torch.isfinite(call(masked).loss)
+
+
+@pytest.mark.parametrize("key", ["log_prob", "old_log_prob", "ref_log_prob", "rollout_log_prob", "teacher_log_prob"])
+def test_a_positive_log_prob_is_refused_on_every_device_without_a_host_sync(key):
+    """One behaviour on every device: refused. Where the host reads the values for free (CPU), a
+    ValueError with the position (above); on an accelerator, simulated on CPU tensors by the host-sync
+    detector (`as_on_accelerator`: the path a CUDA call takes), an assert on the device
+    (`torch._assert_async`: a RuntimeError here, a device-side assert on CUDA) and no host sync; inside
+    `detect_anomaly()`, the ValueError with the position on every device."""
+    data = make_batch(seed=11)
+    row, column = data["mask"].nonzero()[3].tolist()
+    alg = pgloss.get("opd", kl_coef=0.1, rollout_correction=RolloutCorrection(upper=2.0))
+    data["rollout_log_prob"] = data["old_log_prob"].clone()
+    call = lambda d: alg(d["log_prob"], d["old_log_prob"], d["advantages"], d["mask"],  # noqa: E731
+                         ref_log_prob=d["ref_log_prob"], rollout_log_prob=d["rollout_log_prob"],
+                         teacher_log_prob=d["teacher_log_prob"])
+    one = dict(data, **{key: data[key].clone()})
+    one[key][row, column] = 0.25
+    with pytest.raises(ValueError, match=rf"{key} must hold log-probabilities \(<= 0\), got 0.25 at a valid position"):
+        call(one)  # CPU
+    with pytest.raises(RuntimeError, match=rf"{key} must hold log-probabilities \(<= 0\), got a positive value at a "
+                                           r"valid position; were probabilities passed"), no_host_sync():
+        call(one)  # an accelerator
+    with as_on_accelerator(), pgloss.detect_anomaly(), pytest.raises(ValueError, match=rf"got 0.25 at a valid position "
+                                                                                       rf"\({row}, {column}\)"):
+        call(one)
+    masked = dict(data, **{key: data[key].clone()})
+    masked[key][~data["mask"]] = 3.0  # at masked positions: never read, on any device
+    with no_host_sync():
+        loss = call(masked).loss
+    assert torch.isfinite(loss)
+    meta = {k: v.to("meta") for k, v in one.items()}  # no values: nothing to refuse, nothing read
+    assert call(meta).loss.device.type == "meta"
+
+
+def test_probabilities_are_refused_before_the_loss_on_an_accelerator_too():
+    mask, old, rollout = rollout_step(seed=4)
+    corr = RolloutCorrection(upper=2.0, rejection=(Rejection("token_k2", upper=0.1),))
+    with pytest.raises(RuntimeError, match="rollout_log_probs must hold log-probabilities"), no_host_sync():
+        corr.step_weight_mean(mask, old, rollout.exp())
+    with pytest.raises(RuntimeError, match="prox_log_prob must hold log-probabilities"), no_host_sync():
+        m2po_mask(rollout, old.exp(), mask, 1.0)
+
+
+@pytest.mark.compile
+def test_a_compiled_call_refuses_a_positive_log_prob():
+    """Inside `torch.compile(fullgraph=True)` the check is the device assert (inductor lowers it; on
+    CUDA a `tl.device_assert`), not a graph break."""
+    data = make_batch(seed=11)
+    alg = pgloss.get("grpo", kl_coef=0.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda lp, old: alg(lp, old, data["advantages"], data["mask"]).loss, fullgraph=True)
+    assert torch.isfinite(compiled(data["log_prob"], data["old_log_prob"]))
+    with pytest.raises(RuntimeError, match="old_log_prob must hold log-probabilities"):
+        compiled(data["log_prob"], data["old_log_prob"].exp())
 
 
 def test_probabilities_are_refused_wherever_log_probs_are_read_before_the_loss():

@@ -5,10 +5,13 @@ tensor *values* are different: on an accelerator each one is a host sync. So:
 
 - value checks that guard against an internal error or a silently wrong loss (a mask of values
   other than 0 and 1, group ids outside the step's `Normalizer`, token ids outside the
-  vocabulary, a positive log-probability, a `Normalizer` counted on fewer tokens than the call
-  holds) run on CPU tensors always, where they cost no sync, and on accelerator tensors only
-  inside `detect_anomaly()` (`host_reads`). Under `torch.compile` they are skipped as on an
-  accelerator: a read of a value would break the graph;
+  vocabulary, a `Normalizer` counted on fewer tokens than the call holds) run on CPU tensors
+  always, where they cost no sync, and on accelerator tensors only inside `detect_anomaly()`
+  (`host_reads`). Under `torch.compile` they are skipped as on an accelerator: a read of a value
+  would break the graph;
+- a positive log-probability is refused on every device (`check_log_prob`): by a ValueError with
+  its position where the host reads the values for free, elsewhere by an assert on the device
+  (`torch._assert_async`), which needs no sync and compiles;
 - non-finite values at *valid* positions (a NaN log-prob, a -inf log-prob, a NaN advantage) are
   not checked by default: like any torch computation the loss then comes out NaN. Inside
   `detect_anomaly()` they raise a ValueError naming the tensor and its first (row, column).
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor
 
 _ANOMALY = contextvars.ContextVar("pgloss_detect_anomaly", default=False)
+_ON_ACCELERATOR = contextvars.ContextVar("pgloss_as_on_accelerator", default=False)
 
 
 @contextlib.contextmanager
@@ -57,12 +61,26 @@ def anomaly_enabled() -> bool:
     return _ANOMALY.get()
 
 
+@contextlib.contextmanager
+def as_on_accelerator(enabled: bool = True) -> Iterator[None]:
+    """Within this context, CPU tensors are checked as accelerator tensors are (`host_reads` is False
+    outside `detect_anomaly()`): the value checks are skipped, a positive log-prob is refused by the
+    device assert. A CPU run then takes the path of a GPU run, which is how the tests prove that a call
+    reads nothing on the host. Nests; thread- and task-local."""
+    token = _ON_ACCELERATOR.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ON_ACCELERATOR.reset(token)
+
+
 def host_reads(tensor: Tensor) -> bool:
     """True when reading `tensor`'s values on the host costs no sync: a CPU tensor outside
-    `torch.compile` tracing, or any tensor inside `detect_anomaly()` (where syncs are the point)."""
+    `torch.compile` tracing (and outside `as_on_accelerator()`), or any tensor inside
+    `detect_anomaly()` (where syncs are the point)."""
     if anomaly_enabled():
         return True
-    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling() and not _ON_ACCELERATOR.get()
 
 
 def is_integer(tensor: Tensor) -> bool:
@@ -83,13 +101,28 @@ def check_values(tensor: Tensor, bad: Callable[[], Tensor], message: Callable[[T
 
 def check_log_prob(name: str, value: Tensor, mask: Tensor | None = None) -> None:
     """A log-probability is at most 0: refuse a positive one where `mask` is valid (everywhere when
-    None: pass values already zeroed at masked positions), naming `name`, the value and its
-    position; probabilities passed for log-probabilities are the likely cause. A value check
-    (`host_reads`): one max over the values, the position only when one is positive."""
-    if not host_reads(value) or value.numel() == 0:
+    None: pass values already zeroed at masked positions), naming `name`; probabilities passed for
+    log-probabilities are the likely cause. Refused on every device, never with a host sync:
+
+    - where the host reads the values for free (`host_reads`: a CPU tensor outside `torch.compile`,
+      any tensor inside `detect_anomaly()`), a ValueError naming the first positive value and its
+      position;
+    - elsewhere (an accelerator, a compiled call, `as_on_accelerator()`), `torch._assert_async`, a check
+      on the device: a RuntimeError with this message at once on CPU, a device-side assert on CUDA,
+      reported at the host's next sync with the device (CUDA cannot go on after it: rerun the step
+      inside `detect_anomaly()` to find the tensor and position). Nothing on `meta` tensors.
+
+    NaN is not positive: `check_finite` finds it."""
+    if value.numel() == 0:
         return
     valid = value.detach() if mask is None else torch.where(mask, value.detach(), 0.0)
-    if bool(valid.amax() > 0):  # NaN is not positive: `check_finite` finds it
+    if not host_reads(value):
+        torch._assert_async((valid > 0).any().logical_not(),
+                            f"{name} must hold log-probabilities (<= 0), got a positive value at a valid position; "
+                            "were probabilities passed instead of their log? (run the step inside "
+                            "pgloss.detect_anomaly() for its position)")
+        return
+    if bool(valid.amax() > 0):
         where = tuple(int(i) for i in (valid > 0).nonzero()[0])
         raise ValueError(f"{name} must hold log-probabilities (<= 0), got {float(value.detach()[where])} at a valid position "
                          f"{where}; were probabilities passed instead of their log?")
@@ -112,7 +145,8 @@ def check_finite(name: str, value: Tensor | None, mask: Tensor) -> None:
 def check_cut(name: str, value: Any, device: torch.device) -> Tensor:
     """A threshold that values are compared with: a real number or a 0-d floating tensor (±inf
     allowed: keep everything or nothing), never NaN, which no value passes. Returned as a 0-d
-    float64 tensor on `device`. A NaN tensor is refused by a value check (`check_values`)."""
+    float64 tensor on `device` (filled there, never copied from the host). A NaN tensor is refused by
+    a value check (`check_values`)."""
     if isinstance(value, Tensor):
         if value.ndim != 0 or not value.dtype.is_floating_point:
             raise TypeError(f"{name} must be a real number or a 0-d floating tensor, got a {value.dtype} tensor "
@@ -123,7 +157,7 @@ def check_cut(name: str, value: Any, device: torch.device) -> Tensor:
         raise TypeError(f"{name} must be a real number or a 0-d floating tensor, got {value!r} ({type(value).__name__})")
     if math.isnan(value):
         raise ValueError(f"{name} is NaN: no value passes it")
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
+    return torch.full((), float(value), dtype=torch.float64, device=device)  # a fill: no copy from the host
 
 
 def check_valid_finite(name: str, values: Tensor, mask: Tensor) -> None:

@@ -29,26 +29,26 @@ def masked_fraction(flags: Tensor, mask: Tensor, count: Tensor | None = None) ->
     return (flags & mask).sum() / count
 
 
-def masked_extremes(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(smallest, largest) valid value, detached; NaN when nothing is valid. One pass: masked
-    positions take the value of the first valid one, which changes neither extreme. It is read by
-    `gather` on the device (indexing by a 0-d tensor would read the index on the host)."""
+def masked_extremes(values: Tensor, mask: Tensor, count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(smallest, largest) valid value, detached; NaN when nothing is valid (`count` = mask.sum()
+    when known). Masked positions take +inf for the minimum and -inf for the maximum, which change
+    neither extreme: two plain reductions and no index read (not an argmax over the mask viewed as
+    uint8, which inductor's CUDA split reduction refused at B = 64, T = 4096)."""
     values = values.detach().expand_as(mask)
-    if values.numel() == 0:  # aminmax refuses empty tensors
+    if values.numel() == 0:  # amin and amax refuse empty tensors
         nan = values.new_full((), torch.nan)
         return nan, nan
-    first = mask.reshape(-1).view(torch.uint8).argmax()  # 0 when nothing is valid
-    width = mask.shape[-1]
-    row = values.gather(0, (first // width).view(1, 1).expand(1, width))
-    low, high = torch.aminmax(torch.where(mask, values, row.gather(1, (first % width).view(1, 1))))
-    none = ~mask.any()
+    low = torch.where(mask, values, torch.inf).amin()
+    high = torch.where(mask, values, -torch.inf).amax()
+    none = ~mask.any() if count is None else count == 0
     return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
 
 
-def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """ratio_mean / ratio_max / ratio_min of the ratio the loss used, and ppo_kl = mean(log π_old - log π_θ)."""
-    count = mask.sum()
-    low, high = masked_extremes(ratio, mask)
+def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor, count: Tensor | None = None) -> dict[str, Tensor]:
+    """ratio_mean / ratio_max / ratio_min of the ratio the loss used, and ppo_kl = mean(log π_old - log π_θ);
+    `count` = mask.sum() when known."""
+    count = mask.sum() if count is None else count
+    low, high = masked_extremes(ratio, mask, count)
     return {
         "ppo_kl": -masked_mean(token_log_ratio, mask, count),
         "ratio_mean": masked_mean(ratio, mask, count),
@@ -57,9 +57,11 @@ def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor) -> dict[
     }
 
 
-def clip_metrics(clipped_high: Tensor, clipped_low: Tensor, mask: Tensor, clipped_dual: Tensor | None = None) -> dict[str, Tensor]:
-    """pg_clipfrac (either bound), its high / low split and, for dual clip, pg_clipfrac_lower."""
-    count = mask.sum()
+def clip_metrics(clipped_high: Tensor, clipped_low: Tensor, mask: Tensor, clipped_dual: Tensor | None = None,
+                 count: Tensor | None = None) -> dict[str, Tensor]:
+    """pg_clipfrac (either bound), its high / low split and, for dual clip, pg_clipfrac_lower;
+    `count` = mask.sum() when known."""
+    count = mask.sum() if count is None else count
     high = masked_fraction(clipped_high, mask, count)
     low = masked_fraction(clipped_low, mask, count)
     out = {"pg_clipfrac": high + low, "pg_clipfrac_high": high, "pg_clipfrac_low": low}

@@ -40,10 +40,13 @@ def sequence_log_ratio(token_log_ratio: Tensor, mask: Tensor, *, length_normaliz
 
 
 def importance_ratio(
-    log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, level: str, max_log_ratio: float
+    log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, level: str, max_log_ratio: float,
+    token_log_ratio: Tensor | None = None,
 ) -> Tensor:
-    """The importance ratio at `level` (see the module docstring), `[B, T]` or `[B, 1]`."""
-    token_log_ratio = log_ratio(log_prob, old_log_prob)
+    """The importance ratio at `level` (see the module docstring), `[B, T]` or `[B, 1]`.
+    `token_log_ratio`: log π_θ - log π_old when the caller has it (one pass less), with the gradient
+    the ratio should carry."""
+    token_log_ratio = log_ratio(log_prob, old_log_prob) if token_log_ratio is None else token_log_ratio
     if level == "token":
         log_r = token_log_ratio
     elif level == "sequence":

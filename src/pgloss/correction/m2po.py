@@ -75,7 +75,7 @@ def m2po_cutoff(
         values.append(m2[mask])
     m2 = gather_values(torch.cat(values), process_group=process_group, reduce=reduce)
     if m2.numel() == 0:
-        return m2.new_tensor(math.inf)
+        return m2.new_full((), math.inf)
     ordered = torch.sort(m2, descending=True).values
     tail_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(len(ordered), 0, -1, dtype=m2.dtype,
                                                                  device=m2.device)

@@ -420,7 +420,7 @@ def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[
         mask = mask.any(dim=-1, keepdim=True)
         weight = _row_max(weight)  # one value per row (0 at masked positions, w >= 0)
     count = mask.sum()
-    low, high = masked_extremes(weight, mask)
+    low, high = masked_extremes(weight, mask, count)
     mean = masked_mean(weight, mask, count)
     return {
         "rollout_is_weight_min": low,

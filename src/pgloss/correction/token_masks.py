@@ -56,7 +56,7 @@ def entropy_threshold(
         values.append(ent.detach().to(torch.float64)[mask])
     local = gather_values(torch.cat(values), process_group=process_group, reduce=reduce)
     if local.numel() == 0:
-        return local.new_tensor(-math.inf)
+        return local.new_full((), -math.inf)
     return torch.quantile(local, 1.0 - top)
 
 
@@ -200,6 +200,6 @@ def clip_v_mask(log_prob: Tensor, entropy: Tensor, expected_discriminator: Tenso
     ranked = gather_values(torch.where(negative, d, -math.inf).flatten(), process_group=process_group, reduce=reduce)
     ranked = torch.sort(ranked, descending=True).values
     at = (k.to(torch.long) - 1).clamp(max=ranked.numel() - 1).reshape(1)
-    kth = ranked.gather(0, at)[0] if ranked.numel() else d.new_tensor(math.inf)  # a gather: no host read
+    kth = ranked.gather(0, at)[0] if ranked.numel() else d.new_full((), math.inf)  # a gather: no host read
     clipped = torch.where(capped, (test & ~negative) | (negative & (d >= kth)), test)
     return mask & ~(clipped & (std >= 1e-12))

@@ -72,9 +72,10 @@ def clipped_surrogate(
     positive, negative = advantages > 0, advantages < 0
     caps = [c for c in (dual_clip, delta) if c is not None]
     cap = min(caps) if caps else torch.inf  # A < 0: the factor max(r, 1-ε_low) is at most c
-    # Bounds as tensors of the ratio's dtype: python scalars would make them float32.
-    low = torch.where(positive, ratio.new_tensor(-torch.inf), ratio.new_tensor(1.0 - clip_low))
-    high = torch.where(positive, ratio.new_tensor(1.0 + clip_high), ratio.new_tensor(cap))
+    # Bounds in the ratio's dtype (two Python numbers would make them float32): one operand is a 0-d
+    # fill of that dtype on the ratio's device, never `new_tensor(c)`, a copy from the host (a sync).
+    low = torch.where(positive, ratio.new_full((), -torch.inf), 1.0 - clip_low)
+    high = torch.where(positive, ratio.new_full((), 1.0 + clip_high), cap)
     factor = torch.clamp(ratio, low, high)
     r = ratio.detach().expand_as(advantages)
     return ClippedSurrogate(
@@ -143,27 +144,28 @@ class ClippedPolicy(Algorithm):
         if self.delta is not None:
             check(self.delta > 1 + self.clip_high, f"delta must be > 1 + clip_high = {1 + self.clip_high}, got {self.delta}")
 
-    def ratio(self, batch: TokenBatch) -> Tensor:
-        return importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
-                                level=self.ratio_level, max_log_ratio=self.max_log_ratio)
+    def ratio(self, batch: TokenBatch, token_log_ratio: Tensor | None = None) -> Tensor:
+        return importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level=self.ratio_level,
+                                max_log_ratio=self.max_log_ratio, token_log_ratio=token_log_ratio)
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         token_level = self.ratio_level == "token"
+        token_log_ratio = log_ratio(batch.log_prob.detach(), batch.old_log_prob)
         # Token ratios: ℓ_t depends on log π_t alone, so its derivative is attached in closed form
         # (`with_slope`) and the backward pass is one multiply; sequence ratios go through autograd.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not token_level):
-            ratio = self.ratio(batch)
+            ratio = self.ratio(batch, token_log_ratio if token_level else None)  # no gradient to carry: reused
             surrogate = clipped_surrogate(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
                                           dual_clip=self.dual_clip, delta=self.delta)
-        token_log_ratio = log_ratio(batch.log_prob.detach(), batch.old_log_prob)
         loss = surrogate.loss
         if token_level:
             # ∂ℓ_t/∂log π_t = -Â·r where no bound holds r (then ℓ = -Â·r exactly), else 0.
             free = (surrogate.factor == ratio) & (token_log_ratio.abs() <= self.max_log_ratio)
             loss = with_slope(loss, batch.log_prob, torch.where(free, loss, 0.0))
+        count = batch.mask.sum()
         metrics = clip_metrics(surrogate.clipped_high, surrogate.clipped_low, batch.mask,
-                               None if self.dual_clip is None and self.delta is None else surrogate.clipped_dual)
-        metrics |= ratio_metrics(ratio, token_log_ratio, batch.mask)
+                               None if self.dual_clip is None and self.delta is None else surrogate.clipped_dual, count)
+        metrics |= ratio_metrics(ratio, token_log_ratio, batch.mask, count)
         return PolicyTerms(loss, metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
