@@ -16,6 +16,7 @@ from pgloss.vocab import kernels
 from pgloss.vocab.divergence import divergence_from_hidden, divergence_from_logits
 from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden
+from properties.host_sync import no_host_sync
 from vocab import test_fused, test_fused_head
 from vocab.test_fused_head import MASK, OPTIONS, ROUTES, TAU, TILES, losses, make, materialised_loss, options
 
@@ -213,6 +214,21 @@ def test_float64_and_logits_stay_on_the_torch_route_when_automatic():
     statistic = pgloss.vocab.entropy.LogProbEntropy(x["targets"].reshape(-1))
     assert kernels.route(statistic, (pgloss.vocab.chunks.PLAIN,), (x["hidden"].reshape(-1, 8), x["weight"])) == "torch"
     assert kernels.route(statistic, ("logits",), (x["hidden"].float().reshape(-1, 8),)) == "torch"
+
+
+@pytest.mark.parametrize("path", test_fused.PATHS)
+@pytest.mark.parametrize("name", ["grpo", "gspo", "dapo", "clip_cov"])
+def test_the_kernel_route_builds_nothing_from_the_host(name, path):
+    """The torch operations around the kernels (the running state, the gradient buffers, the matmuls) under
+    the host-sync detector of tests/properties (no host read, no tensor from Python data, no value-sized output),
+    forward and backward, as the torch route is held in test_no_host_sync.py; on CUDA the next test asks the
+    device itself."""
+    alg = test_fused.algorithm(name, entropy_coef=0.01)
+    inputs = test_fused.leaves({k: v.to(DEVICE) for k, v in test_fused.make(dtype=torch.float32).items()})
+    with kernels.use("kernel"), no_host_sync():
+        out = test_fused.fused(alg, inputs, temperature=TAU, chunk_size=test_fused.PATHS[path])
+        out.loss.backward()
+    assert inputs["weight"].grad.abs().sum() > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a host sync shows on CUDA alone (set_sync_debug_mode)")
