@@ -12,7 +12,7 @@ INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"
 VERL_LOSS_DEPS := ray "tensordict>=0.8,<=0.10.0,!=0.9.0" omegaconf hydra-core codetiming
 VERL_PIN := "verl>=0.9.1,<0.10"
 
-.PHONY: setup test peers demo list clean bench-gpu gpu-wheels
+.PHONY: setup test peers demo list clean bench-gpu gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,13 @@ BENCH_PYTHON ?=
 bench-gpu: $(if $(BENCH_PYTHON),,$(STAMP))
 	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(or $(BENCH_PYTHON),$(PY)) benchmarks/gpu.py \
 		--wheels $(GPU_WHEELS) $(BENCH_ARGS)
+
+# What a GPU machine checks before it measures: the Triton kernels on CUDA against the float64 logits, with
+# CUDA's own host-sync check (tests/vocab/test_kernels.py), then the benchmark. The same Python choice.
+gpu-check: $(if $(BENCH_PYTHON),,$(STAMP))
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(or $(BENCH_PYTHON),$(PY)) -m pytest -q -x \
+		-p no:cacheprovider tests/vocab/test_kernels.py
+	$(MAKE) bench-gpu
 
 # The peers' wheels for a GPU machine without network, fetched once on a machine with it (then copy the
 # folder across): for CPython 3.12 on manylinux x86-64 and for this machine's Python. The peers at the
