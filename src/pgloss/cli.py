@@ -1,6 +1,6 @@
 """The `pgloss` command: `list` (the algorithms), `losses` (every loss on one synthetic batch), the
-lab's `train` and `compare` (train a tiny policy with the losses and report on them), `experiment`
-and `grads`. `COMMANDS` is the table of subcommands; SIGTERM ends any of them as Ctrl-C does."""
+lab's `train` and `compare` (train a tiny policy with the losses and report on them), `experiment`,
+`report` (a run's report again) and `grads`. `COMMANDS` is the table of subcommands; SIGTERM ends any of them as Ctrl-C does."""
 
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def add_basic_commands(sub) -> None:
 COMMANDS = (
     ("pgloss.cli", "add_basic_commands"),  # list, losses
     ("pgloss.lab.commands", "add_commands"),  # train, compare
-    ("pgloss.experiments.command", "add_experiment_command"),  # experiment length
+    ("pgloss.experiments.command", "add_experiment_command"),  # experiment length, distill
+    ("pgloss.experiments.command", "add_report_command"),  # report RUN_DIR
     ("pgloss.diagnostics.grads", "add_grads_command"),  # grads
     ("pgloss.conformance.run", "register"),  # conformance
 )
