@@ -70,6 +70,9 @@ def cmd_losses(args: argparse.Namespace) -> int:
         print(f"pgloss losses: --batch must be an even number >= 2 (groups of 2 or 4), got {args.batch}",
               file=sys.stderr)
         return 2
+    if args.length < 1:
+        print(f"pgloss losses: --length must be >= 1 (tokens per response), got {args.length}", file=sys.stderr)
+        return 2
     group_size = 4 if args.batch % 4 == 0 else 2
     data = synthetic_batch(groups=args.batch // group_size, group_size=group_size, max_length=args.length,
                            spread=0.15, seed=args.seed)
