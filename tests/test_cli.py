@@ -53,3 +53,13 @@ def test_bad_numbers_and_unknown_trainers_get_one_line_as_a_user_runs_them():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "invalid choice: 'liger' (choose from 'trl', 'verl')" in done.stderr
     assert "Traceback" not in done.stderr and "install" not in done.stderr + done.stdout
+
+
+def test_a_misspelt_algorithm_on_the_command_line_gets_the_closest_name():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "train", "--algorithm", "grpoo"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "unknown algorithm 'grpoo' (did you mean 'grpo'?)" in done.stderr
