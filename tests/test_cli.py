@@ -38,3 +38,28 @@ def test_losses_prints_a_finite_row_per_algorithm():
 def test_unknown_command_fails():
     result = subprocess.run(PGLOSS + ["frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_bad_numbers_and_unknown_trainers_get_one_line_as_a_user_runs_them():
+    """The command as a user runs it: a bad --length is one line and exit 2 (no traceback); a trainer
+    without a conformance module is refused by name, listing those that exist."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "losses", "--length", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr == "pgloss losses: --length must be >= 1 (tokens per response), got 0\n"
+    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "conformance", "--trainer", "liger"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "invalid choice: 'liger' (choose from 'trl', 'verl')" in done.stderr
+    assert "Traceback" not in done.stderr and "install" not in done.stderr + done.stdout
+
+
+def test_a_misspelt_algorithm_on_the_command_line_gets_the_closest_name():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "train", "--algorithm", "grpoo"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "unknown algorithm 'grpoo' (did you mean 'grpo'?)" in done.stderr

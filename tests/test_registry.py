@@ -61,7 +61,7 @@ def test_register_refuses_duplicates_bad_families_and_unknown_hyperparameters(re
 
 
 def test_a_miss_lists_the_valid_names():
-    with pytest.raises(ValueError, match="unknown algorithm 'gmop'; valid names: ppo, .*, gmpo, .*, real"):
+    with pytest.raises(ValueError, match=r"unknown algorithm 'gmop' \(did you mean 'gmpo'\?\); valid names: ppo, .*, gmpo, .*, real"):
         pgloss.get("gmop")
 
 
@@ -169,3 +169,12 @@ def test_impossible_hyperparameters_of_the_new_families_are_refused(name, hyperp
 def test_clip_cov_generator_must_be_a_generator():
     with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got int"):
         pgloss.get("clip_cov", generator=3)
+
+
+def test_a_misspelt_name_is_answered_with_the_closest_one():
+    with pytest.raises(ValueError, match=r"unknown algorithm 'grpoo' \(did you mean 'grpo'\?\); valid names: ppo"):
+        pgloss.get("grpoo")
+    with pytest.raises(TypeError, match=r"no hyperparameter 'clip_hgh' \(did you mean 'clip_high'\?\); valid: "):
+        pgloss.get("dapo", clip_hgh=0.3)
+    with pytest.raises(ValueError, match=r"unknown algorithm 'zzz'; valid names"):  # nothing close: no guess
+        pgloss.recipe("zzz")

@@ -17,7 +17,7 @@ from .base import Algorithm
 from .core.aggregate import BUDGET_MODES
 from .core.output import LossOutput, PolicyTerms
 from .core.checks import check_number
-from .core.trainer_names import field_hint
+from .core.trainer_names import closest, field_hint
 from .losses.ce_gppo import CEGPPO
 from .losses.chord import CHORD
 from .losses.cispo import CISPO
@@ -121,10 +121,15 @@ _PAPER_RECIPES = {
 }
 
 
+def unknown_name(name: object) -> ValueError:
+    """The error for an algorithm name that is not registered: the closest name first, then every name."""
+    return ValueError(f"unknown algorithm {name!r}{closest(name, NAMED)}; valid names: {', '.join(NAMED)}")
+
+
 def recipe(name: str) -> Recipe:
     """The advantage and sampling recipe of `name`'s paper (`Recipe`); ValueError for an unknown name."""
     if name not in NAMED:
-        raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(NAMED)}")
+        raise unknown_name(name)
     return RECIPES[name]
 
 
@@ -135,7 +140,7 @@ def _valid_fields(family: type[Algorithm]) -> set[str]:
 def _check_hyperparameters(name: str, family: type[Algorithm], values: dict[str, Any]) -> None:
     unknown = sorted(set(values) - _valid_fields(family))
     if unknown:
-        hints = "".join(field_hint(key) for key in unknown)
+        hints = "".join(field_hint(key) or closest(key, _valid_fields(family)) for key in unknown)
         recipe_fields = sorted(set(unknown) & {f.name for f in dataclasses.fields(Recipe)})
         if recipe_fields:
             hints += (f" ({', '.join(recipe_fields)} belongs to the advantages and sampling, not the loss: "
@@ -192,7 +197,7 @@ def families() -> dict[str, list[str]]:
 
 def _resolved(name: str, hyperparameters: dict[str, Any]) -> tuple[type[Algorithm], dict[str, Any]]:
     if name not in NAMED:
-        raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(NAMED)}")
+        raise unknown_name(name)
     family, defaults = NAMED[name]
     _check_hyperparameters(name, family, hyperparameters)
     return family, {**defaults, **hyperparameters}

@@ -2,7 +2,7 @@
 
     1. `TokenBatch.prepare`: checks, float32 upcast, the one effective mask;
     2. the policy term ℓ_{i,t} of its family (`policy_terms`, defined in `losses/<family>.py`);
-    3. the rollout correction (`pgloss.rollout.RolloutCorrection`): its weight before the aggregation and
+    3. the rollout correction (`pgloss.RolloutCorrection`): its weight before the aggregation and
        its rejections in the mask; with only `rollout_log_prob`, truncated importance sampling;
     4. + kl_coef · KL_t(π_θ‖π_ref) (`kl_variants.kl_term`, or the exact `full_kl`) and - entropy_coef · H_t;
     5. `aggregate` with `loss_agg_mode` and the step's `Normalizer`;
@@ -136,7 +136,7 @@ class Algorithm:
         check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
         check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
-            raise TypeError(f"rollout_correction must be a pgloss.rollout.RolloutCorrection or None, "
+            raise TypeError(f"rollout_correction must be a pgloss.RolloutCorrection or None, "
                             f"got {type(self.rollout_correction).__name__}")
         check(self.rollout_correction is None or not self.consumes_rollout_log_prob,
                f"{self.name} uses the rollout log-probs in its own weight; it takes no rollout_correction")

@@ -1,6 +1,6 @@
 """The `pgloss` command: `list` (the algorithms), `losses` (every loss on one synthetic batch), the
-lab's `train` and `compare` (train a tiny policy with the losses and report on them), `experiment`
-and `grads`. `COMMANDS` is the table of subcommands; SIGTERM ends any of them as Ctrl-C does."""
+lab's `train` and `compare` (train a tiny policy with the losses and report on them), `experiment`,
+`report` (a run's report again) and `grads`. `COMMANDS` is the table of subcommands; SIGTERM ends any of them as Ctrl-C does."""
 
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ def cmd_losses(args: argparse.Namespace) -> int:
         print(f"pgloss losses: --batch must be an even number >= 2 (groups of 2 or 4), got {args.batch}",
               file=sys.stderr)
         return 2
+    if args.length < 1:
+        print(f"pgloss losses: --length must be >= 1 (tokens per response), got {args.length}", file=sys.stderr)
+        return 2
     group_size = 4 if args.batch % 4 == 0 else 2
     data = synthetic_batch(groups=args.batch // group_size, group_size=group_size, max_length=args.length,
                            spread=0.15, seed=args.seed)
@@ -113,7 +116,8 @@ def add_basic_commands(sub) -> None:
 COMMANDS = (
     ("pgloss.cli", "add_basic_commands"),  # list, losses
     ("pgloss.lab.commands", "add_commands"),  # train, compare
-    ("pgloss.experiments.command", "add_experiment_command"),  # experiment length
+    ("pgloss.experiments.command", "add_experiment_command"),  # experiment length, distill
+    ("pgloss.experiments.command", "add_report_command"),  # report RUN_DIR
     ("pgloss.diagnostics.grads", "add_grads_command"),  # grads
     ("pgloss.conformance.run", "register"),  # conformance
 )

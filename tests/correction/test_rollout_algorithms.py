@@ -170,7 +170,7 @@ def test_batch_normalize_without_the_step_mean_is_refused():
 
 
 def test_bad_correction_is_refused():
-    with pytest.raises(TypeError, match="rollout_correction must be a pgloss.rollout.RolloutCorrection"):
+    with pytest.raises(TypeError, match="rollout_correction must be a pgloss.RolloutCorrection"):
         pgloss.get("dapo", rollout_correction="tis")
     d = data()
     alg = pgloss.get("dapo", rollout_correction=RolloutCorrection())

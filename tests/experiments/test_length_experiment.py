@@ -251,3 +251,22 @@ def test_reduced_growth_run_through_the_command(tmp_path, capsys, monkeypatch):
     text = (out / "report.md").read_text()
     assert "--task chain --quick --steps 2" in text and "length growth (tokens/100 steps)" in text
     assert f"against the experiment's 5 x {small.steps}" in text and "growth rate per 100 steps" in text
+
+
+def test_report_command_writes_an_experiments_report_again(tmp_path, capsys):
+    """`pgloss report RUN_DIR` finds the experiment in experiment.json and writes its report from the
+    complete runs, keeping the earlier one in replaced/."""
+    experiment = length.LengthExperiment(**{**REDUCED, "algorithms": ("grpo",)})
+    (tmp_path / "experiment.json").write_text(json.dumps({**dataclasses.asdict(experiment), "status": "running",
+                                                          "command": "pgloss experiment length --seeds 2"}))
+    records = [{"algorithm": "grpo", "seed": 0, "step": s, "reward": 0.5, "length": 10.0, "length_right": 9.0,
+                "length_wrong": 11.0, "rep4": 0.1, "truncated": 0.0, "grad_pos": [0.1] * 5, "grad_neg": [0.2] * 5}
+               for s in range(3)]
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "grpo-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "report.md").write_text("an earlier report")
+    assert main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| grpo | 1 |" in text and "pgloss experiment length --seeds 2" in text
+    assert (tmp_path / "replaced" / "report.md").read_text() == "an earlier report"
+    assert (tmp_path / "length_reward.png").read_bytes()[:4] == b"\x89PNG"

@@ -68,7 +68,7 @@ def test_a_simulated_mismatch_shows_in_the_report_and_plots(tmp_path):
     (["compare", "--seeds", "0"], "--seeds must be >= 1"),
     (["compare", "--workers", "0"], "--workers must be >= 1"),
     (["compare", "--algorithms", "grpo,nope"], "unknown algorithm 'nope'"),
-    (["compare", "--algorithms", "dapo:clip_hihg=0.3"], "no hyperparameter 'clip_hihg'; valid: .*clip_high"),
+    (["compare", "--algorithms", "dapo:clip_hihg=0.3"], "no hyperparameter 'clip_hihg' \\(did you mean 'clip_high'\\?\\); valid: .*clip_high"),
     (["compare", "--algorithms", "grpo", "sapo", "--loss-arg", "clip_high=0.3"], "sapo:clip_high=0.3: sapo has no"),
     (["compare", "--max-new-tokens", "5"], "--max-new-tokens must be >= 12"),
     (["train", "--algorithm", "grpo,dapo"], "train runs one algorithm"),

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
 from .case import AGREE, DIFFERS, DOCUMENTED, Case
 
 __all__ = ["MODULES", "cmd_conformance", "register", "run"]
 
-MODULES = ("verl", "trl", "ms_swift", "liger", "openrlhf")
-"""The trainer modules of pgloss.conformance, discovered by name (a missing one is skipped)."""
+MODULES = tuple(sorted(info.name for info in pkgutil.iter_modules([str(Path(__file__).parent)])
+                       if info.name not in ("case", "run")))
+"""The trainer modules of pgloss.conformance (every module of the package beside `case` and `run`):
+`--trainer` takes only these, so a trainer without one (liger, openrlhf, ...) is named as such."""
 
 
 def _load(name: str, *, builtin: bool):
@@ -81,7 +85,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     print(f"pgloss conformance: {totals[AGREE]} agree, {totals[DOCUMENTED]} differ as documented, "
           f"{totals[DIFFERS]} DIFFER")
     if ran == 0:
-        print("no trainer could be checked: install one beside pgloss (trl, verl, ...)")
+        print(f"no trainer could be checked: install one beside pgloss ({', '.join(builtin) or 'the modules given'})")
         return 1
     return 1 if totals[DIFFERS] else 0
 

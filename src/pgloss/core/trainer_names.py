@@ -59,3 +59,12 @@ def value_hint(field: str, value: object) -> str:
 def translate_value(field: str, value: object) -> object:
     """pgloss's value for a trainer's `value` of `field` (unchanged when it is already pgloss's)."""
     return VALUES.get(field, {}).get(value, value) if isinstance(value, str) else value
+
+
+def closest(name: object, valid) -> str:
+    """' (did you mean X?)' for the name of `valid` closest to a misspelt `name` (difflib's ratio >= 0.6),
+    else ''. Every "unknown name" error of pgloss asks here."""
+    import difflib
+
+    match = difflib.get_close_matches(str(name), list(valid), n=1) if isinstance(name, str) else []
+    return f" (did you mean {match[0]!r}?)" if match else ""

@@ -7,7 +7,7 @@ against a proximal policy π_prox and reweights by the behaviour policy that sam
     ℓ_t = w_t · max(-Â r_t, -Â clip(r_t, 1-ε_low, 1+ε_high)),   r_t = π_θ/π_prox,   w_t = sg(π_prox/π_behave)
 
 In pgloss that is any clipped algorithm called with `old_log_prob=` the proximal log-probs and
-`rollout_log_prob=` the behaviour log-probs, with a `pgloss.rollout.RolloutCorrection` (token
+`rollout_log_prob=` the behaviour log-probs, with a `pgloss.RolloutCorrection` (token
 weight; truncate or mask; AReaL keeps rejected tokens in the denominator: count the `Normalizer`
 on the original masks).
 

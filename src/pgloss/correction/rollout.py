@@ -189,7 +189,7 @@ class RolloutCorrection:
             raise ValueError("weight_mode 'mask' needs a lower or an upper bound")
         rejection = tuple(self.rejection) if isinstance(self.rejection, (list, tuple)) else self.rejection
         if not isinstance(rejection, tuple) or not all(isinstance(r, Rejection) for r in rejection):
-            raise TypeError(f"rejection must be a tuple of pgloss.rollout.Rejection, got {self.rejection!r}")
+            raise TypeError(f"rejection must be a tuple of pgloss.Rejection, got {self.rejection!r}")
         delta = check_number("off_policy_mask", self.off_policy_mask, optional=True)
         if delta is not None and delta < 0:
             raise ValueError(f"off_policy_mask must be >= 0 (a KL threshold), got {delta}")

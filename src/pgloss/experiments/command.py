@@ -3,7 +3,11 @@
 Where it writes follows ``lab/outputs.py``, with one addition: an ``--out`` that holds this same
 experiment (the settings in its ``experiment.json``, the number of workers aside) is resumed, its
 complete runs kept. Ctrl-C and SIGTERM stop it alike: the report of the complete runs is written,
-``experiment.json`` records the status, and the same command resumes.
+``experiment.json`` records the status (and the command), and the same command resumes; a signal that
+comes once the training is over waits for the report.
+
+``pgloss report RUN_DIR`` writes the report and plots of any run again from what it saved: a
+``train`` or ``compare`` folder (``lab.commands.rebuild``) or an experiment's (``rebuild_experiment``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-UNCOMPARED = ("workers", "status")  # experiment.json entries that do not make another experiment
+UNCOMPARED = ("workers", "status", "command")  # experiment.json entries that do not make another experiment
 
 
 def _settings(experiment) -> dict:
@@ -53,8 +57,9 @@ def claim_out(out: str | None, default: str, experiment, overwrite: bool, own: t
                      "replaces another; give a new --out, or add --overwrite to replace it")
 
 
-def _save(out: Path, experiment, status: str) -> None:
-    (out / "experiment.json").write_text(json.dumps({**_settings(experiment), "status": status}, indent=2) + "\n")
+def _save(out: Path, experiment, status: str, command: str) -> None:
+    (out / "experiment.json").write_text(json.dumps({**_settings(experiment), "status": status, "command": command},
+                                                    indent=2) + "\n")
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,6 @@ def _refuse_others(args, allowed: set[str]) -> None:
 
 def length_plan(args) -> Plan:
     from . import length
-    from .length_report import write_report
     from ..lab.spec import parse_algorithms
 
     _refuse_others(args, {"task", "algorithms", "entropy_coef"})
@@ -102,20 +106,27 @@ def length_plan(args) -> Plan:
                *(["--quick"] if args.quick else []),
                *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "algorithms"),
                *([f"--algorithms {' '.join(overrides['algorithms'])}"] if args.algorithms else [])]
+    return _length_plan(experiment, command, "runs/length" + ("" if task == "trace" else f"-{task}")
+                        + ("-quick" if args.quick else ""))
+
+
+def _length_plan(experiment, command: list[str], default_out: str) -> Plan:
+    from . import length
+    from .length_report import write_report
+
+    design = length.EXPERIMENTS[experiment.task]
     window = max(1, min(10, (experiment.steps + 1) // 4))
 
     def report(runs, out, *, command, seconds):
         names = list(experiment.algorithms) + sorted({a for a, _ in runs} - set(experiment.algorithms))
         return write_report(runs, names, out, command=command, seconds=seconds, window=window, design=design)
 
-    return Plan(experiment, length, "runs/length" + ("" if task == "trace" else f"-{task}") + ("-quick" if args.quick else ""),
-                length.OWN, command, report, experiment.seeds * len(experiment.algorithms))
+    return Plan(experiment, length, default_out, length.OWN, command, report,
+                experiment.seeds * len(experiment.algorithms))
 
 
 def distill_plan(args) -> Plan:
     from . import distill
-    from .claims import scale_caveat
-    from .distill_report import write_report
 
     _refuse_others(args, {"students", "teacher_steps", "teacher_d_model"})
     overrides = _given(args, ("seeds", "steps", "teacher_steps", "teacher_d_model", "workers"))
@@ -125,6 +136,16 @@ def distill_plan(args) -> Plan:
     command = ["pgloss experiment distill", *(["--quick"] if args.quick else []),
                *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "students"),
                *([f"--students {' '.join(overrides['students'])}"] if args.students else [])]
+    return _distill_plan(experiment, command, "runs/distill" + (f"-teacher{experiment.teacher_d_model}"
+                                                                if experiment.teacher_d_model else "")
+                         + ("-quick" if args.quick else ""))
+
+
+def _distill_plan(experiment, command: list[str], default_out: str) -> Plan:
+    from . import distill
+    from .claims import scale_caveat
+    from .distill_report import write_report
+
     window = max(1, min(5, (experiment.steps + 1) // 4))
 
     def report(runs, out, *, command, seconds):
@@ -135,18 +156,78 @@ def distill_plan(args) -> Plan:
         return write_report(runs, labels, out, command=command, seconds=seconds, window=window, caveat=caveat,
                             teacher=teacher)
 
-    return Plan(experiment, distill, "runs/distill" + (f"-teacher{experiment.teacher_d_model}"
-                                                       if experiment.teacher_d_model else "") + ("-quick" if args.quick else ""),
-                distill.OWN, command, report, experiment.seeds * (1 + len(experiment.students)))
+    return Plan(experiment, distill, default_out, distill.OWN, command, report,
+                experiment.seeds * (1 + len(experiment.students)))
 
 
 PLANS = {"length": length_plan, "distill": distill_plan}
 
 
+def _saved_plan(out: Path) -> tuple[Plan, str]:
+    """The plan of the experiment saved in ``out/experiment.json`` and the command recorded there;
+    ValueError when there is none."""
+    from . import distill, length
+
+    try:
+        saved = json.loads((out / "experiment.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{out}: no experiment.json of a pgloss experiment there ({err})") from None
+    kind, cls, build = (("distill", distill.DistillExperiment, _distill_plan) if "students" in saved
+                        else ("length", length.LengthExperiment, _length_plan))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    experiment = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})
+    command = saved.get("command") or f"pgloss experiment {kind} --out {out} (the settings of experiment.json)"
+    return build(experiment, [], str(out)), command
+
+
+def rebuild_experiment(out: Path) -> Path:
+    """Write the report and plots of the experiment in `out` again from its complete runs (``out/runs``);
+    an earlier report and plots are kept in ``out/replaced`` first. ValueError when there is none."""
+    from .runs import load
+    from ..lab.outputs import set_aside
+
+    plan, command = _saved_plan(out)
+    runs = load(out)
+    if not runs:
+        raise ValueError(f"{out}: no complete run of the experiment in {out / 'runs'}")
+    set_aside(out, [name for name in plan.own if name.endswith((".md", ".png"))], why="pgloss report")
+    seconds_file = out / "seconds.json"
+    seconds = json.loads(seconds_file.read_text())["seconds"] if seconds_file.exists() else None
+    return plan.report(runs, out, command=command, seconds=seconds)
+
+
+def cmd_report(args) -> int:
+    """``pgloss report RUN_DIR``: the report and plots of a train, compare or experiment folder, again."""
+    from ..lab.commands import rebuild
+    from ..lab.runner import Held, require_extras
+
+    out = Path(args.run_dir)
+    try:
+        require_extras()
+        if not out.is_dir():
+            raise ValueError(f"RUN_DIR {out}: not a directory")
+        with Held():  # a signal waits for the report: it is never left half written
+            report = rebuild_experiment(out) if (out / "experiment.json").exists() else rebuild(out)
+    except (ValueError, TypeError) as err:
+        print(f"pgloss report: {err}", file=sys.stderr)
+        return 2
+    print(f"pgloss report: {report}")
+    return 0
+
+
+def add_report_command(subparsers) -> None:
+    """Add ``report`` to the ``pgloss`` command's subparsers."""
+    parser = subparsers.add_parser("report", help="write the report and plots of a run folder again from what it saved")
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="the --out of a pgloss train, compare or experiment run (an earlier report.md and plots "
+                             "there are kept in RUN_DIR/replaced)")
+    parser.set_defaults(func=cmd_report)
+
+
 def cmd_experiment(args) -> int:
     """Run (or resume) the experiment in ``--out``, then write report.md and its plots there."""
     from .runs import load
-    from ..lab.runner import require_extras
+    from ..lab.runner import Held, require_extras
 
     try:  # every argument is checked before any work
         require_extras()
@@ -160,25 +241,30 @@ def cmd_experiment(args) -> int:
         print(f"pgloss experiment: {err}", file=sys.stderr)
         return 2
     timing = out / "seconds.json"
-    interrupted = False
+    interrupted, held = False, Held()
+    command = " ".join([*plan.command, f"--out {out}"])
     if not args.report_only:
         out.mkdir(parents=True, exist_ok=True)
-        _save(out, plan.experiment, "running")
+        _save(out, plan.experiment, "running", command)
         start = time.time()
         try:
             plan.module.run(plan.experiment, out)
+            held.hold()  # the training is over: a signal waits for the report
         except KeyboardInterrupt:
+            held.hold()
             interrupted = True
         previous = json.loads(timing.read_text())["seconds"] if timing.exists() else 0.0
         timing.write_text(json.dumps({"seconds": round(previous + time.time() - start, 1)}) + "\n")
-    runs = load(out)
-    if not args.report_only:
-        _save(out, plan.experiment, "interrupted" if interrupted else "finished")
-    if not runs:
-        print(f"pgloss experiment: {'interrupted; ' if interrupted else ''}no complete run in {out}", file=sys.stderr)
-        return 130 if interrupted else 2
-    seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else None
-    report = plan.report(runs, out, command=" ".join([*plan.command, f"--out {out}"]), seconds=seconds)
+    with held:
+        runs = load(out)
+        if not args.report_only:
+            _save(out, plan.experiment, "interrupted" if interrupted else "finished", command)
+        if not runs:
+            print(f"pgloss experiment: {'interrupted; ' if interrupted else ''}no complete run in {out}", file=sys.stderr)
+            return 130 if interrupted else 2
+        seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else None
+        report = plan.report(runs, out, command=command, seconds=seconds)
+    interrupted = interrupted or bool(held.received)
     if interrupted:
         print(f"pgloss experiment: interrupted; {len(runs)} of {plan.total} runs complete; report: {report}; "
               "the same command resumes", file=sys.stderr)

@@ -45,9 +45,10 @@ def refusal(path: Path) -> str:
             "to replace it")
 
 
-def set_aside(folder: Path, names) -> Path | None:
+def set_aside(folder: Path, names, why: str = "--overwrite") -> Path | None:
     """Move the entries of `folder` named in `names` that exist into its first free ``replaced``
-    folder, say where on stderr and return it (None when none of them is there)."""
+    folder, say where on stderr (after `why`, the command that replaces them) and return it (None
+    when none of them is there)."""
     present = [folder / name for name in names if (folder / name).exists()]
     if not present:
         return None
@@ -55,7 +56,7 @@ def set_aside(folder: Path, names) -> Path | None:
     kept.mkdir(parents=True)
     for entry in present:
         entry.rename(kept / entry.name)
-    print(f"--overwrite: the earlier {', '.join(e.name for e in present)} kept in {kept}", file=sys.stderr)
+    print(f"{why}: the earlier {', '.join(e.name for e in present)} kept in {kept}", file=sys.stderr)
     return kept
 
 

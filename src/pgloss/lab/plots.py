@@ -2,7 +2,9 @@
 
 Every panel has a y-axis label and a legend outside the data; each algorithm has its own colour
 and line style (`styles`), and with more than `FEW` algorithms each panel's PNG shows small
-multiples, one plot per algorithm with the others in grey, so that 25 stay readable. The curves
+multiples, one plot per algorithm with the others in grey, so that 25 stay readable; the overview
+``curves.png`` then draws the `FEW` with the highest final eval reward in colour and the rest in grey.
+Steps are whole numbers on every axis. The curves
 are trailing moving averages, and an update diagnostic is drawn only at steps that made an update.
 The clip fraction is drawn with its high and low split on a symmetric log scale, so that 0.001
 and 0.3 are both readable. The held-out eval reward is marked at the first and last step with one
@@ -103,6 +105,8 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     data = curves(records)
     algorithms = list(data["reward"])
     style = styles(algorithms)
@@ -149,6 +153,7 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
             ax.set_ylim(bottom=0)
         if metric == "grad_norm" and max_grad_norm is not None:
             ax.axhline(max_grad_norm, color="black", lw=0.8, ls="--", zorder=4)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 0.5 on a 2-step run
         ax.grid(alpha=0.3)
 
     def title(metric, split=split_clip):
@@ -186,9 +191,10 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
                 ax.set_ylabel(panels[metric][1], fontsize=8)
             for ax in axes[-1, :]:
                 ax.set_xlabel("RL step", fontsize=8)
+            # the two-line title in the top 0.6 inch, the first row's titles below it (margins in inches)
             fig.suptitle(f"{title(metric, split=True)}\neach algorithm in colour, the others in grey; {note}",
-                         fontsize=10)
-            fig.subplots_adjust(left=0.06, right=0.99, bottom=0.5 / height, top=1 - 0.75 / height, wspace=0.08,
+                         fontsize=10, y=1 - 0.12 / height, va="top")
+            fig.subplots_adjust(left=0.06, right=0.99, bottom=0.5 / height, top=1 - 1.0 / height, wspace=0.08,
                                 hspace=0.35)
         path = out / f"{metric}.png"
         fig.savefig(path, dpi=110 if len(algorithms) <= FEW else 80)
@@ -196,19 +202,25 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
         paths.append(path)
     rows = -(-len(panels) // 3)
     fig, axes = plt.subplots(rows, 3, figsize=(19, 4.6 * rows))
+    shown, legend_title = algorithms, "algorithm (markers: eval reward)"
+    if len(algorithms) > FEW:  # the best few in colour, the others grey: 33 coloured lines are unreadable
+        final = {a: evals[a][-1][1] if a in evals else float("-inf") for a in algorithms}
+        shown = sorted(algorithms, key=lambda a: -final[a])[:FEW]
+        style.update(styles(shown))  # a few lines: solid, in distinct colours
+        legend_title = (f"the {FEW} of {len(algorithms)} algorithms with the highest\nfinal eval reward (markers); "
+                        "the others grey.\nEach one alone: the panel's own PNG")
     for ax, metric in zip(axes.flat, panels):
-        draw(ax, metric, algorithms)
+        draw(ax, metric, shown, grey=[a for a in algorithms if a not in shown])
         ax.set_xlabel("RL step")
         ax.set_ylabel(panels[metric][1])
         ax.set_title(title(metric), fontsize=10)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()  # one legend for every panel, outside them
-    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.865, 0.94), fontsize=8,
-               ncol=1 if len(algorithms) <= 14 else 2, title="algorithm (markers: eval reward)", title_fontsize=8)
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.865, 0.94), fontsize=8, ncol=1,
+               title=legend_title, title_fontsize=8)
     fig.suptitle(note, fontsize=10)
-    fig.subplots_adjust(left=0.04, right=0.855 if len(algorithms) <= 14 else 0.80, bottom=0.05, top=0.94,
-                        wspace=0.22, hspace=0.32)
+    fig.subplots_adjust(left=0.04, right=0.855, bottom=0.05, top=0.94, wspace=0.22, hspace=0.32)
     path = out / "curves.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)

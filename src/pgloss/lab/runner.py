@@ -4,7 +4,9 @@ with every step reported to the main process as it is made, and one way to stop.
 Ctrl-C and SIGTERM (``timeout``, ``docker stop``, a scheduler) end a command alike: `interruptible`
 turns SIGTERM into the KeyboardInterrupt that Ctrl-C raises, so the command stops its workers,
 writes what finished and records its status. Workers ignore SIGINT (the main process handles
-it) and die on SIGTERM, which is how the pool is stopped.
+it) and die on SIGTERM; the main process stops them by killing them (`Runner`). Once the training is over (finished or
+stopped), `Held` takes both signals: they are noted, not raised, until the report and plots of
+what finished are written, so no signal costs a finished run its report.
 
 Items a job reports (``emit``): ``{"started": [label, seed]}``, ``{"warm": steps, "seconds": s}``
 (warm-start steps made) and ``{"record": {...}, "seconds": s}`` (an RL step's metrics).
@@ -24,10 +26,20 @@ WARM, RL = "warm start", "RL"  # the phases of the progress bar
 _EMIT = None  # where a job's items go: the main process's sink, or a queue's put in a worker
 
 
-def _init_worker(queue) -> None:
+def _worker(jobs, items) -> None:
+    """A worker process: run each ``(i, fn, args)`` of `jobs` until None, sending ``{"job": i, "result": ...}``
+    (or ``"error"``) and every item the job emits on `items`, the one queue the main process reads."""
     global _EMIT
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    _EMIT = queue.put
+    _EMIT = items.put
+    while (job := jobs.get()) is not None:
+        i, fn, args = job
+        try:
+            items.put({"job": i, "result": fn(*args)})
+        except Exception as err:  # noqa: BLE001 (raised again in the main process)
+            import traceback
+
+            items.put({"job": i, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
 
 
 def emit(item: dict) -> None:
@@ -53,6 +65,37 @@ def interruptible():
         signal.signal(signal.SIGTERM, previous)
 
 
+class Held:
+    """From `hold()` on (or within ``with``), SIGINT and SIGTERM are noted in `received` instead of
+    raising: the work that remains (a finished run's return, its report and plots) completes. `release()`
+    puts the earlier handlers back. Outside the main thread it holds nothing (signals go to the main thread)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict | None = None
+
+    def hold(self) -> None:
+        if self._previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _note(self, signum, frame) -> None:
+        self.received.append(signum)
+
+    def release(self) -> None:
+        if self._previous is not None:
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
+            self._previous = None
+
+    def __enter__(self) -> "Held":
+        self.hold()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def require_extras() -> None:
     """Import what the reports, plots and progress bar need, so that a missing package fails before
     any work (and Ctrl-C cannot land inside an import). ValueError naming the extra to install."""
@@ -68,23 +111,32 @@ def require_extras() -> None:
 
 
 class Runner:
-    """Runs jobs in this process (one worker) or in a pool of `workers` spawned processes; every
-    item a job emits goes to ``sink(item)`` in this process as it comes."""
+    """Runs jobs in this process (one worker) or in `workers` spawned processes; every item a job
+    emits goes to ``sink(item)`` in this process as it comes.
+
+    The processes are the lab's own, not a ``multiprocessing.Pool``: a signal to the whole process
+    group kills idle workers too, and a pool whose idle worker died waiting for a job (holding the
+    task queue's lock) never stops. Here the main process only writes the job queue and only reads
+    the item queue, so it waits on no lock a worker holds, and it stops the workers by killing them."""
 
     def __init__(self, workers: int, sink) -> None:
-        self.sink, self.pool, self.queue = sink, None, None
+        self.sink, self.processes, self.jobs, self.items = sink, [], None, None
         if workers > 1:
             import multiprocessing as mp
 
             ctx = mp.get_context("spawn")
-            self.queue = ctx.Queue()
-            self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(self.queue,))
+            self.jobs, self.items = ctx.Queue(), ctx.Queue()
+            self.processes = [ctx.Process(target=_worker, args=(self.jobs, self.items), daemon=True)
+                              for _ in range(workers)]
+            for process in self.processes:
+                process.start()
 
     def map(self, fn, jobs: list[tuple], done: dict, on_done=None) -> None:
         """``done[i] = fn(*jobs[i])`` as each job finishes, then ``on_done(done[i])``: after a
-        KeyboardInterrupt, `done` holds the jobs that finished."""
+        KeyboardInterrupt, `done` holds the jobs that finished. An exception of a job is raised here
+        (RuntimeError with its traceback, from a worker); RuntimeError when a worker died."""
         global _EMIT
-        if self.pool is None:
+        if not self.processes:
             _EMIT = self.sink
             try:
                 for i, job in enumerate(jobs):
@@ -96,30 +148,38 @@ class Runner:
             return
         import queue as queue_module
 
-        pending = {i: self.pool.apply_async(fn, job) for i, job in enumerate(jobs)}
+        for i, job in enumerate(jobs):
+            self.jobs.put((i, fn, job))
+        pending = set(range(len(jobs)))
         while pending:
             try:
-                self.sink(self.queue.get(timeout=0.2))
+                item = self.items.get(timeout=0.2)
             except queue_module.Empty:
-                pass
-            for i in [i for i, p in pending.items() if p.ready()]:
-                done[i] = pending.pop(i).get()
+                if any(p.exitcode is not None for p in self.processes):  # a worker exits only when closed
+                    raise RuntimeError(f"a worker process died with {len(pending)} jobs left (exit codes "
+                                       f"{[p.exitcode for p in self.processes]})") from None
+                continue
+            if "job" not in item:
+                self.sink(item)
+            elif "error" in item:
+                raise RuntimeError(f"{item['error']} in a worker process:\n{item['traceback']}")
+            else:
+                pending.discard(item["job"])
+                done[item["job"]] = item["result"]
                 if on_done is not None:
-                    on_done(done[i])
-        while True:  # the items emitted just before the last job returned
-            try:
-                self.sink(self.queue.get_nowait())
-            except queue_module.Empty:
-                break
+                    on_done(item["result"])
 
     def close(self, terminate: bool = False) -> None:
-        """Let the workers finish (or, after an interruption, stop them) and release the pool."""
-        if self.pool is not None:
-            self.pool.terminate() if terminate else self.pool.close()
-            self.pool.join()
-        if self.queue is not None:
-            self.queue.close()
-            self.queue.join_thread()
+        """Let the workers finish (or, after an interruption, kill them) and release the queues."""
+        for _ in self.processes if not terminate else ():
+            self.jobs.put(None)
+        for process in self.processes:
+            if terminate:
+                process.kill()
+            process.join()
+        for queue in (self.jobs, self.items) if self.processes else ():
+            queue.cancel_join_thread()
+            queue.close()
 
 
 def timed_steps(on_record):
@@ -145,6 +205,7 @@ class Sink:
     def __init__(self, path: Path | None, progress=None) -> None:
         self.file = None if path is None else open(path, "w")
         self.progress, self.written, self.started = progress, set(), set()
+        self.records: dict[tuple, list[dict]] = {}  # (algorithm, seed) -> its records, in the order written
 
     def __call__(self, item: dict) -> None:
         if "started" in item:
@@ -163,6 +224,7 @@ class Sink:
         key = (record["algorithm"], record["seed"], record["step"])
         if key not in self.written:  # a run's result repeats the records its worker streamed
             self.written.add(key)
+            self.records.setdefault(key[:2], []).append(record)
             if self.file is not None:
                 self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
                 self.file.flush()
