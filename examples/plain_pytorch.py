@@ -7,7 +7,12 @@ starts with the prompt's digit and ends within the budget. GRPO's group advantag
 and the step's gradient does not depend on how the batch is cut into micro-batches
 (`tests/test_examples.py` checks that on this file).
 
-    python examples/plain_pytorch.py --steps 30
+    python examples/plain_pytorch.py            # 120 steps, about 25 s: the reward climbs from 0.03 to about 0.9
+
+The printed `pg_loss` stays near 0 while the policy learns: each batch gets one optimizer step, so the
+policy that is trained is the one that sampled (ratio 1), and the clipped surrogate's value is then
+−mean(Â) over the step's tokens, which GRPO's group advantages (zero mean per group) keep near 0. Its
+gradient, −Â ∇log π, is not 0: watch `grad_norm` and the reward, not the loss.
 """
 
 from __future__ import annotations
@@ -93,7 +98,8 @@ def train_step(policy, optimizer, algorithm, batch: dict, micro_batches: int, ma
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithm", default="grpo", help="a pgloss name (default: grpo)")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--every", type=int, default=10, help="print every this many steps (and the last)")
     parser.add_argument("--micro-batches", type=int, default=4)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -105,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(args.steps):
         batch = rollout(policy, reference, prompts_per_step=8, group_size=4, generator=generator)
         stats = train_step(policy, optimizer, algorithm, batch, args.micro_batches)
-        print(f"step {step:3d}  reward {float(batch['rewards'].mean()):.3f}  "
-              + "  ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+        if step % args.every == 0 or step == args.steps - 1:
+            print(f"step {step:3d}  reward {float(batch['rewards'].mean()):.3f}  "
+                  + "  ".join(f"{k} {v:.4f}" for k, v in stats.items()))
 
 
 if __name__ == "__main__":
