@@ -29,6 +29,7 @@ The `binary_kl` and `tv` gates have no pgloss rule and are not checked.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any, Optional, Tuple
@@ -69,6 +70,7 @@ def available() -> str | None:
     return None
 
 
+@functools.cache
 def _namespace() -> dict:
     """OpenRLHF's loss functions, executed from its files."""
     loss_file, utils_file = _files()
