@@ -34,6 +34,23 @@ def test_trl_agrees_or_differs_as_documented():
                                            "documented, 0 DIFFER"
 
 
+def test_openrlhf_as_a_user_runs_it():
+    """The OpenRLHF module from the command line: its cases, the documented differences with their reasons, a
+    summary per trainer and in all, exit 0."""
+    from pgloss.conformance import openrlhf
+
+    why = openrlhf.available()
+    if why is not None:
+        pytest.skip(why)
+    done = pgloss_conformance("--trainer", "openrlhf")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "OpenRLHF:"
+    assert lines[-2] == "  OpenRLHF: 22 agree, 3 differs as documented, 0 DIFFERS"
+    assert lines[-1] == "pgloss conformance: 22 agree, 3 differ as documented, 0 DIFFER"
+    assert sum("'Conformance with OpenRLHF'" in line for line in lines) == 3  # each reason printed under its case
+
+
 def test_an_undocumented_difference_exits_non_zero(tmp_path):
     """A module with a real but undocumented difference (TRL's grpo counts an empty completion; the case
     gives no reason): the command prints DIFFERS and exits 1."""
