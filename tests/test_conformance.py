@@ -83,3 +83,20 @@ def test_unavailable_and_missing_modules(tmp_path):
     assert "Absent: not run (not installed)" in done.stdout
     assert conformance._load("no_such_trainer", builtin=True) is None  # a trainer module not written is skipped
     assert "verl" in conformance.MODULES  # discovered by name, e.g. pgloss.conformance.verl
+
+
+def test_every_documented_reason_names_a_section_of_the_reference():
+    """A reason's "docs/reference.md, '<section>'" names a heading that exists, or its start (the difference
+    is sized there)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    headings = {line.lstrip("#").strip() for line in (root / "docs" / "reference.md").read_text().splitlines()
+                if line.startswith("#")}
+    cited = set()
+    for name in conformance.MODULES:
+        text = (root / "src" / "pgloss" / "conformance" / f"{name}.py").read_text()
+        cited |= set(re.findall(r"docs/reference\.md, '([^']+)'", text))
+    assert {"Conformance with TRL", "Conformance with ms-swift", "Conformance with Liger-Kernel",
+            "Conformance with OpenRLHF"} <= cited
+    assert all(any(h.startswith(c) for h in headings) for c in cited), cited - headings  # a heading or its start
