@@ -34,21 +34,35 @@ $(INTEGRATIONS): $(STAMP)
 # that directory). SkyRL 0.4.0 requires Python >= 3.12, so its pure-Python wheel is fetched for 3.12; torchrl's
 # wheels differ only in compiled parts, so one platform's is fetched everywhere. The sources not on the package
 # index (prime-rl, verl-recipe, NeMo-RL, ...) are read when their PGLOSS_*_SRC is set, else those tests are skipped.
+# `pgloss conformance` reads ms-swift's and OpenRLHF's losses from their files the same way (their packages import
+# transformers, peft, deepspeed, ...); OpenRLHF's wheel keeps its files under openrlhf-<version>.data/purelib.
 SOURCES := $(VENV)/sources
+OPENRLHF_VERSION := 0.11.2
 WHEEL_trinity := trinity-rft==0.6.0
 WHEEL_tinker  := tinker-cookbook==0.6.1
 WHEEL_torchrl := torchrl==0.14.1 --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all:
 WHEEL_skyrl   := skyrl==0.4.0 --python-version 3.12 --only-binary=:all:
-TRAINER_SOURCES := $(foreach name,trinity tinker torchrl skyrl,$(SOURCES)/$(name)/.unpacked)
+WHEEL_ms_swift := ms-swift==4.6.0
+WHEEL_openrlhf := openrlhf==$(OPENRLHF_VERSION)
+TRAINER_SOURCES := $(foreach name,trinity tinker torchrl skyrl ms_swift openrlhf,$(SOURCES)/$(name)/.unpacked)
 $(SOURCES)/%/.unpacked: | $(STAMP)
 	rm -rf $(SOURCES)/$* $(SOURCES)/$*-wheel
 	$(PY) -m pip download --quiet --no-deps $(WHEEL_$*) -d $(SOURCES)/$*-wheel
 	$(PY) -m zipfile -e $(SOURCES)/$*-wheel/*.whl $(SOURCES)/$*
 	touch $@
 
-test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES)
+# Liger-Kernel's GRPO loss imports only torch and triton (the dev extra's): installed without its requirements.
+LIGER := $(VENV)/.liger
+LIGER_PIN := liger-kernel==0.8.5
+$(LIGER): | $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(LIGER_PIN)
+	touch $@
+
+test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER)
 	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} PGLOSS_TINKER_SRC=$${PGLOSS_TINKER_SRC:-$(SOURCES)/tinker} \
 	PGLOSS_TORCHRL_SRC=$${PGLOSS_TORCHRL_SRC:-$(SOURCES)/torchrl} PGLOSS_SKYRL_SRC=$${PGLOSS_SKYRL_SRC:-$(SOURCES)/skyrl} \
+	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} \
+	PGLOSS_OPENRLHF_SRC=$${PGLOSS_OPENRLHF_SRC:-$(SOURCES)/openrlhf/openrlhf-$(OPENRLHF_VERSION).data/purelib} \
 	$(PY) -m pytest -n 2 tests
 
 # The trainers' own loss tests (tests/peers/): swapped to pgloss (as in `make test`), then unmodified.

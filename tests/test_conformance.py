@@ -34,6 +34,23 @@ def test_trl_agrees_or_differs_as_documented():
                                            "documented, 0 DIFFER"
 
 
+def test_openrlhf_as_a_user_runs_it():
+    """The OpenRLHF module from the command line: its cases, the documented differences with their reasons, a
+    summary per trainer and in all, exit 0."""
+    from pgloss.conformance import openrlhf
+
+    why = openrlhf.available()
+    if why is not None:
+        pytest.skip(why)
+    done = pgloss_conformance("--trainer", "openrlhf")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "OpenRLHF:"
+    assert lines[-2] == "  OpenRLHF: 22 agree, 3 differs as documented, 0 DIFFERS"
+    assert lines[-1] == "pgloss conformance: 22 agree, 3 differ as documented, 0 DIFFER"
+    assert sum("'Conformance with OpenRLHF'" in line for line in lines) == 3  # each reason printed under its case
+
+
 def test_an_undocumented_difference_exits_non_zero(tmp_path):
     """A module with a real but undocumented difference (TRL's grpo counts an empty completion; the case
     gives no reason): the command prints DIFFERS and exits 1."""
@@ -66,3 +83,20 @@ def test_unavailable_and_missing_modules(tmp_path):
     assert "Absent: not run (not installed)" in done.stdout
     assert conformance._load("no_such_trainer", builtin=True) is None  # a trainer module not written is skipped
     assert "verl" in conformance.MODULES  # discovered by name, e.g. pgloss.conformance.verl
+
+
+def test_every_documented_reason_names_a_section_of_the_reference():
+    """A reason's "docs/reference.md, '<section>'" names a heading that exists, or its start (the difference
+    is sized there)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    headings = {line.lstrip("#").strip() for line in (root / "docs" / "reference.md").read_text().splitlines()
+                if line.startswith("#")}
+    cited = set()
+    for name in conformance.MODULES:
+        text = (root / "src" / "pgloss" / "conformance" / f"{name}.py").read_text()
+        cited |= set(re.findall(r"docs/reference\.md, '([^']+)'", text))
+    assert {"Conformance with TRL", "Conformance with ms-swift", "Conformance with Liger-Kernel",
+            "Conformance with OpenRLHF"} <= cited
+    assert all(any(h.startswith(c) for h in headings) for c in cited), cited - headings  # a heading or its start

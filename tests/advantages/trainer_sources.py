@@ -17,7 +17,6 @@ A test that needs one absent source is skipped with the variable's name."""
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import os
 from collections import defaultdict
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from pgloss.conformance import sources
 
 
 def source_file(variable: str, *relative: str) -> Path:
@@ -40,19 +41,12 @@ def source_file(variable: str, *relative: str) -> Path:
 
 
 def load(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
-    """Execute the top-level definitions `names` of `path` (without their decorators) in `namespace`."""
-    text = path.read_text()
-    lines = text.splitlines(keepends=True)
-    found = {}
-    for node in ast.parse(text).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in names:
-            found[node.name] = "".join(lines[node.lineno - 1:node.end_lineno])
-    missing = [n for n in names if n not in found]
-    if missing:
-        pytest.skip(f"{path} defines none of {missing}")
-    for name in names:
-        exec(compile(found[name], str(path), "exec"), namespace)  # noqa: S102 - the trainer's own code
-    return namespace
+    """Execute the top-level definitions `names` of `path` (without their decorators) in `namespace`
+    (`pgloss.conformance.sources.load`); skip the test when the file lacks one."""
+    try:
+        return sources.load(path, names, namespace)
+    except LookupError as error:
+        pytest.skip(str(error))
 
 
 def prime_rl(*names: tuple[str, str]) -> dict:

@@ -1,8 +1,11 @@
-"""One conformance case: pgloss against a trainer's own loss function on one random batch."""
+"""One conformance case: pgloss against a trainer's own loss function on one random batch, and the
+batch the trainer modules share (`batch`) with the error they measure (`relative`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 AGREE, DOCUMENTED, DIFFERS = "agree", "differs as documented", "DIFFERS"
 
@@ -30,3 +33,28 @@ class Case:
         if max(self.loss_error, self.grad_error) <= self.tolerance:
             return AGREE
         return DOCUMENTED if self.reason else DIFFERS
+
+
+ROWS, LENGTH = 6, 9
+"""The shared batch: 6 rows of 3 to 9 valid tokens (padded to 9)."""
+
+
+def batch(seed: int, *, empty_row: bool = False, rows: int = ROWS, length: int = LENGTH) -> dict[str, torch.Tensor]:
+    """One random float64 batch: `mask` (float, rows of 3 to `length` tokens; row 2 empty with
+    `empty_row`), `old`, `log_prob` (old + 0.3·N(0,1)), `ref` (0.2), `sampling` (0.4) log-probs, all
+    ≤ 0 (pgloss refuses a positive log-prob), `advantages` [rows] ~ N(0,1) and `entropy` ~ U[0, 2)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, length + 1, (rows,), generator=g)
+    if empty_row:
+        lengths[2] = 0
+    mask = (torch.arange(length)[None] < lengths[:, None]).double()
+    old = -torch.rand(rows, length, generator=g, dtype=torch.float64) * 2 - 0.05
+    near = lambda scale: -(old + scale * torch.randn(rows, length, generator=g, dtype=torch.float64)).abs()  # noqa: E731
+    return dict(mask=mask, old=old, log_prob=near(0.3), ref=near(0.2), sampling=near(0.4),
+                advantages=torch.randn(rows, generator=g, dtype=torch.float64),
+                entropy=torch.rand(rows, length, generator=g, dtype=torch.float64) * 2)
+
+
+def relative(mine: torch.Tensor, theirs: torch.Tensor) -> float:
+    """‖mine − theirs‖ / ‖theirs‖ (a loss or a flattened gradient)."""
+    return float((mine - theirs).norm() / theirs.norm().clamp(min=1e-30))

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from .case import Case
+from .case import LENGTH, ROWS, Case, batch, relative
 
 TRAINER = "TRL"
-_B, _T, _TOL = 6, 9, 1e-9
+_B, _T = ROWS, LENGTH
+_TOL = 1e-9
 
 
 def available() -> str | None:
@@ -84,24 +85,6 @@ def _trainer(config: Any, log_prob: torch.Tensor, entropy: torch.Tensor) -> Any:
     return stub
 
 
-def _batch(seed: int, *, empty_row: bool = False) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, _T + 1, (_B,), generator=g)
-    if empty_row:
-        lengths[2] = 0
-    mask = (torch.arange(_T)[None] < lengths[:, None]).double()
-    old = -torch.rand(_B, _T, generator=g, dtype=torch.float64) * 2 - 0.05
-    near = lambda scale: -(old + scale * torch.randn(_B, _T, generator=g, dtype=torch.float64)).abs()  # noqa: E731
-    # log-probabilities near the old ones, never positive (pgloss refuses a positive log-prob)
-    return dict(mask=mask, old=old, log_prob=near(0.3), ref=near(0.2), sampling=near(0.4),
-                advantages=torch.randn(_B, generator=g, dtype=torch.float64),
-                entropy=torch.rand(_B, _T, generator=g, dtype=torch.float64) * 2)
-
-
-def _relative(mine: torch.Tensor, theirs: torch.Tensor) -> float:
-    return float((mine - theirs).norm() / theirs.norm().clamp(min=1e-30))
-
-
 def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) -> tuple[float, float]:
     """(relative loss error, relative gradient error w.r.t. the log-probs and entropies) of
     pgloss.from_trl(GRPOConfig(**options)) against TRL's _compute_loss, on one random batch."""
@@ -112,7 +95,7 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
 
     config = GRPOConfig(output_dir="pgloss-conformance", report_to=[], use_cpu=True, bf16=False,
                         max_completion_length=_T, **options)
-    data = _batch(seed, empty_row=empty_row)
+    data = batch(seed, empty_row=empty_row)
     mask = data["mask"]
     inputs = dict(prompt_ids=torch.zeros(_B, 1, dtype=torch.long), prompt_mask=torch.ones(_B, 1, dtype=torch.long),
                   completion_ids=torch.zeros(_B, _T, dtype=torch.long), completion_mask=mask,
@@ -144,7 +127,7 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
         grads.append((loss.detach(), torch.cat([g.flatten() if g is not None else none
                                                 for g in (log_prob.grad, entropy.grad)])))
     (theirs, grad_theirs), (mine, grad_mine) = grads
-    return _relative(mine, theirs), _relative(grad_mine, grad_theirs)
+    return relative(mine, theirs), relative(grad_mine, grad_theirs)
 
 
 _VLLM = [dict(use_vllm=True, vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=low,
