@@ -49,9 +49,10 @@ def test_bad_numbers_and_unknown_trainers_get_one_line_as_a_user_runs_them():
     done = subprocess.run([sys.executable, "-m", "pgloss.cli", "losses", "--length", "0"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stderr == "pgloss losses: --length must be >= 1 (tokens per response), got 0\n"
-    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "conformance", "--trainer", "liger"],
+    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "conformance", "--trainer", "nemo_rl"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "invalid choice: 'liger' (choose from 'trl', 'verl')" in done.stderr
+    choices = "'liger', 'ms_swift', 'openrlhf', 'trl', 'verl'"
+    assert done.returncode == 2 and f"invalid choice: 'nemo_rl' (choose from {choices})" in done.stderr
     assert "Traceback" not in done.stderr and "install" not in done.stderr + done.stdout
 
 

@@ -20,9 +20,9 @@ from .case import AGREE, DIFFERS, DOCUMENTED, Case
 __all__ = ["MODULES", "cmd_conformance", "register", "run"]
 
 MODULES = tuple(sorted(info.name for info in pkgutil.iter_modules([str(Path(__file__).parent)])
-                       if info.name not in ("case", "run")))
-"""The trainer modules of pgloss.conformance (every module of the package beside `case` and `run`):
-`--trainer` takes only these, so a trainer without one (liger, openrlhf, ...) is named as such."""
+                       if info.name not in ("case", "run", "sources")))
+"""The trainer modules of pgloss.conformance (every module of the package beside `case`, `run` and
+`sources`): `--trainer` takes only these, so a trainer without one is named as such."""
 
 
 def _load(name: str, *, builtin: bool):
