@@ -137,7 +137,7 @@ def test_a_missing_extra_stops_every_command_before_any_work(argv, tmp_path):
     start = time.time()
     done = _without("matplotlib", *argv, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "pip install 'pgloss[lab]'" in done.stderr and "Traceback" not in done.stderr
+    assert "pip install -e '.[lab]'" in done.stderr and "Traceback" not in done.stderr
     assert time.time() - start < 60 and not (tmp_path / "runs").exists()
 
 

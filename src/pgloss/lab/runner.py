@@ -107,7 +107,7 @@ def require_extras() -> None:
         import tqdm  # noqa: F401
     except ImportError as err:
         raise ValueError(f"this command needs matplotlib and tqdm ({err}); install them with "
-                         "pip install 'pgloss[lab]'") from None
+                         "pip install -e '.[lab]' in a clone of pgloss") from None
 
 
 class Runner:
