@@ -200,12 +200,21 @@ def _clean(value):
 
 class Sink:
     """Where the runs' items go (``runner``'s protocol): ``metrics.jsonl`` (one line per step,
-    written as the runs go; none when `path` is None) and the progress bar."""
+    written as the runs go; none when `path` is None) and the progress bar. `kept` (a resumed run's
+    records up to its checkpoints) replaces what the file held before more records are appended."""
 
-    def __init__(self, path: Path | None, progress=None) -> None:
-        self.file = None if path is None else open(path, "w")
+    def __init__(self, path: Path | None, progress=None, kept: list[dict] | None = None) -> None:
         self.progress, self.written, self.started = progress, set(), set()
         self.records: dict[tuple, list[dict]] = {}  # (algorithm, seed) -> its records, in the order written
+        self.file = None
+        if path is not None and kept is not None:  # whole or not at all: the checkpoints still hold these records
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in kept))
+            tmp.replace(path)
+        for record in kept or ():  # counted as written (the file is not open yet)
+            self.write(record)
+        if path is not None:
+            self.file = open(path, "a" if kept is not None else "w")
 
     def __call__(self, item: dict) -> None:
         if "started" in item:
