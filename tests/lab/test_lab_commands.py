@@ -22,19 +22,24 @@ TINY = ["--warm-steps", "5", "--d-model", "16", "--n-layer", "1", "--n-head", "2
 COMPARE = ["compare", "--algorithms", "grpo", "--steps", "1", "--seeds", "1", "--workers", "1", *TINY]
 
 
+def _contents(folder: Path) -> dict:
+    """Every file under `folder` (its checkpoints and policies too) by its path there, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def test_an_out_that_holds_a_run_is_refused_and_nothing_is_deleted(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main([*COMPARE, "--out", str(out)]) == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = _contents(out)
     start = time.time()
     assert cli.main([*COMPARE, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"--out {out} already holds " in err and "a run never replaces another" in err and "--overwrite" in err
-    assert time.time() - start < 10 and {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert time.time() - start < 10 and _contents(out) == before
     (out / "notes.txt").write_text("mine")  # --overwrite replaces the lab's files and keeps the others
     assert cli.main([*COMPARE, "--steps", "2", "--out", str(out), "--overwrite"]) == 0
     assert json.loads((out / "config.json").read_text())["base"]["steps"] == 2 and (out / "notes.txt").exists()
-    assert {p.name: p.read_bytes() for p in (out / "replaced").iterdir()} == before  # the earlier run is kept
+    assert _contents(out / "replaced") == before  # the earlier run is kept
     assert f"kept in {out / 'replaced'}" in capsys.readouterr().err
 
 

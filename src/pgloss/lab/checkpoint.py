@@ -22,9 +22,15 @@ from pathlib import Path
 FOLDER = "checkpoints"
 
 
+def run_name(label: str, seed: int) -> str:
+    """A run's name in file names: ``<label>-seed<seed>``, a character other than letters, digits and
+    ``._=+-`` in the label (an algorithm spec) as ``_``. Its checkpoint, policy and logs are named so."""
+    return f"{re.sub(r'[^A-Za-z0-9._=+-]', '_', label)}-seed{seed}"
+
+
 def path(out: Path, label: str, seed: int) -> Path:
     """The checkpoint of the run of `label` (an algorithm spec) from `seed` in the run folder `out`."""
-    return Path(out) / FOLDER / f"{re.sub(r'[^A-Za-z0-9._=+-]', '_', label)}-seed{seed}.pt"
+    return Path(out) / FOLDER / f"{run_name(label, seed)}.pt"
 
 
 def differences(saved: dict, mine: dict, name=str) -> list[str]:

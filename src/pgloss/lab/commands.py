@@ -39,7 +39,8 @@ from .progress import Progress
 from .runner import RL, WARM, Held, Runner, Sink, emit, require_extras, timed_steps
 from .spec import add_algorithms_argument, parse_algorithms
 
-LAB_FILES = ("metrics.jsonl", "config.json", "samples.md", "report.md", "errors.log", "checkpoints")
+LAB_FILES = ("metrics.jsonl", "config.json", "samples.md", "report.md", "errors.log", "checkpoints", "policy.safetensors",
+             "policies", "tensorboard", "wandb")
 
 
 def _failure(err: BaseException, **extra) -> dict:
@@ -58,11 +59,12 @@ def warm_state(cfg: LabConfig, cache: Path | None) -> dict:
         return _failure(err)
 
 
-def run(cfg: LabConfig, warm: dict, checkpoint: Path | None = None) -> dict:
+def run(cfg: LabConfig, warm: dict, checkpoint: Path | None = None, policy_file: Path | None = None) -> dict:
     """One RL run from a warm state (``{}`` when `checkpoint` holds the run to continue): ``{"metrics",
     "samples", "state"}``, or ``{"error", "traceback", "metrics"}`` with the records of the steps it made.
-    Every new step's record is emitted as it is made; `checkpoint` is saved after each."""
-    from . import trainer
+    Every new step's record is emitted as it is made; `checkpoint` is saved after each; the final policy
+    goes to `policy_file` (safetensors, ``lab/policy.py``)."""
+    from . import policy, trainer
 
     records: list[dict] = []
     if "error" in warm:
@@ -75,7 +77,10 @@ def run(cfg: LabConfig, warm: dict, checkpoint: Path | None = None) -> dict:
 
     emit({"started": [cfg.algorithm, cfg.seed]})
     try:
-        return trainer.train(cfg, warm.get("state"), on_step=on_step, checkpoint=checkpoint)
+        result = trainer.train(cfg, warm.get("state"), on_step=on_step, checkpoint=checkpoint)
+        if policy_file is not None:
+            policy.save(result["state"], cfg, policy_file)
+        return result
     except Exception as err:  # noqa: BLE001 (one algorithm failing does not lose the others)
         return _failure(err, metrics=records)
 
@@ -289,7 +294,7 @@ def _summary_line(command: str, runs: list[dict], report: Path, seconds: float, 
 
 def cmd_compare(args) -> int:
     """Train every algorithm of ``--algorithms`` for every seed and write the comparison."""
-    from . import checkpoint, trainer, warm
+    from . import checkpoint, policy, trackers, trainer, warm
 
     start = time.time()
     try:  # every argument is checked before any training
@@ -303,6 +308,7 @@ def cmd_compare(args) -> int:
         for spec in specs:
             trainer.make_algorithm(dataclasses.replace(base, algorithm=spec.label))
         cache = warm.cache_dir(args.warm_cache)
+        report_to = trackers.check(args.report_to)
         seeds = list(range(args.seeds))
         runs = [dataclasses.replace(base, algorithm=s.label, seed=seed) for s in specs for seed in seeds]
         workers = min(args.workers, len(runs))
@@ -322,14 +328,17 @@ def cmd_compare(args) -> int:
     starts = [dataclasses.replace(base, seed=s) for s in seeds
               if any((cfg.algorithm, s) not in resumable for cfg in runs)]  # a seed with a run to start
     cold = sum(not warm.cached(cfg, cache) for cfg in starts)
-    sink = Sink(out / "metrics.jsonl", progress("compare", cold, base, len(runs), workers, len(kept or ())), kept)
+    logs = trackers.Trackers(report_to, out, dataclasses.asdict(base), resumed=args.resume) if report_to else None
+    sink = Sink(out / "metrics.jsonl", progress("compare", cold, base, len(runs), workers, len(kept or ())), kept,
+                logs)
     runner, states, results, interrupted, held = None, {}, {}, False, Held()
     try:
         runner = Runner(workers, sink)
         runner.map(warm_state, [(cfg, cache) for cfg in starts], states)
         states = {cfg.seed: states[i] for i, cfg in enumerate(starts)}
-        runner.map(run, [(cfg, states.get(cfg.seed, {}), checkpoint.path(out, cfg.algorithm, cfg.seed))
-                         for cfg in runs], results, on_done=sink.result)
+        runner.map(run, [(cfg, states.get(cfg.seed, {}), checkpoint.path(out, cfg.algorithm, cfg.seed),
+                          policy.path(out, cfg.algorithm, cfg.seed, single=False)) for cfg in runs],
+                   results, on_done=sink.result)
         held.hold()  # every run has ended: from here a signal waits for the report
     except KeyboardInterrupt:
         held.hold()
@@ -363,7 +372,7 @@ def _conclude(command: str, out: Path, runs: list[dict], config: dict, start: fl
 
 def cmd_train(args) -> int:
     """Train one algorithm (data parallel under torchrun) and write its files."""
-    from . import checkpoint, trainer, warm
+    from . import checkpoint, policy, trackers, trainer, warm
     from . import distributed as dist
 
     start = time.time()
@@ -376,6 +385,7 @@ def cmd_train(args) -> int:
         cfg = config_from_args(args, algorithm=specs[0].label)
         trainer.make_algorithm(cfg)
         cache = warm.cache_dir(args.warm_cache)
+        report_to = trackers.check(args.report_to)
         rank, world = dist.init(cfg.device)
         config = {"command": _command_line(), "versions": versions(), "algorithms": [cfg.algorithm],
                   "seeds": [cfg.seed], "world_size": world, "base": dataclasses.asdict(cfg), "status": "running"}
@@ -397,7 +407,9 @@ def cmd_train(args) -> int:
     if rank == 0:
         _write_config(out, config)
         cold = int(saved is None and not warm.cached(cfg, cache))
-        sink = Sink(out / "metrics.jsonl", progress(f"train {cfg.algorithm}", cold, cfg, 1, 1, len(kept or ())), kept)
+        logs = trackers.Trackers(report_to, out, dataclasses.asdict(cfg), resumed=args.resume) if report_to else None
+        sink = Sink(out / "metrics.jsonl", progress(f"train {cfg.algorithm}", cold, cfg, 1, 1, len(kept or ())), kept,
+                    logs)
     records: list[dict] = []
     held = Held()
 
@@ -414,6 +426,8 @@ def cmd_train(args) -> int:
         timed = timed_steps(sink)  # the first RL step is timed from here, not from before the warm start
         result = trainer.train(cfg, state, on_step=on_step,
                                checkpoint=checkpoint.path(out, cfg.algorithm, cfg.seed) if world == 1 else None)
+        if rank == 0:
+            policy.save(result["state"], cfg, policy.path(out, cfg.algorithm, cfg.seed, single=True))
     except KeyboardInterrupt:
         held.hold()
         interrupted = True
@@ -439,6 +453,9 @@ def _add_run_arguments(parser, default_out: str) -> None:
                                       "taken); an --out that holds files is refused")
     parser.add_argument("--overwrite", action="store_true",
                         help="write over a run in --out, its files kept in --out/replaced (otherwise refused)")
+    parser.add_argument("--report-to", nargs="+", metavar="TRACKER",
+                        help="also log every step's metrics and the run's settings to tensorboard (OUT/tensorboard), "
+                             "wandb (offline unless WANDB_MODE says otherwise) or none (default)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the interrupted run in --out from each run's last finished step (the "
                              "same settings as it; the result is that of a run never stopped)")
