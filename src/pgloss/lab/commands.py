@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args, mismatched
 from .outputs import claim_directory
-from .progress import Progress
+from .progress import Progress, step_costs
 from .runner import RL, WARM, Held, Runner, Sink, emit, require_extras, timed_steps
 from .spec import add_algorithms_argument, parse_algorithms
 
@@ -89,7 +89,7 @@ def progress(desc: str, cold_warm_starts: int, cfg: LabConfig, runs: int, worker
     """The command's one bar: the steps of the warm starts to train (not those in the cache), then
     every run's RL steps (and its final measurement), but the `done` steps a resumed run had made."""
     return Progress(desc, {WARM: (cold_warm_starts * cfg.warm_steps, min(workers, cold_warm_starts)),
-                           RL: (runs * (cfg.steps + 1) - done, min(workers, runs))})
+                           RL: (runs * (cfg.steps + 1) - done, min(workers, runs))}, prior=step_costs(cfg))
 
 
 def prepare_out(out: str | None, default: str, overwrite: bool) -> Path:
