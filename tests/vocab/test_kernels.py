@@ -189,16 +189,16 @@ def test_the_route_is_chosen_by_device_and_refused_where_the_kernels_cannot_run(
     x = make()
     statistic = pgloss.vocab.entropy.LogProbEntropy(x["targets"].reshape(-1))
     kind = pgloss.vocab.chunks.PLAIN
-    head32 = (x["hidden"].float().reshape(-1, 8), x["weight"].float())
+    head32 = x["weight"].float()
     assert kernels.route(statistic, (kind,), head32) == ("kernel" if DEVICE == "cuda" else "torch")
     with kernels.use("torch"):
         assert kernels.route(statistic, (kind,), head32) == "torch"
     with kernels.use("kernel"):
         assert kernels.route(statistic, (kind,), head32) == "kernel"
         with pytest.raises(ValueError, match=r"^the kernel route runs LM-head sources .* in torch.float64"):
-            kernels.route(statistic, (kind,), (x["hidden"].reshape(-1, 8), x["weight"]))
+            kernels.route(statistic, (kind,), x["weight"])
         with pytest.raises(ValueError, match=r"^the kernel route runs LM-head sources .* \('logits',\)"):
-            kernels.route(statistic, ("logits",), (x["hidden"].float().reshape(-1, 8),))
+            kernels.route(statistic, ("logits",), x["hidden"].float().reshape(-1, 8))
         if DEVICE == "cpu":
             monkeypatch.delenv("TRITON_INTERPRET")
             with pytest.raises(RuntimeError, match="^the kernel route on cpu tensors runs only in Triton's interpreter"):
@@ -212,8 +212,8 @@ def test_float64_and_logits_stay_on_the_torch_route_when_automatic():
     """Automatic choice: a float64 head, or given logits, never take the kernel route."""
     x = make()
     statistic = pgloss.vocab.entropy.LogProbEntropy(x["targets"].reshape(-1))
-    assert kernels.route(statistic, (pgloss.vocab.chunks.PLAIN,), (x["hidden"].reshape(-1, 8), x["weight"])) == "torch"
-    assert kernels.route(statistic, ("logits",), (x["hidden"].float().reshape(-1, 8),)) == "torch"
+    assert kernels.route(statistic, (pgloss.vocab.chunks.PLAIN,), x["weight"]) == "torch"
+    assert kernels.route(statistic, ("logits",), x["hidden"].float().reshape(-1, 8)) == "torch"
 
 
 @pytest.mark.parametrize("path", test_fused.PATHS)

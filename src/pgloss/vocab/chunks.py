@@ -340,7 +340,7 @@ class ChunkLoop(torch.autograd.Function):
         dtype = compute_dtype(tensors[1].dtype if head else tensors[0].dtype)
         if not tileable(statistic):  # whole-vocabulary token chunks
             vocab_block = tensors[1].shape[0] if head else tensors[0].shape[1]
-        kernel = route(statistic, kinds, tensors) == "kernel"
+        kernel = route(statistic, kinds, tensors[1] if head else tensors[0]) == "kernel"
         if kernel:  # the statistic's Triton twin, on the heads' raw tiles
             statistic = statistic.kernel()
         sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel)

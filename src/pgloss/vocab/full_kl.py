@@ -314,7 +314,7 @@ def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight
     tokens = hidden.shape[0] * hidden.shape[1]
     tiles = pair_tiles(tokens, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
                        vocab_block=vocab_block, memory_budget=memory_budget, softcap=kinds[0].softcap is not None,
-                       kernel=kernels.route(FullKL, kinds, (weight, weight)) == "kernel")
+                       kernel=kernels.route(FullKL, kinds, weight) == "kernel")
     first = (hidden.reshape(tokens, hidden.shape[-1]), weight, bias)
     second = (other_hidden.detach().reshape(tokens, other_hidden.shape[-1]), other_weight.detach(),
               None if other_bias is None else other_bias.detach())

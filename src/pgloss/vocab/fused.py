@@ -150,7 +150,7 @@ def head_tiles(tokens: int, weight: Tensor, chunk_size: int | None, vocab_block:
     """`plan_tiles` for one LM head like `weight`: on the torch route a logits buffer in the compute dtype, one
     more for the matmul's output in a half-precision head's own dtype, and one for a soft-cap's slope; on the
     kernel route the matmul's output alone."""
-    if route(LogProbEntropy, (kind,), (weight, weight)) == "kernel":
+    if route(LogProbEntropy, (kind,), weight) == "kernel":
         return plan_tiles(tokens, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
                           memory_budget=memory_budget, itemsize=weight.element_size(), kernel=True)
     dtype = compute_dtype(weight.dtype)
@@ -200,7 +200,7 @@ def _loss_one_pass(algorithm, hidden, weight, bias, kind, targets, temperature, 
     dtype = compute_dtype(weight.dtype)
     x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
     statistic = LogProbEntropy(y_all)
-    kernel = route(statistic, (kind,), (x_all, weight)) == "kernel"
+    kernel = route(statistic, (kind,), weight) == "kernel"
     if kernel:  # its Triton twin, on the head's raw tiles
         statistic = statistic.kernel()
     source = HeadRows(x_all, weight.detach(), None if bias is None else bias.detach(), chunk_rows * length, dtype,

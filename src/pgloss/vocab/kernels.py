@@ -45,25 +45,25 @@ def use(which: str):
         _chosen["route"] = before
 
 
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+TRITON = importlib.util.find_spec("triton") is not None  # read once: compiled code reads a constant
 
 
-def route(statistic, kinds, tensors) -> str:
-    """"kernel" or "torch" for a loop of `statistic` over sources of `kinds` (a `chunks.HeadKind` each, or
-    "logits") on `tensors` (the first is the trained model's input). The kernel route needs LM-head sources,
-    a statistic with a kernel twin (its `kernel` method) and a float32 or half-precision head."""
+def route(statistic, kinds, weight: Tensor) -> str:
+    """"kernel" or "torch" for a loop of `statistic` (or its class) over sources of `kinds` (a `chunks.HeadKind`
+    each, or "logits"), the trained model's source defined by `weight` (its LM head; its logits for a logits
+    source): its device and dtype. The kernel route needs LM-head sources, a statistic with a kernel twin (its
+    `kernel` method) and a float32 or half-precision head."""
     chosen = _chosen["route"]
     if chosen == "torch":
         return "torch"
-    device, dtype = tensors[0].device, tensors[1].dtype if len(tensors) > 1 else tensors[0].dtype
+    device, dtype = weight.device, weight.dtype
     possible = (all(kind != "logits" for kind in kinds) and hasattr(statistic, "kernel") and dtype in KERNEL_DTYPES)
     if chosen == "auto":
-        return "kernel" if possible and device.type == "cuda" and triton_installed() else "torch"
+        return "kernel" if possible and device.type == "cuda" and TRITON else "torch"
     if not possible:
         raise ValueError(f"the kernel route runs LM-head sources in float32, bfloat16 or float16 with a statistic "
                          f"that has a kernel twin; got {type(statistic).__name__} on {kinds} in {dtype}")
-    if not triton_installed():
+    if not TRITON:
         raise RuntimeError("the kernel route needs Triton (pip install triton)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"the kernel route on {device.type} tensors runs only in Triton's interpreter: set "
