@@ -191,6 +191,11 @@ def test_the_experiment_resumes_its_own_out_and_refuses_another(tmp_path, capsys
     (out / "experiment.json").write_text(json.dumps({**dataclasses.asdict(experiment), "workers": 2,
                                                      "status": "interrupted"}))
     assert claim_out(str(out), "unused", experiment, overwrite=False) == out  # the same experiment: resumed
+    older = {k: v for k, v in dataclasses.asdict(experiment).items() if k != "target_entropy"}
+    (out / "experiment.json").write_text(json.dumps({**older, "workers": 2, "status": "interrupted"}))
+    assert claim_out(str(out), "unused", experiment, overwrite=False) == out  # saved before the setting existed
+    with pytest.raises(ValueError, match=r"target_entropy None there, 0.3 here"):
+        claim_out(str(out), "unused", dataclasses.replace(experiment, target_entropy=0.3), overwrite=False)
     other = dataclasses.replace(experiment, steps=5)
     with pytest.raises(ValueError, match=r"holds an experiment with other settings \(steps 2 there, 5 here\)"):
         claim_out(str(out), "unused", other, overwrite=False)

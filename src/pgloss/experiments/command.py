@@ -321,7 +321,7 @@ def add_experiment_command(subparsers) -> None:
                         help="length only. steer every algorithm's entropy bonus toward this entropy, nats per token "
                              f"(pgloss.AdaptiveEntropy; default: none, a fixed bonus; --task ladder "
                              f"{EXPERIMENTS['ladder'].target_entropy})")
-    parser.add_argument("--out", help="output folder (default: runs/NAME, with -TASK for length's chain and -quick for "
+    parser.add_argument("--out", help="output folder (default: runs/NAME, with -TASK for length's chain and ladder and -quick for "
                                       "--quick; taken by another experiment: the next free name beside it); the same "
                                       "experiment is resumed")
     parser.add_argument("--overwrite", action="store_true",
