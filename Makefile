@@ -4,12 +4,11 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# The adapters' tests run against the real trainers: TRL 1.16 and verl 0.9.1 in one environment.
-# torch==2.13.0 beside them keeps pip from pulling another torch; verl goes in --no-deps, with
-# what its loss path imports (ray, tensordict, omegaconf, hydra-core, codetiming).
+# The adapters' tests run against the real trainers: TRL 1.16 and verl 0.9.1 in one environment, as a user
+# installs them (pyproject.toml's trl and verl extras own the pins). torch==2.13.0 beside them keeps pip from
+# pulling another torch; verl goes in --no-deps, its extra holding what its loss path imports.
 INTEGRATIONS := $(VENV)/.integrations
-INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"
-VERL_LOSS_DEPS := ray "tensordict>=0.8,<=0.10.0,!=0.9.0" omegaconf hydra-core codetiming
+INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"  # the trl extra's, for the GPU wheels below
 VERL_PIN := "verl>=0.9.1,<0.10"
 
 .PHONY: setup test peers demo list clean bench-gpu gpu-check gpu-wheels
@@ -23,7 +22,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 $(INTEGRATIONS): $(STAMP)
-	$(PY) -m pip install --quiet torch==2.13.0 -e ".[dev,trl]" $(INTEGRATION_PINS) $(VERL_LOSS_DEPS)
+	$(PY) -m pip install --quiet torch==2.13.0 -e ".[dev,trl,verl]"
 	$(PY) -m pip install --quiet --no-deps $(VERL_PIN)
 	touch $(INTEGRATIONS)
 

@@ -42,6 +42,16 @@ def test_register_adds_a_name_that_works_everywhere(registered):
     assert torch.equal(alg(*args).loss, reference(*args).loss)
 
 
+def test_register_takes_a_family_by_the_name_pgloss_list_prints(registered):
+    pgloss.register("dapo_named", "ClippedPolicy", clip_high=0.35)
+    registered.append("dapo_named")
+    assert NAMED["dapo_named"][0] is ClippedPolicy and pgloss.get("dapo_named").clip_high == 0.35
+    with pytest.raises(ValueError, match=r"^family 'ClipedPolicy' is not a registered family \(did you mean "
+                                         r"'ClippedPolicy'\?\); families: ClippedPolicy, "):
+        pgloss.register("mine", "ClipedPolicy")
+    assert "mine" not in pgloss.names()
+
+
 def test_register_refuses_duplicates_bad_families_and_unknown_hyperparameters(registered):
     with pytest.raises(ValueError, match="'grpo' is already registered; taken names: ppo, dual_clip_ppo"):
         pgloss.register("grpo", ClippedPolicy)

@@ -149,9 +149,10 @@ def _check_hyperparameters(name: str, family: type[Algorithm], values: dict[str,
                         f"valid: {', '.join(sorted(_valid_fields(family)))}")
 
 
-def register(name: str, family: type[Algorithm], *, source: str = "user-registered", recipe: Recipe | None = None,
-             **defaults: Any) -> None:
-    """Add `name`: `family` (an `Algorithm` subclass) with `defaults` over the family's own.
+def register(name: str, family: type[Algorithm] | str, *, source: str = "user-registered",
+             recipe: Recipe | None = None, **defaults: Any) -> None:
+    """Add `name`: `family` (an `Algorithm` subclass, or the name of a registered family as `pgloss list` prints
+    it, e.g. "ClippedPolicy") with `defaults` over the family's own.
 
     Refuses a name already taken (ValueError, listing the taken names), a family that is not an
     `Algorithm` subclass (TypeError) and an unknown hyperparameter (TypeError naming it); values
@@ -166,6 +167,12 @@ def register(name: str, family: type[Algorithm], *, source: str = "user-register
         raise ValueError(f"name must be an identifier-like string, got {name!r}")
     if name in NAMED:
         raise ValueError(f"algorithm {name!r} is already registered; taken names: {', '.join(NAMED)}")
+    if isinstance(family, str):
+        classes = {cls.__name__: cls for cls, _ in NAMED.values()}
+        if family not in classes:
+            raise ValueError(f"family {family!r} is not a registered family{closest(family, classes)}; "
+                             f"families: {', '.join(classes)}")
+        family = classes[family]
     if not (isinstance(family, type) and issubclass(family, Algorithm)) or family is Algorithm:
         raise TypeError(f"family must be a subclass of pgloss.Algorithm, got {family!r}")
     if not isinstance(source, str):

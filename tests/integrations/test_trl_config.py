@@ -189,3 +189,30 @@ def test_vespo_folds_trls_bounded_rollout_ratio_under_vllm_importance_sampling()
     assert pgloss.from_trl(config()).vespo_rollout_mode == "raw"
     with pytest.raises(ValueError, match="token_truncate' or 'token_mask'"):
         pgloss.from_trl(config(use_vllm=True))  # TRL's default sequence_mask: TRL refuses it for VESPO too
+
+
+def test_grpo_options_hold_trl_s_defaults():
+    """`from_trl(dict)` fills what the dict leaves out from `GRPOOptions`: each of its defaults is the installed
+    TRL's, and it names every GRPOConfig option pgloss reads."""
+    from pgloss.integrations.trl_config import GRPOOptions
+
+    theirs = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for field in dataclasses.fields(GRPOOptions):
+        assert field.name in theirs and field.default == theirs[field.name], field.name
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="dapo", epsilon_high=0.28), dict(loss_type="grpo", beta=0.04),
+                                     dict(loss_type="cispo", epsilon_high=5.0, max_completion_length=64),
+                                     dict(loss_type="bnpo", vllm_importance_sampling_mode="token_truncate")])
+def test_from_trl_takes_a_dict_of_options_as_the_config(options):
+    """A dict of GRPOConfig options is the config with TRL's defaults for the rest (the issue's
+    `from_trl(dict(loss_type="dapo", epsilon_high=0.28))` raised AttributeError), GRPOConfig.to_dict() too."""
+    full = GRPOConfig(output_dir="unused", report_to=[], use_cpu=True, **options)
+    assert pgloss.from_trl(options) == pgloss.from_trl(full)
+    assert pgloss.from_trl(full.to_dict()) == pgloss.from_trl(full)
+
+
+def test_from_trl_refuses_a_misspelt_option_in_a_dict():
+    with pytest.raises(ValueError, match=r"^TRL's GRPOConfig: 'epsilon_hgh' is not an option \(did you mean "
+                                         r"'epsilon_high'\?\)"):
+        pgloss.from_trl(dict(loss_type="dapo", epsilon_hgh=0.28))

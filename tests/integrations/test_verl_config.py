@@ -183,7 +183,7 @@ def test_a_name_registered_with_its_own_default_is_read_by_from_verl(registered)
     (dict(loss_mode="my_loss"), "policy_loss.loss_mode 'my_loss' has no pgloss equivalent"),
     (dict(loss_mode="vanilla", loss_agg_mode="seq-mean-token-sum-norm"), "needs actor.loss_scale_factor"),
     (dict(loss_mode="vanilla", use_kl_loss=True, kl_loss_type="full"), "kl_loss_type 'full' is not implemented"),
-    (dict(loss_mode="vanilla", use_kl_loss=True, kl_loss_type="k9"), "kl_estimator must be one of"),
+    (dict(loss_mode="vanilla", use_kl_loss=True, kl_loss_type="k9"), "kl_loss_type='k9' is not one of verl's KL types"),
     (dict(loss_mode="sapo", entropy_coeff=0.01), "set loss_agg_mode='seq-mean-token-mean'"),
     (dict(loss_mode="gspo", clip_ratio_c=0.5), None),  # clip_ratio_c applies to dual-clip losses only
     (dict(loss_mode="vanilla", clip_ratio_c=0.5), "dual_clip must be > 1"),
@@ -307,3 +307,28 @@ def test_policy_only_drops_verl_s_own_terms():
     full, policy = algorithm_from_verl(cfg), algorithm_from_verl(cfg, policy_only=True)
     assert (full.kl_coef, full.entropy_coef, full.kl_estimator) == (0.5, 0.1, "k3")
     assert (policy.kl_coef, policy.entropy_coef) == (0.0, 0.0)
+
+
+def test_a_dict_config_s_misspelt_key_is_refused_not_ignored():
+    """`clip_ratio_hgh` used to give clip_high 0.2 silently; now it is named with the key it misspells. A full
+    verl config as a dict (every field of ActorConfig and PolicyLossConfig, with its real neighbours of the keys
+    pgloss reads) is no typo."""
+    with pytest.raises(ValueError, match=r"^verl's actor config: 'clip_ratio_hgh' is not an option \(did you mean "
+                                         r"'clip_ratio_high'\?\)"):
+        pgloss.from_verl(dict(clip_ratio_hgh=0.3, policy_loss=dict(loss_mode="vanilla")))
+    with pytest.raises(ValueError, match=r"^verl's policy_loss config: 'loss_mod' is not an option \(did you mean "
+                                         r"'loss_mode'\?\)"):
+        pgloss.from_verl(omegaconf.OmegaConf.create(dict(policy_loss=dict(loss_mod="vanilla"))))
+    full = config(clip_ratio_high=0.28)
+    assert pgloss.from_verl(dataclasses.asdict(full)) == pgloss.from_verl(full)
+    from pgloss.integrations.verl_config import READ_KEYS
+
+    fields = {f.name for f in dataclasses.fields(ActorConfig)}
+    assert set(READ_KEYS["actor"]) <= fields and set(READ_KEYS["policy_loss"]) <= {
+        f.name for f in dataclasses.fields(PolicyLossConfig)}
+
+
+def test_an_unknown_kl_loss_type_is_named_in_verl_s_words():
+    with pytest.raises(ValueError, match=r"^kl_loss_type='low_var_kll' is not one of verl's KL types .*"
+                                         r"\(did you mean 'low_var_kl'\?\)"):
+        pgloss.from_verl(dict(use_kl_loss=True, kl_loss_type="low_var_kll", policy_loss=dict(loss_mode="vanilla")))

@@ -97,14 +97,14 @@ def test_out_that_is_a_file_and_cuda_without_a_gpu_fail_at_once(tmp_path, capsys
 def test_a_failing_run_keeps_the_others(tmp_path, monkeypatch, capsys):
     real = trainer.train
 
-    def flaky(cfg, warm_state=None, on_step=None):
+    def flaky(cfg, warm_state=None, on_step=None, **kwargs):
         if not cfg.algorithm.startswith("dapo"):
-            return real(cfg, warm_state, on_step)
+            return real(cfg, warm_state, on_step, **kwargs)
 
         def fail_after_first(record):
             on_step(record)
             raise RuntimeError("boom after one step")
-        return real(cfg, warm_state, fail_after_first)
+        return real(cfg, warm_state, fail_after_first, **kwargs)
 
     monkeypatch.setattr(trainer, "train", flaky)
     out = tmp_path / "run"

@@ -68,3 +68,37 @@ def closest(name: object, valid) -> str:
 
     match = difflib.get_close_matches(str(name), list(valid), n=1) if isinstance(name, str) else []
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def edits(a: str, b: str) -> int:
+    """The Levenshtein distance: the fewest insertions, deletions and substitutions that make `a` into `b`."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (x != y))
+    return row[-1]
+
+
+def misspelt(given, known) -> list[tuple[str, str]]:
+    """(key, the name it misspells) for each key of `given` that is not in `known` but a typo away from one (one
+    edit, two for a name of 10 characters or more): a trainer's config as a dict holds keys pgloss does not read
+    (TRL's `vllm_importance_sampling_cap` beside `..._clip_max`), so an unknown key is refused only where it is a
+    slip of one pgloss reads (`clip_ratio_hgh`), never silently ignored."""
+    known = list(known)
+    found = []
+    for key in given:
+        if isinstance(key, str) and key not in known and known:
+            match = min(known, key=lambda name: edits(key, name))
+            if edits(key, match) <= 1 + (len(match) >= 10):
+                found.append((key, match))
+    return found
+
+
+def refuse_misspelt(given, known, where: str) -> None:
+    """A ValueError naming every misspelt key of `given` (`misspelt`) and the name it misspells."""
+    found = misspelt(given, known)
+    if found:
+        raise ValueError(f"{where}: " + "; ".join(f"{key!r} is not an option (did you mean {match!r}?)"
+                                                   for key, match in found))
+

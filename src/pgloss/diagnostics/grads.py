@@ -1,6 +1,6 @@
 """``pgloss grads``: draw how much gradient each token and each sequence gets from chosen losses.
 
-For one batch (synthetic, or a saved one) and each algorithm, `gradient_table` computes with
+For one batch (synthetic, a saved one, or one sampled by a trained lab policy: ``--policy RUN``) and each algorithm, `gradient_table` computes with
 `pgloss.diagnostics.inspect` the per-token gradient g_{i,t} = ∂L/∂log π(y_{i,t}) of the policy term, scaled by
 the number of sequences N so that every aggregation is on one scale (at ratio one, g·N is -Â for
 every token of Dr.GRPO-like sums with C = 1, -Â/|y_i| for GRPO, -Â·N/N_tok for token-mean). The
@@ -211,8 +211,15 @@ def cmd_grads(args) -> int:
     try:  # every argument is checked before any work
         require_extras()
         names = [spec.label for spec in parse_algorithms(args.algorithms)]
-        batch = load_batch(args.batch) if args.batch else synthetic_batch(spread=args.spread, seed=args.seed,
-                                                                           max_length=args.max_length)
+        if args.batch and args.policy:
+            raise ValueError("--batch and --policy are two sources of the batch: give one of them")
+        if args.policy:
+            from ..lab.policy import batch as policy_batch
+
+            batch = policy_batch(args.policy, prompts=args.prompts, seed=args.seed)
+        else:
+            batch = load_batch(args.batch) if args.batch else synthetic_batch(spread=args.spread, seed=args.seed,
+                                                                               max_length=args.max_length)
         table = gradient_table(names, batch)
         out = claim_file(args.out, "runs/grads.png", args.overwrite)
     except (ValueError, TypeError, FileNotFoundError) as err:
@@ -231,10 +238,15 @@ def add_grads_command(subparsers) -> None:
     add_algorithms_argument(parser, DEFAULT_ALGORITHMS)
     parser.add_argument("--batch", help="a saved batch (torch.save of a dict with log_prob, old_log_prob, "
                                         "advantages, mask); default: a synthetic batch")
+    parser.add_argument("--policy", metavar="RUN",
+                        help="a batch sampled by a trained lab policy: a pgloss train folder (its policy.safetensors), "
+                             "or a policy file of a compare folder (policies/<algorithm>-seed<seed>.safetensors)")
+    parser.add_argument("--prompts", type=int, default=8, help="--policy: prompts sampled, each the run's group size "
+                                                                 "of times (default 8)")
     parser.add_argument("--spread", type=float, default=0.0,
                         help="synthetic batch: std of log π - log π_old (default 0: ratio one, the on-policy step)")
     parser.add_argument("--max-length", type=int, default=128, help="synthetic batch: longest response (default 128)")
-    parser.add_argument("--seed", type=int, default=0, help="synthetic batch: seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch, or of --policy's prompts and sampling (default 0)")
     parser.add_argument("--out", help="the figure's path (default: runs/grads.png, or runs/grads-2.png, ... when "
                                       "taken); an --out that exists is refused")
     parser.add_argument("--overwrite", action="store_true", help="write over the figure at --out, the earlier one kept as <name>.replaced.png")

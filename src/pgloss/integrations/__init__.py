@@ -1,9 +1,9 @@
 """Adapters that put pgloss's losses inside the trainers people already run.
 
 - `pgloss.integrations.trl`: `PGLossGRPOTrainer` and `PGLossMixin` for TRL's GRPOTrainer
-  (extra `pgloss[trl]`).
+  (extra `trl`: `pip install -e '.[trl]'`).
 - `pgloss.integrations.verl`: registers `pgloss_<name>` into verl's policy-loss registry
-  (extra `pgloss[verl]`; loaded by a bare `import verl` through the `verl.plugins` entry point).
+  (extra `verl`, then verl with `--no-deps`; loaded by a bare `import verl` through the `verl.plugins` entry point).
 
 Neither is imported by `import pgloss`. An adapter maps a trainer's inputs and counts onto
 `Algorithm.__call__` / `Algorithm.from_hidden` and a `Normalizer`, and adds no loss math of its

@@ -79,7 +79,7 @@ try:
     from trl.trainer.utils import get_config_model_id
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 except ImportError as error:  # pragma: no cover - exercised without the extra
-    raise ImportError("pgloss.integrations.trl needs TRL: pip install 'pgloss[trl]'") from error
+    raise ImportError("pgloss.integrations.trl needs TRL: pip install -e '.[trl]' in a clone of pgloss") from error
 
 if trl.__version__ not in SpecifierSet(",".join(SUPPORTED)):
     raise ImportError(f"pgloss.integrations.trl supports trl {','.join(SUPPORTED)}, found trl {trl.__version__}")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from ..algorithms import NAMED, Algorithm, get
@@ -42,9 +43,9 @@ from ..losses.ppo import ClippedPolicy
 from ..losses.sapo import SAPO
 from ..losses.vespo import VESPO
 from ..correction.rollout import RolloutCorrection
-from ..core.trainer_names import FIELDS
+from ..core.trainer_names import FIELDS, refuse_misspelt
 
-__all__ = ["LOSS_TYPES", "adaptive_entropy", "from_trl", "rollout_correction", "trainer_algorithm"]
+__all__ = ["LOSS_TYPES", "GRPOOptions", "adaptive_entropy", "from_trl", "rollout_correction", "trainer_algorithm"]
 
 _log = logging.getLogger(__name__)
 
@@ -58,6 +59,51 @@ _LOSS_OPTIONS = ("epsilon", "epsilon_high", "delta", "importance_sampling_level"
 _ROLLOUT_OPTIONS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
                     "vllm_importance_sampling_clip_max", "off_policy_mask_threshold")
 _IS_LEVELS = {"token": "token", "sequence": "sequence_product"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOOptions:
+    """The options of TRL 1.16's `GRPOConfig` that pgloss reads, at TRL's defaults: what `from_trl` makes of a
+    dict (tests/integrations/test_trl_config.py holds every default against the installed TRL's)."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True
+    entropy_coef: float = 0.0
+    max_completion_length: int | None = 512
+    use_vllm: bool = False
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_max: float = 3.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    use_adaptive_entropy: bool = False
+    entropy_target: float = 0.2
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+
+
+def grpo_options(config: Any) -> Any:
+    """A `GRPOConfig` as it is; a dict (e.g. `GRPOConfig.to_dict()`, or the few options one sets) as
+    `GRPOOptions` with TRL's defaults for what it leaves out. A key that misspells an option pgloss reads is
+    refused, naming the option; other keys (TrainingArguments') are not pgloss's to read."""
+    if not isinstance(config, Mapping):
+        return config
+    names = [f.name for f in dataclasses.fields(GRPOOptions)]
+    refuse_misspelt(config, names, "TRL's GRPOConfig")
+    return GRPOOptions(**{key: value for key, value in config.items() if key in names})
 
 
 def _ours(option: str) -> str:
@@ -192,7 +238,10 @@ def from_trl(config: Any, *, entropy_mask_applied: bool = False, entropy_control
     (its `algorithm(...)` sets each step's `entropy_coef`, the adapter does) and pass
     `entropy_controlled=True`; without it such a config is refused. The returned `entropy_coef` is then
     the controller's initial coefficient.
+
+    `config`: a `GRPOConfig`, or a dict of its options (`grpo_options`: TRL's defaults for the rest).
     """
+    config = grpo_options(config)
     problems = _unexpressible(config, entropy_controlled)
     if config.top_entropy_quantile < 1 and not entropy_mask_applied:
         problems.append(f"top_entropy_quantile={config.top_entropy_quantile} is a token mask, not a field of the "

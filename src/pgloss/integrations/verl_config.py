@@ -26,11 +26,12 @@ same values are used here. Options pgloss cannot compute are refused by name (Va
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from ..algorithms import NAMED, Algorithm, get, names
 from ..correction.rollout import Rejection, RolloutCorrection
-from ..core.trainer_names import translate_value
+from ..core.trainer_names import VALUES, closest, refuse_misspelt, translate_value
 
 __all__ = ["LOSS_MODES", "PREFIX", "VARIANTS", "algorithm_from_verl", "config_get", "from_verl", "rollout_correction_from_verl"]
 
@@ -72,6 +73,12 @@ POLICY_LOSS_FIELDS = ("dro_beta", "ppo_kl_coef", "kl_cov_ratio", "clip_cov_ratio
 VERL_FALLBACKS = {"ppo_kl_coef": 1.0, "kl_cov_ratio": 2e-4, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0,
                   "clip_cov_ub": 5.0}
 """What verl's loss uses when the policy_loss field is None (`dro_beta` has none: verl refuses)."""
+
+READ_KEYS = {"actor": (*ACTOR_FIELDS, "clip_ratio", "loss_agg_mode", "loss_scale_factor", "use_kl_loss", "kl_loss_coef",
+                       "kl_loss_type", "entropy_coeff", "policy_loss"),
+             "policy_loss": ("loss_mode", "rollout_correction", *POLICY_LOSS_FIELDS)}
+"""The keys of verl's actor config and of its `policy_loss` that pgloss reads: a dict's key a typo away from one
+of them is refused (`trainer_names.misspelt`), not ignored."""
 
 ACTOR_FALLBACKS = {"truncation": 20.0}
 """What verl's loss uses when the actor field is absent (a dict-like config): dppo's `clip_ratio_c` 20."""
@@ -215,6 +222,9 @@ def algorithm_from_verl(
     """
     verl_native = name is None and algorithm is None
     policy = config_get(config, "policy_loss", None)
+    for part, where in ((config, "actor"), (policy, "policy_loss")):
+        if isinstance(part, Mapping) and not dataclasses.is_dataclass(part):  # a user's dict or DictConfig
+            refuse_misspelt(part, READ_KEYS[where], f"verl's {where} config")
     mode = config_get(policy, "loss_mode", "vanilla") or "vanilla"
     correction_config = config_get(policy, "rollout_correction", None) if mode == "bypass_mode" else None
     if rollout_correction is not None and name is None and algorithm is None:
@@ -287,6 +297,11 @@ def algorithm_from_verl(
     else:
         if config_get(config, "use_kl_loss", False):
             kind = config_get(config, "kl_loss_type", "low_var_kl")
+            verl_kinds = (*VALUES["kl_estimator"], *(k + plus for k in ("k1", "k2", "k3", "abs") for plus in ("", "+")),
+                          "full")
+            if kind not in verl_kinds:
+                raise ValueError(f"kl_loss_type={kind!r} is not one of verl's KL types {verl_kinds}"
+                                 f"{closest(kind, verl_kinds)}")
             estimator = translate_value("kl_estimator", kind)
             if estimator == "full":
                 raise ValueError("kl_loss_type 'full' is not implemented by verl 0.9.1 (NotImplementedError); for the "

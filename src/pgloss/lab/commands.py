@@ -13,6 +13,11 @@ within seconds, writing the report and plots of the runs that finished (exit sta
 training is over, a signal no longer stops anything: the report is written in full first
 (``runner.Held``). ``pgloss report RUN_DIR`` writes the report and plots again from what a run saved
 (``rebuild``).
+
+Every run saves a checkpoint after each step (``lab/checkpoint.py``, in ``OUT/checkpoints``);
+``--resume --out OUT`` continues an interrupted run (or comparison) from there, each run from its last
+finished step, and gives the metrics and policy of a run never stopped. It refuses other settings than
+the run's, naming them (``resume_folder``).
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ from pathlib import Path
 
 from .config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args, mismatched
 from .outputs import claim_directory
-from .progress import Progress
+from .progress import Progress, step_costs
 from .runner import RL, WARM, Held, Runner, Sink, emit, require_extras, timed_steps
 from .spec import add_algorithms_argument, parse_algorithms
 
-LAB_FILES = ("metrics.jsonl", "config.json", "samples.md", "report.md", "errors.log")
+LAB_FILES = ("metrics.jsonl", "config.json", "samples.md", "report.md", "errors.log", "checkpoints", "policy.safetensors",
+             "policies", "tensorboard", "wandb")
 
 
 def _failure(err: BaseException, **extra) -> dict:
@@ -53,10 +59,12 @@ def warm_state(cfg: LabConfig, cache: Path | None) -> dict:
         return _failure(err)
 
 
-def run(cfg: LabConfig, warm: dict) -> dict:
-    """One RL run from a warm state: ``{"metrics", "samples"}``, or ``{"error", "traceback", "metrics"}``
-    with the records of the steps it made. Every step's record is emitted as it is made."""
-    from . import trainer
+def run(cfg: LabConfig, warm: dict, checkpoint: Path | None = None, policy_file: Path | None = None) -> dict:
+    """One RL run from a warm state (``{}`` when `checkpoint` holds the run to continue): ``{"metrics",
+    "samples", "state"}``, or ``{"error", "traceback", "metrics"}`` with the records of the steps it made.
+    Every new step's record is emitted as it is made; `checkpoint` is saved after each; the final policy
+    goes to `policy_file` (safetensors, ``lab/policy.py``)."""
+    from . import policy, trainer
 
     records: list[dict] = []
     if "error" in warm:
@@ -69,16 +77,19 @@ def run(cfg: LabConfig, warm: dict) -> dict:
 
     emit({"started": [cfg.algorithm, cfg.seed]})
     try:
-        return trainer.train(cfg, warm["state"], on_step=on_step)
+        result = trainer.train(cfg, warm.get("state"), on_step=on_step, checkpoint=checkpoint)
+        if policy_file is not None:
+            policy.save(result["state"], cfg, policy_file)
+        return result
     except Exception as err:  # noqa: BLE001 (one algorithm failing does not lose the others)
         return _failure(err, metrics=records)
 
 
-def progress(desc: str, cold_warm_starts: int, cfg: LabConfig, runs: int, workers: int) -> Progress:
+def progress(desc: str, cold_warm_starts: int, cfg: LabConfig, runs: int, workers: int, done: int = 0) -> Progress:
     """The command's one bar: the steps of the warm starts to train (not those in the cache), then
-    every run's RL steps (and its final measurement)."""
+    every run's RL steps (and its final measurement), but the `done` steps a resumed run had made."""
     return Progress(desc, {WARM: (cold_warm_starts * cfg.warm_steps, min(workers, cold_warm_starts)),
-                           RL: (runs * (cfg.steps + 1), min(workers, runs))})
+                           RL: (runs * (cfg.steps + 1) - done, min(workers, runs))}, prior=step_costs(cfg))
 
 
 def prepare_out(out: str | None, default: str, overwrite: bool) -> Path:
@@ -88,6 +99,55 @@ def prepare_out(out: str | None, default: str, overwrite: bool) -> Path:
 
     own = [*LAB_FILES, *(f"{n}.png" for n in plot_names(mismatch=True))]
     return claim_directory(out, default, overwrite, own)
+
+
+def _settings(config: dict) -> dict:
+    """What makes a run itself, as config.json holds it: every LabConfig field, the algorithms and seeds."""
+    return json.loads(json.dumps({**config["base"], "algorithms": config["algorithms"], "seeds": config["seeds"]}))
+
+
+def resume_folder(args, command: str, config: dict) -> dict:
+    """``--resume``: the config.json of the run in ``--out`` that `config` (this command's) continues,
+    marked as resumed by this command line. ValueError when there is no --out, no unfinished run of
+    `command` there, or one of other settings (each named with its flag and both values)."""
+    from .checkpoint import differences
+
+    if args.out is None:
+        raise ValueError(f"--resume: give --out, the folder of the interrupted pgloss {command} run to continue")
+    if args.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite replaces it: give one of them")
+    out = Path(args.out)
+    try:
+        saved = json.loads((out / "config.json").read_text())
+        _settings(saved)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"--resume: {out} holds no pgloss {command} run to continue ({err})") from None
+    if not saved.get("command", "").startswith(f"pgloss {command}"):
+        raise ValueError(f"--resume: {out} holds a run of {saved.get('command')!r}, not of pgloss {command}")
+    if saved.get("status") == "finished":
+        raise ValueError(f"--resume: the run in {out} is finished, nothing to continue (pgloss report {out} "
+                         "writes its report again)")
+    differ = differences(_settings(saved), _settings(config), name=lambda k: "--" + k.replace("_", "-"))
+    if differ:
+        raise ValueError(f"--resume: the run in {out} has other settings ({'; '.join(differ)}); give the same "
+                         "settings, or a new --out")
+    return {**saved, "status": "running", "versions": config["versions"],
+            "resumed": [*saved.get("resumed", []), config["command"]],
+            **({"workers": config["workers"]} if "workers" in config else {})}
+
+
+def kept_records(out: Path, runs: list[LabConfig]) -> tuple[list[dict], set[tuple]]:
+    """The records of each run's checkpoint in `out` (those a resumed run keeps) and the (algorithm, seed)
+    of the runs that have one. ValueError when a checkpoint belongs to other settings."""
+    from . import checkpoint
+
+    kept, resumable = [], set()
+    for cfg in runs:
+        saved = checkpoint.load(checkpoint.path(out, cfg.algorithm, cfg.seed), cfg)
+        if saved is not None:
+            kept += saved["metrics"]
+            resumable.add((cfg.algorithm, cfg.seed))
+    return kept, resumable
 
 
 def _git_version() -> str | None:
@@ -234,7 +294,7 @@ def _summary_line(command: str, runs: list[dict], report: Path, seconds: float, 
 
 def cmd_compare(args) -> int:
     """Train every algorithm of ``--algorithms`` for every seed and write the comparison."""
-    from . import trainer, warm
+    from . import checkpoint, policy, trackers, trainer, warm
 
     start = time.time()
     try:  # every argument is checked before any training
@@ -248,24 +308,37 @@ def cmd_compare(args) -> int:
         for spec in specs:
             trainer.make_algorithm(dataclasses.replace(base, algorithm=spec.label))
         cache = warm.cache_dir(args.warm_cache)
-        out = prepare_out(args.out, "runs/compare", args.overwrite)
+        report_to = trackers.check(args.report_to)
+        seeds = list(range(args.seeds))
+        runs = [dataclasses.replace(base, algorithm=s.label, seed=seed) for s in specs for seed in seeds]
+        workers = min(args.workers, len(runs))
+        config = {"command": _command_line(), "versions": versions(), "algorithms": [s.label for s in specs],
+                  "seeds": seeds, "workers": workers, "base": dataclasses.asdict(base), "status": "running"}
+        kept, resumable = None, set()
+        if args.resume:
+            config = resume_folder(args, "compare", config)
+            out = Path(args.out)
+            kept, resumable = kept_records(out, runs)
+        else:
+            out = prepare_out(args.out, "runs/compare", args.overwrite)
     except (ValueError, TypeError) as err:
         print(f"pgloss compare: {err}", file=sys.stderr)
         return 2
-    seeds = list(range(args.seeds))
-    runs = [dataclasses.replace(base, algorithm=s.label, seed=seed) for s in specs for seed in seeds]
-    workers = min(args.workers, len(runs))
-    config = {"command": _command_line(), "versions": versions(), "algorithms": [s.label for s in specs],
-              "seeds": seeds, "workers": workers, "base": dataclasses.asdict(base), "status": "running"}
     _write_config(out, config)
-    starts = [dataclasses.replace(base, seed=s) for s in seeds]
+    starts = [dataclasses.replace(base, seed=s) for s in seeds
+              if any((cfg.algorithm, s) not in resumable for cfg in runs)]  # a seed with a run to start
     cold = sum(not warm.cached(cfg, cache) for cfg in starts)
-    sink = Sink(out / "metrics.jsonl", progress("compare", cold, base, len(runs), workers))
+    logs = trackers.Trackers(report_to, out, dataclasses.asdict(base), resumed=args.resume) if report_to else None
+    sink = Sink(out / "metrics.jsonl", progress("compare", cold, base, len(runs), workers, len(kept or ())), kept,
+                logs)
     runner, states, results, interrupted, held = None, {}, {}, False, Held()
     try:
         runner = Runner(workers, sink)
         runner.map(warm_state, [(cfg, cache) for cfg in starts], states)
-        runner.map(run, [(cfg, states[cfg.seed]) for cfg in runs], results, on_done=sink.result)
+        states = {cfg.seed: states[i] for i, cfg in enumerate(starts)}
+        runner.map(run, [(cfg, states.get(cfg.seed, {}), checkpoint.path(out, cfg.algorithm, cfg.seed),
+                          policy.path(out, cfg.algorithm, cfg.seed, single=False)) for cfg in runs],
+                   results, on_done=sink.result)
         held.hold()  # every run has ended: from here a signal waits for the report
     except KeyboardInterrupt:
         held.hold()
@@ -299,8 +372,8 @@ def _conclude(command: str, out: Path, runs: list[dict], config: dict, start: fl
 
 def cmd_train(args) -> int:
     """Train one algorithm (data parallel under torchrun) and write its files."""
+    from . import checkpoint, policy, trackers, trainer, warm
     from . import distributed as dist
-    from . import trainer, warm
 
     start = time.time()
     try:
@@ -312,18 +385,31 @@ def cmd_train(args) -> int:
         cfg = config_from_args(args, algorithm=specs[0].label)
         trainer.make_algorithm(cfg)
         cache = warm.cache_dir(args.warm_cache)
+        report_to = trackers.check(args.report_to)
         rank, world = dist.init(cfg.device)
-        out = prepare_out(args.out, "runs/train", args.overwrite) if rank == 0 else None
+        config = {"command": _command_line(), "versions": versions(), "algorithms": [cfg.algorithm],
+                  "seeds": [cfg.seed], "world_size": world, "base": dataclasses.asdict(cfg), "status": "running"}
+        kept, out, saved = None, None, None
+        if args.resume and world > 1:
+            raise ValueError("--resume: a run under torchrun keeps no checkpoint (each rank samples with its own "
+                             "generator); resume a single-process run")
+        if args.resume:
+            config = {**resume_folder(args, "train", config), "world_size": world}
+            out = Path(args.out)
+            kept, resumable = kept_records(out, [cfg])
+            saved = checkpoint.path(out, cfg.algorithm, cfg.seed) if resumable else None
+        elif rank == 0:
+            out = prepare_out(args.out, "runs/train", args.overwrite)
     except (ValueError, TypeError) as err:
         print(f"pgloss train: {err}", file=sys.stderr)
         return 2
-    config = {"command": _command_line(), "versions": versions(), "algorithms": [cfg.algorithm], "seeds": [cfg.seed],
-              "world_size": world, "base": dataclasses.asdict(cfg), "status": "running"}
     sink = Sink(None)
     if rank == 0:
         _write_config(out, config)
-        sink = Sink(out / "metrics.jsonl", progress(f"train {cfg.algorithm}", int(not warm.cached(cfg, cache)), cfg,
-                                                     1, 1))
+        cold = int(saved is None and not warm.cached(cfg, cache))
+        logs = trackers.Trackers(report_to, out, dataclasses.asdict(cfg), resumed=args.resume) if report_to else None
+        sink = Sink(out / "metrics.jsonl", progress(f"train {cfg.algorithm}", cold, cfg, 1, 1, len(kept or ())), kept,
+                    logs)
     records: list[dict] = []
     held = Held()
 
@@ -335,9 +421,13 @@ def cmd_train(args) -> int:
 
     result, interrupted = None, False
     try:
-        state = warm.state(cfg, cache, on_steps=lambda steps, seconds: sink({"warm": steps, "seconds": seconds}))
+        state = None if saved is not None else warm.state(
+            cfg, cache, on_steps=lambda steps, seconds: sink({"warm": steps, "seconds": seconds}))
         timed = timed_steps(sink)  # the first RL step is timed from here, not from before the warm start
-        result = trainer.train(cfg, state, on_step=on_step)
+        result = trainer.train(cfg, state, on_step=on_step,
+                               checkpoint=checkpoint.path(out, cfg.algorithm, cfg.seed) if world == 1 else None)
+        if rank == 0:
+            policy.save(result["state"], cfg, policy.path(out, cfg.algorithm, cfg.seed, single=True))
     except KeyboardInterrupt:
         held.hold()
         interrupted = True
@@ -363,6 +453,12 @@ def _add_run_arguments(parser, default_out: str) -> None:
                                       "taken); an --out that holds files is refused")
     parser.add_argument("--overwrite", action="store_true",
                         help="write over a run in --out, its files kept in --out/replaced (otherwise refused)")
+    parser.add_argument("--report-to", nargs="+", metavar="TRACKER",
+                        help="also log every step's metrics and the run's settings to tensorboard (OUT/tensorboard), "
+                             "wandb (offline unless WANDB_MODE says otherwise) or none (default)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the interrupted run in --out from each run's last finished step (the "
+                             "same settings as it; the result is that of a run never stopped)")
     parser.add_argument("--warm-cache", metavar="DIR",
                         help="where warm starts are cached, keyed by their settings, torch and the lab's code "
                              "(default: $XDG_CACHE_HOME/pgloss/warm or ~/.cache/pgloss/warm; none: no cache)")

@@ -104,10 +104,11 @@ def require_extras() -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot  # noqa: F401
+        import safetensors.torch  # noqa: F401 (the trained policy's file)
         import tqdm  # noqa: F401
     except ImportError as err:
-        raise ValueError(f"this command needs matplotlib and tqdm ({err}); install them with "
-                         "pip install 'pgloss[lab]'") from None
+        raise ValueError(f"this command needs matplotlib, tqdm and safetensors ({err}); install them with "
+                         "pip install -e '.[lab]' in a clone of pgloss") from None
 
 
 class Runner:
@@ -200,12 +201,22 @@ def _clean(value):
 
 class Sink:
     """Where the runs' items go (``runner``'s protocol): ``metrics.jsonl`` (one line per step,
-    written as the runs go; none when `path` is None) and the progress bar."""
+    written as the runs go; none when `path` is None), the `trackers` of ``--report-to`` and the progress
+    bar. `kept` (a resumed run's records up to its checkpoints) replaces what the file held before more
+    records are appended."""
 
-    def __init__(self, path: Path | None, progress=None) -> None:
-        self.file = None if path is None else open(path, "w")
-        self.progress, self.written, self.started = progress, set(), set()
+    def __init__(self, path: Path | None, progress=None, kept: list[dict] | None = None, trackers=None) -> None:
+        self.progress, self.written, self.started, self.trackers = progress, set(), set(), trackers
         self.records: dict[tuple, list[dict]] = {}  # (algorithm, seed) -> its records, in the order written
+        self.file = None
+        if path is not None and kept is not None:  # whole or not at all: the checkpoints still hold these records
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in kept))
+            tmp.replace(path)
+        for record in kept or ():  # counted as written (the file is not open yet)
+            self.write(record)
+        if path is not None:
+            self.file = open(path, "a" if kept is not None else "w")
 
     def __call__(self, item: dict) -> None:
         if "started" in item:
@@ -228,6 +239,8 @@ class Sink:
             if self.file is not None:
                 self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
                 self.file.flush()
+            if self.trackers is not None:  # --report-to: the same records
+                self.trackers.log(record)
 
     def result(self, result) -> None:
         """A finished job's result: its records, in case some of its items are still on the way."""
@@ -240,5 +253,7 @@ class Sink:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.trackers is not None:
+            self.trackers.close()
         if self.progress is not None:
             self.progress.close()

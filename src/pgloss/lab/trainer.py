@@ -47,6 +47,7 @@ from torch import Tensor
 import pgloss
 from ..advantages.group import dynamic_sampling_keep, group_advantages
 from ..kl.estimators import kl_estimate
+from . import checkpoint as checkpoints
 from . import distributed as dist
 from .config import LabConfig
 from .model import ModelConfig, TinyGPT
@@ -376,7 +377,7 @@ def teacher_model(cfg: LabConfig, teacher_cfg: LabConfig, state: dict) -> TinyGP
 
 
 def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollout=None,
-          teacher_state: dict | None = None, teacher_cfg: LabConfig | None = None) -> dict:
+          teacher_state: dict | None = None, teacher_cfg: LabConfig | None = None, checkpoint=None) -> dict:
     """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}, "state": the
     final policy's state dict (a teacher for another run, `teacher_state`)}.
 
@@ -392,11 +393,18 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
     `on_rollout(step, problems, texts)`, if given, sees each step's sampled responses (this rank's
     problems and the decoded texts, ``group_size`` per problem, before any dynamic sampling; DAPO's
     refill rounds are not shown).
+
+    `checkpoint` (a path; ``lab/checkpoint.py``) is saved after every step's ``on_step``; when it exists, the run
+    continues after its step (`warm_state` is then not read; ``on_step`` sees the new steps only) and returns
+    what an uninterrupted run returns. Single process only (under torchrun each rank has its own generator).
     """
     torch.set_num_threads(cfg.threads)
     rank, world = dist.rank(), dist.world_size()
     tokenizer, task, policy = build(cfg)
-    if warm_state is None:
+    saved = None if checkpoint is None else checkpoints.load(checkpoint, cfg)
+    if saved is not None:
+        policy.load_state_dict(saved["reference"])
+    elif warm_state is None:
         warm_start(policy, task, tokenizer, cfg)
     else:
         policy.load_state_dict(warm_state)
@@ -413,8 +421,18 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed * 1009 + rank)
     shuffle = torch.Generator().manual_seed(cfg.seed)
     refill_rng = random.Random(f"refill-{cfg.seed}")  # refill prompts leave the step prompts of other algorithms alike
-    samples, metrics = {}, []
-    for step in range(cfg.steps + 1):  # the last pass only measures the final policy
+    samples, metrics, first = {}, [], 0
+    if saved is not None:  # continue after the checkpoint's step, every state as it was then
+        policy.load_state_dict(saved["policy"])
+        optimizer.load_state_dict(saved["optimizer"])
+        warmup.load_state_dict(saved["scheduler"])
+        prompt_rng.setstate(saved["prompt_rng"])
+        refill_rng.setstate(saved["refill_rng"])
+        generator.set_state(saved["generator"])
+        shuffle.set_state(saved["shuffle"])
+        torch.set_rng_state(saved["torch_rng"])
+        samples, metrics, first = saved["samples"], saved["metrics"], saved["step"] + 1
+    for step in range(first, cfg.steps + 1):  # the last pass only measures the final policy
         problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
         mine = problems[rank::world]
         sampler = make_sampler(policy, cfg, step)
@@ -446,5 +464,12 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         metrics.append(record)
         if on_step is not None:
             on_step(record)
+        if checkpoint is not None:
+            checkpoints.save(checkpoint, {
+                "config": dataclasses.asdict(cfg), "step": step, "metrics": metrics, "samples": samples,
+                "policy": policy.state_dict(), "reference": reference.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": warmup.state_dict(),
+                "prompt_rng": prompt_rng.getstate(), "refill_rng": refill_rng.getstate(),
+                "generator": generator.get_state(), "shuffle": shuffle.get_state(), "torch_rng": torch.get_rng_state()})
     return {"metrics": metrics, "samples": samples,
             "state": {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}}
