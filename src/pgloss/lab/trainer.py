@@ -431,6 +431,8 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         generator.set_state(saved["generator"])
         shuffle.set_state(saved["shuffle"])
         torch.set_rng_state(saved["torch_rng"])
+        if entropy_control is not None:
+            entropy_control.load_state_dict(saved["entropy_control"])
         samples, metrics, first = saved["samples"], saved["metrics"], saved["step"] + 1
     for step in range(first, cfg.steps + 1):  # the last pass only measures the final policy
         problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
@@ -470,6 +472,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
                 "policy": policy.state_dict(), "reference": reference.state_dict(),
                 "optimizer": optimizer.state_dict(), "scheduler": warmup.state_dict(),
                 "prompt_rng": prompt_rng.getstate(), "refill_rng": refill_rng.getstate(),
-                "generator": generator.get_state(), "shuffle": shuffle.get_state(), "torch_rng": torch.get_rng_state()})
+                "generator": generator.get_state(), "shuffle": shuffle.get_state(), "torch_rng": torch.get_rng_state(),
+                "entropy_control": None if entropy_control is None else entropy_control.state_dict()})
     return {"metrics": metrics, "samples": samples,
             "state": {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}}
