@@ -191,6 +191,11 @@ def test_the_experiment_resumes_its_own_out_and_refuses_another(tmp_path, capsys
     (out / "experiment.json").write_text(json.dumps({**dataclasses.asdict(experiment), "workers": 2,
                                                      "status": "interrupted"}))
     assert claim_out(str(out), "unused", experiment, overwrite=False) == out  # the same experiment: resumed
+    older = {k: v for k, v in dataclasses.asdict(experiment).items() if k != "target_entropy"}
+    (out / "experiment.json").write_text(json.dumps({**older, "workers": 2, "status": "interrupted"}))
+    assert claim_out(str(out), "unused", experiment, overwrite=False) == out  # saved before the setting existed
+    with pytest.raises(ValueError, match=r"target_entropy None there, 0.3 here"):
+        claim_out(str(out), "unused", dataclasses.replace(experiment, target_entropy=0.3), overwrite=False)
     other = dataclasses.replace(experiment, steps=5)
     with pytest.raises(ValueError, match=r"holds an experiment with other settings \(steps 2 there, 5 here\)"):
         claim_out(str(out), "unused", other, overwrite=False)
@@ -270,3 +275,49 @@ def test_report_command_writes_an_experiments_report_again(tmp_path, capsys):
     assert "| grpo | 1 |" in text and "pgloss experiment length --seeds 2" in text
     assert (tmp_path / "replaced" / "report.md").read_text() == "an earlier report"
     assert (tmp_path / "length_reward.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_ladder_experiment_is_the_claims_where_length_keeps_growing():
+    g = length.EXPERIMENTS["ladder"]
+    assert g.task == "ladder" and g.seeds >= 8 and g.max_new_tokens >= 4 * (make_task("ladder").max_response_chars + 1)
+    assert {"grpo", "grpo:kl_coef=0", "sample_grpo", "bnpo", "dr_grpo", "dapo"} <= set(g.algorithms)
+    assert g.target_entropy and g.target_entropy > 0
+    from pgloss.lab.trainer import make_algorithm, make_entropy_control
+
+    configs = [g.lab_config(a, 0) for a in g.algorithms]
+    assert {c.target_entropy for c in configs} == {g.target_entropy} and {c.task for c in configs} == {"ladder"}
+    controls = [make_entropy_control(c, make_algorithm(c)) for c in configs]  # the same controller for every loss
+    assert {(c.coef, c.target, c.delta) for c in controls} == {(0.0, g.target_entropy, 0.005)}
+    with pytest.raises(ValueError, match="target_entropy"):
+        length.LengthExperiment(target_entropy=0.0)
+
+
+def test_reduced_ladder_run_through_the_command_resumes(tmp_path, capsys, monkeypatch):
+    """``--task ladder --quick`` at a reduced scale: the runs steer the entropy (the coefficient is in the
+    records and the report), keep each trained policy's last batch for ``pgloss grads``, and a second call
+    resumes with nothing left to run."""
+    small = dataclasses.replace(length.EXPERIMENTS["ladder"], algorithms=("grpo", "dapo"), prompts_per_step=2,
+                                group_size=2, max_new_tokens=40, warm_steps=3, warm_batch=4, d_model=16, eval_prompts=2)
+    monkeypatch.setitem(length.EXPERIMENTS, "ladder", small)
+    out = tmp_path / "l"
+    command = ["experiment", "length", "--task", "ladder", "--quick", "--steps", "2", "--out", str(out)]
+    assert main(command) == 0
+    settings = json.loads((out / "experiment.json").read_text())
+    assert settings["task"] == "ladder" and settings["target_entropy"] == small.target_entropy
+    runs = load(out)
+    assert set(runs) == {(a, s) for a in ("grpo", "dapo") for s in range(2)}
+    # the tiny policy's entropy is far above the target: the bonus stays off (None: no update, as when DAPO
+    # drops every group, and at the last record, which measures the final policy)
+    assert all(r["entropy_coef"] in (0.0, None) for records in runs.values() for r in records)
+    assert runs[("grpo", 0)][0]["entropy_coef"] == 0.0 and runs[("grpo", 0)][-1]["entropy_coef"] is None
+    batch = load_batch(length.end_batch_path(out / "runs" / "grpo-0.jsonl"))
+    assert batch["mask"].shape[0] == 4 and gradient_table(["grpo"], batch)["grpo"]["grad"].shape == batch["mask"].shape
+    text = (out / "report.md").read_text()
+    assert "--task ladder --quick --steps 2" in text and "entropy coefficient (mean)" in text
+    assert f"against the experiment's 8 x {small.steps}" in text
+    assert (out / "length_entropy.png").read_bytes()[:4] == b"\x89PNG"
+    before = (out / "runs" / "grpo-0.jsonl").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(command) == 0  # the same experiment: resumed, nothing left to run
+    assert (out / "runs" / "grpo-0.jsonl").stat().st_mtime_ns == before
+    assert "4 of 4 runs complete" in capsys.readouterr().out

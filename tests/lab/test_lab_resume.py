@@ -48,6 +48,26 @@ def test_train_from_a_checkpoint_is_the_run_never_stopped(tmp_path):
         train(LabConfig(**{**cfg.__dict__, "lr": 1e-3}), checkpoint=file)
 
 
+def test_a_run_steering_its_entropy_resumes_with_the_controller_as_it_was(tmp_path):
+    """--target-entropy: the controller's coefficient and last entropy are in the checkpoint; a target
+    above the run's entropy makes the coefficient grow at every optimizer step, so a resumed run that
+    restarted it would log other coefficients."""
+    cfg = LabConfig(algorithm="grpo", target_entropy=50.0, entropy_coef_delta=0.01, steps=3, warm_steps=3,
+                    prompts_per_step=4, group_size=4, eval_prompts=4, samples=2, **TINY)
+    whole = train(cfg)
+    file = tmp_path / "ck.pt"
+
+    def stop_at_2(record):
+        if record["step"] == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(cfg, on_step=stop_at_2, checkpoint=file)
+    resumed = train(cfg, checkpoint=file)
+    assert [r["entropy_coef"] for r in resumed["metrics"]][1:3] == pytest.approx([0.055, 0.095])  # 4 optimizer steps each
+    assert same_run(whole, resumed)
+
+
 def _run(*args, timeout=240):
     return subprocess.run([PGLOSS, *args], capture_output=True, text=True, timeout=timeout)
 

@@ -41,6 +41,8 @@ def claim_out(out: str | None, default: str, experiment, overwrite: bool, own: t
     saved_file = path / "experiment.json"
     saved = json.loads(saved_file.read_text()) if saved_file.exists() else None
     mine = _settings(experiment)
+    if saved is not None:  # a setting added since the experiment was saved holds its default there
+        saved = {**_settings(type(experiment)()), **saved}
     if saved is not None and {k: v for k, v in saved.items() if k not in UNCOMPARED} == \
             {k: v for k, v in mine.items() if k not in UNCOMPARED}:
         return path  # the same experiment: resumed
@@ -86,7 +88,7 @@ def _given(args, names) -> dict:
 
 def _refuse_others(args, allowed: set[str]) -> None:
     """--options of the other experiment are refused, not ignored."""
-    for name in ("task", "algorithms", "entropy_coef", "students", "teacher_steps", "teacher_d_model"):
+    for name in ("task", "algorithms", "entropy_coef", "target_entropy", "students", "teacher_steps", "teacher_d_model"):
         if name not in allowed and getattr(args, name, None) is not None:
             raise ValueError(f"--{name.replace('_', '-')} is an option of another experiment, not of {args.name}")
 
@@ -95,10 +97,10 @@ def length_plan(args) -> Plan:
     from . import length
     from ..lab.spec import parse_algorithms
 
-    _refuse_others(args, {"task", "algorithms", "entropy_coef"})
+    _refuse_others(args, {"task", "algorithms", "entropy_coef", "target_entropy"})
     task = args.task or "trace"
     design = length.EXPERIMENTS[task]
-    overrides = _given(args, ("seeds", "steps", "workers", "entropy_coef"))
+    overrides = _given(args, ("seeds", "steps", "workers", "entropy_coef", "target_entropy"))
     if args.algorithms is not None:
         overrides["algorithms"] = tuple(spec.label for spec in parse_algorithms(args.algorithms))
     experiment = dataclasses.replace(length.quick(design) if args.quick else design, **overrides)
@@ -289,10 +291,12 @@ def add_experiment_command(subparsers) -> None:
     parser.add_argument("--task", choices=sorted(EXPERIMENTS), default=None,
                         help="length only. trace: length is the policy's free choice (default); chain: a longer trace "
                              "raises the reward, so responses lengthen (its own algorithms, budget, warm start and "
-                             "entropy bonus)")
+                             "entropy bonus); ladder: each further step of work solves longer chains, so responses "
+                             "keep lengthening (its own algorithms, 8 seeds, 200 steps, the entropy steered to a target)")
     add_algorithms_argument(parser, LengthExperiment().algorithms)
     action = next(a for a in parser._actions if a.dest == "algorithms")
-    action.help = "length only. " + action.help[:-1] + f"; --task chain: {' '.join(EXPERIMENTS['chain'].algorithms)})"
+    action.help = ("length only. " + action.help[:-1] + f"; --task chain: {' '.join(EXPERIMENTS['chain'].algorithms)}"
+                   f"; --task ladder: {' '.join(EXPERIMENTS['ladder'].algorithms)})")
     parser.set_defaults(algorithms=None)  # None: the experiment's own (or --quick's) algorithms
     parser.add_argument("--students", nargs="+", choices=list(STUDENTS),
                         help=f"distill only. the students trained against each teacher (default: "
@@ -304,14 +308,20 @@ def add_experiment_command(subparsers) -> None:
     parser.add_argument("--teacher-d-model", type=int,
                         help=f"distill only. width of each teacher, a larger model than the students' "
                              f"({distill.d_model}) from a warm start of its own (default: the students' width)")
-    parser.add_argument("--seeds", type=int, help=f"seeds (default: length 5, distill {distill.seeds}; --quick: 2)")
+    parser.add_argument("--seeds", type=int, help=f"seeds (default: length 5, --task ladder "
+                                                   f"{EXPERIMENTS['ladder'].seeds}; distill {distill.seeds}; --quick: 2)")
     parser.add_argument("--steps", type=int,
                         help=f"RL steps per run (default: length {EXPERIMENTS['trace'].steps}, --task chain "
-                             f"{EXPERIMENTS['chain'].steps}; distill {distill.steps} per student; --quick: 12, distill 8)")
-    parser.add_argument("--workers", type=int, help="runs trained at once (default: 2; length --task chain 1)")
+                             f"{EXPERIMENTS['chain'].steps}, --task ladder {EXPERIMENTS['ladder'].steps}; distill {distill.steps} per student; --quick: 12, distill 8)")
+    parser.add_argument("--workers", type=int, help="runs trained at once (default: 2; length --task chain or ladder 1)")
     parser.add_argument("--entropy-coef", type=float, help="length only. entropy bonus of every algorithm (default: "
-                                                           f"none; --task chain {EXPERIMENTS['chain'].entropy_coef})")
-    parser.add_argument("--out", help="output folder (default: runs/NAME, with -TASK for length's chain and -quick for "
+                                                           f"none; --task chain {EXPERIMENTS['chain'].entropy_coef}; "
+                                                           "with --target-entropy, the starting coefficient)")
+    parser.add_argument("--target-entropy", type=float,
+                        help="length only. steer every algorithm's entropy bonus toward this entropy, nats per token "
+                             f"(pgloss.AdaptiveEntropy; default: none, a fixed bonus; --task ladder "
+                             f"{EXPERIMENTS['ladder'].target_entropy})")
+    parser.add_argument("--out", help="output folder (default: runs/NAME, with -TASK for length's chain and ladder and -quick for "
                                       "--quick; taken by another experiment: the next free name beside it); the same "
                                       "experiment is resumed")
     parser.add_argument("--overwrite", action="store_true",

@@ -18,7 +18,8 @@ gradient weight g = ∂L/∂log π per token (`pgloss.diagnostics.inspect`) by r
 sign, at ratio one (the first minibatch of the step is on-policy).
 
 ``run`` writes one JSON line per (algorithm, seed, step) into ``OUT/runs/ALGORITHM-SEED.jsonl``
-(and each seed's first batch into ``OUT/warm/batch-seedSEED.pt``, for ``pgloss grads --batch``) as it
+(and each seed's first batch into ``OUT/warm/batch-seedSEED.pt`` and each run's last into
+``OUT/runs/ALGORITHM-SEED-end.pt``, for ``pgloss grads --batch``) as it
 goes and skips runs already complete, so an interrupted experiment resumes where it stopped;
 ``length_report`` turns whatever is there into the report.
 """
@@ -35,7 +36,7 @@ import torch
 from .runs import check_counts, execute, run_path, warm_state, write_run
 
 OWN = ("runs", "warm", "experiment.json", "seconds.json", "report.md", "length_reward.png", "length_length.png",
-       "length_repetition.png", "length_gradient.png")
+       "length_repetition.png", "length_entropy.png", "length_gradient.png")
 """The files and folders the experiment writes into its --out (what --overwrite sets aside)."""
 LENGTH_BINS = (1, 8, 16, 32, 64)
 """Lower edges of the response-length bins (tokens, end token included) of the gradient weight."""
@@ -74,7 +75,11 @@ class LengthExperiment:
     task: str = "trace"
     """The lab task (lab/tasks.py): ``trace``, where length is free, or ``chain``, where a longer trace pays."""
     entropy_coef: float | None = None
-    """Entropy bonus given alike to every algorithm (the lab's ``entropy_coef``); None: each algorithm's own (none)."""
+    """Entropy bonus given alike to every algorithm (the lab's ``entropy_coef``); None: each algorithm's own (none).
+    With `target_entropy`, the controller's starting coefficient."""
+    target_entropy: float | None = None
+    """The entropy (nats per token) every algorithm's bonus is steered toward (the lab's ``target_entropy``,
+    `pgloss.AdaptiveEntropy`); None: the fixed `entropy_coef`."""
 
     def __post_init__(self) -> None:
         if not self.algorithms:
@@ -82,6 +87,9 @@ class LengthExperiment:
         check_counts(self, "seeds", "workers")
         if self.entropy_coef is not None and not (isinstance(self.entropy_coef, (int, float)) and self.entropy_coef >= 0):
             raise ValueError(f"entropy_coef: need a number >= 0 or None, got {self.entropy_coef!r}")
+        if self.target_entropy is not None and not (isinstance(self.target_entropy, (int, float))
+                                                    and self.target_entropy > 0):
+            raise ValueError(f"target_entropy: need a number > 0 or None, got {self.target_entropy!r}")
         self.lab_config(self.algorithms[0], 0)  # the lab's settings, checked where the lab owns them
 
     def lab_config(self, algorithm: str, seed: int):
@@ -89,6 +97,7 @@ class LengthExperiment:
         from ..lab.config import LabConfig
 
         return LabConfig(algorithm=algorithm, task=self.task, seed=seed, steps=self.steps, entropy_coef=self.entropy_coef,
+                         target_entropy=self.target_entropy,
                          prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                          max_new_tokens=self.max_new_tokens, warm_steps=self.warm_steps, warm_batch=self.warm_batch,
                          scratchpad_prob=self.scratchpad_prob,
@@ -110,7 +119,19 @@ so no response is cut off by the budget unless it runs on); the lab's default wa
 1500 x 64 demonstrations); and the same entropy bonus for every algorithm, so the entropy does not
 collapse within the run."""
 
-EXPERIMENTS = {"trace": LengthExperiment(), "chain": GROWTH}
+LADDER = LengthExperiment(
+    algorithms=("grpo", "grpo:kl_coef=0", "sample_grpo", "bnpo", "dr_grpo", "dapo", "gspo"), task="ladder", seeds=8,
+    steps=200, max_new_tokens=128, warm_steps=1500, warm_batch=64, d_model=96, lr=2e-4, target_entropy=0.3,
+    workers=1)
+"""``--task ladder``: the claims where length keeps growing over the whole run (docs/experiments.md, "Where
+length keeps growing"): the lab's ``ladder`` task (chains of 2 to 16 terms whose warm start writes a short
+prefix of the work, so each step RL adds solves longer chains); the claims' algorithms, the control and
+DAPO's token mean and GSPO; 8 seeds, each its own warm start shared by every algorithm; 200 steps; a
+128-token budget (the longest whole scratchpad is 32 tokens); and the entropy steered toward 0.3 nats per
+token for every loss (`pgloss.AdaptiveEntropy`), so that it neither runs away under one aggregation nor
+collapses under another, as one fixed bonus did on ``chain``."""
+
+EXPERIMENTS = {"trace": LengthExperiment(), "chain": GROWTH, "ladder": LADDER}
 """The experiment of each ``--task``."""
 
 
@@ -213,6 +234,13 @@ def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) 
             "scores": rewards, "group_ids": group_ids}
 
 
+def end_batch_path(run_file: str | Path) -> Path:
+    """Where the run kept in `run_file` (``OUT/runs/ALGORITHM-SEED.jsonl``) saves the batch its trained
+    policy sampled at the last step: ``OUT/runs/ALGORITHM-SEED-end.pt``, for ``pgloss grads --batch``."""
+    run_file = Path(run_file)
+    return run_file.with_name(run_file.name.removesuffix(".jsonl") + "-end.pt")
+
+
 def _warm(experiment: LengthExperiment, seed: int, cache: str) -> None:
     warm_state(experiment.lab_config(experiment.algorithms[0], seed), cache)
 
@@ -230,6 +258,8 @@ def _run(experiment: LengthExperiment, algorithm: str, seed: int, cache: str, pa
         if step == 0 and not batch_path.exists():
             torch.save(lab_batch(problems, texts, cfg.group_size, cfg.max_new_tokens), f"{batch_path}.{algorithm}")
             Path(f"{batch_path}.{algorithm}").rename(batch_path)
+        if step == cfg.steps:  # the trained policy's last batch: its per-token gradient (pgloss grads --batch)
+            torch.save(lab_batch(problems, texts, cfg.group_size, cfg.max_new_tokens), end_batch_path(path))
 
     write_run(cfg, path, cache, extra=extra.pop, on_rollout=on_rollout)
     return algorithm, seed

@@ -48,6 +48,9 @@ def summary_rows(runs: dict, algorithms: list[str], window: int) -> list[dict]:
             continue
         row = {"algorithm": a, "seeds": len(seeds)}
         row["growth"] = interval([growth(runs[(a, s)], "length") for s in seeds])
+        # the entropy coefficient the loss applied (fixed, or steered to a target): mean over the updates
+        row["entropy_coef"] = interval([window_mean(runs[(a, s)], "entropy_coef", range(runs[(a, s)][-1]["step"]))
+                                        for s in seeds])
         for key in ("reward", "length", "length_right", "length_wrong", "rep4", "entropy", "truncated"):
             starts, ends = [], []
             for s in seeds:
@@ -104,6 +107,8 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
                     ("length_wrong", "length of wrong answers (tokens)")]),
         ("repetition", [("rep4", "repeated 4-grams in the traces (rep-4)"),
                         ("scratchpad", "share of responses that write a trace")]),
+        ("entropy", [("entropy", "entropy of the sampling policy (nats per token)"),
+                     ("entropy_coef", "entropy coefficient the loss applied")]),
     ):
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 2.2, 3.6), squeeze=False)
         for ax, (key, title) in zip(axes[0], panels):
@@ -153,15 +158,17 @@ def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, 
     lines = ["# The length experiment", "", f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
              "", *([f"**{caveat}**", ""] if caveat else []), f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.", "",
              "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "
-             "rep-4 start → end | entropy start → end | cut off at end | length growth (tokens/100 steps) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "rep-4 start → end | entropy start → end | entropy coefficient (mean) | cut off at end | "
+             "length growth (tokens/100 steps) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         def arrow(key, digits=2):
             start, end = row[key]
             return f"{fmt(start, digits)} → {fmt(end, digits)}"
         lines.append(f"| {row['algorithm']} | {row['seeds']} | {arrow('reward')} | {arrow('length', 1)} | "
                      f"{arrow('length_right', 1)} | {arrow('length_wrong', 1)} | {arrow('rep4', 3)} | "
-                     f"{arrow('entropy', 3)} | {fmt(row['truncated'][1], 3)} | {fmt(row['growth'], 2)} |")
+                     f"{arrow('entropy', 3)} | {fmt(row['entropy_coef'], 4)} | {fmt(row['truncated'][1], 3)} | "
+                     f"{fmt(row['growth'], 2)} |")
     lines += ["", "## Claims", "",
               "Paired by seed: the change (end minus step 0) under the first algorithm minus under the second, "
               "its 95% interval over seeds, and the verdict it gives. The last column compares the mean over "

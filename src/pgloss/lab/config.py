@@ -58,7 +58,13 @@ class LabConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clip of each optimizer step."""
     entropy_coef: float | None = None
-    """Entropy bonus (the loss's entropy_coef) given to every algorithm whose spec does not set one (none: each algorithm's own default)."""
+    """Entropy bonus (the loss's entropy_coef) given to every algorithm whose spec does not set one (none: each algorithm's own default); with --target-entropy, the controller's starting coefficient."""
+    target_entropy: float | None = None
+    """Steer the entropy bonus toward this entropy (nats per token) with pgloss.AdaptiveEntropy (Skywork-OR1's rule, TRL's use_adaptive_entropy) instead of a fixed coefficient (none: fixed)."""
+    entropy_coef_delta: float = 0.005
+    """With --target-entropy: the coefficient's change per optimizer step (up while the entropy is at or below the target, down above it)."""
+    entropy_coef_max: float = 1.0
+    """With --target-entropy: the largest coefficient the controller reaches."""
     warm_steps: int = 1500
     """Supervised steps on demonstrations before RL, so that RL starts above zero reward."""
     warm_batch: int = 64
@@ -104,6 +110,13 @@ class LabConfig:
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
             ("entropy_coef", self.entropy_coef is None or (isinstance(self.entropy_coef, (int, float))
                                                            and math.isfinite(self.entropy_coef)), "a finite number or none"),
+            ("target_entropy", self.target_entropy is None or (isinstance(self.target_entropy, (int, float))
+                                                               and math.isfinite(self.target_entropy)
+                                                               and self.target_entropy > 0), "a finite number > 0 or none"),
+            ("entropy_coef_delta", math.isfinite(self.entropy_coef_delta) and self.entropy_coef_delta >= 0,
+             "a finite number >= 0"),
+            ("entropy_coef_max", math.isfinite(self.entropy_coef_max) and self.entropy_coef_max >= 0,
+             "a finite number >= 0"),
             ("warm_steps", self.warm_steps >= 0, ">= 0"),
             ("warm_batch", self.warm_batch >= 1, ">= 1"),
             ("warm_lr", self.warm_lr > 0, "> 0"),

@@ -41,7 +41,8 @@ HIGH_CLIP, LOW_CLIP, HIGH_PPO_KL = 0.10, 0.01, 0.02
 NARROW_BAND = 0.01  # clip_low + clip_high below this: a band the article's thresholds were not made for
 
 ROLLOUT = ("reward", "accuracy", "length", "entropy", "kl_ref", "scratchpad", "reward_scratchpad", "reward_direct")
-UPDATE = ("clip_frac", "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "kept", "groups")
+UPDATE = ("clip_frac", "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "kept", "groups",
+          "entropy_coef")
 # the sampler mismatch and its correction (a table only when the run simulates a mismatched sampler)
 MISMATCH = ("rollout_kl", "rollout_k3_kl", "rollout_is_weight_mean", "rollout_is_weight_min", "rollout_is_weight_max",
             "rollout_is_ess", "rollout_is_bounded_frac", "rollout_rejected_frac")
@@ -119,13 +120,13 @@ def tables(rows: dict[str, dict], window: int = TAIL) -> str:
                    f"| {_span(row, 'length', 2)} | {_span(row, 'entropy')} | {cell(v['kl_ref_end'])} |")
     out += ["", "Update diagnostics, each a mean over every update of the run:", "",
             "| algorithm | clip fraction | clipped high | clipped low | ppo_kl | gradient norm "
-            "| steps with the gradient clipped | kept (share of responses trained on) |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| steps with the gradient clipped | kept (share of responses trained on) | entropy coefficient |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for a, row in rows.items():
         v = row["values"]
         out.append(f"| {a} | {cell(v['clip_frac'])} | {cell(v['clip_frac_high'], 4)} | {cell(v['clip_frac_low'], 4)} "
                    f"| {cell(v['ppo_kl'], 4)} | {cell(v['grad_norm'], 2)} | {cell(v['grad_clipped'], 2)} "
-                   f"| {cell(v['kept'], 2)} |")
+                   f"| {cell(v['kept'], 2)} | {cell(v['entropy_coef'], 4)} |")
     return "\n".join(out) + "\n"
 
 

@@ -13,6 +13,9 @@ scratchpad itself is not graded, so whether to write it (and how long) is the po
   The order matters, so a direct answer is hard and the scratchpad pays.
 - ``trace``: a digit times a digit after a free-length trace that the reward ignores (`TraceTask`):
   whatever length the policy settles on comes from the loss, not from the task.
+- ``ladder``: chains of 2 to 16 terms padded with ``+0`` to one length (`LadderTask`), whose warm start
+  writes only a short prefix of the scratchpad: each further step written solves the chains one term
+  longer, so the length keeps growing under RL while the policy learns to write more of the work.
 
 The warm start shows both forms (with and without scratchpad), so RL starts from a policy
 that can write either and learns which one pays.
@@ -151,7 +154,65 @@ class TraceTask:
         return 2 * self.max_trace_items - 1 + 1 + 2
 
 
-TASKS = {"sum": SumTask, "mul": MulTask, "chain": ChainTask, "trace": TraceTask}
+class LadderTask:
+    """Chains of mixed length where each further written step solves more of them.
+
+    ``ladder``: a chain of ``min_terms`` to ``max_terms`` digits (uniform) joined by ``+`` (a digit 1-9) and
+    ``*`` (a unit modulo 10: 1, 3, 7 or 9), evaluated left to right modulo 10 like ``chain``, then padded
+    with ``+0`` to ``max_terms`` terms: ``3+5*7+9+0+0=`` (``max_terms`` 6) -> ``8,6,5|5``. Every prompt has
+    the same length, so the operand of step j sits at the same position in every prompt and step j of the
+    scratchpad at the same position in every response (the lab's model has learned absolute positions:
+    with prompts of varying length it did not learn the steps at all); the padding changes nothing (a chain's own
+    ``+`` never adds 0), so the work a chain needs is its own terms. Multiplying by a unit permutes the ten digits, so the
+    answer is uniform over 0-9 whatever the chain's length: a guess earns 0.1 on a long chain as on a
+    short one (``chain``'s ``*0`` and ``*5`` would make long chains end on 0 or 5 and be guessed).
+
+    The response may stop its scratchpad after any number k of running values and then answer:
+    ``8|5`` (k = 1) is as valid as ``8,6,5|5``. A chain of n terms needs n - 1 operations; with k
+    written, n - 1 - k remain for the one token of the answer. A policy that does one operation per
+    token answers the chains with n - 1 - k <= 1 and guesses the rest, so each further step written
+    solves the chains one term longer, and the chain lengths are mixed, so that holds at every k up to
+    ``max_terms`` - 2.
+
+    The warm start writes a short prefix: k is geometric, P(k) = (1 - p)^k p with p = ``stop_prob``, cut
+    at n - 1 (the chain's whole scratchpad). A policy that copies it answers little more than the
+    shortest chains; RL has to lengthen the work step by step, each step solving chains one term
+    longer. A problem carries its demonstration's prefix in ``steps`` (the first k running values);
+    the reward reads only the answer.
+    """
+
+    name = "ladder"
+
+    def __init__(self, min_terms: int = 2, max_terms: int = 16, stop_prob: float = 0.4) -> None:
+        if not 2 <= min_terms <= max_terms:
+            raise ValueError(f"min_terms, max_terms: need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
+        if not 0 < stop_prob <= 1:
+            raise ValueError(f"stop_prob: need 0 < stop_prob <= 1 (the chance to stop after each written step), "
+                             f"got {stop_prob!r}")
+        self.min_terms, self.max_terms, self.stop_prob = min_terms, max_terms, stop_prob
+
+    def sample(self, rng: random.Random) -> Problem:
+        n = rng.randint(self.min_terms, self.max_terms)
+        ops = [rng.choice("+*") for _ in range(n - 1)]
+        digits = [rng.randrange(10)] + [rng.randint(1, 9) if op == "+" else rng.choice((1, 3, 7, 9)) for op in ops]
+        value, running = digits[0], []
+        for op, d in zip(ops, digits[1:]):
+            value = (value + d if op == "+" else value * d) % 10
+            running.append(str(value))
+        k = 0
+        while k < n - 1 and rng.random() >= self.stop_prob:
+            k += 1
+        prompt = (str(digits[0]) + "".join(op + str(d) for op, d in zip(ops, digits[1:]))
+                  + "+0" * (self.max_terms - n) + "=")
+        return Problem(prompt, running[-1], tuple(running[:k]))
+
+    @property
+    def max_response_chars(self) -> int:
+        """Longest demonstration: the whole scratchpad of the longest chain, the bar and the answer."""
+        return 2 * (self.max_terms - 1) - 1 + 2
+
+
+TASKS = {"sum": SumTask, "mul": MulTask, "chain": ChainTask, "trace": TraceTask, "ladder": LadderTask}
 
 
 def make_task(name: str):

@@ -63,9 +63,9 @@ ROLLOUT_METRICS = ("rollout_kl", "rollout_k3_kl", "rollout_chi2_token", "rollout
 # the loss's metric behind each update diagnostic; an algorithm without one (SAPO has no clipping) logs None
 LOSS_METRICS = {"clip_frac": "pg_clipfrac", "clip_frac_high": "pg_clipfrac_high", "clip_frac_low": "pg_clipfrac_low",
                 "ppo_kl": "ppo_kl"}
-UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss", *ROLLOUT_METRICS)
+UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss", "entropy_coef", *ROLLOUT_METRICS)
 METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "kl_teacher", "clip_frac", "clip_frac_high", "clip_frac_low",
-           "ppo_kl", "grad_norm", "grad_clipped", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",
+           "ppo_kl", "grad_norm", "grad_clipped", "entropy_coef", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",
            "eval_reward", "sampled_groups", "groups", *ROLLOUT_METRICS)
 """Every metric a lab run records per step, in the order of the history file."""
 
@@ -122,6 +122,17 @@ def make_algorithm(cfg: LabConfig):
     if cfg.entropy_coef is not None:
         spec = spec.with_args({"entropy_coef": cfg.entropy_coef})  # the spec's own setting wins
     return spec.build(cfg.max_new_tokens, parse_rollout_correction(cfg.rollout_correction))
+
+
+def make_entropy_control(cfg: LabConfig, algorithm) -> "pgloss.AdaptiveEntropy | None":
+    """The run's entropy controller: with ``cfg.target_entropy``, a `pgloss.AdaptiveEntropy` that starts
+    from `algorithm`'s entropy coefficient and moves it by ``entropy_coef_delta`` per optimizer step
+    toward keeping the entropy at the target (applied only while the entropy is at or below it); None
+    (the algorithm's fixed coefficient) without one."""
+    if cfg.target_entropy is None:
+        return None
+    return pgloss.AdaptiveEntropy(coef=min(algorithm.entropy_coef, cfg.entropy_coef_max), target=cfg.target_entropy,
+                                  delta=cfg.entropy_coef_delta, coef_max=cfg.entropy_coef_max)
 
 
 def make_sampler(policy, cfg: LabConfig, step: int):
@@ -260,10 +271,14 @@ def refill(batch: Batch, draw, n_groups: int, max_rounds: int) -> tuple[Batch, d
 
 
 def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups: int,
-           generator: torch.Generator, scheduler=None) -> dict[str, Tensor]:
+           generator: torch.Generator, scheduler=None, entropy_control=None) -> dict[str, Tensor]:
     """``epochs`` x ``minibatches`` optimizer steps on one batch; returns mean diagnostics
     (``UPDATE_METRICS``; NaN for a metric the algorithm does not report; the ``ROLLOUT_METRICS`` only
-    when the loss saw rollout log-probs)
+    when the loss saw rollout log-probs; ``entropy_coef``: the mean entropy coefficient the loss applied)
+
+    With `entropy_control` (`make_entropy_control`), each optimizer step's loss is the algorithm with the
+    controller's applied coefficient, the controller sees the step's entropy under the loss's mask and
+    steps once after the optimizer (all ranks together).
 
     Minibatches, and the micro-batches inside them, are cut from a permutation of the global group
     ids (the same on every rank), so one process and several processes make the same optimizer
@@ -288,13 +303,17 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                 continue
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros(())
+            loss_fn = algorithm if entropy_control is None else entropy_control.algorithm(algorithm)
+            add("entropy_coef", torch.tensor(float(loss_fn.entropy_coef)))
             for micro in micros:
                 if micro.advantages.numel() == 0:
                     continue
                 log_prob, entropy = response_log_probs(policy, micro.rollout, temperature=cfg.temperature)
-                out = algorithm(log_prob=log_prob, old_log_prob=micro.old_log_prob, advantages=micro.advantages,
+                if entropy_control is not None:
+                    entropy_control.observe(entropy, micro.rollout.mask)
+                out = loss_fn(log_prob=log_prob, old_log_prob=micro.old_log_prob, advantages=micro.advantages,
                                 mask=micro.rollout.mask, entropy=entropy, normalizer=normalizer,
-                                **micro.inputs(algorithm))
+                                **micro.inputs(loss_fn))
                 out.loss.backward()
                 for name, key in (*LOSS_METRICS.items(), *((k, k) for k in ROLLOUT_METRICS)):
                     if key in out.metrics:
@@ -306,6 +325,8 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
             add("grad_norm", norm)
             add("grad_clipped", norm > cfg.max_grad_norm)
             optimizer.step()
+            if entropy_control is not None:
+                entropy_control.step(device=batch.advantages.device)
             if scheduler is not None:
                 scheduler.step()
     nan = torch.tensor(float("nan"))  # nanmean: a micro-batch without valid tokens has NaN metrics
@@ -391,6 +412,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
     reference = copy.deepcopy(policy).requires_grad_(False)
     teacher = None if teacher_state is None else teacher_model(cfg, teacher_cfg or cfg, teacher_state)
     algorithm = make_algorithm(cfg)
+    entropy_control = make_entropy_control(cfg, algorithm)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, cfg.warmup)))
     prompt_rng = random.Random(f"prompts-{cfg.seed}")
@@ -409,6 +431,8 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         generator.set_state(saved["generator"])
         shuffle.set_state(saved["shuffle"])
         torch.set_rng_state(saved["torch_rng"])
+        if entropy_control is not None:
+            entropy_control.load_state_dict(saved["entropy_control"])
         samples, metrics, first = saved["samples"], saved["metrics"], saved["step"] + 1
     for step in range(first, cfg.steps + 1):  # the last pass only measures the final policy
         problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
@@ -435,7 +459,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
             samples["start" if step == 0 else "end"] = show(policy, eval_problems[: cfg.samples], tokenizer, cfg)
             stats["eval_reward"] = sampled_reward(policy, eval_problems, tokenizer, cfg)
         if step < cfg.steps:
-            stats.update(update(policy, optimizer, algorithm, batch, cfg, n_groups, shuffle, warmup))
+            stats.update(update(policy, optimizer, algorithm, batch, cfg, n_groups, shuffle, warmup, entropy_control))
         values = dist.mean(torch.stack([stats.get(k, torch.tensor(float("nan"))).float().cpu() for k in METRICS]))
         record = {"algorithm": cfg.algorithm, "seed": cfg.seed, "step": step,
                   **{k: None if math.isnan(v) else v for k, v in zip(METRICS, values.tolist())}}
@@ -448,6 +472,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
                 "policy": policy.state_dict(), "reference": reference.state_dict(),
                 "optimizer": optimizer.state_dict(), "scheduler": warmup.state_dict(),
                 "prompt_rng": prompt_rng.getstate(), "refill_rng": refill_rng.getstate(),
-                "generator": generator.get_state(), "shuffle": shuffle.get_state(), "torch_rng": torch.get_rng_state()})
+                "generator": generator.get_state(), "shuffle": shuffle.get_state(), "torch_rng": torch.get_rng_state(),
+                "entropy_control": None if entropy_control is None else entropy_control.state_dict()})
     return {"metrics": metrics, "samples": samples,
             "state": {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}}
