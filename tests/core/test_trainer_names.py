@@ -25,7 +25,7 @@ def test_verls_kl_names_are_answered_with_ours(given, ours):
     pgloss.get("grpo", kl_estimator=ours)
 
 
-def test_an_unknown_name_without_a_synonym_gets_no_hint():
+def test_a_misspelt_name_without_a_synonym_gets_the_closest_name_not_a_trainer_s():
     with pytest.raises(TypeError) as error:
         pgloss.get("dapo", clip_hgh=0.3)
-    assert "did you mean" not in str(error.value)
+    assert "(did you mean 'clip_high'?)" in str(error.value) and "name for it" not in str(error.value)
