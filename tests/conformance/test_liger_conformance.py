@@ -9,18 +9,6 @@ from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import liger as conformance
 
 
-@pytest.fixture(scope="module", autouse=True)
-def installed():
-    """Skip unless the trainer's loss can run here (checked when these tests run, not at collection)."""
-    why = conformance.available()
-    if why is not None:
-        pytest.skip(why)
-
-
-@pytest.fixture(scope="module")
-def cases():
-    return list(conformance.cases())
-
 
 def test_every_case_agrees_or_is_documented(cases):
     bad = [c for c in cases if c.status == DIFFERS]

@@ -7,19 +7,6 @@ from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import openrlhf as conformance
 
 
-@pytest.fixture(scope="module")
-def installed():
-    """Skip unless OpenRLHF's loss files can be read here (checked when the tests run, not at collection)."""
-    why = conformance.available()
-    if why is not None:
-        pytest.skip(why)
-
-
-@pytest.fixture(scope="module")
-def cases(installed):
-    return list(conformance.cases())
-
-
 def test_every_case_agrees_or_is_documented(cases):
     bad = [c for c in cases if c.status == DIFFERS]
     assert not bad, "\n".join(f"{c.algorithm} {c.setting}: {c.loss_error:.2e} {c.grad_error:.2e}" for c in bad)

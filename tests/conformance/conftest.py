@@ -1,0 +1,18 @@
+"""What the trainers' conformance tests share. A test module names its trainer module `conformance`
+(`pgloss.conformance.<trainer>`); its tests are skipped unless the trainer's loss can run here (checked when
+they run, not at collection), and its cases are computed once per module."""
+
+import pytest
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed(request):
+    module = getattr(request.module, "conformance", None)
+    why = None if module is None else module.available()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def cases(request, installed):
+    return list(request.module.conformance.cases())
