@@ -81,6 +81,7 @@ def _rank_main(rank: int, world: int, port: int, results, worker) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results[rank] = worker(rank, world)
+        dist.barrier()  # every rank done before any tears its connections down (gloo aborts a rank mid-exit)
     finally:
         dist.destroy_process_group()
 

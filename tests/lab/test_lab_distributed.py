@@ -1,12 +1,8 @@
 """One trainer update on two gloo processes gives the parameters of the same update on one."""
 
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import run_ranks
 from lab_helpers import TINY, fixed_batch, tiny_policy
 from pgloss.lab.config import LabConfig
 from pgloss.lab.trainer import make_algorithm, update
@@ -26,27 +22,13 @@ def step(algorithm_name: str, rank: int = 0, world: int = 1) -> list[torch.Tenso
     return [p.detach().clone() for p in policy.parameters()]
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = {name: step(name, rank, world) for name in ALGORITHMS}
-        if rank == 0:
-            torch.save(result, out)
-    finally:
-        dist.destroy_process_group()
+    return {name: step(name, rank, world) for name in ALGORITHMS}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_processes_match_one(tmp_path):
-    out = str(tmp_path / "params.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
-    two = torch.load(out)
+def test_two_processes_match_one():
+    two = run_ranks(_worker)[0]
     for name in ALGORITHMS:
         one = step(name)
         start = [p.detach() for p in tiny_policy().parameters()]
