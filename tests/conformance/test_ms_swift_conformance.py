@@ -5,6 +5,7 @@ import pytest
 
 from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import ms_swift as conformance
+from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
 
 
 

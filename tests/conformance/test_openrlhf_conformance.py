@@ -5,6 +5,7 @@ import pytest
 
 from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import openrlhf as conformance
+from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
 
 
 def test_every_case_agrees_or_is_documented(cases):

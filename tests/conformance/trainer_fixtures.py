@@ -1,4 +1,5 @@
-"""What the trainers' conformance tests share. A test module names its trainer module `conformance`
+"""What the trainers' conformance tests share, imported by each (a conftest.py here would shadow tests/conftest.py,
+which the other tests import by name). A test module names its trainer module `conformance`
 (`pgloss.conformance.<trainer>`); its tests are skipped unless the trainer's loss can run here (checked when
 they run, not at collection), and its cases are computed once per module."""
 
