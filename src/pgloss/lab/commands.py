@@ -414,10 +414,10 @@ def cmd_train(args) -> int:
     held = Held()
 
     def on_step(record: dict) -> None:
+        if record["step"] == cfg.steps:  # held before the last record is written: a signal that sees it waits
+            held.hold()  # the run is made: what remains, its return and its report, is not interrupted
         records.append(record)
         timed(record)
-        if record["step"] == cfg.steps:
-            held.hold()  # the run is made: what remains, its return and its report, is not interrupted
 
     result, interrupted = None, False
     try:
