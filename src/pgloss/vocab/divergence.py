@@ -209,8 +209,9 @@ class KernelJSD(GeneralisedJSD):
     launch first, `KernelFullKL`'s, for its two log-normalisers."""
 
     def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
-        m, m_teacher, s, s_teacher, _ = kernels.start_state(zs[0], maxima=2, sums=3)
-        kernels.pair_forward(*zs, [m, m_teacher, s, s_teacher, _])
+        state = kernels.start_state(zs[0], maxima=2, sums=3)
+        kernels.pair_forward(*zs, state)
+        m, m_teacher, s, s_teacher, _ = state
         lse, lse_teacher = m + torch.log(s), m_teacher + torch.log(s_teacher)
         sums = kernels.start_state(zs[0], maxima=0, sums=2)
         kernels.jsd_forward(*zs, lse, lse_teacher, sums, self.beta)
