@@ -1,4 +1,4 @@
-"""Bad input on the surface beyond the losses' call (`RolloutCorrection`, `pgloss.advantages.estimators`,
+"""Bad input on the surface beyond the losses' call (`RolloutCorrection`, `pgloss.advantages`,
 `token_masks`, `m2po`, `full_kl`, the `Normalizer`), class by class: the silent wrong answers,
 the torch-internal crashes, the metrics that went infinite, the messages that did not name the
 argument, and the plausible mistakes (a probability for a log-probability, a step counted on other

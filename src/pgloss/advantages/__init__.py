@@ -1,8 +1,28 @@
-"""Advantages, computed once per step before the loss: GRPO's group advantages with every
-framework's std convention, Dr.GRPO, DAPO's dynamic sampling and overlong penalty (`group`), and the
-estimators beside them: GAE, RLOO, REINFORCE++, ReMax, OPO, GPG, GDPO, pass@k, the optimal token baseline
-(single- and multi-turn), MaxRL, AsymRE, OPMD (`estimators`), and RAE's per-role running baseline, the
-one estimator with state across steps (`role_baseline`)."""
+"""Advantages, computed once per step before the loss, one estimator family per file:
+
+    group.py                   GRPO's group advantages with every framework's std convention, Dr.GRPO, DAPO's
+                               dynamic sampling and overlong penalty
+    gae.py                     generalised advantage estimation (with a critic)
+    returns.py                 the discounted return-to-go and the whitening over the batch's tokens
+    reinforce.py               REINFORCE++, its group-baseline variant, ReMax
+    group_baselines.py         RLOO, OPO, GPG, AsymRE, OPMD: the reward minus a baseline from its group
+    maxrl.py                   MaxRL
+    gdpo.py                    GDPO (several rewards per response)
+    passk.py                   pass@k training
+    optimal_token_baseline.py  the optimal token baseline, single- and multi-turn
+    role_baseline.py           RAE's per-role running baseline, the one estimator with state across steps
+
+Sequence-level estimators take one score per sequence, `scores` `[B]`, and integer `group_ids`
+`[B]` (the prompt of each sequence; every member of a group must be in the call, as in every
+framework, where advantages are computed once per step on the whole rollout). Token-level ones
+take `[B, T]` rewards and a mask. Everything returned is detached; arithmetic is in float64 and
+the result comes back in the input's floating dtype.
+
+Statistics over the whole batch (REINFORCE++'s whitening, TRL's batch std, GPG's α) are global:
+with `process_group` (or the default group, when torch.distributed is initialized and
+`reduce=True`) they are all-reduced, so a rollout spread over ranks gets the advantages of the
+whole rollout on one process.
+"""
 
 from .group import (
     StdConvention,
@@ -15,27 +35,15 @@ from .group import (
     dynamic_sampling_keep,
     overlong_penalty,
 )
-from .estimators import (
-    gae,
-    GDPO_EPS,
-    rloo_advantages,
-    whiten,
-    discounted_returns,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
-    remax_advantages,
-    opo_advantages,
-    gpg_advantages,
-    gdpo_advantages,
-    passk_advantages,
-    optimal_token_baseline_advantages,
-    tir_optimal_token_baseline_advantages,
-    MAXRL_CONVENTIONS,
-    maxrl_advantages,
-    asymre_advantages,
-    OPMD_BASELINES,
-    opmd_advantages,
-)
+from .gae import gae
+from .returns import whiten, discounted_returns
+from .reinforce import reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages
+from .group_baselines import (rloo_advantages, opo_advantages, gpg_advantages, asymre_advantages, OPMD_BASELINES,
+                              opmd_advantages)
+from .gdpo import GDPO_EPS, gdpo_advantages
+from .passk import passk_advantages
+from .optimal_token_baseline import optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages
+from .maxrl import MAXRL_CONVENTIONS, maxrl_advantages
 from .role_baseline import RoleBaseline
 
 __all__ = [

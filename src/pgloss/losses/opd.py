@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..advantages.estimators import discounted_returns
+from ..advantages.returns import discounted_returns
 from ..base import Algorithm
 from ..core.batch import TokenBatch
 from ..core.metrics import masked_mean, ratio_metrics
