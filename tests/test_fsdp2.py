@@ -18,6 +18,7 @@ import torch
 
 import pgloss
 from conftest import run_ranks
+from properties.micro_batches import micro_batches
 
 ROWS, WIDTH, HIDDEN, VOCAB = 16, 6, 5, 11
 # rank -> its micro-batches, each of whole groups (group_ids = row // 2: REAL contrasts a group's rows).
@@ -120,8 +121,7 @@ def worker(rank: int, world: int) -> dict:
                 algorithm = build(name)
                 model.zero_grad(set_to_none=True)
                 normalizer = step_normalizer(algorithm, inputs, parts)
-                for part in parts:
-                    micro_loss(algorithm, model, path, ids, targets, inputs, part, normalizer).backward()
+                micro_batches(lambda p: micro_loss(algorithm, model, path, ids, targets, inputs, p, normalizer), parts)
                 out[(head, path, name)] = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
     return out
 
@@ -141,7 +141,7 @@ def reference(name, world):
     if selects_per_call(algorithm):
         parts = [p for rank in range(world) for p in LAYOUT[world][rank]]
         normalizer = step_normalizer(algorithm, inputs, parts)
-        sum(micro_loss(algorithm, model, "plain", ids, targets, inputs, p, normalizer) for p in parts).backward()
+        micro_batches(lambda p: micro_loss(algorithm, model, "plain", ids, targets, inputs, p, normalizer), parts)
     else:
         micro_loss(algorithm, model, "plain", ids, targets, inputs, slice(None), None).backward()
     return {k: p.grad for k, p in model.named_parameters()}

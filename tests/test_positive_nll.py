@@ -25,6 +25,7 @@ import torch
 import loops
 import pgloss
 from conftest import algorithm, make_batch
+from properties.micro_batches import cut, split_call
 from test_algorithms import reference_loss
 
 F64 = dict(dtype=torch.float64)
@@ -95,16 +96,12 @@ def test_micro_batches_add_up(parts):
     whole_lp = data["log_prob"].clone().requires_grad_(True)
     whole = call(alg, {**data, "log_prob": whole_lp}).loss
     whole.backward()
-    lp = data["log_prob"].clone().requires_grad_(True)
-    norm = alg.step_normalizer([data["mask"][p] for p in parts], scores=[data["scores"][p] for p in parts])
-    total = 0.0
-    for p in parts:
-        out = alg(lp[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
-                  ref_log_prob=data["ref_log_prob"][p], scores=data["scores"][p], normalizer=norm)
-        out.loss.backward()
-        total = total + out.loss.detach()
+    norm = alg.step_normalizer(cut(data["mask"], parts), scores=cut(data["scores"], parts))
+    total, grad = split_call(alg, data["log_prob"], parts, norm, old_log_prob=data["old_log_prob"],
+                             advantages=data["advantages"], mask=data["mask"], ref_log_prob=data["ref_log_prob"],
+                             scores=data["scores"])
     torch.testing.assert_close(total, whole.detach(), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(lp.grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
 
 
 def test_needs_scores_and_a_counted_normalizer():

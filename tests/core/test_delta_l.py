@@ -25,6 +25,7 @@ import torch
 import loops
 import pgloss
 from conftest import make_batch
+from properties.micro_batches import cut, split_call
 from pgloss.core.aggregate import aggregate, row_weights
 
 F64 = dict(dtype=torch.float64)
@@ -94,12 +95,9 @@ def test_micro_batches_and_alpha(alpha):
     alg = pgloss.get("dapo", loss_agg_mode="delta-l-norm", norm_constant=6.0, delta_l_alpha=alpha, kl_coef=0.1)
 
     def run(parts):
-        lp = data["log_prob"].clone().requires_grad_(True)
-        norm = alg.step_normalizer([data["mask"][p] for p in parts])
-        loss = sum(alg(lp[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
-                       ref_log_prob=data["ref_log_prob"][p], normalizer=norm).loss for p in parts)
-        loss.backward()
-        return loss.detach(), lp.grad
+        return split_call(alg, data["log_prob"], parts, alg.step_normalizer(cut(data["mask"], parts)),
+                          old_log_prob=data["old_log_prob"], advantages=data["advantages"], mask=data["mask"],
+                          ref_log_prob=data["ref_log_prob"])
 
     whole = run([slice(0, 9)])
     for parts in ([slice(0, 2), slice(2, 9)], [slice(0, 1), slice(1, 5), slice(5, 9)]):

@@ -13,6 +13,7 @@ import loops
 import loops as lp2
 import pgloss
 from conftest import log_probs, make_batch
+from properties.micro_batches import cut, split_call
 from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 F64 = torch.float64
@@ -147,19 +148,13 @@ def test_micro_batches_with_the_corrected_normalizer_match_one_call(corr, mode):
     whole_lp = d["log_prob"].clone().requires_grad_(True)
     whole = call(alg, d, log_prob=whole_lp)
     whole.loss.backward()
-    normalizer = corr.normalizer([d["mask"][p] for p in PARTS], [d["old_log_prob"][p] for p in PARTS],
-                                 [d["rollout_log_prob"][p] for p in PARTS],
-                                 group_ids=[d["group_ids"][p] for p in PARTS])
-    lp = d["log_prob"].clone().requires_grad_(True)
-    total = 0.0
-    for p in PARTS:
-        out = alg(lp[p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p],
-                  rollout_log_prob=d["rollout_log_prob"][p],
-                  ref_log_prob=d["ref_log_prob"][p], group_ids=d["group_ids"][p], normalizer=normalizer)
-        out.loss.backward()
-        total = total + out.loss.detach()
+    normalizer = corr.normalizer(cut(d["mask"], PARTS), cut(d["old_log_prob"], PARTS),
+                                 cut(d["rollout_log_prob"], PARTS), group_ids=cut(d["group_ids"], PARTS))
+    total, grad = split_call(alg, d["log_prob"], PARTS, normalizer, old_log_prob=d["old_log_prob"],
+                             advantages=d["advantages"], mask=d["mask"], rollout_log_prob=d["rollout_log_prob"],
+                             ref_log_prob=d["ref_log_prob"], group_ids=d["group_ids"])
     torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(lp.grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
 
 
 def test_batch_normalize_without_the_step_mean_is_refused():
@@ -232,14 +227,12 @@ def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_st
     for corr in CORRECTIONS:
         alg = pgloss.get("dapo", kl_coef=0.05, rollout_correction=corr)
         parts = RANK_PARTS[rank]
-        normalizer = corr.normalizer([d["mask"][p] for p in parts], [d["old_log_prob"][p] for p in parts],
-                                     [d["rollout_log_prob"][p] for p in parts])
-        lp = d["log_prob"].clone().requires_grad_(True)
-        for p in parts:
-            alg(lp[p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p],
-                rollout_log_prob=d["rollout_log_prob"][p], ref_log_prob=d["ref_log_prob"][p],
-                normalizer=normalizer).loss.backward()
-        grad = lp.grad.clone()
+        normalizer = corr.normalizer(cut(d["mask"], parts), cut(d["old_log_prob"], parts),
+                                     cut(d["rollout_log_prob"], parts))
+        _, grad = split_call(alg, d["log_prob"], parts, normalizer, old_log_prob=d["old_log_prob"],
+                             advantages=d["advantages"], mask=d["mask"], rollout_log_prob=d["rollout_log_prob"],
+                             ref_log_prob=d["ref_log_prob"])
+        grad = grad.clone()
         torch.distributed.all_reduce(grad)
         out.append(grad / 2)
     return out

@@ -8,6 +8,7 @@ import torch
 import loops
 import pgloss
 from conftest import make_batch
+from properties.micro_batches import micro_batches
 from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask, truncated_completion_mask
 
 PARTS = [slice(0, 3), slice(3, 5), slice(5, 9)]
@@ -86,8 +87,12 @@ def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_st
     normalizer = pgloss.Normalizer.count(masks)
     log_prob = d["log_prob"].clone().requires_grad_(True)
     alg = pgloss.get("dapo")
-    for p, m in zip(parts, masks):
-        alg(log_prob[p], d["old_log_prob"][p], d["advantages"][p], m, normalizer=normalizer).loss.backward()
+
+    def micro_batch(rows_and_mask):
+        p, m = rows_and_mask
+        return alg(log_prob[p], d["old_log_prob"][p], d["advantages"][p], m, normalizer=normalizer)
+
+    micro_batches(micro_batch, zip(parts, masks))
     grad = log_prob.grad.clone()
     torch.distributed.all_reduce(grad)
     return threshold, grad / 2

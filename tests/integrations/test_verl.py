@@ -26,6 +26,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from pgloss.integrations import verl as adapter  # noqa: E402
+from properties.micro_batches import micro_batches  # noqa: E402
 
 ROWS, LENGTH, BUDGET = 8, 7, 9.0
 SPLIT = [slice(0, 3), slice(3, 4), slice(4, 8)]  # uneven micro-batches, as verl's dynamic batching makes them
@@ -79,13 +80,7 @@ def micro_batch(batch, leaf, rows, *, dp_size=1, with_weights=False):
 def run(config, batch, split, **kwargs):
     """Σ of ppo_loss over the micro-batches of `split`, and the gradient of that sum."""
     leaf = batch["log_prob"].clone().requires_grad_()
-    total = 0.0
-    for rows in split:
-        output, data = micro_batch(batch, leaf, rows, **kwargs)
-        loss, _ = ppo_loss(config, output, data)
-        loss.backward()
-        total += loss.detach()
-    return total, leaf.grad
+    return micro_batches(lambda rows: ppo_loss(config, *micro_batch(batch, leaf, rows, **kwargs))[0], split), leaf.grad
 
 
 def own_mode(name):

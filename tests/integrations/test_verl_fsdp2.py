@@ -22,6 +22,7 @@ pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
 from conftest import free_port  # noqa: E402
+from properties.micro_batches import micro_batches  # noqa: E402
 from test_fsdp2 import VOCAB, selects_per_call, tiny  # noqa: E402
 from test_verl import BUDGET, LENGTH, ROWS, actor_config, make_batch, micro_batch, own_mode  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -87,8 +88,8 @@ def worker(rank: int, port: int, results) -> None:
         for name in NAMES:
             config = config_of(name)
             model.zero_grad(set_to_none=True)
-            for rows in parts:
-                loss(config, model, batch, rows, dp_size=WORLD, batch_num_tokens=int(tokens)).backward()
+            micro_batches(lambda rows: loss(config, model, batch, rows, dp_size=WORLD, batch_num_tokens=int(tokens)),
+                          parts)
             out[name] = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
         results[rank] = out
     finally:

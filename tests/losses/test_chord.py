@@ -24,6 +24,7 @@ import torch
 import loops
 import pgloss
 from conftest import make_batch
+from properties.micro_batches import cut, split_call
 from trinity_losses import policy_loss_modules
 
 TRINITY = os.environ.get("PGLOSS_TRINITY_SRC")
@@ -113,17 +114,13 @@ def test_micro_batches_add_up(mode, parts):
     whole_lp = data["log_prob"].clone().requires_grad_(True)
     whole = call(alg, data, whole_lp, ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"]).loss
     whole.backward()
-    lp = data["log_prob"].clone().requires_grad_(True)
-    norm = alg.step_normalizer([data["mask"][p] for p in parts], expert=[data["expert"][p] for p in parts],
-                               group_ids=[data["group_ids"][p] for p in parts])
-    total = 0.0
-    for p in parts:
-        out = alg(lp[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p], expert=data["expert"][p],
-                  ref_log_prob=data["ref_log_prob"][p], group_ids=data["group_ids"][p], normalizer=norm)
-        out.loss.backward()
-        total = total + out.loss.detach()
+    norm = alg.step_normalizer(cut(data["mask"], parts), expert=cut(data["expert"], parts),
+                               group_ids=cut(data["group_ids"], parts))
+    total, grad = split_call(alg, data["log_prob"], parts, norm, old_log_prob=data["old_log_prob"],
+                             advantages=data["advantages"], mask=data["mask"], expert=data["expert"],
+                             ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"])
     torch.testing.assert_close(total, whole.detach(), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(lp.grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
 
 
 def test_inputs_and_hyperparameters_are_checked():

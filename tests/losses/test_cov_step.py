@@ -9,6 +9,7 @@ import torch
 
 import pgloss
 from conftest import make_batch
+from properties.micro_batches import cut, micro_batches, parts_of
 
 SPLITS = [[2, 4, 3], [1, 1, 7], [9]]
 OVERRIDES = {"clip_cov": dict(clip_cov_ratio=0.1, clip_cov_lb=0.05), "kl_cov": dict(kl_cov_ratio=0.1)}
@@ -18,11 +19,6 @@ def data(seed=0):
     d = make_batch(batch=9, length=8, seed=seed, spread=0.3, per_token_adv=True)
     d["advantages"] = 2 * d["advantages"]  # covariances of order one: candidates inside (lb, ub)
     return d
-
-
-def parts_of(sizes):
-    bounds = torch.tensor([0] + sizes).cumsum(0).tolist()
-    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def algorithm(name, seed=0):
@@ -41,14 +37,14 @@ def run(alg, d, parts, picks):
     """Summed loss and log_prob gradient over the micro-batches `parts`, each with its part of the
     step's selection (`picks`, or None: each micro-batch selects for itself)."""
     x = d["log_prob"].clone().requires_grad_()
-    normalizer = pgloss.Normalizer.count([d["mask"][p] for p in parts])
-    total = 0.0
-    for k, p in enumerate(parts):
-        call = alg if picks is None else dataclasses.replace(alg, selection=picks[k])
-        out = call(x[p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p], normalizer=normalizer)
-        out.loss.backward()
-        total = total + out.loss.detach()
-    return total, x.grad
+    normalizer = pgloss.Normalizer.count(cut(d["mask"], parts))
+    calls = [alg] * len(parts) if picks is None else [dataclasses.replace(alg, selection=s) for s in picks]
+
+    def micro_batch(call_and_rows):
+        call, p = call_and_rows
+        return call(x[p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p], normalizer=normalizer)
+
+    return micro_batches(micro_batch, zip(calls, parts)), x.grad
 
 
 @pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
@@ -103,13 +99,9 @@ def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_st
     for name in ("clip_cov", "kl_cov"):
         alg = algorithm(name, seed=6)  # every rank seeds the draw alike
         picks = selection(alg, d, parts)
-        normalizer = pgloss.Normalizer.count([d["mask"][p] for p in parts])  # all-reduced: world_size 2
-        x = d["log_prob"].clone().requires_grad_()
-        for k, p in enumerate(parts):
-            dataclasses.replace(alg, selection=picks[k])(x[p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p],
-                                                         normalizer=normalizer).loss.backward()
+        _, grad = run(alg, d, parts, picks)  # the Normalizer is all-reduced: world_size 2
         rows = torch.cat([torch.arange(9)[p] for p in parts])
-        out[name] = (rows, x.grad[rows] / 2)  # DDP averages the two ranks' gradients
+        out[name] = (rows, grad[rows] / 2)  # DDP averages the two ranks' gradients
     return out
 
 

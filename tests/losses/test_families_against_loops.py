@@ -8,6 +8,7 @@ import loops
 
 import pgloss
 from conftest import make_batch
+from properties.micro_batches import cut, split_call
 
 NEW = ["gmpo", "clip_cov", "kl_cov", "gpg", "tis_pg", "topr", "dppo_tv", "dppo_kl", "dro", "vespo", "luspo",
        "ce_gppo", "real"]
@@ -133,21 +134,15 @@ def test_row_coupled_names_are_marked():
 def test_real_is_split_invariant_when_calls_hold_whole_groups():
     data = batch_for("real", 7)
     alg = get("real")
-    normalizer = pgloss.Normalizer.count([data["mask"][:3], data["mask"][3:]],
-                                         group_ids=[data["group_ids"][:3], data["group_ids"][3:]])
+    parts = [slice(0, 3), slice(3, 9)]
+    normalizer = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
     x = data["log_prob"].clone().requires_grad_()
     whole = call(alg, data, x)
     whole.loss.backward()
-    y = data["log_prob"].clone().requires_grad_()
-    total = 0.0
-    for rows in (slice(0, 3), slice(3, 9)):
-        part = {k: v[rows] for k, v in data.items()}
-        out = alg(y[rows], part["old_log_prob"], part["advantages"], part["mask"], group_ids=part["group_ids"],
-                  normalizer=normalizer)
-        out.loss.backward()
-        total = total + out.loss.detach()
+    total, grad = split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
+                             advantages=data["advantages"], mask=data["mask"], group_ids=data["group_ids"])
     torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(y.grad, x.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-14)
 
 
 def test_topr_without_scores_is_refused():
@@ -186,18 +181,13 @@ def test_split_into_micro_batches_equals_the_whole_batch(name, mode):
     fixed = get(name).fixed_agg_mode
     alg = get(name, loss_agg_mode=fixed or mode or get(name).loss_agg_mode, kl_coef=0.1, entropy_coef=0.01)
     parts = [slice(0, 2), slice(2, 6), slice(6, 9)]
-    normalizer = pgloss.Normalizer.count([data["mask"][p] for p in parts])
+    normalizer = pgloss.Normalizer.count(cut(data["mask"], parts))
     x = data["log_prob"].clone().requires_grad_()
     whole = call(alg, data, x, ref_log_prob=data["ref_log_prob"], entropy=data["entropy"])
     whole.loss.backward()
-    y = data["log_prob"].clone().requires_grad_()
-    total = 0.0
-    for p in parts:
-        out = alg(y[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
-                  ref_log_prob=data["ref_log_prob"][p], entropy=data["entropy"][p], scores=SCORES[p],
-                  normalizer=normalizer)
-        out.loss.backward()
-        total = total + out.loss.detach()
+    total, grad = split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
+                             advantages=data["advantages"], mask=data["mask"], ref_log_prob=data["ref_log_prob"],
+                             entropy=data["entropy"], scores=SCORES[:9])
     torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(y.grad, x.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-14)
     assert x.grad.abs().sum() > 0

@@ -6,6 +6,7 @@ import torch
 import loops
 import pgloss
 from conftest import make_batch
+from properties.micro_batches import cut, parts_of, split_call
 
 
 def gvpo_data(seed, per_token_adv=True):
@@ -65,20 +66,14 @@ def test_micro_batches_of_whole_groups_equal_the_whole_batch(cuts):
     data["ref_log_prob"] = data["ref_log_prob"]
 
     def run(parts):
-        x = data["log_prob"].clone().requires_grad_()
-        norm = pgloss.Normalizer.count([data["mask"][p] for p in parts], group_ids=[data["group_ids"][p] for p in parts])
-        total = 0.0
-        for p in parts:
-            out = alg(x[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p], group_ids=data["group_ids"][p],
-                      ref_log_prob=data["ref_log_prob"][p], normalizer=norm)
-            out.loss.backward()
-            total += out.loss.item()
-        return total, x.grad
+        norm = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
+        return split_call(alg, data["log_prob"], parts, norm, old_log_prob=data["old_log_prob"],
+                          advantages=data["advantages"], mask=data["mask"], group_ids=data["group_ids"],
+                          ref_log_prob=data["ref_log_prob"])
 
     whole_loss, whole_grad = run([slice(0, 9)])
-    bounds = [0] + cuts + [9]
-    loss, grad = run([slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])])
-    assert loss == pytest.approx(whole_loss, rel=1e-12)
+    loss, grad = run(parts_of(b - a for a, b in zip([0] + cuts, cuts + [9])))
+    assert loss.item() == pytest.approx(whole_loss.item(), rel=1e-12)
     torch.testing.assert_close(grad, whole_grad, rtol=1e-12, atol=1e-14)
 
 

@@ -8,6 +8,7 @@ import torch
 import loops
 import pgloss
 from conftest import make_batch
+from properties.micro_batches import cut, parts_of, split_call
 from pgloss.losses.real import real_group_loss
 
 
@@ -72,16 +73,10 @@ def real_data(seed):
 
 def split_run(alg, data, parts):
     """Summed loss and gradient over micro-batches `parts`, with the step's Normalizer (group counts)."""
-    x = data["log_prob"].clone().requires_grad_()
-    normalizer = pgloss.Normalizer.count([data["mask"][p] for p in parts],
-                                         group_ids=[data["group_ids"][p] for p in parts])
-    total = 0.0
-    for p in parts:
-        out = alg(x[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
-                  group_ids=data["group_ids"][p], ref_log_prob=data["ref_log_prob"][p], normalizer=normalizer)
-        out.loss.backward()
-        total = total + out.loss.detach()
-    return total, x.grad
+    normalizer = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
+    return split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
+                      advantages=data["advantages"], mask=data["mask"], group_ids=data["group_ids"],
+                      ref_log_prob=data["ref_log_prob"])
 
 
 @pytest.mark.parametrize("cuts", [[3], [6], [3, 6], []])
@@ -92,8 +87,7 @@ def test_micro_batches_of_whole_groups_equal_the_whole_batch(cuts, seed):
     data = real_data(seed)
     alg = pgloss.get("real", kl_coef=0.1)
     whole_loss, whole_grad = split_run(alg, data, [slice(0, 9)])
-    bounds = [0] + cuts + [9]
-    loss, grad = split_run(alg, data, [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])])
+    loss, grad = split_run(alg, data, parts_of(b - a for a, b in zip([0] + cuts, cuts + [9])))
     torch.testing.assert_close(loss, whole_loss, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, whole_grad, rtol=1e-12, atol=1e-14)
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import pgloss
 from pgloss.core.inputs import OPTIONAL_INPUTS
 from conftest import run_ranks
+from properties.micro_batches import cut, micro_batches
 from steps import PARTS, data, log_probs
 
 OPTIONAL = tuple(name for name in OPTIONAL_INPUTS if name != "full_kl")  # the exact KL has its own tests
@@ -36,9 +37,13 @@ def build(name):
     return pgloss.get(name, generation_budget=6, kl_coef=0.05, entropy_coef=0.01)
 
 
-def gradient(algorithm, log_prob, inputs, rows=slice(None), normalizer=None):
+def run(algorithm, log_prob, inputs, rows=slice(None), normalizer=None):
     torch.manual_seed(0)  # Clip-Cov and KL-Cov draw their selection from the global generator
-    out = algorithm(log_prob[rows], **{k: v[rows] for k, v in inputs.items()}, normalizer=normalizer)
+    return algorithm(log_prob[rows], **{k: v[rows] for k, v in inputs.items()}, normalizer=normalizer)
+
+
+def gradient(algorithm, log_prob, inputs, rows=slice(None), normalizer=None):
+    out = run(algorithm, log_prob, inputs, rows, normalizer)
     return out, torch.autograd.grad(out.loss, log_prob)[0]
 
 
@@ -86,12 +91,11 @@ def rank_gradients(rank: int, world: int) -> dict:
             continue
         log_prob, inputs = step_inputs(algorithm)
         parts = RANKS[rank]
-        normalizer = algorithm.step_normalizer([inputs["mask"][p] for p in parts],
-                                               old_log_probs=[inputs["old_log_prob"][p] for p in parts],
-                                               group_ids=[data()[3]["group_ids"][p] for p in parts])
-        total = torch.zeros_like(log_prob)
-        for p in parts:
-            total += gradient(algorithm, log_prob, inputs, p, normalizer)[1]
+        normalizer = algorithm.step_normalizer(cut(inputs["mask"], parts),
+                                               old_log_probs=cut(inputs["old_log_prob"], parts),
+                                               group_ids=cut(data()[3]["group_ids"], parts))
+        micro_batches(lambda p: run(algorithm, log_prob, inputs, p, normalizer), parts)
+        total = log_prob.grad.clone()
         dist.all_reduce(total)
         out[name] = total / dist.get_world_size()  # DDP's gradient average
     return out

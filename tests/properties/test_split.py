@@ -7,24 +7,17 @@ import torch
 
 import pgloss
 from conftest import algorithm, make_batch, optional_inputs
+from properties.micro_batches import cut, parts_of, split_call
 
 SPLITS = [[0, 1, 2, 3, 4, 5, 6, 7, 8], [2, 4, 3], [1, 1, 7]]  # rows per micro-batch (uneven)
 
 
 def run(alg, data, sizes, *, normalizer_from_whole_step=True):
     """Return (summed loss, summed log_prob gradient) over micro-batches of `sizes` rows."""
-    log_prob = data["log_prob"].clone().requires_grad_(True)
-    bounds = torch.tensor([0] + sizes).cumsum(0).tolist()
-    parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-    normalizer = pgloss.Normalizer.count([data["mask"][p] for p in parts],
-                                         group_ids=[data["group_ids"][p] for p in parts])
-    total = 0.0
-    for p in parts:
-        out = alg(log_prob[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
-                  normalizer=normalizer, **optional_inputs(data, p))
-        out.loss.backward()
-        total = total + out.loss.detach()
-    return total, log_prob.grad
+    parts = parts_of(sizes)
+    normalizer = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
+    return split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
+                      advantages=data["advantages"], mask=data["mask"], **optional_inputs(data))
 
 
 @pytest.mark.parametrize("mode", pgloss.AGG_MODES)

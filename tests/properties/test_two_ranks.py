@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import pgloss
 from conftest import algorithm, make_batch, run_ranks
+from properties.micro_batches import cut, split_call
 
 CASES = [("grpo", mode) for mode in pgloss.AGG_MODES] + [("gspo", "seq-mean-token-mean"), ("fipo", "token-mean")]
 # Rank 0 gets 3 rows split in two micro-batches, rank 1 gets 6 rows: uneven on purpose.
@@ -22,14 +23,11 @@ def worker(rank: int, world: int) -> dict:
     for name, mode in CASES:
         alg = algorithm(name, loss_agg_mode=mode, norm_constant=6.0, kl_coef=0.1)
         parts = RANK_ROWS[rank]
-        normalizer = pgloss.Normalizer.count([data["mask"][p] for p in parts],
-                                             group_ids=[data["group_ids"][p] for p in parts])
-        log_prob = data["log_prob"].clone().requires_grad_(True)
-        for p in parts:
-            alg(log_prob[p], data["old_log_prob"][p], data["advantages"][p], data["mask"][p],
-                ref_log_prob=data["ref_log_prob"][p], group_ids=data["group_ids"][p],
-                normalizer=normalizer).loss.backward()
-        grad = log_prob.grad.clone()
+        normalizer = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
+        _, grad = split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
+                             advantages=data["advantages"], mask=data["mask"], ref_log_prob=data["ref_log_prob"],
+                             group_ids=data["group_ids"])
+        grad = grad.clone()
         dist.all_reduce(grad)
         out[(name, mode)] = grad / dist.get_world_size()  # DDP's gradient average
     return out

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import pgloss
 from conftest import make_batch, run_ranks
+from properties.micro_batches import cut, split_call
 from pgloss.controllers import AdaptiveEntropy
 
 RANK_ROWS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
@@ -38,14 +39,11 @@ def data():
 
 
 def step(alg, batch, parts, extra):
-    log_prob = batch["log_prob"].clone().requires_grad_(True)
-    normalizer = alg.step_normalizer([batch["mask"][p] for p in parts], scores=[batch["scores"][p] for p in parts],
-                                     **{k: [v[p] for p in parts] for k, v in extra.items()})
-    for p in parts:
-        alg(log_prob[p], batch["old_log_prob"][p], batch["advantages"][p], batch["mask"][p],
-            ref_log_prob=batch["ref_log_prob"][p], scores=batch["scores"][p], normalizer=normalizer,
-            **{k: v[p] for k, v in extra.items()}).loss.backward()
-    return log_prob.grad
+    normalizer = alg.step_normalizer(cut(batch["mask"], parts), scores=cut(batch["scores"], parts),
+                                     **{k: cut(v, parts) for k, v in extra.items()})
+    return split_call(alg, batch["log_prob"], parts, normalizer, old_log_prob=batch["old_log_prob"],
+                      advantages=batch["advantages"], mask=batch["mask"], ref_log_prob=batch["ref_log_prob"],
+                      scores=batch["scores"], **extra)[1]
 
 
 def controller_run(parts_per_step):

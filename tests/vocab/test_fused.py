@@ -6,6 +6,7 @@ import torch
 import pgloss
 import pgloss.vocab.entropy
 from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
+from properties.micro_batches import cut, micro_batches
 
 B, T, H, V = 3, 5, 8, 37  # N = 15 tokens; chunk_size 4 divides neither N nor V
 LENGTHS = [5, 3, 1]
@@ -131,17 +132,13 @@ def test_from_hidden_method_and_normalizer_micro_batches(path):
     group_ids = torch.tensor([0, 0, 1])
     whole, gh, gw = run(fused, alg, inputs, group_ids=group_ids, chunk_size=PATHS[path])
     parts = [slice(0, 1), slice(1, 3)]
-    normalizer = pgloss.Normalizer.count([inputs["mask"][p] for p in parts], group_ids=[group_ids[p] for p in parts])
+    normalizer = pgloss.Normalizer.count(cut(inputs["mask"], parts), group_ids=cut(group_ids, parts))
     hidden, weight = inputs["hidden"].detach().clone().requires_grad_(), inputs["weight"].detach().clone().requires_grad_()
-    total = 0.0
-    for p in parts:
-        out = alg.from_hidden(hidden[p], weight, inputs["targets"][p], old_log_prob=inputs["old_log_prob"][p],
-                              advantages=inputs["advantages"][p], mask=inputs["mask"][p],
-                              ref_log_prob=inputs["ref_log_prob"][p], normalizer=normalizer, group_ids=group_ids[p],
-                              temperature=1.0, chunk_size=PATHS[path])
-        total = total + out.loss
-    total.backward()
-    torch.testing.assert_close(total, whole.loss, rtol=0, atol=1e-12)
+    total = micro_batches(lambda p: alg.from_hidden(
+        hidden[p], weight, inputs["targets"][p], old_log_prob=inputs["old_log_prob"][p],
+        advantages=inputs["advantages"][p], mask=inputs["mask"][p], ref_log_prob=inputs["ref_log_prob"][p],
+        normalizer=normalizer, group_ids=group_ids[p], temperature=1.0, chunk_size=PATHS[path]), parts)
+    torch.testing.assert_close(total, whole.loss.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(hidden.grad, gh, rtol=0, atol=1e-12)
     torch.testing.assert_close(weight.grad, gw, rtol=0, atol=1e-12)
 
