@@ -32,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from .runs import check_counts, execute, run_path, warm_state, write_run
+from .runs import check_counts, execute, lab_settings, run_path, warm_state, write_run
 
 OWN = ("runs", "warm", "teachers", "experiment.json", "seconds.json", "report.md", "distill.png")
 """The files and folders the experiment writes into its --out (what --overwrite sets aside)."""
@@ -44,7 +44,11 @@ STUDENTS = {"grpo": ("grpo", 1.0), "opd": ("opd", 0.0), "opd+reward": ("opd", 1.
 
 @dataclass(frozen=True)
 class DistillExperiment:
-    """The experiment's scale: students, seeds and steps; the lab's defaults otherwise."""
+    """The experiment's scale: students, seeds and steps, and the lab's settings every run shares.
+
+    The fields named as `LabConfig`'s (``steps``, the students' RL steps, to ``eval_prompts``) are those
+    settings, documented once there and passed on by name (`runs.lab_settings`); here they keep the lab's
+    defaults. A teacher takes ``teacher_steps`` and ``teacher_d_model`` instead of ``steps`` and ``d_model``."""
 
     students: tuple[str, ...] = ("grpo", "opd", "opd+reward", "iw_opd")
     """Students trained from each seed's warm start against its teacher (names of ``STUDENTS``)."""
@@ -52,31 +56,22 @@ class DistillExperiment:
     """Seeds 0..seeds-1 (each its own warm start, teacher, prompts and sampling)."""
     teacher_steps: int = 60
     """GRPO steps that make each seed's teacher."""
-    steps: int = 30
-    """RL steps per student."""
     workers: int = 2
     """Runs trained at once, one process and one thread each."""
+    steps: int = 30
     task: str = "chain"
-    """The lab task (lab/tasks.py)."""
     prompts_per_step: int = 32
-    """Prompts per RL step (the lab's default, as are the settings below)."""
     group_size: int = 8
-    """Completions per prompt."""
     max_new_tokens: int = 24
-    """Response budget."""
     warm_steps: int = 1500
-    """Supervised warm-start steps."""
     warm_batch: int = 64
-    """Demonstrations per warm-start step."""
     d_model: int = 96
-    """Width of the students' transformer (and of the teachers' without ``teacher_d_model``)."""
+    eval_prompts: int = 64
     teacher_d_model: int | None = None
     """Width of each teacher, a larger model from its own warm start, whose learning rate is the lab's
     ``warm_lr`` times d_model / teacher_d_model (at 192 wide the lab's 3e-3 left the warm start at 0.21
     eval reward on seed 0, 1.5e-3 at 0.66, the students' 96-wide one at 0.39); None: the students' width and
     warm start."""
-    eval_prompts: int = 64
-    """Held-out prompts answered greedily every step."""
 
     def __post_init__(self) -> None:
         if not self.students:
@@ -96,11 +91,9 @@ class DistillExperiment:
         steps = self.teacher_steps if label == TEACHER else self.steps
         width = (self.teacher_d_model or self.d_model) if label == TEACHER else self.d_model
         warm_lr = LabConfig.warm_lr / (width / self.d_model)  # a wider model warms up at a lower rate
-        return LabConfig(algorithm=algorithm, reward_coef=reward_coef, task=self.task, seed=seed, steps=steps,
-                         prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-                         max_new_tokens=self.max_new_tokens, warm_steps=self.warm_steps, warm_batch=self.warm_batch,
-                         warm_lr=warm_lr, d_model=width, eval_prompts=self.eval_prompts,
-                         samples=min(4, self.eval_prompts), threads=1)
+        return LabConfig(**{**lab_settings(self), "steps": steps, "d_model": width}, algorithm=algorithm,
+                         reward_coef=reward_coef, seed=seed, warm_lr=warm_lr, samples=min(4, self.eval_prompts),
+                         threads=1)
 
     def warm_configs(self, seed: int) -> list:
         """The configurations whose warm starts a seed needs: the teacher's, and the students' when wider."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .runs import check_counts, execute, run_path, warm_state, write_run
+from .runs import check_counts, execute, lab_settings, run_path, warm_state, write_run
 
 OWN = ("runs", "warm", "experiment.json", "seconds.json", "report.md", "length_reward.png", "length_length.png",
        "length_repetition.png", "length_entropy.png", "length_gradient.png")
@@ -44,42 +44,34 @@ LENGTH_BINS = (1, 8, 16, 32, 64)
 
 @dataclass(frozen=True)
 class LengthExperiment:
-    """The experiment's scale: algorithms, seeds, steps and the lab settings they share."""
+    """The experiment's scale: algorithms, seeds and workers, and the lab's settings every run shares.
+
+    The fields named as `LabConfig`'s (from ``steps`` to ``target_entropy``) are those settings, documented
+    once there and passed on by name (`runs.lab_settings`); here they take the experiment's values: the
+    ``trace`` task, where length is free (``chain``: a longer trace pays); a 128-token budget (the warm start
+    shows responses of at most 35 tokens); 600 warm-start steps, enough that a trace no longer costs accuracy
+    (about 0.9 either way); a learning rate above the lab's 2e-4, so that length can move within the run;
+    and one entropy bonus (or target) for every algorithm, None: each algorithm's own."""
 
     algorithms: tuple[str, ...] = ("grpo", "bnpo", "dapo", "dr_grpo", "sample_grpo", "gspo")
     """Algorithms trained from each seed's warm start."""
     seeds: int = 5
     """Seeds 0..seeds-1 (each its own warm start, prompts and sampling)."""
-    steps: int = 100
-    """RL steps per run."""
-    prompts_per_step: int = 16
-    """Prompts per RL step."""
-    group_size: int = 8
-    """Completions per prompt."""
-    max_new_tokens: int = 128
-    """Response budget; the warm start shows responses of at most 35 tokens."""
-    warm_steps: int = 600
-    """Supervised warm-start steps: enough that a trace no longer costs accuracy (about 0.9 either way)."""
-    warm_batch: int = 32
-    """Demonstrations per warm-start step."""
-    scratchpad_prob: float = 0.5
-    """Share of warm-start demonstrations that write a trace (the rest answer directly)."""
-    d_model: int = 64
-    """Width of the transformer."""
-    lr: float = 5e-4
-    """AdamW learning rate of RL (above the lab's 2e-4, so that length can move within the run)."""
-    eval_prompts: int = 16
-    """Held-out prompts answered greedily every step."""
     workers: int = 2
     """Runs trained at once, one process and one thread each."""
+    steps: int = 100
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 128
+    warm_steps: int = 600
+    warm_batch: int = 32
+    scratchpad_prob: float = 0.5
+    d_model: int = 64
+    lr: float = 5e-4
+    eval_prompts: int = 16
     task: str = "trace"
-    """The lab task (lab/tasks.py): ``trace``, where length is free, or ``chain``, where a longer trace pays."""
     entropy_coef: float | None = None
-    """Entropy bonus given alike to every algorithm (the lab's ``entropy_coef``); None: each algorithm's own (none).
-    With `target_entropy`, the controller's starting coefficient."""
     target_entropy: float | None = None
-    """The entropy (nats per token) every algorithm's bonus is steered toward (the lab's ``target_entropy``,
-    `pgloss.AdaptiveEntropy`); None: the fixed `entropy_coef`."""
 
     def __post_init__(self) -> None:
         if not self.algorithms:
@@ -96,13 +88,8 @@ class LengthExperiment:
         """The lab's configuration of one run."""
         from ..lab.config import LabConfig
 
-        return LabConfig(algorithm=algorithm, task=self.task, seed=seed, steps=self.steps, entropy_coef=self.entropy_coef,
-                         target_entropy=self.target_entropy,
-                         prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-                         max_new_tokens=self.max_new_tokens, warm_steps=self.warm_steps, warm_batch=self.warm_batch,
-                         scratchpad_prob=self.scratchpad_prob,
-                         d_model=self.d_model, lr=self.lr, eval_prompts=self.eval_prompts,
-                         samples=min(4, self.eval_prompts), threads=1)
+        return LabConfig(**lab_settings(self), algorithm=algorithm, seed=seed, samples=min(4, self.eval_prompts),
+                         threads=1)
 
 
 QUICK = LengthExperiment(seeds=2, steps=12)

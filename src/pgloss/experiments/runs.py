@@ -5,6 +5,7 @@ experiment resumes where it stopped; the warm starts in ``OUT/warm``, shared by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -17,6 +18,16 @@ def check_counts(experiment, *names: str) -> None:
         value = getattr(experiment, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+
+
+def lab_settings(experiment) -> dict:
+    """The experiment's fields that are `LabConfig`'s too (the same name is the same setting, documented
+    once, in lab/config.py), by name: the settings every run of the experiment shares, which its
+    ``lab_config`` passes to the lab as they are."""
+    from ..lab.config import LabConfig
+
+    lab = {f.name for f in dataclasses.fields(LabConfig)}
+    return {f.name: getattr(experiment, f.name) for f in dataclasses.fields(experiment) if f.name in lab}
 
 
 def run_path(out: Path, label: str, seed: int) -> Path:
