@@ -1,5 +1,7 @@
 """The report's numbers, windows and readings, on hand-made records."""
 
+import math
+
 import pytest
 
 from pgloss.lab.report import (TAIL, cell, mismatch_table, read_clipping, read_kept, run_values, summarize, tables,
@@ -44,6 +46,10 @@ def test_cells_show_the_mean_then_each_seed():
     assert cell([0.4]) == "0.400"
     assert cell([float("nan"), float("nan")]) == "–"
     assert cell([-0.00001, 0.00001], 4) == "0.0000 (0.0000, 0.0000)"
+    # beyond two seeds: the mean ± the half-width of the 95% Student-t interval, t_{0.975, 2} = 4.303
+    half = 4.303 * math.sqrt(((0.4 - 0.5) ** 2 + (0.6 - 0.5) ** 2) / 2) / math.sqrt(3)
+    assert cell([0.4, 0.5, 0.6]) == f"0.500 ± {half:.3f}" == "0.500 ± 0.248"
+    assert cell([0.4, float("nan"), 0.5, 0.6]) == "0.500 ± 0.248"  # a seed without the value is left out
     rows = summarize(run("grpo", 0) + run("grpo", 1))
     assert rows["grpo"]["seeds"] == [0, 1] and rows["grpo"]["values"]["eval_end"] == [0.5, pytest.approx(0.6)]
     text = tables(rows)

@@ -3,7 +3,8 @@
 Every column says its window: the warm start is step 0; a rollout statistic at the end is the
 mean of the last ``TAIL`` steps (of every step after 0 in a shorter run); an update diagnostic
 is the mean over every update of the run; the eval reward compares the warm-start policy with the
-final one. A cell is the mean over seeds followed by each seed's value.
+final one. A cell is the mean over seeds followed by each seed's value (two seeds) or by the
+half-width of the 95% Student-t interval over seeds (three or more: ``intervals.py``).
 
 The reading of clip fraction against ``ppo_kl`` follows "an article on the components of PG
 losses in verl's conventions" and says which rule fired, with its thresholds:
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+
+from .intervals import interval
 
 TAIL = 5  # rollout statistics at the end are means over the last TAIL steps (fewer in a shorter run)
 
@@ -92,12 +95,20 @@ def _fmt(value: float, digits: int) -> str:
     return text[1:] if text.startswith("-") and float(text) == 0 else text  # no "-0.000"
 
 
+SEEDS_LISTED = 2
+"""Up to this many seeds a cell lists each seed's value; beyond, it gives the 95% interval."""
+
+
 def cell(values: list[float], digits: int = 3) -> str:
-    """The mean over seeds, then each seed's value: ``0.626 (0.612, 0.640)``."""
-    text = _fmt(_mean(values), digits)
-    if len(values) > 1 and text != "–":
-        text += " (" + ", ".join(_fmt(v, digits) for v in values) + ")"
-    return text
+    """The mean over seeds, then each seed's value (``0.626 (0.612, 0.640)``) or, beyond
+    `SEEDS_LISTED` seeds, the half-width of the 95% Student-t interval (``0.626 ± 0.014``)."""
+    mean, half = interval(values)
+    text = _fmt(mean, digits)
+    if text == "–" or len(values) < 2:
+        return text
+    if len(values) <= SEEDS_LISTED:
+        return text + " (" + ", ".join(_fmt(v, digits) for v in values) + ")"
+    return text + " ± " + _fmt(half, digits)
 
 
 def _span(row: dict, key: str, digits: int = 3) -> str:
@@ -270,7 +281,9 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path], t
         f"Command: `{config['command']}`",
         "",
         f"pgloss {config['versions']['pgloss']}, torch {config['versions']['torch']}, git "
-        f"{config['versions']['git'] or 'unknown'}. Full config: `config.json`.",
+        f"{config['versions']['git'] or 'unknown'}"
+        + (f", on {config['versions']['machine']}" if config["versions"].get("machine") else "")
+        + (f"; warm starts {config['warm_start']}" if config.get("warm_start") else "") + ". Full config: `config.json`.",
         "",
     ]
     if lost:
@@ -289,8 +302,9 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path], t
         f"{base['eval_prompts']} fixed held-out prompts x {base['group_size']} samples, drawn with the same random "
         "numbers for the warm-start policy and the final one: a seed beats its warm start when it rises. *Train "
         "reward* is the sampled reward of each step's fresh prompts; greedy accuracy is on the held-out prompts. "
-        "Lengths count response tokens, the end token included. Each cell is the mean over seeds, then each "
-        "seed's value in parentheses.",
+        "Lengths count response tokens, the end token included. Each cell is the mean over seeds, then "
+        + ("each seed's value in parentheses." if max((len(r["seeds"]) for r in rows.values()), default=0) <= SEEDS_LISTED else
+           "± the half-width of its 95% Student-t interval over the seeds (mean ± t·sd/√n)."),
         "",
         "## Summary",
         "",
