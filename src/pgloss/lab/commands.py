@@ -1,6 +1,7 @@
 """``pgloss train`` and ``pgloss compare``: run the lab and write metrics, plots, samples and a report.
 
-``compare`` warm-starts one policy per seed (or loads it from the cache, ``lab/warm.py``), then
+``compare`` warm-starts one policy per seed (the one pgloss ships, or one from the cache, or one it
+trains: ``lab/warm.py``), then
 trains every (algorithm, seed) pair from that seed's warm start, ``--workers`` runs at a time in
 separate processes (one torch thread each, so results do not depend on the number of workers).
 ``train`` runs one algorithm in this process and works under ``torchrun`` (data parallel; rank 0
@@ -33,6 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
+from . import warm
 from .config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args, mismatched
 from .outputs import claim_directory
 from .progress import Progress, step_costs
@@ -50,8 +52,6 @@ def _failure(err: BaseException, **extra) -> dict:
 def warm_state(cfg: LabConfig, cache: Path | None) -> dict:
     """``{"state": the warm-started policy of cfg.seed}`` (a CPU state dict, from the cache when it
     holds it), or ``{"error": ...}``; each step of a warm start that trains is emitted."""
-    from . import warm
-
     try:
         return {"state": warm.state(cfg, cache, on_steps=lambda steps, seconds: emit({"warm": steps,
                                                                                       "seconds": seconds}))}
@@ -59,7 +59,7 @@ def warm_state(cfg: LabConfig, cache: Path | None) -> dict:
         return _failure(err)
 
 
-def run(cfg: LabConfig, warm: dict, checkpoint: Path | None = None, policy_file: Path | None = None) -> dict:
+def run(cfg: LabConfig, start: dict, checkpoint: Path | None = None, policy_file: Path | None = None) -> dict:
     """One RL run from a warm state (``{}`` when `checkpoint` holds the run to continue): ``{"metrics",
     "samples", "state"}``, or ``{"error", "traceback", "metrics"}`` with the records of the steps it made.
     Every new step's record is emitted as it is made; `checkpoint` is saved after each; the final policy
@@ -67,8 +67,8 @@ def run(cfg: LabConfig, warm: dict, checkpoint: Path | None = None, policy_file:
     from . import policy, trainer
 
     records: list[dict] = []
-    if "error" in warm:
-        return {"error": f"warm start failed: {warm['error']}", "traceback": warm["traceback"], "metrics": records}
+    if "error" in start:
+        return {"error": f"warm start failed: {start['error']}", "traceback": start["traceback"], "metrics": records}
     timed = timed_steps(emit)
 
     def on_step(record: dict) -> None:
@@ -77,7 +77,7 @@ def run(cfg: LabConfig, warm: dict, checkpoint: Path | None = None, policy_file:
 
     emit({"started": [cfg.algorithm, cfg.seed]})
     try:
-        result = trainer.train(cfg, warm.get("state"), on_step=on_step, checkpoint=checkpoint)
+        result = trainer.train(cfg, start.get("state"), on_step=on_step, checkpoint=checkpoint)
         if policy_file is not None:
             policy.save(result["state"], cfg, policy_file)
         return result
@@ -167,14 +167,25 @@ def _git_version() -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
+def machine() -> str:
+    """The CPU's model name and architecture and the instruction set torch's kernels use: what makes
+    float32 rounding, and so a run, differ between machines."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    return f"{name or 'unknown CPU'} ({platform.machine()}, torch kernels {torch.backends.cpu.get_cpu_capability()})"
+
+
 def versions() -> dict:
-    """pgloss, torch, Python and the git commit of the source, for ``config.json``."""
+    """pgloss, torch, Python, the git commit of the source and the machine, for ``config.json``."""
     import torch
 
     import pgloss
 
     return {"pgloss": pgloss.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "git": _git_version()}
+            "git": _git_version(), "machine": machine()}
 
 
 def _write_config(out: Path, config: dict) -> None:
@@ -294,7 +305,7 @@ def _summary_line(command: str, runs: list[dict], report: Path, seconds: float, 
 
 def cmd_compare(args) -> int:
     """Train every algorithm of ``--algorithms`` for every seed and write the comparison."""
-    from . import checkpoint, policy, trackers, trainer, warm
+    from . import checkpoint, policy, trackers, trainer
 
     start = time.time()
     try:  # every argument is checked before any training
@@ -313,7 +324,8 @@ def cmd_compare(args) -> int:
         runs = [dataclasses.replace(base, algorithm=s.label, seed=seed) for s in specs for seed in seeds]
         workers = min(args.workers, len(runs))
         config = {"command": _command_line(), "versions": versions(), "algorithms": [s.label for s in specs],
-                  "seeds": seeds, "workers": workers, "base": dataclasses.asdict(base), "status": "running"}
+                  "seeds": seeds, "workers": workers, "base": dataclasses.asdict(base),
+                  "warm_start": warm.origin([dataclasses.replace(base, seed=s) for s in seeds]), "status": "running"}
         kept, resumable = None, set()
         if args.resume:
             config = resume_folder(args, "compare", config)
@@ -372,7 +384,7 @@ def _conclude(command: str, out: Path, runs: list[dict], config: dict, start: fl
 
 def cmd_train(args) -> int:
     """Train one algorithm (data parallel under torchrun) and write its files."""
-    from . import checkpoint, policy, trackers, trainer, warm
+    from . import checkpoint, policy, trackers, trainer
     from . import distributed as dist
 
     start = time.time()
@@ -388,7 +400,8 @@ def cmd_train(args) -> int:
         report_to = trackers.check(args.report_to)
         rank, world = dist.init(cfg.device)
         config = {"command": _command_line(), "versions": versions(), "algorithms": [cfg.algorithm],
-                  "seeds": [cfg.seed], "world_size": world, "base": dataclasses.asdict(cfg), "status": "running"}
+                  "seeds": [cfg.seed], "world_size": world, "base": dataclasses.asdict(cfg),
+                  "warm_start": warm.origin([cfg]), "status": "running"}
         kept, out, saved = None, None, None
         if args.resume and world > 1:
             raise ValueError("--resume: a run under torchrun keeps no checkpoint (each rank samples with its own "
@@ -474,7 +487,9 @@ def add_commands(subparsers) -> None:
 
     compare = subparsers.add_parser("compare", help="train a tiny policy with each algorithm and compare them")
     add_algorithms_argument(compare, DEFAULT_ALGORITHMS)
-    compare.add_argument("--seeds", type=int, default=2, help="seeds 0..K-1 per algorithm (default: 2)")
+    compare.add_argument("--seeds", type=int, default=len(warm.SHIPPED_SEEDS),
+                         help=f"seeds 0..K-1 per algorithm (default: {len(warm.SHIPPED_SEEDS)}, the seeds whose warm "
+                              "starts pgloss ships, so every machine starts them from the same weights)")
     compare.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                          help="runs trained at once, one process each (default: min(2, CPUs))")
     add_config_arguments(compare, skip=("algorithm", "seed"))

@@ -333,6 +333,12 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     return {k: torch.stack(v).nanmean() if v else nan for k, v in values.items() if v or k not in ROLLOUT_METRICS}
 
 
+def eval_problems(task, cfg: LabConfig) -> list[Problem]:
+    """The run's fixed held-out prompts (``eval_prompts`` of them, seeded by ``cfg.seed``)."""
+    rng = random.Random(f"eval-{cfg.seed}")
+    return [task.sample(rng) for _ in range(cfg.eval_prompts)]
+
+
 @torch.no_grad()
 def greedy_accuracy(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) -> Tensor:
     """Share of `problems` answered right by greedy decoding."""
@@ -416,8 +422,7 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, cfg.warmup)))
     prompt_rng = random.Random(f"prompts-{cfg.seed}")
-    eval_rng = random.Random(f"eval-{cfg.seed}")
-    eval_problems = [task.sample(eval_rng) for _ in range(cfg.eval_prompts)]
+    eval_set = eval_problems(task, cfg)
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed * 1009 + rank)
     shuffle = torch.Generator().manual_seed(cfg.seed)
     refill_rng = random.Random(f"refill-{cfg.seed}")  # refill prompts leave the step prompts of other algorithms alike
@@ -454,10 +459,10 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
             batch, counts = refill(batch, draw, cfg.prompts_per_step, cfg.max_refill_rounds)
             stats.update(counts)
             n_groups = int(counts["groups"])
-        stats["accuracy"] = greedy_accuracy(policy, eval_problems, tokenizer, cfg)
+        stats["accuracy"] = greedy_accuracy(policy, eval_set, tokenizer, cfg)
         if step in (0, cfg.steps):
-            samples["start" if step == 0 else "end"] = show(policy, eval_problems[: cfg.samples], tokenizer, cfg)
-            stats["eval_reward"] = sampled_reward(policy, eval_problems, tokenizer, cfg)
+            samples["start" if step == 0 else "end"] = show(policy, eval_set[: cfg.samples], tokenizer, cfg)
+            stats["eval_reward"] = sampled_reward(policy, eval_set, tokenizer, cfg)
         if step < cfg.steps:
             stats.update(update(policy, optimizer, algorithm, batch, cfg, n_groups, shuffle, warmup, entropy_control))
         values = dist.mean(torch.stack([stats.get(k, torch.tensor(float("nan"))).float().cpu() for k in METRICS]))
