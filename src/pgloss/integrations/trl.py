@@ -218,8 +218,10 @@ class PGLossMixin:
         importance sampling and off-policy mask), or for a family that folds them in itself (VESPO)."""
         if inputs.get("sampling_per_token_logps") is None:
             return False
-        folds = self.algorithm.consumes_rollout_log_prob and self.use_vllm and self.vllm_importance_sampling_correction
-        return self.algorithm.rollout_correction is not None or folds
+        # The algorithm says what they do (`rollout_use`); TRL applies no weight unless asked, so they are
+        # not passed where the algorithm would apply its implicit truncated IS.
+        use = self.algorithm.rollout_use
+        return use == "correction" or (use == "own weight" and self.use_vllm and self.vllm_importance_sampling_correction)
 
     def _pgloss_old_and_rollout(self, inputs: dict[str, Any],
                                 log_prob: Tensor | None) -> tuple[Tensor | None, Tensor | None]:

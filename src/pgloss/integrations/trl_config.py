@@ -36,7 +36,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..algorithms import NAMED, Algorithm, get
+from ..algorithms import NAMED, Algorithm, configured, get
 from ..controllers import AdaptiveEntropy
 from ..losses.cispo import CISPO
 from ..losses.ppo import ClippedPolicy
@@ -215,7 +215,7 @@ def rollout_correction(config: Any) -> RolloutCorrection | None:
 def _build(name: str, fields: dict[str, Any], config: Any, options: list[str]) -> Algorithm:
     family = NAMED[name][0]
     level = fields.get("ratio_level")
-    mode = NAMED[name][1].get("loss_agg_mode", fields.get("loss_agg_mode", "token-mean"))
+    mode = configured(name, **fields)["loss_agg_mode"]  # the mode get() builds with, as it resolves it
     if (level == "sequence" and issubclass(family, ClippedPolicy)
             and family.fixed_agg_mode is ClippedPolicy.fixed_agg_mode and mode != "seq-mean-token-mean"):
         raise ValueError(f"importance_sampling_level='sequence' with the {name} loss: TRL sums the sequence ratio's "
@@ -261,7 +261,7 @@ def from_trl(config: Any, *, entropy_mask_applied: bool = False, entropy_control
     if problems:
         raise ValueError("pgloss cannot express these TRL options: " + "; ".join(problems))
     fields |= dict(entropy_coef=config.entropy_coef)
-    if not NAMED[name][0].consumes_rollout_log_prob:
+    if NAMED[name][0].takes_rollout_correction():
         fields["rollout_correction"] = rollout_correction(config)
     elif config.off_policy_mask_threshold is not None:
         raise ValueError(f"pgloss cannot express these TRL options: off_policy_mask_threshold with loss_type={name!r} "
@@ -361,7 +361,7 @@ def _conflicts(config: Any, algorithm: Algorithm) -> list[str]:
 
 
 def _with_rollout_correction(config: Any, algorithm: Algorithm) -> Algorithm:
-    if algorithm.consumes_rollout_log_prob:  # VESPO folds the rollout log-probs into its own weight
+    if algorithm.rollout_use == "own weight":  # VESPO folds the rollout log-probs into its own weight
         if config.off_policy_mask_threshold is not None:
             raise ValueError(f"PGLossGRPOTrainer cannot honour: off_policy_mask_threshold with {algorithm.name}, which "
                              "takes no rollout correction")

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..algorithms import NAMED, Algorithm, get, names
 from ..correction.rollout import Rejection, RolloutCorrection
+from ..core.aggregate import needs_budget
 from ..core.trainer_names import VALUES, closest, refuse_misspelt, translate_value
 
 __all__ = ["LOSS_MODES", "PREFIX", "VARIANTS", "algorithm_from_verl", "config_get", "from_verl", "rollout_correction_from_verl"]
@@ -278,11 +279,11 @@ def algorithm_from_verl(
             values[field] = _float(f"policy_loss.{field}", value)
 
     scale = config_get(config, "loss_scale_factor", None)
-    if values["loss_agg_mode"] == "seq-mean-token-sum-norm":
+    if needs_budget(values["loss_agg_mode"]):  # the mode divides by the generation budget (AGGREGATIONS)
         if scale is not None:
             values["norm_constant"] = _float("loss_scale_factor", scale)
         elif not (base_is_variant and algorithm.norm_constant is not None):
-            raise ValueError(f"{label}: loss_agg_mode 'seq-mean-token-sum-norm' needs actor.loss_scale_factor (the "
+            raise ValueError(f"{label}: loss_agg_mode {values['loss_agg_mode']!r} needs actor.loss_scale_factor (the "
                              "generation budget, e.g. data.max_response_length); verl would divide by each "
                              "micro-batch's padded width, which pgloss never does")
 
