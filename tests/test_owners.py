@@ -20,7 +20,7 @@ import loops
 import pgloss
 from pgloss.core import aggregate as agg
 from pgloss.core.aggregate import AGGREGATIONS, Aggregation, Normalizer, row_weights
-from pgloss.integrations import trl_config, verl_config
+from pgloss.trainer_options import trl as trl_config
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
 IDS = torch.tensor([0, 0, 1, 1, 2])

@@ -10,7 +10,7 @@ verl's config has no field for (FIPO's δ, say).
 
 verl calls a policy loss once per micro-batch with the step's global counts in
 `config.global_batch_info` (filled by `verl.workers.utils.losses.ppo_loss`); each call builds the
-algorithm from verl's config with `verl_config.algorithm_from_verl` (the translation
+algorithm from verl's config with `pgloss.trainer_options.verl.algorithm_from_verl` (the translation
 `pgloss.from_verl` uses: every `policy_loss` field, the clip ratios, `clip_ratio_c`, `tau_*`,
 `loss_agg_mode`, `loss_scale_factor`; see that module) and maps the counts:
 
@@ -40,7 +40,7 @@ import pgloss
 from ..core.aggregate import Normalizer, aggregate, aggregation
 from ..core.inputs import OPTIONAL_INPUTS
 from ..algorithms import Algorithm
-from .verl_config import PREFIX, VARIANTS, algorithm_from_verl, config_get
+from ..trainer_options.verl import PREFIX, VARIANTS, algorithm_from_verl, config_get
 
 __all__ = ["PREFIX", "SUPPORTED", "agg_loss", "policy_loss_fn", "register", "registered_name"]
 

@@ -274,7 +274,7 @@ def _unexpressible(config: Any, entropy_controlled: bool) -> list[str]:
     if config.use_adaptive_entropy and not entropy_controlled:
         problems.append("use_adaptive_entropy=True (the entropy coefficient moves between steps from the measured "
                         "entropy; one Algorithm's entropy_coef is fixed): step "
-                        "pgloss.integrations.trl_config.adaptive_entropy(config) once per optimizer step, take each "
+                        "pgloss.trainer_options.trl.adaptive_entropy(config) once per optimizer step, take each "
                         "step's algorithm from its .algorithm(...) and call from_trl(config, entropy_controlled=True) "
                         "(PGLossGRPOTrainer does), or set use_adaptive_entropy=False and a fixed entropy_coef")
     return problems
