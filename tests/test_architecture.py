@@ -122,3 +122,12 @@ def test_a_folder_sits_on_one_floor():
     (the trainers' option translators have their own folder, `trainer_options`, below the adapters)."""
     split = sorted(m for m in MODULES if m.count(".") > 1 and floor(m) != floor(".".join(m.split(".")[:2])))
     assert not split, f"modules off their folder's floor: {[(m, floor(m)) for m in split]}"
+
+
+@pytest.mark.parametrize(("old", "new"), [("pgloss.integrations.trl_config", "pgloss.trainer_options.trl"),
+                                          ("pgloss.integrations.verl_config", "pgloss.trainer_options.verl")])
+def test_a_moved_module_keeps_its_old_name(old, new):
+    """The translators' former paths are the modules themselves (one object: a patch through either name holds)."""
+    import importlib
+
+    assert importlib.import_module(old) is importlib.import_module(new)

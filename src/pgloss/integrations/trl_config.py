@@ -1,0 +1,8 @@
+"""The former home of `pgloss.trainer_options.trl` (TRL's options as an Algorithm): this name is that
+module, so code that imports `pgloss.integrations.trl_config` (or patches its attributes) keeps working."""
+
+import sys
+
+from ..trainer_options import trl as _moved
+
+sys.modules[__name__] = _moved
