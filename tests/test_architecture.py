@@ -26,10 +26,9 @@ FLOORS = {
     "pgloss.losses": 6,
     "pgloss.algorithms": 7,
     "pgloss.controllers": 7,
-    "pgloss.integrations.trl_config": 7,  # config translators: read by pgloss.from_trl / from_verl, import no trainer
-    "pgloss.integrations.verl_config": 7,
+    "pgloss.trainer_options": 7,  # the trainers' options as an Algorithm: read by pgloss.from_trl / from_verl
+    "pgloss.diagnostics": 7,  # inspect: the per-token gradient of any Algorithm
     "pgloss": 8,  # the package's public names (__init__)
-    "pgloss.diagnostics": 9,
     "pgloss.integrations": 9,
     "pgloss.conformance": 9,
     "pgloss.lab": 9,
@@ -116,3 +115,19 @@ def test_no_import_circle():
 
 def test_the_floors_hold_every_module():
     assert {floor(m) for m in MODULES} == set(FLOORS.values())
+
+
+def test_a_folder_sits_on_one_floor():
+    """Every module of a package shares the package's floor: a folder is one floor, with no per-file exception
+    (the trainers' option translators have their own folder, `trainer_options`, below the adapters)."""
+    split = sorted(m for m in MODULES if m.count(".") > 1 and floor(m) != floor(".".join(m.split(".")[:2])))
+    assert not split, f"modules off their folder's floor: {[(m, floor(m)) for m in split]}"
+
+
+@pytest.mark.parametrize(("old", "new"), [("pgloss.integrations.trl_config", "pgloss.trainer_options.trl"),
+                                          ("pgloss.integrations.verl_config", "pgloss.trainer_options.verl")])
+def test_a_moved_module_keeps_its_old_name(old, new):
+    """The translators' former paths are the modules themselves (one object: a patch through either name holds)."""
+    import importlib
+
+    assert importlib.import_module(old) is importlib.import_module(new)

@@ -25,8 +25,8 @@ from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLControlle
 from .correction.rollout import Rejection, RolloutCorrection
 from .advantages.role_baseline import RoleBaseline  # RAE's per-role running baseline: state across steps
 from .controllers import AdaptiveEntropy, MuSchedule  # TRL's adaptive entropy coefficient: state across steps
-from .integrations.trl_config import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
-from .integrations.verl_config import from_verl  # verl's actor config as an Algorithm (imports no verl)
+from .trainer_options.trl import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
+from .trainer_options.verl import from_verl  # verl's actor config as an Algorithm (imports no verl)
 
 try:
     __version__ = version("pgloss")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Algorithm
-from .core.aggregate import BUDGET_MODES
+from .core.aggregate import needs_budget
 from .core.output import LossOutput, PolicyTerms
 from .core.checks import check_number
 from .core.trainer_names import closest, field_hint
@@ -210,13 +210,21 @@ def _resolved(name: str, hyperparameters: dict[str, Any]) -> tuple[type[Algorith
     return family, {**defaults, **hyperparameters}
 
 
+def configured(name: str, **hyperparameters: Any) -> dict[str, Any]:
+    """The field values `get(name, **hyperparameters)` builds with, before its checks: `hyperparameters`
+    over the name's defaults over the family's. A translator that must read a resolved value before
+    building (TRL's `loss_agg_mode` under a sequence ratio) reads it here, never from the table alone."""
+    family, values = _resolved(name, hyperparameters)
+    return {f.name: f.default for f in dataclasses.fields(family) if f.default is not dataclasses.MISSING} | values
+
+
 def divides_by_budget(name: str, **hyperparameters: Any) -> bool:
-    """True when `name` with `hyperparameters` divides by a fixed generation budget (loss_agg_mode
-    `seq-mean-token-sum-norm`, Dr.GRPO, or `delta-l-norm`) and no `norm_constant` is set: `get` then needs
+    """True when `name` with `hyperparameters` aggregates with a mode that divides by a fixed generation
+    budget (`pgloss.core.aggregate.AGGREGATIONS`' `needs_budget`: Dr.GRPO's `seq-mean-token-sum-norm`,
+    `delta-l-norm`; CHORD's SFT part counts too) and no `norm_constant` is set: `get` then needs
     `generation_budget=` (or `norm_constant=`)."""
     family, values = _resolved(name, hyperparameters)
-    mode = values.get("loss_agg_mode", {f.name: f.default for f in dataclasses.fields(family)}["loss_agg_mode"])
-    return mode in BUDGET_MODES and values.get("norm_constant") is None
+    return values.get("norm_constant") is None and any(needs_budget(mode) for mode in family.modes_of(values))
 
 
 def get(name: str, *, generation_budget: float | None = None, **hyperparameters: Any) -> Algorithm:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .core.aggregate import AGG_MODES, BUDGET_MODES, Normalizer, rewarded_row_weights, row_weights, weighted_sum
+from .core.aggregate import Aggregation, Normalizer, aggregation, rewarded_row_weights, row_weights, weighted_sum
 from .core.batch import TokenBatch
 from .core.checks import check_fields
 from .core.inputs import OPTIONAL_INPUTS, check_names, keyword_parameters
@@ -41,8 +41,8 @@ _WHY = {
                          "full_kl_from_hidden, [B, T]",
     "entropy": lambda a: f"entropy_coef={a.entropy_coef}",
     "rollout_log_prob": lambda a: "its rollout_correction weighs or rejects on the inference engine's log-probs",
-    "group_ids": lambda a: ("[B], " + ("loss_agg_mode='group-mean-token-mean'" if "group-mean-token-mean"
-                                       in a.aggregation_modes() else "its loss contrasts the rows of a group")),
+    "group_ids": lambda a: ("[B], " + (f"loss_agg_mode={a.grouped_mode!r}" if a.grouped_mode is not None
+                                       else "its loss contrasts the rows of a group")),
     "scores": lambda a: ("[B], the raw sequence rewards its loss weighs by" if "scores" in a.required_inputs
                          else f"[B], the sequence rewards: positive_nll_coef={a.positive_nll_coef} trains on the "
                               "rewarded (reward > 0) sequences"),
@@ -57,7 +57,7 @@ class Algorithm:
 
     name: str = "custom"
     loss_agg_mode: str = "token-mean"
-    """How per-token values become the loss (`aggregate.AGG_MODES`)."""
+    """How per-token values become the loss (a key of `aggregate.AGGREGATIONS`)."""
     norm_constant: float | None = None
     """The fixed divisor C of `seq-mean-token-sum-norm` (Dr.GRPO) and `delta-l-norm` (ΔL Norm): the
     generation budget. Required there."""
@@ -95,7 +95,8 @@ class Algorithm:
     group contrast): the fused path then takes one call for the batch, and split invariance needs
     calls that hold whole groups."""
     consumes_rollout_log_prob: ClassVar[bool] = False
-    """True when the family uses `rollout_log_prob` itself, instead of the truncated IS weight."""
+    """True when the family uses `rollout_log_prob` itself, instead of the truncated IS weight (the family's
+    declaration; paths ask `rollout_use`)."""
     required_inputs: ClassVar[tuple[str, ...]] = ()
     """Optional call arguments this family cannot do without (e.g. "scores", "group_ids")."""
     takes_expert: ClassVar[bool] = False
@@ -109,19 +110,15 @@ class Algorithm:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        check(self.loss_agg_mode in AGG_MODES, f"loss_agg_mode must be one of {AGG_MODES}, got {self.loss_agg_mode!r}")
+        agg = aggregation(self.loss_agg_mode)
         if self.fixed_agg_mode is not None:
+            over = "groups" if aggregation(self.fixed_agg_mode).needs_group_ids else "sequences"
             check(
                 self.loss_agg_mode == self.fixed_agg_mode,
-                f"{self.name} defines its loss over {'groups' if 'group' in self.fixed_agg_mode else 'sequences'} "
+                f"{self.name} defines its loss over {over} "
                 f"and fixes loss_agg_mode={self.fixed_agg_mode!r}; got {self.loss_agg_mode!r}",
             )
-        if self.loss_agg_mode in BUDGET_MODES:
-            check(
-                self.norm_constant is not None and self.norm_constant > 0,
-                f"loss_agg_mode {self.loss_agg_mode!r} requires norm_constant > 0 (the generation budget, "
-                f"e.g. max_new_tokens), got {self.norm_constant!r}",
-            )
+        self.check_budget(agg)
         check(self.delta_l_alpha >= 0, f"delta_l_alpha must be >= 0, got {self.delta_l_alpha}")
         check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
                                                 + value_hint("kl_estimator", self.kl_estimator))
@@ -138,16 +135,49 @@ class Algorithm:
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
             raise TypeError(f"rollout_correction must be a pgloss.RolloutCorrection or None, "
                             f"got {type(self.rollout_correction).__name__}")
-        check(self.rollout_correction is None or not self.consumes_rollout_log_prob,
+        check(self.rollout_correction is None or self.takes_rollout_correction(),
                f"{self.name} uses the rollout log-probs in its own weight; it takes no rollout_correction")
 
+    def check_budget(self, agg: Aggregation, field: str = "loss_agg_mode") -> None:
+        """Refuse a mode that divides by the generation budget (`Aggregation.needs_budget`) without
+        `norm_constant` > 0; `field` names the option that chose it."""
+        check(
+            not agg.needs_budget or (self.norm_constant is not None and self.norm_constant > 0),
+            f"{field} {agg.name!r} requires norm_constant > 0 (the generation budget, "
+            f"e.g. max_new_tokens), got {self.norm_constant!r}",
+        )
+
+    @classmethod
+    def takes_rollout_correction(cls) -> bool:
+        """Whether the family takes a `rollout_correction`: every family but one that folds the rollout
+        log-probs into its own weight (`consumes_rollout_log_prob`, VESPO). A translator asks it before
+        building the algorithm."""
+        return not cls.consumes_rollout_log_prob
+
+    @property
+    def rollout_use(self) -> str:
+        """What the rollout log-probs (`rollout_log_prob`) do to this configured loss: the one answer
+        the call (`correction`), the adapters and the lab read (`ROLLOUT_USES`).
+
+        - "own weight": the family folds them into its own weight (`consumes_rollout_log_prob`, VESPO);
+        - "correction": its `rollout_correction` weighs and rejects on them;
+        - "truncated IS": no correction is configured: a call given them applies truncated importance
+          sampling min(π_old/π_rollout, rollout_is_cap) (Yao et al. 2025); a call without them, none.
+
+        A trainer whose rollout log-probs should change nothing unless it asks for a correction (TRL
+        without its vLLM importance sampling) passes them only where this is not "truncated IS"."""
+        if not self.takes_rollout_correction():
+            return "own weight"
+        return "correction" if self.rollout_correction is not None else "truncated IS"
+
     def correction(self, has_rollout: bool) -> RolloutCorrection | None:
-        """The rollout correction of a call: `rollout_correction`, or, when only rollout log-probs are
-        given, truncated importance sampling min(π_old/π_rollout, rollout_is_cap) (Yao et al. 2025).
-        A family that uses the rollout log-probs itself (`consumes_rollout_log_prob`) gets none."""
-        if self.rollout_correction is not None:
+        """The rollout correction of a call (`rollout_use`): `rollout_correction`, or, when only rollout
+        log-probs are given, truncated importance sampling min(π_old/π_rollout, rollout_is_cap) (Yao et
+        al. 2025). A family that uses the rollout log-probs itself gets none."""
+        use = self.rollout_use
+        if use == "correction":
             return self.rollout_correction
-        if not has_rollout or self.consumes_rollout_log_prob:
+        if not has_rollout or use == "own weight":
             return None
         return RolloutCorrection(upper=self.rollout_is_cap, max_log_ratio=self.max_log_ratio)
 
@@ -178,7 +208,7 @@ class Algorithm:
             needed.add("entropy")
         if self.positive_nll_coef != 0:
             needed.add("scores")
-        if "group-mean-token-mean" in self.aggregation_modes():
+        if self.grouped_mode is not None:
             needed.add("group_ids")
         if self.rollout_correction is not None and self.rollout_correction.needs_rollout:
             needed.add("rollout_log_prob")
@@ -256,9 +286,30 @@ class Algorithm:
         return row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
                            group_ids=group_ids, delta_l_alpha=self.delta_l_alpha)
 
+    def aggregate(self, values: Tensor, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None = None) -> Tensor:
+        """Σ_i c_i Σ_t v_{i,t} · world_size: `[B, T]` per-token `values` (ignored where `mask` is False)
+        aggregated with this algorithm's `row_weights` over the step's counts, as the call aggregates its
+        KL and entropy terms. A trainer that weighs the policy term itself (verl's `rollout_is_weights`)
+        aggregates the weighted `LossOutput.per_token` here instead of choosing the mode's divisor again."""
+        mask = mask.bool()
+        return weighted_sum(torch.where(mask, values, 0.0), self.row_weights(mask, normalizer, group_ids),
+                            normalizer.world_size)
+
+    @classmethod
+    def modes_of(cls, values: dict[str, Any]) -> tuple[str, ...]:
+        """The loss_agg_modes a configuration of these field `values` (a field left out: the family's
+        default) aggregates with: `loss_agg_mode` (CHORD adds its SFT part's). Read before the algorithm
+        is built (`pgloss.algorithms.divides_by_budget`) and after (`aggregation_modes`)."""
+        return (values.get("loss_agg_mode", _field_default(cls, "loss_agg_mode")),)
+
     def aggregation_modes(self) -> tuple[str, ...]:
-        """The loss_agg_modes the loss aggregates with (`loss_agg_mode`; CHORD adds its SFT part's)."""
-        return (self.loss_agg_mode,)
+        """The loss_agg_modes the loss aggregates with (`modes_of` this configuration)."""
+        return self.modes_of(vars(self))
+
+    @property
+    def grouped_mode(self) -> str | None:
+        """The first of `aggregation_modes` that divides by per-group counts (it needs `group_ids`), or None."""
+        return next((mode for mode in self.aggregation_modes() if aggregation(mode).needs_group_ids), None)
 
     def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
         """c_i of the policy term, given the call's `rows` (`row_weights`): those rows, unless the family
@@ -354,6 +405,15 @@ class Algorithm:
     def describe(self) -> dict[str, Any]:
         """The hyperparameters as a plain dict (for printing and for run configs)."""
         return dataclasses.asdict(self)
+
+
+def _field_default(cls: type, name: str) -> Any:
+    """The default of dataclass field `name` of `cls` (`MISSING` when it has none)."""
+    return cls.__dataclass_fields__[name].default
+
+
+ROLLOUT_USES = ("own weight", "correction", "truncated IS")
+"""The values of `Algorithm.rollout_use`."""
 
 
 def _call_signature() -> inspect.Signature:

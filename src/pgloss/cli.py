@@ -64,7 +64,7 @@ LOSS_COLUMNS = {
 
 def cmd_losses(args: argparse.Namespace) -> int:
     """Compute every algorithm's loss on one synthetic batch and print the loss with its metrics."""
-    from .diagnostics.grads import synthetic_batch
+    from .lab.grads import synthetic_batch
 
     if args.batch < 2 or args.batch % 2:
         print(f"pgloss losses: --batch must be an even number >= 2 (groups of 2 or 4), got {args.batch}",
@@ -118,7 +118,7 @@ COMMANDS = (
     ("pgloss.lab.commands", "add_commands"),  # train, compare
     ("pgloss.experiments.command", "add_experiment_command"),  # experiment length, distill
     ("pgloss.experiments.command", "add_report_command"),  # report RUN_DIR
-    ("pgloss.diagnostics.grads", "add_grads_command"),  # grads
+    ("pgloss.lab.grads", "add_grads_command"),  # grads
     ("pgloss.conformance.run", "register"),  # conformance
 )
 

@@ -14,7 +14,7 @@ from pgloss.experiments import length
 from pgloss.experiments.runs import load
 from pgloss.experiments.claims import Claim, growth, interval, run_mean, verdict
 from pgloss.experiments.length_report import CLAIMS, write_report
-from pgloss.diagnostics.grads import gradient_table, load_batch
+from pgloss.lab.grads import gradient_table, load_batch
 from pgloss.lab.tasks import demonstration, make_task, reward
 from pgloss.lab.tasks import TraceTask
 

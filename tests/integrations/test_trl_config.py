@@ -13,7 +13,7 @@ pytest.importorskip("trl")
 
 from trl import GRPOConfig  # noqa: E402
 
-from pgloss.integrations.trl_config import adaptive_entropy, rollout_correction, trainer_algorithm  # noqa: E402
+from pgloss.trainer_options.trl import adaptive_entropy, rollout_correction, trainer_algorithm  # noqa: E402
 
 
 def config(**options):
@@ -194,7 +194,7 @@ def test_vespo_folds_trls_bounded_rollout_ratio_under_vllm_importance_sampling()
 def test_grpo_options_hold_trl_s_defaults():
     """`from_trl(dict)` fills what the dict leaves out from `GRPOOptions`: each of its defaults is the installed
     TRL's, and it names every GRPOConfig option pgloss reads."""
-    from pgloss.integrations.trl_config import GRPOOptions
+    from pgloss.trainer_options.trl import GRPOOptions
 
     theirs = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for field in dataclasses.fields(GRPOOptions):

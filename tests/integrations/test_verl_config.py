@@ -26,7 +26,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from pgloss.integrations import verl as adapter  # noqa: E402
 from pgloss.conformance.verl import FIELDS  # noqa: E402  (each verl loss with fields away from the defaults)
-from pgloss.integrations.verl_config import LOSS_MODES, algorithm_from_verl  # noqa: E402
+from pgloss.trainer_options.verl import LOSS_MODES, algorithm_from_verl  # noqa: E402
 
 ROWS, LENGTH = 6, 7
 POLICY_KEYS = ("dro_beta", "ppo_kl_coef", "kl_cov_ratio", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
@@ -321,7 +321,7 @@ def test_a_dict_config_s_misspelt_key_is_refused_not_ignored():
         pgloss.from_verl(omegaconf.OmegaConf.create(dict(policy_loss=dict(loss_mod="vanilla"))))
     full = config(clip_ratio_high=0.28)
     assert pgloss.from_verl(dataclasses.asdict(full)) == pgloss.from_verl(full)
-    from pgloss.integrations.verl_config import READ_KEYS
+    from pgloss.trainer_options.verl import READ_KEYS
 
     fields = {f.name for f in dataclasses.fields(ActorConfig)}
     assert set(READ_KEYS["actor"]) <= fields and set(READ_KEYS["policy_loss"]) <= {

@@ -6,7 +6,7 @@ pytest.importorskip("verl")
 
 from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED  # noqa: E402
 from pgloss.conformance import verl as conformance  # noqa: E402
-from pgloss.integrations.verl_config import LOSS_MODES  # noqa: E402
+from pgloss.trainer_options.verl import LOSS_MODES  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -136,7 +136,7 @@ def algorithm(args: SimpleNamespace) -> tuple[Any, bool]:
     from trl import GRPOConfig
 
     from ..correction.rollout import Rejection, RolloutCorrection
-    from ..integrations.trl_config import LOSS_TYPES
+    from ..trainer_options.trl import LOSS_TYPES
 
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     kl = dict(kl_coef=args.beta, kl_estimator="k3")

@@ -1,6 +1,6 @@
 """pgloss against verl's own loss functions, case by case (the verl part of `pgloss conformance`).
 
-For every verl policy loss pgloss also computes (`verl_config.LOSS_MODES`: vanilla, gspo, sapo,
+For every verl policy loss pgloss also computes (`pgloss.trainer_options.verl.LOSS_MODES`: vanilla, gspo, sapo,
 cispo, gpg, clip_cov, kl_cov, geo_mean, dro, dppo_tv, dppo_kl) and each of verl's five
 `loss_agg_mode`s, on a random float64 batch: verl's `core_algos.compute_policy_loss_<mode>` (with
 its `agg_loss`) against the algorithm `pgloss.from_verl` gives for the same `ActorConfig`, loss
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..core.aggregate import AGG_MODES
-from ..integrations.verl_config import LOSS_MODES, from_verl
+from ..trainer_options.verl import LOSS_MODES, from_verl
 from ..kl.corrections import kl_term
 from ..core.trainer_names import translate_value
 from .case import Case

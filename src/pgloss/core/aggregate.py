@@ -27,6 +27,11 @@ paper's recipes take α = 1 (CountDown) and α = 0.75 (math). The sum Σ_j over 
 sequences (every micro-batch and rank) is the one global statistic: the Normalizer counts the step's
 sequences per length (`length_counts`, whatever α), and Σ_j |y_j|^-α = Σ_L n_L·L^-α.
 
+Each mode is one row of `AGGREGATIONS` (an `Aggregation`: what it divides by, the count of the step's
+`Normalizer` it reads, whether it needs the budget C, its row weights); the call, `Algorithm`'s checks,
+`pgloss.get`'s generation budget and the trainer translators and adapters ask that row, so a new mode
+is one row.
+
 Every mode is a weighted sum Σ w_{i,t} ℓ_{i,t} whose weights depend only on the mask and the
 global counts, so a micro-batch's loss is its exact share of the step's loss: summing micro-batch
 losses gives the whole-batch loss, and so does summing gradients. A sequence (and, for the group
@@ -35,7 +40,7 @@ mode, its count n_g) is never split, since the counts are global.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,19 +50,6 @@ from torch import Tensor
 from .batch import per_micro_batch
 from .checks import check_values, host_reads, is_integer
 from .distributed import is_distributed
-
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "group-mean-token-mean",
-    "token-sum",
-    "delta-l-norm",
-)
-
-BUDGET_MODES = ("seq-mean-token-sum-norm", "delta-l-norm")
-"""The modes that divide by a fixed generation budget C (`norm_constant`), which they require."""
 
 MAX_GROUPS = 1 << 20
 """Group ids index a dense float64 count array (8 MiB at this bound)."""
@@ -221,46 +213,62 @@ def row_weights(
     group_ids: Tensor | None = None,
     delta_l_alpha: float = 1.0,
 ) -> Tensor:
-    """c_i with w_{i,t} = m_{i,t}·c_i for `mode`: every mode weighs a row's valid tokens alike; `[B]`, float64.
+    """c_i with w_{i,t} = m_{i,t}·c_i for `mode` (its row of `AGGREGATIONS`): every mode weighs a row's
+    valid tokens alike; `[B]`, float64.
 
     Every denominator is clamped at 1, so an all-masked batch gives a zero loss, never NaN.
     A `normalizer` that counted fewer tokens or non-empty sequences than this call holds was counted
     on other masks (a value check: `check_counts`).
     """
     check_counts(mask, normalizer)
-    if mode == "token-sum":
-        return torch.ones((), dtype=torch.float64, device=mask.device).expand(mask.shape[0])
-    if mode == "token-mean":
-        return (1.0 / normalizer.tokens.clamp(min=1)).expand(mask.shape[0])
-    if mode == "group-mean-token-mean":
-        if group_ids is None:
-            raise ValueError("loss_agg_mode 'group-mean-token-mean' needs group_ids")
-        if normalizer.group_tokens is None:
-            raise ValueError("loss_agg_mode 'group-mean-token-mean' needs a Normalizer counted with group_ids")
-        groups = len(normalizer.group_tokens)
-        check_values(group_ids, lambda: (group_ids < 0) | (group_ids >= groups),
-                     lambda at: f"group_ids must lie in [0, {groups}) (the groups the step's Normalizer counted), "
-                                f"got {int(group_ids[at])} at row {int(at)}")
-        ids = group_ids.to(mask.device).long()
-        check_values(mask, lambda: torch.zeros_like(normalizer.group_tokens).index_add_(
-                         0, ids, mask.sum(dim=-1, dtype=torch.float64)) > normalizer.group_tokens,
-                     lambda at: f"the normalizer counted {int(normalizer.group_tokens[at])} tokens in group {int(at)} "
-                                f"but this call holds more; count the step's Normalizer on every micro-batch's mask")
-        per_row = normalizer.group_tokens[ids].clamp(min=1)
-        return 1.0 / (per_row * normalizer.groups.clamp(min=1))
-    if mode in BUDGET_MODES and (norm_constant is None or not norm_constant > 0):
+    agg = aggregation(mode)
+    if agg.needs_group_ids and group_ids is None:
+        raise ValueError(f"loss_agg_mode {mode!r} needs group_ids")
+    if agg.needs_budget and (norm_constant is None or not norm_constant > 0):
         raise ValueError(f"{mode} needs norm_constant > 0, got {norm_constant!r}")
-    if mode == "delta-l-norm":
-        return _delta_l_rows(mask, normalizer, norm_constant, delta_l_alpha)
-    sequences = normalizer.sequences.clamp(min=1)
-    if mode == "seq-mean-token-mean":
-        lengths = mask.sum(dim=-1, dtype=torch.float64)
-        return 1.0 / (lengths.clamp(min=1) * sequences)
-    if mode == "seq-mean-token-sum":
-        return (1.0 / sequences).expand(mask.shape[0])
-    if mode == "seq-mean-token-sum-norm":
-        return (1.0 / (sequences * norm_constant)).expand(mask.shape[0])
-    raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    return agg.rows(mask, normalizer, norm_constant=norm_constant, group_ids=group_ids, delta_l_alpha=delta_l_alpha)
+
+
+def _token_sum_rows(mask: Tensor, normalizer: Normalizer, **_: object) -> Tensor:
+    return torch.ones((), dtype=torch.float64, device=mask.device).expand(mask.shape[0])
+
+
+def _token_mean_rows(mask: Tensor, normalizer: Normalizer, **_: object) -> Tensor:
+    return (1.0 / normalizer.tokens.clamp(min=1)).expand(mask.shape[0])
+
+
+def _seq_mean_token_mean_rows(mask: Tensor, normalizer: Normalizer, **_: object) -> Tensor:
+    lengths = mask.sum(dim=-1, dtype=torch.float64)
+    return 1.0 / (lengths.clamp(min=1) * normalizer.sequences.clamp(min=1))
+
+
+def _seq_mean_token_sum_rows(mask: Tensor, normalizer: Normalizer, **_: object) -> Tensor:
+    return (1.0 / normalizer.sequences.clamp(min=1)).expand(mask.shape[0])
+
+
+def _seq_mean_token_sum_norm_rows(mask: Tensor, normalizer: Normalizer, *, norm_constant: float, **_: object) -> Tensor:
+    return (1.0 / (normalizer.sequences.clamp(min=1) * norm_constant)).expand(mask.shape[0])
+
+
+def _group_mean_token_mean_rows(mask: Tensor, normalizer: Normalizer, *, group_ids: Tensor, **_: object) -> Tensor:
+    if normalizer.group_tokens is None:
+        raise ValueError("loss_agg_mode 'group-mean-token-mean' needs a Normalizer counted with group_ids")
+    groups = len(normalizer.group_tokens)
+    check_values(group_ids, lambda: (group_ids < 0) | (group_ids >= groups),
+                 lambda at: f"group_ids must lie in [0, {groups}) (the groups the step's Normalizer counted), "
+                            f"got {int(group_ids[at])} at row {int(at)}")
+    ids = group_ids.to(mask.device).long()
+    check_values(mask, lambda: torch.zeros_like(normalizer.group_tokens).index_add_(
+                     0, ids, mask.sum(dim=-1, dtype=torch.float64)) > normalizer.group_tokens,
+                 lambda at: f"the normalizer counted {int(normalizer.group_tokens[at])} tokens in group {int(at)} "
+                            f"but this call holds more; count the step's Normalizer on every micro-batch's mask")
+    per_row = normalizer.group_tokens[ids].clamp(min=1)
+    return 1.0 / (per_row * normalizer.groups.clamp(min=1))
+
+
+def _delta_l_norm_rows(mask: Tensor, normalizer: Normalizer, *, norm_constant: float, delta_l_alpha: float,
+                       **_: object) -> Tensor:
+    return _delta_l_rows(mask, normalizer, norm_constant, delta_l_alpha)
 
 
 def _delta_l_rows(mask: Tensor, normalizer: Normalizer, norm_constant: float, alpha: float) -> Tensor:
@@ -283,6 +291,59 @@ def _delta_l_rows(mask: Tensor, normalizer: Normalizer, norm_constant: float, al
     total = (counts * support.clamp(min=1).pow(-alpha)).sum()  # Σ_j |y_j|^-α (counts[0] = 0)
     own = torch.where(lengths > 0, lengths.clamp(min=1).pow(-alpha), 0.0)
     return own / (norm_constant * torch.where(total > 0, total, 1.0).to(own.device))
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """One `loss_agg_mode`: what it divides by and what it needs, the one answer every path asks (the
+    call's `row_weights`, `Algorithm`'s checks and `needs`, `pgloss.get`'s generation budget, the TRL and
+    verl translators and adapters). A mode is one row of `AGGREGATIONS`; nothing else names it."""
+
+    name: str
+    divides_by: str
+    """The divisor of a row's token sum, in the module docstring's symbols."""
+    count: str | None
+    """The count of the step's `Normalizer` it reads (`tokens`, `sequences`, `group_tokens`,
+    `length_counts`), None when it reads none (token-sum)."""
+    needs_budget: bool
+    """True when it divides by a fixed generation budget C (`norm_constant`), which it then requires."""
+    rows: Callable[..., Tensor]
+    """c_i: rows(mask, normalizer, *, norm_constant, group_ids, delta_l_alpha) -> `[B]` float64."""
+
+    @property
+    def needs_group_ids(self) -> bool:
+        """True when it divides by per-group counts: the call needs `group_ids` and the Normalizer their counts."""
+        return self.count == "group_tokens"
+
+
+AGGREGATIONS: dict[str, Aggregation] = {a.name: a for a in (
+    Aggregation("token-mean", "N_tok", "tokens", False, _token_mean_rows),
+    Aggregation("seq-mean-token-mean", "|y_i|·N_seq", "sequences", False, _seq_mean_token_mean_rows),
+    Aggregation("seq-mean-token-sum", "N_seq", "sequences", False, _seq_mean_token_sum_rows),
+    Aggregation("seq-mean-token-sum-norm", "N_seq·C", "sequences", True, _seq_mean_token_sum_norm_rows),
+    Aggregation("group-mean-token-mean", "n_g·N_grp", "group_tokens", False, _group_mean_token_mean_rows),
+    Aggregation("token-sum", "1", None, False, _token_sum_rows),
+    Aggregation("delta-l-norm", "C·Σ_j |y_j|^-α / |y_i|^-α", "length_counts", True, _delta_l_norm_rows),
+)}
+"""loss_agg_mode -> its `Aggregation`: the table of the modes (the module docstring has the formulas)."""
+
+AGG_MODES = tuple(AGGREGATIONS)
+"""The built-in modes' names (`AGGREGATIONS`' keys)."""
+
+BUDGET_MODES = tuple(name for name, agg in AGGREGATIONS.items() if agg.needs_budget)
+"""The built-in modes that divide by a fixed generation budget C (`norm_constant`), which they require."""
+
+
+def aggregation(mode: object, *, field: str = "loss_agg_mode") -> Aggregation:
+    """The row of `AGGREGATIONS` for `mode`; ValueError naming `field` and the valid modes otherwise."""
+    if not isinstance(mode, str) or mode not in AGGREGATIONS:
+        raise ValueError(f"{field} must be one of {tuple(AGGREGATIONS)}, got {mode!r}")
+    return AGGREGATIONS[mode]
+
+
+def needs_budget(mode: object) -> bool:
+    """True when `mode` is a known mode that divides by a fixed generation budget (`Aggregation.needs_budget`)."""
+    return isinstance(mode, str) and mode in AGGREGATIONS and AGGREGATIONS[mode].needs_budget
 
 
 def rewarded_row_weights(mask: Tensor, rewarded: Tensor, normalizer: Normalizer) -> Tensor:

@@ -1,2 +1,2 @@
-"""Reading a loss rather than training with it: the per-token gradient (`inspect`) and the
-gradient-statistics command (`grads`)."""
+"""Reading a loss rather than training with it: the per-token gradient ∂L/∂log π and its closed form
+(`inspect`). The lab's figures of it (`pgloss grads`) are `pgloss.lab.grads`."""

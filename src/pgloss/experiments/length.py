@@ -167,7 +167,7 @@ def gradient_weights(algorithm, rewards: torch.Tensor, lengths: torch.Tensor, gr
     extra = {"ref_log_prob": zeros} if algorithm.uses_reference else {}
     if algorithm.entropy_coef != 0:
         extra["entropy"] = zeros
-    if algorithm.loss_agg_mode == "group-mean-token-mean":
+    if "group_ids" in algorithm.needs:
         extra["group_ids"] = torch.unique(group_ids[keep], return_inverse=True)[1]
     grad = token_gradients(algorithm, zeros, zeros, advantages[keep], mask, **extra)
     # at ratio one every token of a response has the same weight for these losses: its mean

@@ -5,7 +5,10 @@
 - `pgloss.integrations.verl`: registers `pgloss_<name>` into verl's policy-loss registry
   (extra `verl`, then verl with `--no-deps`; loaded by a bare `import verl` through the `verl.plugins` entry point).
 
-Neither is imported by `import pgloss`. An adapter maps a trainer's inputs and counts onto
+- `pgloss.integrations.lm_head`: a transformers model's LM head as the fused path's options.
+
+Neither adapter is imported by `import pgloss`; the trainers' option translators they share with
+`pgloss.from_trl` / `from_verl` are `pgloss.trainer_options` (a floor below, importing no trainer). An adapter maps a trainer's inputs and counts onto
 `Algorithm.__call__` / `Algorithm.from_hidden` and a `Normalizer`, and adds no loss math of its
 own. See docs/integrations.md.
 """

@@ -11,7 +11,7 @@ only the loss is replaced, by `algorithm(...)` (or, with `fused=True`, `algorith
 
 The loss is the one the config asks for: `algorithm=None` (the default) is `pgloss.from_trl(args)`,
 TRL's `loss_type` with its options; a name or an Algorithm replaces it, with the TRL options the
-caller set translated onto it (`pgloss.integrations.trl_config`, the one owner of that mapping).
+caller set translated onto it (`pgloss.trainer_options.trl`, the one owner of that mapping).
 `args=None` builds TRL's default GRPOConfig, as GRPOTrainer does.
 
 Normalisation. For an optimizer step whose micro-batches over every process are W = {(r, j)}
@@ -36,7 +36,7 @@ rollout log-probs of the algorithm's rollout correction (TRL's vLLM importance s
 off-policy mask become one); group ids, global over processes, are added to each generation batch.
 Options that cannot be honoured are refused by name. Metrics are logged as `pgloss/<name>`.
 
-`use_adaptive_entropy=True`: `pgloss.controllers.AdaptiveEntropy` (`trl_config.adaptive_entropy`)
+`use_adaptive_entropy=True`: `pgloss.controllers.AdaptiveEntropy` (`pgloss.trainer_options.trl.adaptive_entropy`)
 holds the coefficient. Every micro-batch of a step runs the algorithm with the coefficient it
 applies this step (TRL's gate on the previous step's entropy), its entropy over the loss's mask is
 added to the step's window, and at the optimizer-step boundary (`sync_gradients`) the window is
@@ -62,7 +62,7 @@ from ..core.output import LossOutput
 from ..correction.token_masks import entropy_threshold, top_entropy_mask
 
 from .lm_head import head_options
-from .trl_config import adaptive_entropy, trainer_algorithm
+from ..trainer_options.trl import adaptive_entropy, trainer_algorithm
 
 __all__ = ["SUPPORTED", "PGLossGRPOTrainer", "PGLossMixin"]
 
@@ -95,7 +95,7 @@ _PASSED = frozenset({"ref_log_prob", "entropy", "rollout_log_prob", "group_ids",
 
 def _refusals(args: Any) -> list[str]:
     """The GRPOConfig options about the trainer's schedule whose effect the adapter cannot reproduce
-    (the loss options are `trl_config`'s)."""
+    (the loss options are `pgloss.trainer_options.trl`'s)."""
     refused = []
     every = args.steps_per_generation * args.num_iterations
     if every % args.gradient_accumulation_steps:
@@ -120,7 +120,7 @@ class PGLossMixin:
             and soft-cap as the model's forward applies them (`pgloss.integrations.lm_head`).
         chunk_size: tokens per chunk of the fused path (None: pgloss's default).
 
-    What is translated and what is refused: `pgloss.integrations.trl_config.trainer_algorithm`.
+    What is translated and what is refused: `pgloss.trainer_options.trl.trainer_algorithm`.
     """
 
     def __init__(self, *args: Any, algorithm: str | Algorithm | None = None, fused: bool = False,
@@ -218,8 +218,10 @@ class PGLossMixin:
         importance sampling and off-policy mask), or for a family that folds them in itself (VESPO)."""
         if inputs.get("sampling_per_token_logps") is None:
             return False
-        folds = self.algorithm.consumes_rollout_log_prob and self.use_vllm and self.vllm_importance_sampling_correction
-        return self.algorithm.rollout_correction is not None or folds
+        # The algorithm says what they do (`rollout_use`); TRL applies no weight unless asked, so they are
+        # not passed where the algorithm would apply its implicit truncated IS.
+        use = self.algorithm.rollout_use
+        return use == "correction" or (use == "own weight" and self.use_vllm and self.vllm_importance_sampling_correction)
 
     def _pgloss_old_and_rollout(self, inputs: dict[str, Any],
                                 log_prob: Tensor | None) -> tuple[Tensor | None, Tensor | None]:

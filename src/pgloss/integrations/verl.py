@@ -10,13 +10,14 @@ verl's config has no field for (FIPO's δ, say).
 
 verl calls a policy loss once per micro-batch with the step's global counts in
 `config.global_batch_info` (filled by `verl.workers.utils.losses.ppo_loss`); each call builds the
-algorithm from verl's config with `verl_config.algorithm_from_verl` (the translation
+algorithm from verl's config with `pgloss.trainer_options.verl.algorithm_from_verl` (the translation
 `pgloss.from_verl` uses: every `policy_loss` field, the clip ratios, `clip_ratio_c`, `tau_*`,
 `loss_agg_mode`, `loss_scale_factor`; see that module) and maps the counts:
 
     global_batch_info {dp_size, batch_num_tokens, global_batch_size}
         -> Normalizer(tokens=batch_num_tokens, sequences=global_batch_size, world_size=dp_size)
-    rollout_is_weights w         -> loss = aggregate(w · ℓ)   (ℓ: the algorithm's per-token term)
+    rollout_is_weights w         -> loss = algorithm.aggregate(w · ℓ)   (ℓ: the algorithm's per-token term,
+                                    aggregated with its own mode and constants: `Algorithm.aggregate`)
 
 and returns `(loss, {"actor/<metric>": value})`. A loss that needs per-call inputs verl does not
 pass (`Algorithm.needs`: TOPR's raw scores, REAL's group ids) is a clear error at its first call.
@@ -36,10 +37,10 @@ import torch
 from torch import Tensor
 
 import pgloss
-from ..core.aggregate import Normalizer, aggregate
+from ..core.aggregate import Normalizer, aggregate, aggregation
 from ..core.inputs import OPTIONAL_INPUTS
 from ..algorithms import Algorithm
-from .verl_config import PREFIX, VARIANTS, algorithm_from_verl, config_get
+from ..trainer_options.verl import PREFIX, VARIANTS, algorithm_from_verl, config_get
 
 __all__ = ["PREFIX", "SUPPORTED", "agg_loss", "policy_loss_fn", "register", "registered_name"]
 
@@ -82,21 +83,29 @@ def _count(value: Any, device: torch.device) -> Tensor | None:
     return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
 
 
+GLOBAL_COUNTS = {"tokens": "batch_num_tokens", "sequences": "global_batch_size"}
+"""The `Normalizer` counts verl's `global_batch_info` carries -> its key there."""
+
+
 def _normalizer(mask: Tensor, mode: str, info: dict[str, Any]) -> Normalizer | None:
     """verl's global counts as a Normalizer; None (counted from this call) when verl gave none.
 
     As verl's `agg_loss`: a count verl did not give is this call's own, which with dp_size > 1 is
-    refused for the mode that divides by it (token-mean: batch_num_tokens; the seq-mean modes:
-    global_batch_size); token-sum divides by nothing."""
+    refused for the mode that divides by it (the count its `Aggregation` reads: token-mean's
+    batch_num_tokens, the seq-mean modes' global_batch_size; token-sum reads none). A mode that reads a
+    count verl does not carry (the group and length counts) is refused."""
     world = int(info.get("dp_size") or 1)
     tokens = _count(info.get("batch_num_tokens"), mask.device)
     sequences = _count(info.get("global_batch_size"), mask.device)
     if tokens is None and sequences is None and world == 1:
         return None  # one micro-batch is the step (verl's legacy actor leaves the info empty)
-    needed = {"token-mean": ("batch_num_tokens", tokens), "token-sum": (None, 0)}.get(
-        mode, ("global_batch_size", sequences))
-    if needed[1] is None and world > 1:
-        raise ValueError(f"loss_agg_mode {mode!r} with dp_size={world} needs global_batch_info[{needed[0]!r}]")
+    count = aggregation(mode).count
+    if count is not None and count not in GLOBAL_COUNTS:
+        raise ValueError(f"loss_agg_mode {mode!r} divides by the step's {count}, which verl's global_batch_info does "
+                         f"not carry (it holds {', '.join(GLOBAL_COUNTS.values())})")
+    key = GLOBAL_COUNTS.get(count)
+    if key is not None and info.get(key) is None and world > 1:
+        raise ValueError(f"loss_agg_mode {mode!r} with dp_size={world} needs global_batch_info[{key!r}]")
     local = Normalizer.count(mask, reduce=False)
     return Normalizer(tokens=local.tokens if tokens is None else tokens,
                       sequences=local.sequences if sequences is None else sequences, world_size=world)
@@ -122,15 +131,16 @@ def policy_loss_fn(name: str, algorithm: Algorithm | None = None) -> Callable[..
            rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
         alg = _algorithm(name, algorithm, loss_agg_mode, config)
         info = dict(config_get(config, "global_batch_info", None) or {}) if config is not None else {}
-        normalizer = _normalizer(response_mask, alg.loss_agg_mode, info)
         dtype = torch.promote_types(log_prob.dtype, torch.float32)
+        normalizer = _normalizer(response_mask, alg.loss_agg_mode, info)
+        if normalizer is None:  # this call is the step: the algorithm's own count of it, as its call would make
+            normalizer = alg.whole_step_normalizer(response_mask, old_log_prob.to(dtype))
         out = alg(log_prob=log_prob.to(dtype), old_log_prob=old_log_prob.to(dtype), advantages=advantages,
                   mask=response_mask, normalizer=normalizer)
         loss = out.loss
-        if rollout_is_weights is not None:
+        if rollout_is_weights is not None:  # verl's own rollout correction weighs the policy term before its aggregation
             weighted = out.per_token * rollout_is_weights.detach().to(out.per_token.dtype)
-            loss = aggregate(weighted, response_mask.bool(), alg.loss_agg_mode, normalizer=normalizer,
-                             norm_constant=alg.norm_constant, delta_l_alpha=alg.delta_l_alpha)
+            loss = alg.aggregate(weighted, response_mask, normalizer)
         metrics = {f"actor/{key}": value for key, value in out.metrics.items() if key != "pg_loss"}
         return loss, metrics
 

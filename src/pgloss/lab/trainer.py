@@ -214,7 +214,7 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
     rollout_log_prob = None
     if sampler is not policy or temperature != cfg.temperature:
         rollout_log_prob = response_log_probs(sampler, rollout, temperature=temperature)[0]
-    elif algorithm.rollout_correction is not None:  # the sampler is the policy: weight 1, no mismatch
+    elif algorithm.rollout_use == "correction":  # the sampler is the policy: weight 1, no mismatch
         rollout_log_prob = old_log_prob
     advantages = cfg.reward_coef * group_advantages(rewards, rollout.group_ids,
                                                     scale=pgloss.recipe(algorithm.name).scale_rewards)

@@ -31,12 +31,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..core.aggregate import AGG_MODES, BUDGET_MODES, Normalizer, row_weights
+from ..core.aggregate import Normalizer, aggregation, row_weights
 from ..core.batch import TokenBatch
 from ..core.metrics import masked_mean
 from ..core.output import PolicyTerms, check
@@ -81,18 +81,19 @@ class CHORD(ClippedPolicy):
         check(self.sft_cutoff_prob == 1.0 or self.sft_weight == "phi",
               f"sft_cutoff_prob applies to sft_weight='phi' only (Trinity's SFTPhiLossFn), got "
               f"sft_weight={self.sft_weight!r}")
-        mode = self.sft_agg_mode
-        check(mode in AGG_MODES, f"sft_loss_agg_mode must be None or one of {AGG_MODES}, got {mode!r}")
-        if mode in BUDGET_MODES:
-            check(self.norm_constant is not None and self.norm_constant > 0,
-                  f"sft_loss_agg_mode {mode!r} requires norm_constant > 0, got {self.norm_constant!r}")
+        self.check_budget(aggregation(self.sft_agg_mode, field="sft_loss_agg_mode"),
+                          field="sft_loss_agg_mode")
 
     @property
     def sft_agg_mode(self) -> str:
-        return self.loss_agg_mode if self.sft_loss_agg_mode is None else self.sft_loss_agg_mode
+        return self.aggregation_modes()[1]
 
-    def aggregation_modes(self) -> tuple[str, ...]:
-        return (self.loss_agg_mode, self.sft_agg_mode)
+    @classmethod
+    def modes_of(cls, values: dict[str, Any]) -> tuple[str, ...]:
+        """(loss_agg_mode, the SFT part's: sft_loss_agg_mode, None: loss_agg_mode)."""
+        (mode,) = super().modes_of(values)
+        sft = values.get("sft_loss_agg_mode", cls.__dataclass_fields__["sft_loss_agg_mode"].default)
+        return (mode, mode if sft is None else sft)
 
     def _expert_rows(self, batch: TokenBatch) -> Tensor:
         if batch.expert is None:

@@ -3,7 +3,7 @@
 For each test of this folder, verl's `core_algos.agg_loss` becomes pgloss's aggregation
 (`pgloss.integrations.verl.agg_loss`: the same signature over `pgloss.core.aggregate`) and every
 `core_algos.compute_policy_loss_<mode>` becomes the registered `pgloss_<name>` computing it
-(`verl_config.LOSS_MODES`), in verl's module and in the test module's own imports, so the test
+(`pgloss.trainer_options.verl.LOSS_MODES`), in verl's module and in the test module's own imports, so the test
 bodies stay verl's. `PGLOSS_PEERS=original` runs them unmodified (verl's own functions).
 
 A test that fails swapped is marked xfail (strict) with the difference written in docs/reference.md.
@@ -20,7 +20,7 @@ else:
     from verl.trainer.ppo import core_algos
 
     from pgloss.integrations import verl as adapter
-    from pgloss.integrations.verl_config import LOSS_MODES
+    from pgloss.trainer_options.verl import LOSS_MODES
 
 SWAPPED = os.environ.get("PGLOSS_PEERS", "swapped") != "original"
 

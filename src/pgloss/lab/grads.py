@@ -74,8 +74,8 @@ def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float
     `[B, T]` (policy term, autograd), ``closed_form`` -Â·f·w·N (None where the family has none),
     ``total`` Σ_t g·N `[B]`, and the batch's ``lengths`` and ``advantages`` `[B]`. A sum-norm divisor
     (Dr.GRPO's) defaults to `norm_constant` or the padded width (the generation budget)."""
-    from .inspect import inspect
-    from ..lab.spec import parse_spec
+    from ..diagnostics.inspect import inspect
+    from .spec import parse_spec
 
     mask = batch["mask"].bool()
     n = int(mask.any(dim=1).sum())
@@ -204,9 +204,9 @@ def summary(table: dict[str, dict]) -> list[str]:
 
 def cmd_grads(args) -> int:
     """Draw the gradient figure and print its summary table."""
-    from ..lab.outputs import claim_file
-    from ..lab.runner import require_extras
-    from ..lab.spec import parse_algorithms
+    from .outputs import claim_file
+    from .runner import require_extras
+    from .spec import parse_algorithms
 
     try:  # every argument is checked before any work
         require_extras()
@@ -214,7 +214,7 @@ def cmd_grads(args) -> int:
         if args.batch and args.policy:
             raise ValueError("--batch and --policy are two sources of the batch: give one of them")
         if args.policy:
-            from ..lab.policy import batch as policy_batch
+            from .policy import batch as policy_batch
 
             batch = policy_batch(args.policy, prompts=args.prompts, seed=args.seed)
         else:
@@ -232,7 +232,7 @@ def cmd_grads(args) -> int:
 
 def add_grads_command(subparsers) -> None:
     """Add ``grads`` to the ``pgloss`` command's subparsers."""
-    from ..lab.spec import add_algorithms_argument
+    from .spec import add_algorithms_argument
 
     parser = subparsers.add_parser("grads", help="draw the per-token gradient of chosen losses on one batch")
     add_algorithms_argument(parser, DEFAULT_ALGORITHMS)

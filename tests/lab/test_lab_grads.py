@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pgloss.cli import main
-from pgloss.diagnostics.grads import examples, gradient_table, load_batch, plot, summary, synthetic_batch
+from pgloss.lab.grads import examples, gradient_table, load_batch, plot, summary, synthetic_batch
 
 NAMES = ("grpo", "bnpo", "dr_grpo", "sample_grpo", "gspo")
 
