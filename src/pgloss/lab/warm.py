@@ -159,8 +159,8 @@ def main() -> None:
 
     import torch
 
-    from .commands import machine
     from .config import LabConfig
+    from .provenance import machine
 
     configs = [LabConfig(seed=s) for s in SHIPPED_SEEDS]
     with mp.get_context("spawn").Pool(2) as pool:
