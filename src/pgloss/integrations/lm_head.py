@@ -1,8 +1,8 @@
 """A transformers model's LM head as pgloss's head record (`pgloss.HeadOptions`: bias, logit scale, soft-cap), for the
 fused path.
 
-pgloss's head (`pgloss.vocab.chunks.HeadKind`) computes logits = c · tanh(s · (x Wᵀ + b) / c) (s · (x Wᵀ + b)
-without a soft-cap c), then divides by τ. Read from each model's forward in transformers 5.10
+pgloss's head (`pgloss.HeadOptions`) computes logits = c · tanh(s · (x Wᵀ + b) / c) (s · (x Wᵀ + b) without a
+soft-cap c), then divides by τ. Read from each model's forward in transformers 5.10
 (models/<name>/modeling_<name>.py, the lines after `self.lm_head(...)`): a bias lives in the head's Linear, before
 anything else, and no model applies both a scale and a soft-cap, so each is exactly that order:
 

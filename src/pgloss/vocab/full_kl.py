@@ -17,7 +17,7 @@ Memory: both functions walk the positions in chunks and keep only two floats per
 (the two log-normalisers) besides the inputs; the backward pass recomputes each chunk's
 softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: per chunk it
 forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads, each
-with its bias, logit scale and soft-cap (`chunks.HeadKind`), through `chunks.ChunkLoop` with two
+with its bias, logit scale and soft-cap (`chunks.HeadOptions`), through `chunks.ChunkLoop` with two
 sources and the `FullKL` statistic, so memory beyond the inputs and their gradients is two
 [chunk, V] buffers (three in backward for a soft-capped policy: its slope). Masked positions are the caller's to drop
 (`torch.where(mask, kl, 0)`); their logits need only be finite.
