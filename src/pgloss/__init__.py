@@ -18,6 +18,7 @@ from .algorithms import (
     Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
 )
 from .vocab.entropy import log_prob_and_entropy
+from .vocab.chunks import HeadOptions  # an LM head's bias, logit scale and soft-cap: head=, ref_head=, teacher_head=
 from .vocab.divergence import divergence_from_hidden, divergence_from_logits
 from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
 from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
@@ -50,6 +51,7 @@ __all__ = [
     "GMPO",
     "GPG",
     "GVPO",
+    "HeadOptions",
     "KL_ESTIMATORS",
     "KLCov",
     "LossOutput",

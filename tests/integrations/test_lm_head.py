@@ -41,8 +41,8 @@ def build(family, options):
     return model
 
 
-def own_and_fused(model, options, temperature=0.7):
-    """log π(y) from the model's own logits, and from its last hidden states through pgloss's head with `options`."""
+def own_and_fused(model, head, temperature=0.7):
+    """log π(y) from the model's own logits, and from its last hidden states through pgloss's head `head`."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(2, V, (2, 7), generator=gen)
     targets = torch.randint(0, V, (2, 7), generator=gen)
@@ -51,7 +51,7 @@ def own_and_fused(model, options, temperature=0.7):
         hidden = model.base_model(input_ids=ids).last_hidden_state
         own = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
         fused, _ = pgloss.log_prob_and_entropy_from_hidden(hidden, model.get_output_embeddings().weight, targets,
-                                                           temperature=temperature, **options)
+                                                           temperature=temperature, head=head)
     return own, fused
 
 
@@ -61,13 +61,15 @@ def test_the_options_give_the_models_own_logits(family):
     model = build(family, config)
     options = head_options(model)
     bias = model.get_output_embeddings().bias
-    assert options == dict(bias=bias, logit_scale=expected.get("logit_scale", 1.0), softcap=expected.get("softcap"))
+    assert isinstance(options, pgloss.HeadOptions)
+    assert vars(options) == dict(bias=bias, logit_scale=expected.get("logit_scale", 1.0),
+                                 softcap=expected.get("softcap"))
     assert (bias is not None) == ("bias" in expected)
     own, fused = own_and_fused(model, options)
     # measured: 0 for every model (the same float64 operations in the same order)
     torch.testing.assert_close(fused, own, rtol=0, atol=1e-13)
     if expected:  # the option matters: the plain head is off by 9.8e-3 (VaultGemma) to 1.2 (HyperCLOVAX)
-        _, plain = own_and_fused(model, dict(bias=None, logit_scale=1.0, softcap=None))
+        _, plain = own_and_fused(model, pgloss.HeadOptions())
         assert (plain - own).abs().max() > 5e-3
 
 
@@ -77,10 +79,10 @@ def test_a_subclass_is_read_as_its_base_and_mpt_ignores_its_logit_scale():
 
     torch.manual_seed(0)
     model = MyGemma(transformers.Gemma2Config(**COMMON, final_logit_softcapping=0.5, head_dim=8))
-    assert head_options(model)["softcap"] == 0.5
+    assert head_options(model).softcap == 0.5
     mpt = transformers.MptForCausalLM(transformers.MptConfig(vocab_size=V, d_model=WIDTH, n_heads=4, n_layers=2,
                                                              max_seq_len=64, logit_scale=3.0)).double().eval()
-    assert head_options(mpt) == dict(bias=None, logit_scale=1.0, softcap=None)
+    assert vars(head_options(mpt)) == dict(bias=None, logit_scale=1.0, softcap=None)
     own, fused = own_and_fused(mpt, head_options(mpt))
     torch.testing.assert_close(fused, own, rtol=0, atol=1e-13)
 
@@ -93,4 +95,4 @@ def test_an_unknown_class_with_a_head_key_is_refused():
                                              f"{key}={value!r} to its logits"):
             head_options(model)
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, logit_scale=1.0))  # no change: read
-    assert head_options(model) == dict(bias=None, logit_scale=1.0, softcap=None)
+    assert vars(head_options(model)) == dict(bias=None, logit_scale=1.0, softcap=None)

@@ -1,12 +1,15 @@
 """What the tests of LM-head options share: an option set's biases filled in (`with_biases`), a call compiled whole
-against its eager run (`assert_compiles_like_eager`), and the refusals of
-a bad option (`chunks.check_head`), asserted per caller and per head (`prefix`: "" for the trained model, "ref_"
-or "teacher_" for the other)."""
+against its eager run (`assert_compiles_like_eager`), and the refusals of a bad option (`chunks.Head.check`),
+asserted per caller, per head (`prefix`: "" for the trained model, "ref_" or "teacher_" for the other) and per
+spelling (the keywords, or the record `HeadOptions`)."""
 
 import math
+import re
 
 import pytest
 import torch
+
+import pgloss
 
 
 def with_biases(opts: dict, x: dict, bias: torch.Tensor | None = None) -> dict:
@@ -19,32 +22,47 @@ def with_biases(opts: dict, x: dict, bias: torch.Tensor | None = None) -> dict:
 
 
 def assert_refuses_bad_head(call, bias: torch.Tensor, prefix: str = "") -> None:
-    """`call(**options)` refuses each bad `{prefix}bias`, `{prefix}logit_scale` and `{prefix}softcap`, naming it.
-    `bias` is a valid float64 bias on the CPU."""
-    b, w = f"{prefix}bias", f"{prefix}weight"
-    with pytest.raises(ValueError, match=rf"^{b} must have shape \[V\] = \[{bias.shape[0]}\] \(the rows of {w}\), got"):
-        call(**{b: bias[:-1]})
-    with pytest.raises(TypeError, match=f"^{b} has dtype torch.float32 but {w} has torch.float64"):
-        call(**{b: bias.float()})
-    with pytest.raises(TypeError, match=f"^{b} must be a Tensor or None, got list"):
-        call(**{b: bias.tolist()})
-    with pytest.raises(ValueError, match=f"^{b} is on meta but {w} is on cpu"):
-        call(**{b: torch.empty_like(bias, device="meta")})
-    for value in (0.0, -1.0):
-        with pytest.raises(ValueError, match=f"^{prefix}logit_scale must be a finite number > 0, got {value}"):
-            call(**{f"{prefix}logit_scale": value})
-        with pytest.raises(ValueError, match=f"^{prefix}softcap must be a finite number > 0 or None, got {value}"):
-            call(**{f"{prefix}softcap": value})
-    for value in (math.inf, math.nan):
-        with pytest.raises(ValueError, match=f"^{prefix}logit_scale must be finite"):
-            call(**{f"{prefix}logit_scale": value})
-        with pytest.raises(ValueError, match=f"^{prefix}softcap must be finite"):
-            call(**{f"{prefix}softcap": value})
-    for value in ("2", True, None):
-        with pytest.raises(TypeError, match=f"^{prefix}logit_scale must be a real number"):
-            call(**{f"{prefix}logit_scale": value})
-    with pytest.raises(TypeError, match=f"^{prefix}softcap must be a real number or None"):
-        call(**{f"{prefix}softcap": "30"})
+    """`call(**options)` refuses each bad bias, logit scale and soft-cap, naming it, in both spellings of a head
+    (`chunks.as_head`): the keywords `{prefix}bias`, `{prefix}logit_scale`, `{prefix}softcap`, and the record
+    `{prefix}head=HeadOptions(...)`, whose parts are named `{prefix}head.bias`, ... `bias` is a valid float64 bias
+    on the CPU."""
+    for record in (False, True):
+        def bad(option: str, value: object):
+            """`call` with one bad option, and that option's name in the error."""
+            if record:
+                head = pgloss.HeadOptions(**{option: value})
+                return lambda: call(**{f"{prefix}head": head}), f"{prefix}head.{option}"
+            return lambda: call(**{f"{prefix}{option}": value}), f"{prefix}{option}"
+
+        w = f"{prefix}weight"
+        for value, error, message in (
+                (bias[:-1], ValueError, rf"must have shape \[V\] = \[{bias.shape[0]}\] \(the rows of {w}\), got"),
+                (bias.float(), TypeError, f"has dtype torch.float32 but {w} has torch.float64"),
+                (bias.tolist(), TypeError, "must be a Tensor or None, got list"),
+                (torch.empty_like(bias, device="meta"), ValueError, f"is on meta but {w} is on cpu")):
+            run, name = bad("bias", value)
+            with pytest.raises(error, match=f"^{re.escape(name)} {message}"):
+                run()
+        for value in (0.0, -1.0):
+            run, name = bad("logit_scale", value)
+            with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a finite number > 0, got {value}"):
+                run()
+            run, name = bad("softcap", value)
+            with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a finite number > 0 or None, "
+                                                 f"got {value}"):
+                run()
+        for value in (math.inf, math.nan):
+            for option in ("logit_scale", "softcap"):
+                run, name = bad(option, value)
+                with pytest.raises(ValueError, match=f"^{re.escape(name)} must be finite"):
+                    run()
+        for value in ("2", True, None):
+            run, name = bad("logit_scale", value)
+            with pytest.raises(TypeError, match=f"^{re.escape(name)} must be a real number"):
+                run()
+        run, name = bad("softcap", "30")
+        with pytest.raises(TypeError, match=f"^{re.escape(name)} must be a real number or None"):
+            run()
 
 
 def assert_compiles_like_eager(call, inputs: list[torch.Tensor]) -> None:

@@ -389,10 +389,11 @@ def test_bad_options_name_the_argument():
                                                                   **ref_head, **kw)):
         assert_refuses_bad_head(call, x["ref_bias"], prefix="ref_")
     # A reference head's options without the exact KL are refused, not ignored.
-    for extra in (dict(ref_bias=x["ref_bias"]), dict(ref_logit_scale=2.0), dict(ref_softcap=30.0)):
-        with pytest.raises(ValueError, match=r"ref_hidden and ref_weight \(and the reference head's ref_bias, "
-                                             r"ref_logit_scale, ref_softcap\) are for kl_estimator='full'; grpo has "
-                                             r"kl_estimator='k3'"):
+    for extra in (dict(ref_bias=x["ref_bias"]), dict(ref_logit_scale=2.0), dict(ref_softcap=30.0),
+                  dict(ref_head=pgloss.HeadOptions())):
+        with pytest.raises(ValueError, match=r"ref_hidden and ref_weight \(and the reference head: ref_head, or "
+                                             r"ref_bias, ref_logit_scale, ref_softcap\) are for kl_estimator='full'; "
+                                             r"grpo has kl_estimator='k3'"):
             calls["loss"](**extra)
     with pytest.raises(TypeError, match="ref_logit_scale must be a real number"):
         calls["loss"](ref_logit_scale="1")

@@ -1,7 +1,8 @@
-"""A transformers model's LM head as pgloss's head options (`bias`, `logit_scale`, `softcap`), for the fused path.
+"""A transformers model's LM head as pgloss's head record (`pgloss.HeadOptions`: bias, logit scale, soft-cap), for the
+fused path.
 
-pgloss's head (`pgloss.vocab.chunks.HeadKind`) computes logits = c · tanh(s · (x Wᵀ + b) / c) (s · (x Wᵀ + b)
-without a soft-cap c), then divides by τ. Read from each model's forward in transformers 5.10
+pgloss's head (`pgloss.HeadOptions`) computes logits = c · tanh(s · (x Wᵀ + b) / c) (s · (x Wᵀ + b) without a
+soft-cap c), then divides by τ. Read from each model's forward in transformers 5.10
 (models/<name>/modeling_<name>.py, the lines after `self.lm_head(...)`): a bias lives in the head's Linear, before
 anything else, and no model applies both a scale and a soft-cap, so each is exactly that order:
 
@@ -24,6 +25,8 @@ used by fused=False) reads the same keys by name for every class instead.
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from ..vocab.chunks import HeadOptions
 
 __all__ = ["KEYS", "head_options"]
 
@@ -64,21 +67,21 @@ _RULES: dict[str, Callable[[Any], dict[str, Any]]] = {
 """Each model class's head options from its text config (the module's table)."""
 
 
-def head_options(model: Any) -> dict[str, Any]:
-    """`bias`, `logit_scale` and `softcap` of `model`'s LM head, for `Algorithm.from_hidden` and
-    `log_prob_and_entropy_from_hidden`: the head's bias (`get_output_embeddings().bias`, or None) and the
-    scale or soft-cap of its class's forward (the module's table, looked up along the class's bases).
+def head_options(model: Any) -> HeadOptions:
+    """`model`'s LM head as a `pgloss.HeadOptions`, the `head=` of `Algorithm.from_hidden` and
+    `log_prob_and_entropy_from_hidden` (`ref_head=`, `teacher_head=` for a reference or a teacher): the head's
+    bias (`get_output_embeddings().bias`, or None) and the scale or soft-cap of its class's forward (the
+    module's table, looked up along the class's bases).
 
     `model` is the transformers model whose forward computes the logits (PEFT's base model, not its wrapper).
     ValueError, naming the class and the key, for a class outside the table whose config sets one of `KEYS`."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    options: dict[str, Any] = {"bias": getattr(model.get_output_embeddings(), "bias", None), "logit_scale": 1.0,
-                               "softcap": None}
+    bias = getattr(model.get_output_embeddings(), "bias", None)
     rule = next((_RULES[c.__name__] for c in type(model).__mro__ if c.__name__ in _RULES), None)
     if rule is not None:
-        return options | rule(config)
+        return HeadOptions(bias, **rule(config))
     unknown = sorted({f"{key}={getattr(c, key)!r}" for c in (config, model.config) for key in KEYS if _sets(c, key)})
     if unknown:
         raise ValueError(f"fused=True does not know how {type(model).__name__} applies {', '.join(unknown)} to its "
                          "logits (pgloss.integrations.lm_head lists the models it reads); use fused=False")
-    return options
+    return HeadOptions(bias)

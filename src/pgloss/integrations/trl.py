@@ -48,6 +48,7 @@ summed over processes and the coefficient moves, as TRL's `_compute_loss`. TRL's
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from contextlib import nullcontext
 from typing import Any
@@ -402,10 +403,10 @@ class PGLossMixin:
         weight = owner.get_output_embeddings().weight
         head = head_options(owner)  # the bias, logit scale and soft-cap of the model's own logits
         # FSDP2: the whole head, its gradient averaged back onto the shards
-        weight, bias = pgloss.vocab.fused.full_head(weight), pgloss.vocab.fused.full_head(head["bias"])
+        weight, bias = pgloss.vocab.fused.full_head(weight), pgloss.vocab.fused.full_head(head.bias)
         if self.args.cast_lm_head_to_fp32:
             hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
-        head["bias"] = bias
+        head = dataclasses.replace(head, bias=bias)
         params = [p for p in (weight, bias) if isinstance(p, torch.nn.Parameter)]
         with maybe_gather_lm_head_ctx(*params) if params else nullcontext():
             self._pgloss_check_zero3(weight, length)
@@ -414,9 +415,9 @@ class PGLossMixin:
                 with torch.no_grad():
                     log_prob, _ = pgloss.log_prob_and_entropy_from_hidden(
                         hidden, weight, torch.where(mask.bool(), targets, 0),
-                        temperature=self.temperature, chunk_size=self.chunk_size, **head)
+                        temperature=self.temperature, chunk_size=self.chunk_size, head=head)
             return algorithm.from_hidden(hidden, weight, targets, temperature=self.temperature,
-                                         normalizer=normalizer, chunk_size=self.chunk_size, **head,
+                                         normalizer=normalizer, chunk_size=self.chunk_size, head=head,
                                          **self._pgloss_arguments(inputs, log_prob, mask))
 
     def _pgloss_check_zero3(self, weight: Tensor, length: int) -> None:

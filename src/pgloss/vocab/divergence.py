@@ -16,7 +16,7 @@ and the gradient with respect to the student's logits (the teacher is frozen):
     0 < β < 1    ∂D/∂z_S,ᵥ = (1 − β) p_S,ᵥ (log p_S,ᵥ − log mᵥ − KL(p_S‖m))
 
 (∂/∂logits_S = (1/τ) ∂/∂z_S). From hidden states x and an LM head (W, bias b, logit scale s, soft-cap c;
-`chunks.HeadKind`), each model's logits are
+`chunks.HeadOptions`), each model's logits are
 
     logits = c · tanh(s · (x Wᵀ + b) / c)        (s · (x Wᵀ + b) without a soft-cap)
 
@@ -55,7 +55,7 @@ from ..core.batch import check_mask
 from ..core.checks import check_number
 from ..core.output import LossOutput
 from . import kernels
-from .chunks import ChunkLoop
+from .chunks import ChunkLoop, HeadOptions, as_head
 from .entropy import _blocks, check_temperature
 from .full_kl import FullKL, KernelFullKL, check_logit_pair, head_pair, pair_tiles
 
@@ -323,6 +323,8 @@ def divergence_from_hidden(
     *,
     beta: float,
     temperature: float = 1.0,
+    head: HeadOptions | None = None,
+    teacher_head: HeadOptions | None = None,
     bias: Tensor | None = None,
     teacher_bias: Tensor | None = None,
     logit_scale: float = 1.0,
@@ -353,11 +355,13 @@ def divergence_from_hidden(
         teacher_hidden: [B, T, H'] teacher hidden states (H' may differ from H); never differentiated.
         teacher_weight: [V, H'] teacher output projection, the dtype of `teacher_hidden`; never differentiated.
         mask, beta, temperature, loss_agg_mode, normalizer, norm_constant: as `divergence_from_logits`.
-        bias, teacher_bias: [V] LM-head biases, the dtype and device of their weight, or None (no bias).
-            A half-precision bias is added to the float32 logits.
-        logit_scale, teacher_logit_scale: s > 0 multiplying each model's logits (Cohere's `logit_scale`;
-            Granite's `logits_scaling` is 1/s), before the soft-cap.
-        softcap, teacher_softcap: c > 0 of each model's soft-cap c · tanh(logits / c) (Gemma's
+        head, teacher_head: each model's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None:
+            the plain head); a bias has the dtype and device of its weight (a half-precision bias is added to
+            the float32 logits). `pgloss.integrations.lm_head.head_options(model)` reads them from a model.
+        bias, teacher_bias, logit_scale, teacher_logit_scale, softcap, teacher_softcap: the same options as
+            keywords, still accepted (not beside the record of the same model): [V] biases or None; s > 0
+            multiplying each model's logits (Cohere's `logit_scale`; Granite's `logits_scaling` is 1/s), before
+            the soft-cap; c > 0 of each model's soft-cap c · tanh(logits / c) (Gemma's
             `final_logit_softcapping`), or None (none).
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
@@ -369,9 +373,9 @@ def divergence_from_hidden(
         requires grad), none to the teacher's inputs.
     """
     kinds, tiles, student, teacher = head_pair(
-        hidden, weight, teacher_hidden, teacher_weight, "teacher", bias=bias, logit_scale=logit_scale,
-        softcap=softcap, other_bias=teacher_bias, other_logit_scale=teacher_logit_scale,
-        other_softcap=teacher_softcap, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+        hidden, weight, teacher_hidden, teacher_weight, "teacher", head=as_head(head, bias, logit_scale, softcap),
+        other_head=as_head(teacher_head, teacher_bias, teacher_logit_scale, teacher_softcap, prefix="teacher_"),
+        chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     mask = check_mask(mask, hidden.shape[:2], hidden.device, "hidden")
     beta, temperature = check_beta(beta), check_temperature(temperature)
     per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher)

@@ -17,7 +17,7 @@ Memory: both functions walk the positions in chunks and keep only two floats per
 (the two log-normalisers) besides the inputs; the backward pass recomputes each chunk's
 softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: per chunk it
 forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads, each
-with its bias, logit scale and soft-cap (`chunks.HeadKind`), through `chunks.ChunkLoop` with two
+with its bias, logit scale and soft-cap (`chunks.HeadOptions`), through `chunks.ChunkLoop` with two
 sources and the `FullKL` statistic, so memory beyond the inputs and their gradients is two
 [chunk, V] buffers (three in backward for a soft-capped policy: its slope). Masked positions are the caller's to drop
 (`torch.where(mask, kl, 0)`); their logits need only be finite.
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..core.batch import compute_dtype
 from . import kernels
-from .chunks import ChunkLoop, HeadKind, check_head, plan_tiles
+from .chunks import ChunkLoop, Head, HeadKind, HeadOptions, as_head, plan_tiles
 from .entropy import _blocks, check_temperature, online_max
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
@@ -241,6 +241,8 @@ def full_kl_from_hidden(
     ref_weight: Tensor,
     *,
     temperature: float = 1.0,
+    head: HeadOptions | None = None,
+    ref_head: HeadOptions | None = None,
     bias: Tensor | None = None,
     ref_bias: Tensor | None = None,
     logit_scale: float = 1.0,
@@ -253,7 +255,7 @@ def full_kl_from_hidden(
 ) -> Tensor:
     """KL(π‖π_ref) per position from the final hidden states and LM heads of both models, [B, T].
 
-    Each model's logits before the temperature are those of its head (`chunks.HeadKind`),
+    Each model's logits before the temperature are those of its head (`chunks.HeadOptions`),
 
         logits = c · tanh(s · (x Wᵀ + b) / c)        (s · (x Wᵀ + b) without a soft-cap c)
 
@@ -267,18 +269,21 @@ def full_kl_from_hidden(
         ref_hidden: [B, T, H'] reference hidden states (H' may differ from H).
         ref_weight: [V, H'] reference output projection, the dtype of `ref_hidden`.
         temperature: τ > 0.
-        bias, ref_bias: [V] LM-head biases, the dtype and device of their weight, or None (no bias).
-        logit_scale, ref_logit_scale: s > 0 multiplying each model's logits, before the soft-cap.
-        softcap, ref_softcap: c > 0 of each model's soft-cap, or None (none).
+        head, ref_head: each model's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None: the
+            plain head); a bias has the dtype and device of its weight.
+        bias, ref_bias, logit_scale, ref_logit_scale, softcap, ref_softcap: the same options as keywords,
+            still accepted (not beside the record of the same model): [V] biases or None; s > 0 multiplying
+            each model's logits, before the soft-cap; c > 0 of each model's soft-cap, or None (none).
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block (a
             soft-capped policy adds one buffer, its slope).
     """
-    return pair_from_hidden(FullKL(), hidden, weight, ref_hidden, ref_weight, "ref", temperature=temperature,
-                            bias=bias, logit_scale=logit_scale, softcap=softcap, other_bias=ref_bias,
-                            other_logit_scale=ref_logit_scale, other_softcap=ref_softcap, chunk_size=chunk_size,
-                            vocab_block=vocab_block, memory_budget=memory_budget)
+    return pair_from_hidden(FullKL(), hidden, weight, ref_hidden, ref_weight, "ref",
+                            head=as_head(head, bias, logit_scale, softcap),
+                            other_head=as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_"),
+                            temperature=temperature, chunk_size=chunk_size, vocab_block=vocab_block,
+                            memory_budget=memory_budget)
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,15 +307,15 @@ def pair_from_logits(statistic, logits: Tensor, other_logits: Tensor, other: str
 
 
 def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor, other: str, *,
-              bias: Tensor | None, logit_scale: float, softcap: float | None, other_bias: Tensor | None,
-              other_logit_scale: float, other_softcap: float | None, chunk_size: int | None, vocab_block: int | None,
+              head: Head, other_head: Head, chunk_size: int | None, vocab_block: int | None,
               memory_budget: int | None) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple]:
-    """The two heads of a loop, checked (`check_head_pair`, then each head's options by `chunks.check_head`,
-    the other's named `{other}_bias`, ...): their kinds, the tiles (`pair_tiles`), and each model's loop inputs
-    (hidden states as [N, H] rows, weight, bias), the other's detached."""
+    """The two heads of a loop (each as its call spelled it, `chunks.as_head`), checked (`check_head_pair`, then
+    each head's options by `chunks.Head.check` against its weight, the other's named `{other}_weight`): their
+    kinds, the tiles (`pair_tiles`), and each model's loop inputs (hidden states as [N, H] rows, weight, bias),
+    the other's detached."""
     check_head_pair(hidden, weight, other_hidden, other_weight, other=other)
-    kinds = (check_head(weight, bias, logit_scale, softcap),
-             check_head(other_weight, other_bias, other_logit_scale, other_softcap, prefix=f"{other}_"))
+    kinds = (head.check(weight), other_head.check(other_weight, f"{other}_weight"))
+    bias, other_bias = head.bias, other_head.bias
     tokens = hidden.shape[0] * hidden.shape[1]
     tiles = pair_tiles(tokens, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
                        vocab_block=vocab_block, memory_budget=memory_budget, softcap=kinds[0].softcap is not None,
@@ -322,15 +327,12 @@ def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight
 
 
 def pair_from_hidden(statistic, hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor,
-                     other: str, *, temperature: float, chunk_size: int | None, vocab_block: int | None,
-                     memory_budget: int | None, bias: Tensor | None = None, logit_scale: float = 1.0,
-                     softcap: float | None = None, other_bias: Tensor | None = None, other_logit_scale: float = 1.0,
-                     other_softcap: float | None = None) -> Tensor:
-    """`statistic` per position [B, T] of the head (`weight`, `bias`, `logit_scale`, `softcap`) on `hidden`
-    against the other model's head on `{other}_hidden` (`head_pair`)."""
+                     other: str, *, head: Head, other_head: Head, temperature: float, chunk_size: int | None,
+                     vocab_block: int | None, memory_budget: int | None) -> Tensor:
+    """`statistic` per position [B, T] of the head (`weight` and `head`) on `hidden` against the other model's
+    head on `{other}_hidden` (`head_pair`)."""
     kinds, tiles, first, second = head_pair(
-        hidden, weight, other_hidden, other_weight, other, bias=bias, logit_scale=logit_scale, softcap=softcap,
-        other_bias=other_bias, other_logit_scale=other_logit_scale, other_softcap=other_softcap,
+        hidden, weight, other_hidden, other_weight, other, head=head, other_head=other_head,
         chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     temperature = check_temperature(temperature)
     values = ChunkLoop.apply(statistic, kinds, temperature, tiles, *first, *second)

@@ -1,7 +1,7 @@
 """The loss straight from hidden states, without materialising the N × V logits.
 
 For hidden states x [B, T, H] and the LM head W [V, H] (its bias b [V] or none, its logit scale s
-and soft-cap c: `chunks.HeadKind`), the tempered logits of token n are
+and soft-cap c: `chunks.HeadOptions`), the tempered logits of token n are
 
     z_n = c · tanh(s · (W x_n + b) / c) / τ        (s · (W x_n + b) / τ without a soft-cap)
 
@@ -43,12 +43,12 @@ import torch
 from torch import Tensor
 
 from ..core.aggregate import Normalizer
-from ..core.checks import check_number
 from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
 from ..kl.corrections import FULL
-from .chunks import ChunkLoop, HeadKind, HeadRows, backward_rows, check_head, forward_rows, plan_tiles
+from .chunks import (ChunkLoop, Head, HeadKind, HeadOptions, HeadRows, as_head, backward_rows, forward_rows,
+                     head_given, plan_tiles)
 from .kernels import route
 from .entropy import LogProbEntropy, check_targets, check_temperature
 
@@ -103,6 +103,7 @@ def log_prob_and_entropy_from_hidden(
     targets: Tensor,
     *,
     temperature: float = 1.0,
+    head: HeadOptions | None = None,
     bias: Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
@@ -114,16 +115,19 @@ def log_prob_and_entropy_from_hidden(
 
         z = c · tanh(s · (hidden @ weightᵀ + bias) / c)        (s · (hidden @ weightᵀ + bias) without a soft-cap)
 
-    (`chunks.HeadKind`: TRL 1.16's order, bias, scale, soft-cap, then τ).
+    (`chunks.HeadOptions`: TRL 1.16's order, bias, scale, soft-cap, then τ).
 
     Args:
         hidden: [B, T, H] floating hidden states.
         weight: [V, H] output projection of the same dtype and device.
         targets: [B, T] integer token ids in [0, V).
         temperature: τ > 0.
-        bias: [V] LM-head bias of the weight's dtype and device, or None (no bias).
-        logit_scale: s > 0 multiplying the logits (Cohere's `logit_scale`; Granite's `logits_scaling` is 1/s).
-        softcap: c > 0 of the soft-cap c · tanh(logits / c) (Gemma's `final_logit_softcapping`), or None.
+        head: the head's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None: the plain head x Wᵀ);
+            `pgloss.integrations.lm_head.head_options(model)` reads them from a transformers model.
+        bias, logit_scale, softcap: the same options as keywords, still accepted (not beside `head`):
+            bias [V] of the weight's dtype and device, or None; s > 0 multiplying the logits (Cohere's
+            `logit_scale`; Granite's `logits_scaling` is 1/s); c > 0 of the soft-cap c · tanh(logits / c)
+            (Gemma's `final_logit_softcapping`), or None.
         chunk_size: tokens per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary); below V, log-sum-exp,
             log π(y) and H accumulate over tiles with an online max (`chunks.plan_tiles`).
@@ -134,9 +138,19 @@ def log_prob_and_entropy_from_hidden(
         (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
         hidden, weight and bias (whichever requires grad).
     """
-    weight, bias = full_head(weight), full_head(bias)
+    return _log_prob_and_entropy(hidden, weight, targets, as_head(head, bias, logit_scale, softcap),
+                                 temperature=temperature, chunk_size=chunk_size, vocab_block=vocab_block,
+                                 memory_budget=memory_budget)
+
+
+def _log_prob_and_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, head: Head, *, temperature: float,
+                          chunk_size: int | None, vocab_block: int | None,
+                          memory_budget: int | None) -> tuple[Tensor, Tensor]:
+    """`log_prob_and_entropy_from_hidden` for a head already taken from the call's spelling (`chunks.as_head`)."""
+    weight = full_head(weight)
+    head = head.with_bias(full_head(head.bias))
     _check_inputs(hidden, weight, targets)
-    kind = check_head(weight, bias, logit_scale, softcap)
+    kind, bias = head.check(weight), head.bias
     temperature = check_temperature(temperature)
     batch, length, size = hidden.shape
     tiles = head_tiles(batch * length, weight, chunk_size, vocab_block, memory_budget, kind)
@@ -239,11 +253,13 @@ def loss_from_hidden(
     mask: Tensor,
     temperature: float = 1.0,
     normalizer: Normalizer | None = None,
+    head: HeadOptions | None = None,
     bias: Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
     ref_hidden: Tensor | None = None,
     ref_weight: Tensor | None = None,
+    ref_head: HeadOptions | None = None,
     ref_bias: Tensor | None = None,
     ref_logit_scale: float = 1.0,
     ref_softcap: float | None = None,
@@ -276,15 +292,18 @@ def loss_from_hidden(
         old_log_prob, advantages, mask, normalizer, **inputs: as for `algorithm(...)`, the optional
             inputs but `entropy` and `full_kl` (computed here); floating tensors are cast to the
             compute dtype (float32, or float64 for float64 parameters).
-        bias: [V] the LM head's bias, the weight's dtype and device (gathered like it), or None (no bias).
-        logit_scale: s > 0 multiplying the logits before the soft-cap (Cohere's `logit_scale`; Granite's
-            `logits_scaling` is 1/s).
-        softcap: c > 0 of the soft-cap (Gemma's `final_logit_softcapping`), or None (none).
+        head: the LM head's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None: the plain
+            head); its bias has the weight's dtype and device and is gathered like it.
+            `pgloss.integrations.lm_head.head_options(model)` reads them from a transformers model.
+        bias, logit_scale, softcap: the same options as keywords, still accepted (not beside `head`): the
+            [V] bias or None; s > 0 multiplying the logits before the soft-cap (Cohere's `logit_scale`;
+            Granite's `logits_scaling` is 1/s); c > 0 of the soft-cap (Gemma's `final_logit_softcapping`),
+            or None.
         ref_hidden, ref_weight: [B, T, H'] and [V, H'], the reference model's final hidden states and
             LM head, for kl_estimator="full": the exact KL(π‖π_ref) per token is computed from them
             chunk by chunk (`pgloss.vocab.full_kl.full_kl_from_hidden`) and passed as `full_kl`.
-        ref_bias, ref_logit_scale, ref_softcap: the reference head's options, as the policy's (never
-            differentiated); only with ref_hidden and ref_weight.
+        ref_head: the reference head's options, as `head` (never differentiated); only with ref_hidden
+            and ref_weight. ref_bias, ref_logit_scale, ref_softcap: the same as keywords.
         temperature: τ > 0, the sampling temperature.
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
@@ -295,9 +314,12 @@ def loss_from_hidden(
             vocab_block; the chunk and tile are chosen from it (`pgloss.vocab.chunks.plan_tiles`).
     """
     check_names(inputs, PASSED_INPUTS)
-    weight, bias = full_head(weight), full_head(bias)
+    head, ref = as_head(head, bias, logit_scale, softcap), as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap,
+                                                                   prefix="ref_")
+    weight = full_head(weight)
+    head = head.with_bias(full_head(head.bias))
     valid = _check_inputs(hidden, weight, targets, mask)
-    kind = check_head(weight, bias, logit_scale, softcap)
+    kind, bias = head.check(weight), head.bias
     temperature = check_temperature(temperature)
     tokens = hidden.shape[0] * hidden.shape[1]
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
@@ -316,27 +338,24 @@ def loss_from_hidden(
     if exact_kl:
         if ref_hidden is None or ref_weight is None:
             raise ValueError(f"{algorithm.name} has kl_estimator='full' and needs ref_hidden and ref_weight")
-        from .full_kl import full_kl_from_hidden
+        from .full_kl import FullKL, pair_from_hidden
 
-        batch["full_kl"] = full_kl_from_hidden(
-            hidden, weight, ref_hidden, full_head(ref_weight), temperature=temperature, bias=bias,
-            ref_bias=full_head(ref_bias), logit_scale=logit_scale, ref_logit_scale=ref_logit_scale, softcap=softcap,
-            ref_softcap=ref_softcap, **sizes)
-    elif (ref_hidden is not None or ref_weight is not None or ref_bias is not None or ref_softcap is not None
-          or check_number("ref_logit_scale", ref_logit_scale) != 1.0):
-        raise ValueError(f"ref_hidden and ref_weight (and the reference head's ref_bias, ref_logit_scale, ref_softcap) "
-                         f"are for kl_estimator='full'; {algorithm.name} has kl_estimator={algorithm.kl_estimator!r} "
-                         "(pass ref_log_prob)")
+        batch["full_kl"] = pair_from_hidden(
+            FullKL(), hidden, weight, ref_hidden, full_head(ref_weight), "ref", head=head,
+            other_head=ref.with_bias(full_head(ref.bias)), temperature=temperature, **sizes)
+    elif (ref_hidden is not None or ref_weight is not None
+          or head_given(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_")):
+        raise ValueError(f"ref_hidden and ref_weight (and the reference head: ref_head, or ref_bias, ref_logit_scale, "
+                         f"ref_softcap) are for kl_estimator='full'; {algorithm.name} has "
+                         f"kl_estimator={algorithm.kl_estimator!r} (pass ref_log_prob)")
     length = hidden.shape[1]
     params = (hidden, weight) if bias is None else (hidden, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     if not needs_grad or length == 0 or length > chunk_size or algorithm.couples_rows or exact_kl:
         # Sequences longer than a chunk, row-coupled losses and the exact KL: log π and H by token chunks, one
         # call for the batch, logits recomputed in backward.
-        log_prob, entropy = log_prob_and_entropy_from_hidden(
-            hidden, weight, safe_targets, temperature=temperature, bias=bias, logit_scale=logit_scale, softcap=softcap,
-            chunk_size=chunk_size, vocab_block=vocab_block
-        )
+        log_prob, entropy = _log_prob_and_entropy(hidden, weight, safe_targets, head, temperature=temperature,
+                                                  chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=None)
         return algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
 
     step = normalizer

@@ -1,0 +1,136 @@
+"""An LM head's options as one record, `pgloss.HeadOptions` (`head=`, `ref_head=`, `teacher_head=`), or as the
+keywords the docs still accept (`bias=`, `logit_scale=`, `softcap=`, `ref_...`, `teacher_...`): the two spellings
+give bit-identical values and gradients in every call from hidden states, both at once is refused naming the
+arguments, and every such call takes the record and turns a spelling into it at one place (`chunks.as_head`)."""
+
+import dataclasses
+import inspect
+import re
+
+import pytest
+import torch
+
+import pgloss
+from pgloss.vocab import chunks, divergence, full_kl, fused
+
+B, T, H, H_OTHER, V = 3, 5, 8, 6, 37
+TAU = 0.7
+MASK = torch.arange(T)[None, :] < torch.tensor([5, 3, 1])[:, None]
+STUDENT = dict(logit_scale=0.8, softcap=3.0)  # plus its bias
+OTHER = dict(logit_scale=1.25, softcap=2.0)  # the reference's or the teacher's, plus its bias
+
+
+def make(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s, scale=1.0: scale * torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.7), bias=r(V, scale=0.5), other_hidden=r(B, T, H_OTHER),
+                other_weight=r(V, H_OTHER, scale=0.7), other_bias=r(V, scale=0.5), noise=r(B, T),
+                targets=torch.randint(0, V, (B, T), generator=gen), advantages=r(B))
+
+
+def grpo_inputs(x):
+    """grpo with the exact KL to the reference head and an entropy bonus; old log-probs near the current ones."""
+    with torch.no_grad():
+        current, _ = pgloss.log_prob_and_entropy_from_hidden(x["hidden"], x["weight"], x["targets"],
+                                                             temperature=TAU, bias=x["bias"], **STUDENT)
+    old = (current + 0.3 * x["noise"]).masked_fill(~MASK, float("nan"))
+    return dict(old_log_prob=old, advantages=x["advantages"], mask=MASK)
+
+
+# Each public call from hidden states: (its keyword prefix for the other model, or None without one; a function of
+# the data, the policy's three leaves and the head keyword arguments that returns a scalar to differentiate).
+CALLS = {
+    "log_prob_and_entropy_from_hidden": (None, lambda x, h, w, kw: sum(t.sum() for t in (
+        pgloss.log_prob_and_entropy_from_hidden(h, w, x["targets"], temperature=TAU, chunk_size=4, **kw)))),
+    "loss_from_hidden": ("ref_", lambda x, h, w, kw: pgloss.get("grpo", kl_estimator="full", kl_coef=0.3,
+                                                                entropy_coef=0.01).from_hidden(
+        h, w, x["targets"], **grpo_inputs(x), ref_hidden=x["other_hidden"], ref_weight=x["other_weight"],
+        temperature=TAU, chunk_size=4, **kw).loss),
+    "loss_from_hidden one pass": (None, lambda x, h, w, kw: pgloss.get("grpo", entropy_coef=0.01).from_hidden(
+        h, w, x["targets"], **grpo_inputs(x), ref_log_prob=grpo_inputs(x)["old_log_prob"] - 0.1, temperature=TAU,
+        chunk_size=11, **kw).loss),
+    "full_kl_from_hidden": ("ref_", lambda x, h, w, kw: pgloss.full_kl_from_hidden(
+        h, w, x["other_hidden"], x["other_weight"], temperature=TAU, chunk_size=4, vocab_block=10, **kw).sum()),
+    "divergence_from_hidden": ("teacher_", lambda x, h, w, kw: pgloss.divergence_from_hidden(
+        h, w, x["other_hidden"], x["other_weight"], MASK, beta=0.4, temperature=TAU, chunk_size=4, **kw).loss),
+}
+
+
+def spellings(x, bias, other):
+    """The same heads as keywords and as records: (keywords, records)."""
+    keywords = dict(bias=bias, **STUDENT)
+    records = dict(head=pgloss.HeadOptions(bias, **STUDENT))
+    if other is not None:
+        keywords |= {f"{other}bias": x["other_bias"], **{f"{other}{k}": v for k, v in OTHER.items()}}
+        records[f"{other}head"] = pgloss.HeadOptions(x["other_bias"], **OTHER)
+    return keywords, records
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_the_record_and_the_keywords_give_bit_identical_values_and_gradients(name):
+    other, call = CALLS[name]
+    x = make()
+    results = []
+    for spelling in range(2):
+        h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+        value = call(x, h, w, spellings(x, b, other)[spelling])
+        value.backward()
+        results.append([value.detach(), h.grad, w.grad, b.grad])
+    for keyword, record in zip(*results):
+        assert torch.equal(keyword, record)
+    assert results[0][3].abs().sum() > 0  # the bias took part
+    # the options matter: the plain heads give another value
+    h, w = x["hidden"], x["weight"]
+    assert not torch.equal(call(x, h, w, {}), results[0][0])
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_a_record_beside_its_keywords_is_refused_naming_them(name):
+    other, call = CALLS[name]
+    x = make()
+    h, w = x["hidden"], x["weight"]
+    for prefix in ("",) + ((other,) if other else ()):
+        record = {f"{prefix}head": pgloss.HeadOptions(x[f"{prefix and 'other_'}bias"])}
+        for keywords, named in ((dict(softcap=2.0), "softcap"), (dict(logit_scale=0.5, bias=x["bias"]),
+                                                                   "bias, {p}logit_scale")):
+            spelled = {f"{prefix}{k}": v for k, v in keywords.items()}
+            message = (f"{prefix}head and {prefix}{named.format(p=prefix)} both describe the head: pass "
+                       f"{prefix}head=HeadOptions(...) alone, or the keywords {prefix}bias, {prefix}logit_scale, "
+                       f"{prefix}softcap alone")
+            with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+                call(x, h, w, record | spelled)
+        # a keyword left at its default beside the record is no second description
+        call(x, h, w, record | {f"{prefix}bias": None, f"{prefix}logit_scale": 1.0, f"{prefix}softcap": None})
+        with pytest.raises(TypeError, match=f"^{prefix}head must be a pgloss.HeadOptions or None, got dict"):
+            call(x, h, w, {f"{prefix}head": dict(softcap=2.0)})
+
+
+PUBLIC = {  # each public call from hidden states: the prefixes of the heads it takes
+    fused.log_prob_and_entropy_from_hidden: ("",),
+    fused.loss_from_hidden: ("", "ref_"),
+    full_kl.full_kl_from_hidden: ("", "ref_"),
+    divergence.divergence_from_hidden: ("", "teacher_"),
+}
+
+
+def test_every_call_from_hidden_takes_the_record_and_converts_at_one_place():
+    from_hidden = {getattr(pgloss, name) for name in pgloss.__all__ if name.endswith("_from_hidden")}
+    assert from_hidden == set(PUBLIC)  # a new call from hidden states is listed here, and so checked
+    assert "return loss_from_hidden(self, hidden, weight, targets, **kwargs)" in inspect.getsource(
+        pgloss.Algorithm.from_hidden)  # Algorithm.from_hidden is loss_from_hidden
+    options = [f.name for f in dataclasses.fields(pgloss.HeadOptions)]
+    assert options == ["bias", "logit_scale", "softcap"]
+    for function, prefixes in PUBLIC.items():
+        parameters = inspect.signature(function).parameters
+        source = inspect.getsource(function)
+        for prefix in prefixes:
+            # the record, and each of its fields as a keyword with the record's default
+            assert parameters[f"{prefix}head"].default is None
+            for option in options:
+                assert parameters[f"{prefix}{option}"].default == getattr(chunks.PLAIN_HEAD, option)
+            # the spelling becomes one Head at the entry, by the converter
+            assert f"as_head({prefix}head, {prefix}bias, {prefix}logit_scale, {prefix}softcap" in source
+    # no other module of the package reads a head's options one by one
+    for module in (fused, full_kl, divergence):
+        source = inspect.getsource(module)
+        assert "check_head(" not in source and "other_softcap" not in source
