@@ -109,7 +109,7 @@ def test_ladder_problem_is_a_chain_of_two_maps_with_its_running_values():
         assert set(ops[: n - 1]) <= {"+1", "*3"} and set(ops[n - 1 :]) <= {"+0"}  # +0 only as the padding
         assert p.answer == str(running[-1]) == str(running[n - 2])  # the padding keeps the value
         assert list(p.steps) == [str(v) for v in running[: len(p.steps)]]  # a prefix, into the padding too
-        if not p.teach_stop:  # shown for its work: every position, the answer taught
+        if not p.teach_continue:  # shown for its work: every position, the answer taught
             assert len(p.steps) == task.max_terms - 1 and p.teach_answer
             work += 1
         else:  # a prefix: its answer is taught only where it holds the chain's whole work
@@ -185,11 +185,11 @@ def test_ladder_settings_are_checked():
         LadderTask(work_prob=1.5)
 
 
-def test_taught_leaves_out_the_separators_or_the_answer_as_the_problem_says():
+def test_taught_leaves_out_the_commas_or_the_answer_as_the_problem_says():
     p = Problem("3+1*3=", "2", ("4", "2"))
     assert taught(p, "4,2|2") == [True] * 5  # by default every character
-    work = Problem("3+1*3=", "2", ("4", "2"), teach_stop=False)
-    assert taught(work, "4,2|2") == [True, False, True, False, True]  # not where it goes on or stops
+    work = Problem("3+1*3=", "2", ("4", "2"), teach_continue=False)
+    assert taught(work, "4,2|2") == [True, False, True, True, True]  # not where it goes on
     prefix = Problem("3+1*3=", "2", ("4",), teach_answer=False)
     assert taught(prefix, "4|2") == [True, True, False]  # not the answer it cannot compute
     assert taught(prefix, "4|12") == [True, True, False, False]

@@ -34,10 +34,6 @@ import random
 from dataclasses import dataclass
 
 
-SEPARATORS = ",|"
-"""The characters where a response's scratchpad goes on (``,``) or stops (``|``, before the answer)."""
-
-
 @dataclass(frozen=True)
 class Problem:
     """One prompt with its answer and the running results its scratchpad lists."""
@@ -45,9 +41,9 @@ class Problem:
     prompt: str
     answer: str
     steps: tuple[str, ...]
-    teach_stop: bool = True
-    """Whether the warm start learns where this demonstration's scratchpad goes on and stops (its
-    `SEPARATORS`); False for a demonstration shown for its work alone (`taught`)."""
+    teach_continue: bool = True
+    """Whether the warm start learns where this demonstration's scratchpad goes on (its commas); False for
+    a demonstration shown for its work alone, which goes on at every position it can (`taught`)."""
     teach_answer: bool = True
     """Whether the warm start learns this demonstration's answer; False where its scratchpad stops short of
     the work the answer needs, so that the warm start does not learn to guess it (`taught`)."""
@@ -55,10 +51,10 @@ class Problem:
 
 def taught(problem: Problem, text: str) -> list[bool]:
     """Which characters of `text`, a demonstration of `problem` (`demonstration`), the warm start learns:
-    all of them, less its `SEPARATORS` where ``problem.teach_stop`` is False and less its answer (the
-    characters after the last ``|``) where ``problem.teach_answer`` is False."""
+    all of them, less its commas (where the scratchpad goes on) where ``problem.teach_continue`` is False
+    and less its answer (the characters after the last ``|``) where ``problem.teach_answer`` is False."""
     bar = text.rindex("|")
-    return [(problem.teach_stop or ch not in SEPARATORS) and (problem.teach_answer or i <= bar)
+    return [(problem.teach_continue or ch != ",") and (problem.teach_answer or i <= bar)
             for i, ch in enumerate(text)]
 
 
@@ -202,8 +198,8 @@ class LadderTask:
 
     The warm start writes a short prefix but learns the step at every position. A demonstration is,
     with probability ``work_prob``, the whole scratchpad over all ``max_terms`` - 1 positions shown for
-    its work alone (its running values and answer are learned, where it goes on and stops is not:
-    ``Problem.teach_stop``), and otherwise a prefix of k running values, k geometric,
+    its work alone (its running values, its stop after the last position and its answer are learned,
+    where it goes on is not: ``Problem.teach_continue``), and otherwise a prefix of k running values, k geometric,
     P(k) = (1 - p)^k p with p = ``stop_prob``, cut at ``max_terms`` - 1, whose answer is learned only where
     the prefix holds the chain's whole work (``Problem.teach_answer``): the warm policy stops as the
     prefixes do and answers with the last value it wrote, so RL starts from short responses and has to
@@ -243,7 +239,7 @@ class LadderTask:
             running.append(str(value))
         prompt = str(start) + "".join(operations) + "="
         if rng.random() < self.work_prob:
-            return Problem(prompt, running[-1], tuple(running), teach_stop=False)
+            return Problem(prompt, running[-1], tuple(running), teach_continue=False)
         k = 0
         while k < len(running) and rng.random() >= self.stop_prob:
             k += 1
