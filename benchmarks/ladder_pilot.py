@@ -17,10 +17,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device import add_device_argument, resolve_device  # noqa: E402
 
 
 def step_accuracy(model, task, tokenizer, chains: int = 512, seed: int = 123) -> list[float]:
@@ -34,9 +39,10 @@ def step_accuracy(model, task, tokenizer, chains: int = 512, seed: int = 123) ->
     running = [_running(task, p.prompt) for p in problems]
     texts = [",".join(map(str, r)) + "|" + p.answer for r, p in zip(running, problems)]
     batch = teacher_forced([tokenizer.encode(p.prompt) for p in problems], [tokenizer.encode(t) for t in texts])
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(batch.tokens[:, :-1], batch.valid[:, :-1])[:, batch.prompt_len - 1 :]
-    right = logits.argmax(-1) == batch.responses
+        logits = model(batch.tokens[:, :-1].to(device), batch.valid[:, :-1].to(device))[:, batch.prompt_len - 1 :]
+    right = (logits.argmax(-1) == batch.responses.to(device)).cpu()
     return [float(right[[i for i, w in enumerate(work) if w > j], 2 * j].float().mean())
             for j in range(task.max_terms - 1)]
 
@@ -64,10 +70,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, help="RL learning rate (default: the experiment's)")
     parser.add_argument("--warm-steps", type=int, help="warm-start steps (default: the experiment's)")
     parser.add_argument("--target-entropy", type=float, help="entropy target, nats per token (default: the experiment's)")
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = resolve_device(args.device)
     experiment = EXPERIMENTS["ladder"]
     changes = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("warm_steps", args.warm_steps),
                                  ("target_entropy", args.target_entropy)) if v is not None}
+    changes["device"] = str(device)
     cfg = dataclasses.replace(experiment.lab_config(args.algorithm, args.seed), **changes)
     torch.set_num_threads(cfg.threads)
 
@@ -75,7 +84,7 @@ def main() -> None:
     state = warm.state(cfg, None)
     warm_seconds = time.perf_counter() - start
     tokenizer, task, model = trainer.build(cfg)
-    model.load_state_dict(state)
+    model.load_state_dict(state)  # on cfg.device
     accuracy = step_accuracy(model, task, tokenizer)
 
     start = time.perf_counter()
