@@ -13,9 +13,10 @@ scratchpad itself is not graded, so whether to write it (and how long) is the po
   The order matters, so a direct answer is hard and the scratchpad pays.
 - ``trace``: a digit times a digit after a free-length trace that the reward ignores (`TraceTask`):
   whatever length the policy settles on comes from the loss, not from the task.
-- ``ladder``: chains of 2 to 16 terms padded with ``+0`` to one length (`LadderTask`), whose warm start
-  writes only a short prefix of the scratchpad: each further step written solves the chains one term
-  longer, so the length keeps growing under RL while the policy learns to write more of the work.
+- ``ladder``: chains of 2 to 16 terms, each step ``+1`` or ``*3`` modulo 10, padded with ``+0`` to one
+  length (`LadderTask`), whose warm start learns the step at every position but writes only a short
+  prefix of the scratchpad: each further step written solves the chains one term longer, so the length
+  can keep growing under RL while the policy learns to write more of the work.
 
 The warm start shows both forms (with and without scratchpad), so RL starts from a policy
 that can write either and learns which one pays.
@@ -40,6 +41,21 @@ class Problem:
     prompt: str
     answer: str
     steps: tuple[str, ...]
+    teach_continue: bool = True
+    """Whether the warm start learns where this demonstration's scratchpad goes on (its commas); False for
+    a demonstration shown for its work alone, which goes on at every position it can (`taught`)."""
+    teach_answer: bool = True
+    """Whether the warm start learns this demonstration's answer; False where its scratchpad stops short of
+    the work the answer needs, so that the warm start does not learn to guess it (`taught`)."""
+
+
+def taught(problem: Problem, text: str) -> list[bool]:
+    """Which characters of `text`, a demonstration of `problem` (`demonstration`), the warm start learns:
+    all of them, less its commas (where the scratchpad goes on) where ``problem.teach_continue`` is False
+    and less its answer (the characters after the last ``|``) where ``problem.teach_answer`` is False."""
+    bar = text.rindex("|")
+    return [(problem.teach_continue or ch != ",") and (problem.teach_answer or i <= bar)
+            for i, ch in enumerate(text)]
 
 
 def reward(response: str, problem: Problem) -> float:
@@ -157,58 +173,81 @@ class TraceTask:
 class LadderTask:
     """Chains of mixed length where each further written step solves more of them.
 
-    ``ladder``: a chain of ``min_terms`` to ``max_terms`` digits (uniform) joined by ``+`` (a digit 1-9) and
-    ``*`` (a unit modulo 10: 1, 3, 7 or 9), evaluated left to right modulo 10 like ``chain``, then padded
-    with ``+0`` to ``max_terms`` terms: ``3+5*7+9+0+0=`` (``max_terms`` 6) -> ``8,6,5|5``. Every prompt has
-    the same length, so the operand of step j sits at the same position in every prompt and step j of the
-    scratchpad at the same position in every response (the lab's model has learned absolute positions:
-    with prompts of varying length it did not learn the steps at all); the padding changes nothing (a chain's own
-    ``+`` never adds 0), so the work a chain needs is its own terms. Multiplying by a unit permutes the ten digits, so the
-    answer is uniform over 0-9 whatever the chain's length: a guess earns 0.1 on a long chain as on a
-    short one (``chain``'s ``*0`` and ``*5`` would make long chains end on 0 or 5 and be guessed).
+    ``ladder``: a start digit and 1 to ``max_terms`` - 1 operations (a chain of ``min_terms`` to ``max_terms``
+    terms, uniform), each ``+1`` or ``*3`` (even odds), evaluated left to right modulo 10, then padded with
+    ``+0`` to ``max_terms`` terms: ``3+1*3*3+1+0+0=`` (``max_terms`` 6) -> ``4,2,6,7,7,7|7``. Every prompt
+    has the same length, so the operation of step j sits at the same position in every prompt and step j
+    of the scratchpad at the same position in every response (the lab's model has learned absolute
+    positions: with prompts of varying length it did not learn the steps at all). The scratchpad runs
+    over the padding too, where the value stays (``+0``): a response that writes past its chain's end
+    loses nothing, so how far to write is the only choice the work asks for.
+
+    Each step is easy: one of three maps of a digit (``+1``, ``*3`` and the padding's ``+0``), a table
+    of 30 entries that the warm start learns at every position, where the earlier form of the task (any
+    digit added, any unit multiplied: 130 entries) was not learned (docs/experiments.md, "Where length
+    keeps growing"). The answer cannot be had without the work: the two maps do not commute (``+1`` then
+    ``*3`` is not ``*3`` then ``+1``), so the answer depends on their order, not only on how many of each
+    there are (with sums, the counts of the addends give the answer), and both permute the ten digits, so
+    the answer is uniform over 0-9 at every length: a guess earns 0.1.
 
     The response may stop its scratchpad after any number k of running values and then answer:
-    ``8|5`` (k = 1) is as valid as ``8,6,5|5``. A chain of n terms needs n - 1 operations; with k
-    written, n - 1 - k remain for the one token of the answer. A policy that does one operation per
-    token answers the chains with n - 1 - k <= 1 and guesses the rest, so each further step written
-    solves the chains one term longer, and the chain lengths are mixed, so that holds at every k up to
-    ``max_terms`` - 2.
+    ``4|7`` (k = 1) is as valid as ``4,2,6,7|7``. A chain of n terms needs n - 1 operations; a policy that
+    answers with the last value it wrote answers the chains of at most k + 1 terms and 1 in 10 of the
+    rest, so each further step written solves the chains one term longer, at every k up to
+    ``max_terms`` - 1.
 
-    The warm start writes a short prefix: k is geometric, P(k) = (1 - p)^k p with p = ``stop_prob``, cut
-    at n - 1 (the chain's whole scratchpad). A policy that copies it answers little more than the
-    shortest chains; RL has to lengthen the work step by step, each step solving chains one term
-    longer. A problem carries its demonstration's prefix in ``steps`` (the first k running values);
+    The warm start writes a short prefix but learns the step at every position. A demonstration is,
+    with probability ``work_prob``, the whole scratchpad over all ``max_terms`` - 1 positions shown for
+    its work alone (its running values, its stop after the last position and its answer are learned,
+    where it goes on is not: ``Problem.teach_continue``), and otherwise a prefix of k running values, k geometric,
+    P(k) = (1 - p)^k p with p = ``stop_prob``, cut at ``max_terms`` - 1, whose answer is learned only where
+    the prefix holds the chain's whole work (``Problem.teach_answer``): the warm policy stops as the
+    prefixes do and answers with the last value it wrote, so RL starts from short responses and has to
+    lengthen the work step by step. A problem carries its demonstration's running values in ``steps``;
     the reward reads only the answer.
     """
 
     name = "ladder"
+    operations = ("+1", "*3")
+    """The two maps of a digit a chain's steps apply (modulo 10); ``+0`` pads the prompt."""
 
-    def __init__(self, min_terms: int = 2, max_terms: int = 16, stop_prob: float = 0.4) -> None:
+    def __init__(self, min_terms: int = 2, max_terms: int = 16, stop_prob: float = 0.5,
+                 work_prob: float = 0.35) -> None:
         if not 2 <= min_terms <= max_terms:
             raise ValueError(f"min_terms, max_terms: need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
         if not 0 < stop_prob <= 1:
             raise ValueError(f"stop_prob: need 0 < stop_prob <= 1 (the chance to stop after each written step), "
                              f"got {stop_prob!r}")
-        self.min_terms, self.max_terms, self.stop_prob = min_terms, max_terms, stop_prob
+        if not 0 <= work_prob <= 1:
+            raise ValueError(f"work_prob: need 0 <= work_prob <= 1 (the share of demonstrations showing the whole "
+                             f"scratchpad for its work alone), got {work_prob!r}")
+        self.min_terms, self.max_terms, self.stop_prob, self.work_prob = min_terms, max_terms, stop_prob, work_prob
+
+    @staticmethod
+    def step(value: int, operation: str) -> int:
+        """One step of the chain: `value` after `operation` (``+1``, ``*3`` or the padding ``+0``), modulo 10."""
+        digit = int(operation[1])
+        return (value + digit) % 10 if operation[0] == "+" else value * digit % 10
 
     def sample(self, rng: random.Random) -> Problem:
         n = rng.randint(self.min_terms, self.max_terms)
-        ops = [rng.choice("+*") for _ in range(n - 1)]
-        digits = [rng.randrange(10)] + [rng.randint(1, 9) if op == "+" else rng.choice((1, 3, 7, 9)) for op in ops]
-        value, running = digits[0], []
-        for op, d in zip(ops, digits[1:]):
-            value = (value + d if op == "+" else value * d) % 10
+        operations = [rng.choice(self.operations) for _ in range(n - 1)] + ["+0"] * (self.max_terms - n)
+        value = start = rng.randrange(10)
+        running = []
+        for operation in operations:
+            value = self.step(value, operation)
             running.append(str(value))
+        prompt = str(start) + "".join(operations) + "="
+        if rng.random() < self.work_prob:
+            return Problem(prompt, running[-1], tuple(running), teach_continue=False)
         k = 0
-        while k < n - 1 and rng.random() >= self.stop_prob:
+        while k < len(running) and rng.random() >= self.stop_prob:
             k += 1
-        prompt = (str(digits[0]) + "".join(op + str(d) for op, d in zip(ops, digits[1:]))
-                  + "+0" * (self.max_terms - n) + "=")
-        return Problem(prompt, running[-1], tuple(running[:k]))
+        return Problem(prompt, running[-1], tuple(running[:k]), teach_answer=k >= n - 1)
 
     @property
     def max_response_chars(self) -> int:
-        """Longest demonstration: the whole scratchpad of the longest chain, the bar and the answer."""
+        """Longest demonstration: the whole scratchpad over every position, the bar and the answer."""
         return 2 * (self.max_terms - 1) - 1 + 2
 
 

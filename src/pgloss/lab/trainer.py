@@ -53,7 +53,7 @@ from .config import LabConfig
 from .model import ModelConfig, TinyGPT
 from .sampling import Rollout, pad_responses, response_log_probs, sample, teacher_forced
 from .spec import parse_rollout_correction, parse_spec
-from .tasks import Problem, demonstration, make_task, reward
+from .tasks import Problem, demonstration, make_task, reward, taught
 from .tokenizer import Tokenizer
 
 # the rollout correction's metrics, recorded when the loss sees rollout log-probs (a simulated mismatch)
@@ -161,8 +161,9 @@ def build(cfg: LabConfig):
 
 def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig, on_step=None) -> float:
     """Supervised steps on demonstrations (scratchpad with probability ``scratchpad_prob``);
-    returns the last loss. Deterministic given ``cfg.seed``; ``on_step(step)`` is called after each
-    step (``lab/warm.py`` caches the result)."""
+    returns the last loss, the mean negative log-likelihood of the tokens each demonstration teaches
+    (`tasks.taught`, and its end token). Deterministic given ``cfg.seed``; ``on_step(step)`` is called
+    after each step (``lab/warm.py`` caches the result)."""
     rng = random.Random(f"warm-{cfg.seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warm_lr)
     loss = torch.tensor(float("nan"))
@@ -174,7 +175,11 @@ def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig, on_st
         for group in optimizer.param_groups:  # cosine decay to zero
             group["lr"] = cfg.warm_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.warm_steps))
         log_prob, _ = response_log_probs(model, batch, temperature=1.0)
-        loss = -(log_prob * batch.mask).sum() / batch.mask.sum()
+        weights = torch.zeros(batch.mask.shape, dtype=torch.bool)
+        for i, (p, a) in enumerate(zip(problems, answers)):
+            weights[i, : len(a) + 1] = torch.tensor(taught(p, a) + [True])  # the end token is always taught
+        weights = weights.to(cfg.device)
+        loss = -(log_prob * weights).sum() / weights.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
