@@ -140,8 +140,6 @@ def trained(cfg, cache: Path | None, on_steps=None) -> dict:
 
 def _ship_one(cfg) -> dict:
     """Train the warm start of `cfg` and write it under `SHIPPED`; what the manifest says of it."""
-    import hashlib
-
     from . import policy, trainer
 
     weights = trained(cfg, None)
