@@ -9,7 +9,8 @@ the end of the run, and the run's time. The growth asked for: the last 20 steps'
 three times the first 20 steps', and the last means still rising.
 
     python benchmarks/ladder_pilot.py                      # seed 0, grpo, 200 steps
-    python benchmarks/ladder_pilot.py --lr 2e-5 --target-entropy 0.1
+    python benchmarks/ladder_pilot.py --seed 1                  # another seed
+    python benchmarks/ladder_pilot.py --lr 2e-5                 # a pilot of the table at another rate
 """
 
 from __future__ import annotations
