@@ -16,6 +16,7 @@ training it again, and any change of setting, torch or code trains a new one. Th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -72,11 +73,16 @@ def settings(cfg) -> dict:
     return {f: getattr(cfg, f) for f in FIELDS if f not in ("seed", "device", "threads")}
 
 
+@functools.cache
+def manifest() -> dict:
+    """The shipped warm starts' ``manifest.json`` (their settings, checksums, torch and CPU), read once."""
+    return json.loads((SHIPPED / "manifest.json").read_text())
+
+
 def shipped(cfg) -> Path | None:
     """The shipped warm start of `cfg`'s seed when `cfg`'s warm-start settings are those it was trained
     with (``manifest.json``), else None."""
-    manifest = json.loads((SHIPPED / "manifest.json").read_text())
-    if settings(cfg) != manifest["settings"] or str(cfg.seed) not in manifest["seeds"]:
+    if settings(cfg) != manifest()["settings"] or str(cfg.seed) not in manifest()["seeds"]:
         return None
     return SHIPPED / f"{cfg.task}-seed{cfg.seed}.safetensors"
 
@@ -84,8 +90,7 @@ def shipped(cfg) -> Path | None:
 def origin(configs) -> str:
     """Where the warm starts of `configs` come from, for ``config.json`` and the report."""
     if all(shipped(cfg) is not None for cfg in configs):
-        manifest = json.loads((SHIPPED / "manifest.json").read_text())
-        return f"shipped with pgloss (trained on {manifest['trained_on']}, torch {manifest['torch']})"
+        return f"shipped with pgloss (trained on {manifest()['trained_on']}, torch {manifest()['torch']})"
     if any(shipped(cfg) is not None for cfg in configs):
         return "shipped with pgloss for the seeds it ships, trained on this machine for the others"
     return "trained on this machine"
@@ -163,9 +168,9 @@ def main() -> None:
     configs = [LabConfig(seed=s) for s in SHIPPED_SEEDS]
     with mp.get_context("spawn").Pool(2) as pool:
         seeds = dict(zip((str(c.seed) for c in configs), pool.map(_ship_one, configs)))
-    manifest = {"settings": settings(configs[0]), "seeds": seeds, "torch": torch.__version__,
-                "trained_on": f"{machine()}, one torch thread"}
-    (SHIPPED / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    written = {"settings": settings(configs[0]), "seeds": seeds, "torch": torch.__version__,
+               "trained_on": f"{machine()}, one torch thread"}
+    (SHIPPED / "manifest.json").write_text(json.dumps(written, indent=1) + "\n")
 
 
 if __name__ == "__main__":
