@@ -70,7 +70,7 @@ peers: $(STAMP) $(INTEGRATIONS)
 	PGLOSS_PEERS=original $(PY) -m pytest -q tests/peers/verl
 
 # The GPU benchmark (benchmarks/gpu.py: every row printed and written to benchmarks/results/ as it is
-# measured, about 6 minutes on one H100). It runs in the venv, or in any Python that has a CUDA torch:
+# measured, about 8 minutes on one H100). It runs in the venv, or in any Python that has a CUDA torch:
 # `make bench-gpu BENCH_PYTHON=python3` builds no venv, for a machine without network. The peers it lacks
 # are installed first, offline, from $(GPU_WHEELS); BENCH_ARGS passes options (BENCH_ARGS="--device cpu --quick").
 GPU_WHEELS := .gpu-wheels
@@ -79,11 +79,14 @@ bench-gpu: $(if $(BENCH_PYTHON),,$(STAMP))
 	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(or $(BENCH_PYTHON),$(PY)) benchmarks/gpu.py \
 		--wheels $(GPU_WHEELS) $(BENCH_ARGS)
 
-# What a GPU machine checks before it measures: the Triton kernels on CUDA against the float64 logits, with
-# CUDA's own host-sync check (tests/vocab/test_kernels.py), then the benchmark. The same Python choice.
+# What a GPU machine checks before it measures: the Triton kernels on CUDA against the float64 logits and
+# compiled by its Triton (tests/vocab/test_kernels*.py), every loss call under CUDA's own host-sync check
+# (tests/properties/test_no_host_sync.py, its cuda cases), then the benchmark. The same Python choice.
 gpu-check: $(if $(BENCH_PYTHON),,$(STAMP))
-	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(or $(BENCH_PYTHON),$(PY)) -m pytest -q -x \
-		-p no:cacheprovider tests/vocab/test_kernels.py
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(or $(BENCH_PYTHON),$(PY)) -m pytest -q \
+		-p no:cacheprovider -n 8 tests/vocab/test_kernels.py tests/vocab/test_kernels_compile.py
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(or $(BENCH_PYTHON),$(PY)) -m pytest -q \
+		-p no:cacheprovider -n 8 tests/properties/test_no_host_sync.py -k cuda
 	$(MAKE) bench-gpu
 
 # The peers' wheels for a GPU machine without network, fetched once on a machine with it (then copy the

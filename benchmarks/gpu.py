@@ -22,7 +22,7 @@ loss; the float32 materialised divergence). A peer that is not installed, or tha
 run, is a row that says so. `--budget` bounds the whole run: every process gets at most what is left,
 and the rows past it are written as skipped.
 
-    python benchmarks/gpu.py                          # cuda, about 6 minutes on an H100
+    python benchmarks/gpu.py                          # cuda, about 8 minutes on an H100
     python benchmarks/gpu.py --device cpu --quick     # tiny shapes on a CPU: the command's own check
     python benchmarks/gpu.py --wheels .gpu-wheels     # first install the missing peers from that folder
 
@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, torch.compile left out: checks the command in well under a minute on a CPU")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the measurements (default 330, --quick 170): rows past it are skipped")
+                        help="seconds for the measurements (default 480, --quick 170): rows past it are skipped")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "gpu.json",
                         help="the JSON file; an existing one is kept and the next free name -2, -3, ... is used")
     parser.add_argument("--sections", default="hidden,plain,divergence", help="comma-separated subset")
@@ -116,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "offline (pip install --no-index --find-links)")
     args = parser.parse_args(argv)
     if args.budget is None:
-        args.budget = 170.0 if args.quick else 330.0
+        args.budget = 170.0 if args.quick else 480.0
     if args.jobs is None:
         args.jobs = 2 if args.quick and args.device == "cpu" else 1
     if args.jobs < 1 or (args.jobs > 1 and args.device == "cuda"):

@@ -116,3 +116,29 @@ def no_host_sync():
 
     with as_on_accelerator(), _FunctionDetector(record), _DispatchDetector(record):
         yield
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+"""Where the sync checks run: CPU everywhere (the detector above), and CUDA where there is a GPU."""
+
+
+@contextlib.contextmanager
+def no_host_sync_on(device):
+    """`no_host_sync()` on CPU; on CUDA the device's own check, `torch.cuda.set_sync_debug_mode("error")`,
+    which raises at the first call that waits on the host. The inputs go to the device before the context
+    (their copy is a sync of its own)."""
+    if torch.device(device).type != "cuda":
+        with no_host_sync():
+            yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def on(device, tensors):
+    """A dict of tensors on `device` (the gradient leaves stay leaves)."""
+    return {key: value.to(device).requires_grad_(value.requires_grad) for key, value in tensors.items()}

@@ -25,7 +25,7 @@ from pgloss.core.aggregate import AGG_MODES
 from pgloss.kl.corrections import KL_CORRECTIONS, KL_OPTIONS
 
 import steps
-from host_sync import HostSync, no_host_sync
+from host_sync import DEVICES, HostSync, no_host_sync, no_host_sync_on, on
 
 CORRECTIONS = {
     "none": None,
@@ -270,18 +270,20 @@ def counted_step(algorithm, inputs):
     return algorithm.step_normalizer([inputs["mask"]], **{arg: [inputs[key]] for arg, key in keys.items() if key in inputs})
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, kind", list(cases()))
-def test_every_name_and_correction_calls_without_a_host_sync(name, kind):
+def test_every_name_and_correction_calls_without_a_host_sync(name, kind, device):
     """Forward and backward, as a whole step and with the step's `Normalizer`, with the KL and entropy
     terms on: no operation that would make the host wait for an accelerator."""
     algorithm = build(name, kind, width=steps.WIDTH, kl_coef=0.1, entropy_coef=0.01)
     _, _, _, log_prob, inputs = sync_free_inputs()
     if kind == "none" and not algorithm.consumes_rollout_log_prob:
         inputs.pop("rollout_log_prob")
+    inputs = on(device, inputs)
     normalizer = counted_step(algorithm, inputs)
-    log_prob.requires_grad_(True)
-    entropy = torch.rand(log_prob.shape, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    with no_host_sync():
+    log_prob = log_prob.to(device).requires_grad_(True)
+    entropy = torch.rand(log_prob.shape, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_(True)
+    with no_host_sync_on(device):
         torch.manual_seed(0)  # Clip-Cov and KL-Cov draw from the global generator
         whole = algorithm(log_prob, **inputs, entropy=entropy)
         torch.manual_seed(0)
@@ -297,19 +299,21 @@ TILES = {"whole": {}, "tiles one pass": dict(chunk_size=12, vocab_block=4),
          "tiles recompute": dict(chunk_size=5, vocab_block=4)}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("exact_kl", [False, True], ids=["sampled KL", "full KL"])
-def test_from_hidden_calls_without_a_host_sync(name, exact_kl, tiles):
+def test_from_hidden_calls_without_a_host_sync(name, exact_kl, tiles, device):
     algorithm = build(name, width=steps.WIDTH, kl_coef=0.1, kl_estimator="full" if exact_kl else "k3")
     hidden, weight, targets, _, inputs = sync_free_inputs()
+    hidden, weight, targets, inputs = hidden.to(device), weight.to(device), targets.to(device), on(device, inputs)
     extra = {key: value for key, value in inputs.items() if key in PASSED_TO_FROM_HIDDEN}
     if not algorithm.consumes_rollout_log_prob:
         extra.pop("rollout_log_prob")
     if exact_kl:
         extra |= dict(ref_hidden=hidden + 0.1, ref_weight=weight.flip(0))
     hidden.requires_grad_(True), weight.requires_grad_(True)
-    with no_host_sync():
+    with no_host_sync_on(device):
         out = algorithm.from_hidden(hidden, weight, targets, old_log_prob=inputs["old_log_prob"],
                                     advantages=inputs["advantages"], mask=inputs["mask"], **extra, **TILES[tiles])
         out.loss.backward()
@@ -331,13 +335,14 @@ OPTIONS = {  # the options no name takes by default, each on one name
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("option", OPTIONS)
-def test_each_option_calls_without_a_host_sync(option):
+def test_each_option_calls_without_a_host_sync(option, device):
     name, hyperparameters = OPTIONS[option]
     algorithm = pgloss.get(name, **hyperparameters)
     _, _, _, log_prob, inputs = sync_free_inputs()
-    log_prob.requires_grad_(True)
-    with no_host_sync():
+    inputs, log_prob = on(device, inputs), log_prob.to(device).requires_grad_(True)
+    with no_host_sync_on(device):
         algorithm(log_prob, **inputs).loss.backward()
     assert log_prob.grad.abs().sum() > 0
 

@@ -189,7 +189,7 @@ def test_the_route_is_chosen_by_device_and_refused_where_the_kernels_cannot_run(
     x = make()
     statistic = pgloss.vocab.entropy.LogProbEntropy(x["targets"].reshape(-1))
     kind = pgloss.vocab.chunks.PLAIN
-    head32 = x["weight"].float()
+    head32 = x["weight"].to(DEVICE, torch.float32)
     assert kernels.route(statistic, (kind,), head32) == ("kernel" if DEVICE == "cuda" else "torch")
     with kernels.use("torch"):
         assert kernels.route(statistic, (kind,), head32) == "torch"

@@ -26,10 +26,12 @@ def _head(r, b, scale, softcap, inv_t, SOFTCAP: tl.constexpr):
     """(z, ∂z/∂r · τ) of raw outputs `r` with their bias `b` (0 without one): the logits before τ's
     division is folded in, and the slope the gradient needs. tanh(u) = 1 − 2 / (e^{2u} + 1) (exact at ±∞)."""
     u = r + b
-    if SOFTCAP:
+    if SOFTCAP:  # one return: Triton's compiler types every return of a function, a static branch's too
         t = 1.0 - 2.0 / (tl.exp(2.0 * (u * (scale / softcap))) + 1.0)
-        return softcap * t * inv_t, scale * (1.0 - t * t)
-    return u * (scale * inv_t), scale
+        z, slope = softcap * t * inv_t, scale * (1.0 - t * t)
+    else:
+        z, slope = u * (scale * inv_t), scale
+    return z, slope
 
 
 @triton.jit

@@ -1,0 +1,122 @@
+"""Compile every Triton kernel of pgloss for a Hopper GPU (sm_90) on a machine without one. The compiler's front
+end (`ASTSource.make_ir`, the first stage of `triton.compile`: where a kernel is typed) for each combination of a
+kernel's compile-time flags, and the whole of `triton.compile`, down to a cubin, for each kernel with every flag on
+at the widest tile `kernels._launch` picks. Run as a script with TRITON_INTERPRET unset (the interpreter never
+types a kernel); prints one JSON object {"kernel DTYPE FLAGS": "ok" or the compiler's message}. `--broken` adds a
+kernel the compiler refuses, the harness's own check. Used by test_kernels_compile.py."""
+
+import itertools
+import json
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+
+from pgloss.vocab import triton_kernels
+
+TARGET = GPUTarget("cuda", 90, 32)
+HEAD_DTYPES = ("fp32", "bf16", "fp16")
+"""the LM head's dtypes the kernel route takes (kernels.KERNEL_DTYPES), cycled over a kernel's flag combinations"""
+HEAD_POINTERS = {"R", "B", "R2", "B2"}  # the head's outputs and bias, in its dtype
+INDEX_POINTERS = {"TARGETS"}
+INTEGERS = {"stride", "stride2", "width", "col0"}
+FLOATS = {"scale", "softcap", "scale2", "softcap2", "inv_t", "log_keep", "log_beta", "keep"}
+FLAG_VALUES = {"MODE": (0, 1, 2), "BLOCK": (64,)}  # every other compile-time flag is a bool
+WIDEST = dict(BLOCK=2048, num_warps=8)  # kernels._launch's widest tile
+
+
+def kernels(broken=False) -> dict:
+    found = {name: value for name, value in vars(triton_kernels).items()
+             if isinstance(value, triton.runtime.jit.JITFunction) and not name.startswith("_")}
+    if broken:
+        found["broken"] = _broken
+    return found
+
+
+@triton.jit
+def _two_return_types(x, FLAG: tl.constexpr):
+    if FLAG:
+        return x * 2.0, x
+    return x, 1.0
+
+
+@triton.jit
+def _broken(X, FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    x = tl.load(X + tl.arange(0, BLOCK))
+    a, b = _two_return_types(x, FLAG)
+    tl.store(X + tl.arange(0, BLOCK), a * b)
+
+
+def signature(kernel, flags: dict, head: str) -> dict:
+    types = {}
+    for name in (parameter.name for parameter in kernel.params):
+        if name in flags:
+            types[name] = "constexpr"
+        elif name in HEAD_POINTERS:
+            types[name] = f"*{head}"
+        elif name in INDEX_POINTERS:
+            types[name] = "*i64"
+        elif name.isupper():
+            types[name] = "*fp32"
+        elif name in INTEGERS:
+            types[name] = "i32"
+        elif name in FLOATS:
+            types[name] = "fp32"
+        else:
+            raise LookupError(f"{kernel.fn.__name__}: the type of argument {name!r} is not known here")
+    return types
+
+
+def flag_combinations(kernel):
+    names = [parameter.name for parameter in kernel.params if parameter.is_constexpr]
+    for values in itertools.product(*(FLAG_VALUES.get(name, (False, True)) for name in names)):
+        yield dict(zip(names, values))
+
+
+def source(kernel, flags: dict, head: str) -> ASTSource:
+    names = [parameter.name for parameter in kernel.params]
+    return ASTSource(kernel, signature(kernel, flags, head),
+                     constexprs={(names.index(name),): value for name, value in flags.items()})
+
+
+def front_end(kernel, flags: dict, head: str) -> None:
+    backend = CUDABackend(TARGET)
+    options = backend.parse_options({})
+    context = triton._C.libtriton.ir.context()
+    triton._C.libtriton.ir.load_dialects(context)
+    backend.load_dialects(context)
+    source(kernel, flags, head).make_ir(TARGET, options, backend.get_codegen_implementation(options),
+                                       backend.get_module_map(), context)
+
+
+def whole(kernel, flags: dict, head: str) -> None:
+    flags = {**flags, "BLOCK": WIDEST["BLOCK"]}
+    compiled = triton.compile(source(kernel, flags, head), target=TARGET, options={"num_warps": WIDEST["num_warps"]})
+    assert compiled.asm["cubin"], "no cubin"
+
+
+def outcome(step, *args) -> str:
+    try:
+        step(*args)
+    except triton.compiler.errors.CompilationError as error:
+        return " ".join(str(error).split())[-400:]
+    return "ok"
+
+
+def main(argv) -> None:
+    results = {}
+    for name, kernel in kernels(broken="--broken" in argv).items():
+        combinations = list(flag_combinations(kernel))
+        for i, flags in enumerate(combinations):
+            head = HEAD_DTYPES[i % len(HEAD_DTYPES)]
+            results[" ".join([name, head, *(f"{k}={v}" for k, v in flags.items())])] = outcome(front_end, kernel, flags, head)
+        if name != "broken":
+            results[f"{name} bf16 every flag, compiled to a cubin"] = outcome(whole, kernel, combinations[-1], "bf16")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,44 @@
+"""The Triton kernels compile for a GPU, checked on a machine without one (compile_kernels.py).
+
+Here the other kernel tests run the kernels in Triton's interpreter, which executes their Python and never types
+it: a kernel the compiler refuses passes them. On an H100 with Triton 3.6, `_head`'s two returns of different
+types (a tile's slope, or the scalar scale without a soft-cap) failed every soft-capped head that way. Each kernel
+goes through the compiler's front end for sm_90 with every combination of its flags, and through the whole of
+`triton.compile` to a cubin with every flag on."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia.compiler")
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env |= dict(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")),  # compiled here, not found
+                PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(HERE / "compile_kernels.py"), "--broken"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_every_kernel_compiles_for_a_hopper_gpu_with_every_flag(compiled):
+    refused = {label: message for label, message in compiled.items() if message != "ok" and not label.startswith("broken")}
+    assert refused == {}
+    assert sum(label.startswith("pair_backward ") and "cubin" not in label for label in compiled) == 3 * 2**4
+    assert [label.split()[0] for label in compiled if "cubin" in label] == [
+        "log_prob_entropy_forward", "log_prob_entropy_backward", "pair_forward", "jsd_forward", "pair_backward"]
+
+
+def test_the_check_refuses_a_kernel_whose_returns_differ_in_type(compiled):
+    """The harness can fail: a helper returning a tile in one static branch and a scalar in the other."""
+    assert compiled["broken fp32 FLAG=False BLOCK=64"] == "ok"  # the branch with the tile is not compiled
+    assert "_two_return_types(x, FLAG)" in compiled["broken bf16 FLAG=True BLOCK=64"]
