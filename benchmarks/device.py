@@ -98,7 +98,8 @@ def timed(fn, device) -> tuple[float, float]:
 def run_variant(script: str, argv: list[str], variant: str, timeout: float) -> dict:
     """One variant in its own process (`script` with `argv` and `--child <variant>`), so that its peak
     memory is its own: the JSON line it prints, or a note saying why there is none (with `status`
-    "timed out" or "failed")."""
+    "timed out" or "failed"; a failed one keeps the last 4,000 characters of its stderr in `stderr`, the
+    traceback a table cell cannot hold)."""
     import json
     import subprocess
     import sys
@@ -111,7 +112,8 @@ def run_variant(script: str, argv: list[str], variant: str, timeout: float) -> d
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return {"variant": variant, "status": "failed", "note": f"failed: {reason[:150]}"}
+        return {"variant": variant, "status": "failed", "note": f"failed: {reason[:150]}",
+                "stderr": proc.stderr[-4000:]}
     return json.loads(lines[-1])
 
 

@@ -128,3 +128,16 @@ def test_gpu_run_cut_short_keeps_its_rows_and_never_overwrites(tmp_path):
     spent = json.loads((tmp_path / "gpu-2.json").read_text())["rows"]
     assert {row["status"] for row in spent} <= {"skipped", "not installed", "needs CUDA"}
     assert any("--budget" in row["note"] for row in spent)
+
+
+def test_a_failed_variant_keeps_its_traceback(tmp_path, monkeypatch):
+    """A variant's process that raises is a `failed` row whose note is the error's last line and whose `stderr`
+    keeps the traceback (on a GPU machine lent for minutes, the only record of why)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from device import run_variant
+
+    script = tmp_path / "raises.py"
+    script.write_text("def deep():\n    raise IndexError('list index out of range')\ndeep()\n")
+    row = run_variant(str(script), [], "peer", timeout=60)
+    assert row["status"] == "failed" and row["note"] == "failed: IndexError: list index out of range"
+    assert "Traceback" in row["stderr"] and "in deep" in row["stderr"]
