@@ -10,7 +10,7 @@ import torch
 
 import pgloss
 from pgloss.cli import main
-from pgloss.experiments import length
+from pgloss.experiments import length, length_report
 from pgloss.experiments.runs import load
 from pgloss.experiments.claims import Claim, growth, interval, run_mean, verdict
 from pgloss.experiments.length_report import CLAIMS, write_report
@@ -220,6 +220,20 @@ def test_growth_is_the_least_squares_slope_per_100_steps():
     assert math.isnan(growth([{"step": 0, "length": 3.0}, {"step": 1, "length": None}], "length"))
     rate = verdict(CLAIMS[0], _runs([4, 5, 6], [1, 1, 1], steps=11), window=1, measure=growth)
     assert rate["mean"] == pytest.approx(100 * 4 / 10) and rate["verdict"] == "reproduced"  # 4 tokens over 10 steps
+
+
+def test_the_table_gives_the_growth_over_the_whole_run_and_over_its_last_quarter():
+    """A length that rises by 0.2 a step up to step 30, then by 0.05 (seed 0) or 0.15 (seed 1) to step 40: the
+    whole run's slope is the least-squares one, the last quarter's (steps 30-40) the later rate."""
+    flat = {key: 1.0 for key in ("reward", "length_right", "length_wrong", "rep4", "entropy", "truncated")}
+    runs = {("grpo", seed): [{"step": s, "seed": seed, "entropy_coef": 0.0, **flat,
+                              "length": 0.2 * min(s, 30) + late * max(s - 30, 0)} for s in range(41)]
+            for seed, late in ((0, 0.05), (1, 0.15))}
+    row, = length_report.summary_rows(runs, ["grpo"], window=5)
+    whole = [growth(records, "length") for records in runs.values()]
+    assert row["growth"] == pytest.approx(interval(whole))
+    mean, half = row["growth_end"]
+    assert mean == pytest.approx(10.0) and half == pytest.approx(12.706 * 5.0, rel=1e-4)  # t(0.975, 1) x 7.07 / √2
 
 
 def test_the_growth_experiment_is_the_claims_where_length_is_free_to_grow():

@@ -48,6 +48,7 @@ def summary_rows(runs: dict, algorithms: list[str], window: int) -> list[dict]:
             continue
         row = {"algorithm": a, "seeds": len(seeds)}
         row["growth"] = interval([growth(runs[(a, s)], "length") for s in seeds])
+        row["growth_end"] = interval([growth(last_quarter(runs[(a, s)]), "length") for s in seeds])
         # the entropy coefficient the loss applied (fixed, or steered to a target): mean over the updates
         row["entropy_coef"] = interval([window_mean(runs[(a, s)], "entropy_coef", range(runs[(a, s)][-1]["step"]))
                                         for s in seeds])
@@ -61,6 +62,12 @@ def summary_rows(runs: dict, algorithms: list[str], window: int) -> list[dict]:
             row[key] = (interval(starts), interval(ends))
         rows.append(row)
     return rows
+
+
+def last_quarter(records: list[dict]) -> list[dict]:
+    """The records of the run's last quarter of steps (its end: is the length still growing there?)."""
+    last = records[-1]["step"]
+    return [r for r in records if r["step"] >= last - last // 4]
 
 
 def gradient_by_length(runs: dict, algorithm: str, key: str) -> list[tuple[float, float]]:
@@ -159,8 +166,8 @@ def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, 
              "", *([f"**{caveat}**", ""] if caveat else []), f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.", "",
              "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "
              "rep-4 start → end | entropy start → end | entropy coefficient (mean) | cut off at end | "
-             "length growth (tokens/100 steps) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "length growth (tokens/100 steps) | the same over the last quarter |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         def arrow(key, digits=2):
             start, end = row[key]
@@ -168,7 +175,7 @@ def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, 
         lines.append(f"| {row['algorithm']} | {row['seeds']} | {arrow('reward')} | {arrow('length', 1)} | "
                      f"{arrow('length_right', 1)} | {arrow('length_wrong', 1)} | {arrow('rep4', 3)} | "
                      f"{arrow('entropy', 3)} | {fmt(row['entropy_coef'], 4)} | {fmt(row['truncated'][1], 3)} | "
-                     f"{fmt(row['growth'], 2)} |")
+                     f"{fmt(row['growth'], 2)} | {fmt(row['growth_end'], 2)} |")
     lines += ["", "## Claims", "",
               "Paired by seed: the change (end minus step 0) under the first algorithm minus under the second, "
               "its 95% interval over seeds, and the verdict it gives. The last column compares the mean over "
