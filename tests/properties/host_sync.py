@@ -139,6 +139,6 @@ def no_host_sync_on(device):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def on(device, tensors):
-    """A dict of tensors on `device` (the gradient leaves stay leaves)."""
-    return {key: value.to(device).requires_grad_(value.requires_grad) for key, value in tensors.items()}
+def on(device, tensors: dict) -> dict:
+    """The dict's tensors moved to `device`."""
+    return {key: value.to(device) for key, value in tensors.items()}
