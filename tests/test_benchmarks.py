@@ -132,7 +132,7 @@ def test_gpu_run_cut_short_keeps_its_rows_and_never_overwrites(tmp_path):
 
 def test_a_failed_variant_keeps_its_traceback(tmp_path, monkeypatch):
     """A variant's process that raises is a `failed` row whose note is the error's last line and whose `stderr`
-    keeps the traceback (on a GPU machine lent for minutes, the only record of why)."""
+    keeps the traceback (from a GPU run of a few minutes, the only record of why)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from device import run_variant
 
