@@ -1,31 +1,33 @@
 """Compile every Triton kernel of pgloss for a Hopper GPU (sm_90) on a machine without one. The compiler's front
 end (`ASTSource.make_ir`, the first stage of `triton.compile`: where a kernel is typed) for each combination of a
 kernel's compile-time flags, and the whole of `triton.compile`, down to a cubin, for each kernel with every flag on
-at the widest tile `kernels._launch` picks. Run as a script with TRITON_INTERPRET unset (the interpreter never
-types a kernel); prints one JSON object {"kernel DTYPE FLAGS": "ok" or the compiler's message}. `--broken` adds a
-kernel the compiler refuses, the harness's own check. Used by test_kernels_compile.py."""
+at the widest tile the launch picks (`kernels.launch_shape`). Run as a script with TRITON_INTERPRET unset (the
+interpreter never types a kernel); prints one JSON object {"kernel DTYPE FLAGS": "ok" or the compiler's message}.
+`--broken` adds a kernel the compiler refuses, the harness's own check. Used by test_kernels_compile.py."""
 
 import itertools
 import json
 import sys
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
-from pgloss.vocab import triton_kernels
+from pgloss.vocab import kernels as route, triton_kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
-HEAD_DTYPES = ("fp32", "bf16", "fp16")
-"""the LM head's dtypes the kernel route takes (kernels.KERNEL_DTYPES), cycled over a kernel's flag combinations"""
+HEAD_DTYPES = tuple({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+                    for dtype in route.KERNEL_DTYPES)
+"""the LM head's dtypes the kernel route takes, in Triton's names, cycled over a kernel's flag combinations"""
 HEAD_POINTERS = {"R", "B", "R2", "B2"}  # the head's outputs and bias, in its dtype
 INDEX_POINTERS = {"TARGETS"}
 INTEGERS = {"stride", "stride2", "width", "col0"}
 FLOATS = {"scale", "softcap", "scale2", "softcap2", "inv_t", "log_keep", "log_beta", "keep"}
 FLAG_VALUES = {"MODE": (0, 1, 2), "BLOCK": (64,)}  # every other compile-time flag is a bool
-WIDEST = dict(BLOCK=2048, num_warps=8)  # kernels._launch's widest tile
+WIDEST_BLOCK, WIDEST_WARPS = route.launch_shape(1 << 30)
 
 
 def kernels(broken=False) -> dict:
@@ -93,8 +95,8 @@ def front_end(kernel, flags: dict, head: str) -> None:
 
 
 def whole(kernel, flags: dict, head: str) -> None:
-    flags = {**flags, "BLOCK": WIDEST["BLOCK"]}
-    compiled = triton.compile(source(kernel, flags, head), target=TARGET, options={"num_warps": WIDEST["num_warps"]})
+    flags = {**flags, "BLOCK": WIDEST_BLOCK}
+    compiled = triton.compile(source(kernel, flags, head), target=TARGET, options={"num_warps": WIDEST_WARPS})
     assert compiled.asm["cubin"], "no cubin"
 
 
@@ -112,7 +114,8 @@ def main(argv) -> None:
         combinations = list(flag_combinations(kernel))
         for i, flags in enumerate(combinations):
             head = HEAD_DTYPES[i % len(HEAD_DTYPES)]
-            results[" ".join([name, head, *(f"{k}={v}" for k, v in flags.items())])] = outcome(front_end, kernel, flags, head)
+            label = " ".join([name, head, *(f"{k}={v}" for k, v in flags.items())])
+            results[label] = outcome(front_end, kernel, flags, head)
         if name != "broken":
             results[f"{name} bf16 every flag, compiled to a cubin"] = outcome(whole, kernel, combinations[-1], "bf16")
     print(json.dumps(results))

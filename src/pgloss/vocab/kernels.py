@@ -98,12 +98,19 @@ def _kernels():
     return triton_kernels
 
 
+def launch_shape(width: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a kernel over rows of `width` columns: the columns each program takes at a time (the
+    width's power of two, 16 to 2048) and its warps."""
+    block = min(2048, max(16, 1 << (width - 1).bit_length()))
+    return block, 8 if block >= 1024 else 4
+
+
 def _launch(kernel, tile: RawTile, *args, **constants) -> None:
     rows, width = tile.r.shape
     if rows == 0 or width == 0:
         return
-    block = min(2048, max(16, 1 << (width - 1).bit_length()))
-    kernel[(rows,)](*args, BLOCK=block, num_warps=8 if block >= 1024 else 4, **constants)
+    block, warps = launch_shape(width)
+    kernel[(rows,)](*args, BLOCK=block, num_warps=warps, **constants)
 
 
 def start_state(tile: RawTile, maxima: int, sums: int) -> list[Tensor]:
