@@ -277,7 +277,7 @@ class Algorithm:
         corrected = correction.apply(
             log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
             mask=batch.mask, seq_advantages=batch.row_advantages, weight_mean=getattr(normalizer, "weight_mean", None))
-        batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
+        batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob).restricted(corrected.mask)
         return batch, normalizer, corrected
 
     def row_weights(self, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None) -> Tensor:

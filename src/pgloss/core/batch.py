@@ -2,13 +2,16 @@
 
 Every algorithm starts from `TokenBatch.prepare`, which is where bad input is refused and where
 the one effective mask is applied: values at masked positions (NaN and inf included) are replaced
-by zeros with `torch.where`, so they reach neither the loss nor the gradient.
+by zeros with `torch.where`, so they reach neither the loss nor the gradient. A mask narrowed
+later (a rollout correction's rejections, a family's subset of rows) is applied the same way, by
+`TokenBatch.restricted`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +91,19 @@ class TokenBatch:
         if self.seq_advantages is not None:
             return self.seq_advantages
         return (self.advantages * self.mask).sum(dim=-1) / self.mask.sum(dim=-1).clamp(min=1)
+
+    def restricted(self, mask: Tensor) -> "TokenBatch":
+        """This batch with its effective mask narrowed to the bool `mask` (a subset of `self.mask`: a rollout
+        correction's rejections, a family's subset of rows), every real value outside it zeroed as `prepare`
+        zeroes the masked positions (a row's value where the row keeps no token): what the narrowing drops
+        reaches no term of the loss (the policy term, the KL, the entropy bonus, the NLL), no gradient and
+        no metric, NaN and inf included."""
+        rows = mask.any(dim=-1)
+        fields = {"log_prob": "token", "old_log_prob": "token", "advantages": "token", "seq_advantages": "row"}
+        fields |= {name: spec.per for name, spec in OPTIONAL_INPUTS.items() if spec.kind == "real"}
+        zeroed = {name: torch.where(mask if per == "token" else rows, getattr(self, name), 0.0)
+                  for name, per in fields.items() if getattr(self, name) is not None}
+        return dataclasses.replace(self, mask=mask, **zeroed)
 
     @classmethod
     def prepare(cls, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor,
