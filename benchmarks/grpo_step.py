@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="TRL's default is on; off here unless given (the backbone's activations are kept)")
     parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 330; "
-                                                                   "--quick 170): what is past it is skipped")
+                                                                   "--quick 300): what is past it is skipped")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "grpo_step.jsonl",
                         help="the JSONL file (a header line, then one line a row); an existing one is kept")
     parser.add_argument("--wheels", type=Path, default=None,
@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for name, full, quick in (("shapes", "qwen2-0.5b,qwen2-1.5b", "tiny"), ("start", 1024, 16),
                               ("max_completion", 32768, 64), ("prompt", 128, 8), ("steps", 4, 1),
-                              ("budget", 330.0, 170.0)):
+                              ("budget", 330.0, 300.0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     for name, valid in (("shapes", SHAPES), ("variants", VARIANTS)):
@@ -141,7 +141,7 @@ class Report:
 
     def section(self, shape: str) -> None:
         model_type, sizes = SHAPES[shape]
-        shown_sizes = ", ".join(f"{k}={v}" for k, v in sizes.items() if not k.endswith("token_id"))
+        shown_sizes = ", ".join(f"{k}={v}" for k, v in sizes.items() if not k.endswith(("token_id", "position_embeddings")))
         print(f"\n## {shape}: {model_type}, {shown_sizes}; random bfloat16 weights", flush=True)
         print("| " + " | ".join(name.ljust(width) for name, width, _ in self.COLUMNS) + " | note", flush=True)
 

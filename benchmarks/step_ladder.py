@@ -21,7 +21,8 @@ import traceback
 from device import Memory, timed
 
 VARIANTS = ("trl", "pgloss", "fused", "liger")
-COMMON = dict(vocab_size=151936, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+COMMON = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=131072, pad_token_id=0,
+              eos_token_id=1, bos_token_id=None)
 SHAPES = {  # the architectures' published configurations (sizes only; the weights are random)
     "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                  num_attention_heads=14, num_key_value_heads=2, **COMMON)),
@@ -169,18 +170,29 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
+def next_cost(row: dict, elapsed: float) -> float:
+    """Seconds the next length (twice as long) should take, from this row's `elapsed`: its setup (the model,
+    the trainer) again and its steps three times over (the linear parts double, attention's quadruple), the
+    warm-up step counted as a timed one (it compiles the kernels and allocates the optimizer's state once).
+    Without step times: twice the row."""
+    steps = row.get("steps_s")
+    if not steps:
+        return 2 * elapsed
+    return max(elapsed - sum(steps), 0.0) + 3 * len(steps) * row["step_s"]
+
+
 def run_ladder(lengths: list[int], measure_one, deadline: float, release=lambda: None, now=time.time) -> list[dict]:
     """Each length's row from `measure_one(length)` (emitted as it is measured), until one runs out of memory
-    or fails (its row says so; longer ones would too) or the next would end past `deadline` (a `now()`;
-    assumed to take at least twice the last row's time): a `skipped` row, and the ladder ends. `release()`
-    runs after each row (the child frees the device's memory there)."""
-    rows, last = [], 0.0
+    or fails (its row says so; longer ones would too) or the next would end past `deadline` (a `now()`, as
+    `next_cost` foresees it): a `skipped` row, and the ladder ends. `release()` runs after each row (the child
+    frees the device's memory there)."""
+    rows, need = [], 0.0
     for length in lengths:
         left = deadline - now()
-        if left < 2 * last or left < 5:
+        if left < max(need, 5.0):
             rows.append({"completion": length, "status": "skipped",
-                         "note": f"--budget: {max(left, 0):.0f} s of this process's share left, the last length "
-                                 f"took {last:.0f} s"})
+                         "note": f"--budget: {max(left, 0):.0f} s of this process's share left, this length "
+                                 f"would take about {need:.0f} s"})
             emit(rows[-1])
             break
         emit({"event": "start", "completion": length})
@@ -190,7 +202,7 @@ def run_ladder(lengths: list[int], measure_one, deadline: float, release=lambda:
         except Exception as error:  # noqa: BLE001 - a row records any failure, with its traceback
             row = failure(error, length)
         release()
-        last = now() - began
+        need = next_cost(row, now() - began)
         rows.append(row)
         emit(row)
         if row["status"] != "measured":

@@ -250,6 +250,9 @@ def test_step_ladder_stops_cleanly_before_its_deadline_and_on_a_failure(monkeypa
     rows = ladder.run_ladder([16, 32, 64], measure, deadline=100, now=lambda: clock[0])
     assert [(row["completion"], row["status"]) for row in rows] == [(16, "measured"), (32, "failed")]
     assert rows[-1]["note"] == "ValueError: bad"
+    # a measured row foresees its setup again and three times its steps, the warm-up taken as a timed step:
+    # 10 s with steps of 4 (warm-up: compiling), 1 and 1 s -> 4 s of setup + 3 x 3 x 1 s
+    assert ladder.next_cost({"steps_s": [4.0, 1.0, 1.0], "step_s": 1.0}, 10.0) == 13.0
 
 
 def test_step_comparison_prints_a_difference_as_a_finding(monkeypatch):
