@@ -45,7 +45,7 @@ def test_a_batch_holding_a_callable_is_refused_by_pgloss_grads(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pgloss.cli", "grads", "--batch", str(batch), "--out",
                            str(tmp_path / "g.png")], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith(f"pgloss grads: pgloss grads --batch: {batch} holds a pickled posix.mkdir"), done.stderr
+    assert done.stderr.startswith(f"pgloss grads: --batch: {batch} holds a pickled posix.mkdir"), done.stderr
     assert "weights_only=True" in done.stderr and not marker.exists()
 
 

@@ -65,7 +65,7 @@ def load_batch(path: str | Path) -> dict[str, Tensor]:
     (and, optionally, ``scores`` and ``group_ids``), read without running code from it (`torch_files.load_tensors`)."""
     from .torch_files import load_tensors
 
-    data = load_tensors(path, "pgloss grads --batch")
+    data = load_tensors(path, "--batch")
     if not isinstance(data, dict) or any(k not in data for k in BATCH_KEYS):
         raise ValueError(f"batch: {path} must hold a dict with the keys {', '.join(BATCH_KEYS)}")
     return {k: data[k] for k in (*BATCH_KEYS, *EXTRA_KEYS) if k in data}

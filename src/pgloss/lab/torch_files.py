@@ -18,7 +18,7 @@ def load_tensors(file: str | Path, what: str) -> Any:
     """What ``torch.save`` wrote to `file`, on the CPU, read with ``torch.load(weights_only=True)``.
 
     A file that holds another object (a pickled function or class) is a ValueError naming `what` (the role
-    of the file, e.g. ``"pgloss grads --batch"``), the file and the object refused. Other failures (a
+    of the file, e.g. ``"warm-start cache"``), the file and the object refused. Other failures (a
     missing or damaged file) are torch's own errors."""
     import torch
 

@@ -117,7 +117,6 @@ def trained(cfg, cache: Path | None, on_steps=None) -> dict:
     import torch
 
     from . import trainer
-
     from .torch_files import load_tensors
 
     file = None if cache is None else path(cfg, cache)
