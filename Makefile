@@ -11,7 +11,7 @@ INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"  # the trl extra's, for the GPU wheels below
 VERL_PIN := "verl>=0.9.1,<0.10"
 
-.PHONY: setup test peers demo list clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
+.PHONY: setup test peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -130,6 +130,11 @@ demo: $(STAMP)
 
 list: $(STAMP)
 	$(VENV)/bin/pgloss list
+
+# The documentation site (mkdocs.yml: the guides in docs/ and the API reference from the docstrings), served at
+# http://127.0.0.1:8000 with live reload. `make test` builds it with --strict (tests/test_docs_site.py).
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
