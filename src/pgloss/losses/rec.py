@@ -115,7 +115,7 @@ class REC(Algorithm):
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
                                  max_log_ratio=self.max_log_ratio)
         sequence = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="sequence",
-                                    max_log_ratio=self.max_log_ratio)
+                                    max_log_ratio=self.max_log_ratio, sequence_parallel=batch.sequence_parallel)
         keep = rec_keep(ratio, batch.advantages, mode=self.rec_clip_mode, clip_low=self.clip_low,
                         clip_high=self.clip_high, ring_low=self.ring_low, ring_high=self.ring_high)
         weight = rec_weight(ratio, sequence[:, :1], batch.advantages, weight=self.rec_weight, temp=self.rec_temp)
