@@ -12,6 +12,8 @@ in float64, for every registered name x rollout correction, every name x aggrega
 `from_hidden` on both of its routes. Each world size is one spawn that runs every case.
 """
 
+import collections
+import contextlib
 import dataclasses
 
 import pytest
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import pgloss
-from pgloss.core.sequence_parallel import SequenceParallel
+from pgloss import SequenceParallel
 from conftest import run_ranks
 from steps import CORRECTIONS
 
@@ -141,25 +143,40 @@ def loss_and_grads(algorithm, kind, hidden, weight, ref_weight, targets, inputs,
 
 
 def extra_cases():
-    """(label, name, kind, options): the exact KL and from_hidden on its one-pass and recompute routes."""
-    out = [("exact KL", "grpo", "none", dict(kl_estimator="full"), dict(exact_kl=True))]
+    """(label, name, kind, fields, options): the exact KL, and from_hidden on its one-pass and recompute routes."""
+    out = [("exact KL", "grpo", "none", dict(kl_estimator="full"), dict(exact_kl=True)),
+           ("IW-OPD, discounted", "iw_opd", "none", dict(opd_position_gamma=0.5, opd_discount=0.9), {})]
     for name in pgloss.names():
+        kind = "chained rejection" if accepts(name, "chained rejection", FIXED) else "none"
         for route, chunk in (("one pass", None), ("recompute", 4)):
-            kind = "chained rejection" if accepts(name, "chained rejection", FIXED) else "none"
             out.append((f"from_hidden {route} {name}", name, kind, {}, dict(fused=chunk)))
     return out
 
 
+EXTRA = ("exact KL", "IW-OPD, discounted")
+
+
 def all_cases():
-    return [(f"{n} {k} {m}", n, k, {"mode": m}, {}) for n, k, m in cases()] + extra_cases()
+    return [(f"{n} {k} {m}", n, k, dict(mode=m), {}) for n, k, m in cases()] + extra_cases()
 
 
-def run_all(split, rows, parts, process_group):
-    """Every case on this rank: {label: the loss and gradients summed over the world / world}."""
+def corrections_cases():
+    """Every name with every rollout correction it takes, at its own mode, and the exact KL."""
+    return [case for case in all_cases() if case[3].get("mode") == FIXED or case[0] in EXTRA]
+
+
+def sequence_rules_cases():
+    """Every name with the chained rejection (its sequence rules) where it takes it, and the extra losses."""
+    return [case for case in corrections_cases() if case[2] == "chained rejection" or case[0] in EXTRA
+            or (case[2] == "none" and not accepts(case[1], "chained rejection", FIXED))]
+
+
+def run_all(cases, split, rows, parts, process_group):
+    """`cases` on this rank: {label: the loss and gradients summed over the world / world}."""
     hidden, weight, ref_weight, targets, inputs = data()
     world = dist.get_world_size()
     out = {}
-    for label, name, kind, fields, options in all_cases():
+    for label, name, kind, fields, options in cases:
         fields = dict(fields)
         algorithm = build(name, kind, fields.pop("mode", FIXED), **fields)
         try:
@@ -173,30 +190,95 @@ def run_all(split, rows, parts, process_group):
 
 
 def two_ranks(rank, world):
+    """One sequence group of 2 (pure sequence parallelism), micro-batches of whole groups; and what a call
+    reduces over the group (`collectives`), the refusal by name, KL-Cov's step selection."""
     torch.set_num_threads(1)  # tiny tensors: a second intra-op thread per rank only contends for the cores
-    results = {}
-    for layout in ("contiguous", "load_balanced"):
-        split = SequenceParallel(layout=layout)
-        results[layout] = run_all(split, slice(None), [slice(0, 3), slice(3, 8)], None)
-    return results
+    parts = [slice(0, 2), slice(2, 8)]
+    return {"sp2 contiguous": run_all(all_cases(), SequenceParallel(), slice(None), parts, None),
+            "sp2 load_balanced": run_all(sequence_rules_cases(), SequenceParallel(layout="load_balanced"),
+                                         slice(None), parts, None)}, side_checks(SequenceParallel(layout="load_balanced"))
 
 
-def reference():
+def side_checks(split):
     hidden, weight, ref_weight, targets, inputs = data()
-    out = {}
-    for label, name, kind, fields, options in all_cases():
-        fields = dict(fields)
-        algorithm = build(name, kind, fields.pop("mode", FIXED), **fields)
-        out[label] = loss_and_grads(algorithm, kind, hidden, weight, ref_weight, targets, inputs, **options)
+    lp, ent = log_probs_and_entropy(split.shard(hidden), weight, split.shard(targets))
+    call = {k: split.shard(v) if k in TOKEN_INPUTS else v for k, v in inputs.items()}
+    out = {"collectives": {}}
+    for name in ("dapo", "grpo", "gspo", "fipo"):
+        algorithm = pgloss.get(name)
+        normalizer = algorithm.step_normalizer(call["mask"], sequence_parallel=split)
+        leaf = lp.detach().requires_grad_(True)
+        with counted() as forward:
+            loss = algorithm(leaf, **{k: call[k] for k in ("old_log_prob", "advantages", "mask", "ref_log_prob")},
+                             normalizer=normalizer).loss
+        with counted() as backward:
+            loss.backward()
+        out["collectives"][name] = (dict(forward), dict(backward))
+    try:
+        pgloss.get("clip_cov")(lp, **{k: call[k] for k in ("old_log_prob", "advantages", "mask")},
+                               normalizer=pgloss.get("clip_cov").step_normalizer(call["mask"], sequence_parallel=split))
+    except ValueError as error:
+        out["refusal"] = str(error)
+    out["layouts"] = torch_layouts()
+    kl_cov = pgloss.get("kl_cov", kl_cov_ratio=0.2)
+    (selection,) = kl_cov.step_selection(lp.detach(), call["advantages"], call["mask"])  # over every rank's tokens
+    out["kl_cov selection"] = split.whole(selection.to(torch.int64))
     return out
 
 
-def check(results, expected):
-    for label, want in expected.items():
-        for rank, by_layout in results.items():
-            for layout, got in by_layout.items():
-                torch.testing.assert_close(got[label], want, rtol=1e-9, atol=1e-12,
-                                           msg=lambda m: f"{label}, {layout}, rank {rank}: {m}")
+def torch_layouts():
+    """{layout: whether SequenceParallel(layout=).shard cuts positions as torch's context-parallel sharding does}:
+    plain Shard(seq_dim), and the head-tail load balancer that torch's `context_parallel` (accelerate's cp_size)
+    applies to causal attention by default."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _HeadTailLoadBalancer
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    positions = torch.arange(ROWS * WIDTH, dtype=torch.float64).view(ROWS, WIDTH)
+    balancer = _HeadTailLoadBalancer(WIDTH, dist.get_world_size(), "cpu")
+    return {layout: torch.equal(SequenceParallel(layout=layout).shard(positions),
+                                _context_parallel_shard(mesh, [positions], [1], load_balancer=balancer)[0])
+            for layout, balancer in (("contiguous", None), ("load_balanced", balancer))}
+
+
+@contextlib.contextmanager
+def counted():
+    """{collective: calls} of torch.distributed made inside the block."""
+    calls = collections.Counter()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def four_ranks(rank, world):
+    """A 2 x 2 mesh (data-parallel ranks of 4 rows, each in two micro-batches, over sequence groups of 2) and
+    one sequence group of 4 ranks, load-balanced (each rank holds 2 of 8 chunks): every name."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    dp = mesh.get_local_rank("dp")
+    mesh_split = SequenceParallel(group=mesh.get_group("sp"))
+    # the corrections whose step statistics are reduced over the data-parallel group too: the kept tokens' counts
+    # (a sequence rule after a token rule) and the step's mean weight
+    stepwise = [case for case in corrections_cases() if case[2] in ("chained rejection", "batch-normalised")
+                or case[0] in EXTRA or (case[2] == "none" and not accepts(case[1], "chained rejection", FIXED))]
+    return {"dp2 x sp2 contiguous": run_all(stepwise, mesh_split, slice(4 * dp, 4 * dp + 4), [slice(0, 2), slice(2, 4)],
+                                            mesh.get_group("dp")),
+            "sp4 load_balanced": run_all(sequence_rules_cases(), SequenceParallel(layout="load_balanced"), slice(None),
+                                         [slice(0, 8)], None)}
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +286,44 @@ def expected():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return reference()
+        hidden, weight, ref_weight, targets, inputs = data()
+        out = {}
+        for label, name, kind, fields, options in all_cases():
+            fields = dict(fields)
+            algorithm = build(name, kind, fields.pop("mode", FIXED), **fields)
+            out[label] = loss_and_grads(algorithm, kind, hidden, weight, ref_weight, targets, inputs, **options)
+        return out
     finally:
         torch.set_num_threads(threads)
 
 
+def check(results, expected):
+    for rank, by_config in results.items():
+        for config, got in by_config.items():
+            assert got, config
+            for label, value in got.items():
+                torch.testing.assert_close(value, expected[label], rtol=1e-9, atol=1e-12,
+                                           msg=lambda m: f"{label}, {config}, rank {rank}: {m}")
+
+
 def test_two_ranks_of_one_sequence_group_give_one_process_loss_and_gradients(expected):
-    check(run_ranks(two_ranks, 2), expected)
+    results = run_ranks(two_ranks, 2)
+    check({rank: cases for rank, (cases, _) in results.items()}, expected)
+    assert len(results[0][0]["sp2 contiguous"]) == len(expected)  # every name x mode x correction, KL, from_hidden
+    side = results[0][1]
+    # a call reduces only what its configuration reads: DAPO (token ratio, token-mean) nothing; GRPO its
+    # sequence lengths (seq-mean-token-mean); GSPO its sequence log-ratio and lengths (one all-reduce), the
+    # lengths, and the log-ratio's gradient in backward; FIPO gathers its Future-KL's input once
+    assert side["collectives"] == {"dapo": ({}, {}), "grpo": ({"all_reduce": 1}, {}),
+                                   "gspo": ({"all_reduce": 2}, {"all_reduce": 1}),
+                                   "fipo": ({"all_gather": 1}, {})}
+    assert "clip_cov cannot be computed over sequences split across ranks" in side["refusal"]
+    assert side["layouts"] == {"contiguous": True, "load_balanced": True}
+    hidden, weight, _, targets, inputs = data()
+    lp, _ = log_probs_and_entropy(hidden, weight, targets)
+    (whole,) = pgloss.get("kl_cov", kl_cov_ratio=0.2).step_selection(lp, inputs["advantages"], inputs["mask"])
+    assert torch.equal(side["kl_cov selection"], whole.to(torch.int64)) and whole.sum() > 1
+
+
+def test_four_ranks_of_a_mesh_and_of_one_group_give_one_process_loss_and_gradients(expected):
+    check(run_ranks(four_ranks, 4), expected)

@@ -117,12 +117,26 @@ class SequenceParallel:
         """`values` reduced over the group, out of place: differentiable for SUM (its backward a SUM too, see
         the module docstring) when `values` carries a gradient."""
         if op == dist.ReduceOp.SUM and values.requires_grad:
-            from torch.distributed.nn.functional import all_reduce
-
-            return all_reduce(values, op=op, group=self.group)
+            return _SumOverGroup.apply(values, self.group)
         out = values.detach().clone()
         dist.all_reduce(out, op=op, group=self.group)
         return out
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """S = Σ_r s_r over the group, and ∂L/∂s_r = Σ_r' ∂L_r'/∂S: an all-reduce SUM both ways (as
+    `torch.distributed.nn.functional.all_reduce`, without its deprecation)."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, group: "dist.ProcessGroup | None") -> Tensor:
+        ctx.group = group
+        out = values.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _SumOverGroup.apply(grad, ctx.group), None
 
 
 def check_sequence_parallel(value: object) -> "SequenceParallel | None":
