@@ -219,11 +219,39 @@ def side_checks(split):
                                normalizer=pgloss.get("clip_cov").step_normalizer(call["mask"], sequence_parallel=split))
     except ValueError as error:
         out["refusal"] = str(error)
+    out["host syncs"] = host_syncs(split)
     out["layouts"] = torch_layouts()
     kl_cov = pgloss.get("kl_cov", kl_cov_ratio=0.2)
     (selection,) = kl_cov.step_selection(lp.detach(), call["advantages"], call["mask"])  # over every rank's tokens
     out["kl_cov selection"] = split.whole(selection.to(torch.int64))
     return out
+
+
+def host_syncs(split):
+    """{label: the host sync a sharded call makes, forward or backward}: for every name with the chained
+    rejection (its sequence rules), or none where it takes no correction (the step's count may sync)."""
+    from host_sync import HostSync, no_host_sync
+
+    hidden, weight, _, targets, inputs = data()
+    found = {}
+    for label, name, kind, fields, options in sequence_rules_cases():
+        if options:
+            continue
+        algorithm = build(name, kind, fields.get("mode", FIXED))
+        given = {k: split.shard(v) if k in TOKEN_INPUTS else v for k, v in call_inputs(algorithm, inputs, kind).items()}
+        if getattr(algorithm, "selection", None) is not None:
+            algorithm = dataclasses.replace(algorithm, selection=split.shard(algorithm.selection))
+        normalizer = algorithm.step_normalizer(
+            given["mask"], old_log_probs=given["old_log_prob"], rollout_log_probs=given.get("rollout_log_prob"),
+            group_ids=given.get("group_ids"), scores=given.get("scores"), expert=given.get("expert"),
+            sequence_parallel=split)
+        lp, ent = log_probs_and_entropy(split.shard(hidden), weight.clone().requires_grad_(True), split.shard(targets))
+        try:
+            with no_host_sync():
+                algorithm(lp, entropy=ent, normalizer=normalizer, **given).loss.backward()
+        except HostSync as sync:
+            found[label] = str(sync)
+    return found
 
 
 def torch_layouts():
@@ -319,6 +347,7 @@ def test_two_ranks_of_one_sequence_group_give_one_process_loss_and_gradients(exp
                                    "fipo": ({"all_gather": 1}, {})}
     assert "clip_cov cannot be computed over sequences split across ranks" in side["refusal"]
     assert side["layouts"] == {"contiguous": True, "load_balanced": True}
+    assert side["host syncs"] == {}
     hidden, weight, _, targets, inputs = data()
     lp, _ = log_probs_and_entropy(hidden, weight, targets)
     (whole,) = pgloss.get("kl_cov", kl_cov_ratio=0.2).step_selection(lp, inputs["advantages"], inputs["mask"])

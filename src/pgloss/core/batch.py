@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .checks import check_finite, check_log_prob, check_values, is_integer
 from .inputs import OPTIONAL_INPUTS, OptionalInput, check_names
-from .sequence_parallel import SequenceParallel, check_sequence_parallel, row_lengths, row_sum
+from .sequence_parallel import SequenceParallel, check_sequence_parallel, row_lengths, row_mean, row_sum
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -91,9 +91,7 @@ class TokenBatch:
         """Â_i, `[B]`: the `[B]` advantages as given, or the mean over a row's valid tokens of `[B, T]` ones."""
         if self.seq_advantages is not None:
             return self.seq_advantages
-        total = row_sum(torch.stack([self.advantages * self.mask, self.mask.to(self.advantages.dtype)]),
-                        self.sequence_parallel)
-        return total[0] / total[1].clamp(min=1)
+        return row_mean(self.advantages * self.mask, self.mask, self.sequence_parallel)
 
     @property
     def valid_rows(self) -> Tensor:

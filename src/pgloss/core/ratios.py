@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .sequence_parallel import SequenceParallel, row_sum
+from .sequence_parallel import SequenceParallel, row_mean, row_sum
 
 RATIO_LEVELS = ("token", "sequence", "sequence_token", "sequence_product")
 
@@ -38,11 +38,9 @@ def sequence_log_ratio(token_log_ratio: Tensor, mask: Tensor, *, length_normaliz
     whole sequence (one all-reduce, differentiable: `core.sequence_parallel`).
     """
     masked = token_log_ratio * mask
-    if not length_normalized:
-        return row_sum(masked, sequence_parallel, keepdim=True)
-    total, length = row_sum(torch.stack([masked, mask.to(masked.dtype).expand_as(masked)]), sequence_parallel,
-                            keepdim=True)
-    return total / length.clamp(min=1)
+    if length_normalized:
+        return row_mean(masked, mask, sequence_parallel, keepdim=True)
+    return row_sum(masked, sequence_parallel, keepdim=True)
 
 
 def importance_ratio(

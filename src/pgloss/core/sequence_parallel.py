@@ -154,6 +154,22 @@ def row_sum(values: Tensor, sequence_parallel: SequenceParallel | None = None, *
     return total if sequence_parallel is None else sequence_parallel.all_reduce(total)
 
 
+def row_total_and_length(values: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None, *,
+                         keepdim: bool = False) -> tuple[Tensor, Tensor]:
+    """(Σ_t values, |y_i| = Σ_t m) over the whole of each row, in the values' dtype: one all-reduce of both under a
+    sequence group (`row_sum`). Zero `values` at masked positions first."""
+    total, length = row_sum(torch.stack([values, mask.to(values.dtype).expand_as(values)]), sequence_parallel,
+                            keepdim=keepdim)
+    return total, length
+
+
+def row_mean(values: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None, *,
+             keepdim: bool = False) -> Tensor:
+    """Σ_t values / max(|y_i|, 1) over the whole of each row (`row_total_and_length`): 0 for an empty row."""
+    total, length = row_total_and_length(values, mask, sequence_parallel, keepdim=keepdim)
+    return total / length.clamp(min=1)
+
+
 def row_lengths(mask: Tensor, sequence_parallel: SequenceParallel | None = None, *, keepdim: bool = False,
                 dtype: torch.dtype = torch.float64) -> Tensor:
     """|y_i| = Σ_t m_{i,t} over the whole sequence, in `dtype`, `[B]` (`[B, 1]` with `keepdim`)."""

@@ -61,7 +61,8 @@ from ..core.aggregate import Normalizer
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
 from ..core.checks import check_log_prob, check_number
 from ..core.metrics import masked_extremes, masked_fraction, masked_mean
-from ..core.sequence_parallel import SequenceParallel, data_parallel_group, row_lengths, row_max, row_sum
+from ..core.sequence_parallel import (SequenceParallel, data_parallel_group, row_lengths, row_max, row_mean, row_sum,
+                                     row_total_and_length)
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
 WEIGHT_MODES = ("truncate", "mask")
@@ -116,8 +117,7 @@ class Rejection:
         if level == "seq_sum":
             stat = row_sum(stat, sequence_parallel, keepdim=True)
         elif level == "seq_mean":
-            total, length = row_sum(torch.stack([stat, mask.to(stat.dtype)]), sequence_parallel, keepdim=True)
-            stat = total / length.clamp(min=1)
+            stat = row_mean(stat, mask, sequence_parallel, keepdim=True)
         elif level == "seq_max":
             stat = row_max(torch.where(mask, stat, -torch.inf), sequence_parallel,
                            keepdim=True).clamp(min=-torch.finfo(stat.dtype).max)
@@ -228,12 +228,10 @@ class RolloutCorrection:
         sequence under a `sequence_parallel` group)."""
         if self.weight_level == "token":
             return torch.exp(self._log_rho(train, rollout, mask))
+        total, length = row_total_and_length(torch.where(mask, train - rollout, 0.0), mask, sequence_parallel,
+                                             keepdim=True)
         if self.weight_level == "sequence_geometric":
-            log_rho = torch.where(mask, train - rollout, 0.0)
-            total, length = row_sum(torch.stack([log_rho, mask.to(log_rho.dtype)]), sequence_parallel, keepdim=True)
             total = total / length.clamp(min=1)
-        else:
-            total = row_sum(torch.where(mask, train - rollout, 0.0), sequence_parallel, keepdim=True)
         return torch.exp(total.clamp(-self.max_log_ratio, self.max_log_ratio)).expand(mask.shape)
 
     def _bound(self, raw: Tensor) -> tuple[Tensor, Tensor]:
@@ -298,8 +296,8 @@ class RolloutCorrection:
             weight, _ = self._bound(self._raw_weight(old.detach().double(), rollout.detach().double(), mask,
                                                      sequence_parallel))
             if self.weight_level == "token":  # per row, then over the sequence group: every token once
-                per_row = row_sum(torch.stack([torch.where(mask, weight, 0.0), mask.double()]), sequence_parallel)
-                totals += per_row.sum(dim=-1)
+                totals += torch.stack(row_total_and_length(torch.where(mask, weight, 0.0), mask,
+                                                           sequence_parallel)).sum(dim=-1)
             else:  # a sequence weight is the same on every rank of the sequence group: each sequence once
                 rows = row_lengths(mask, sequence_parallel) > 0
                 totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
@@ -428,9 +426,7 @@ def off_policy_sequence_mask(log_prob: Tensor, behave_log_prob: Tensor, seq_adva
                              *, delta: float, sequence_parallel: SequenceParallel | None = None) -> Tensor:
     """DeepSeek-V3.2's off-policy sequence mask, bool `[B, T]`: False on the rows with Â_i < 0 and
     (1/|y_i|) Σ_t m (log π_behave - sg log π_θ) > δ (over the whole sequence under `sequence_parallel`)."""
-    gap = torch.where(mask, behave_log_prob.detach() - log_prob.detach(), 0.0)
-    total, length = row_sum(torch.stack([gap, mask.to(gap.dtype)]), sequence_parallel)
-    gap = total / length.clamp(min=1)
+    gap = row_mean(torch.where(mask, behave_log_prob.detach() - log_prob.detach(), 0.0), mask, sequence_parallel)
     drop = (seq_advantages < 0) & (gap > delta)
     return mask & ~drop[:, None]
 
@@ -471,7 +467,7 @@ def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor,
     safe = log_rho.clamp(-20.0, 20.0)
     rows = mask.any(dim=-1)
     n_rows = rows.sum()
-    seq_sum, length = row_sum(torch.stack([log_rho, mask.to(log_rho.dtype)]), sequence_parallel)
+    seq_sum, length = row_total_and_length(log_rho, mask, sequence_parallel)
     seq_mean = seq_sum / length.clamp(min=1)
     row_mean = lambda v: torch.where(rows, v, 0.0).sum() / n_rows  # noqa: E731
     return {

@@ -36,7 +36,7 @@ from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
 from ..core.metrics import clip_metrics, ratio_metrics
 from ..core.ratios import log_ratio
-from ..core.sequence_parallel import SequenceParallel, row_sum
+from ..core.sequence_parallel import SequenceParallel, row_mean
 
 
 def gmpo_clipped_log_ratio(token_log_ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float) -> Tensor:
@@ -68,12 +68,9 @@ def gmpo_loss(
     """
     starred = gmpo_clipped_log_ratio(token_log_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
     m = mask.to(token_log_ratio.dtype)
-    total, advantage_total, length = row_sum(torch.stack([starred * m, advantages * m, m.expand_as(starred)]),
-                                             sequence_parallel, keepdim=True)
-    length = length.clamp(min=1)
-    seq_log_ratio = total / length
+    seq_log_ratio, seq_advantage = row_mean(torch.stack([starred * m, advantages * m]), m, sequence_parallel,
+                                            keepdim=True)
     ratio = torch.exp(seq_log_ratio.clamp(-max_log_ratio, max_log_ratio))
-    seq_advantage = advantage_total / length
     clipped = (starred != token_log_ratio).detach() & (advantages != 0) & mask
     return (-seq_advantage * ratio).expand_as(token_log_ratio), ratio, clipped
 
