@@ -8,8 +8,13 @@ hole in its mask. Every rank computes its tokens' log-probs from its slice of th
 replicated LM head, calls the loss with the step's Normalizer counted over the sequence group and
 back-propagates; averaging the head's and the hidden states' gradients over all ranks (as FSDP does over the
 dp x sp mesh) and summing the losses / world must give one process's loss and gradients on whole sequences,
-in float64, for every registered name x rollout correction, every name x aggregation mode, the exact KL, and
-`from_hidden` on both of its routes. Each world size is one spawn that runs every case.
+in float64. One sequence group of 2, contiguous: every registered name x rollout correction, every name x
+aggregation mode, the exact KL, IW-OPD with its discount, `from_hidden` on both of its routes for every name.
+Load-balanced on 2 and on 4 ranks: every name with the chained rejection (its sequence rules). The 2 x 2
+mesh: every name with the two corrections whose step statistics also go over the data-parallel group (the
+kept tokens' counts, the step's mean weight). Beside them (2 ranks): the collectives a call makes, the
+refusal by name, KL-Cov's step selection, no host sync, and the layouts against torch's context-parallel
+sharding. Each world size is one spawn that runs every case.
 """
 
 import collections
@@ -142,6 +147,9 @@ def loss_and_grads(algorithm, kind, hidden, weight, ref_weight, targets, inputs,
     return torch.cat([total.reshape(1), hidden.grad.reshape(-1), weight.grad.reshape(-1)])
 
 
+EXTRA = ("exact KL", "IW-OPD, discounted")
+
+
 def extra_cases():
     """(label, name, kind, fields, options): the exact KL, and from_hidden on its one-pass and recompute routes."""
     out = [("exact KL", "grpo", "none", dict(kl_estimator="full"), dict(exact_kl=True)),
@@ -151,9 +159,6 @@ def extra_cases():
         for route, chunk in (("one pass", None), ("recompute", 4)):
             out.append((f"from_hidden {route} {name}", name, kind, {}, dict(fused=chunk)))
     return out
-
-
-EXTRA = ("exact KL", "IW-OPD, discounted")
 
 
 def all_cases():

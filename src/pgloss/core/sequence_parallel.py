@@ -5,7 +5,7 @@ process holding the whole sequences.
 A `SequenceParallel` names the sequence (context) group and how a sequence of T = W·T_local positions is cut
 over its W ranks (`layout`):
 
-    contiguous       rank r holds positions [r·T_local, (r+1)·T_local)        (verl's Ulysses, plain CP)
+    contiguous       rank r holds positions [r·T_local, (r+1)·T_local)        (Ulysses, plain CP)
     load_balanced    2W chunks of T_local/2; rank r holds chunks r and 2W-1-r, in that order
                      (torch's context_parallel head-tail balancer, which accelerate's cp_size uses; Megatron CP)
 
@@ -29,7 +29,12 @@ A sum that carries a gradient (GSPO's sequence log-ratio, GMPO's, REAL's and GVP
 differentiable: its forward is an all-reduce SUM and so is its backward (`torch.distributed.nn.functional
 .all_reduce`). Each rank's loss is its own tokens' share L_r of the step's loss L = Σ_r L_r, so the gradient
 that reaches a token's log-probability on rank r is Σ_r' ∂L_r'/∂S_i · ∂S_i/∂x: every rank's part, summed.
-An identity backward would hand rank r only ∂L_r/∂S_i, wrong for any loss that reads S_i on more than one rank.
+An identity backward would hand rank r only ∂L_r/∂S_i, wrong for any loss that reads S_i on more than one rank
+(GSPO's and GMPO's gradients off by 0.1 on the test batch).
+
+A call without a `Normalizer` is a whole step on one process: under a sequence group pass the step's. A call's
+metrics stay over its own tokens, as a micro-batch's do (average them over ranks); the ones computed from a
+sequence statistic (a rollout correction's sequence mismatch) read it over the whole sequence.
 
 Every collective runs on every rank of the group in the same order: the code path is the same on each
 (no branch on values), and a rank whose slice of a row is all padding still takes part.
