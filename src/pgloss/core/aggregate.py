@@ -49,7 +49,6 @@ from torch import Tensor
 
 from .batch import per_micro_batch
 from .checks import check_values, host_reads, is_integer
-from .distributed import is_distributed
 from .sequence_parallel import SequenceParallel, check_sequence_parallel, data_parallel_group, row_lengths
 
 MAX_GROUPS = 1 << 20

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .checks import check_finite, check_log_prob, check_values, is_integer
 from .inputs import OPTIONAL_INPUTS, OptionalInput, check_names
-from .sequence_parallel import SequenceParallel, check_sequence_parallel, row_lengths, row_mean, row_sum
+from .sequence_parallel import SequenceParallel, check_sequence_parallel, row_lengths, row_mean
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -68,7 +68,7 @@ class TokenBatch:
     the `[B]` form when one was given. The optional inputs (`ref_log_prob` to `expert`) are those
     of core/inputs.py's `OPTIONAL_INPUTS`, None when not given. `sequence_parallel`: the sequence group
     when the rows are slices of longer sequences (`pgloss.core.sequence_parallel`); the row statistics
-    (`row_advantages`, `valid_rows`, `row_sum`) are then over whole sequences.
+    (`row_advantages`, `valid_rows`) are then over whole sequences.
     """
 
     log_prob: Tensor
@@ -99,10 +99,6 @@ class TokenBatch:
         if self.sequence_parallel is None:
             return self.mask.any(dim=-1)
         return row_lengths(self.mask, self.sequence_parallel) > 0
-
-    def row_sum(self, values: Tensor, *, keepdim: bool = False) -> Tensor:
-        """Σ_t values over the whole of each row (`core.sequence_parallel.row_sum`); zero them where masked first."""
-        return row_sum(values, self.sequence_parallel, keepdim=keepdim)
 
     @classmethod
     def prepare(cls, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, *,
