@@ -12,6 +12,7 @@ from . import advantages, kl
 from .core import checks
 from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
+from .core.sequence_parallel import SequenceParallel  # sequences split over a sequence/context group
 from .core.checks import detect_anomaly
 from .algorithms import (
     CEGPPO, CHORD, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPD, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
@@ -66,6 +67,7 @@ __all__ = [
     "RoleBaseline",
     "RolloutCorrection",
     "SAPO",
+    "SequenceParallel",
     "SPPO",
     "TISPG",
     "TOPR",

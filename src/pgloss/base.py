@@ -27,6 +27,7 @@ from torch import Tensor
 from .core.aggregate import Aggregation, Normalizer, aggregation, rewarded_row_weights, row_weights, weighted_sum
 from .core.batch import TokenBatch
 from .core.checks import check_fields
+from .core.sequence_parallel import SequenceParallel
 from .core.inputs import OPTIONAL_INPUTS, check_names, keyword_parameters
 from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 from .core.metrics import masked_mean
@@ -226,6 +227,7 @@ class Algorithm:
         count_rejected: bool = False,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> Normalizer:
         """The counts of one optimizer step, for this algorithm: the one rule every path uses.
 
@@ -238,7 +240,10 @@ class Algorithm:
         counted when the algorithm needs them (`needs`). A collective under torch.distributed, like
         `Normalizer.count`: every rank calls it at every step, even with empty micro-batches. The
         tokens of rewarded sequences are counted from `scores` when `positive_nll_coef` is set, the
-        expert rows apart from `expert` when the family reads it (`takes_expert`).
+        expert rows apart from `expert` when the family reads it (`takes_expert`). With `sequence_parallel`
+        the masks are slices of longer sequences on that group (`pgloss.SequenceParallel`) and
+        `process_group` is the data-parallel group beside it; every call given this Normalizer then
+        computes over whole sequences (`pgloss.core.sequence_parallel`).
         """
         groups = group_ids if "group_ids" in self.needs else None
         scores = scores if self.positive_nll_coef != 0 else None
@@ -249,11 +254,24 @@ class Algorithm:
                 raise ValueError(f"{self.name}'s rollout correction counts the step on the old and rollout log-probs: "
                                  "pass old_log_probs beside rollout_log_probs")
             return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups, scores=scores,
-                                         expert=expert, count_rejected=count_rejected, process_group=process_group, reduce=reduce)
+                                         expert=expert, count_rejected=count_rejected, process_group=process_group,
+                                         reduce=reduce, sequence_parallel=sequence_parallel)
         if correction is not None and correction.needs_rollout:
             raise ValueError(f"{self.name} has a rollout correction that needs rollout_log_probs to count the step")
         return Normalizer.count(masks, group_ids=groups, scores=scores, expert=expert, process_group=process_group,
-                                reduce=reduce)
+                                reduce=reduce, sequence_parallel=sequence_parallel)
+
+    def sequence_split_refusal(self) -> str | None:
+        """Why this configured loss cannot be computed over sequences split across a sequence group, or None
+        (every built-in one can, but a selection drawn among a call's own tokens: Clip-Cov, KL-Cov)."""
+        return None
+
+    def check_sequence_split(self, sequence_parallel: SequenceParallel | None) -> None:
+        """Refuse by name, under a sequence group, a loss that cannot be split (`sequence_split_refusal`): every
+        call given a Normalizer counted with `sequence_parallel` asks."""
+        reason = None if sequence_parallel is None else self.sequence_split_refusal()
+        if reason is not None:
+            raise ValueError(f"{self.name} cannot be computed over sequences split across ranks: {reason}")
 
     def whole_step_normalizer(self, mask: Tensor, old_log_prob: Tensor, **inputs: Tensor | None) -> Normalizer:
         """The counts of a call that is the whole step (no `normalizer` given): this batch alone, on this
@@ -276,7 +294,9 @@ class Algorithm:
             return batch, normalizer, None
         corrected = correction.apply(
             log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
-            mask=batch.mask, seq_advantages=batch.row_advantages, weight_mean=getattr(normalizer, "weight_mean", None))
+            mask=batch.mask, seq_advantages=None if correction.off_policy_mask is None else batch.row_advantages,
+            weight_mean=getattr(normalizer, "weight_mean", None),
+            sequence_parallel=batch.sequence_parallel)
         batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
         return batch, normalizer, corrected
 
@@ -349,7 +369,9 @@ class Algorithm:
             if inputs.get(needed) is None:
                 why = _WHY[needed](self) if needed in _WHY else OPTIONAL_INPUTS[needed].doc
                 raise ValueError(f"{self.name} needs {needed} in the call ({why})")
-        batch = TokenBatch.prepare(log_prob, old_log_prob, advantages, mask, **inputs)
+        split = None if normalizer is None else normalizer.sequence_parallel
+        self.check_sequence_split(split)
+        batch = TokenBatch.prepare(log_prob, old_log_prob, advantages, mask, sequence_parallel=split, **inputs)
         batch, normalizer, corrected = self.corrected(batch, normalizer)
         correction = self.correction(batch.rollout_log_prob is not None)
         mask = batch.mask

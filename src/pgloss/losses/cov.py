@@ -252,6 +252,12 @@ def step_covariance(
     return [torch.where(m, (a.to(dtype) - mean_a) * (lp.to(dtype) - mean_lp), 0.0) for a, lp, m in zip(advs, lps, ms)]
 
 
+SPLIT_SELECTION = ("its token selection is drawn among a call's own tokens, a slice of each sequence; take the "
+                   "step's with step_selection(..., process_group=<every rank holding the step's tokens>) and give "
+                   "each call its part, dataclasses.replace(algorithm, selection=part)")
+"""Why Clip-Cov and KL-Cov without a `selection` refuse sequences split across ranks (`sequence_split_refusal`)."""
+
+
 def _check_selection(selection: object, mask: Tensor) -> Tensor | None:
     if selection is None:
         return None
@@ -298,6 +304,9 @@ class ClipCov(Algorithm):
                f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}")
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
+
+    def sequence_split_refusal(self) -> str | None:
+        return SPLIT_SELECTION if self.selection is None else None
 
     def step_selection(
         self,
@@ -397,6 +406,9 @@ class KLCov(Algorithm):
         super().__post_init__()
         check(self.kl_cov_ratio > 0, f"kl_cov_ratio must be > 0, got {self.kl_cov_ratio}")
         check(self.ppo_kl_coef >= 0, f"ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
+
+    def sequence_split_refusal(self) -> str | None:
+        return SPLIT_SELECTION if self.selection is None else None
 
     def step_selection(
         self,

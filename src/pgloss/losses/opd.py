@@ -43,6 +43,7 @@ from ..core.batch import TokenBatch
 from ..core.metrics import masked_mean, ratio_metrics
 from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
+from ..core.sequence_parallel import along_sequence
 from .closed_form import GradientFactor
 
 OPD_SURROGATES = ("ratio", "log_prob")
@@ -106,10 +107,15 @@ class OPD(Algorithm):
             raise ValueError(f"{self.name} distils a teacher and needs teacher_log_prob=[B, T] in the call")
         student = batch.old_log_prob if self.opd_advantage_policy == "old" else batch.log_prob
         a = distillation_advantage(batch.teacher_log_prob, student, batch.mask)
-        w = position_weights(a, gamma=self.opd_position_gamma, eps=self.opd_position_eps)
+        # w and the discount read a whole row in order (under a sequence group: gathered, `along_sequence`)
+        split = batch.sequence_parallel if self.opd_position_gamma != 0 else None  # γ = 0: w = 1, no collective
+        w = along_sequence(lambda rows: position_weights(rows, gamma=self.opd_position_gamma, eps=self.opd_position_eps),
+                           a, split)
         teacher = self.opd_coef * w * a
         if self.opd_discount > 0:
-            teacher = discounted_returns(teacher, batch.mask, gamma=self.opd_discount)
+            teacher = along_sequence(
+                lambda rows: discounted_returns(rows[0], rows[1] != 0, gamma=self.opd_discount),
+                torch.stack([teacher, batch.mask.to(teacher.dtype)]), batch.sequence_parallel)
         return batch.advantages + teacher, a, w
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
