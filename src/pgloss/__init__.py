@@ -13,6 +13,7 @@ from .core import checks
 from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
 from .core.checks import detect_anomaly
+from .core.step_metrics import StepMetrics  # a step's metrics over micro-batches and ranks
 from .algorithms import (
     CEGPPO, CHORD, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPD, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
     Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
@@ -67,6 +68,7 @@ __all__ = [
     "RolloutCorrection",
     "SAPO",
     "SPPO",
+    "StepMetrics",
     "TISPG",
     "TOPR",
     "VESPO",
