@@ -16,6 +16,7 @@ from pgloss.algorithms import ClipCov, KLCov
 from pgloss.core.batch import TokenBatch
 from pgloss.core.metrics import Stat, token_extremes, token_mean
 from pgloss.correction.rollout import effective_sample_size
+from properties.host_sync import HostSync, no_host_sync
 from properties.micro_batches import cut
 from properties.steps import CORRECTIONS, WIDTH, cases, data, entropy, log_probs
 
@@ -185,8 +186,20 @@ def test_a_step_without_tokens_gives_nan_means_and_extremes_and_zero_loss():
     assert pgloss.StepMetrics().as_floats() == {}
 
 
-def test_compute_makes_no_host_read_on_meta_tensors():
-    """add and compute never read a value (meta tensors refuse it); as_floats reads once, the caller's choice."""
+def test_add_and_compute_make_no_host_sync():
+    """add and compute neither read a value (meta tensors refuse it) nor copy one to the device (the dispatch
+    detector refuses it); as_floats reads once, the caller's choice."""
+    log_prob, inputs = step_data()
+    algorithm = build("dapo", "token TIS")
+    outs = [call(algorithm, log_prob, inputs, part) for part in ONE_PROCESS]
+    with no_host_sync():
+        step = pgloss.StepMetrics()
+        for out in outs:
+            step.add(out)
+        step.compute()
+    with pytest.raises(HostSync):
+        with no_host_sync():
+            step.as_floats()
     meta = torch.device("meta")
     step = pgloss.StepMetrics(device=meta)
     out = pgloss.get("dapo")(torch.empty(4, 3, device=meta), torch.empty(4, 3, device=meta),

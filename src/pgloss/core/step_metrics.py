@@ -153,7 +153,8 @@ class StepMetrics:
         if layout:  # the layout's fingerprint as two 16-bit halves (exact in float32), its max and -min
             crc = zlib.crc32(repr([(name, *self._kinds[name][:2]) for name in layout]).encode())
             high, low = crc >> 16, crc & 0xFFFF
-            peaks[-4], peaks[-3], peaks[-2], peaks[-1] = high, low, -high, -low
+            for at, value in zip(range(-4, 0), (high, low, -high, -low)):
+                peaks[at].fill_(value)  # a fill: `peaks[at] = value` would copy a host tensor to the device
         all_reduce(summed, self.process_group, self.reduce)
         all_reduce(peaks, self.process_group, self.reduce, op=dist.ReduceOp.MAX)
         agree = ((peaks[-4] == -peaks[-2]) & (peaks[-3] == -peaks[-1])) | (peaks[-4] == -torch.inf)  # or none added
