@@ -357,7 +357,7 @@ class Algorithm:
         per_token = terms.per_token
         metrics = dict(terms.metrics)
         if corrected is not None:  # the weight enters before the aggregation
-            metrics |= corrected.stats
+            metrics |= corrected.metrics
             if corrected.weight is not None:
                 per_token = per_token * corrected.weight
         per_token = torch.where(mask, per_token, 0.0)

@@ -14,8 +14,7 @@ import torch
 import pgloss
 from pgloss.algorithms import ClipCov, KLCov
 from pgloss.core.batch import TokenBatch
-from pgloss.core.metrics import Stat, token_extremes, token_mean
-from pgloss.correction.rollout import effective_sample_size
+from pgloss.core.metrics import Stat, effective_sample_size, token_extremes, token_mean
 from properties.host_sync import HostSync, no_host_sync
 from properties.micro_batches import cut
 from properties.steps import CORRECTIONS, WIDTH, cases, data, entropy, log_probs
@@ -162,11 +161,8 @@ def test_a_function_of_means_is_that_function_of_the_step_means():
     gen = torch.Generator().manual_seed(6)
     weights = [torch.rand(n, generator=gen, dtype=torch.float64) * scale for n, scale in ((3, 1.0), (9, 4.0), (0, 1.0))]
     step = pgloss.StepMetrics()
-    for w in weights:
-        n = torch.tensor(len(w))
-        mean, square = w.mean(), w.square().mean()  # NaN for the empty call: weight 0
-        step.add({"ess": Stat.mean(effective_sample_size(mean, square), n, parts=(mean, square),
-                                   finish=effective_sample_size)})
+    for w in weights:  # the empty call's ESS is NaN, with weight 0
+        step.add({"ess": effective_sample_size(w, torch.ones(len(w), dtype=torch.bool))})
     every = torch.cat(weights).tolist()
     expected = (sum(every) / len(every)) ** 2 / (sum(x * x for x in every) / len(every))
     assert step.as_floats()["ess"] == pytest.approx(expected, rel=1e-14)

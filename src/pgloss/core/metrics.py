@@ -117,6 +117,18 @@ def token_extremes(values: Tensor, mask: Tensor, count: Tensor | None = None) ->
     return Stat.min(low, count), Stat.max(high, count)
 
 
+def effective_sample_size(weight: Tensor, mask: Tensor, count: Tensor | None = None) -> Stat:
+    """Kish's effective sample size as a share of the sample, (Σw)² / (n Σw²) = E[w]² / E[w²] ∈ (0, 1] over the
+    valid positions; it carries E[w] and E[w²], so that a step's is that of the step's weights."""
+    count = mask.sum() if count is None else count
+    mean, square = masked_mean(weight, mask, count), masked_mean(weight.square(), mask, count)
+    return Stat.mean(_share(mean, square), count, parts=(mean, square), finish=_share)
+
+
+def _share(mean: Tensor, square_mean: Tensor) -> Tensor:
+    return mean.square() / square_mean
+
+
 def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor, count: Tensor | None = None) -> dict[str, Stat]:
     """ratio_mean / ratio_max / ratio_min of the ratio the loss used, and ppo_kl = mean(log π_old - log π_θ);
     `count` = mask.sum() when known."""

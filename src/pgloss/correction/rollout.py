@@ -60,7 +60,7 @@ from ..core.aggregate import Normalizer
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
 from ..core.distributed import is_distributed
 from ..core.checks import check_log_prob, check_number
-from ..core.metrics import Stat, masked_mean, token_extremes, token_fraction
+from ..core.metrics import Stat, effective_sample_size, masked_mean, token_extremes, token_fraction, token_mean
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
 WEIGHT_MODES = ("truncate", "mask")
@@ -131,17 +131,12 @@ class Rejection:
 @dataclass(frozen=True)
 class Corrected:
     """What a correction hands to the loss: the old log-probs the loss's ratio uses, the detached
-    weight `[B, T]` (None: no weight), the effective mask, and its metrics as `Stat`s (`metrics`: their values)."""
+    weight `[B, T]` (None: no weight), the effective mask, and its metrics (`Stat`s of detached 0-d values)."""
 
     old_log_prob: Tensor
     weight: Tensor | None
     mask: Tensor
-    stats: dict[str, Stat]
-
-    @property
-    def metrics(self) -> dict[str, Tensor]:
-        """The metrics' detached 0-d values."""
-        return {key: stat.value for key, stat in self.stats.items()}
+    metrics: dict[str, Stat]
 
 
 @dataclass(frozen=True)
@@ -372,7 +367,7 @@ class RolloutCorrection:
                 weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
             metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
-        return Corrected(old_log_prob=old, weight=weight, mask=effective, stats=metrics)
+        return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics)
 
 
 def _micro_batches(masks: Tensor | Sequence[Tensor], old_log_probs: Tensor | Sequence[Tensor],
@@ -419,28 +414,19 @@ def off_policy_sequence_mask(log_prob: Tensor, behave_log_prob: Tensor, seq_adva
 
 
 def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Stat]:
-    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) = E[w]² / E[w²] ∈ (0, 1],
-    over valid tokens, or over non-empty sequences for a per-sequence weight. NaN over nothing. The ESS
-    carries E[w] and E[w²], so that a step's ESS is that of the step's weights."""
+    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over valid tokens,
+    or over non-empty sequences for a per-sequence weight. NaN over nothing."""
     if per_sequence:
         mask = mask.any(dim=-1, keepdim=True)
         weight = _row_max(weight)  # one value per row (0 at masked positions, w >= 0)
     count = mask.sum()
     low, high = token_extremes(weight, mask, count)
-    mean = masked_mean(weight, mask, count)
-    square = masked_mean(weight.square(), mask, count)
     return {
         "rollout_is_weight_min": low,
-        "rollout_is_weight_mean": Stat.mean(mean, count),
+        "rollout_is_weight_mean": token_mean(weight, mask, count),
         "rollout_is_weight_max": high,
-        "rollout_is_ess": Stat.mean(effective_sample_size(mean, square), count, parts=(mean, square),
-                                    finish=effective_sample_size),
+        "rollout_is_ess": effective_sample_size(weight, mask, count),
     }
-
-
-def effective_sample_size(mean: Tensor, square_mean: Tensor) -> Tensor:
-    """E[w]² / E[w²]: Kish's effective sample size as a share of the sample."""
-    return mean.square() / square_mean
 
 
 def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, Stat]:
