@@ -99,7 +99,8 @@ def masked_extremes(values: Tensor, mask: Tensor, count: Tensor | None = None) -
 
 
 def token_mean(values: Tensor, mask: Tensor, count: Tensor | None = None) -> Stat:
-    """`masked_mean` as a step metric: a mean over the valid tokens (`count` = mask.sum() when known)."""
+    """`masked_mean` as a step metric: a mean over the valid positions (tokens; rows for a `[B, 1]` mask),
+    `count` = mask.sum() when known."""
     count = mask.sum() if count is None else count
     return Stat.mean(masked_mean(values, mask, count), count)
 
@@ -126,6 +127,7 @@ def effective_sample_size(weight: Tensor, mask: Tensor, count: Tensor | None = N
 
 
 def _share(mean: Tensor, square_mean: Tensor) -> Tensor:
+    """E[w]² / E[w²] from the two means."""
     return mean.square() / square_mean
 
 
