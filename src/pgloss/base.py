@@ -30,7 +30,7 @@ from .core.checks import check_fields
 from .core.sequence_parallel import SequenceParallel
 from .core.inputs import OPTIONAL_INPUTS, check_names, keyword_parameters
 from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
-from .core.metrics import masked_mean
+from .core.metrics import Stat, token_mean
 from .correction.rollout import Corrected, RolloutCorrection
 from .core.output import LossOutput, PolicyTerms, check
 from .core.trainer_names import value_hint
@@ -360,7 +360,7 @@ class Algorithm:
         `full_kl` `[B, T]`, the exact KL with its gradient from `pgloss.full_kl_from_logits` /
         `full_kl_from_hidden`); a call without one the configuration `needs` is refused, saying why,
         and one it does not read is ignored. The metrics are means
-        over this call's valid tokens; average them over micro-batches and ranks for a step's figure.
+        over this call's valid tokens; `pgloss.StepMetrics` combines them over a step's micro-batches and ranks.
         """
         if normalizer is not None and not isinstance(normalizer, Normalizer):
             raise TypeError(f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}")
@@ -389,7 +389,7 @@ class Algorithm:
             return weighted_sum(masked_values, rows, normalizer.world_size)
 
         loss = weighted_sum(per_token, self.policy_row_weights(batch, normalizer, rows), normalizer.world_size)
-        metrics["pg_loss"] = loss.detach()
+        metrics["pg_loss"] = Stat.loss(loss)
         kl = None
         if self.kl_estimator == FULL:
             kl = batch.full_kl
@@ -399,23 +399,23 @@ class Algorithm:
                          max_log_ratio=self.max_log_ratio, max_kl=self.max_kl)
         if kl is not None:
             kl = torch.where(mask, kl, 0.0)
-            metrics["kl"] = masked_mean(kl, mask)
+            metrics["kl"] = token_mean(kl, mask)
             if self.kl_coef != 0:
                 if corrected is not None and corrected.weight is not None and correction.weight_kl:
                     kl = kl * corrected.weight
                 kl_loss = reduce(kl)
-                metrics["kl_loss"] = kl_loss.detach()
+                metrics["kl_loss"] = Stat.loss(kl_loss)
                 loss = loss + self.kl_coef * kl_loss
         if batch.entropy is not None:
-            metrics["entropy"] = masked_mean(batch.entropy, mask)
+            metrics["entropy"] = token_mean(batch.entropy, mask)
             if self.entropy_coef != 0:
                 loss = loss - self.entropy_coef * reduce(batch.entropy)
         if self.positive_nll_coef != 0:
             nll = weighted_sum(torch.where(mask, -batch.log_prob, 0.0),
                                rewarded_row_weights(mask, batch.scores > 0, normalizer), normalizer.world_size)
-            metrics["positive_nll_loss"] = nll.detach()
+            metrics["positive_nll_loss"] = Stat.loss(nll)
             loss = loss + self.positive_nll_coef * nll
-        return LossOutput(loss=loss, metrics=metrics, per_token=per_token)
+        return LossOutput.of(loss, metrics, per_token)
 
     def from_hidden(self, hidden: Tensor, weight: Tensor, targets: Tensor, **kwargs: Any) -> LossOutput:
         """The same loss computed from hidden states `[B, T, H]` and the output projection `[V, H]`

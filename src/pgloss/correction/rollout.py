@@ -60,7 +60,7 @@ from torch import Tensor
 from ..core.aggregate import Normalizer
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
 from ..core.checks import check_log_prob, check_number
-from ..core.metrics import masked_extremes, masked_fraction, masked_mean
+from ..core.metrics import Stat, effective_sample_size, masked_mean, token_extremes, token_fraction, token_mean
 from ..core.sequence_parallel import (SequenceParallel, data_parallel_group, row_lengths, row_max, row_mean, row_sum,
                                      row_total_and_length)
 
@@ -135,12 +135,12 @@ class Rejection:
 @dataclass(frozen=True)
 class Corrected:
     """What a correction hands to the loss: the old log-probs the loss's ratio uses, the detached
-    weight `[B, T]` (None: no weight), the effective mask, and detached 0-d metrics."""
+    weight `[B, T]` (None: no weight), the effective mask, and its metrics (`Stat`s of detached 0-d values)."""
 
     old_log_prob: Tensor
     weight: Tensor | None
     mask: Tensor
-    metrics: dict[str, Tensor]
+    metrics: dict[str, Stat]
 
 
 @dataclass(frozen=True)
@@ -363,25 +363,25 @@ class RolloutCorrection:
         old = rollout if self.bypass else old_log_prob.detach()
         train = log_prob.detach() if self.bypass else old
         effective = mask
-        metrics: dict[str, Tensor] = {}
+        metrics: dict[str, Stat] = {}
         count = mask.sum()
         if rollout is not None:
             metrics |= mismatch_metrics(train, rollout, mask, sequence_parallel)
             if self.rejection:
                 effective = self.kept(train, rollout, mask, sequence_parallel)
-                metrics["rollout_rejected_frac"] = masked_fraction(~effective, mask, count)
+                metrics["rollout_rejected_frac"] = token_fraction(~effective, mask, count)
         if self.off_policy_mask is not None:
             if seq_advantages is None:
                 raise ValueError("off_policy_mask needs advantages")
             behave = old_log_prob.detach() if rollout is None else rollout
             opsm = off_policy_sequence_mask(log_prob, behave, seq_advantages, mask, delta=self.off_policy_mask,
                                             sequence_parallel=sequence_parallel)
-            metrics["rollout_opsm_frac"] = masked_fraction(~opsm, mask, count)
+            metrics["rollout_opsm_frac"] = token_fraction(~opsm, mask, count)
             effective = effective & opsm
         weight = None
         if self.weight_level is not None:
             weight, out = self._bound(self._raw_weight(train, rollout, mask, sequence_parallel))
-            metrics["rollout_is_bounded_frac"] = masked_fraction(out, effective)
+            metrics["rollout_is_bounded_frac"] = token_fraction(out, effective)
             if self.batch_normalize:
                 weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
@@ -431,25 +431,24 @@ def off_policy_sequence_mask(log_prob: Tensor, behave_log_prob: Tensor, seq_adva
     return mask & ~drop[:, None]
 
 
-def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Tensor]:
-    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over
-    valid tokens, or over non-empty sequences for a per-sequence weight. NaN over nothing."""
+def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Stat]:
+    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over valid tokens,
+    or over non-empty sequences for a per-sequence weight. NaN over nothing."""
     if per_sequence:
         mask = mask.any(dim=-1, keepdim=True)
         weight = _row_max(weight)  # one value per row (0 at masked positions, w >= 0)
     count = mask.sum()
-    low, high = masked_extremes(weight, mask, count)
-    mean = masked_mean(weight, mask, count)
+    low, high = token_extremes(weight, mask, count)
     return {
         "rollout_is_weight_min": low,
-        "rollout_is_weight_mean": mean,
+        "rollout_is_weight_mean": token_mean(weight, mask, count),
         "rollout_is_weight_max": high,
-        "rollout_is_ess": mean.square() / masked_mean(weight.square(), mask, count),
+        "rollout_is_ess": effective_sample_size(weight, mask, count),
     }
 
 
 def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor,
-                     sequence_parallel: SequenceParallel | None = None) -> dict[str, Tensor]:
+                     sequence_parallel: SequenceParallel | None = None) -> dict[str, Stat]:
     """The train/rollout mismatch over valid tokens (verl's `compute_offpolicy_metrics`):
 
         rollout_kl        mean_t (log π_rollout - log π_train)          k1 of KL(π_rollout‖π_train)
@@ -470,10 +469,10 @@ def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor,
     seq_sum, length = row_total_and_length(log_rho, mask, sequence_parallel)
     seq_mean = seq_sum / length.clamp(min=1)
     row_mean = lambda v: torch.where(rows, v, 0.0).sum() / n_rows  # noqa: E731
-    return {
-        "rollout_kl": -masked_mean(log_rho, mask, count),
-        "rollout_k3_kl": masked_mean(torch.expm1(safe) - safe, mask, count),
-        "rollout_chi2_token": masked_mean(torch.exp(2 * safe), mask, count) - 1.0,
-        "rollout_chi2_seq": row_mean(torch.exp(2 * seq_sum.clamp(-20.0, 20.0))) - 1.0,
-        "rollout_ppl_ratio": row_mean(torch.exp(-seq_mean.clamp(-20.0, 20.0))),
+    return {  # means over the tokens (count) or the non-empty rows (n_rows); m - 1 combines as m does
+        "rollout_kl": Stat.mean(-masked_mean(log_rho, mask, count), count),
+        "rollout_k3_kl": Stat.mean(masked_mean(torch.expm1(safe) - safe, mask, count), count),
+        "rollout_chi2_token": Stat.mean(masked_mean(torch.exp(2 * safe), mask, count) - 1.0, count),
+        "rollout_chi2_seq": Stat.mean(row_mean(torch.exp(2 * seq_sum.clamp(-20.0, 20.0))) - 1.0, n_rows),
+        "rollout_ppl_ratio": Stat.mean(row_mean(torch.exp(-seq_mean.clamp(-20.0, 20.0))), n_rows),
     }

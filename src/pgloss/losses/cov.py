@@ -53,7 +53,7 @@ from ..base import Algorithm
 from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch, check_mask, check_tensor, per_micro_batch
 from ..core.distributed import is_distributed
-from ..core.metrics import clip_metrics, masked_mean, ratio_metrics
+from ..core.metrics import clip_metrics, token_mean, ratio_metrics
 from ..core.ratios import importance_ratio, log_ratio
 from ..correction.token_masks import gather_values
 from .closed_form import GradientFactor
@@ -369,7 +369,7 @@ class ClipCov(Algorithm):
         loss, picked, by_clip = self._loss(batch, ratio)
         positive = batch.advantages > 0
         metrics = clip_metrics(by_clip & positive, by_clip & ~positive, batch.mask)
-        metrics["clip_cov_fraction"] = masked_mean(picked.to(ratio.dtype), batch.mask)
+        metrics["clip_cov_fraction"] = token_mean(picked.to(ratio.dtype), batch.mask)
         metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
         return PolicyTerms(loss, metrics)
 
@@ -441,6 +441,6 @@ class KLCov(Algorithm):
                                 cov_ratio=self.kl_cov_ratio, kl_coef=self.ppo_kl_coef,
                                 selection=_check_selection(self.selection, batch.mask))
         metrics = ratio_metrics(ratio, delta, batch.mask)
-        metrics["kl_cov_fraction"] = masked_mean(top.to(ratio.dtype), batch.mask)
-        metrics["ppo_kl_abs"] = masked_mean(delta.abs(), batch.mask)
+        metrics["kl_cov_fraction"] = token_mean(top.to(ratio.dtype), batch.mask)
+        metrics["ppo_kl_abs"] = token_mean(delta.abs(), batch.mask)
         return PolicyTerms(loss, metrics)

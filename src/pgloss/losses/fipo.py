@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean
+from ..core.metrics import token_mean
 from ..core.ratios import log_ratio
 from ..core.sequence_parallel import SequenceParallel, along_sequence
 from .closed_form import GradientFactor
@@ -149,8 +149,8 @@ class FIPO(ClippedPolicy):
             max_log_ratio=self.max_log_ratio, sequence_parallel=batch.sequence_parallel,
         )
         metrics = terms.metrics | {
-            "fipo_weight_mean": masked_mean(weight, batch.mask),
-            "fipo_future_kl_mean": masked_mean(future, batch.mask),
+            "fipo_weight_mean": token_mean(weight, batch.mask),
+            "fipo_future_kl_mean": token_mean(future, batch.mask),
         }
         return PolicyTerms(weight * terms.per_token, metrics)
 

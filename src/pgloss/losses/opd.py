@@ -40,7 +40,7 @@ from torch import Tensor
 from ..advantages.returns import discounted_returns
 from ..base import Algorithm
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean, ratio_metrics
+from ..core.metrics import token_mean, ratio_metrics
 from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from ..core.sequence_parallel import along_sequence
@@ -129,9 +129,9 @@ class OPD(Algorithm):
         if self.opd_trust_region is not None:
             dropped = batch.log_prob.detach().exp() - batch.old_log_prob.exp() < -self.opd_trust_region
             per_token = torch.where(dropped, 0.0, per_token)
-            metrics["opd_trust_region_frac"] = masked_mean(dropped.to(delta.dtype), batch.mask)
-        metrics["teacher_reverse_kl"] = masked_mean(-a, batch.mask)  # the k1 sample of KL(π_old‖π_T) (or π_θ's)
-        metrics["opd_position_weight"] = masked_mean(w, batch.mask)
+            metrics["opd_trust_region_frac"] = token_mean(dropped.to(delta.dtype), batch.mask)
+        metrics["teacher_reverse_kl"] = token_mean(-a, batch.mask)  # the k1 sample of KL(π_old‖π_T) (or π_θ's)
+        metrics["opd_position_weight"] = token_mean(w, batch.mask)
         return PolicyTerms(per_token, metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..base import Algorithm
 from ..core.batch import TokenBatch
-from ..core.metrics import clip_metrics, masked_mean, ratio_metrics
+from ..core.metrics import clip_metrics, token_mean, ratio_metrics
 from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
@@ -128,7 +128,7 @@ class REC(Algorithm):
         r = ratio.detach()
         metrics = clip_metrics(~keep & (r > 1.0), ~keep & (r <= 1.0), batch.mask)
         metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
-        metrics["rec_weight_mean"] = masked_mean(weight, batch.mask)
+        metrics["rec_weight_mean"] = token_mean(weight, batch.mask)
         advantages = batch.advantages.expand_as(batch.log_prob)
         return PolicyTerms(rec_loss(batch.log_prob, weight, advantages, keep), metrics)
 

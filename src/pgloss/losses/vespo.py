@@ -46,7 +46,7 @@ from torch import Tensor
 from ..base import Algorithm
 from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean, ratio_metrics
+from ..core.metrics import token_mean, ratio_metrics
 from ..core.ratios import importance_ratio, log_ratio
 from ..core.sequence_parallel import SequenceParallel, row_sum
 from .closed_form import GradientFactor
@@ -182,7 +182,7 @@ class VESPO(Algorithm):
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
                                  max_log_ratio=self.max_log_ratio)
         metrics = ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
-        metrics["vespo_phi_mean"] = masked_mean(phi, batch.mask)
+        metrics["vespo_phi_mean"] = token_mean(phi, batch.mask)
         return PolicyTerms(vespo_loss(batch.log_prob, phi, batch.advantages), metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
