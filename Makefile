@@ -11,7 +11,7 @@ INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"  # the trl extra's, for the GPU wheels below
 VERL_PIN := "verl>=0.9.1,<0.10"
 
-.PHONY: setup test peers demo list clean bench-gpu gpu-check gpu-wheels
+.PHONY: setup test peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -107,12 +107,34 @@ $(GPU_WHEELS)/.fetched:
 	done
 	touch $@
 
+# The GRPO optimizer step users run (benchmarks/grpo_step.py): TRL 1.16's GRPOTrainer with its own loss, with
+# Liger's kernels, and with pgloss's adapter plain and fused, on the Qwen2-0.5B and 1.5B shapes (random weights),
+# completions from 1024 tokens doubling until memory runs out; about 330 s (--budget) on one GPU. What it needs
+# beside torch and transformers is installed first, offline and without requirements, from $(GPU_WHEELS);
+# the same Python choice as bench-gpu (BENCH_ARGS="--device cpu --quick": the command's own check on a CPU).
+# benchmarks/gpu_step_check.sh is the same run as one command for a GPU machine without make or network.
+bench-step: $(if $(BENCH_PYTHON),,$(STAMP))
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(or $(BENCH_PYTHON),$(PY)) benchmarks/grpo_step.py \
+		--wheels $(GPU_WHEELS) $(BENCH_ARGS)
+
+# Only what a GPU image with torch, triton, transformers, accelerate, pyarrow and pandas lacks, for CPython 3.12
+# (all pure Python, about 2 MB): TRL, Liger-Kernel, and datasets (which TRL imports) with the two requirements
+# such an image lacks. datasets 5.0.0 is the newest that accepts pyarrow 21 (5.2 asks for 24).
+STEP_WHEELS := trl==1.16.0 liger-kernel==0.8.5 datasets==5.0.0 dill==0.4.1 multiprocess==0.70.19
+gpu-step-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps -d $(GPU_WHEELS) $(GPU_PY312) $(STEP_WHEELS)
+
 demo: $(STAMP)
 	$(VENV)/bin/pgloss losses
 	$(VENV)/bin/pgloss compare
 
 list: $(STAMP)
 	$(VENV)/bin/pgloss list
+
+# The documentation site (mkdocs.yml: the guides in docs/ and the API reference from the docstrings), served at
+# http://127.0.0.1:8000 with live reload. `make test` builds it with --strict (tests/test_docs_site.py).
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -68,13 +68,14 @@ def versions() -> dict[str, str | None]:
     return {name: version(name) for name in REPORTED}
 
 
-def install_missing(wheels: str | os.PathLike) -> dict[str, str]:
-    """Install each missing peer that has a wheel in the folder `wheels`, from that folder alone
-    (`pip install --no-index --find-links`): {peer: what happened}. A requirement the folder lacks and
-    the environment does not hold leaves that peer uninstalled, with pip's reason; the others go on."""
+def install_missing(wheels: str | os.PathLike, peers: dict[str, Peer] = PEERS) -> dict[str, str]:
+    """Install each missing one of `peers` (default: PEERS) that has a wheel in the folder `wheels`, in
+    their order, from that folder alone (`pip install --no-index --find-links`): {peer: what happened}.
+    A requirement the folder lacks and the environment does not hold leaves that peer uninstalled, with
+    pip's reason; the others go on."""
     folder = Path(wheels)
     outcome = {}
-    for name, peer in PEERS.items():
+    for name, peer in peers.items():
         if installed(peer.module):
             continue
         prefix = peer.distribution.replace("-", "_")

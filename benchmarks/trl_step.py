@@ -49,17 +49,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_model(path: str, hidden: int, layers: int, vocab: int) -> str:
-    """A random Qwen2 with a word-level tokenizer over `vocab` synthetic words."""
-    import torch
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer over `vocab` ids: <pad> = 0, <eos> = 1, <unk> = 2, then the words w0, w1, ...
+    (id 3 + i), split on whitespace; built here, nothing is downloaded."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(vocab - 3)]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                            unk_token="<unk>").save_pretrained(path)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def make_model(path: str, hidden: int, layers: int, vocab: int) -> str:
+    """A random Qwen2 with a word-level tokenizer over `vocab` synthetic words."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    word_tokenizer(vocab).save_pretrained(path)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

@@ -1,6 +1,6 @@
 """Train a tiny causal LM with TRL's GRPOTrainer and a pgloss loss, on a CPU, in about a minute.
 
-    pip install 'pgloss[trl]'
+    pip install -e '.[trl]'                                 # in a clone: pgloss is not on the package index
     python examples/trl_tiny.py --algorithm dapo            # any name of pgloss.names()
     python examples/trl_tiny.py --algorithm gspo --fused    # the loss from hidden states
 

@@ -1,7 +1,9 @@
 """Every benchmark takes --device cuda and, on a machine without CUDA, refuses in one line with a
 non-zero exit and no traceback (the measurements themselves are in BENCHMARKS.md, not in tests); the
-GPU command (benchmarks/gpu.py) runs as a user runs it, on a CPU with --quick, and its rows are read back."""
+GPU commands (benchmarks/gpu.py, benchmarks/grpo_step.py) run as a user runs them, on a CPU with --quick,
+and their rows are read back."""
 
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -141,3 +143,124 @@ def test_a_failed_variant_keeps_its_traceback(tmp_path, monkeypatch):
     row = run_variant(str(script), [], "peer", timeout=60)
     assert row["status"] == "failed" and row["note"] == "failed: IndexError: list index out of range"
     assert "Traceback" in row["stderr"] and "in deep" in row["stderr"]
+
+
+# -- benchmarks/grpo_step.py, run as a user runs it ---------------------------------------------------------------
+
+STEP = [sys.executable, str(BENCHMARKS / "grpo_step.py"), "--device", "cpu", "--quick"]
+
+
+def benchmark_module(name, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def dapo_loss_on_policy(length, generations=4):
+    """The first step's loss of every variant, from the rows' own formula in float64: the ratio is 1 on-policy,
+    so DAPO's loss is -Σᵢ Aᵢ·Lᵢ / Σᵢ Lᵢ, Aᵢ = (rᵢ - mean r) / (std r + 1e-4) (TRL's group scaling, unbiased std)
+    with the reward rᵢ = Lᵢ, the completions' lengths L, L - L/2G, ..."""
+    lengths = [length - j * (length // (2 * generations)) for j in range(generations)]
+    mean = sum(lengths) / generations
+    std = math.sqrt(sum((n - mean) ** 2 for n in lengths) / (generations - 1))
+    return -sum((n - mean) / (std + 1e-4) * n for n in lengths) / sum(lengths)
+
+
+@pytest.fixture(scope="module")
+def step_run(tmp_path_factory):
+    if not installed("trl"):
+        pytest.skip("trl is not installed")
+    out = tmp_path_factory.mktemp("step") / "step.jsonl"
+    done = subprocess.run([*STEP, "--max-completion", "32", "--budget", "600", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return done.stdout, lines[0]["header"], [line for line in lines[1:] if "summary" not in line], \
+        [line for line in lines[1:] if "summary" in line]
+
+
+def test_step_quick_runs_every_variant_through_trainer_train(step_run):
+    stdout, header, rows, summaries = step_run
+    assert header["device"].startswith("CPU") and header["versions"]["trl"] == importlib.metadata.version("trl")
+    by = {(row["variant"], row["completion"]): row for row in rows}
+    for variant in ("trl", "pgloss", "fused"):
+        for length in (16, 32):
+            row = by[(variant, length)]
+            assert row["status"] == "measured", row
+            assert len(row["steps_s"]) == 2 and row["step_s"] == row["steps_s"][1] > 0  # warm-up, then 1 timed
+            assert row["tokens"] == sum(length - j * (length // 8) for j in range(4)) and row["peak_gib"] > 0
+            assert row["loss"] == pytest.approx(dapo_loss_on_policy(length), rel=1e-5)
+            assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+            if variant != "trl":  # the same step: the gradient norm within bfloat16's rounding of TRL's
+                assert row["grad_norm_vs_trl"] < 0.03 and "FINDING" not in row.get("note", ""), row
+    liger = [row for row in rows if row["variant"] == "liger"]
+    assert [row["status"] for row in liger] == (["needs CUDA"] if installed("liger") else ["not installed"])
+    ended = {s["variant"]: (s["longest_completion"], s["ended"]) for s in summaries}
+    assert {v: ended[v] for v in ("trl", "pgloss", "fused")} == dict.fromkeys(("trl", "pgloss", "fused"),
+                                                                              (32, "reached --max-completion"))
+    printed = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert len(printed) == len(rows)  # every row printed, one line each
+
+
+def test_step_run_without_budget_starts_nothing_and_says_so(tmp_path):
+    out = tmp_path / "step.jsonl"
+    done = subprocess.run([*STEP, "--budget", "0", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    statuses = {row["variant"]: row["status"] for row in rows if "summary" not in row}
+    assert set(statuses) == {"trl", "pgloss", "fused", "liger"}
+    assert {statuses[v] for v in ("trl", "pgloss", "fused")} <= {"skipped", "not installed"}
+
+
+def test_step_ladder_ends_at_out_of_memory_with_the_error(monkeypatch, capsys):
+    """A length that runs out of memory is the ladder's last row (longer ones would too), with the error's first
+    line and its traceback; the memory is released after every row."""
+    ladder = benchmark_module("step_ladder", monkeypatch)
+    released = []
+
+    def measure(length):
+        if length == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+        return {"status": "measured", "step_s": length / 1000}
+
+    rows = ladder.run_ladder([16, 32, 64, 128], measure, deadline=math.inf, release=lambda: released.append(1))
+    assert [(row["completion"], row["status"]) for row in rows] == [(16, "measured"), (32, "measured"),
+                                                                      (64, "out of memory")]
+    assert rows[-1]["note"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert "Traceback" in rows[-1]["error"] and "in measure" in rows[-1]["error"]
+    assert len(released) == 3
+    emitted = [json.loads(line[len(ladder.ROW):]) for line in capsys.readouterr().out.splitlines()]
+    assert [row.get("event", row.get("status")) for row in emitted] == ["start", "measured"] * 2 + [
+        "start", "out of memory"]
+
+
+def test_step_ladder_stops_cleanly_before_its_deadline_and_on_a_failure(monkeypatch):
+    ladder = benchmark_module("step_ladder", monkeypatch)
+    clock = [0.0]
+
+    def measure(length):  # each length takes 10 s of the fake clock
+        clock[0] += 10
+        if length == 32:
+            raise ValueError("bad\nsecond line")
+        return {"status": "measured"}
+
+    rows = ladder.run_ladder([16, 32, 64], measure, deadline=25, now=lambda: clock[0])
+    assert [(row["completion"], row["status"]) for row in rows] == [(16, "measured"), (32, "skipped")]
+    assert "--budget" in rows[-1]["note"]  # 15 s left, the next length takes at least 20
+    clock[0] = 0.0
+    rows = ladder.run_ladder([16, 32, 64], measure, deadline=100, now=lambda: clock[0])
+    assert [(row["completion"], row["status"]) for row in rows] == [(16, "measured"), (32, "failed")]
+    assert rows[-1]["note"] == "ValueError: bad"
+    # a measured row foresees its setup again and three times its steps, the warm-up taken as a timed step:
+    # 10 s with steps of 4 (warm-up: compiling), 1 and 1 s -> 4 s of setup + 3 x 3 x 1 s
+    assert ladder.next_cost({"steps_s": [4.0, 1.0, 1.0], "step_s": 1.0}, 10.0) == 13.0
+
+
+def test_step_comparison_prints_a_difference_as_a_finding(monkeypatch):
+    step = benchmark_module("grpo_step", monkeypatch)
+    base = {"shape": "s", "variant": "trl", "completion": 16, "status": "measured", "loss": -0.5, "grad_norm": 2.0}
+    close = {**base, "variant": "pgloss", "loss": -0.5000001, "grad_norm": 2.01}
+    far = {**base, "variant": "fused", "loss": -0.5, "grad_norm": 2.2}
+    for row in (close, far):
+        step.compare(row, [base])
+    assert close["grad_norm_vs_trl"] == pytest.approx(0.005) and "note" not in close
+    assert far["grad_norm_vs_trl"] == pytest.approx(0.1) and far["note"].startswith("FINDING: grad_norm 2.2 differs")

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pgloss
+import pgloss.cli
 from pgloss.algorithms import _TABLE
 
 PGLOSS = [str(Path(sys.executable).with_name("pgloss"))]
@@ -67,3 +68,25 @@ def test_a_misspelt_algorithm_on_the_command_line_gets_the_closest_name():
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "unknown algorithm 'grpoo' (did you mean 'grpo'?)" in done.stderr
+
+
+def test_an_option_of_another_command_gets_that_commands_usage_and_a_hint():
+    """`pgloss train --seeds 1`: train's own usage (not the top-level one), exit 2, and a hint that train takes
+    --seed while compare and experiment take --seeds."""
+    done = subprocess.run(PGLOSS + ["train", "--seeds", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr.startswith("usage: pgloss train "), done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "pgloss train: error: unrecognized arguments: --seeds 1 "
+        "(did you mean --seed? --seeds is an option of pgloss compare and pgloss experiment)")
+
+
+def test_help_describes_every_command_in_the_users_words():
+    """The top-level help names each subcommand in its prose (conformance included), and no internal name."""
+    out = run("--help")
+    prose = " ".join(out.split("positional arguments:")[0].split())
+    commands = pgloss.cli.build_parser()._subparsers._group_actions[0].choices
+    assert set(commands) >= {"list", "losses", "train", "compare", "experiment", "report", "grads", "conformance"}
+    for command in commands:
+        assert f"({command})" in prose, command
+    assert "COMMANDS" not in out and "DESCRIPTION" not in out

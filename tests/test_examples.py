@@ -1,4 +1,5 @@
-"""The README's "Use" snippet and examples/plain_pytorch.py, run as a user runs them."""
+"""The README's examples (its ten-line example, the "Use" snippet) and examples/plain_pytorch.py, run as a user
+runs them."""
 
 import copy
 import importlib.util
@@ -28,6 +29,23 @@ def test_the_readme_use_snippet_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2 and all("'pg_loss'" in line and "'ppo_kl'" in line for line in lines), done.stdout
+
+
+def ten_line_example() -> str:
+    """The README's first-screen example: the Python block between its snippet markers (the site's home page
+    includes the same block)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("[start:example]"):readme.index("[end:example]")]
+    return re.search(r"```python\n(.*?)```", block, re.S).group(1)
+
+
+def test_the_readme_ten_line_example_runs_as_written(tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(ten_line_example())
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.fullmatch(r"loss (-?\d+\.\d{4}), gradient norm (\d+\.\d{4})\n", done.stdout)
+    assert found and float(found.group(2)) > 0, done.stdout
 
 
 def _example():

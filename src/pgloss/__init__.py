@@ -12,7 +12,9 @@ from . import advantages, kl
 from .core import checks
 from .correction import m2po, rollout, token_masks
 from .core.aggregate import AGG_MODES, Normalizer, aggregate
+from .core.sequence_parallel import SequenceParallel  # sequences split over a sequence/context group
 from .core.checks import detect_anomaly
+from .core.step_metrics import StepMetrics  # a step's metrics over micro-batches and ranks
 from .algorithms import (
     CEGPPO, CHORD, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPD, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
     Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
@@ -66,7 +68,9 @@ __all__ = [
     "RoleBaseline",
     "RolloutCorrection",
     "SAPO",
+    "SequenceParallel",
     "SPPO",
+    "StepMetrics",
     "TISPG",
     "TOPR",
     "VESPO",

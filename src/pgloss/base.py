@@ -27,9 +27,10 @@ from torch import Tensor
 from .core.aggregate import Aggregation, Normalizer, aggregation, rewarded_row_weights, row_weights, weighted_sum
 from .core.batch import TokenBatch
 from .core.checks import check_fields
+from .core.sequence_parallel import SequenceParallel
 from .core.inputs import OPTIONAL_INPUTS, check_names, keyword_parameters
 from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
-from .core.metrics import masked_mean
+from .core.metrics import Stat, token_mean
 from .correction.rollout import Corrected, RolloutCorrection
 from .core.output import LossOutput, PolicyTerms, check
 from .core.trainer_names import value_hint
@@ -226,6 +227,7 @@ class Algorithm:
         count_rejected: bool = False,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> Normalizer:
         """The counts of one optimizer step, for this algorithm: the one rule every path uses.
 
@@ -238,7 +240,10 @@ class Algorithm:
         counted when the algorithm needs them (`needs`). A collective under torch.distributed, like
         `Normalizer.count`: every rank calls it at every step, even with empty micro-batches. The
         tokens of rewarded sequences are counted from `scores` when `positive_nll_coef` is set, the
-        expert rows apart from `expert` when the family reads it (`takes_expert`).
+        expert rows apart from `expert` when the family reads it (`takes_expert`). With `sequence_parallel`
+        the masks are slices of longer sequences on that group (`pgloss.SequenceParallel`) and
+        `process_group` is the data-parallel group beside it; every call given this Normalizer then
+        computes over whole sequences (`pgloss.core.sequence_parallel`).
         """
         groups = group_ids if "group_ids" in self.needs else None
         scores = scores if self.positive_nll_coef != 0 else None
@@ -249,11 +254,24 @@ class Algorithm:
                 raise ValueError(f"{self.name}'s rollout correction counts the step on the old and rollout log-probs: "
                                  "pass old_log_probs beside rollout_log_probs")
             return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups, scores=scores,
-                                         expert=expert, count_rejected=count_rejected, process_group=process_group, reduce=reduce)
+                                         expert=expert, count_rejected=count_rejected, process_group=process_group,
+                                         reduce=reduce, sequence_parallel=sequence_parallel)
         if correction is not None and correction.needs_rollout:
             raise ValueError(f"{self.name} has a rollout correction that needs rollout_log_probs to count the step")
         return Normalizer.count(masks, group_ids=groups, scores=scores, expert=expert, process_group=process_group,
-                                reduce=reduce)
+                                reduce=reduce, sequence_parallel=sequence_parallel)
+
+    def sequence_split_refusal(self) -> str | None:
+        """Why this configured loss cannot be computed over sequences split across a sequence group, or None
+        (every built-in one can, but a selection drawn among a call's own tokens: Clip-Cov, KL-Cov)."""
+        return None
+
+    def check_sequence_split(self, sequence_parallel: SequenceParallel | None) -> None:
+        """Refuse by name, under a sequence group, a loss that cannot be split (`sequence_split_refusal`): every
+        call given a Normalizer counted with `sequence_parallel` asks."""
+        reason = None if sequence_parallel is None else self.sequence_split_refusal()
+        if reason is not None:
+            raise ValueError(f"{self.name} cannot be computed over sequences split across ranks: {reason}")
 
     def whole_step_normalizer(self, mask: Tensor, old_log_prob: Tensor, **inputs: Tensor | None) -> Normalizer:
         """The counts of a call that is the whole step (no `normalizer` given): this batch alone, on this
@@ -276,7 +294,9 @@ class Algorithm:
             return batch, normalizer, None
         corrected = correction.apply(
             log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
-            mask=batch.mask, seq_advantages=batch.row_advantages, weight_mean=getattr(normalizer, "weight_mean", None))
+            mask=batch.mask, seq_advantages=None if correction.off_policy_mask is None else batch.row_advantages,
+            weight_mean=getattr(normalizer, "weight_mean", None),
+            sequence_parallel=batch.sequence_parallel)
         batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob).restricted(corrected.mask)
         return batch, normalizer, corrected
 
@@ -340,7 +360,7 @@ class Algorithm:
         `full_kl` `[B, T]`, the exact KL with its gradient from `pgloss.full_kl_from_logits` /
         `full_kl_from_hidden`); a call without one the configuration `needs` is refused, saying why,
         and one it does not read is ignored. The metrics are means
-        over this call's valid tokens; average them over micro-batches and ranks for a step's figure.
+        over this call's valid tokens; `pgloss.StepMetrics` combines them over a step's micro-batches and ranks.
         """
         if normalizer is not None and not isinstance(normalizer, Normalizer):
             raise TypeError(f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}")
@@ -349,7 +369,9 @@ class Algorithm:
             if inputs.get(needed) is None:
                 why = _WHY[needed](self) if needed in _WHY else OPTIONAL_INPUTS[needed].doc
                 raise ValueError(f"{self.name} needs {needed} in the call ({why})")
-        batch = TokenBatch.prepare(log_prob, old_log_prob, advantages, mask, **inputs)
+        split = None if normalizer is None else normalizer.sequence_parallel
+        self.check_sequence_split(split)
+        batch = TokenBatch.prepare(log_prob, old_log_prob, advantages, mask, sequence_parallel=split, **inputs)
         batch, normalizer, corrected = self.corrected(batch, normalizer)
         correction = self.correction(batch.rollout_log_prob is not None)
         mask = batch.mask
@@ -367,7 +389,7 @@ class Algorithm:
             return weighted_sum(masked_values, rows, normalizer.world_size)
 
         loss = weighted_sum(per_token, self.policy_row_weights(batch, normalizer, rows), normalizer.world_size)
-        metrics["pg_loss"] = loss.detach()
+        metrics["pg_loss"] = Stat.loss(loss)
         kl = None
         if self.kl_estimator == FULL:
             kl = batch.full_kl
@@ -377,23 +399,23 @@ class Algorithm:
                          max_log_ratio=self.max_log_ratio, max_kl=self.max_kl)
         if kl is not None:
             kl = torch.where(mask, kl, 0.0)
-            metrics["kl"] = masked_mean(kl, mask)
+            metrics["kl"] = token_mean(kl, mask)
             if self.kl_coef != 0:
                 if corrected is not None and corrected.weight is not None and correction.weight_kl:
                     kl = kl * corrected.weight
                 kl_loss = reduce(kl)
-                metrics["kl_loss"] = kl_loss.detach()
+                metrics["kl_loss"] = Stat.loss(kl_loss)
                 loss = loss + self.kl_coef * kl_loss
         if batch.entropy is not None:
-            metrics["entropy"] = masked_mean(batch.entropy, mask)
+            metrics["entropy"] = token_mean(batch.entropy, mask)
             if self.entropy_coef != 0:
                 loss = loss - self.entropy_coef * reduce(batch.entropy)
         if self.positive_nll_coef != 0:
             nll = weighted_sum(torch.where(mask, -batch.log_prob, 0.0),
                                rewarded_row_weights(mask, batch.scores > 0, normalizer), normalizer.world_size)
-            metrics["positive_nll_loss"] = nll.detach()
+            metrics["positive_nll_loss"] = Stat.loss(nll)
             loss = loss + self.positive_nll_coef * nll
-        return LossOutput(loss=loss, metrics=metrics, per_token=per_token)
+        return LossOutput.of(loss, metrics, per_token)
 
     def from_hidden(self, hidden: Tensor, weight: Tensor, targets: Tensor, **kwargs: Any) -> LossOutput:
         """The same loss computed from hidden states `[B, T, H]` and the output projection `[V, H]`

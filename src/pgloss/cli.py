@@ -1,11 +1,12 @@
-"""The `pgloss` command: `list` (the algorithms), `losses` (every loss on one synthetic batch), the
-lab's `train` and `compare` (train a tiny policy with the losses and report on them), `experiment`,
-`report` (a run's report again) and `grads`. `COMMANDS` is the table of subcommands; SIGTERM ends any of them as Ctrl-C does."""
+"""The `pgloss` command. `COMMANDS` below is the table of its subcommands (list, losses, train, compare,
+experiment, report, grads, conformance), each added by the module that owns it; `DESCRIPTION` is what
+`pgloss --help` says of them. SIGTERM ends any of them as Ctrl-C does."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import sys
 
 from . import algorithms
@@ -123,12 +124,19 @@ COMMANDS = (
 )
 
 
+DESCRIPTION = ("Policy-gradient losses for reinforcement learning of language models: list them (list), run each on "
+               "one batch (losses), train a tiny policy with one (train) or compare several over seeds (compare), test "
+               "a published claim (experiment), write a run's report again (report), draw the per-token gradient "
+               "(grads), and check pgloss against the trainers' own losses (conformance). `pgloss COMMAND --help` "
+               "gives a command's options; Ctrl-C or SIGTERM stops any of them.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     import pgloss
 
-    parser = argparse.ArgumentParser(prog="pgloss", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pgloss", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"pgloss {pgloss.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for module, function in COMMANDS:
@@ -136,10 +144,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Exit 2 with `command`'s own usage (not the top-level one) naming the options it does not take, the
+    closest one it does, and the other commands that take the option as spelt (train's --seed, compare's --seeds)."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    chosen = commands[command]
+    hints = []
+    for name in dict.fromkeys(arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")):
+        close = difflib.get_close_matches(name, list(chosen._option_string_actions), n=1)
+        elsewhere = [f"pgloss {other}" for other, p in commands.items()
+                     if other != command and name in p._option_string_actions]
+        hint = ([f"did you mean {close[0]}?"] if close else []) + (
+            [f"{name} is an option of {' and '.join(elsewhere)}"] if elsewhere else [])
+        hints += [" ".join(hint)] if hint else []
+    chosen.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     from .lab.runner import interruptible  # SIGTERM ends a command as Ctrl-C does
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     with interruptible():
         return args.func(args)
 

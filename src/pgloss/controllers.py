@@ -60,7 +60,8 @@ class AdaptiveEntropy:
         coef: the initial coefficient (TRL's `entropy_coef`).
         target: H_target in nats (`entropy_target`, 0.2).
         delta: the step δ (`entropy_coef_delta`, 0.005).
-        coef_min, coef_max: the bounds (`entropy_coef_min` 0, `entropy_coef_max` 1).
+        coef_min: the lower bound of the coefficient (`entropy_coef_min`, 0).
+        coef_max: its upper bound (`entropy_coef_max`, 1).
     """
 
     def __init__(self, coef: float = 0.0, *, target: float = 0.2, delta: float = 0.005, coef_min: float = 0.0,

@@ -42,7 +42,7 @@ def test_weights_match_loop(level, mode, lower, upper):
     assert out.weight.requires_grad is False
     mask = data["mask"]
     share = sum(f for row, m in zip(flags, mask.tolist()) for f, v in zip(row, m) if v) / int(mask.sum())
-    assert float(out.metrics["rollout_is_bounded_frac"]) == pytest.approx(share)
+    assert float(out.metrics["rollout_is_bounded_frac"].value) == pytest.approx(share)
     assert share > 0  # the bounds bind: the case tests them
     assert torch.equal(out.mask, mask)
 
@@ -72,7 +72,7 @@ def test_kl_rejection_matches_verl_loop(option):
     expected = data["mask"] & torch.tensor(keep)
     assert torch.equal(out.mask, expected)
     assert 0 < int(expected.sum()) < int(data["mask"].sum()), "the rule should reject some tokens, not all"
-    torch.testing.assert_close(out.metrics["rollout_rejected_frac"],
+    torch.testing.assert_close(out.metrics["rollout_rejected_frac"].value,
                                1 - expected.sum() / data["mask"].sum(), check_dtype=False)
 
 
@@ -160,15 +160,15 @@ def test_weight_metrics_and_ess():
     out = apply(RolloutCorrection(upper=1.5), data)
     m = data["mask"]
     w = out.weight[m]
-    metrics = out.metrics
+    metrics = {k: stat.value for k, stat in out.metrics.items()}
     torch.testing.assert_close(metrics["rollout_is_weight_min"], w.min())
     torch.testing.assert_close(metrics["rollout_is_weight_max"], w.max())
     torch.testing.assert_close(metrics["rollout_is_weight_mean"], w.mean())
     torch.testing.assert_close(metrics["rollout_is_ess"], w.mean() ** 2 / (w ** 2).mean())
     seq = apply(RolloutCorrection(weight_level="sequence_product", upper=None), data)
     per_row = seq.weight.amax(-1)[m.any(-1)]
-    torch.testing.assert_close(seq.metrics["rollout_is_weight_mean"], per_row.mean())
-    torch.testing.assert_close(seq.metrics["rollout_is_ess"], per_row.mean() ** 2 / (per_row ** 2).mean())
+    torch.testing.assert_close(seq.metrics["rollout_is_weight_mean"].value, per_row.mean())
+    torch.testing.assert_close(seq.metrics["rollout_is_ess"].value, per_row.mean() ** 2 / (per_row ** 2).mean())
     assert all(v.requires_grad is False and v.ndim == 0 for v in metrics.values())
 
 
@@ -177,7 +177,7 @@ def test_mismatch_metrics_match_verl_loop():
     out = apply(RolloutCorrection(weight_level=None, rejection=()), data)
     expected = loops.mismatch(data["old_log_prob"].tolist(), data["rollout_log_prob"].tolist(), data["mask"].tolist())
     for name, value in expected.items():
-        assert float(out.metrics[name]) == pytest.approx(value, rel=1e-12), name
+        assert float(out.metrics[name].value) == pytest.approx(value, rel=1e-12), name
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -253,4 +253,4 @@ def test_empty_batches_give_nan_metrics_and_no_error(shape):
     out = apply(corr, dict(log_prob=zeros, old_log_prob=zeros, rollout_log_prob=zeros, mask=mask,
                            advantages=torch.zeros(shape[0], dtype=torch.float64)))
     assert out.weight.shape == shape and out.mask.shape == shape
-    assert torch.isnan(out.metrics["rollout_is_weight_mean"]) and torch.isnan(out.metrics["rollout_kl"])
+    assert torch.isnan(out.metrics["rollout_is_weight_mean"].value) and torch.isnan(out.metrics["rollout_kl"].value)

@@ -227,7 +227,7 @@ def test_rollout_mismatch_metrics_stay_finite(gap):
     mask = torch.ones(2, 3, dtype=torch.bool)
     train = torch.zeros(2, 3) if gap > 0 else torch.full((2, 3), gap)
     rollout = torch.full((2, 3), -gap) if gap > 0 else torch.zeros(2, 3)
-    metrics = mismatch_metrics(train, rollout, mask)
+    metrics = {k: stat.value for k, stat in mismatch_metrics(train, rollout, mask).items()}
     assert all(torch.isfinite(v) for v in metrics.values()), metrics
     assert metrics["rollout_ppl_ratio"].item() == pytest.approx(math.exp(-20.0 if gap > 0 else 20.0), rel=1e-5)
     out = pgloss.get("dapo")(train, train, torch.ones(2), mask, rollout_log_prob=rollout)

@@ -1,7 +1,7 @@
 """Two real torch.distributed processes (gloo on CPU), started once for every step statistic that
 is global over ranks (advantage statistics, the entropy quantile, M2PO's cut, the rollout weight mean,
 Clip-Cov's selection, REAL's groups,
-RAE's role baseline, Clip_B / Clip_V's statistics): each listed test module's `on_rank(rank)` runs inside the processes,
+RAE's role baseline, Clip_B / Clip_V's statistics, a step's metrics): each listed test module's `on_rank(rank)` runs inside the processes,
 and its `check_ranks(results)` compares the ranks' results with one process on the whole batch."""
 
 import importlib
@@ -15,7 +15,7 @@ from conftest import run_ranks
 TESTS = Path(__file__).resolve().parents[1]
 MODULES = ["advantages/test_estimators", "correction/test_token_masks", "correction/test_m2po",
            "correction/test_rollout_algorithms", "losses/test_cov_step", "losses/test_real",
-           "advantages/test_baselines", "correction/test_clip_masks"]
+           "advantages/test_baselines", "correction/test_clip_masks", "core/test_step_metrics"]
 
 
 def module(path: str):

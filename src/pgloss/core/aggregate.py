@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .batch import per_micro_batch
 from .checks import check_values, host_reads, is_integer
-from .distributed import is_distributed
+from .sequence_parallel import SequenceParallel, check_sequence_parallel, data_parallel_group, row_lengths
 
 MAX_GROUPS = 1 << 20
 """Group ids index a dense float64 count array (8 MiB at this bound)."""
@@ -79,6 +79,9 @@ class Normalizer:
     length_counts: Tensor | None = None
     rewarded_tokens: Tensor | None = None
     expert: "Normalizer | None" = None
+    sequence_parallel: SequenceParallel | None = None
+    """The sequence group the step's sequences are split over (`pgloss.core.sequence_parallel`): every call
+    that takes this Normalizer then computes over whole sequences. None: each call holds whole rows."""
 
     def complement(self, part: "Normalizer | None") -> "Normalizer":
         """The counts of the step's rows outside `part` (a sub-count of the same rows, e.g. `self.expert`):
@@ -89,7 +92,8 @@ class Normalizer:
         return Normalizer(tokens=self.tokens - part.tokens, sequences=self.sequences - part.sequences,
                           group_tokens=minus(self.group_tokens, part.group_tokens), world_size=self.world_size,
                           length_counts=minus(self.length_counts, part.length_counts),
-                          rewarded_tokens=minus(self.rewarded_tokens, part.rewarded_tokens))
+                          rewarded_tokens=minus(self.rewarded_tokens, part.rewarded_tokens),
+                          sequence_parallel=self.sequence_parallel)
 
     @property
     def groups(self) -> Tensor:
@@ -108,6 +112,7 @@ class Normalizer:
         expert: Tensor | Sequence[Tensor] | None = None,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> "Normalizer":
         """Count valid tokens, non-empty sequences, sequences per length and (with `group_ids`)
         tokens per group.
@@ -128,19 +133,27 @@ class Normalizer:
                 the same counts over them alone, in `expert` (CHORD; one more collective of the counts).
             process_group: the data-parallel group (None: the default group).
             reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
+            sequence_parallel: the sequence group when the masks are slices of longer sequences
+                (`pgloss.SequenceParallel`): each row's length is summed over it first (one all-reduce),
+                `process_group` is then the data-parallel group beside it, and `world_size` counts both.
         """
         mask_list = per_micro_batch("masks", masks)
         for k, mask in enumerate(mask_list):
             if not isinstance(mask, Tensor) or mask.ndim != 2:
                 raise ValueError(f"masks[{k}] must be a [B, T] tensor, got {getattr(mask, 'shape', type(mask))}")
         device = mask_list[0].device
+        sequence_parallel = check_sequence_parallel(sequence_parallel)
+        process_group, distributed = data_parallel_group(process_group, reduce, sequence_parallel)
         lengths = [(m != 0).sum(dim=-1).to(torch.float64) for m in mask_list]
-        distributed = is_distributed(reduce)
+        if sequence_parallel is not None:  # each row's whole length: one all-reduce for the step's rows
+            lengths = list(sequence_parallel.all_reduce(torch.cat(lengths)).split([len(n) for n in lengths]))
         width = max(m.shape[-1] for m in mask_list)  # static: the shapes, never the values
         if distributed:
             widest = torch.tensor(width, device=device)
             dist.all_reduce(widest, op=dist.ReduceOp.MAX, group=process_group)
             width = int(widest)
+        if sequence_parallel is not None:
+            width *= sequence_parallel.size  # a whole sequence's positions
         per_length = torch.zeros(width + 1, dtype=torch.float64, device=device)
         for length in lengths:
             per_length.index_add_(0, length.to(device).long(), (length > 0).to(torch.float64))
@@ -193,15 +206,17 @@ class Normalizer:
             if distributed:
                 dist.all_reduce(group_tokens, group=process_group)
         world_size = dist.get_world_size(process_group) if distributed else 1
+        if sequence_parallel is not None:
+            world_size *= sequence_parallel.size
         expert_counts = None
         if expert is not None:
             flag_list = per_row("expert", expert)
             expert_counts = cls.count([m * (f != 0).to(m.device)[:, None] for m, f in zip(mask_list, flag_list)],
                                       group_ids=group_ids, scores=scores, process_group=process_group,
-                                      reduce=reduce)
+                                      reduce=reduce, sequence_parallel=sequence_parallel)
         return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size,
                    length_counts=counts[3:], rewarded_tokens=counts[2] if scores is not None else None,
-                   expert=expert_counts)
+                   expert=expert_counts, sequence_parallel=sequence_parallel)
 
 
 def row_weights(
@@ -238,7 +253,7 @@ def _token_mean_rows(mask: Tensor, normalizer: Normalizer, **_: object) -> Tenso
 
 
 def _seq_mean_token_mean_rows(mask: Tensor, normalizer: Normalizer, **_: object) -> Tensor:
-    lengths = mask.sum(dim=-1, dtype=torch.float64)
+    lengths = row_lengths(mask, normalizer.sequence_parallel)
     return 1.0 / (lengths.clamp(min=1) * normalizer.sequences.clamp(min=1))
 
 
@@ -278,7 +293,7 @@ def _delta_l_rows(mask: Tensor, normalizer: Normalizer, norm_constant: float, al
     if counts is None:
         raise ValueError("loss_agg_mode 'delta-l-norm' needs a Normalizer that counted the step's lengths "
                          "(Normalizer.count or Algorithm.step_normalizer)")
-    lengths = mask.sum(dim=-1, dtype=torch.float64)
+    lengths = row_lengths(mask, normalizer.sequence_parallel)
     size = counts.shape[0]
     check_values(mask, lambda: lengths >= size,
                  lambda at: f"row {int(at)} holds {int(lengths[at])} valid tokens but the normalizer counted "

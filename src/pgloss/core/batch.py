@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .checks import check_finite, check_log_prob, check_values, is_integer
 from .inputs import OPTIONAL_INPUTS, OptionalInput, check_names
+from .sequence_parallel import SequenceParallel, check_sequence_parallel, row_lengths, row_mean
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -68,7 +69,9 @@ class TokenBatch:
     Token tensors are `[B, T]` in the compute dtype (float32, or float64 for float64 input);
     `advantages` is `[B, T]` (a `[B]` input is broadcast over tokens) and `seq_advantages` keeps
     the `[B]` form when one was given. The optional inputs (`ref_log_prob` to `expert`) are those
-    of core/inputs.py's `OPTIONAL_INPUTS`, None when not given.
+    of core/inputs.py's `OPTIONAL_INPUTS`, None when not given. `sequence_parallel`: the sequence group
+    when the rows are slices of longer sequences (`pgloss.core.sequence_parallel`); the row statistics
+    (`row_advantages`, `valid_rows`) are then over whole sequences.
     """
 
     log_prob: Tensor
@@ -84,32 +87,50 @@ class TokenBatch:
     full_kl: Tensor | None = None
     teacher_log_prob: Tensor | None = None
     expert: Tensor | None = None
+    sequence_parallel: SequenceParallel | None = None
 
     @property
     def row_advantages(self) -> Tensor:
         """Â_i, `[B]`: the `[B]` advantages as given, or the mean over a row's valid tokens of `[B, T]` ones."""
         if self.seq_advantages is not None:
             return self.seq_advantages
-        return (self.advantages * self.mask).sum(dim=-1) / self.mask.sum(dim=-1).clamp(min=1)
+        return row_mean(self.advantages * self.mask, self.mask, self.sequence_parallel)
+
+    @property
+    def valid_rows(self) -> Tensor:
+        """Bool `[B]`: the rows with a valid token (anywhere in the sequence, under a sequence group)."""
+        if self.sequence_parallel is None:
+            return self.mask.any(dim=-1)
+        return row_lengths(self.mask, self.sequence_parallel) > 0
 
     def restricted(self, mask: Tensor) -> "TokenBatch":
         """This batch with its effective mask narrowed to the bool `mask` (a subset of `self.mask`: a rollout
         correction's rejections, a family's subset of rows), every real value outside it zeroed as `prepare`
-        zeroes the masked positions (a row's value where the row keeps no token): what the narrowing drops
-        reaches no term of the loss (the policy term, the KL, the entropy bonus, the NLL), no gradient and
-        no metric, NaN and inf included."""
+        zeroes the masked positions (a row's value by `kept_rows`): what the narrowing drops reaches no term of
+        the loss (the policy term, the KL, the entropy bonus, the NLL), no gradient and no metric, NaN and inf
+        included."""
         rows = mask.any(dim=-1)
         fields = {"log_prob": "token", "old_log_prob": "token", "advantages": "token", "seq_advantages": "row"}
         fields |= {name: spec.per for name, spec in OPTIONAL_INPUTS.items() if spec.kind == "real"}
-        zeroed = {name: torch.where(mask if per == "token" else rows, getattr(self, name), 0.0)
-                  for name, per in fields.items() if getattr(self, name) is not None}
+        zeroed = {}
+        for name, per in fields.items():
+            value = getattr(self, name)
+            if value is not None:
+                keep = mask if per == "token" else kept_rows(rows, value, self.sequence_parallel)
+                zeroed[name] = torch.where(keep, value, 0.0)
         return dataclasses.replace(self, mask=mask, **zeroed)
 
     @classmethod
-    def prepare(cls, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor,
-                **inputs: Tensor | None) -> "TokenBatch":
-        """Check, upcast and mask the call's tensors; `inputs` are optional inputs (core/inputs.py)."""
+    def prepare(cls, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, *,
+                sequence_parallel: SequenceParallel | None = None, **inputs: Tensor | None) -> "TokenBatch":
+        """Check, upcast and mask the call's tensors; `inputs` are optional inputs (core/inputs.py).
+
+        Row inputs (`advantages` `[B]`, `scores`) are 0 on the rows without a valid token. Under a sequence
+        group a row may have no token on this rank and some on another, where its value counts: there they
+        are 0 only where they are not finite (the rank that holds the row's tokens refuses those), so that
+        every rank sees a row's value without a collective."""
         check_names(inputs)
+        sequence_parallel = check_sequence_parallel(sequence_parallel)
         log_prob = check_tensor("log_prob", log_prob, ndim=(2,))
         shape, device, dtype = log_prob.shape, log_prob.device, log_prob.dtype
         bool_mask = check_mask(mask, shape, device)
@@ -146,7 +167,7 @@ class TokenBatch:
                 raise ValueError(f"{spec.name} must have shape [{shape[0]}], got {tuple(value.shape)}")
             check_device(spec.name, value, device)
             check_finite(spec.name, value, bool_mask)
-            return torch.where(valid_rows, value.to(cdtype), 0.0)
+            return torch.where(kept_rows(valid_rows, value, sequence_parallel), value.to(cdtype), 0.0)
 
         def optional(spec: OptionalInput, value: Tensor) -> Tensor:
             value = token(spec.name, value, is_log_prob=spec.log_prob) if spec.per == "token" else row(spec, value)
@@ -162,7 +183,7 @@ class TokenBatch:
             advantages = seq_advantages[:, None].expand(shape)
         advantages = token("advantages", advantages, is_log_prob=False).detach()
         if seq_advantages is not None:
-            seq_advantages = torch.where(valid_rows, seq_advantages, 0.0)
+            seq_advantages = torch.where(kept_rows(valid_rows, seq_advantages, sequence_parallel), seq_advantages, 0.0)
 
         return cls(
             log_prob=token("log_prob", log_prob, is_log_prob=True),
@@ -170,8 +191,17 @@ class TokenBatch:
             advantages=advantages,
             mask=bool_mask,
             seq_advantages=seq_advantages,
+            sequence_parallel=sequence_parallel,
             **{name: optional(OPTIONAL_INPUTS[name], value) for name, value in inputs.items() if value is not None},
         )
+
+
+def kept_rows(valid_rows: Tensor, value: Tensor, sequence_parallel: SequenceParallel | None) -> Tensor:
+    """Bool `[B]`: where a row input (`[B]` advantages, `scores`) keeps its value: the rows with a valid token
+    here. Under a sequence group a row may have no token on this rank and some on another, where its value
+    counts: there it is kept wherever it is finite (the rank that holds the row's tokens refuses a non-finite
+    one), so that every rank sees a row's value without a collective."""
+    return valid_rows if sequence_parallel is None else valid_rows | value.isfinite()
 
 
 def per_micro_batch(name: str, value: "Tensor | Sequence[Tensor]", count: int | None = None) -> list[Tensor]:

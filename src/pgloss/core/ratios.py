@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .sequence_parallel import SequenceParallel, row_mean, row_sum
+
 RATIO_LEVELS = ("token", "sequence", "sequence_token", "sequence_product")
 
 
@@ -28,33 +30,37 @@ def log_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
     return log_prob - old_log_prob
 
 
-def sequence_log_ratio(token_log_ratio: Tensor, mask: Tensor, *, length_normalized: bool) -> Tensor:
+def sequence_log_ratio(token_log_ratio: Tensor, mask: Tensor, *, length_normalized: bool,
+                       sequence_parallel: SequenceParallel | None = None) -> Tensor:
     """Σ_t m_t log r_t, divided by |y_i| = Σ_t m_t when `length_normalized`; `[B, 1]`.
 
-    A row with no valid token gets 0 (ratio one), never 0/0.
+    A row with no valid token gets 0 (ratio one), never 0/0. Under a sequence group the sums are over the
+    whole sequence (one all-reduce, differentiable: `core.sequence_parallel`).
     """
-    total = (token_log_ratio * mask).sum(dim=-1, keepdim=True)
-    if not length_normalized:
-        return total
-    return total / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    masked = token_log_ratio * mask
+    if length_normalized:
+        return row_mean(masked, mask, sequence_parallel, keepdim=True)
+    return row_sum(masked, sequence_parallel, keepdim=True)
 
 
 def importance_ratio(
     log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, level: str, max_log_ratio: float,
-    token_log_ratio: Tensor | None = None,
+    token_log_ratio: Tensor | None = None, sequence_parallel: SequenceParallel | None = None,
 ) -> Tensor:
     """The importance ratio at `level` (see the module docstring), `[B, T]` or `[B, 1]`.
     `token_log_ratio`: log π_θ - log π_old when the caller has it (one pass less), with the gradient
-    the ratio should carry."""
+    the ratio should carry. `sequence_parallel`: the sequence group of split rows (the sequence levels sum
+    over whole sequences)."""
     token_log_ratio = log_ratio(log_prob, old_log_prob) if token_log_ratio is None else token_log_ratio
     if level == "token":
         log_r = token_log_ratio
     elif level == "sequence":
-        log_r = sequence_log_ratio(token_log_ratio, mask, length_normalized=True)
+        log_r = sequence_log_ratio(token_log_ratio, mask, length_normalized=True, sequence_parallel=sequence_parallel)
     elif level == "sequence_product":
-        log_r = sequence_log_ratio(token_log_ratio, mask, length_normalized=False)
+        log_r = sequence_log_ratio(token_log_ratio, mask, length_normalized=False,
+                                   sequence_parallel=sequence_parallel)
     elif level == "sequence_token":
-        seq = sequence_log_ratio(token_log_ratio, mask, length_normalized=True)
+        seq = sequence_log_ratio(token_log_ratio, mask, length_normalized=True, sequence_parallel=sequence_parallel)
         # sg[log s_i] + log π_θ - sg[log π_θ]: value log s_i, gradient d log π_θ(y_t).
         log_r = seq.detach() + (log_prob - log_prob.detach())
     else:

@@ -48,6 +48,7 @@ step's weight mean; pass it to every micro-batch's loss call.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,9 +59,10 @@ from torch import Tensor
 
 from ..core.aggregate import Normalizer
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
-from ..core.distributed import is_distributed
 from ..core.checks import check_log_prob, check_number
-from ..core.metrics import masked_extremes, masked_fraction, masked_mean
+from ..core.metrics import Stat, effective_sample_size, masked_mean, token_extremes, token_fraction, token_mean
+from ..core.sequence_parallel import (SequenceParallel, data_parallel_group, row_lengths, row_max, row_mean, row_sum,
+                                     row_total_and_length)
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
 WEIGHT_MODES = ("truncate", "mask")
@@ -101,8 +103,9 @@ class Rejection:
         object.__setattr__(self, "upper", upper)
         object.__setattr__(self, "lower", lower)
 
-    def keep(self, log_rho: Tensor, mask: Tensor) -> Tensor:
-        """Bool `[B, T]`: the tokens this rule keeps (whole rows for the sequence levels)."""
+    def keep(self, log_rho: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None) -> Tensor:
+        """Bool `[B, T]`: the tokens this rule keeps (whole rows for the sequence levels, their statistic over
+        the whole sequence under a `sequence_parallel` group)."""
         level, k = self.option.rsplit("_", 1)
         if k == "k1":
             stat = -log_rho
@@ -112,11 +115,12 @@ class Rejection:
             stat = torch.expm1(log_rho) - log_rho
         stat = torch.where(mask, stat, 0.0)
         if level == "seq_sum":
-            stat = stat.sum(dim=-1, keepdim=True)
+            stat = row_sum(stat, sequence_parallel, keepdim=True)
         elif level == "seq_mean":
-            stat = stat.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+            stat = row_mean(stat, mask, sequence_parallel, keepdim=True)
         elif level == "seq_max":
-            stat = _row_max(torch.where(mask, stat, -torch.inf)).clamp(min=-torch.finfo(stat.dtype).max)
+            stat = row_max(torch.where(mask, stat, -torch.inf), sequence_parallel,
+                           keepdim=True).clamp(min=-torch.finfo(stat.dtype).max)
         if k == "k1":  # bounds on the ratio, compared in log space
             keep = torch.ones_like(stat, dtype=torch.bool)
             if self.upper is not None:
@@ -131,12 +135,12 @@ class Rejection:
 @dataclass(frozen=True)
 class Corrected:
     """What a correction hands to the loss: the old log-probs the loss's ratio uses, the detached
-    weight `[B, T]` (None: no weight), the effective mask, and detached 0-d metrics."""
+    weight `[B, T]` (None: no weight), the effective mask, and its metrics (`Stat`s of detached 0-d values)."""
 
     old_log_prob: Tensor
     weight: Tensor | None
     mask: Tensor
-    metrics: dict[str, Tensor]
+    metrics: dict[str, Stat]
 
 
 @dataclass(frozen=True)
@@ -218,13 +222,16 @@ class RolloutCorrection:
     def _log_rho(self, train: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
         return torch.where(mask, (train - rollout).clamp(-self.max_log_ratio, self.max_log_ratio), 0.0)
 
-    def _raw_weight(self, train: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
-        """The unbounded weight ρ, `[B, T]` (sequence levels broadcast over the row)."""
+    def _raw_weight(self, train: Tensor, rollout: Tensor, mask: Tensor,
+                    sequence_parallel: SequenceParallel | None = None) -> Tensor:
+        """The unbounded weight ρ, `[B, T]` (sequence levels broadcast over the row, their sums over the whole
+        sequence under a `sequence_parallel` group)."""
         if self.weight_level == "token":
             return torch.exp(self._log_rho(train, rollout, mask))
-        total = torch.where(mask, train - rollout, 0.0).sum(dim=-1, keepdim=True)
+        total, length = row_total_and_length(torch.where(mask, train - rollout, 0.0), mask, sequence_parallel,
+                                             keepdim=True)
         if self.weight_level == "sequence_geometric":
-            total = total / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+            total = total / length.clamp(min=1)
         return torch.exp(total.clamp(-self.max_log_ratio, self.max_log_ratio)).expand(mask.shape)
 
     def _bound(self, raw: Tensor) -> tuple[Tensor, Tensor]:
@@ -240,7 +247,8 @@ class RolloutCorrection:
             return raw, out
         return raw.clamp(min=self.lower, max=self.upper), out
 
-    def keep_mask(self, mask: Tensor, old_log_prob: Tensor, rollout_log_prob: Tensor) -> Tensor:
+    def keep_mask(self, mask: Tensor, old_log_prob: Tensor, rollout_log_prob: Tensor,
+                  sequence_parallel: SequenceParallel | None = None) -> Tensor:
         """The mask after the KL-based rejection, known before the step (decoupled mode): count a
         step's `Normalizer` on these to leave rejected tokens out of the denominator."""
         if self.bypass and self.rejection:
@@ -248,9 +256,11 @@ class RolloutCorrection:
         ((mask, old_log_prob, rollout_log_prob),) = _micro_batches(
             mask, old_log_prob, rollout_log_prob, names=("mask", "old_log_prob", "rollout_log_prob"))
         dtype = compute_dtype(old_log_prob.dtype)  # the loss call's arithmetic, so both see one mask
-        return self.kept(old_log_prob.detach().to(dtype), rollout_log_prob.detach().to(dtype), mask)
+        return self.kept(old_log_prob.detach().to(dtype), rollout_log_prob.detach().to(dtype), mask,
+                         sequence_parallel)
 
-    def kept(self, train: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+    def kept(self, train: Tensor, rollout: Tensor, mask: Tensor,
+             sequence_parallel: SequenceParallel | None = None) -> Tensor:
         """The tokens the KL-based rejection keeps, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n, where
         every rule computes its statistic over the original `mask` (a sequence rule after a token rule
         averages over the sequence's valid tokens, not over the ones the token rule kept), as verl's
@@ -259,7 +269,7 @@ class RolloutCorrection:
         log_rho = self._log_rho(train, rollout, mask)
         keep = mask
         for rule in self.rejection:
-            keep = keep & rule.keep(log_rho, mask)
+            keep = keep & rule.keep(log_rho, mask, sequence_parallel)
         return keep
 
     def step_weight_mean(
@@ -270,23 +280,28 @@ class RolloutCorrection:
         *,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> Tensor:
         """The mean bounded weight over the step's micro-batches (and, when torch.distributed is
         initialized and `reduce`, all ranks of `process_group`): over valid tokens at token level,
-        over non-empty sequences at the sequence levels. A collective, like `Normalizer.count`.
+        over non-empty sequences at the sequence levels. A collective, like `Normalizer.count`
+        (`sequence_parallel` as there: each row's part summed over the sequence group first).
         Pass it to every call of the step as `weight_mean`."""
         if self.weight_level is None:
             raise ValueError("step_weight_mean needs a weight_level")
         parts = _micro_batches(masks, old_log_probs, rollout_log_probs)
+        process_group, distributed = data_parallel_group(process_group, reduce, sequence_parallel)
         totals = torch.zeros(2, dtype=torch.float64, device=parts[0][0].device)
         for mask, old, rollout in parts:
-            weight, _ = self._bound(self._raw_weight(old.detach().double(), rollout.detach().double(), mask))
-            if self.weight_level == "token":
-                totals += torch.stack([torch.where(mask, weight, 0.0).sum(), mask.sum().double()])
-            else:
-                rows = mask.any(dim=-1)
+            weight, _ = self._bound(self._raw_weight(old.detach().double(), rollout.detach().double(), mask,
+                                                     sequence_parallel))
+            if self.weight_level == "token":  # per row, then over the sequence group: every token once
+                totals += torch.stack(row_total_and_length(torch.where(mask, weight, 0.0), mask,
+                                                           sequence_parallel)).sum(dim=-1)
+            else:  # a sequence weight is the same on every rank of the sequence group: each sequence once
+                rows = row_lengths(mask, sequence_parallel) > 0
                 totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
-        if is_distributed(reduce):
+        if distributed:
             dist.all_reduce(totals, group=process_group)
         return totals[0] / totals[1].clamp(min=1)
 
@@ -302,21 +317,22 @@ class RolloutCorrection:
         count_rejected: bool = False,
         process_group: "dist.ProcessGroup | None" = None,
         reduce: bool = True,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> CorrectedNormalizer:
         """The step's counts over the masks after the KL-based rejection (`count_rejected=True`, or
         bypass mode: over the original masks), with the step's weight mean when `batch_normalize`.
-        A collective under torch.distributed, like `Normalizer.count`."""
+        A collective under torch.distributed, like `Normalizer.count` (and `sequence_parallel` as there)."""
         masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs))
         counted = masks if count_rejected or self.bypass or not self.rejection else [
-            self.keep_mask(m, o, r) for m, o, r in zip(masks, olds, rollouts)]
+            self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(masks, olds, rollouts)]
         base = Normalizer.count(counted, group_ids=group_ids, scores=scores, expert=expert,
-                                process_group=process_group, reduce=reduce)
+                                process_group=process_group, reduce=reduce, sequence_parallel=sequence_parallel)
         mean = None
         if self.batch_normalize:
-            mean = self.step_weight_mean(masks, olds, rollouts, process_group=process_group, reduce=reduce)
-        return CorrectedNormalizer(tokens=base.tokens, sequences=base.sequences, group_tokens=base.group_tokens,
-                                   world_size=base.world_size, length_counts=base.length_counts,
-                                   rewarded_tokens=base.rewarded_tokens, expert=base.expert, weight_mean=mean)
+            mean = self.step_weight_mean(masks, olds, rollouts, process_group=process_group, reduce=reduce,
+                                         sequence_parallel=sequence_parallel)
+        return CorrectedNormalizer(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                                   weight_mean=mean)
 
     # -- the call -------------------------------------------------------------------------------
 
@@ -329,11 +345,13 @@ class RolloutCorrection:
         mask: Tensor,
         seq_advantages: Tensor | None = None,
         weight_mean: Tensor | None = None,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> Corrected:
         """Correct one (micro-)batch. Inputs `[B, T]` already checked and zeroed at masked positions
         (`TokenBatch.prepare`); `seq_advantages` `[B]` (needed by the off-policy mask).
         `weight_mean`: the step's mean weight (`step_weight_mean`, carried by the step's normalizer),
-        required by `batch_normalize`."""
+        required by `batch_normalize`. `sequence_parallel`: the sequence group of split rows (the step's
+        normalizer's): every sequence statistic is then over the whole sequence."""
         if rollout_log_prob is None and self.needs_rollout:
             raise ValueError("this rollout correction needs rollout_log_prob (the inference engine's log-probs)")
         if weight_mean is not None and not self.batch_normalize:
@@ -345,24 +363,25 @@ class RolloutCorrection:
         old = rollout if self.bypass else old_log_prob.detach()
         train = log_prob.detach() if self.bypass else old
         effective = mask
-        metrics: dict[str, Tensor] = {}
+        metrics: dict[str, Stat] = {}
         count = mask.sum()
         if rollout is not None:
-            metrics |= mismatch_metrics(train, rollout, mask)
+            metrics |= mismatch_metrics(train, rollout, mask, sequence_parallel)
             if self.rejection:
-                effective = self.kept(train, rollout, mask)
-                metrics["rollout_rejected_frac"] = masked_fraction(~effective, mask, count)
+                effective = self.kept(train, rollout, mask, sequence_parallel)
+                metrics["rollout_rejected_frac"] = token_fraction(~effective, mask, count)
         if self.off_policy_mask is not None:
             if seq_advantages is None:
                 raise ValueError("off_policy_mask needs advantages")
             behave = old_log_prob.detach() if rollout is None else rollout
-            opsm = off_policy_sequence_mask(log_prob, behave, seq_advantages, mask, delta=self.off_policy_mask)
-            metrics["rollout_opsm_frac"] = masked_fraction(~opsm, mask, count)
+            opsm = off_policy_sequence_mask(log_prob, behave, seq_advantages, mask, delta=self.off_policy_mask,
+                                            sequence_parallel=sequence_parallel)
+            metrics["rollout_opsm_frac"] = token_fraction(~opsm, mask, count)
             effective = effective & opsm
         weight = None
         if self.weight_level is not None:
-            weight, out = self._bound(self._raw_weight(train, rollout, mask))
-            metrics["rollout_is_bounded_frac"] = masked_fraction(out, effective)
+            weight, out = self._bound(self._raw_weight(train, rollout, mask, sequence_parallel))
+            metrics["rollout_is_bounded_frac"] = token_fraction(out, effective)
             if self.batch_normalize:
                 weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
@@ -404,33 +423,32 @@ def _row_max(values: Tensor) -> Tensor:
 
 
 def off_policy_sequence_mask(log_prob: Tensor, behave_log_prob: Tensor, seq_advantages: Tensor, mask: Tensor,
-                             *, delta: float) -> Tensor:
+                             *, delta: float, sequence_parallel: SequenceParallel | None = None) -> Tensor:
     """DeepSeek-V3.2's off-policy sequence mask, bool `[B, T]`: False on the rows with Â_i < 0 and
-    (1/|y_i|) Σ_t m (log π_behave - sg log π_θ) > δ."""
-    gap = torch.where(mask, behave_log_prob.detach() - log_prob.detach(), 0.0).sum(dim=-1)
-    gap = gap / mask.sum(dim=-1).clamp(min=1)
+    (1/|y_i|) Σ_t m (log π_behave - sg log π_θ) > δ (over the whole sequence under `sequence_parallel`)."""
+    gap = row_mean(torch.where(mask, behave_log_prob.detach() - log_prob.detach(), 0.0), mask, sequence_parallel)
     drop = (seq_advantages < 0) & (gap > delta)
     return mask & ~drop[:, None]
 
 
-def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Tensor]:
-    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over
-    valid tokens, or over non-empty sequences for a per-sequence weight. NaN over nothing."""
+def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Stat]:
+    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over valid tokens,
+    or over non-empty sequences for a per-sequence weight. NaN over nothing."""
     if per_sequence:
         mask = mask.any(dim=-1, keepdim=True)
         weight = _row_max(weight)  # one value per row (0 at masked positions, w >= 0)
     count = mask.sum()
-    low, high = masked_extremes(weight, mask, count)
-    mean = masked_mean(weight, mask, count)
+    low, high = token_extremes(weight, mask, count)
     return {
         "rollout_is_weight_min": low,
-        "rollout_is_weight_mean": mean,
+        "rollout_is_weight_mean": token_mean(weight, mask, count),
         "rollout_is_weight_max": high,
-        "rollout_is_ess": mean.square() / masked_mean(weight.square(), mask, count),
+        "rollout_is_ess": effective_sample_size(weight, mask, count),
     }
 
 
-def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, Tensor]:
+def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor,
+                     sequence_parallel: SequenceParallel | None = None) -> dict[str, Stat]:
     """The train/rollout mismatch over valid tokens (verl's `compute_offpolicy_metrics`):
 
         rollout_kl        mean_t (log π_rollout - log π_train)          k1 of KL(π_rollout‖π_train)
@@ -438,6 +456,9 @@ def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, 
         rollout_chi2_token  mean_t ρ² - 1;   rollout_chi2_seq  mean_i (Π_t ρ)² - 1 (log clamped at ±20)
         rollout_ppl_ratio mean_i PPL_train,i / PPL_rollout,i = mean_i exp(mean_t (log π_rollout - log π_train))
                           (the exponent clamped at ±20, as the others: finite for any finite input)
+
+    The token means are over the call's tokens; the sequence ones over its rows with a token here, each
+    row's Σ_t and mean_t over the whole sequence under `sequence_parallel` (one all-reduce).
     """
     train, rollout = train.detach(), rollout.detach()
     count = mask.sum()
@@ -445,13 +466,13 @@ def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, 
     safe = log_rho.clamp(-20.0, 20.0)
     rows = mask.any(dim=-1)
     n_rows = rows.sum()
-    seq_sum = log_rho.sum(dim=-1)
-    seq_mean = seq_sum / mask.sum(dim=-1).clamp(min=1)
+    seq_sum, length = row_total_and_length(log_rho, mask, sequence_parallel)
+    seq_mean = seq_sum / length.clamp(min=1)
     row_mean = lambda v: torch.where(rows, v, 0.0).sum() / n_rows  # noqa: E731
-    return {
-        "rollout_kl": -masked_mean(log_rho, mask, count),
-        "rollout_k3_kl": masked_mean(torch.expm1(safe) - safe, mask, count),
-        "rollout_chi2_token": masked_mean(torch.exp(2 * safe), mask, count) - 1.0,
-        "rollout_chi2_seq": row_mean(torch.exp(2 * seq_sum.clamp(-20.0, 20.0))) - 1.0,
-        "rollout_ppl_ratio": row_mean(torch.exp(-seq_mean.clamp(-20.0, 20.0))),
+    return {  # means over the tokens (count) or the non-empty rows (n_rows); m - 1 combines as m does
+        "rollout_kl": Stat.mean(-masked_mean(log_rho, mask, count), count),
+        "rollout_k3_kl": Stat.mean(masked_mean(torch.expm1(safe) - safe, mask, count), count),
+        "rollout_chi2_token": Stat.mean(masked_mean(torch.exp(2 * safe), mask, count) - 1.0, count),
+        "rollout_chi2_seq": Stat.mean(row_mean(torch.exp(2 * seq_sum.clamp(-20.0, 20.0))) - 1.0, n_rows),
+        "rollout_ppl_ratio": Stat.mean(row_mean(torch.exp(-seq_mean.clamp(-20.0, 20.0))), n_rows),
     }

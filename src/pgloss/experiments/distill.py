@@ -133,11 +133,11 @@ def _teacher(experiment: DistillExperiment, seed: int, out: str) -> None:
 
 
 def _student(experiment: DistillExperiment, label: str, seed: int, out: str) -> None:
-    import torch
+    from ..lab.torch_files import load_tensors
 
     out = Path(out)
     write_run(experiment.lab_config(label, seed), str(run_path(out, label, seed)), str(out / "warm"), label=label,
-              teacher_state=torch.load(teacher_path(out, seed), map_location="cpu"),
+              teacher_state=load_tensors(teacher_path(out, seed), "distillation teacher"),
               teacher_cfg=experiment.lab_config(TEACHER, seed))
 
 

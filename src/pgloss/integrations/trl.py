@@ -34,7 +34,8 @@ Mapping of TRL's inputs: completion_mask (· tool_mask, · the top-entropy mask 
 algorithm's `kl_coef`, and the KL term is pgloss's); vLLM's `sampling_per_token_logps` the
 rollout log-probs of the algorithm's rollout correction (TRL's vLLM importance sampling and
 off-policy mask become one); group ids, global over processes, are added to each generation batch.
-Options that cannot be honoured are refused by name. Metrics are logged as `pgloss/<name>`.
+Options that cannot be honoured are refused by name. The step's metrics (`pgloss.StepMetrics` over its
+micro-batches and processes) are logged once per optimizer step as `pgloss/<name>`.
 
 `use_adaptive_entropy=True`: `pgloss.controllers.AdaptiveEntropy` (`pgloss.trainer_options.trl.adaptive_entropy`)
 holds the coefficient. Every micro-batch of a step runs the algorithm with the coefficient it
@@ -168,6 +169,7 @@ class PGLossMixin:
         self.chunk_size = chunk_size
         self._pgloss_top = config.top_entropy_quantile if config.top_entropy_quantile < 1 else None
         self._pgloss_window: tuple[int, int, Normalizer, list[Tensor]] | None = None
+        self._pgloss_steps: dict[str, pgloss.StepMetrics] = {}  # the current step's metrics, by mode
         super().__init__(*args, **kwargs)
         if fused:
             self._check_fused_head()
@@ -344,18 +346,20 @@ class PGLossMixin:
         if aux is not None and self.aux_loss_enabled:  # TRL's own convention for the MoE router loss
             loss = loss + self.router_aux_loss_coef * aux / accumulation
         self._pgloss_entropy_step(mode, entropy, mask)
-        self._pgloss_log(mode, out, accumulation, algorithm)
+        self._pgloss_log(mode, out, algorithm)
         return loss
 
-    def _pgloss_log(self, mode: str, out: LossOutput, accumulation: int, algorithm: Algorithm) -> None:
-        """One gather for every metric, logged as `pgloss/<name>`. `pg_loss` and `kl_loss` are this
-        micro-batch's shares of the step's value, so they are logged × accumulation steps: their mean
-        over the step is the value."""
-        names = sorted(out.metrics)
-        shares = {"pg_loss", "kl_loss"}
-        values = torch.stack([out.metrics[k].detach().float() * (accumulation if k in shares else 1) for k in names])
-        gathered = self.accelerator.gather(values[None]).reshape(-1, len(names))
-        logged = dict(zip(names, gathered.nanmean(dim=0).tolist()))
+    def _pgloss_log(self, mode: str, out: LossOutput, algorithm: Algorithm) -> None:
+        """The step's metrics, logged as `pgloss/<name>` once per optimizer step (in evaluation, once per
+        batch): each micro-batch's are added to a `pgloss.StepMetrics`, which at the step's last micro-batch
+        (`sync_gradients`) combines them over the step's micro-batches and processes (a mean over the step's
+        tokens; `pg_loss` and `kl_loss` the step's loss terms) in two collectives and one host sync."""
+        step = self._pgloss_steps.setdefault(mode, pgloss.StepMetrics())
+        step.add(out)
+        if mode == "train" and not self.accelerator.sync_gradients:
+            return
+        logged = step.as_floats()
+        step.reset()
         for k, value in logged.items():
             self._metrics[mode][f"pgloss/{k}"].append(value)
         # TRL's own names, where TRL logs them: the mean entropy; with an entropy bonus, the loss before
@@ -365,7 +369,7 @@ class PGLossMixin:
         if algorithm.entropy_coef != 0 or self.entropy_controller is not None:
             policy = logged["pg_loss"] + algorithm.kl_coef * logged.get("kl_loss", 0.0)
             self._metrics[mode]["policy_loss"].append(policy)
-            if mode == "train" and self.accelerator.sync_gradients:  # adaptive: the coefficient after the update
+            if mode == "train":  # adaptive: the coefficient after the update
                 coef = algorithm.entropy_coef if self.entropy_controller is None else self.entropy_controller.coef
                 self._metrics[mode]["entropy_coef"].append(coef)
 

@@ -19,7 +19,11 @@ algorithm from verl's config with `pgloss.trainer_options.verl.algorithm_from_ve
     rollout_is_weights w         -> loss = algorithm.aggregate(w · ℓ)   (ℓ: the algorithm's per-token term,
                                     aggregated with its own mode and constants: `Algorithm.aggregate`)
 
-and returns `(loss, {"actor/<metric>": value})`. A loss that needs per-call inputs verl does not
+and returns `(loss, {"actor/<metric>": value})`: the call's metrics except its loss terms (`Stat.reduce ==
+"loss"`: `pg_loss`, which verl records itself). verl reduces them over its micro-batches and dp ranks with its own
+`Metric(MEAN)`, an unweighted mean of the calls' values (a policy loss function sees neither the step's
+other calls nor their number, so no per-call value can make that mean token-weighted; `pgloss.StepMetrics`
+gives a step's metrics in a loop that sees its calls). A loss that needs per-call inputs verl does not
 pass (`Algorithm.needs`: TOPR's raw scores, REAL's group ids) is a clear error at its first call.
 KL and entropy stay verl's: `ppo_loss` adds them after the policy term, so the algorithm runs with
 `kl_coef = entropy_coef = 0`. verl's `global_batch_size` counts rows, empty ones included
@@ -39,6 +43,7 @@ from torch import Tensor
 import pgloss
 from ..core.aggregate import Normalizer, aggregate, aggregation
 from ..core.inputs import OPTIONAL_INPUTS
+from ..core.metrics import LOSS
 from ..algorithms import Algorithm
 from ..trainer_options.verl import PREFIX, VARIANTS, algorithm_from_verl, config_get
 
@@ -141,7 +146,9 @@ def policy_loss_fn(name: str, algorithm: Algorithm | None = None) -> Callable[..
         if rollout_is_weights is not None:  # verl's own rollout correction weighs the policy term before its aggregation
             weighted = out.per_token * rollout_is_weights.detach().to(out.per_token.dtype)
             loss = alg.aggregate(weighted, response_mask, normalizer)
-        metrics = {f"actor/{key}": value for key, value in out.metrics.items() if key != "pg_loss"}
+        # The call's metrics; verl reduces them over its micro-batches and dp ranks itself. Loss terms (pg_loss)
+        # are not returned: verl records the policy loss as actor/pg_loss, summed over micro-batches.
+        metrics = {f"actor/{key}": stat.value for key, stat in out.stats.items() if stat.reduce != LOSS}
         return loss, metrics
 
     fn.__name__ = fn.__qualname__ = f"pgloss_{name}_policy_loss"

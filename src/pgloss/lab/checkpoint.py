@@ -54,12 +54,12 @@ def save(file: Path, state: dict) -> None:
 def load(file: Path, cfg=None) -> dict | None:
     """The checkpoint in `file` (None when there is none); ValueError naming the settings that differ
     when it was saved by a run of other settings than `cfg` (a LabConfig)."""
-    import torch
+    from .torch_files import load_tensors
 
     file = Path(file)
     if not file.exists():
         return None
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    state = load_tensors(file, "checkpoint")
     if cfg is not None:
         differ = differences(state["config"], dataclasses.asdict(cfg))
         if differ:

@@ -62,8 +62,10 @@ def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 1
 
 def load_batch(path: str | Path) -> dict[str, Tensor]:
     """A batch saved with ``torch.save({"log_prob": ..., "old_log_prob": ..., "advantages": ..., "mask": ...})``
-    (and, optionally, ``scores`` and ``group_ids``)."""
-    data = torch.load(path, map_location="cpu")
+    (and, optionally, ``scores`` and ``group_ids``), read without running code from it (`torch_files.load_tensors`)."""
+    from .torch_files import load_tensors
+
+    data = load_tensors(path, "--batch")
     if not isinstance(data, dict) or any(k not in data for k in BATCH_KEYS):
         raise ValueError(f"batch: {path} must hold a dict with the keys {', '.join(BATCH_KEYS)}")
     return {k: data[k] for k in (*BATCH_KEYS, *EXTRA_KEYS) if k in data}

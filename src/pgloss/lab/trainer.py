@@ -46,6 +46,7 @@ from torch import Tensor
 
 import pgloss
 from ..advantages.group import dynamic_sampling_keep, group_advantages
+from ..core.metrics import Stat
 from ..kl.estimators import kl_estimate
 from . import checkpoint as checkpoints
 from . import distributed as dist
@@ -277,9 +278,9 @@ def refill(batch: Batch, draw, n_groups: int, max_rounds: int) -> tuple[Batch, d
 
 def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups: int,
            generator: torch.Generator, scheduler=None, entropy_control=None) -> dict[str, Tensor]:
-    """``epochs`` x ``minibatches`` optimizer steps on one batch; returns mean diagnostics
-    (``UPDATE_METRICS``; NaN for a metric the algorithm does not report; the ``ROLLOUT_METRICS`` only
-    when the loss saw rollout log-probs; ``entropy_coef``: the mean entropy coefficient the loss applied)
+    """``epochs`` x ``minibatches`` optimizer steps on one batch; returns each step's diagnostics averaged over the
+    steps (the loss's: `pgloss.StepMetrics` over the step's micro-batches and ranks): ``UPDATE_METRICS``, NaN for one
+    the algorithm lacks, the ``ROLLOUT_METRICS`` only when the loss saw rollout log-probs, ``entropy_coef`` applied.
 
     With `entropy_control` (`make_entropy_control`), each optimizer step's loss is the algorithm with the
     controller's applied coefficient, the controller sees the step's entropy under the loss's mask and
@@ -292,7 +293,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     """
     values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
 
-    def add(name: str, value: Tensor) -> None:  # metrics are means over micro-batches (or optimizer steps)
+    def add(name: str, value: Tensor) -> None:  # one value per optimizer step; the update's is their mean
         values[name].append(value.detach().float().cpu())
 
     for _ in range(cfg.epochs):
@@ -307,7 +308,7 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
             if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
                 continue
             optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros(())
+            step_metrics = pgloss.StepMetrics()  # compute() is a collective: every rank, with or without calls
             loss_fn = algorithm if entropy_control is None else entropy_control.algorithm(algorithm)
             add("entropy_coef", torch.tensor(float(loss_fn.entropy_coef)))
             for micro in micros:
@@ -320,11 +321,12 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                                 mask=micro.rollout.mask, entropy=entropy, normalizer=normalizer,
                                 **micro.inputs(loss_fn))
                 out.loss.backward()
-                for name, key in (*LOSS_METRICS.items(), *((k, k) for k in ROLLOUT_METRICS)):
-                    if key in out.metrics:
-                        add(name, out.metrics[key])
-                step_loss = step_loss + out.loss.detach().cpu()
-            add("loss", step_loss)  # the micro-batch losses sum to the step's loss
+                step_metrics.add(out)
+                step_metrics.add({"loss": Stat.loss(out.loss)})
+            step_values = step_metrics.compute()
+            for name, key in (*LOSS_METRICS.items(), *((k, k) for k in ROLLOUT_METRICS), ("loss", "loss")):
+                if key in step_values:
+                    add(name, step_values[key])
             dist.average_gradients(policy)
             norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             add("grad_norm", norm)
@@ -334,8 +336,8 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                 entropy_control.step(device=batch.advantages.device)
             if scheduler is not None:
                 scheduler.step()
-    nan = torch.tensor(float("nan"))  # nanmean: a micro-batch without valid tokens has NaN metrics
-    return {k: torch.stack(v).nanmean() if v else nan for k, v in values.items() if v or k not in ROLLOUT_METRICS}
+    return {k: torch.stack(v).nanmean() if v else torch.tensor(float("nan"))  # a metric over no token is NaN
+            for k, v in values.items() if v or k not in ROLLOUT_METRICS}
 
 
 def eval_problems(task, cfg: LabConfig) -> list[Problem]:

@@ -117,12 +117,15 @@ def trained(cfg, cache: Path | None, on_steps=None) -> dict:
     import torch
 
     from . import trainer
+    from .torch_files import load_tensors
 
     file = None if cache is None else path(cfg, cache)
     if file is not None and file.exists():
         try:
-            return torch.load(file, map_location="cpu")
-        except Exception:  # noqa: BLE001 (an unreadable cache file is trained again)
+            return load_tensors(file, "warm-start cache")
+        except ValueError:  # a file holding more than tensors was not written here: refused, not replaced
+            raise
+        except Exception:  # noqa: BLE001 (a damaged cache file is trained again)
             pass
     torch.set_num_threads(cfg.threads)
     tokenizer, task, model = trainer.build(cfg)

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..core.aggregate import Normalizer, aggregation, row_weights
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean
+from ..core.metrics import token_mean
 from ..core.output import PolicyTerms, check
 from .closed_form import GradientFactor
 from .ppo import ClippedPolicy
@@ -106,7 +106,7 @@ class CHORD(ClippedPolicy):
         sft = sft_per_token(batch.log_prob, weight=self.sft_weight, cutoff_prob=self.sft_cutoff_prob)
         metrics = dict(on_policy.metrics)
         if batch.expert is not None:  # the expert tokens' mean ℓ^SFT (NaN over none, as every token mean)
-            metrics["sft_loss"] = masked_mean(sft.detach(), batch.mask & expert)
+            metrics["sft_loss"] = token_mean(sft.detach(), batch.mask & expert)
         mu = self.chord_mu
         return PolicyTerms(torch.where(expert, mu * sft, (1.0 - mu) * on_policy.per_token), metrics)
 

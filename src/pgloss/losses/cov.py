@@ -53,7 +53,7 @@ from ..base import Algorithm
 from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch, check_mask, check_tensor, per_micro_batch
 from ..core.distributed import is_distributed
-from ..core.metrics import clip_metrics, masked_mean, ratio_metrics
+from ..core.metrics import clip_metrics, token_mean, ratio_metrics
 from ..core.ratios import importance_ratio, log_ratio
 from ..correction.token_masks import gather_values
 from .closed_form import GradientFactor
@@ -252,6 +252,12 @@ def step_covariance(
     return [torch.where(m, (a.to(dtype) - mean_a) * (lp.to(dtype) - mean_lp), 0.0) for a, lp, m in zip(advs, lps, ms)]
 
 
+SPLIT_SELECTION = ("its token selection is drawn among a call's own tokens, a slice of each sequence; take the "
+                   "step's with step_selection(..., process_group=<every rank holding the step's tokens>) and give "
+                   "each call its part, dataclasses.replace(algorithm, selection=part)")
+"""Why Clip-Cov and KL-Cov without a `selection` refuse sequences split across ranks (`sequence_split_refusal`)."""
+
+
 def _check_selection(selection: object, mask: Tensor) -> Tensor | None:
     if selection is None:
         return None
@@ -298,6 +304,9 @@ class ClipCov(Algorithm):
                f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}")
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
+
+    def sequence_split_refusal(self) -> str | None:
+        return SPLIT_SELECTION if self.selection is None else None
 
     def step_selection(
         self,
@@ -360,7 +369,7 @@ class ClipCov(Algorithm):
         loss, picked, by_clip = self._loss(batch, ratio)
         positive = batch.advantages > 0
         metrics = clip_metrics(by_clip & positive, by_clip & ~positive, batch.mask)
-        metrics["clip_cov_fraction"] = masked_mean(picked.to(ratio.dtype), batch.mask)
+        metrics["clip_cov_fraction"] = token_mean(picked.to(ratio.dtype), batch.mask)
         metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
         return PolicyTerms(loss, metrics)
 
@@ -398,6 +407,9 @@ class KLCov(Algorithm):
         check(self.kl_cov_ratio > 0, f"kl_cov_ratio must be > 0, got {self.kl_cov_ratio}")
         check(self.ppo_kl_coef >= 0, f"ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
 
+    def sequence_split_refusal(self) -> str | None:
+        return SPLIT_SELECTION if self.selection is None else None
+
     def step_selection(
         self,
         log_probs: Tensor | Sequence[Tensor],
@@ -429,6 +441,6 @@ class KLCov(Algorithm):
                                 cov_ratio=self.kl_cov_ratio, kl_coef=self.ppo_kl_coef,
                                 selection=_check_selection(self.selection, batch.mask))
         metrics = ratio_metrics(ratio, delta, batch.mask)
-        metrics["kl_cov_fraction"] = masked_mean(top.to(ratio.dtype), batch.mask)
-        metrics["ppo_kl_abs"] = masked_mean(delta.abs(), batch.mask)
+        metrics["kl_cov_fraction"] = token_mean(top.to(ratio.dtype), batch.mask)
+        metrics["ppo_kl_abs"] = token_mean(delta.abs(), batch.mask)
         return PolicyTerms(loss, metrics)

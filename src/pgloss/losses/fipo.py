@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean
+from ..core.metrics import token_mean
 from ..core.ratios import log_ratio
+from ..core.sequence_parallel import SequenceParallel, along_sequence
 from .closed_form import GradientFactor
 from .ppo import ClippedPolicy
 from ..core.output import PolicyTerms, check
@@ -72,6 +73,7 @@ def fipo_influence(
     safety_threshold: float | None,
     delta: float | None,
     max_log_ratio: float,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The detached influence weight f and the Future-KL it came from, both `[B, T]`.
 
@@ -85,12 +87,14 @@ def fipo_influence(
         safety_threshold: ratio above which a negative-advantage token's weight is held in [1 - ε_f, 1].
         delta: tokens with r > δ do not contribute to the Future-KL (None: all contribute).
         max_log_ratio: M, the clamp of each log r and of the Future-KL before exp.
+        sequence_parallel: the sequence group of split rows: the Future-KL runs over the whole sequence.
     """
     with torch.no_grad():
         shift = torch.where(mask, token_log_ratio.clamp(-max_log_ratio, max_log_ratio), 0.0)
         if delta is not None:
             shift = torch.where(ratio > delta, 0.0, shift)
-        future = discounted_future_sum(shift, gamma=math.pow(2.0, -1.0 / decay_rate))
+        gamma = math.pow(2.0, -1.0 / decay_rate)
+        future = along_sequence(lambda rows: discounted_future_sum(rows, gamma=gamma), shift, sequence_parallel)
         future = torch.where(mask, future, 0.0)
         weight = torch.exp(future.clamp(-max_log_ratio, max_log_ratio))
         if clip_range is not None:
@@ -142,11 +146,11 @@ class FIPO(ClippedPolicy):
             token_log_ratio, self.ratio(batch), batch.advantages, batch.mask,
             decay_rate=self.fipo_decay_rate, clip_range=self.fipo_clip_range,
             clip_high_only=self.fipo_clip_high_only, safety_threshold=self.fipo_safety_threshold, delta=self.delta,
-            max_log_ratio=self.max_log_ratio,
+            max_log_ratio=self.max_log_ratio, sequence_parallel=batch.sequence_parallel,
         )
         metrics = terms.metrics | {
-            "fipo_weight_mean": masked_mean(weight, batch.mask),
-            "fipo_future_kl_mean": masked_mean(future, batch.mask),
+            "fipo_weight_mean": token_mean(weight, batch.mask),
+            "fipo_future_kl_mean": token_mean(future, batch.mask),
         }
         return PolicyTerms(weight * terms.per_token, metrics)
 
@@ -158,6 +162,6 @@ class FIPO(ClippedPolicy):
             token_log_ratio, self.ratio(batch), batch.advantages, batch.mask,
             decay_rate=self.fipo_decay_rate, clip_range=self.fipo_clip_range,
             clip_high_only=self.fipo_clip_high_only, safety_threshold=self.fipo_safety_threshold, delta=self.delta,
-            max_log_ratio=self.max_log_ratio,
+            max_log_ratio=self.max_log_ratio, sequence_parallel=batch.sequence_parallel,
         )
         return GradientFactor(influence * clipped.factor, "FIPO: f = sg[influence]·r·b(r)")

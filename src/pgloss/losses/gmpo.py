@@ -36,6 +36,7 @@ from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
 from ..core.metrics import clip_metrics, ratio_metrics
 from ..core.ratios import log_ratio
+from ..core.sequence_parallel import SequenceParallel, row_mean
 
 
 def gmpo_clipped_log_ratio(token_log_ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float) -> Tensor:
@@ -53,6 +54,7 @@ def gmpo_loss(
     clip_low: float,
     clip_high: float,
     max_log_ratio: float,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(L_i copied onto its tokens `[B, T]`, ρ_i `[B, 1]`, the bool `[B, T]` map of clipped tokens).
 
@@ -62,13 +64,13 @@ def gmpo_loss(
         mask: bool `[B, T]`.
         clip_low, clip_high: ε_low, ε_high ≥ 0 on the log-ratio.
         max_log_ratio: the sequence log-ratio is clamped to ±max_log_ratio before exp.
+        sequence_parallel: the sequence group of split rows (the means are over whole sequences).
     """
     starred = gmpo_clipped_log_ratio(token_log_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
     m = mask.to(token_log_ratio.dtype)
-    length = m.sum(dim=-1, keepdim=True).clamp(min=1)
-    seq_log_ratio = (starred * m).sum(dim=-1, keepdim=True) / length
+    seq_log_ratio, seq_advantage = row_mean(torch.stack([starred * m, advantages * m]), m, sequence_parallel,
+                                            keepdim=True)
     ratio = torch.exp(seq_log_ratio.clamp(-max_log_ratio, max_log_ratio))
-    seq_advantage = (advantages * m).sum(dim=-1, keepdim=True) / length
     clipped = (starred != token_log_ratio).detach() & (advantages != 0) & mask
     return (-seq_advantage * ratio).expand_as(token_log_ratio), ratio, clipped
 
@@ -95,7 +97,8 @@ class GMPO(Algorithm):
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
         per_token, ratio, clipped = gmpo_loss(delta, batch.advantages, batch.mask, clip_low=self.clip_low,
-                                              clip_high=self.clip_high, max_log_ratio=self.max_log_ratio)
+                                              clip_high=self.clip_high, max_log_ratio=self.max_log_ratio,
+                                              sequence_parallel=batch.sequence_parallel)
         metrics = clip_metrics(clipped & (batch.advantages > 0), clipped & (batch.advantages < 0), batch.mask)
         metrics |= ratio_metrics(ratio, delta, batch.mask)
         return PolicyTerms(per_token, metrics)

@@ -74,7 +74,8 @@ class GVPO(GroupContrast):
         check(self.gvpo_beta > 0, f"gvpo_beta must be > 0, got {self.gvpo_beta}")
 
     def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
-        implicit = self.gvpo_beta * sequence_log_ratio(delta, batch.mask, length_normalized=False).squeeze(-1)
-        return gvpo_group_loss(implicit, batch.row_advantages, batch.mask.any(-1), batch.group_ids,
+        implicit = self.gvpo_beta * sequence_log_ratio(delta, batch.mask, length_normalized=False,
+                                                       sequence_parallel=batch.sequence_parallel).squeeze(-1)
+        return gvpo_group_loss(implicit, batch.row_advantages, batch.valid_rows, batch.group_ids,
                                center_advantages=self.gvpo_center_advantages)
 

@@ -40,9 +40,10 @@ from torch import Tensor
 from ..advantages.returns import discounted_returns
 from ..base import Algorithm
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean, ratio_metrics
+from ..core.metrics import token_mean, ratio_metrics
 from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
+from ..core.sequence_parallel import along_sequence
 from .closed_form import GradientFactor
 
 OPD_SURROGATES = ("ratio", "log_prob")
@@ -106,10 +107,15 @@ class OPD(Algorithm):
             raise ValueError(f"{self.name} distils a teacher and needs teacher_log_prob=[B, T] in the call")
         student = batch.old_log_prob if self.opd_advantage_policy == "old" else batch.log_prob
         a = distillation_advantage(batch.teacher_log_prob, student, batch.mask)
-        w = position_weights(a, gamma=self.opd_position_gamma, eps=self.opd_position_eps)
+        # w and the discount read a whole row in order (under a sequence group: gathered, `along_sequence`)
+        split = batch.sequence_parallel if self.opd_position_gamma != 0 else None  # γ = 0: w = 1, no collective
+        w = along_sequence(lambda rows: position_weights(rows, gamma=self.opd_position_gamma, eps=self.opd_position_eps),
+                           a, split)
         teacher = self.opd_coef * w * a
         if self.opd_discount > 0:
-            teacher = discounted_returns(teacher, batch.mask, gamma=self.opd_discount)
+            teacher = along_sequence(
+                lambda rows: discounted_returns(rows[0], rows[1] != 0, gamma=self.opd_discount),
+                torch.stack([teacher, batch.mask.to(teacher.dtype)]), batch.sequence_parallel)
         return batch.advantages + teacher, a, w
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
@@ -123,9 +129,9 @@ class OPD(Algorithm):
         if self.opd_trust_region is not None:
             dropped = batch.log_prob.detach().exp() - batch.old_log_prob.exp() < -self.opd_trust_region
             per_token = torch.where(dropped, 0.0, per_token)
-            metrics["opd_trust_region_frac"] = masked_mean(dropped.to(delta.dtype), batch.mask)
-        metrics["teacher_reverse_kl"] = masked_mean(-a, batch.mask)  # the k1 sample of KL(π_old‖π_T) (or π_θ's)
-        metrics["opd_position_weight"] = masked_mean(w, batch.mask)
+            metrics["opd_trust_region_frac"] = token_mean(dropped.to(delta.dtype), batch.mask)
+        metrics["teacher_reverse_kl"] = token_mean(-a, batch.mask)  # the k1 sample of KL(π_old‖π_T) (or π_θ's)
+        metrics["opd_position_weight"] = token_mean(w, batch.mask)
         return PolicyTerms(per_token, metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:

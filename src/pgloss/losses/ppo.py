@@ -146,7 +146,8 @@ class ClippedPolicy(Algorithm):
 
     def ratio(self, batch: TokenBatch, token_log_ratio: Tensor | None = None) -> Tensor:
         return importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level=self.ratio_level,
-                                max_log_ratio=self.max_log_ratio, token_log_ratio=token_log_ratio)
+                                max_log_ratio=self.max_log_ratio, token_log_ratio=token_log_ratio,
+                                sequence_parallel=batch.sequence_parallel)
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         token_level = self.ratio_level == "token"

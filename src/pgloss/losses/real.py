@@ -71,6 +71,7 @@ class REAL(GroupContrast):
         check(self.real_tau > 0, f"real_tau must be > 0, got {self.real_tau}")
 
     def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
-        seq = sequence_log_ratio(delta, batch.mask, length_normalized=True).squeeze(-1)
-        return real_group_loss(seq, batch.row_advantages, batch.mask.any(-1), batch.group_ids, tau=self.real_tau)
+        seq = sequence_log_ratio(delta, batch.mask, length_normalized=True,
+                                 sequence_parallel=batch.sequence_parallel).squeeze(-1)
+        return real_group_loss(seq, batch.row_advantages, batch.valid_rows, batch.group_ids, tau=self.real_tau)
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..base import Algorithm
 from ..core.batch import TokenBatch
-from ..core.metrics import clip_metrics, masked_mean, ratio_metrics
+from ..core.metrics import clip_metrics, token_mean, ratio_metrics
 from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
@@ -63,8 +63,8 @@ def rec_keep(ratio: Tensor, advantages: Tensor, *, mode: str, clip_low: float, c
     raise ValueError(f"rec_clip_mode must be one of {REC_CLIP_MODES}, got {mode!r}")
 
 
-def rec_weight(ratio: Tensor, sequence_ratio: Tensor, advantages: Tensor, *, weight: str, temp: float) -> Tensor:
-    """w, detached, `[B, T]`: 1, r, s_i (`sequence_ratio`, `[B, 1]`) or e^{A/τ}."""
+def rec_weight(ratio: Tensor, sequence_ratio: Tensor | None, advantages: Tensor, *, weight: str, temp: float) -> Tensor:
+    """w, detached, `[B, T]`: 1, r, s_i (`sequence_ratio`, `[B, 1]`, read by that weight alone) or e^{A/τ}."""
     if weight == "none":
         return torch.ones_like(ratio)
     if weight == "importance_sampling":
@@ -114,11 +114,13 @@ class REC(Algorithm):
     def _parts(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
                                  max_log_ratio=self.max_log_ratio)
-        sequence = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="sequence",
-                                    max_log_ratio=self.max_log_ratio)
+        sequence = None  # the sequence ratio is read by its weight alone (under a sequence group: a collective)
+        if self.rec_weight == "sequence_importance_sampling":
+            sequence = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="sequence",
+                                        max_log_ratio=self.max_log_ratio, sequence_parallel=batch.sequence_parallel)
         keep = rec_keep(ratio, batch.advantages, mode=self.rec_clip_mode, clip_low=self.clip_low,
                         clip_high=self.clip_high, ring_low=self.ring_low, ring_high=self.ring_high)
-        weight = rec_weight(ratio, sequence[:, :1], batch.advantages, weight=self.rec_weight, temp=self.rec_temp)
+        weight = rec_weight(ratio, sequence, batch.advantages, weight=self.rec_weight, temp=self.rec_temp)
         return ratio, keep, weight
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
@@ -126,7 +128,7 @@ class REC(Algorithm):
         r = ratio.detach()
         metrics = clip_metrics(~keep & (r > 1.0), ~keep & (r <= 1.0), batch.mask)
         metrics |= ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
-        metrics["rec_weight_mean"] = masked_mean(weight, batch.mask)
+        metrics["rec_weight_mean"] = token_mean(weight, batch.mask)
         advantages = batch.advantages.expand_as(batch.log_prob)
         return PolicyTerms(rec_loss(batch.log_prob, weight, advantages, keep), metrics)
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from ..base import Algorithm
 from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean, ratio_metrics
+from ..core.metrics import token_mean, ratio_metrics
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
@@ -112,8 +112,8 @@ class TISPG(Algorithm):
                                  max_log_ratio=self.max_log_ratio)
         weight = self.weights(batch, ratio)
         metrics = ratio_metrics(ratio, delta, batch.mask)
-        metrics["is_weight_mean"] = masked_mean(weight, batch.mask)
-        metrics["is_truncated_fraction"] = masked_mean((weight != ratio.detach()).to(ratio.dtype), batch.mask)
+        metrics["is_weight_mean"] = token_mean(weight, batch.mask)
+        metrics["is_truncated_fraction"] = token_mean((weight != ratio.detach()).to(ratio.dtype), batch.mask)
         return PolicyTerms(self.per_token(batch, ratio), metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:

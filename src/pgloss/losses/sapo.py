@@ -21,7 +21,7 @@ from torch import Tensor
 from ..base import Algorithm
 from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean, ratio_metrics
+from ..core.metrics import token_mean, ratio_metrics
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
@@ -63,7 +63,7 @@ class SAPO(Algorithm):
                                  level="token", max_log_ratio=self.max_log_ratio)
         loss, gate = sapo_loss(ratio, batch.advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
         metrics = ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
-        metrics["sapo_gate_mean"] = masked_mean(gate, batch.mask)
+        metrics["sapo_gate_mean"] = token_mean(gate, batch.mask)
         return PolicyTerms(loss, metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:

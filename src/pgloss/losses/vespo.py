@@ -46,8 +46,9 @@ from torch import Tensor
 from ..base import Algorithm
 from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
-from ..core.metrics import masked_mean, ratio_metrics
+from ..core.metrics import token_mean, ratio_metrics
 from ..core.ratios import importance_ratio, log_ratio
+from ..core.sequence_parallel import SequenceParallel, row_sum
 from .closed_form import GradientFactor
 
 _LOG_MIN_WEIGHT = math.log(1e-8)
@@ -63,6 +64,7 @@ def vespo_phi(
     k_neg: float,
     lambda_neg: float,
     rollout_log_ratio: Tensor | None = None,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> Tensor:
     """sg[φ(w_i)] with (k, λ) chosen by the sign of A_t, `[B, T]` (constant along a row when A is).
 
@@ -72,12 +74,14 @@ def vespo_phi(
         mask: bool `[B, T]`.
         k_pos, lambda_pos, k_neg, lambda_neg: the gamma shape for A ≥ 0 and A < 0.
         rollout_log_ratio: log(π_old/π_rollout) `[B, T]` to add to S_i, or None.
+        sequence_parallel: the sequence group of split rows (S_i sums the whole sequence).
     """
     with torch.no_grad():
         m = mask.to(token_log_ratio.dtype)
-        seq = (token_log_ratio.clamp(-20.0, 20.0) * m).sum(dim=-1, keepdim=True)
+        log_w = token_log_ratio.clamp(-20.0, 20.0) * m
         if rollout_log_ratio is not None:
-            seq = seq + (rollout_log_ratio.clamp(_LOG_MIN_WEIGHT, 20.0) * m).sum(dim=-1, keepdim=True)
+            log_w = log_w + rollout_log_ratio.clamp(_LOG_MIN_WEIGHT, 20.0) * m
+        seq = row_sum(log_w, sequence_parallel, keepdim=True)
         log_w = seq.clamp(_LOG_MIN_WEIGHT, 20.0)
         nonneg = advantages >= 0
         k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
@@ -170,14 +174,15 @@ class VESPO(Algorithm):
                                          clip_min=self.vespo_rollout_clip_min, clip_max=self.vespo_rollout_clip_max)
         return vespo_phi(log_ratio(batch.log_prob, batch.old_log_prob), batch.advantages, batch.mask,
                          k_pos=self.vespo_k_pos, lambda_pos=self.vespo_lambda_pos, k_neg=self.vespo_k_neg,
-                         lambda_neg=self.vespo_lambda_neg, rollout_log_ratio=rollout)
+                         lambda_neg=self.vespo_lambda_neg, rollout_log_ratio=rollout,
+                         sequence_parallel=batch.sequence_parallel)
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         phi = self.phi(batch)
         ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
                                  max_log_ratio=self.max_log_ratio)
         metrics = ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
-        metrics["vespo_phi_mean"] = masked_mean(phi, batch.mask)
+        metrics["vespo_phi_mean"] = token_mean(phi, batch.mask)
         return PolicyTerms(vespo_loss(batch.log_prob, phi, batch.advantages), metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:

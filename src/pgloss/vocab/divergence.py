@@ -53,6 +53,7 @@ from torch import Tensor
 from ..core.aggregate import Normalizer, aggregate
 from ..core.batch import check_mask
 from ..core.checks import check_number
+from ..core.metrics import Stat
 from ..core.output import LossOutput
 from . import kernels
 from .chunks import ChunkLoop, HeadOptions, as_head
@@ -258,8 +259,9 @@ def _output(per_token: Tensor, mask: Tensor, loss_agg_mode: str, normalizer: Nor
             norm_constant: float | None) -> LossOutput:
     per_token = torch.where(mask, per_token, 0.0)
     loss = aggregate(per_token, mask, loss_agg_mode, normalizer=normalizer, norm_constant=norm_constant)
-    tokens = mask.sum().clamp(min=1).to(per_token.dtype)
-    return LossOutput(loss=loss, metrics={"divergence": (per_token.detach().sum() / tokens)}, per_token=per_token)
+    count = mask.sum()
+    mean = per_token.detach().sum() / count.clamp(min=1).to(per_token.dtype)  # 0 over no token
+    return LossOutput.of(loss, {"divergence": Stat.mean(mean, count)}, per_token)
 
 
 def divergence_from_logits(

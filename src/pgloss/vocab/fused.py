@@ -37,6 +37,7 @@ https://arxiv.org/abs/2411.09009).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -367,4 +368,4 @@ def loss_from_hidden(
             batch)
         out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=step, **batch)
     loss = _AttachGradients.apply(out.loss, hidden, weight, bias, *grads)
-    return LossOutput(loss=loss, metrics=out.metrics, per_token=out.per_token)
+    return dataclasses.replace(out, loss=loss)
