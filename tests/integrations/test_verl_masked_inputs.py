@@ -37,7 +37,8 @@ def inputs(seed):
     lengths[5] = 0
     mask = torch.arange(LENGTH)[None, :] < lengths[:, None]
     old = -torch.rand(ROWS, LENGTH, generator=g, dtype=torch.float64) * 2 - 0.1
-    return dict(old_log_prob=old, log_prob=(old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)).clamp(max=-1e-3),
+    log_prob = (old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    return dict(old_log_prob=old, log_prob=log_prob,
                 advantages=torch.randn(ROWS, LENGTH, generator=g, dtype=torch.float64), response_mask=mask,
                 rollout_is_weights=0.5 + torch.rand(ROWS, LENGTH, generator=g, dtype=torch.float64))
 
@@ -47,7 +48,8 @@ def poisoned(values, seed):
     out = dict(values)
     hole = ~values["response_mask"]
     for key in ("old_log_prob", "log_prob", "advantages", "rollout_is_weights"):
-        fill = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64)[torch.randint(0, 3, hole.shape, generator=g)]
+        poisons = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64)
+        fill = poisons[torch.randint(0, 3, hole.shape, generator=g)]
         out[key] = torch.where(hole, fill, values[key])
     return out
 

@@ -25,9 +25,13 @@ def finite_inputs(seed, mask, per_token_advantages, dtype):
     """Every argument of the call, finite everywhere: log-probs in [-3, -0.01], ratios near one; `advantages`
     `[B, T]` or `[B]`; real tensors in `dtype`."""
     g = torch.Generator().manual_seed(seed)
-    uniform = lambda low, high: low + (high - low) * torch.rand(ROWS, WIDTH, generator=g, dtype=torch.float64)  # noqa: E731
+    def uniform(low, high):
+        return low + (high - low) * torch.rand(ROWS, WIDTH, generator=g, dtype=torch.float64)
+
+    def near(scale):
+        return (old + scale * torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64)).clamp(max=-0.01)
+
     old = uniform(-3.0, -0.05)
-    near = lambda scale: (old + scale * torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64)).clamp(max=-0.01)  # noqa: E731
     values = dict(log_prob=near(0.3), old_log_prob=old, ref_log_prob=near(0.2), rollout_log_prob=near(0.2),
                   teacher_log_prob=near(0.3), entropy=uniform(0.0, 2.0), full_kl=uniform(0.0, 1.0),
                   advantages=torch.randn((ROWS, WIDTH) if per_token_advantages else (ROWS,), generator=g,

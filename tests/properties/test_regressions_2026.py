@@ -53,7 +53,8 @@ def test_accumulated_micro_batches_give_the_step_gradient_once(name):
                             advantages=data["advantages"], mask=mask)
 
     adv = data["advantages"][:, None].expand_as(mask).tolist()
-    reference = step_loss_loop(name, algorithm, data["log_prob"].tolist(), data["old_log_prob"].tolist(), adv, mask.tolist())
+    reference = step_loss_loop(name, algorithm, data["log_prob"].tolist(), data["old_log_prob"].tolist(), adv,
+                               mask.tolist())
     assert loss.item() == pytest.approx(reference(data["log_prob"].tolist()), rel=1e-12, abs=1e-14)
     expected = central_differences(reference, data["log_prob"])
     assert expected.abs().sum() > 0
@@ -132,7 +133,8 @@ FUSED_ROUTES = {  # the vocabulary loop's route, the head's dtype, the tolerance
 def test_fused_gradient_equals_the_plain_gradient_under_importance_sampling(name, correction, tiles, route):
     """Liger #1082: `from_hidden` with vLLM's log-probs and a truncated importance weight has the gradient (and
     grad norm) of the plain call chained by hand through softmax and the head, on the torch route in float64
-    and the kernel route in float32, and the plain loss is the loop's w·ℓ token mean with w = min(π_old/π_vLLM, 2)."""
+    and the kernel route in float32, and the plain loss is the loop's w·ℓ token mean with
+    w = min(π_old/π_vLLM, 2)."""
     which, dtype, tolerance = FUSED_ROUTES[route]
     g = torch.Generator().manual_seed(11)
     rows, width, size, vocab, temperature = 6, 5, 4, 11, 0.7
@@ -216,7 +218,8 @@ def negative_head(band, dtype, vocab=11):
 
 
 def route_outputs(band, dtype, route):
-    """(log π(y), H, ∂(Σ log π + Σ H)/∂logits chained to the hidden states) on `route`, and the float64 reference."""
+    """(log π(y), H, ∂(Σ log π + Σ H)/∂logits chained to the hidden states) on `route`, and the float64
+    reference."""
     source, which, tiles = ROUTES[route]
     hidden, weight, bias, targets, logits = negative_head(band, dtype)
     reference = logits.clone().requires_grad_(True)

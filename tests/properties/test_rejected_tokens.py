@@ -26,7 +26,8 @@ def inputs(seed=4):
     return values, kept
 
 
-@pytest.mark.parametrize("name", [n for n in pgloss.names() if pgloss.get(n, generation_budget=WIDTH).takes_rollout_correction()])
+@pytest.mark.parametrize("name", [n for n in pgloss.names()
+                                  if pgloss.get(n, generation_budget=WIDTH).takes_rollout_correction()])
 def test_rejected_tokens_leave_every_term(name):
     values, kept = inputs()
     corrected = pgloss.get(name, generation_budget=WIDTH, rollout_correction=REJECTION, **TERMS)
@@ -39,7 +40,8 @@ def test_rejected_tokens_leave_every_term(name):
         torch.testing.assert_close(out.metrics[key], value, rtol=1e-12, atol=1e-15, equal_nan=True,
                                    msg=lambda m, key=key: f"metric {key}: {m}")
     for key, grad in expected_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-12, atol=1e-15, msg=lambda m, key=key: f"∂/∂{key}: {m}")
+        torch.testing.assert_close(grads[key], grad, rtol=1e-12, atol=1e-15,
+                                   msg=lambda m, key=key: f"∂/∂{key}: {m}")
         assert (grads[key][values["mask"] & ~kept] == 0).all(), key
 
 
