@@ -15,7 +15,7 @@ import pgloss
 from pgloss.algorithms import ClipCov, KLCov
 from pgloss.core.batch import TokenBatch
 from pgloss.core.metrics import Stat, effective_sample_size, token_extremes, token_mean
-from properties.host_sync import HostSync, no_host_sync
+from properties.host_sync import DEVICES, HostSync, no_host_sync, no_host_sync_on, on
 from properties.micro_batches import cut
 from properties.steps import CORRECTIONS, WIDTH, cases, data, entropy, log_probs
 
@@ -182,17 +182,21 @@ def test_a_step_without_tokens_gives_nan_means_and_extremes_and_zero_loss():
     assert pgloss.StepMetrics().as_floats() == {}
 
 
-def test_add_and_compute_make_no_host_sync():
+@pytest.mark.parametrize("device", DEVICES)
+def test_add_and_compute_make_no_host_sync(device):
     """add and compute neither read a value (meta tensors refuse it) nor copy one to the device (the dispatch
-    detector refuses it); as_floats reads once, the caller's choice."""
+    detector refuses it on CPU, CUDA's sync debug mode on a GPU); as_floats reads once, the caller's choice."""
     log_prob, inputs = step_data()
+    log_prob, inputs = log_prob.to(device), on(device, inputs)
     algorithm = build("dapo", "token TIS")
     outs = [call(algorithm, log_prob, inputs, part) for part in ONE_PROCESS]
-    with no_host_sync():
-        step = pgloss.StepMetrics()
+    with no_host_sync_on(device):
+        step = pgloss.StepMetrics(device=torch.device(device))
         for out in outs:
             step.add(out)
         step.compute()
+    if device != "cpu":
+        return
     with pytest.raises(HostSync):
         with no_host_sync():
             step.as_floats()
