@@ -297,7 +297,7 @@ class Algorithm:
             mask=batch.mask, seq_advantages=None if correction.off_policy_mask is None else batch.row_advantages,
             weight_mean=getattr(normalizer, "weight_mean", None),
             sequence_parallel=batch.sequence_parallel)
-        batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob, mask=corrected.mask)
+        batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob).restricted(corrected.mask)
         return batch, normalizer, corrected
 
     def row_weights(self, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None) -> Tensor:

@@ -256,3 +256,25 @@ def test_sft_parts_match_trinity(trinity, weight, seed, dtype):
 def test_report_measured():
     for key, value in sorted(MEASURED.items()):
         print(f"CHORD parity {key}: {value:.1e}")
+
+
+@pytest.mark.parametrize("key", ["advantages", "old_log_prob"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "+inf", "-inf"])
+def test_an_expert_rows_advantage_and_old_log_prob_reach_nothing(key, value):
+    """The SFT term of an expert row reads neither its advantage nor its old log-prob (a demonstration has no
+    reward): the clipped term runs on the on-policy rows alone (`TokenBatch.restricted`), so a non-finite value
+    there leaves the loss and the gradient those of the loop. (Before: a finite loss with a NaN gradient on the
+    expert row, from the clipped term's value discarded by a `where`.)"""
+    clean = batch(seed=3)
+    data = {k: v.clone() for k, v in clean.items()}
+    at = int(EXPERT.nonzero()[0, 0]) if key == "advantages" else (int(EXPERT.nonzero()[0, 0]), 0)  # Â is [B]
+    data[key][at] = -abs(value) if key == "old_log_prob" else value  # a log-prob is never above 0
+    alg = pgloss.get("chord", chord_mu=0.4)
+    leaf = data["log_prob"].clone().requires_grad_(True)
+    out = call(alg, data, leaf)
+    out.loss.backward()
+    assert torch.isfinite(leaf.grad).all()
+    assert out.loss.item() == pytest.approx(loop(alg, clean), rel=1e-12, abs=1e-14)
+    reference = clean["log_prob"].clone().requires_grad_(True)
+    call(alg, clean, reference).loss.backward()
+    torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-12, atol=1e-15)

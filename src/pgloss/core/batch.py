@@ -2,13 +2,16 @@
 
 Every algorithm starts from `TokenBatch.prepare`, which is where bad input is refused and where
 the one effective mask is applied: values at masked positions (NaN and inf included) are replaced
-by zeros with `torch.where`, so they reach neither the loss nor the gradient.
+by zeros with `torch.where`, so they reach neither the loss nor the gradient. A mask narrowed
+later (a rollout correction's rejections, a family's subset of rows) is applied the same way, by
+`TokenBatch.restricted`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +103,23 @@ class TokenBatch:
             return self.mask.any(dim=-1)
         return row_lengths(self.mask, self.sequence_parallel) > 0
 
+    def restricted(self, mask: Tensor) -> "TokenBatch":
+        """This batch with its effective mask narrowed to the bool `mask` (a subset of `self.mask`: a rollout
+        correction's rejections, a family's subset of rows), every real value outside it zeroed as `prepare`
+        zeroes the masked positions (a row's value by `kept_rows`): what the narrowing drops reaches no term of
+        the loss (the policy term, the KL, the entropy bonus, the NLL), no gradient and no metric, NaN and inf
+        included."""
+        rows = mask.any(dim=-1)
+        fields = {"log_prob": "token", "old_log_prob": "token", "advantages": "token", "seq_advantages": "row"}
+        fields |= {name: spec.per for name, spec in OPTIONAL_INPUTS.items() if spec.kind == "real"}
+        zeroed = {}
+        for name, per in fields.items():
+            value = getattr(self, name)
+            if value is not None:
+                keep = mask if per == "token" else kept_rows(rows, value, self.sequence_parallel)
+                zeroed[name] = torch.where(keep, value, 0.0)
+        return dataclasses.replace(self, mask=mask, **zeroed)
+
     @classmethod
     def prepare(cls, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, *,
                 sequence_parallel: SequenceParallel | None = None, **inputs: Tensor | None) -> "TokenBatch":
@@ -147,14 +167,11 @@ class TokenBatch:
                 raise ValueError(f"{spec.name} must have shape [{shape[0]}], got {tuple(value.shape)}")
             check_device(spec.name, value, device)
             check_finite(spec.name, value, bool_mask)
-            return torch.where(kept_rows(value), value.to(cdtype), 0.0)
+            return torch.where(kept_rows(valid_rows, value, sequence_parallel), value.to(cdtype), 0.0)
 
         def optional(spec: OptionalInput, value: Tensor) -> Tensor:
             value = token(spec.name, value, is_log_prob=spec.log_prob) if spec.per == "token" else row(spec, value)
             return value if spec.grad or spec.kind != "real" else value.detach()
-
-        def kept_rows(value: Tensor) -> Tensor:
-            return valid_rows if sequence_parallel is None else valid_rows | value.isfinite()
 
         advantages = check_tensor("advantages", advantages, ndim=(1, 2))
         check_device("advantages", advantages, device)
@@ -166,7 +183,7 @@ class TokenBatch:
             advantages = seq_advantages[:, None].expand(shape)
         advantages = token("advantages", advantages, is_log_prob=False).detach()
         if seq_advantages is not None:
-            seq_advantages = torch.where(kept_rows(seq_advantages), seq_advantages, 0.0)
+            seq_advantages = torch.where(kept_rows(valid_rows, seq_advantages, sequence_parallel), seq_advantages, 0.0)
 
         return cls(
             log_prob=token("log_prob", log_prob, is_log_prob=True),
@@ -177,6 +194,14 @@ class TokenBatch:
             sequence_parallel=sequence_parallel,
             **{name: optional(OPTIONAL_INPUTS[name], value) for name, value in inputs.items() if value is not None},
         )
+
+
+def kept_rows(valid_rows: Tensor, value: Tensor, sequence_parallel: SequenceParallel | None) -> Tensor:
+    """Bool `[B]`: where a row input (`[B]` advantages, `scores`) keeps its value: the rows with a valid token
+    here. Under a sequence group a row may have no token on this rank and some on another, where its value
+    counts: there it is kept wherever it is finite (the rank that holds the row's tokens refuses a non-finite
+    one), so that every rank sees a row's value without a collective."""
+    return valid_rows if sequence_parallel is None else valid_rows | value.isfinite()
 
 
 def per_micro_batch(name: str, value: "Tensor | Sequence[Tensor]", count: int | None = None) -> list[Tensor]:

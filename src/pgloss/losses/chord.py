@@ -102,7 +102,7 @@ class CHORD(ClippedPolicy):
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         expert = self._expert_rows(batch)[:, None]
-        on_policy = super().policy_terms(dataclasses.replace(batch, mask=batch.mask & ~expert))
+        on_policy = super().policy_terms(batch.restricted(batch.mask & ~expert))
         sft = sft_per_token(batch.log_prob, weight=self.sft_weight, cutoff_prob=self.sft_cutoff_prob)
         metrics = dict(on_policy.metrics)
         if batch.expert is not None:  # the expert tokens' mean ℓ^SFT (NaN over none, as every token mean)
