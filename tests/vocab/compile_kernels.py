@@ -2,11 +2,13 @@
 end (`ASTSource.make_ir`, the first stage of `triton.compile`: where a kernel is typed) for each combination of a
 kernel's compile-time flags, and the whole of `triton.compile`, down to a cubin, for each kernel with every flag on
 at the widest tile the launch picks (`kernels.launch_shape`). Run as a script with TRITON_INTERPRET unset (the
-interpreter never types a kernel); prints one JSON object {"kernel DTYPE FLAGS": "ok" or the compiler's message}.
-`--broken` adds a kernel the compiler refuses, the harness's own check. Used by test_kernels_compile.py."""
+interpreter never types a kernel); prints one JSON object: "compiled", {"kernel DTYPE FLAGS": "ok" or the
+compiler's message}, and "pointers", {"kernel": the pointer additions (`tt.addptr`) of its IR with every flag on}.
+`--broken` adds a kernel the compiler refuses and one whose row offsets are 32-bit, the harness's own checks. Used by test_kernels_compile.py."""
 
 import itertools
 import json
+import re
 import sys
 
 import torch
@@ -24,7 +26,7 @@ HEAD_DTYPES = tuple({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float1
 """the LM head's dtypes the kernel route takes, in Triton's names, cycled over a kernel's flag combinations"""
 HEAD_POINTERS = {"R", "B", "R2", "B2"}  # the head's outputs and bias, in its dtype
 INDEX_POINTERS = {"TARGETS"}
-INTEGERS = {"stride", "stride2", "width", "col0"}
+INTEGERS = {"stride", "stride2", "bias_stride", "bias_stride2", "target_stride", "width", "col0"}
 FLOATS = {"scale", "softcap", "scale2", "softcap2", "inv_t", "log_keep", "log_beta", "keep"}
 FLAG_VALUES = {"MODE": (0, 1, 2), "BLOCK": (64,)}  # every other compile-time flag is a bool
 WIDEST_BLOCK, WIDEST_WARPS = route.launch_shape(1 << 30)
@@ -50,6 +52,13 @@ def _broken(X, FLAG: tl.constexpr, BLOCK: tl.constexpr):
     x = tl.load(X + tl.arange(0, BLOCK))
     a, b = _two_return_types(x, FLAG)
     tl.store(X + tl.arange(0, BLOCK), a * b)
+
+
+@triton.jit
+def _rows_in_32_bits(R, stride, BLOCK: tl.constexpr):
+    """A row offset the pointer check refuses: program id times stride in 32 bits (it wraps past 2³¹)."""
+    row = R + tl.program_id(0) * stride
+    tl.store(row + tl.arange(0, BLOCK), tl.load(row + tl.arange(0, BLOCK)) * 2.0)
 
 
 def signature(kernel, flags: dict, head: str) -> dict:
@@ -84,14 +93,21 @@ def source(kernel, flags: dict, head: str) -> ASTSource:
                      constexprs={(names.index(name),): value for name, value in flags.items()})
 
 
-def front_end(kernel, flags: dict, head: str) -> None:
+def front_end(kernel, flags: dict, head: str) -> str:
+    """The kernel's IR (Triton's `tt` dialect) as text, without source locations."""
     backend = CUDABackend(TARGET)
     options = backend.parse_options({})
     context = triton._C.libtriton.ir.context()
     triton._C.libtriton.ir.load_dialects(context)
     backend.load_dialects(context)
-    source(kernel, flags, head).make_ir(TARGET, options, backend.get_codegen_implementation(options),
-                                       backend.get_module_map(), context)
+    module = source(kernel, flags, head).make_ir(TARGET, options, backend.get_codegen_implementation(options),
+                                                backend.get_module_map(), context)
+    return re.sub(r" loc\([^)]*\)", "", str(module))
+
+
+def pointer_additions(kernel, flags: dict, head: str) -> list[str]:
+    """Each `tt.addptr` of the kernel's IR: `%name = tt.addptr %base, %offset : base type, offset type`."""
+    return [line.strip() for line in front_end(kernel, flags, head).splitlines() if "tt.addptr" in line]
 
 
 def whole(kernel, flags: dict, head: str) -> None:
@@ -109,7 +125,7 @@ def outcome(step, *args) -> str:
 
 
 def main(argv) -> None:
-    results = {}
+    results, pointers = {}, {}
     for name, kernel in kernels(broken="--broken" in argv).items():
         combinations = list(flag_combinations(kernel))
         for i, flags in enumerate(combinations):
@@ -118,7 +134,10 @@ def main(argv) -> None:
             results[label] = outcome(front_end, kernel, flags, head)
         if name != "broken":
             results[f"{name} bf16 every flag, compiled to a cubin"] = outcome(whole, kernel, combinations[-1], "bf16")
-    print(json.dumps(results))
+            pointers[name] = pointer_additions(kernel, combinations[-1], "bf16")
+    if "--broken" in argv:
+        pointers["broken rows in 32 bits"] = pointer_additions(_rows_in_32_bits, {"BLOCK": 64}, "fp32")
+    print(json.dumps({"compiled": results, "pointers": pointers}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What the tests of LM-head options share: an option set's biases filled in (`with_biases`), a call compiled whole
-against its eager run (`assert_compiles_like_eager`), and the refusals of a bad option (`chunks.Head.check`),
+against its eager run (`assert_compiles_like_eager`), and the refusals of a bad option (`head.Head.check`),
 asserted per caller, per head (`prefix`: "" for the trained model, "ref_" or "teacher_" for the other) and per
 spelling (the keywords, or the record `HeadOptions`)."""
 
@@ -23,7 +23,7 @@ def with_biases(opts: dict, x: dict, bias: torch.Tensor | None = None) -> dict:
 
 def assert_refuses_bad_head(call, bias: torch.Tensor, prefix: str = "") -> None:
     """`call(**options)` refuses each bad bias, logit scale and soft-cap, naming it, in both spellings of a head
-    (`chunks.as_head`): the keywords `{prefix}bias`, `{prefix}logit_scale`, `{prefix}softcap`, and the record
+    (`head.as_head`): the keywords `{prefix}bias`, `{prefix}logit_scale`, `{prefix}softcap`, and the record
     `{prefix}head=HeadOptions(...)`, whose parts are named `{prefix}head.bias`, ... `bias` is a valid float64 bias
     on the CPU."""
     for record in (False, True):

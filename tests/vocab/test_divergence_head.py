@@ -1,4 +1,4 @@
-"""`divergence_from_hidden` with each model's LM-head bias, logit scale and soft-cap (chunks.HeadKind):
+"""`divergence_from_hidden` with each model's LM-head bias, logit scale and soft-cap (head.HeadKind):
 logits = c·tanh(s·(x Wᵀ + b)/c), then τ, against the float64 loop from the formula (loops/divergence.py),
 gradcheck, TRL 1.16's `ChunkedDivergenceFunction` with the same options, and the plain head bit for bit.
 

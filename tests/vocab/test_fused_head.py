@@ -1,5 +1,5 @@
 """The fused path and the exact KL from hidden states with an LM head's bias, logit scale and soft-cap
-(chunks.HeadKind): logits = c·tanh(s·(x Wᵀ + b)/c), then τ. Each function against the materialised path (the
+(head.HeadKind): logits = c·tanh(s·(x Wᵀ + b)/c), then τ. Each function against the materialised path (the
 logits formed by hand in float64, then the logits-based function or the plain loss call), gradcheck, meta
 tensors, torch.compile, bad input, and the plain head bit for bit at the defaults.
 

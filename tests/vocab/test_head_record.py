@@ -1,7 +1,7 @@
 """An LM head's options as one record, `pgloss.HeadOptions` (`head=`, `ref_head=`, `teacher_head=`), or as the
 keywords the docs still accept (`bias=`, `logit_scale=`, `softcap=`, `ref_...`, `teacher_...`): the two spellings
 give bit-identical values and gradients in every call from hidden states, both at once is refused naming the
-arguments, and every such call takes the record and turns a spelling into it at one place (`chunks.as_head`)."""
+arguments, and every such call takes the record and turns a spelling into it at one place (`head.as_head`)."""
 
 import dataclasses
 import inspect
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pgloss
-from pgloss.vocab import chunks, divergence, full_kl, fused
+from pgloss.vocab import divergence, full_kl, fused, head
 
 B, T, H, H_OTHER, V = 3, 5, 8, 6, 37
 TAU = 0.7
@@ -127,7 +127,7 @@ def test_every_call_from_hidden_takes_the_record_and_converts_at_one_place():
             # the record, and each of its fields as a keyword with the record's default
             assert parameters[f"{prefix}head"].default is None
             for option in options:
-                assert parameters[f"{prefix}{option}"].default == getattr(chunks.PLAIN_HEAD, option)
+                assert parameters[f"{prefix}{option}"].default == getattr(head.PLAIN_HEAD, option)
             # the spelling becomes one Head at the entry, by the converter
             assert f"as_head({prefix}head, {prefix}bias, {prefix}logit_scale, {prefix}softcap" in source
     # no other module of the package reads a head's options one by one

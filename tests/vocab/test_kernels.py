@@ -188,7 +188,7 @@ def test_bfloat16_heads_match_the_torch_route(route):
 def test_the_route_is_chosen_by_device_and_refused_where_the_kernels_cannot_run(monkeypatch):
     x = make()
     statistic = pgloss.vocab.entropy.LogProbEntropy(x["targets"].reshape(-1))
-    kind = pgloss.vocab.chunks.PLAIN
+    kind = pgloss.vocab.head.PLAIN
     head32 = x["weight"].to(DEVICE, torch.float32)
     assert kernels.route(statistic, (kind,), head32) == ("kernel" if DEVICE == "cuda" else "torch")
     with kernels.use("torch"):
@@ -212,7 +212,7 @@ def test_float64_and_logits_stay_on_the_torch_route_when_automatic():
     """Automatic choice: a float64 head, or given logits, never take the kernel route."""
     x = make()
     statistic = pgloss.vocab.entropy.LogProbEntropy(x["targets"].reshape(-1))
-    assert kernels.route(statistic, (pgloss.vocab.chunks.PLAIN,), x["weight"]) == "torch"
+    assert kernels.route(statistic, (pgloss.vocab.head.PLAIN,), x["weight"]) == "torch"
     assert kernels.route(statistic, ("logits",), x["hidden"].float().reshape(-1, 8)) == "torch"
 
 

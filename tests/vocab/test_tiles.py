@@ -244,7 +244,7 @@ def test_a_statistic_without_tiles_falls_back_to_token_chunks():
     targets = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(1))
     statistic = _NoTiles(targets)
     assert not tileable(statistic)
-    lp, ent = ChunkLoop.apply(statistic, ("logits",), 1.0, (4, 10), logits)
+    lp, ent = ChunkLoop.apply(statistic, ("logits",), 1.0, (4, 10), None, logits)
     (lp + ent).sum().backward()
     assert statistic.widths == [V, V, V, V]
     lp_ref, ent_ref = plain_log_prob_entropy(logits, targets, 1.0)

@@ -1,153 +1,18 @@
-"""The logits of a chunk of tokens from hidden states and an LM head, never more than one
-[chunk, V] buffer per model, and the chunk's gradient sent back to the hidden states and the head.
-A head is its weight and its `HeadOptions` (bias, logit scale, soft-cap), given as one record or as keywords
-and turned into one by `as_head`, checked by `Head.check` into the `HeadKind` a loop (and a kernel) reads:
-described here once, for every caller. Shared by the fused loss (`fused.py`), the exact KL from hidden states
-(`full_kl.py`) and the student-teacher divergences (`divergence.py`)."""
+"""The logits of a chunk of tokens from hidden states and an LM head (described by `head.py`: `HeadOptions`,
+`as_head`, `Head.check` into a `HeadKind`), never more than one [chunk, V] buffer per model, and the chunk's
+gradient sent back to the hidden states and the head; the one loop every vocabulary computation runs
+(`ChunkLoop`) and its tiles (`plan_tiles`). Shared by the fused loss (`fused.py`), the exact KL from hidden
+states (`full_kl.py`) and the student-teacher divergences (`divergence.py`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
-from ..core.checks import check_number
-from ..core.output import check
+from .banned import clamp_banned_
+from .head import PLAIN, HeadKind, HeadOptions  # noqa: F401 (HeadOptions: still importable from here)
 from .kernels import RawTile, route
-
-
-@dataclass(frozen=True)
-class HeadKind:
-    """What an LM head does after its matmul: r = x Wᵀ + b (the bias b beside the weight W, or none), then
-    the logit scale s and the soft-cap c, in TRL 1.16's order (trl/kernels/chunked_divergence.py's `_project`
-    adds the bias, chunked_logprob.py's `_transform` scales and caps):
-
-        logits = c · tanh(s · r / c)        (s · r without a soft-cap)
-
-    the temperature τ dividing them after. `HeadKind()` is the plain head x Wᵀ, whose ops it leaves as they
-    are. The kind of a head source in `ChunkLoop`; its tensors (hidden, weight, bias) are the loop's inputs."""
-
-    scale: float = 1.0
-    softcap: float | None = None
-
-    def transform_(self, z: Tensor, bias: Tensor | None, temperature: float, slope: Tensor | None) -> Tensor:
-        """`z` (the tile's x Wᵀ) ← the tempered logits, in place; `slope` (when given) ← ∂logits/∂r before τ,
-        s (1 − tanh²(s r / c)), which the gradient needs once the statistic has overwritten `z`."""
-        if bias is not None:
-            z.add_(bias)
-        if self.softcap is not None:
-            z.mul_(self.scale / self.softcap).tanh_()
-            if slope is not None:
-                torch.mul(z, z, out=slope).neg_().add_(1.0).mul_(self.scale)
-            z.mul_(self.softcap)
-        elif self.scale != 1.0:
-            z.mul_(self.scale)
-        if temperature != 1.0:
-            z.div_(temperature)
-        return z
-
-    def grad_(self, grad: Tensor, slope: Tensor | None) -> Tensor:
-        """∂L/∂logits (before τ) of a tile → ∂L/∂r, in place: × s (1 − tanh²), or × s without a soft-cap."""
-        if self.softcap is not None:
-            grad.mul_(slope)
-        elif self.scale != 1.0:
-            grad.mul_(self.scale)
-        return grad
-
-
-PLAIN = HeadKind()
-
-
-@dataclass(frozen=True, eq=False)
-class HeadOptions:
-    """An LM head beyond its weight W [V, H]: its bias b [V] (None: no bias), its logit scale s > 0 and its
-    soft-cap c > 0 (None: no soft-cap), applied in `HeadKind`'s order:
-
-        logits = c · tanh(s · (x Wᵀ + b) / c)        (s · (x Wᵀ + b) without a soft-cap)
-
-    Gemma's `final_logit_softcapping` is c, Cohere's `logit_scale` is s, Granite's `logits_scaling` is 1/s
-    (`pgloss.integrations.lm_head.head_options` reads them from a transformers model). The calls from hidden
-    states take one per model: `head=` (the trained model's), `ref_head=` (the reference's, for the exact KL),
-    `teacher_head=` (the teacher's, for a divergence); their keywords `bias=`, `logit_scale=`, `softcap=` (and
-    `ref_...`, `teacher_...`) are the same record spelled out, turned into one by `as_head`. The bias has the
-    weight's dtype and device; the values are checked by the call that receives the record."""
-
-    bias: Tensor | None = None
-    logit_scale: float = 1.0
-    softcap: float | None = None
-
-
-PLAIN_HEAD = HeadOptions()
-
-
-@dataclass(frozen=True, eq=False)
-class Head:
-    """A head's options as one call received them (`as_head`): the record and the prefix its errors name its
-    parts by ("ref_" for the keywords `ref_bias`, ...; "ref_head." for the record `ref_head`)."""
-
-    options: HeadOptions
-    names: str = ""
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self.options.bias
-
-    def with_bias(self, bias: Tensor | None) -> Head:
-        """The same head with its bias replaced (gathered from shards, detached)."""
-        return Head(HeadOptions(bias, self.options.logit_scale, self.options.softcap), self.names)
-
-    def check(self, weight: Tensor, weight_name: str = "weight") -> HeadKind:
-        """The head's kind, its options checked against `weight` [V, H] (named `weight_name`): the bias None or
-        a [V] tensor of the weight's dtype and device, the logit scale a finite number > 0, the soft-cap None or
-        a finite number > 0. Errors name the argument; no value of a tensor is read."""
-        bias, prefix = self.options.bias, self.names
-        if bias is not None:
-            if not isinstance(bias, Tensor):
-                raise TypeError(f"{prefix}bias must be a Tensor or None, got {type(bias).__name__}")
-            if bias.shape != weight.shape[:1]:
-                raise ValueError(f"{prefix}bias must have shape [V] = [{weight.shape[0]}] (the rows of "
-                                 f"{weight_name}), got {tuple(bias.shape)}")
-            if bias.dtype != weight.dtype:
-                raise TypeError(f"{prefix}bias has dtype {bias.dtype} but {weight_name} has {weight.dtype}")
-            if bias.device != weight.device:
-                raise ValueError(f"{prefix}bias is on {bias.device} but {weight_name} is on {weight.device}")
-        scale = check_number(f"{prefix}logit_scale", self.options.logit_scale)
-        check(scale > 0, f"{prefix}logit_scale must be a finite number > 0, got {scale}")
-        softcap = check_number(f"{prefix}softcap", self.options.softcap, optional=True)
-        check(softcap is None or softcap > 0, f"{prefix}softcap must be a finite number > 0 or None, got {softcap}")
-        return HeadKind(scale, softcap)
-
-
-def _spelled(bias: object, logit_scale: object, softcap: object, prefix: str) -> list[str]:
-    """The keywords of a head given other than at their defaults (no tensor value is read; a logit scale that
-    is no number is refused by name)."""
-    plain_scale = check_number(f"{prefix}logit_scale", logit_scale) == 1.0
-    return [name for name, given in (("bias", bias is not None), ("logit_scale", not plain_scale),
-                                     ("softcap", softcap is not None)) if given]
-
-
-def as_head(head: object, bias: object = None, logit_scale: object = 1.0, softcap: object = None, *,
-            prefix: str = "") -> Head:
-    """The one converter of a head's spelling: the record `{prefix}head` (a `HeadOptions`), or its keywords
-    `{prefix}bias`, `{prefix}logit_scale`, `{prefix}softcap`, as a `Head` whose errors name what the caller
-    wrote. Both at once (a keyword other than its default beside the record) is refused, naming them."""
-    if head is None:
-        return Head(HeadOptions(bias, logit_scale, softcap), prefix)  # type: ignore[arg-type]
-    if not isinstance(head, HeadOptions):
-        raise TypeError(f"{prefix}head must be a pgloss.HeadOptions or None, got {type(head).__name__}")
-    spelled = _spelled(bias, logit_scale, softcap, prefix)
-    if spelled:
-        keywords = ", ".join(f"{prefix}{name}" for name in spelled)
-        raise ValueError(f"{prefix}head and {keywords} both describe the head: pass {prefix}head=HeadOptions(...) "
-                         f"alone, or the keywords {prefix}bias, {prefix}logit_scale, {prefix}softcap alone")
-    return Head(head, f"{prefix}head.")
-
-
-def head_given(head: object, bias: object, logit_scale: object, softcap: object, *, prefix: str = "") -> bool:
-    """Whether a head was described at all: by its record, or by a keyword other than its default."""
-    return head is not None or bool(_spelled(bias, logit_scale, softcap, prefix))
 
 
 class HeadChunks:
@@ -188,7 +53,7 @@ class HeadChunks:
             if self.slope is None:
                 self.slope = torch.empty_like(self.z)
             slope = self.slope[: m * k].view(m, k)
-        return self.kind.transform_(z, bias, temperature, slope)
+        return clamp_banned_(self.kind.transform_(z, bias, temperature, slope))
 
     def apply_grad(self, grad: Tensor, x: Tensor, grad_hidden: Tensor | None, grad_weight: Tensor | None,
                    grad_bias: Tensor | None, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
@@ -286,22 +151,36 @@ class LogitRows:
 
 class HeadRows:
     """Source: hidden states `[N, H]`, an LM head `[V, H]` and its bias `[V]` (or None), the head's `kind`
-    (`HeadKind`: scale, soft-cap) beside them (`HeadChunks`); the gradient goes to each input that needs it."""
+    (`HeadKind`: scale, soft-cap) beside them (`HeadChunks`); the gradient goes to each input that needs it.
+
+    `valid` (a bool `[N]`, or None: every row) says which rows count: the others are read as zeros, whatever they
+    hold (NaN and inf from left padding included), so that no value of theirs reaches a logit, ∂L/∂W or ∂L/∂b,
+    and their ∂L/∂x is 0. The one place every loop over a head reads its hidden states: `x_rows`."""
 
     arity = 3
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int, dtype: torch.dtype,
-                 width: int | None = None, kind: HeadKind = PLAIN, kernel: bool = False) -> None:
+                 width: int | None = None, kind: HeadKind = PLAIN, kernel: bool = False,
+                 valid: Tensor | None = None) -> None:
         self.hidden, self.weight, self.bias, self.dtype, self.vocab = hidden, weight, bias, dtype, weight.shape[0]
+        self.valid, self._rows, self._x = valid, None, None
         self.head = HeadChunks(hidden, weight, bias, kind, chunk_size, dtype, width, kernel)
         self.grad_hidden = self.grad_weight = self.grad_bias = None
         # Whether ∂L/∂x sums over vocabulary tiles and ∂L/∂W over token chunks: a half-precision head's sums
         # then run in float32 accumulators (`matmul_into`); a single term is written in the head's dtype.
         self.sums = (width is not None and width < self.vocab, chunk_size < hidden.shape[0])
 
+    def x_rows(self, rows: slice) -> Tensor:
+        """The hidden states of `rows`, zero where not `valid` (formed once per chunk, kept for its tiles)."""
+        if self.valid is None:
+            return self.hidden[rows]
+        if self._rows != rows:
+            self._rows, self._x = rows, torch.where(self.valid[rows, None], self.hidden[rows], 0.0)
+        return self._x
+
     def chunk(self, rows: slice, temperature: float, for_grad: bool = False,
               cols: slice | None = None) -> Tensor | RawTile:
-        return self.head.logits(self.hidden[rows], temperature, cols)
+        return self.head.logits(self.x_rows(rows), temperature, cols)
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
         rows = self.hidden.shape[0]
@@ -316,12 +195,15 @@ class HeadRows:
         self.head.keep_slope = True
 
     def send(self, rows: slice, grad: Tensor, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
-        self.head.apply_grad(grad, self.hidden[rows], None if self.grad_hidden is None else self.grad_hidden[rows],
+        self.head.apply_grad(grad, self.x_rows(rows), None if self.grad_hidden is None else self.grad_hidden[rows],
                              self.grad_weight, self.grad_bias, first, cols, first_col)
 
     def gradients(self) -> tuple[Tensor | None, ...]:
+        grad_hidden = self.grad_hidden
+        if grad_hidden is not None and self.valid is not None:
+            grad_hidden = torch.where(self.valid[:, None], grad_hidden, 0.0)
         return tuple(None if g is None else g.to(p.dtype) for g, p in
-                     ((self.grad_hidden, self.hidden), (self.grad_weight, self.weight), (self.grad_bias, self.bias)))
+                     ((grad_hidden, self.hidden), (self.grad_weight, self.weight), (self.grad_bias, self.bias)))
 
 
 def source_class(kind) -> type:
@@ -330,13 +212,12 @@ def source_class(kind) -> type:
 
 
 def tempered(chunk: Tensor, temperature: float, out: Tensor) -> Tensor:
-    """`chunk` / τ written into `out` (compute dtype), with −inf logits (banned tokens)
-    clamped to the lowest finite value so that their π is exactly 0 and 0 · log π stays 0."""
+    """`chunk` / τ written into `out` (compute dtype), −inf logits (banned tokens) clamped as `banned.py` says."""
     if temperature == 1.0:
         out.copy_(chunk)
     else:
         torch.div(chunk, temperature, out=out)
-    return out.clamp_(min=torch.finfo(out.dtype).min)
+    return clamp_banned_(out)
 
 
 def tileable(statistic) -> bool:
@@ -392,7 +273,8 @@ class ChunkLoop(torch.autograd.Function):
     """The loop every vocabulary computation runs: `statistic` over the chunks of its sources.
 
     `kinds` names each source ("logits", or a `HeadKind` for an LM head); `tensors` are their inputs in
-    order (one for logits; hidden, weight and bias, or None, for a head). `tiles` is (tokens per chunk,
+    order (one for logits; hidden, weight and bias, or None, for a head). `valid` (bool [N], or None) are the
+    rows that count: a head source reads the others as zeros (`HeadRows`), whatever they hold. `tiles` is (tokens per chunk,
     vocabulary columns per tile) from `plan_tiles`; a statistic without the per-tile interface runs
     whole-vocabulary chunks whatever the second number. Only the first source is differentiated (the others, a
     reference or a teacher, are detached by the caller). Saves the inputs and the statistic's
@@ -403,7 +285,7 @@ class ChunkLoop(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, statistic, kinds, temperature, tiles, *tensors):
+    def forward(ctx, statistic, kinds, temperature, tiles, valid, *tensors):
         chunk_size, vocab_block = tiles
         head = isinstance(kinds[0], HeadKind)
         dtype = compute_dtype(tensors[1].dtype if head else tensors[0].dtype)
@@ -412,14 +294,14 @@ class ChunkLoop(torch.autograd.Function):
         kernel = route(statistic, kinds, tensors[1] if head else tensors[0]) == "kernel"
         if kernel:  # the statistic's Triton twin, on the heads' raw tiles
             statistic = statistic.kernel()
-        sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel)
+        sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel, valid)
         n = tensors[0].shape[0]
         values = statistic.allocate(n, sources[0].dtype, tensors[0].device)
         for start in range(0, n, chunk_size):
             forward_rows(statistic, sources, slice(start, start + chunk_size), temperature, vocab_block, values)
         ctx.statistic, ctx.kinds, ctx.temperature, ctx.tiles = statistic, kinds, temperature, (chunk_size, vocab_block)
         ctx.arity, ctx.kernel = sources[0].arity, kernel
-        ctx.save_for_backward(*tensors, *values)
+        ctx.save_for_backward(valid, *tensors, *values)
         ctx.set_materialize_grads(False)
         return statistic.outputs(values)
 
@@ -427,26 +309,26 @@ class ChunkLoop(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         statistic, kinds, temperature, (chunk_size, vocab_block) = ctx.statistic, ctx.kinds, ctx.temperature, ctx.tiles
-        saved = ctx.saved_tensors
+        valid, *saved = ctx.saved_tensors
         n_inputs = sum(source_class(k).arity for k in kinds)
         tensors, values = saved[:n_inputs], saved[n_inputs:]
-        needs = ctx.needs_input_grad[4:4 + ctx.arity]
-        nothing = (None,) * (4 + n_inputs)
+        needs = ctx.needs_input_grad[5:5 + ctx.arity]
+        nothing = (None,) * (5 + n_inputs)
         if all(g is None for g in grads) or not any(needs):
             return nothing
-        sources = _sources(kinds, tensors, chunk_size, vocab_block, values[0].dtype, ctx.kernel)
+        sources = _sources(kinds, tensors, chunk_size, vocab_block, values[0].dtype, ctx.kernel, valid)
         sources[0].begin_backward(needs)
         for start in range(0, tensors[0].shape[0], chunk_size):
             backward_rows(statistic, sources, slice(start, start + chunk_size), temperature, vocab_block, values,
                           grads, first=start == 0)
-        return (None,) * 4 + sources[0].gradients() + (None,) * (n_inputs - ctx.arity)
+        return (None,) * 5 + sources[0].gradients() + (None,) * (n_inputs - ctx.arity)
 
 
-def _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel: bool = False) -> list:
+def _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel: bool = False, valid: Tensor | None = None) -> list:
     sources, at = [], 0
     for kind in kinds:
         cls = source_class(kind)
-        extra = (kind, kernel) if cls is HeadRows else ()
+        extra = (kind, kernel, valid) if cls is HeadRows else ()
         sources.append(cls(*tensors[at:at + cls.arity], chunk_size, dtype, vocab_block, *extra))
         at += cls.arity
     return sources

@@ -16,7 +16,7 @@ and the gradient with respect to the student's logits (the teacher is frozen):
     0 < β < 1    ∂D/∂z_S,ᵥ = (1 − β) p_S,ᵥ (log p_S,ᵥ − log mᵥ − KL(p_S‖m))
 
 (∂/∂logits_S = (1/τ) ∂/∂z_S). From hidden states x and an LM head (W, bias b, logit scale s, soft-cap c;
-`chunks.HeadOptions`), each model's logits are
+`head.HeadOptions`), each model's logits are
 
     logits = c · tanh(s · (x Wᵀ + b) / c)        (s · (x Wᵀ + b) without a soft-cap)
 
@@ -51,12 +51,14 @@ import torch
 from torch import Tensor
 
 from ..core.aggregate import Normalizer, aggregate
-from ..core.batch import check_mask
+from ..core.batch import check_mask, check_tensor
 from ..core.checks import check_number
 from ..core.metrics import Stat
 from ..core.output import LossOutput
 from . import kernels
-from .chunks import ChunkLoop, HeadOptions, as_head
+from .banned import BANNED_LOGIT
+from .chunks import ChunkLoop
+from .head import HeadOptions, as_head
 from .entropy import _blocks, check_temperature
 from .full_kl import FullKL, KernelFullKL, check_logit_pair, head_pair, pair_tiles
 
@@ -76,7 +78,7 @@ class ForwardKL(FullKL):
     """Statistic of `chunks.ChunkLoop`: KL(p_T‖p_S) per token, the student the first source.
 
     `FullKL`'s sums with the two sources swapped (its values: KL, lse_T, lse_S); the gradient to the
-    student's logits is (g/τ)(p_S − p_T)."""
+    student's logits is (g/τ)(p_S − p_T), 0 where the student bans the token (`banned.py`)."""
 
     def kernel(self) -> KernelForwardKL:
         return KernelForwardKL()
@@ -92,8 +94,10 @@ class ForwardKL(FullKL):
         _, lse_teacher, lse = values
         scale = (grads[0][rows] / temperature).unsqueeze(-1)
         for block, _ in _blocks(z, 0):
+            banned = z[block] <= BANNED_LOGIT  # the teacher's π_T left out where the student bans the token
             p = z[block].sub_(lse[rows][block].unsqueeze(-1)).exp_()
-            p.sub_(z_teacher[block].sub_(lse_teacher[rows][block].unsqueeze(-1)).exp_()).mul_(scale[block])
+            q = z_teacher[block].sub_(lse_teacher[rows][block].unsqueeze(-1)).exp_().masked_fill_(banned, 0.0)
+            p.sub_(q).mul_(scale[block])
         return z
 
     def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
@@ -235,8 +239,10 @@ class KernelJSD(GeneralisedJSD):
 
 
 def _divergence(beta: float, kinds: tuple, temperature: float, tiles: tuple[int, int], vocab: int,
-                student: tuple[Tensor | None, ...], teacher: tuple[Tensor | None, ...]) -> Tensor:
-    """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached."""
+                student: tuple[Tensor | None, ...], teacher: tuple[Tensor | None, ...],
+                valid: Tensor | None = None) -> Tensor:
+    """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached; hidden states read only
+    at `valid` rows (None: all)."""
     teacher = _detached(teacher)
     if beta == 1.0:
         statistic = FullKL()
@@ -244,11 +250,12 @@ def _divergence(beta: float, kinds: tuple, temperature: float, tiles: tuple[int,
         statistic = ForwardKL()
     elif tiles[1] < vocab:  # vocabulary tiles: the two log-normalisers first
         with torch.no_grad():
-            normalisers = ChunkLoop.apply(Normalisers(), kinds, temperature, tiles, *_detached(student), *teacher)
+            normalisers = ChunkLoop.apply(Normalisers(), kinds, temperature, tiles, valid, *_detached(student),
+                                          *teacher)
         statistic = GeneralisedJSD(beta, normalisers)
     else:
         statistic = GeneralisedJSD(beta)
-    return ChunkLoop.apply(statistic, kinds, temperature, tiles, *student, *teacher)
+    return ChunkLoop.apply(statistic, kinds, temperature, tiles, valid, *student, *teacher)
 
 
 def _detached(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
@@ -356,7 +363,8 @@ def divergence_from_hidden(
         weight: [V, H] student output projection, the dtype and device of `hidden`.
         teacher_hidden: [B, T, H'] teacher hidden states (H' may differ from H); never differentiated.
         teacher_weight: [V, H'] teacher output projection, the dtype of `teacher_hidden`; never differentiated.
-        mask, beta, temperature, loss_agg_mode, normalizer, norm_constant: as `divergence_from_logits`.
+        mask, beta, temperature, loss_agg_mode, normalizer, norm_constant: as `divergence_from_logits`; neither
+            model's hidden states are read at masked positions (NaN and inf allowed: `chunks.HeadRows`).
         head, teacher_head: each model's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None:
             the plain head); a bias has the dtype and device of its weight (a half-precision bias is added to
             the float32 logits). `pgloss.integrations.lm_head.head_options(model)` reads them from a model.
@@ -374,11 +382,11 @@ def divergence_from_hidden(
         `LossOutput` as `divergence_from_logits`; gradients flow to `hidden`, `weight` and `bias` (whichever
         requires grad), none to the teacher's inputs.
     """
-    kinds, tiles, student, teacher = head_pair(
+    check_tensor("mask", mask, ndim=(2,), floating=False)  # required here (None would mean every position)
+    kinds, tiles, student, teacher, mask = head_pair(
         hidden, weight, teacher_hidden, teacher_weight, "teacher", head=as_head(head, bias, logit_scale, softcap),
         other_head=as_head(teacher_head, teacher_bias, teacher_logit_scale, teacher_softcap, prefix="teacher_"),
-        chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
-    mask = check_mask(mask, hidden.shape[:2], hidden.device, "hidden")
+        mask=mask, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     beta, temperature = check_beta(beta), check_temperature(temperature)
-    per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher)
+    per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher, mask.reshape(-1))
     return _output(per_token.view(hidden.shape[:2]), mask, loss_agg_mode, normalizer, norm_constant)

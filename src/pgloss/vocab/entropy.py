@@ -31,6 +31,7 @@ from torch import Tensor
 from ..core.batch import check_tensor
 from ..core.checks import check_number, check_values, is_integer
 from . import kernels
+from .banned import floored_grad, log_prob_floor
 from .chunks import ChunkLoop, plan_tiles
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
@@ -103,16 +104,17 @@ def _blocks(z: Tensor, temporaries: int = 1):
 def chunk_log_prob_entropy(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(log π(y), H, lse) per row of the tempered logits `z` [n, V]; `z` is left unchanged.
 
-    log π = log_softmax(z) (max-shifted), lse = z_y − log π(y), and H = −Σᵥ πᵥ log πᵥ,
-    a sum of non-negative terms (no cancellation between lse and Σ π z).
+    log π = log_softmax(z) (max-shifted), lse = max z − max log π (= m + log Σᵥ e^{zᵥ − m}, read where π is
+    largest, never at a banned target), log π(y) floored (`banned.log_prob_floor`), and H = −Σᵥ πᵥ log πᵥ, a sum
+    of non-negative terms (no cancellation between lse and Σ π z).
     """
     n = z.shape[0]
     log_prob, entropy, lse = z.new_empty(n), z.new_empty(n), z.new_empty(n)
     for rows, (log_pi, p) in _blocks(z, 2):
         zb, index = z[rows], targets[rows].unsqueeze(-1)
         torch.log_softmax(zb, dim=-1, out=log_pi)
-        log_prob[rows] = log_pi.gather(-1, index).squeeze(-1)
-        lse[rows] = zb.gather(-1, index).squeeze(-1) - log_prob[rows]
+        lse[rows] = zb.amax(dim=-1) - log_pi.amax(dim=-1)
+        log_prob[rows] = log_prob_floor(log_pi.gather(-1, index).squeeze(-1), zb.gather(-1, index).squeeze(-1))
         entropy[rows] = torch.exp(log_pi, out=p).mul_(log_pi).sum(dim=-1).neg_()
     return log_prob, entropy, lse
 
@@ -190,7 +192,8 @@ class LogProbEntropy:
 
         lse = m + log s,   log π(y) = z_y − lse,   H = log s − a / s
 
-    (−a/s and log s are both ≥ 0: no cancellation, as in −Σ π log π)."""
+    (−a/s and log s are both ≥ 0: no cancellation, as in −Σ π log π). A target on a banned token (a −inf logit)
+    gets log π(y) = `banned.LOG_PROB_FLOOR` and no gradient through it (`banned.py`)."""
 
     def __init__(self, targets: Tensor) -> None:
         self.targets = targets
@@ -225,27 +228,28 @@ class LogProbEntropy:
         m, s, a, z_y = state
         log_s = torch.log(s)
         lse[rows] = m + log_s
-        log_prob[rows] = z_y - lse[rows]
+        log_prob[rows] = log_prob_floor(z_y - lse[rows], z_y)
         entropy[rows] = log_s - a / s
 
     def outputs(self, values: list[Tensor]) -> tuple[Tensor, Tensor]:
         return values[0], values[1]
 
-    def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        _, entropy, lse = values
+    @staticmethod
+    def upstream(rows: slice, values: list[Tensor], grads) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """lse, H, ∂L/∂log π(y) (0 where log π(y) was floored: `banned.floored_grad`) and ∂L/∂H of `rows`."""
+        log_prob, entropy, lse = values
         grad_log_prob, grad_entropy = grads
-        return chunk_grad_logits(zs[0], self.targets[rows], lse[rows], entropy[rows],
-                                 None if grad_log_prob is None else grad_log_prob[rows],
-                                 None if grad_entropy is None else grad_entropy[rows], temperature)
+        return (lse[rows], entropy[rows], floored_grad(log_prob[rows], None if grad_log_prob is None else
+                                                       grad_log_prob[rows]),
+                None if grad_entropy is None else grad_entropy[rows])
+
+    def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
+        return chunk_grad_logits(zs[0], self.targets[rows], *self.upstream(rows, values, grads), temperature)
 
     def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
                   temperature: float) -> Tensor:
-        _, entropy, lse = values
-        grad_log_prob, grad_entropy = grads
         local, hit = tile_target(self.targets[rows], cols)
-        return chunk_grad_logits(zs[0], local, lse[rows], entropy[rows],
-                                 None if grad_log_prob is None else grad_log_prob[rows],
-                                 None if grad_entropy is None else grad_entropy[rows], temperature, hit)
+        return chunk_grad_logits(zs[0], local, *self.upstream(rows, values, grads), temperature, hit)
 
 
 class KernelLogProbEntropy(LogProbEntropy):
@@ -264,11 +268,8 @@ class KernelLogProbEntropy(LogProbEntropy):
         return self.tile_grad(zs, rows, slice(0, zs[0].r.shape[1]), values, grads, temperature)
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        _, entropy, lse = values
-        grad_log_prob, grad_entropy = grads
-        return kernels.log_prob_entropy_backward(zs[0], self.targets[rows], cols.start, lse[rows], entropy[rows],
-                                                 None if grad_log_prob is None else grad_log_prob[rows],
-                                                 None if grad_entropy is None else grad_entropy[rows])
+        return kernels.log_prob_entropy_backward(zs[0], self.targets[rows], cols.start,
+                                                 *self.upstream(rows, values, grads))
 
 
 def log_prob_and_entropy(
@@ -319,7 +320,7 @@ def log_prob_and_entropy(
     tiles = plan_tiles(logits.numel() // vocab, vocab, chunk_size=chunk_size, vocab_block=vocab_block,
                        memory_budget=memory_budget, itemsize=8 if logits.dtype == torch.float64 else 4)
     log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), ("logits",), temperature,
-                                        tiles, logits.reshape(-1, vocab))
+                                        tiles, None, logits.reshape(-1, vocab))
     return log_prob.view(lead), entropy.view(lead)
 
 

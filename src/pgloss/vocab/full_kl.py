@@ -17,7 +17,7 @@ Memory: both functions walk the positions in chunks and keep only two floats per
 (the two log-normalisers) besides the inputs; the backward pass recomputes each chunk's
 softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: per chunk it
 forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads, each
-with its bias, logit scale and soft-cap (`chunks.HeadOptions`), through `chunks.ChunkLoop` with two
+with its bias, logit scale and soft-cap (`head.HeadOptions`), through `chunks.ChunkLoop` with two
 sources and the `FullKL` statistic, so memory beyond the inputs and their gradients is two
 [chunk, V] buffers (three in backward for a soft-capped policy: its slope). Masked positions are the caller's to drop
 (`torch.where(mask, kl, 0)`); their logits need only be finite.
@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core.batch import compute_dtype
+from ..core.batch import check_mask, compute_dtype
 from . import kernels
-from .chunks import ChunkLoop, Head, HeadKind, HeadOptions, as_head, plan_tiles
+from .chunks import ChunkLoop, plan_tiles
+from .head import Head, HeadKind, HeadOptions, as_head
 from .entropy import _blocks, check_temperature, online_max
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
@@ -249,13 +250,14 @@ def full_kl_from_hidden(
     ref_logit_scale: float = 1.0,
     softcap: float | None = None,
     ref_softcap: float | None = None,
+    mask: Tensor | None = None,
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
 ) -> Tensor:
     """KL(π‖π_ref) per position from the final hidden states and LM heads of both models, [B, T].
 
-    Each model's logits before the temperature are those of its head (`chunks.HeadOptions`),
+    Each model's logits before the temperature are those of its head (`head.HeadOptions`),
 
         logits = c · tanh(s · (x Wᵀ + b) / c)        (s · (x Wᵀ + b) without a soft-cap c)
 
@@ -274,6 +276,8 @@ def full_kl_from_hidden(
         bias, ref_bias, logit_scale, ref_logit_scale, softcap, ref_softcap: the same options as keywords,
             still accepted (not beside the record of the same model): [V] biases or None; s > 0 multiplying
             each model's logits, before the soft-cap; c > 0 of each model's soft-cap, or None (none).
+        mask: [B, T] bool or 0/1, the positions that count (None: all). Elsewhere neither model's hidden states
+            are read (NaN and inf allowed: `chunks.HeadRows`), and the KL is 0 with no gradient.
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block (a
@@ -282,7 +286,7 @@ def full_kl_from_hidden(
     return pair_from_hidden(FullKL(), hidden, weight, ref_hidden, ref_weight, "ref",
                             head=as_head(head, bias, logit_scale, softcap),
                             other_head=as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_"),
-                            temperature=temperature, chunk_size=chunk_size, vocab_block=vocab_block,
+                            temperature=temperature, mask=mask, chunk_size=chunk_size, vocab_block=vocab_block,
                             memory_budget=memory_budget)
 
 
@@ -301,19 +305,21 @@ def pair_from_logits(statistic, logits: Tensor, other_logits: Tensor, other: str
     vocab = logits.shape[-1]
     tiles = pair_tiles(logits.numel() // vocab, vocab, logits.dtype, head=False, chunk_size=chunk_size,
                        vocab_block=vocab_block, memory_budget=memory_budget)
-    values = ChunkLoop.apply(statistic, ("logits", "logits"), temperature, tiles,
+    values = ChunkLoop.apply(statistic, ("logits", "logits"), temperature, tiles, None,
                              logits.reshape(-1, vocab), other_logits.detach().reshape(-1, vocab))
     return values.view(logits.shape[:-1])
 
 
 def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor, other: str, *,
-              head: Head, other_head: Head, chunk_size: int | None, vocab_block: int | None,
-              memory_budget: int | None) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple]:
-    """The two heads of a loop (each as its call spelled it, `chunks.as_head`), checked (`check_head_pair`, then
-    each head's options by `chunks.Head.check` against its weight, the other's named `{other}_weight`): their
-    kinds, the tiles (`pair_tiles`), and each model's loop inputs (hidden states as [N, H] rows, weight, bias),
-    the other's detached."""
+              head: Head, other_head: Head, mask: object, chunk_size: int | None, vocab_block: int | None,
+              memory_budget: int | None) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple,
+                                                  Tensor | None]:
+    """The two heads of a loop (each as its call spelled it, `head.as_head`), checked (`check_head_pair`, then
+    each head's options by `head.Head.check` against its weight, the other's named `{other}_weight`): their
+    kinds, the tiles (`pair_tiles`), each model's loop inputs (hidden states as [N, H] rows, weight, bias), the
+    other's detached, and the mask checked (`core.batch.check_mask`; None for None)."""
     check_head_pair(hidden, weight, other_hidden, other_weight, other=other)
+    valid = None if mask is None else check_mask(mask, hidden.shape[:2], hidden.device, "hidden")
     kinds = (head.check(weight), other_head.check(other_weight, f"{other}_weight"))
     bias, other_bias = head.bias, other_head.bias
     tokens = hidden.shape[0] * hidden.shape[1]
@@ -323,17 +329,18 @@ def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight
     first = (hidden.reshape(tokens, hidden.shape[-1]), weight, bias)
     second = (other_hidden.detach().reshape(tokens, other_hidden.shape[-1]), other_weight.detach(),
               None if other_bias is None else other_bias.detach())
-    return kinds, tiles, first, second
+    return kinds, tiles, first, second, valid
 
 
 def pair_from_hidden(statistic, hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor,
-                     other: str, *, head: Head, other_head: Head, temperature: float, chunk_size: int | None,
-                     vocab_block: int | None, memory_budget: int | None) -> Tensor:
+                     other: str, *, head: Head, other_head: Head, temperature: float, mask: object,
+                     chunk_size: int | None, vocab_block: int | None, memory_budget: int | None) -> Tensor:
     """`statistic` per position [B, T] of the head (`weight` and `head`) on `hidden` against the other model's
-    head on `{other}_hidden` (`head_pair`)."""
-    kinds, tiles, first, second = head_pair(
-        hidden, weight, other_hidden, other_weight, other, head=head, other_head=other_head,
+    head on `{other}_hidden` (`head_pair`); 0 where `mask` (None: every position) is not."""
+    kinds, tiles, first, second, valid = head_pair(
+        hidden, weight, other_hidden, other_weight, other, head=head, other_head=other_head, mask=mask,
         chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     temperature = check_temperature(temperature)
-    values = ChunkLoop.apply(statistic, kinds, temperature, tiles, *first, *second)
-    return values.view(hidden.shape[:2])
+    rows = None if valid is None else valid.reshape(-1)
+    values = ChunkLoop.apply(statistic, kinds, temperature, tiles, rows, *first, *second).view(hidden.shape[:2])
+    return values if valid is None else torch.where(valid, values, 0.0)

@@ -1,7 +1,7 @@
 """The loss straight from hidden states, without materialising the N × V logits.
 
 For hidden states x [B, T, H] and the LM head W [V, H] (its bias b [V] or none, its logit scale s
-and soft-cap c: `chunks.HeadOptions`), the tempered logits of token n are
+and soft-cap c: `head.HeadOptions`), the tempered logits of token n are
 
     z_n = c · tanh(s · (W x_n + b) / c) / τ        (s · (W x_n + b) / τ without a soft-cap)
 
@@ -48,8 +48,8 @@ from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.output import LossOutput
 from ..core.batch import check_mask, compute_dtype
 from ..kl.corrections import FULL
-from .chunks import (ChunkLoop, Head, HeadKind, HeadOptions, HeadRows, as_head, backward_rows, forward_rows,
-                     head_given, plan_tiles)
+from .chunks import ChunkLoop, HeadRows, backward_rows, forward_rows, plan_tiles
+from .head import Head, HeadKind, HeadOptions, as_head, head_given
 from .kernels import route
 from .entropy import LogProbEntropy, check_targets, check_temperature
 
@@ -108,6 +108,7 @@ def log_prob_and_entropy_from_hidden(
     bias: Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    mask: Tensor | None = None,
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
@@ -116,12 +117,12 @@ def log_prob_and_entropy_from_hidden(
 
         z = c · tanh(s · (hidden @ weightᵀ + bias) / c)        (s · (hidden @ weightᵀ + bias) without a soft-cap)
 
-    (`chunks.HeadOptions`: TRL 1.16's order, bias, scale, soft-cap, then τ).
+    (`head.HeadOptions`: TRL 1.16's order, bias, scale, soft-cap, then τ).
 
     Args:
         hidden: [B, T, H] floating hidden states.
         weight: [V, H] output projection of the same dtype and device.
-        targets: [B, T] integer token ids in [0, V).
+        targets: [B, T] integer token ids in [0, V) (at valid positions, with a `mask`).
         temperature: τ > 0.
         head: the head's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None: the plain head x Wᵀ);
             `pgloss.integrations.lm_head.head_options(model)` reads them from a transformers model.
@@ -129,6 +130,8 @@ def log_prob_and_entropy_from_hidden(
             bias [V] of the weight's dtype and device, or None; s > 0 multiplying the logits (Cohere's
             `logit_scale`; Granite's `logits_scaling` is 1/s); c > 0 of the soft-cap c · tanh(logits / c)
             (Gemma's `final_logit_softcapping`), or None.
+        mask: [B, T] bool or 0/1, the positions that count (None: all). Elsewhere hidden states and targets are
+            never read (NaN, inf and -100 allowed: `chunks.HeadRows`), log π and H are 0 and pass no gradient.
         chunk_size: tokens per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary); below V, log-sum-exp,
             log π(y) and H accumulate over tiles with an online max (`chunks.plan_tiles`).
@@ -140,24 +143,35 @@ def log_prob_and_entropy_from_hidden(
         hidden, weight and bias (whichever requires grad).
     """
     return _log_prob_and_entropy(hidden, weight, targets, as_head(head, bias, logit_scale, softcap),
-                                 temperature=temperature, chunk_size=chunk_size, vocab_block=vocab_block,
+                                 temperature=temperature, mask=mask, chunk_size=chunk_size, vocab_block=vocab_block,
                                  memory_budget=memory_budget)
 
 
 def _log_prob_and_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, head: Head, *, temperature: float,
-                          chunk_size: int | None, vocab_block: int | None,
+                          mask: Tensor | None, chunk_size: int | None, vocab_block: int | None,
                           memory_budget: int | None) -> tuple[Tensor, Tensor]:
-    """`log_prob_and_entropy_from_hidden` for a head already taken from the call's spelling (`chunks.as_head`)."""
+    """`log_prob_and_entropy_from_hidden` for a head already taken from the call's spelling (`head.as_head`)."""
     weight = full_head(weight)
     head = head.with_bias(full_head(head.bias))
-    _check_inputs(hidden, weight, targets)
+    valid = _check_inputs(hidden, weight, targets, mask)
     kind, bias = head.check(weight), head.bias
     temperature = check_temperature(temperature)
     batch, length, size = hidden.shape
     tiles = head_tiles(batch * length, weight, chunk_size, vocab_block, memory_budget, kind)
-    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), (kind,), temperature, tiles,
-                                        hidden.reshape(batch * length, size), weight, bias)
-    return log_prob.view(batch, length), entropy.view(batch, length)
+    rows = None if valid is None else valid.reshape(-1)
+    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(valid_targets(targets, valid).reshape(-1)), (kind,),
+                                        temperature, tiles, rows, hidden.reshape(batch * length, size), weight, bias)
+    log_prob, entropy = log_prob.view(batch, length), entropy.view(batch, length)
+    if valid is None:
+        return log_prob, entropy
+    return torch.where(valid, log_prob, 0.0), torch.where(valid, entropy, 0.0)
+
+
+def valid_targets(targets: Tensor, valid: Tensor | None) -> Tensor:
+    """The targets as int64 token ids, 0 where not `valid` (their values there, e.g. -100, are never read)."""
+    if valid is None:
+        return targets.long()
+    return torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device)).long()
 
 
 def head_tiles(tokens: int, weight: Tensor, chunk_size: int | None, vocab_block: int | None,
@@ -219,7 +233,7 @@ def _loss_one_pass(algorithm, hidden, weight, bias, kind, targets, temperature, 
     if kernel:  # its Triton twin, on the head's raw tiles
         statistic = statistic.kernel()
     source = HeadRows(x_all, weight.detach(), None if bias is None else bias.detach(), chunk_rows * length, dtype,
-                      vocab_block, kind, kernel)
+                      vocab_block, kind, kernel, valid=batch["mask"].reshape(-1))
     source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
     values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
@@ -286,7 +300,8 @@ def loss_from_hidden(
 
     Args:
         algorithm: a `pgloss.Algorithm`, e.g. `pgloss.get("grpo")`.
-        hidden: [B, T, H] final hidden states of the policy (the positions that predict `targets`).
+        hidden: [B, T, H] final hidden states of the policy (the positions that predict `targets`); never read
+            at masked positions (NaN and inf allowed there: `chunks.HeadRows`), nor `ref_hidden`.
         weight: [V, H] output projection (the LM head), same dtype and device as `hidden`; an
             FSDP2-sharded head (DTensor) is gathered once for the call (`full_head`).
         targets: [B, T] integer token ids; values at masked positions are ignored (e.g. -100).
@@ -325,7 +340,7 @@ def loss_from_hidden(
     tokens = hidden.shape[0] * hidden.shape[1]
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     chunk_size, vocab_block = head_tiles(tokens, weight, **sizes, kind=kind)
-    safe_targets = torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device)).long()
+    safe_targets = valid_targets(targets, valid)
     dtype = compute_dtype(weight.dtype)
 
     def cast(value: Tensor | None) -> Tensor | None:
@@ -343,7 +358,7 @@ def loss_from_hidden(
 
         batch["full_kl"] = pair_from_hidden(
             FullKL(), hidden, weight, ref_hidden, full_head(ref_weight), "ref", head=head,
-            other_head=ref.with_bias(full_head(ref.bias)), temperature=temperature, **sizes)
+            other_head=ref.with_bias(full_head(ref.bias)), temperature=temperature, mask=valid, **sizes)
     elif (ref_hidden is not None or ref_weight is not None
           or head_given(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_")):
         raise ValueError(f"ref_hidden and ref_weight (and the reference head: ref_head, or ref_bias, ref_logit_scale, "
@@ -356,7 +371,8 @@ def loss_from_hidden(
         # Sequences longer than a chunk, row-coupled losses and the exact KL: log π and H by token chunks, one
         # call for the batch, logits recomputed in backward.
         log_prob, entropy = _log_prob_and_entropy(hidden, weight, safe_targets, head, temperature=temperature,
-                                                  chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=None)
+                                                  mask=valid, chunk_size=chunk_size, vocab_block=vocab_block,
+                                                  memory_budget=None)
         return algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
 
     step = normalizer

@@ -3,7 +3,7 @@
 Two routes compute the same statistics (log π(y) and H, the exact KL, the distillation divergences):
 
 - torch (the reference, and the route on CPU): each tile of logits is formed in float32 by torch ops
-  (`chunks.HeadKind.transform_`), then walked by the statistic's torch code;
+  (`head.HeadKind.transform_`), then walked by the statistic's torch code;
 - kernel (chosen automatically for LM heads on CUDA when Triton is installed): the tile is the matmul's own
   output r = x Wᵀ in the head's dtype, and one Triton kernel per tile applies the head (bias, logit scale,
   soft-cap, τ) in registers and reads the tile once: forward, the statistic's running sums; backward,
@@ -49,7 +49,7 @@ TRITON = importlib.util.find_spec("triton") is not None  # read once: compiled c
 
 
 def route(statistic, kinds, weight: Tensor) -> str:
-    """"kernel" or "torch" for a loop of `statistic` (or its class) over sources of `kinds` (a `chunks.HeadKind`
+    """"kernel" or "torch" for a loop of `statistic` (or its class) over sources of `kinds` (a `head.HeadKind`
     each, or "logits"), the trained model's source defined by `weight` (its LM head; its logits for a logits
     source): its device and dtype. The kernel route needs LM-head sources, a statistic with a kernel twin (its
     `kernel` method) and a float32 or half-precision head."""
@@ -74,7 +74,7 @@ def route(statistic, kinds, weight: Tensor) -> str:
 @dataclass
 class RawTile:
     """A tile of one head's raw outputs on the kernel route: `r` = x W[cols]ᵀ [rows, width] in the head's
-    dtype, its `bias` (the tile's columns, or None), its `kind` (`chunks.HeadKind`) and the temperature."""
+    dtype, its `bias` (the tile's columns, or None), its `kind` (`head.HeadKind`) and the temperature."""
 
     r: Tensor
     bias: Tensor | None
@@ -82,10 +82,11 @@ class RawTile:
     temperature: float
 
     def args(self) -> tuple:
-        """The kernels' per-head arguments: the tile, its row stride, its bias, scale and soft-cap."""
-        kind = self.kind
-        return (self.r, self.r.stride(0), self.r if self.bias is None else self.bias, kind.scale,
-                1.0 if kind.softcap is None else kind.softcap)
+        """The kernels' per-head arguments: the tile, its row stride, its bias and the bias's stride (a view of
+        any stride, 0 for an expanded one: read where it lies, never copied), scale and soft-cap."""
+        kind, bias = self.kind, self.bias
+        return (self.r, self.r.stride(0), self.r if bias is None else bias, 0 if bias is None else bias.stride(0),
+                kind.scale, 1.0 if kind.softcap is None else kind.softcap)
 
     def flags(self) -> tuple[bool, bool]:
         """HAS_BIAS, SOFTCAP of the kernels for this head."""
@@ -98,10 +99,30 @@ def _kernels():
     return triton_kernels
 
 
+# A kernel's launch. One program per row of a tile, on the grid's x axis: CUDA launches up to 2³¹ − 1 programs
+# there (65,535 on y and z, the limit an unchunked loss of 65,536 tokens met in Liger-Kernel #1294). Every
+# offset of a row (in the tile, the targets, the running state) is 64-bit, so a tile past 2³¹ elements does
+# not wrap (Cut Cross-Entropy #39); a column within a row is 32-bit, hence at most `MAX_WIDTH` columns a tile.
+GRID_X = 2 ** 31 - 1
+WIDEST_BLOCK = 2048
+MAX_WIDTH = 2 ** 31 - WIDEST_BLOCK  # the last block's columns, start + [0, BLOCK), stay below 2³¹
+
+
+def grid(rows: int) -> tuple[int]:
+    """The launch grid of a tile of `rows` rows: one program per row on the x axis."""
+    if rows > GRID_X:
+        raise ValueError(f"chunk_size gives a chunk of {rows} rows, one program each on the grid's x axis, at most "
+                         f"{GRID_X} (CUDA's limit): pass a smaller chunk_size")
+    return (rows,)
+
+
 def launch_shape(width: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of a kernel over rows of `width` columns: the columns each program takes at a time (the
     width's power of two, 16 to 2048) and its warps."""
-    block = min(2048, max(16, 1 << (width - 1).bit_length()))
+    if width > MAX_WIDTH:
+        raise ValueError(f"vocab_block gives a tile of {width} columns, whose 32-bit column offsets allow at most "
+                         f"{MAX_WIDTH} columns: pass a smaller vocab_block")
+    block = min(WIDEST_BLOCK, max(16, 1 << (width - 1).bit_length()))
     return block, 8 if block >= 1024 else 4
 
 
@@ -110,7 +131,7 @@ def _launch(kernel, tile: RawTile, *args, **constants) -> None:
     if rows == 0 or width == 0:
         return
     block, warps = launch_shape(width)
-    kernel[(rows,)](*args, BLOCK=block, num_warps=warps, **constants)
+    kernel[grid(rows)](*args, BLOCK=block, num_warps=warps, **constants)
 
 
 def start_state(tile: RawTile, maxima: int, sums: int) -> list[Tensor]:
@@ -124,20 +145,18 @@ def start_state(tile: RawTile, maxima: int, sums: int) -> list[Tensor]:
 def log_prob_entropy_forward(tile: RawTile, targets: Tensor, col0: int, state: list[Tensor]) -> None:
     """State (m, s, a, z_y) [rows] updated in place by one tile (`entropy.LogProbEntropy`)."""
     has_bias, softcap = tile.flags()
-    r, stride, bias, scale, cap = tile.args()
-    _launch(_kernels().log_prob_entropy_forward, tile, r, stride, bias, targets, *state, tile.r.shape[1], col0,
-            scale, cap, 1.0 / tile.temperature, HAS_BIAS=has_bias, SOFTCAP=softcap)
+    _launch(_kernels().log_prob_entropy_forward, tile, *tile.args(), targets, targets.stride(0), *state,
+            tile.r.shape[1], col0, 1.0 / tile.temperature, HAS_BIAS=has_bias, SOFTCAP=softcap)
 
 
 def log_prob_entropy_backward(tile: RawTile, targets: Tensor, col0: int, lse: Tensor, entropy: Tensor,
                               grad_log_prob: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
     """∂L/∂r over the tile (returned), from the rows' lse, H and the loss's ∂L/∂log π(y), ∂L/∂H."""
     has_bias, softcap = tile.flags()
-    r, stride, bias, scale, cap = tile.args()
-    _launch(_kernels().log_prob_entropy_backward, tile, r, stride, bias, targets, lse, entropy,
+    _launch(_kernels().log_prob_entropy_backward, tile, *tile.args(), targets, targets.stride(0), lse, entropy,
             lse if grad_log_prob is None else grad_log_prob.contiguous(),
             lse if grad_entropy is None else grad_entropy.contiguous(),
-            tile.r.shape[1], col0, scale, cap, 1.0 / tile.temperature, HAS_BIAS=has_bias, SOFTCAP=softcap,
+            tile.r.shape[1], col0, 1.0 / tile.temperature, HAS_BIAS=has_bias, SOFTCAP=softcap,
             HAS_GLP=grad_log_prob is not None, HAS_GENT=grad_entropy is not None)
     return tile.r
 
