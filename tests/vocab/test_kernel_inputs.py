@@ -21,8 +21,7 @@ RTOL = 2e-5  # float32 against float64, relative to the largest value compared
 
 
 def draw(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).float().to(DEVICE)  # noqa: E731
+    gen, r = plain_head.normal(seed, DEVICE)
     return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.5), bias=r(V), ref_hidden=r(B, T, H),
                 ref_weight=r(V, H, scale=0.5), upstream=r(B, T), upstream2=r(B, T),
                 targets=torch.randint(0, V, (B, T), generator=gen).to(DEVICE))
