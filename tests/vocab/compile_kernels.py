@@ -4,7 +4,8 @@ kernel's compile-time flags, and the whole of `triton.compile`, down to a cubin,
 at the widest tile the launch picks (`kernels.launch_shape`). Run as a script with TRITON_INTERPRET unset (the
 interpreter never types a kernel); prints one JSON object: "compiled", {"kernel DTYPE FLAGS": "ok" or the
 compiler's message}, and "pointers", {"kernel": the pointer additions (`tt.addptr`) of its IR with every flag on}.
-`--broken` adds a kernel the compiler refuses and one whose row offsets are 32-bit, the harness's own checks. Used by test_kernels_compile.py."""
+`--broken` adds a kernel the compiler refuses and one whose row offsets are 32-bit, the harness's own checks.
+Used by test_kernels_compile.py."""
 
 import itertools
 import json

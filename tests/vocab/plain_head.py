@@ -9,6 +9,15 @@ ROUTES = ("torch", "kernel")
 BANNED_STAND_IN = -1e4  # e^{-10⁴} is 0 in float64: a logit this far below the others is banned to every sum
 
 
+def normal(seed: int, device):
+    """(generator, r): r(*shape, scale=1.0) draws float32 normal values (drawn in float64) on `device`."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).float().to(device)
+    return gen, r
+
+
 def logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None, temperature=1.0):
     """c·tanh(s·(x Wᵀ + b)/c)/τ (s·(x Wᵀ + b)/τ without a soft-cap), in float64."""
     z = hidden.double() @ weight.double().t()

@@ -25,8 +25,7 @@ BANNED = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 30]  # the whole first tile of 10 co
 
 
 def draw(seed=0, shift=0.0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).float().to(DEVICE)  # noqa: E731
+    gen, r = plain_head.normal(seed, DEVICE)
     bias = r(V) + shift
     bias[BANNED] = -torch.inf
     allowed = torch.tensor([v for v in range(V) if v not in BANNED])

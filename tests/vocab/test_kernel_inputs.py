@@ -21,8 +21,7 @@ RTOL = 2e-5  # float32 against float64, relative to the largest value compared
 
 
 def draw(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).float().to(DEVICE)  # noqa: E731
+    gen, r = plain_head.normal(seed, DEVICE)
     return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.5), bias=r(V), ref_hidden=r(B, T, H),
                 ref_weight=r(V, H, scale=0.5), upstream=r(B, T), upstream2=r(B, T),
                 targets=torch.randint(0, V, (B, T), generator=gen).to(DEVICE))
@@ -62,8 +61,8 @@ def test_a_strided_or_expanded_bias_is_read_where_it_lies(route, layout, tiles):
         lp, ent = log_prob_and_entropy_from_hidden(h, w, x["targets"], bias=bias, temperature=0.7,
                                                    chunk_size=tiles[0], vocab_block=tiles[1])
         (lp * x["upstream"] + ent * x["upstream2"]).sum().backward()
-    h2, w2 = x["hidden"].double().requires_grad_(), x["weight"].double().requires_grad_()
-    b2 = reference_bias(layout, x["bias"]).double().requires_grad_()
+    h2, w2 = (x[k].double().cpu().requires_grad_() for k in ("hidden", "weight"))
+    b2 = reference_bias(layout, x["bias"]).double().cpu().requires_grad_()
     lp2, ent2 = plain_head.log_prob_entropy(plain_head.logits(h2, w2, b2, temperature=0.7), x["targets"].cpu())
     (lp2 * x["upstream"].double().cpu() + ent2 * x["upstream2"].double().cpu()).sum().backward()
     expected_bias_grad = b2.grad if layout == "stride 2" else b2.grad.sum().reshape(1)
@@ -88,8 +87,9 @@ def test_the_other_heads_bias_is_read_where_it_lies(route, beta):
             value = divergence_from_hidden(h, x["weight"], x["ref_hidden"], x["ref_weight"], mask, beta=beta,
                                            teacher_bias=other_bias, vocab_block=10).per_token
         (value * x["upstream"]).sum().backward()
-    h2 = x["hidden"].double().requires_grad_()
-    z, z_other = plain_head.logits(h2, x["weight"]), plain_head.logits(x["ref_hidden"], x["ref_weight"], x["bias"])
+    h2 = x["hidden"].double().cpu().requires_grad_()
+    z = plain_head.logits(h2, x["weight"].cpu())
+    z_other = plain_head.logits(x["ref_hidden"].cpu(), x["ref_weight"].cpu(), x["bias"].cpu())
     expected = plain_head.kl(z, z_other) if beta == 1.0 else (
         plain_head.kl(z_other, z) if beta == 0.0 else plain_head.jsd(z, z_other, beta))
     (expected * x["upstream"].double().cpu()).sum().backward()
@@ -108,8 +108,8 @@ def test_expanded_or_strided_targets_are_read_where_they_lie(route, layout):
     with kernels.use(route):
         lp, ent = log_prob_and_entropy_from_hidden(h, x["weight"], targets, vocab_block=10)
         (lp * x["upstream"] + ent).sum().backward()
-    h2 = x["hidden"].double().requires_grad_()
-    lp2, ent2 = plain_head.log_prob_entropy(plain_head.logits(h2, x["weight"]), targets.contiguous().cpu())
+    h2 = x["hidden"].double().cpu().requires_grad_()
+    lp2, ent2 = plain_head.log_prob_entropy(plain_head.logits(h2, x["weight"].cpu()), targets.contiguous().cpu())
     (lp2 * x["upstream"].double().cpu() + ent2).sum().backward()
     assert largest_error([lp, ent, h.grad], [lp2, ent2, h2.grad]) <= RTOL * scale_of([lp2, ent2, h2.grad])
 

@@ -17,9 +17,10 @@ from .kernels import RawTile, route
 
 class HeadChunks:
     """A reusable buffer for a tile of tempered logits z = head(x W[cols]ᵀ + b[cols]) / τ from hidden states x
-    and a head (W, b, `kind`: `HeadKind`), `width` vocabulary columns at most (the whole vocabulary by
-    default), and the tile's gradient applied back to x, W and b (`apply_grad`). One per model in a loop.
-    The buffers are flat, so that a short last tile is a contiguous [rows, k] view.
+    and a head (W, b, `kind`: `HeadKind`), clamped from below at `banned.BANNED_LOGIT` (a −inf logit is a banned
+    token), `width` vocabulary columns at most (the whole vocabulary by default), and the tile's gradient applied
+    back to x, W and b (`apply_grad`). One per model in a loop. The buffers are flat, so that a short last tile
+    is a contiguous [rows, k] view.
 
     On the kernel route (`kernel=True`, `kernels.py`) the tile is the matmul's output x W[cols]ᵀ in the head's
     dtype, handed out as a `kernels.RawTile` for a kernel to apply the head to, and the gradient it gets back
@@ -274,8 +275,8 @@ class ChunkLoop(torch.autograd.Function):
 
     `kinds` names each source ("logits", or a `HeadKind` for an LM head); `tensors` are their inputs in
     order (one for logits; hidden, weight and bias, or None, for a head). `valid` (bool [N], or None) are the
-    rows that count: a head source reads the others as zeros (`HeadRows`), whatever they hold. `tiles` is (tokens per chunk,
-    vocabulary columns per tile) from `plan_tiles`; a statistic without the per-tile interface runs
+    rows that count: a head source reads the others as zeros (`HeadRows`), whatever they hold. `tiles` is
+    (tokens per chunk, vocabulary columns per tile) from `plan_tiles`; a statistic without the per-tile interface runs
     whole-vocabulary chunks whatever the second number. Only the first source is differentiated (the others, a
     reference or a teacher, are detached by the caller). Saves the inputs and the statistic's
     per-token values, never a [N, V] tensor; backward recomputes each tile's logits.

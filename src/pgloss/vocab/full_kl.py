@@ -19,8 +19,8 @@ softmaxes. `full_kl_from_hidden` never holds the N × V logits of either model: 
 forms [chunk, V] logits of the policy and of the reference from hidden states and LM heads, each
 with its bias, logit scale and soft-cap (`head.HeadOptions`), through `chunks.ChunkLoop` with two
 sources and the `FullKL` statistic, so memory beyond the inputs and their gradients is two
-[chunk, V] buffers (three in backward for a soft-capped policy: its slope). Masked positions are the caller's to drop
-(`torch.where(mask, kl, 0)`); their logits need only be finite.
+[chunk, V] buffers (three in backward for a soft-capped policy: its slope). With `mask=` the hidden states at
+masked positions are never read (NaN allowed) and the KL there is 0; without it every position counts.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def pair_from_logits(statistic, logits: Tensor, other_logits: Tensor, other: str
 
 
 def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor, other: str, *,
-              head: Head, other_head: Head, mask: object, chunk_size: int | None, vocab_block: int | None,
+              head: Head, other_head: Head, mask: Tensor | None, chunk_size: int | None, vocab_block: int | None,
               memory_budget: int | None) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple,
                                                   Tensor | None]:
     """The two heads of a loop (each as its call spelled it, `head.as_head`), checked (`check_head_pair`, then
@@ -333,7 +333,7 @@ def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight
 
 
 def pair_from_hidden(statistic, hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor,
-                     other: str, *, head: Head, other_head: Head, temperature: float, mask: object,
+                     other: str, *, head: Head, other_head: Head, temperature: float, mask: Tensor | None,
                      chunk_size: int | None, vocab_block: int | None, memory_budget: int | None) -> Tensor:
     """`statistic` per position [B, T] of the head (`weight` and `head`) on `hidden` against the other model's
     head on `{other}_hidden` (`head_pair`); 0 where `mask` (None: every position) is not."""

@@ -6,8 +6,9 @@ too (`target_stride`). Each kernel applies the head itself, in `head.HeadKind`'s
 
     z = c · tanh(s · (r + b) / c) / τ        (s · (r + b) / τ without a soft-cap c)
 
-then z clamped from below at `banned.BANNED_LOGIT` (a −inf logit: a banned token), in float32 registers, one program per row walking the tile in blocks of BLOCK columns, so that the
-[rows, width] logits are read once and never written in float32. The forward kernels update a per-row
+then z clamped from below at `banned.BANNED_LOGIT` (a −inf logit: a banned token), in float32 registers, one
+program per row walking the tile in blocks of BLOCK columns, so that the [rows, width] logits are read once and
+never written in float32. The forward kernels update a per-row
 running state (online max, as in Milakov & Gimelshein 2018, https://arxiv.org/abs/1805.02867) in place;
 the backward kernels write ∂L/∂r, the head's slope s (1 − tanh²) included, over the tile they read (the
 buffer the two gradient matmuls then take). Each kernel is the twin of a torch statistic (entropy.py,
