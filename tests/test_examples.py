@@ -15,37 +15,34 @@ import pgloss
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def use_snippet() -> str:
-    """The first Python block of the README's "## Use" section."""
+def readme_python(start: str, end: str | None = None) -> str:
+    """The first Python block of the README after `start` (and before `end`)."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("\n## Use\n"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    part = readme[readme.index(start):None if end is None else readme.index(end)]
+    return re.search(r"```python\n(.*?)```", part, re.S).group(1)
+
+
+def run_as_written(code: str, tmp_path) -> str:
+    """`code` run as a script in a fresh Python, its standard output."""
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def test_the_readme_use_snippet_runs_as_written(tmp_path):
-    script = tmp_path / "use.py"
-    script.write_text(use_snippet())
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    assert len(lines) == 2 and all("'pg_loss'" in line and "'ppo_kl'" in line for line in lines), done.stdout
-
-
-def ten_line_example() -> str:
-    """The README's first-screen example: the Python block between its snippet markers (the site's home page
-    includes the same block)."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index("[start:example]"):readme.index("[end:example]")]
-    return re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    """The first Python block of the README's "## Use" section."""
+    lines = run_as_written(readme_python("\n## Use\n"), tmp_path).strip().splitlines()
+    assert len(lines) == 2 and all("'pg_loss'" in line and "'ppo_kl'" in line for line in lines), lines
 
 
 def test_the_readme_ten_line_example_runs_as_written(tmp_path):
-    script = tmp_path / "example.py"
-    script.write_text(ten_line_example())
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = re.fullmatch(r"loss (-?\d+\.\d{4}), gradient norm (\d+\.\d{4})\n", done.stdout)
-    assert found and float(found.group(2)) > 0, done.stdout
+    """The README's first-screen example: the block between its snippet markers (the site's home page includes
+    the same block)."""
+    out = run_as_written(readme_python("[start:example]", "[end:example]"), tmp_path)
+    found = re.fullmatch(r"loss (-?\d+\.\d{4}), gradient norm (\d+\.\d{4})\n", out)
+    assert found and float(found.group(2)) > 0, out
 
 
 def _example():
