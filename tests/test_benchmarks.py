@@ -151,7 +151,13 @@ STEP = [sys.executable, str(BENCHMARKS / "grpo_step.py"), "--device", "cpu", "--
 
 
 def benchmark_module(name, monkeypatch):
+    """benchmarks/<name>.py imported in this process, with its sibling imports (`peers`, `device`) from benchmarks/
+    too: tests/ holds a package named `peers` of its own, which an earlier test in this process may have imported."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for module_name in ("peers", "device", name):
+        module = sys.modules.get(module_name)
+        if module is not None and Path(getattr(module, "__file__", None) or "").parent != BENCHMARKS:
+            monkeypatch.delitem(sys.modules, module_name)
     return importlib.import_module(name)
 
 
