@@ -62,7 +62,7 @@ test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER)
 	PGLOSS_TORCHRL_SRC=$${PGLOSS_TORCHRL_SRC:-$(SOURCES)/torchrl} PGLOSS_SKYRL_SRC=$${PGLOSS_SKYRL_SRC:-$(SOURCES)/skyrl} \
 	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} \
 	PGLOSS_OPENRLHF_SRC=$${PGLOSS_OPENRLHF_SRC:-$(SOURCES)/openrlhf/openrlhf-$(OPENRLHF_VERSION).data/purelib} \
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --durations=15 tests
 
 # The trainers' own loss tests (tests/peers/): swapped to pgloss (as in `make test`), then unmodified.
 peers: $(STAMP) $(INTEGRATIONS)

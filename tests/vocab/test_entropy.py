@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import pgloss.vocab.banned
 import pgloss.vocab.entropy
 from pgloss.vocab.entropy import default_chunk_size, log_prob_and_entropy
 
@@ -190,3 +191,18 @@ def test_bad_inputs_raise(kwargs, error, match):
     logits, targets = args.pop("logits"), args.pop("targets")
     with pytest.raises(error, match=match):
         log_prob_and_entropy(logits, targets, **args)
+
+
+def test_the_whole_vocabulary_lse_is_read_at_an_unbanned_target_to_the_bit():
+    """lse = z_y − log π(y) at every unbanned target, bit for bit (the formula the lab's runs, and so the README's
+    tables, were measured with); a banned target's row reads it at its largest logit instead (`banned.py`)."""
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(64, 1000, generator=gen) * 3  # rows where lse read at the largest logit rounds otherwise
+    targets = torch.randint(0, 1000, (64,), generator=gen)
+    z[-1, targets[-1]] = -torch.inf
+    z = z.clamp(min=pgloss.vocab.banned.BANNED_LOGIT)
+    _, _, lse = pgloss.vocab.entropy.chunk_log_prob_entropy(z, targets)
+    log_pi = torch.log_softmax(z, dim=-1)
+    at_target = z.gather(-1, targets[:, None]) - log_pi.gather(-1, targets[:, None])
+    assert torch.equal(lse[:-1], at_target[:-1, 0])
+    assert lse[-1] == z[-1].max() - log_pi[-1].max() and torch.isfinite(lse[-1])

@@ -31,7 +31,7 @@ from torch import Tensor
 from ..core.batch import check_tensor
 from ..core.checks import check_number, check_values, is_integer
 from . import kernels
-from .banned import floored_grad, log_prob_floor
+from .banned import BANNED_LOGIT, floored_grad, log_prob_floor
 from .chunks import ChunkLoop, plan_tiles
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
@@ -104,17 +104,20 @@ def _blocks(z: Tensor, temporaries: int = 1):
 def chunk_log_prob_entropy(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(log π(y), H, lse) per row of the tempered logits `z` [n, V]; `z` is left unchanged.
 
-    log π = log_softmax(z) (max-shifted), lse = max z − max log π (= m + log Σᵥ e^{zᵥ − m}, read where π is
-    largest, never at a banned target), log π(y) floored (`banned.log_prob_floor`), and H = −Σᵥ πᵥ log πᵥ, a sum
-    of non-negative terms (no cancellation between lse and Σ π z).
+    log π = log_softmax(z) (max-shifted), lse = z_v − log π_v read at the target v = y, or at the largest logit
+    where the target is banned (its log π is −2⁶⁴ − lse: no lse survives the subtraction), log π(y) floored
+    (`banned.log_prob_floor`), and H = −Σᵥ πᵥ log πᵥ, a sum of non-negative terms (no cancellation between lse
+    and Σ π z). Reading lse at the target keeps every unbanned row's value, and so the lab's runs, to the bit.
     """
     n = z.shape[0]
     log_prob, entropy, lse = z.new_empty(n), z.new_empty(n), z.new_empty(n)
     for rows, (log_pi, p) in _blocks(z, 2):
         zb, index = z[rows], targets[rows].unsqueeze(-1)
         torch.log_softmax(zb, dim=-1, out=log_pi)
-        lse[rows] = zb.amax(dim=-1) - log_pi.amax(dim=-1)
-        log_prob[rows] = log_prob_floor(log_pi.gather(-1, index).squeeze(-1), zb.gather(-1, index).squeeze(-1))
+        z_y = zb.gather(-1, index)
+        at = torch.where(z_y > BANNED_LOGIT, index, zb.argmax(dim=-1, keepdim=True))
+        lse[rows] = (zb.gather(-1, at) - log_pi.gather(-1, at)).squeeze(-1)
+        log_prob[rows] = log_prob_floor(log_pi.gather(-1, index).squeeze(-1), z_y.squeeze(-1))
         entropy[rows] = torch.exp(log_pi, out=p).mul_(log_pi).sum(dim=-1).neg_()
     return log_prob, entropy, lse
 
