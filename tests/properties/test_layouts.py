@@ -171,44 +171,24 @@ def divergence(args, tiles, beta=0.5):
     return [out.loss, out.per_token]
 
 
-def check(device, route, drawn, call):
-    views, copies, tiles, dtype = drawn
+# Each public call from hidden states: its call above and what its arguments need (a second head, the loss's inputs).
+ENTRY_POINTS = {
+    "log_prob_and_entropy_from_hidden": (log_prob_and_entropy, {}),
+    "loss_from_hidden": (loss, dict(loss=True)),
+    "from_hidden with the exact KL": (from_hidden_exact_kl, dict(two_heads=True, loss=True)),
+    "full_kl_from_hidden": (full_kl, dict(two_heads=True)),
+    "divergence_from_hidden": (divergence, dict(two_heads=True)),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("device, route", PLACES)
+@EXAMPLES
+@given(data=st.data())
+def test_views_give_what_their_contiguous_copies_give(entry, device, route, data):
+    call, needs = ENTRY_POINTS[entry]
+    views, copies, tiles, dtype = data.draw(calls(device, **needs))
     assert_same(lambda args: call(args, tiles), views, copies, route, dtype)
-
-
-@pytest.mark.parametrize("device, route", PLACES)
-@EXAMPLES
-@given(data=st.data())
-def test_log_prob_and_entropy_from_hidden(device, route, data):
-    check(device, route, data.draw(calls(device)), log_prob_and_entropy)
-
-
-@pytest.mark.parametrize("device, route", PLACES)
-@EXAMPLES
-@given(data=st.data())
-def test_loss_from_hidden(device, route, data):
-    check(device, route, data.draw(calls(device, loss=True)), loss)
-
-
-@pytest.mark.parametrize("device, route", PLACES)
-@EXAMPLES
-@given(data=st.data())
-def test_from_hidden_with_the_exact_kl(device, route, data):
-    check(device, route, data.draw(calls(device, two_heads=True, loss=True)), from_hidden_exact_kl)
-
-
-@pytest.mark.parametrize("device, route", PLACES)
-@EXAMPLES
-@given(data=st.data())
-def test_full_kl_from_hidden(device, route, data):
-    check(device, route, data.draw(calls(device, two_heads=True)), full_kl)
-
-
-@pytest.mark.parametrize("device, route", PLACES)
-@EXAMPLES
-@given(data=st.data())
-def test_divergence_from_hidden(device, route, data):
-    check(device, route, data.draw(calls(device, two_heads=True)), divergence)
 
 
 def test_the_layouts_are_what_they_say():
