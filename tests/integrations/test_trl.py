@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from trl import GRPOTrainer  # noqa: E402
 
 from pgloss.integrations.trl import PGLossGRPOTrainer  # noqa: E402
-from trl_window import relative_error, train, trl_tiny, window_gradient  # noqa: E402
+from trl_window import off_policy_window, relative_error, train, trl_tiny, window_gradient  # noqa: E402
 
 BUDGET = 8  # max_completion_length
 
@@ -163,23 +163,18 @@ def window(model_dir, tmp_path_factory):
     return make_window(model_dir, str(tmp_path_factory.mktemp("parity")))
 
 
+def trl_log_prob(trainer, batch):
+    """A micro-batch's log π as TRL computes it (`_get_per_token_logps_and_entropies`)."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    log_prob, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention,
+                                                               batch["completion_ids"].shape[1])
+    return log_prob
+
+
 def make_window(model_dir, out, **options):
-    """A real GA = 2 window from TRL's generation, made off-policy: old = log π + 0.3·N(0, 1), Â ~ N(0, 1)."""
-    trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
-                                args=trl_tiny.config(out, per_device_train_batch_size=2, max_steps=1), algorithm="dapo",
-                                **options)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 2  # what Trainer sets for each optimizer step
-    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    generator = torch.Generator().manual_seed(0)
-    for batch in trainer._buffered_inputs:
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        with torch.no_grad():
-            log_prob, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention,
-                                                                       batch["completion_ids"].shape[1])
-        batch["old_per_token_logps"] = log_prob + 0.3 * torch.randn(log_prob.shape, generator=generator)
-        batch["advantages"] = torch.randn(log_prob.shape[0], generator=generator)  # a group of equal rewards has none
+    """`trl_window.off_policy_window` of 2 completions per micro-batch, with uneven micro-batches."""
+    trainer = off_policy_window(model_dir, out, trl_log_prob, config=dict(per_device_train_batch_size=2), **options)
     counts = [int(b["completion_mask"].sum()) for b in trainer._buffered_inputs]
     assert counts[0] != counts[1]  # uneven micro-batches: where per-micro-batch normalisation goes wrong
     return trainer

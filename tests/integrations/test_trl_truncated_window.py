@@ -21,9 +21,8 @@ import pgloss
 pytest.importorskip("trl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pgloss.integrations.trl import PGLossGRPOTrainer  # noqa: E402
 from properties.references import central_differences, step_loss_loop  # noqa: E402
-from trl_window import relative_error, trl_tiny  # noqa: E402
+from trl_window import off_policy_window, relative_error, trl_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +32,8 @@ def window(tmp_path_factory):
     advantages ~ N(0, 1), so that clipping, weights and signs all occur."""
     root = tmp_path_factory.mktemp("truncated")
     model_dir = trl_tiny.make_tiny_model(str(root / "model"))
-    config = trl_tiny.config(str(root / "out"), per_device_train_batch_size=4, max_steps=1,
-                             mask_truncated_completions=True)
-    trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
-                                args=config, algorithm="dapo")
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 2  # what Trainer sets for each optimizer step
-    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    generator = torch.Generator().manual_seed(0)
-    for batch in trainer._buffered_inputs:
-        with torch.no_grad():
-            log_prob = model_log_prob(trainer.model, batch)
-        batch["old_per_token_logps"] = log_prob + 0.3 * torch.randn(log_prob.shape, generator=generator)
-        batch["advantages"] = torch.randn(log_prob.shape[0], generator=generator)
-    return trainer
+    return off_policy_window(model_dir, str(root / "out"), lambda trainer, batch: model_log_prob(trainer.model, batch),
+                             config=dict(per_device_train_batch_size=4, mask_truncated_completions=True))
 
 
 def model_log_prob(model, batch):

@@ -91,6 +91,24 @@ def train(tmp: str, algorithm, *, fused=False, **overrides) -> RecordingTrainer:
     return trainer
 
 
+def off_policy_window(model_dir: str, out: str, log_prob, *, config: dict | None = None, **options):
+    """A real GA = 2 window from TRL's generation, made off-policy: old = log π + 0.3·N(0, 1), Â ~ N(0, 1), so that
+    clipping, weights and signs all occur. `log_prob(trainer, batch)` gives a micro-batch's log π; `config` holds
+    options of `trl_tiny.config`, `options` those of PGLossGRPOTrainer."""
+    trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
+                                args=trl_tiny.config(out, max_steps=1, **(config or {})), algorithm="dapo", **options)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2  # what Trainer sets for each optimizer step
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    generator = torch.Generator().manual_seed(0)
+    for batch in trainer._buffered_inputs:
+        with torch.no_grad():
+            old = log_prob(trainer, batch)
+        batch["old_per_token_logps"] = old + 0.3 * torch.randn(old.shape, generator=generator)
+        batch["advantages"] = torch.randn(old.shape[0], generator=generator)  # a group of equal rewards has none
+    return trainer
+
+
 def _pad(tensors, value=0):
     width = max(t.shape[1] for t in tensors)
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
