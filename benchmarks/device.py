@@ -15,8 +15,12 @@ import time
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="where to run (cuda: peak memory from the caching allocator, time from CUDA events)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where to run (cuda: peak memory from the caching allocator, time from CUDA events)",
+    )
 
 
 def resolve_device(name: str):
@@ -24,8 +28,10 @@ def resolve_device(name: str):
     import torch
 
     if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible to this torch "
-                         f"({torch.__version__}, CUDA build: {torch.version.cuda is not None}); run with --device cpu")
+        raise SystemExit(
+            "--device cuda: no CUDA device is visible to this torch "
+            f"({torch.__version__}, CUDA build: {torch.version.cuda is not None}); run with --device cpu"
+        )
     return torch.device(name)
 
 
@@ -35,7 +41,9 @@ def describe(device) -> str:
 
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}"
+        return (
+            f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}"
+        )
     return f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()} cores, torch {torch.__version__}"
 
 
@@ -112,8 +120,12 @@ def run_variant(script: str, argv: list[str], variant: str, timeout: float) -> d
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return {"variant": variant, "status": "failed", "note": f"failed: {reason[:150]}",
-                "stderr": proc.stderr[-4000:]}
+        return {
+            "variant": variant,
+            "status": "failed",
+            "note": f"failed: {reason[:150]}",
+            "stderr": proc.stderr[-4000:],
+        }
     return json.loads(lines[-1])
 
 

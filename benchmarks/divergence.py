@@ -26,7 +26,7 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed  # noqa: E402
+from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed
 
 VARIANTS = ("materialised", "gkd", "fused", "tiled", "trl")
 
@@ -43,7 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_device_argument(parser)
     parser.add_argument("--chunk-size", type=int, default=None, help="pgloss chunk (tokens); default ≈ 2²⁷ / V")
     parser.add_argument("--memory-budget", type=int, default=64 << 20, help="bytes for the tiled variant's buffers")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
+    )
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed to one variant's process")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -84,6 +86,7 @@ def build_variant(name, args):
         return student, teacher
 
     if name == "materialised":
+
         def run(inputs):
             student, teacher = logits(inputs)
             log_q, log_p = torch.log_softmax(student / tau, -1), torch.log_softmax(teacher / tau, -1)
@@ -94,9 +97,12 @@ def build_variant(name, args):
                 d = (log_q.exp() * (log_q - log_p)).sum(-1)
             else:
                 log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-                d = beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - beta) * (log_q.exp() * (log_q - log_m)).sum(-1)
+                d = beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - beta) * (log_q.exp() * (log_q - log_m)).sum(
+                    -1
+                )
             mask = inputs["mask"]
             return torch.where(mask, d, 0.0).sum() / mask.sum().clamp(min=1)
+
         return run
 
     if name == "gkd":
@@ -104,37 +110,60 @@ def build_variant(name, args):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 from trl.experimental.gkd import GKDTrainer
-        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+        except Exception as error:
             raise RuntimeError(f"trl.experimental.gkd does not import: {type(error).__name__}: {error}") from None
 
         def run(inputs):
             student, teacher = logits(inputs)
             labels = torch.where(inputs["mask"], 1, -100)
             return GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, temperature=tau)
+
         return run
 
     if name in ("fused", "tiled"):
         sizes = dict(chunk_size=args.chunk_size) if name == "fused" else dict(memory_budget=args.memory_budget)
 
         def run(inputs):
-            return divergence_from_hidden(inputs["hidden"], inputs["weight"], inputs["teacher_hidden"],
-                                          inputs["teacher_weight"], inputs["mask"], beta=beta, temperature=tau,
-                                          **sizes).loss
+            return divergence_from_hidden(
+                inputs["hidden"],
+                inputs["weight"],
+                inputs["teacher_hidden"],
+                inputs["teacher_weight"],
+                inputs["mask"],
+                beta=beta,
+                temperature=tau,
+                **sizes,
+            ).loss
+
         return run
 
     if name == "trl":
         try:
             from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
-        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
-            raise RuntimeError(f"trl.kernels.chunked_divergence does not import: {type(error).__name__}: {error}") from None
+        except Exception as error:
+            raise RuntimeError(
+                f"trl.kernels.chunked_divergence does not import: {type(error).__name__}: {error}"
+            ) from None
 
         def run(inputs):
             hidden, teacher_hidden, mask = inputs["hidden"], inputs["teacher_hidden"], inputs["mask"]
-            d, _ = ChunkedDivergenceFunction.apply(hidden.reshape(-1, hidden.shape[-1]), inputs["weight"], None,
-                                                   teacher_hidden.reshape(-1, teacher_hidden.shape[-1]),
-                                                   inputs["teacher_weight"], None, beta, tau, 1.0, None, 1.0, None)
+            d, _ = ChunkedDivergenceFunction.apply(
+                hidden.reshape(-1, hidden.shape[-1]),
+                inputs["weight"],
+                None,
+                teacher_hidden.reshape(-1, teacher_hidden.shape[-1]),
+                inputs["teacher_weight"],
+                None,
+                beta,
+                tau,
+                1.0,
+                None,
+                1.0,
+                None,
+            )
             valid = mask.reshape(-1)
             return d.masked_fill(~valid, 0).sum() / valid.sum().clamp(min=1)
+
         return run
 
     raise ValueError(name)
@@ -155,11 +184,13 @@ def child(args) -> dict:
     del placeholders
     try:
         run = build_variant(args.child, args)
-        warm = {k: (v[:1].detach().requires_grad_() if k == "hidden" else v if "weight" in k else v[:1])
-                for k, v in inputs.items()}
+        warm = {
+            k: (v[:1].detach().requires_grad_() if k == "hidden" else v if "weight" in k else v[:1])
+            for k, v in inputs.items()
+        }
         run(warm).backward()  # warm-up on one sequence: thread pools, allocator
         del warm
-    except Exception as error:  # noqa: BLE001 - the table carries on with the reason
+    except Exception as error:
         result["note"] = f"skipped: {str(error).splitlines()[0][:150]}"
         return result
     inputs["weight"].grad = None
@@ -171,10 +202,14 @@ def child(args) -> dict:
         out["loss"] = float(loss.detach())
 
     seconds, cpu = timed(step, device)
-    result.update(time_s=seconds, cpu_s=cpu, peak_mib=memory.peak_above_baseline(), loss=out["loss"],
-                  grad_w_norm=float(inputs["weight"].grad.norm()))
+    result.update(
+        time_s=seconds,
+        cpu_s=cpu,
+        peak_mib=memory.peak_above_baseline(),
+        loss=out["loss"],
+        grad_w_norm=float(inputs["weight"].grad.norm()),
+    )
     return result
-
 
 
 def main(argv=None) -> None:
@@ -187,29 +222,47 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe(resolve_device(args.device)))
-    print(f"N={args.tokens} (B={args.tokens // args.seq_len} x T={args.seq_len}) H={args.hidden} "
-          f"H'={args.teacher_hidden or args.hidden} V={args.vocab} float32 on {args.device}, beta={args.beta}, "
-          f"temperature={args.temperature}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"load average {os.getloadavg()[0]:.2f}")
-    results = run_variants(__file__, list(argv if argv is not None else sys.argv[1:]), args.variants.split(","),
-                           args.timeout)
+    print(
+        f"N={args.tokens} (B={args.tokens // args.seq_len} x T={args.seq_len}) H={args.hidden} "
+        f"H'={args.teacher_hidden or args.hidden} V={args.vocab} float32 on {args.device}, beta={args.beta}, "
+        f"temperature={args.temperature}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    results = run_variants(
+        __file__, list(argv if argv is not None else sys.argv[1:]), args.variants.split(","), args.timeout
+    )
 
     base = next((r for r in results if r["variant"] == "materialised"), {})
 
     def ratio(r, key):
         return base[key] / r[key] if r.get(key) and base.get(key) else None
 
-    columns = ["variant", "peak above inputs (MiB)", "materialised / this (mem)", "wall (s)", "CPU (s)",
-               "this / materialised (wall)", "loss", "|∂W|", "note"]
+    columns = [
+        "variant",
+        "peak above inputs (MiB)",
+        "materialised / this (mem)",
+        "wall (s)",
+        "CPU (s)",
+        "this / materialised (wall)",
+        "loss",
+        "|∂W|",
+        "note",
+    ]
     print("| " + " | ".join(columns) + " |")
     print("|" + "|".join("-" * (len(c) + 2) for c in columns) + "|")
     for r in results:
         time_ratio = r["time_s"] / base["time_s"] if r.get("time_s") and base.get("time_s") else None
-        cells = [r["variant"].ljust(len(columns[0])), cell(r.get("peak_mib"), ".0f", len(columns[1])),
-                 cell(ratio(r, "peak_mib"), ".1f", len(columns[2])), cell(r.get("time_s"), ".2f", len(columns[3])),
-                 cell(r.get("cpu_s"), ".2f", len(columns[4])), cell(time_ratio, ".2f", len(columns[5])),
-                 cell(r.get("loss"), ".7f", len(columns[6])), cell(r.get("grad_w_norm"), ".6f", len(columns[7])),
-                 r.get("note", "")]
+        cells = [
+            r["variant"].ljust(len(columns[0])),
+            cell(r.get("peak_mib"), ".0f", len(columns[1])),
+            cell(ratio(r, "peak_mib"), ".1f", len(columns[2])),
+            cell(r.get("time_s"), ".2f", len(columns[3])),
+            cell(r.get("cpu_s"), ".2f", len(columns[4])),
+            cell(time_ratio, ".2f", len(columns[5])),
+            cell(r.get("loss"), ".7f", len(columns[6])),
+            cell(r.get("grad_w_norm"), ".6f", len(columns[7])),
+            r.get("note", ""),
+        ]
         print("| " + " | ".join(cells) + " |")
     print("peak above inputs: above the inputs and the room of hidden.grad and weight.grad, which every path holds")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import Memory, add_device_argument, describe, resolve_device, timed  # noqa: E402
+from device import Memory, add_device_argument, describe, resolve_device, timed
 
-import pgloss  # noqa: E402
+import pgloss
 
 
 class Model(torch.nn.Module):
@@ -49,8 +49,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--chunk-size", type=int, default=None,
-                        help="tokens per chunk of the fused path (None: pgloss's default, about 2**27 / V)")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="tokens per chunk of the fused path (None: pgloss's default, about 2**27 / V)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     add_device_argument(parser)
     args = parser.parse_args()
@@ -90,8 +94,16 @@ def main() -> None:
         normalizer = algorithm.step_normalizer(mask)
         hidden = model(ids)
         if args.path == "fused":
-            loss = algorithm.from_hidden(hidden, model.lm_head.weight, targets, old_log_prob=old, advantages=advantages,
-                                         mask=mask, normalizer=normalizer, chunk_size=args.chunk_size).loss
+            loss = algorithm.from_hidden(
+                hidden,
+                model.lm_head.weight,
+                targets,
+                old_log_prob=old,
+                advantages=advantages,
+                mask=mask,
+                normalizer=normalizer,
+                chunk_size=args.chunk_size,
+            ).loss
         else:
             log_prob = model.lm_head(hidden).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
             loss = algorithm(log_prob, old, advantages, mask, normalizer=normalizer).loss
@@ -102,9 +114,20 @@ def main() -> None:
     loss = out["loss"]
     peak = memory.peak_above_baseline()
     norm = sum(float(p.grad.full_tensor().norm() ** 2) for p in model.parameters()) ** 0.5
-    row = dict(path=args.path, chunk_size=args.chunk_size, rank=rank, world=world, N=args.tokens, V=args.vocab, H=args.hidden,
-               logits_mib=round(args.tokens * args.vocab * 4 / 2**20, 1), peak_mib=round(peak, 1),
-               seconds=round(seconds, 2), loss=round(float(loss), 6), grad_norm=round(norm, 6))
+    row = dict(
+        path=args.path,
+        chunk_size=args.chunk_size,
+        rank=rank,
+        world=world,
+        N=args.tokens,
+        V=args.vocab,
+        H=args.hidden,
+        logits_mib=round(args.tokens * args.vocab * 4 / 2**20, 1),
+        peak_mib=round(peak, 1),
+        seconds=round(seconds, 2),
+        loss=round(float(loss), 6),
+        grad_norm=round(norm, 6),
+    )
     for r in range(world):
         if r == rank:
             print(json.dumps(row), flush=True)

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import Memory, add_device_argument, describe, resolve_device, timed  # noqa: E402
+from device import Memory, add_device_argument, describe, resolve_device, timed
 
 
 def run(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, threads: int, device: str) -> dict:
@@ -47,8 +47,13 @@ def run(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, threads:
         out["kl"] = kl.detach()
 
     seconds, _ = timed(step, device)
-    return {"variant": variant, "seconds": round(seconds, 3), "growth_mib": round(memory.peak_above_baseline(), 1),
-            "kl_mean": float(out["kl"].mean()), "grad_w_norm": float(w.grad.norm())}
+    return {
+        "variant": variant,
+        "seconds": round(seconds, 3),
+        "growth_mib": round(memory.peak_above_baseline(), 1),
+        "kl_mean": float(out["kl"].mean()),
+        "grad_w_norm": float(w.grad.norm()),
+    }
 
 
 def main() -> None:
@@ -68,20 +73,44 @@ def main() -> None:
     logits_mib = args.tokens * args.vocab * 4 / 2**20
     torch.set_num_threads(args.threads)
     print(describe(resolve_device(args.device)))
-    print(f"N={args.tokens} tokens, V={args.vocab}, H={args.hidden}, chunk={args.chunk}, threads={args.threads}; "
-          f"one float32 N x V logits tensor = {logits_mib:.0f} MiB")
+    print(
+        f"N={args.tokens} tokens, V={args.vocab}, H={args.hidden}, chunk={args.chunk}, threads={args.threads}; "
+        f"one float32 N x V logits tensor = {logits_mib:.0f} MiB"
+    )
     results = []
     for variant in ("materialised", "fused"):
-        out = subprocess.run([sys.executable, __file__, "--variant", variant, "--tokens", str(args.tokens),
-                              "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--chunk", str(args.chunk),
-                              "--threads", str(args.threads), "--device", args.device], check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--variant",
+                variant,
+                "--tokens",
+                str(args.tokens),
+                "--vocab",
+                str(args.vocab),
+                "--hidden",
+                str(args.hidden),
+                "--chunk",
+                str(args.chunk),
+                "--threads",
+                str(args.threads),
+                "--device",
+                args.device,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         results.append(json.loads(out.stdout))
         print(results[-1])
     plain, fused = results
-    print(f"KL agrees to {abs(plain['kl_mean'] - fused['kl_mean']):.2e}, grad norm to "
-          f"{abs(plain['grad_w_norm'] - fused['grad_w_norm']) / plain['grad_w_norm']:.2e} (relative); "
-          f"memory growth {plain['growth_mib'] / max(fused['growth_mib'], 1e-9):.1f}x lower, "
-          f"time {fused['seconds'] / plain['seconds']:.2f}x")
+    print(
+        f"KL agrees to {abs(plain['kl_mean'] - fused['kl_mean']):.2e}, grad norm to "
+        f"{abs(plain['grad_w_norm'] - fused['grad_w_norm']) / plain['grad_w_norm']:.2e} (relative); "
+        f"memory growth {plain['growth_mib'] / max(fused['growth_mib'], 1e-9):.1f}x lower, "
+        f"time {fused['seconds'] / plain['seconds']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

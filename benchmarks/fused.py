@@ -36,7 +36,7 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed  # noqa: E402
+from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed
 
 VARIANTS = ("naive", "fused", "fused-torch", "tiled", "trl", "liger", "lce", "cce", "floor", "reference")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float64": "float64"}
@@ -54,13 +54,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--algorithm", default="grpo", help="a name from pgloss.names()")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--chunk-size", type=int, default=None, help="pgloss chunk (tokens); default ≈ 2²⁵ / V")
-    parser.add_argument("--memory-budget", type=int, default=64 << 20,
-                        help="bytes for the tiled variant's buffers (pgloss memory_budget=)")
+    parser.add_argument(
+        "--memory-budget",
+        type=int,
+        default=64 << 20,
+        help="bytes for the tiled variant's buffers (pgloss memory_budget=)",
+    )
     parser.add_argument("--trl-chunk", type=int, default=4096, help="vocabulary columns per tile of the trl variant")
-    parser.add_argument("--fused-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="a keyword of pgloss.vocab.fused.loss_from_hidden for the fused variant (repeatable; "
-                             "the value is read as a Python literal, else kept as a string)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument(
+        "--fused-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a keyword of pgloss.vocab.fused.loss_from_hidden for the fused variant (repeatable; "
+        "the value is read as a Python literal, else kept as a string)",
+    )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
+    )
     parser.add_argument("--timeout", type=int, default=300, help="seconds allowed to one variant's process")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -97,8 +108,15 @@ def make_inputs(args, torch):
     old_log_prob = (current + 0.1 * torch.randn(batch, length, generator=gen)).clamp(max=0.0).to(device)
     ref_log_prob = (current + 0.05 * torch.randn(batch, length, generator=gen)).to(device)
     advantages = torch.randn(batch, generator=gen).to(device)
-    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, old_log_prob=old_log_prob,
-                ref_log_prob=ref_log_prob, advantages=advantages)
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        targets=targets,
+        mask=mask,
+        old_log_prob=old_log_prob,
+        ref_log_prob=ref_log_prob,
+        advantages=advantages,
+    )
 
 
 def _head(inputs, rows):
@@ -123,10 +141,15 @@ def build_variant(name, args, algorithm):
     tau = args.temperature
 
     def common(inputs):
-        return dict(old_log_prob=inputs["old_log_prob"], advantages=inputs["advantages"], mask=inputs["mask"],
-                    ref_log_prob=inputs["ref_log_prob"] if algorithm.uses_reference else None)
+        return dict(
+            old_log_prob=inputs["old_log_prob"],
+            advantages=inputs["advantages"],
+            mask=inputs["mask"],
+            ref_log_prob=inputs["ref_log_prob"] if algorithm.uses_reference else None,
+        )
 
     if name == "naive":
+
         def run(inputs):
             logits = inputs["hidden"] @ inputs["weight"].t()
             log_softmax = torch.log_softmax(logits.float() / tau, dim=-1)
@@ -137,6 +160,7 @@ def build_variant(name, args, algorithm):
             with grad_entropy:
                 entropy = -(log_softmax.exp() * log_softmax).sum(-1)
             return algorithm(log_prob=log_prob, entropy=entropy, **common(inputs)).loss
+
         return run
 
     if name in ("fused", "fused-torch"):
@@ -147,32 +171,54 @@ def build_variant(name, args, algorithm):
 
         def run(inputs):
             with kernels.use(route):
-                return loss_from_hidden(algorithm, inputs["hidden"], inputs["weight"], inputs["targets"],
-                                        temperature=tau, **options, **common(inputs)).loss
+                return loss_from_hidden(
+                    algorithm,
+                    inputs["hidden"],
+                    inputs["weight"],
+                    inputs["targets"],
+                    temperature=tau,
+                    **options,
+                    **common(inputs),
+                ).loss
+
         return run
 
     if name == "tiled":
+
         def run(inputs):
-            return loss_from_hidden(algorithm, inputs["hidden"], inputs["weight"], inputs["targets"],
-                                    temperature=tau, memory_budget=args.memory_budget, **common(inputs)).loss
+            return loss_from_hidden(
+                algorithm,
+                inputs["hidden"],
+                inputs["weight"],
+                inputs["targets"],
+                temperature=tau,
+                memory_budget=args.memory_budget,
+                **common(inputs),
+            ).loss
+
         return run
 
     if name == "trl":
         try:
             from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
-            raise RuntimeError(f"trl.kernels.chunked_logprob does not import: {type(error).__name__}: {error}") from None
+        except Exception as error:
+            raise RuntimeError(
+                f"trl.kernels.chunked_logprob does not import: {type(error).__name__}: {error}"
+            ) from None
 
         def run(inputs):
             hidden = inputs["hidden"]
             batch, length, size = hidden.shape
             targets = torch.where(inputs["mask"], inputs["targets"], 0).reshape(-1)
-            log_prob, entropy, *_ = ChunkedLogProbFunction.apply(hidden.reshape(-1, size), inputs["weight"], None,
-                                                                 targets, tau, args.trl_chunk, None, 1.0, ("entropy",))
+            log_prob, entropy, *_ = ChunkedLogProbFunction.apply(
+                hidden.reshape(-1, size), inputs["weight"], None, targets, tau, args.trl_chunk, None, 1.0, ("entropy",)
+            )
             if algorithm.entropy_coef == 0:
                 entropy = entropy.detach()
-            return algorithm(log_prob=log_prob.view(batch, length), entropy=entropy.view(batch, length),
-                             **common(inputs)).loss
+            return algorithm(
+                log_prob=log_prob.view(batch, length), entropy=entropy.view(batch, length), **common(inputs)
+            ).loss
+
         return run
 
     if name == "lce":
@@ -191,16 +237,22 @@ def build_variant(name, args, algorithm):
             targets = torch.where(inputs["mask"], inputs["targets"], -100)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a silent fallback to the unchunked path would mislead
-                nll = F.linear_cross_entropy((hidden / tau).reshape(-1, size), inputs["weight"], targets.reshape(-1),
-                                             reduction="none", options=options)
+                nll = F.linear_cross_entropy(
+                    (hidden / tau).reshape(-1, size),
+                    inputs["weight"],
+                    targets.reshape(-1),
+                    reduction="none",
+                    options=options,
+                )
             log_prob = -nll.view(batch, length).float()
             return algorithm(log_prob=log_prob, **common(inputs)).loss  # no entropy: no entropy metric
+
         return run
 
     if name == "cce":
         try:
             from cut_cross_entropy import linear_cross_entropy
-        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+        except Exception as error:
             raise RuntimeError(f"cut_cross_entropy does not import: {type(error).__name__}: {error}") from None
         if args.device != "cuda":
             raise RuntimeError("Cut Cross-Entropy's kernels are Triton's: they need --device cuda")
@@ -209,36 +261,53 @@ def build_variant(name, args, algorithm):
             hidden = inputs["hidden"]
             batch, length, size = hidden.shape
             targets = torch.where(inputs["mask"], inputs["targets"], -100)
-            nll = linear_cross_entropy((hidden / tau).reshape(-1, size), inputs["weight"], targets.reshape(-1),
-                                       reduction="none")
+            nll = linear_cross_entropy(
+                (hidden / tau).reshape(-1, size), inputs["weight"], targets.reshape(-1), reduction="none"
+            )
             log_prob = -nll.view(batch, length).float()
             return algorithm(log_prob=log_prob, **common(inputs)).loss  # no entropy: no entropy metric
+
         return run
 
     if name == "liger":
         try:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-        except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+        except Exception as error:
             raise RuntimeError(f"liger-kernel does not import: {type(error).__name__}: {error}") from None
         modes = {"seq-mean-token-mean": "grpo", "token-mean": "bnpo"}
         family = type(algorithm).__name__
-        if family != "ClippedPolicy" or getattr(algorithm, "ratio_level", "token") != "token" \
-                or algorithm.loss_agg_mode not in modes or getattr(algorithm, "dual_clip", None):
+        if (
+            family != "ClippedPolicy"
+            or getattr(algorithm, "ratio_level", "token") != "token"
+            or algorithm.loss_agg_mode not in modes
+            or getattr(algorithm, "dual_clip", None)
+        ):
             raise RuntimeError(f"{algorithm.name} has no LigerFusedLinearGRPOLoss counterpart")
         if algorithm.kl_coef and algorithm.kl_estimator != "k3":
             raise RuntimeError("Liger's KL term is k3 only")
         loss_fn = LigerFusedLinearGRPOLoss(
-            beta=algorithm.kl_coef, use_ref_model=algorithm.kl_coef != 0, loss_type=modes[algorithm.loss_agg_mode],
-            epsilon_low=algorithm.clip_low, epsilon_high=algorithm.clip_high, temperature=tau, chunk_size=1,
+            beta=algorithm.kl_coef,
+            use_ref_model=algorithm.kl_coef != 0,
+            loss_type=modes[algorithm.loss_agg_mode],
+            epsilon_low=algorithm.clip_low,
+            epsilon_high=algorithm.clip_high,
+            temperature=tau,
+            chunk_size=1,
             compiled=True,
         )
 
         def run(inputs):
-            loss, _ = loss_fn(inputs["hidden"], inputs["weight"], inputs["targets"].masked_fill(~inputs["mask"], 0),
-                              inputs["mask"].long(), inputs["advantages"],
-                              ref_per_token_logps=inputs["ref_log_prob"] if algorithm.kl_coef else None,
-                              old_per_token_logps=inputs["old_log_prob"])
+            loss, _ = loss_fn(
+                inputs["hidden"],
+                inputs["weight"],
+                inputs["targets"].masked_fill(~inputs["mask"], 0),
+                inputs["mask"].long(),
+                inputs["advantages"],
+                ref_per_token_logps=inputs["ref_log_prob"] if algorithm.kl_coef else None,
+                old_per_token_logps=inputs["old_log_prob"],
+            )
             return loss
+
         return run
 
     raise ValueError(name)
@@ -281,10 +350,14 @@ def reference_loss(inputs, args, algorithm, torch) -> float:
             log_prob.append(log_softmax.gather(-1, targets[rows]).squeeze(-1))
             entropy.append(-(log_softmax.exp() * log_softmax).sum(-1))
         shape = inputs["mask"].shape
-        loss = algorithm(log_prob=torch.cat(log_prob).view(shape), entropy=torch.cat(entropy).view(shape),
-                         old_log_prob=inputs["old_log_prob"].double(), advantages=inputs["advantages"].double(),
-                         mask=inputs["mask"],
-                         ref_log_prob=inputs["ref_log_prob"].double() if algorithm.uses_reference else None).loss
+        loss = algorithm(
+            log_prob=torch.cat(log_prob).view(shape),
+            entropy=torch.cat(entropy).view(shape),
+            old_log_prob=inputs["old_log_prob"].double(),
+            advantages=inputs["advantages"].double(),
+            mask=inputs["mask"],
+            ref_log_prob=inputs["ref_log_prob"].double() if algorithm.uses_reference else None,
+        ).loss
     return float(loss)
 
 
@@ -325,15 +398,18 @@ def child(args) -> dict:
         return result
     if args.child == "floor":
         times = [timed(floor_step(inputs, args, torch), device) for _ in range(args.repeats)]
-        result.update(time_s=statistics.median(t[0] for t in times), cpu_s=statistics.median(t[1] for t in times),
-                      note="three matmuls, logits-sized G: time only")
+        result.update(
+            time_s=statistics.median(t[0] for t in times),
+            cpu_s=statistics.median(t[1] for t in times),
+            note="three matmuls, logits-sized G: time only",
+        )
         return result
     try:
         run = build_variant(args.child, args, algorithm)
         warm = _head(inputs, 1)  # warm-up on one sequence: thread pools, compilation
         run(warm).backward()
         del warm
-    except Exception as error:  # noqa: BLE001 - the table carries on with the reason
+    except Exception as error:
         result["note"] = f"skipped: {str(error).splitlines()[0][:150]}"
         return result
 
@@ -347,15 +423,18 @@ def child(args) -> dict:
 
     for _ in range(args.repeats):
         times.append(timed(step, device))
-    result.update(time_s=statistics.median(t[0] for t in times), cpu_s=statistics.median(t[1] for t in times),
-                  peak_mib=memory.peak_above_baseline(), loss=losses[-1])
+    result.update(
+        time_s=statistics.median(t[0] for t in times),
+        cpu_s=statistics.median(t[1] for t in times),
+        peak_mib=memory.peak_above_baseline(),
+        loss=losses[-1],
+    )
     return result
 
 
 # ------------------------------------------------------------------------------------------
 # Parent: one subprocess per variant, then the table.
 # ------------------------------------------------------------------------------------------
-
 
 
 def main(argv=None) -> None:
@@ -369,12 +448,15 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     print(describe(resolve_device(args.device)))
     threads = torch.get_num_threads()
-    print(f"N={args.tokens} (B={args.tokens // args.seq_len} x T={args.seq_len}) H={args.hidden} V={args.vocab} "
-          f"{args.dtype} on {args.device}, algorithm={args.algorithm}, temperature={args.temperature}, "
-          f"repeats={args.repeats}, torch {torch.__version__}, {threads} threads, "
-          f"load average {os.getloadavg()[0]:.2f}")
-    results = run_variants(__file__, list(argv if argv is not None else sys.argv[1:]), args.variants.split(","),
-                           args.timeout)
+    print(
+        f"N={args.tokens} (B={args.tokens // args.seq_len} x T={args.seq_len}) H={args.hidden} V={args.vocab} "
+        f"{args.dtype} on {args.device}, algorithm={args.algorithm}, temperature={args.temperature}, "
+        f"repeats={args.repeats}, torch {torch.__version__}, {threads} threads, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    results = run_variants(
+        __file__, list(argv if argv is not None else sys.argv[1:]), args.variants.split(","), args.timeout
+    )
 
     by_name = {r["variant"]: r for r in results}
     naive, floor = by_name.get("naive", {}), by_name.get("floor", {})
@@ -382,10 +464,24 @@ def main(argv=None) -> None:
     def ratio(r, key, base):
         return r.get(key) / base[key] if r.get(key) and base.get(key) else None
 
-    grads_mib = (args.tokens * args.hidden + args.vocab * args.hidden) * (2 if args.dtype == "bfloat16" else
-                                                                          8 if args.dtype == "float64" else 4) / 2**20
-    columns = ["variant", "peak above floor (MiB)", "naive / this (mem)", "above inputs (MiB)", "ratio above inputs", "wall (s)", "CPU (s)",
-               "vs naive (wall / CPU)", "vs floor (wall / CPU)", "loss", "note"]
+    grads_mib = (
+        (args.tokens * args.hidden + args.vocab * args.hidden)
+        * (2 if args.dtype == "bfloat16" else 8 if args.dtype == "float64" else 4)
+        / 2**20
+    )
+    columns = [
+        "variant",
+        "peak above floor (MiB)",
+        "naive / this (mem)",
+        "above inputs (MiB)",
+        "ratio above inputs",
+        "wall (s)",
+        "CPU (s)",
+        "vs naive (wall / CPU)",
+        "vs floor (wall / CPU)",
+        "loss",
+        "note",
+    ]
     print("| " + " | ".join(columns) + " |")
     print("|" + "|".join("-" * (len(c) + 2) for c in columns) + "|")
     for r in results:
@@ -396,20 +492,27 @@ def main(argv=None) -> None:
             cell(peak, ".0f", len(columns[1])),
             cell(mem, ".1f", len(columns[2])),
             cell(None if peak is None else peak + grads_mib, ".0f", len(columns[3])),
-            cell((naive["peak_mib"] + grads_mib) / (peak + grads_mib) if peak and naive.get("peak_mib") else None,
-                  ".1f", len(columns[4])),
+            cell(
+                (naive["peak_mib"] + grads_mib) / (peak + grads_mib) if peak and naive.get("peak_mib") else None,
+                ".1f",
+                len(columns[4]),
+            ),
             cell(r.get("time_s"), ".2f", len(columns[5])),
             cell(r.get("cpu_s"), ".2f", len(columns[6])),
-            (cell(ratio(r, "time_s", naive), ".2f", 0) + " / " + cell(ratio(r, "cpu_s", naive), ".2f", 0)
-             ).rjust(len(columns[7])),
-            (cell(ratio(r, "time_s", floor), ".2f", 0) + " / " + cell(ratio(r, "cpu_s", floor), ".2f", 0)
-             ).rjust(len(columns[8])),
+            (cell(ratio(r, "time_s", naive), ".2f", 0) + " / " + cell(ratio(r, "cpu_s", naive), ".2f", 0)).rjust(
+                len(columns[7])
+            ),
+            (cell(ratio(r, "time_s", floor), ".2f", 0) + " / " + cell(ratio(r, "cpu_s", floor), ".2f", 0)).rjust(
+                len(columns[8])
+            ),
             cell(r.get("loss"), ".6f", len(columns[9])),
             r.get("note", ""),
         ]
         print("| " + " | ".join(cells) + " |")
-    print(f"peak above floor: above the inputs and the room of hidden.grad and weight.grad (measured); above inputs: "
-          f"that plus the gradients' {grads_mib:.0f} MiB, which every path holds")
+    print(
+        f"peak above floor: above the inputs and the room of hidden.grad and weight.grad (measured); above inputs: "
+        f"that plus the gradients' {grads_mib:.0f} MiB, which every path holds"
+    )
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

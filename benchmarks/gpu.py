@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peers  # noqa: E402
-from device import cell, describe, resolve_device, run_variant  # noqa: E402
+import peers
+from device import cell, describe, resolve_device, run_variant
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,10 +72,20 @@ class Case:
 
 
 FULL = (
-    Case("hidden", dict(tokens=4096, seq_len=256, hidden=896, vocab=151936, dtype="bfloat16"), repeats=5, timeout=45,
-         slow={"liger": (3, 60)}),
-    Case("hidden", dict(tokens=16384, seq_len=256, hidden=3584, vocab=152064, dtype="bfloat16"), repeats=3,
-         timeout=75, slow={"liger": (1, 90)}),
+    Case(
+        "hidden",
+        dict(tokens=4096, seq_len=256, hidden=896, vocab=151936, dtype="bfloat16"),
+        repeats=5,
+        timeout=45,
+        slow={"liger": (3, 60)},
+    ),
+    Case(
+        "hidden",
+        dict(tokens=16384, seq_len=256, hidden=3584, vocab=152064, dtype="bfloat16"),
+        repeats=3,
+        timeout=75,
+        slow={"liger": (1, 90)},
+    ),
     Case("plain", dict(batch=64, length=4096), repeats=30, timeout=90),
     Case("divergence", dict(tokens=4096, seq_len=256, hidden=896, vocab=151936), repeats=1, timeout=45),
 )
@@ -90,8 +100,13 @@ HIDDEN = ("reference", "floor", "naive", "fused", "fused-torch", "tiled", "trl",
 later row's ratios and agreement are known when it is printed; the slowest peer last."""
 DIVERGENCE = ("materialised", "fused", "tiled", "trl")
 PLAIN_MODES = ("token-mean", "seq-mean-token-mean")
-NEEDS = {("hidden", "trl"): "trl", ("hidden", "liger"): "liger", ("hidden", "cce"): "cce",
-         ("divergence", "trl"): "trl", ("plain", "verl"): "verl"}
+NEEDS = {
+    ("hidden", "trl"): "trl",
+    ("hidden", "liger"): "liger",
+    ("hidden", "cce"): "cce",
+    ("divergence", "trl"): "trl",
+    ("plain", "verl"): "verl",
+}
 """(section, variant) -> the peer (peers.PEERS) it measures."""
 TRITON = {"liger", "cce"}
 """The peers whose kernels are Triton's."""
@@ -100,20 +115,44 @@ TRITON = {"liger", "cce"}
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny shapes, torch.compile left out: checks the command in well under a minute on a CPU")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the measurements (default 480, --quick 170): rows past it are skipped")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "gpu.json",
-                        help="the JSON file; an existing one is kept and the next free name -2, -3, ... is used")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny shapes, torch.compile left out: checks the command in well under a minute on a CPU",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the measurements (default 480, --quick 170): rows past it are skipped",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=HERE / "results" / "gpu.json",
+        help="the JSON file; an existing one is kept and the next free name -2, -3, ... is used",
+    )
     parser.add_argument("--sections", default="hidden,plain,divergence", help="comma-separated subset")
-    parser.add_argument("--fused-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="one more fused row with this keyword of loss_from_hidden (e.g. chunk_size=2048), repeatable")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="processes at a time, CPU only (default 1; --quick: 2): on a GPU each runs alone")
-    parser.add_argument("--wheels", type=Path, default=None,
-                        help="a folder of wheels (make gpu-wheels): the missing peers are installed from it first, "
-                             "offline (pip install --no-index --find-links)")
+    parser.add_argument(
+        "--fused-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="one more fused row with this keyword of loss_from_hidden (e.g. chunk_size=2048), repeatable",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes at a time, CPU only (default 1; --quick: 2): on a GPU each runs alone",
+    )
+    parser.add_argument(
+        "--wheels",
+        type=Path,
+        default=None,
+        help="a folder of wheels (make gpu-wheels): the missing peers are installed from it first, "
+        "offline (pip install --no-index --find-links)",
+    )
     args = parser.parse_args(argv)
     if args.budget is None:
         args.budget = 170.0 if args.quick else 480.0
@@ -152,9 +191,17 @@ def finite(value):
 class Report:
     """The rows so far: printed one by one, and the JSON file rewritten whole after each (atomically)."""
 
-    COLUMNS = (("variant", 20, None), ("status", 13, None), ("time (s)", 10, ".4f"), ("peak (MiB)", 11, ".0f"),
-               ("time / base", 12, ".2f"), ("mem / base", 11, ".3f"), ("time / floor", 13, ".2f"),
-               ("loss", 14, ".7g"), ("rel. err", 9, ".1e"))
+    COLUMNS = (
+        ("variant", 20, None),
+        ("status", 13, None),
+        ("time (s)", 10, ".4f"),
+        ("peak (MiB)", 11, ".0f"),
+        ("time / base", 12, ".2f"),
+        ("mem / base", 11, ".3f"),
+        ("time / floor", 13, ".2f"),
+        ("loss", 14, ".7g"),
+        ("rel. err", 9, ".1e"),
+    )
 
     def __init__(self, path: Path, header: dict):
         self.path, self.header, self.rows = path, header, []
@@ -173,10 +220,21 @@ class Report:
     def add(self, row: dict) -> None:
         self.rows.append(row)
         self.save()
-        keys = ("variant", "status", "time_s", "peak_mib", "time_ratio", "memory_ratio", "floor_ratio", "loss",
-                "loss_rel_error")
-        cells = [str(row[key]).ljust(width) if spec is None else cell(row.get(key), spec, width)
-                 for key, (_, width, spec) in zip(keys, self.COLUMNS)]
+        keys = (
+            "variant",
+            "status",
+            "time_s",
+            "peak_mib",
+            "time_ratio",
+            "memory_ratio",
+            "floor_ratio",
+            "loss",
+            "loss_rel_error",
+        )
+        cells = [
+            str(row[key]).ljust(width) if spec is None else cell(row.get(key), spec, width)
+            for key, (_, width, spec) in zip(keys, self.COLUMNS)
+        ]
         print("| " + " | ".join(cells) + " | " + row.get("note", ""), flush=True)
 
 
@@ -225,15 +283,16 @@ def in_groups(calls: list, jobs: int):
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for start in range(0, len(calls), jobs):
-            yield from pool.map(lambda call: call(), calls[start:start + jobs])
+            yield from pool.map(lambda call: call(), calls[start : start + jobs])
 
 
 def run_hidden(case: Case, args, report: Report, clock: Clock) -> None:
     script = HERE / "fused.py"
     report.section(case.section, case.label, "naive (materialised logits)", "reference (float64 logits)")
     rows = [(variant, variant, []) for variant in HIDDEN]
-    rows[HIDDEN.index("tiled"):HIDDEN.index("tiled")] = [(f"fused {option}", "fused", ["--fused-option", option])
-                                                        for option in args.fused_option]
+    rows[HIDDEN.index("tiled") : HIDDEN.index("tiled")] = [
+        (f"fused {option}", "fused", ["--fused-option", option]) for option in args.fused_option
+    ]
 
     def call(name, variant, extra):
         repeats, timeout = case.slow.get(variant, (case.repeats, case.timeout))
@@ -245,9 +304,12 @@ def run_hidden(case: Case, args, report: Report, clock: Clock) -> None:
         known[result["variant"]] = result
         base, floor, reference = known.get("naive", {}), known.get("floor", {}), known.get("reference", {})
         if result["variant"] != "reference":
-            result.update(baseline="naive", time_ratio=ratio(result.get("time_s"), base.get("time_s")),
-                          memory_ratio=ratio(result.get("peak_mib"), base.get("peak_mib")),
-                          floor_ratio=ratio(result.get("time_s"), floor.get("time_s")))
+            result.update(
+                baseline="naive",
+                time_ratio=ratio(result.get("time_s"), base.get("time_s")),
+                memory_ratio=ratio(result.get("peak_mib"), base.get("peak_mib")),
+                floor_ratio=ratio(result.get("time_s"), floor.get("time_s")),
+            )
             agreement(result, reference.get("loss"), "reference")
         report.add(result)
 
@@ -256,14 +318,22 @@ def run_divergence(case: Case, args, report: Report, clock: Clock) -> None:
     script = HERE / "divergence.py"
     report.section(case.section, case.label, "materialised", "materialised (float32)")
     argv = sized_argv(case, args.device)
-    calls = [lambda variant=variant: {**measure(case, variant, variant, script, argv, case.timeout, args.device,
-                                                clock), "repeats": 1} for variant in DIVERGENCE]
+    calls = [
+        lambda variant=variant: {
+            **measure(case, variant, variant, script, argv, case.timeout, args.device, clock),
+            "repeats": 1,
+        }
+        for variant in DIVERGENCE
+    ]
     base = {}
     for result in in_groups(calls, args.jobs):
         if result["variant"] == "materialised":
             base = result
-        result.update(baseline="materialised", time_ratio=ratio(result.get("time_s"), base.get("time_s")),
-                      memory_ratio=ratio(result.get("peak_mib"), base.get("peak_mib")))
+        result.update(
+            baseline="materialised",
+            time_ratio=ratio(result.get("time_s"), base.get("time_s")),
+            memory_ratio=ratio(result.get("peak_mib"), base.get("peak_mib")),
+        )
         agreement(result, base.get("loss"), "materialised")
         report.add(result)
 
@@ -286,8 +356,18 @@ def run_plain(case: Case, args, report: Report, clock: Clock) -> None:
         ms = out.get("ms", {})
         verl_ms = ms.get("verl")
         for key, name in (("verl", "verl"), ("pgloss", "pgloss"), ("compiled", "pgloss compiled")):
-            row = {"section": "plain", "shape": shape, "variant": name, "repeats": case.repeats, "baseline": "verl",
-                   "reference": "verl", "time_s": None, "peak_mib": None, "loss": None, "note": ""}
+            row = {
+                "section": "plain",
+                "shape": shape,
+                "variant": name,
+                "repeats": case.repeats,
+                "baseline": "verl",
+                "reference": "verl",
+                "time_s": None,
+                "peak_mib": None,
+                "loss": None,
+                "note": "",
+            }
             if key == "verl" and verl_missing:
                 row.update(status=verl_missing[0], note=verl_missing[1])
             elif key == "compiled" and args.quick:
@@ -301,18 +381,29 @@ def run_plain(case: Case, args, report: Report, clock: Clock) -> None:
                 elif key == "pgloss":
                     row.update(loss=out["loss"], grad_error=out["grad_vs_verl"])
                 else:
-                    row.update(loss=out["compiled_loss"], compiled_vs_eager=out["compiled_vs_eager"],
-                               compiled_grad_vs_eager=out["compiled_grad_vs_eager"])
+                    row.update(
+                        loss=out["compiled_loss"],
+                        compiled_vs_eager=out["compiled_vs_eager"],
+                        compiled_grad_vs_eager=out["compiled_grad_vs_eager"],
+                    )
                 if key != "verl":
                     agreement(row, out["verl_loss"], "verl")
             report.add(row)
 
 
-def measure(case: Case, name: str, variant: str, script: Path, argv: list[str], timeout: float, device: str,
-            clock: Clock) -> dict:
+def measure(
+    case: Case, name: str, variant: str, script: Path, argv: list[str], timeout: float, device: str, clock: Clock
+) -> dict:
     """One row: the variant's own process, or the reason it did not run."""
-    row = {"section": case.section, "shape": case.label, "variant": name, "time_s": None, "peak_mib": None,
-           "loss": None, "note": ""}
+    row = {
+        "section": case.section,
+        "shape": case.label,
+        "variant": name,
+        "time_s": None,
+        "peak_mib": None,
+        "loss": None,
+        "note": "",
+    }
     reason = blocked(case.section, variant, device)
     allowed = clock.allow(timeout)
     if reason is None and allowed < 5:
@@ -340,10 +431,16 @@ def agreement(row: dict, reference, name: str) -> None:
 
 
 def header(args, device) -> dict:
-    return {"command": " ".join([shown(Path(__file__)), *sys.argv[1:]]),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "device": describe(device), "python": platform.python_version(), "versions": peers.versions(),
-            "quick": args.quick, "budget_s": args.budget, "jobs": args.jobs}
+    return {
+        "command": " ".join([shown(Path(__file__)), *sys.argv[1:]]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": describe(device),
+        "python": platform.python_version(),
+        "versions": peers.versions(),
+        "quick": args.quick,
+        "budget_s": args.budget,
+        "jobs": args.jobs,
+    }
 
 
 def main(argv=None) -> None:

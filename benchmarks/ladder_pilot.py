@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import add_device_argument, resolve_device  # noqa: E402
+from device import add_device_argument, resolve_device
 
 
 def step_accuracy(model, task, tokenizer, chains: int = 512, seed: int = 123) -> list[float]:
@@ -44,8 +44,9 @@ def step_accuracy(model, task, tokenizer, chains: int = 512, seed: int = 123) ->
     with torch.no_grad():
         logits = model(batch.tokens[:, :-1].to(device), batch.valid[:, :-1].to(device))[:, batch.prompt_len - 1 :]
     right = (logits.argmax(-1) == batch.responses.to(device)).cpu()
-    return [float(right[[i for i, w in enumerate(work) if w > j], 2 * j].float().mean())
-            for j in range(task.max_terms - 1)]
+    return [
+        float(right[[i for i, w in enumerate(work) if w > j], 2 * j].float().mean()) for j in range(task.max_terms - 1)
+    ]
 
 
 def _running(task, prompt: str) -> list[int]:
@@ -70,13 +71,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="RL steps (default: the experiment's)")
     parser.add_argument("--lr", type=float, help="RL learning rate (default: the experiment's)")
     parser.add_argument("--warm-steps", type=int, help="warm-start steps (default: the experiment's)")
-    parser.add_argument("--target-entropy", type=float, help="entropy target, nats per token (default: the experiment's)")
+    parser.add_argument(
+        "--target-entropy", type=float, help="entropy target, nats per token (default: the experiment's)"
+    )
     add_device_argument(parser)
     args = parser.parse_args()
     device = resolve_device(args.device)
     experiment = EXPERIMENTS["ladder"]
-    changes = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("warm_steps", args.warm_steps),
-                                 ("target_entropy", args.target_entropy)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("steps", args.steps),
+            ("lr", args.lr),
+            ("warm_steps", args.warm_steps),
+            ("target_entropy", args.target_entropy),
+        )
+        if v is not None
+    }
     changes["device"] = str(device)
     cfg = dataclasses.replace(experiment.lab_config(args.algorithm, args.seed), **changes)
     torch.set_num_threads(cfg.threads)
@@ -92,12 +103,25 @@ def main() -> None:
     records = trainer.train(cfg, state)["metrics"][: cfg.steps]  # the last record measures the final policy only
     rl_seconds = time.perf_counter() - start
     length, rewards, entropy = ([r[k] for r in records] for k in ("length", "reward", "entropy"))
-    print(json.dumps({"algorithm": cfg.algorithm, "seed": cfg.seed, "lr": cfg.lr, "warm_steps": cfg.warm_steps,
-                      "target_entropy": cfg.target_entropy,
-                      "warm_s": round(warm_seconds), "step_accuracy": [round(a, 2) for a in accuracy],
-                      "length_20": means(length), "reward_20": means(rewards), "entropy_20": means(entropy),
-                      "growth": round(means(length)[-1] / means(length)[0], 2), "rl_s": round(rl_seconds),
-                      "torch": torch.__version__}))
+    print(
+        json.dumps(
+            {
+                "algorithm": cfg.algorithm,
+                "seed": cfg.seed,
+                "lr": cfg.lr,
+                "warm_steps": cfg.warm_steps,
+                "target_entropy": cfg.target_entropy,
+                "warm_s": round(warm_seconds),
+                "step_accuracy": [round(a, 2) for a in accuracy],
+                "length_20": means(length),
+                "reward_20": means(rewards),
+                "entropy_20": means(entropy),
+                "growth": round(means(length)[-1] / means(length)[0], 2),
+                "rl_s": round(rl_seconds),
+                "torch": torch.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

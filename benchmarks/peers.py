@@ -82,8 +82,18 @@ def install_missing(wheels: str | os.PathLike, peers: dict[str, Peer] = PEERS) -
         if not any(folder.glob(f"{prefix}-*.whl")):
             outcome[name] = f"no {prefix}-*.whl in {folder}"
             continue
-        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(folder),
-                   *(["--no-deps"] if peer.no_deps else []), peer.distribution]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--find-links",
+            str(folder),
+            *(["--no-deps"] if peer.no_deps else []),
+            peer.distribution,
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode == 0:
             importlib.invalidate_caches()
@@ -99,13 +109,16 @@ def load_definitions(path: Path, names: tuple[str, ...], namespace: dict) -> dic
     in `namespace` (which holds what they refer to); raise LookupError naming the missing ones."""
     text = path.read_text()
     lines = text.splitlines(keepends=True)
-    found = {node.name: "".join(lines[node.lineno - 1:node.end_lineno]) for node in ast.parse(text).body
-             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names}
+    found = {
+        node.name: "".join(lines[node.lineno - 1 : node.end_lineno])
+        for node in ast.parse(text).body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names
+    }
     missing = [name for name in names if name not in found]
     if missing:
         raise LookupError(f"{path} defines none of {missing}")
     for name in names:
-        exec(compile(found[name], str(path), "exec"), namespace)  # noqa: S102 - the peer's own code
+        exec(compile(found[name], str(path), "exec"), namespace)
     return namespace
 
 
@@ -133,14 +146,21 @@ def verl_policy_loss() -> dict:
     import torch
 
     root = Path(list(spec.submodule_search_locations)[0])
-    functional = load_definitions(root / "utils" / "torch_functional.py", ("masked_sum", "masked_mean"),
-                                  {"torch": torch})
+    functional = load_definitions(
+        root / "utils" / "torch_functional.py", ("masked_sum", "masked_mean"), {"torch": torch}
+    )
 
     class AlgoConfig:  # compute_policy_loss_vanilla asserts that its config is not verl's AlgoConfig
         pass
 
-    namespace = {"torch": torch, "Optional": Optional, "Any": Any, "ActorConfig": VerlActorConfig,
-                 "AlgoConfig": AlgoConfig,
-                 "verl_F": SimpleNamespace(masked_sum=functional["masked_sum"], masked_mean=functional["masked_mean"])}
-    return load_definitions(root / "trainer" / "ppo" / "core_algos.py", ("agg_loss", "compute_policy_loss_vanilla"),
-                            namespace)
+    namespace = {
+        "torch": torch,
+        "Optional": Optional,
+        "Any": Any,
+        "ActorConfig": VerlActorConfig,
+        "AlgoConfig": AlgoConfig,
+        "verl_F": SimpleNamespace(masked_sum=functional["masked_sum"], masked_mean=functional["masked_mean"]),
+    }
+    return load_definitions(
+        root / "trainer" / "ppo" / "core_algos.py", ("agg_loss", "compute_policy_loss_vanilla"), namespace
+    )

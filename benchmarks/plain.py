@@ -33,8 +33,9 @@ import torch
 import pgloss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import add_device_argument, describe, resolve_device, timed as timed_call  # noqa: E402
-from peers import VerlActorConfig, installed, verl_policy_loss  # noqa: E402
+from device import add_device_argument, describe, resolve_device
+from device import timed as timed_call
+from peers import VerlActorConfig, installed, verl_policy_loss
 
 MODES = ("token-mean", "seq-mean-token-mean")
 
@@ -47,10 +48,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--modes", default=",".join(MODES), help="loss_agg_modes, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-compile", dest="compile", action="store_false",
-                        help="leave out pgloss under torch.compile")
-    parser.add_argument("--no-read-metrics", dest="read_metrics", action="store_false",
-                        help="leave every metric on the device (no host read after the step), for both libraries")
+    parser.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="leave out pgloss under torch.compile"
+    )
+    parser.add_argument(
+        "--no-read-metrics",
+        dest="read_metrics",
+        action="store_false",
+        help="leave every metric on the device (no host read after the step), for both libraries",
+    )
     add_device_argument(parser)
     parser.add_argument("--child", default=None, help="one loss_agg_mode, its results as one JSON line")
     return parser.parse_args(argv)
@@ -74,13 +80,17 @@ def verl_step(mode: str, data: dict, *, read_metrics: bool = True):
     verl = verl_policy_loss()  # read from verl's files: no ray needed
     mask = data["mask"]
     config = VerlActorConfig(clip_ratio=0.2, clip_ratio_c=3.0)
-    config.global_batch_info.update(dp_size=1, batch_num_tokens=int(mask.sum()),  # as verl's ppo_loss fills it
-                                    global_batch_size=int(mask.any(dim=1).sum()))
+    config.global_batch_info.update(
+        dp_size=1,
+        batch_num_tokens=int(mask.sum()),  # as verl's ppo_loss fills it
+        global_batch_size=int(mask.any(dim=1).sum()),
+    )
     response_mask = mask.float()
 
     def step(log_prob):
-        loss, metrics = verl["compute_policy_loss_vanilla"](data["old_log_prob"], log_prob, data["advantages"],
-                                                            response_mask, loss_agg_mode=mode, config=config)
+        loss, metrics = verl["compute_policy_loss_vanilla"](
+            data["old_log_prob"], log_prob, data["advantages"], response_mask, loss_agg_mode=mode, config=config
+        )
         loss.backward()
         return loss.detach(), ({k: float(v) for k, v in metrics.items()} if read_metrics else metrics)
 
@@ -131,16 +141,28 @@ def measure(mode: str, data: dict, args) -> dict:
             times[name].append(timed(step, data)[0])
     results = {name: timed(step, data) for name, step in steps.items()}
     _, our_loss, our_grad = results["pgloss"]
-    row = {"mode": mode, "ms": {name: 1e3 * statistics.median(times[name]) for name in steps}, "loss": float(our_loss),
-           "verl_loss": None, "loss_vs_verl": None, "grad_vs_verl": None}
+    row = {
+        "mode": mode,
+        "ms": {name: 1e3 * statistics.median(times[name]) for name in steps},
+        "loss": float(our_loss),
+        "verl_loss": None,
+        "loss_vs_verl": None,
+        "grad_vs_verl": None,
+    }
     if "verl" in results:
         _, verl_loss, verl_grad = results["verl"]
-        row.update(verl_loss=float(verl_loss), loss_vs_verl=abs(float(verl_loss - our_loss)),
-                   grad_vs_verl=float((verl_grad - our_grad).abs().max()))
+        row.update(
+            verl_loss=float(verl_loss),
+            loss_vs_verl=abs(float(verl_loss - our_loss)),
+            grad_vs_verl=float((verl_grad - our_grad).abs().max()),
+        )
     if args.compile:
         _, c_loss, c_grad = results["compiled"]
-        row.update(compiled_loss=float(c_loss), compiled_vs_eager=abs(float(c_loss - our_loss)),
-                   compiled_grad_vs_eager=float((c_grad - our_grad).abs().max()))
+        row.update(
+            compiled_loss=float(c_loss),
+            compiled_vs_eager=abs(float(c_loss - our_loss)),
+            compiled_grad_vs_eager=float((c_grad - our_grad).abs().max()),
+        )
     return row
 
 
@@ -153,10 +175,13 @@ def main(argv=None) -> None:
         print(json.dumps(measure(args.child, data, args)))
         return
     if not installed("verl"):
-        raise SystemExit("verl is not installed: `make test` installs verl 0.9.1 into .venv (its files are read, "
-                         "ray is not needed)")
-    print(f"{describe(device)}; B={args.batch}, T={args.length}, {int(data['mask'].sum())} valid tokens, float32, "
-          f"{args.repeats} interleaved runs each; metrics {'read on the host' if args.read_metrics else 'not read'}")
+        raise SystemExit(
+            "verl is not installed: `make test` installs verl 0.9.1 into .venv (its files are read, ray is not needed)"
+        )
+    print(
+        f"{describe(device)}; B={args.batch}, T={args.length}, {int(data['mask'].sum())} valid tokens, float32, "
+        f"{args.repeats} interleaved runs each; metrics {'read on the host' if args.read_metrics else 'not read'}"
+    )
     header = f"{'loss_agg_mode':<22}{'verl (ms)':>11}{'pgloss (ms)':>13}{'ratio':>8}"
     if args.compile:
         header += f"{'compiled (ms)':>15}{'/ eager':>9}{'/ verl':>8}"

@@ -19,7 +19,7 @@ import torch
 from pgloss.correction.rollout import RolloutCorrection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import add_device_argument, describe, resolve_device  # noqa: E402
+from device import add_device_argument, describe, resolve_device
 
 
 def main() -> None:

@@ -21,19 +21,72 @@ import traceback
 from device import Memory, timed
 
 VARIANTS = ("trl", "pgloss", "fused", "liger")
-COMMON = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=131072, pad_token_id=0,
-              eos_token_id=1, bos_token_id=None)
+COMMON = dict(
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=None,
+)
 SHAPES = {  # the architectures' published configurations (sizes only; the weights are random)
-    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                 num_attention_heads=14, num_key_value_heads=2, **COMMON)),
-    "qwen2-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                 num_attention_heads=12, num_key_value_heads=2, **COMMON)),
-    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, **COMMON)),
-    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, **COMMON)),
-    "tiny": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, **{**COMMON, "vocab_size": 512})),
+    "qwen2-0.5b": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            **COMMON,
+        ),
+    ),
+    "qwen2-1.5b": (
+        "qwen2",
+        dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            **COMMON,
+        ),
+    ),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            **COMMON,
+        ),
+    ),
+    "qwen3-1.7b": (
+        "qwen3",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            **COMMON,
+        ),
+    ),
+    "tiny": (
+        "qwen2",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **{**COMMON, "vocab_size": 512},
+        ),
+    ),
 }
 ROW = "ROW\t"
 """The prefix of a row's JSON line on stdout (transformers prints its logs there too)."""
@@ -75,10 +128,14 @@ def fixed_rollout(length: int, vocab: int, generations: int):
 
     def rollout(prompts: list, trainer) -> dict:
         draw = torch.Generator().manual_seed(next(calls))
-        completions = [torch.randint(3, vocab, (lengths[i % generations],), generator=draw).tolist()
-                       for i in range(len(prompts))]
-        return {"prompt_ids": trainer.processing_class(prompts)["input_ids"], "completion_ids": completions,
-                "logprobs": None}
+        completions = [
+            torch.randint(3, vocab, (lengths[i % generations],), generator=draw).tolist() for i in range(len(prompts))
+        ]
+        return {
+            "prompt_ids": trainer.processing_class(prompts)["input_ids"],
+            "completion_ids": completions,
+            "logprobs": None,
+        }
 
     return rollout
 
@@ -122,15 +179,34 @@ def trainer_for(variant: str, args, shape: str, length: int, device, tokenizer, 
     steps = args.warmup + args.steps
     words = (" ".join(f"w{draw.randrange(vocab - 3)}" for _ in range(args.prompt)) for _ in range(args.prompts * steps))
     config = GRPOConfig(
-        output_dir=output_dir, per_device_train_batch_size=args.prompts * args.generations,
-        num_generations=args.generations, gradient_accumulation_steps=1, max_completion_length=length,
-        max_steps=steps, learning_rate=1e-6, logging_steps=1, report_to=[], save_strategy="no", seed=0,
-        disable_tqdm=True, bf16=True, use_cpu=device.type == "cpu", gradient_checkpointing=args.gradient_checkpointing,
-        optim="adamw_torch_fused" if args.optimizer == "adamw" else "sgd", use_liger_kernel=variant == "liger")
+        output_dir=output_dir,
+        per_device_train_batch_size=args.prompts * args.generations,
+        num_generations=args.generations,
+        gradient_accumulation_steps=1,
+        max_completion_length=length,
+        max_steps=steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        bf16=True,
+        use_cpu=device.type == "cpu",
+        gradient_checkpointing=args.gradient_checkpointing,
+        optim="adamw_torch_fused" if args.optimizer == "adamw" else "sgd",
+        use_liger_kernel=variant == "liger",
+    )
     timer = step_timer(device)
-    common = dict(model=build_model(shape, device), reward_funcs=[length_reward], args=config,
-                  train_dataset=Dataset.from_dict({"prompt": list(words)}), processing_class=tokenizer,
-                  rollout_func=fixed_rollout(length, vocab, args.generations), callbacks=[timer])
+    common = dict(
+        model=build_model(shape, device),
+        reward_funcs=[length_reward],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": list(words)}),
+        processing_class=tokenizer,
+        rollout_func=fixed_rollout(length, vocab, args.generations),
+        callbacks=[timer],
+    )
     if variant in ("pgloss", "fused"):
         from pgloss.integrations.trl import PGLossGRPOTrainer
 
@@ -148,12 +224,22 @@ def measure(variant: str, args, shape: str, length: int, device, tokenizer) -> d
         peak = memory.baseline + memory.peak_above_baseline()
         logs = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
         norm = type(getattr(getattr(trainer.model, "model", None), "norm", None)).__name__  # LigerRMSNorm: Liger's
-    timed_steps = timer.times[args.warmup:]
+    timed_steps = timer.times[args.warmup :]
     step_s = statistics.median(timed_steps)
     tokens = args.prompts * sum(completion_lengths(length, args.generations))
-    return {"status": "measured", "step_s": step_s, "steps_s": timer.times, "train_s": train_s,
-            "tokens": tokens, "tokens_per_s": tokens / step_s, "start_gib": memory.baseline / 1024,
-            "peak_gib": peak / 1024, "loss": logs[0]["loss"], "grad_norm": float(logs[0]["grad_norm"]), "norm": norm}
+    return {
+        "status": "measured",
+        "step_s": step_s,
+        "steps_s": timer.times,
+        "train_s": train_s,
+        "tokens": tokens,
+        "tokens_per_s": tokens / step_s,
+        "start_gib": memory.baseline / 1024,
+        "peak_gib": peak / 1024,
+        "loss": logs[0]["loss"],
+        "grad_norm": float(logs[0]["grad_norm"]),
+        "norm": norm,
+    }
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -190,16 +276,21 @@ def run_ladder(lengths: list[int], measure_one, deadline: float, release=lambda:
     for length in lengths:
         left = deadline - now()
         if left < max(need, 5.0):
-            rows.append({"completion": length, "status": "skipped",
-                         "note": f"--budget: {max(left, 0):.0f} s of this process's share left, this length "
-                                 f"would take about {need:.0f} s"})
+            rows.append(
+                {
+                    "completion": length,
+                    "status": "skipped",
+                    "note": f"--budget: {max(left, 0):.0f} s of this process's share left, this length "
+                    f"would take about {need:.0f} s",
+                }
+            )
             emit(rows[-1])
             break
         emit({"event": "start", "completion": length})
         began = now()
         try:
             row = {"completion": length, **measure_one(length)}
-        except Exception as error:  # noqa: BLE001 - a row records any failure, with its traceback
+        except Exception as error:
             row = failure(error, length)
         release()
         need = next_cost(row, now() - began)
@@ -215,9 +306,12 @@ def failure(error: Exception, length: int) -> dict:
     line, and the traceback's last 4,000 characters."""
     lines = str(error).strip().splitlines() or [""]
     oom = is_out_of_memory(error)
-    return {"completion": length, "status": "out of memory" if oom else "failed",
-            "note": (lines[0] if oom else f"{type(error).__name__}: {lines[0]}")[:200],
-            "error": traceback.format_exc()[-4000:]}
+    return {
+        "completion": length,
+        "status": "out of memory" if oom else "failed",
+        "note": (lines[0] if oom else f"{type(error).__name__}: {lines[0]}")[:200],
+        "error": traceback.format_exc()[-4000:],
+    }
 
 
 def child(args, device) -> None:
@@ -227,8 +321,12 @@ def child(args, device) -> None:
         from trl_step import word_tokenizer
 
         tokenizer = word_tokenizer(SHAPES[shape][1]["vocab_size"])
-    except Exception as error:  # noqa: BLE001 - the row says why the ladder did not start
+    except Exception as error:
         emit(failure(error, args.start))
         return
-    run_ladder(ladder(args), lambda length: measure(variant, args, shape, length, device, tokenizer),
-               float("inf") if args.deadline is None else args.deadline, release=lambda: free(device))
+    run_ladder(
+        ladder(args),
+        lambda length: measure(variant, args, shape, length, device, tokenizer),
+        float("inf") if args.deadline is None else args.deadline,
+        release=lambda: free(device),
+    )

@@ -29,7 +29,7 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import add_device_argument, describe, resolve_device, timed  # noqa: E402
+from device import add_device_argument, describe, resolve_device, timed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,10 +68,19 @@ def make_model(path: str, hidden: int, layers: int, vocab: int) -> str:
 
     word_tokenizer(vocab).save_pretrained(path)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-                         tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
 
@@ -86,13 +95,15 @@ def make_window(options, vocab: int, seed: int = 0) -> list[dict]:
         rows, width = options.batch, options.completion
         prompt_len = torch.randint(options.prompt // 2, options.prompt + 1, (rows,), generator=gen)
         completion_len = torch.randint(1, width + 1, (rows,), generator=gen)
-        window.append(dict(
-            prompt_ids=torch.randint(3, vocab, (rows, options.prompt), generator=gen),
-            prompt_mask=(torch.arange(options.prompt)[None] >= options.prompt - prompt_len[:, None]).long(),
-            completion_ids=torch.randint(3, vocab, (rows, width), generator=gen),
-            completion_mask=(torch.arange(width)[None] < completion_len[:, None]).long(),
-            advantages=torch.randn(rows, generator=gen),
-        ))
+        window.append(
+            dict(
+                prompt_ids=torch.randint(3, vocab, (rows, options.prompt), generator=gen),
+                prompt_mask=(torch.arange(options.prompt)[None] >= options.prompt - prompt_len[:, None]).long(),
+                completion_ids=torch.randint(3, vocab, (rows, width), generator=gen),
+                completion_mask=(torch.arange(width)[None] < completion_len[:, None]).long(),
+                advantages=torch.randn(rows, generator=gen),
+            )
+        )
     return window
 
 
@@ -111,18 +122,35 @@ def main(argv=None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(os.path.join(tmp, "model"), options.hidden, options.layers, options.vocab)
-        config = trl_tiny.config(os.path.join(tmp, "out"), per_device_train_batch_size=options.batch,
-                                 gradient_accumulation_steps=options.accumulation, num_generations=options.batch,
-                                 max_completion_length=options.completion, max_steps=1, epsilon_high=0.28,
-                                 use_cpu=device.type == "cpu")
+        config = trl_tiny.config(
+            os.path.join(tmp, "out"),
+            per_device_train_batch_size=options.batch,
+            gradient_accumulation_steps=options.accumulation,
+            num_generations=options.batch,
+            max_completion_length=options.completion,
+            max_steps=1,
+            epsilon_high=0.28,
+            use_cpu=device.type == "cpu",
+        )
         trainers = {
-            "trl": GRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
-                               args=config),
-            "pgloss": PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits,
-                                        train_dataset=trl_tiny.make_dataset(), args=config, algorithm="dapo"),
-            "fused": PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits,
-                                       train_dataset=trl_tiny.make_dataset(), args=config, algorithm="dapo",
-                                       fused=True),
+            "trl": GRPOTrainer(
+                model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(), args=config
+            ),
+            "pgloss": PGLossGRPOTrainer(
+                model=model_dir,
+                reward_funcs=trl_tiny.digits,
+                train_dataset=trl_tiny.make_dataset(),
+                args=config,
+                algorithm="dapo",
+            ),
+            "fused": PGLossGRPOTrainer(
+                model=model_dir,
+                reward_funcs=trl_tiny.digits,
+                train_dataset=trl_tiny.make_dataset(),
+                args=config,
+                algorithm="dapo",
+                fused=True,
+            ),
         }
         window = [{k: v.to(device) for k, v in batch.items()} for batch in make_window(options, options.vocab)]
         total_tokens = sum(int(b["completion_mask"].sum()) for b in window)
@@ -136,7 +164,8 @@ def main(argv=None) -> dict:
                 attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
                 with torch.no_grad():
                     log_prob, _, _ = trainer._get_per_token_logps_and_entropies(
-                        trainer.model, ids, attention, options.completion)
+                        trainer.model, ids, attention, options.completion
+                    )
                 noise = 0.05 * torch.randn(log_prob.shape, generator=gen).to(device)
                 batch["old_per_token_logps"] = (log_prob + noise).clamp(max=0.0)
 

@@ -34,8 +34,11 @@ class TinyLM(nn.Module):
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
-        self.embed, self.rnn, self.head = nn.Embedding(VOCAB, width), nn.GRU(width, width, batch_first=True), \
-            nn.Linear(width, VOCAB)
+        self.embed, self.rnn, self.head = (
+            nn.Embedding(VOCAB, width),
+            nn.GRU(width, width, batch_first=True),
+            nn.Linear(width, VOCAB),
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(self.embed(tokens))[0])
@@ -69,9 +72,16 @@ def rollout(policy, reference, prompts_per_step: int, group_size: int, generator
     with torch.no_grad():
         old_log_prob = token_log_probs(policy, prompts, responses)
         ref_log_prob = token_log_probs(reference, prompts, responses)
-    return {"prompts": prompts, "responses": responses, "mask": mask, "rewards": rewards.float(),
-            "advantages": group_advantages(rewards.float(), group_ids), "group_ids": group_ids,
-            "old_log_prob": old_log_prob, "ref_log_prob": ref_log_prob}
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "mask": mask,
+        "rewards": rewards.float(),
+        "advantages": group_advantages(rewards.float(), group_ids),
+        "group_ids": group_ids,
+        "old_log_prob": old_log_prob,
+        "ref_log_prob": ref_log_prob,
+    }
 
 
 def train_step(policy, optimizer, algorithm, batch: dict, micro_batches: int, max_grad_norm: float = 1.0) -> dict:
@@ -85,14 +95,22 @@ def train_step(policy, optimizer, algorithm, batch: dict, micro_batches: int, ma
     metrics = []
     for m in micros:
         log_prob = token_log_probs(policy, m["prompts"], m["responses"])
-        out = algorithm(log_prob=log_prob, old_log_prob=m["old_log_prob"], advantages=m["advantages"],
-                        mask=m["mask"], ref_log_prob=m["ref_log_prob"], normalizer=normalizer)
+        out = algorithm(
+            log_prob=log_prob,
+            old_log_prob=m["old_log_prob"],
+            advantages=m["advantages"],
+            mask=m["mask"],
+            ref_log_prob=m["ref_log_prob"],
+            normalizer=normalizer,
+        )
         out.loss.backward()
         metrics.append(out.metrics)
     norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
     optimizer.step()
-    return {"grad_norm": float(norm), **{k: sum(float(m[k]) for m in metrics) / len(metrics)
-                                         for k in ("pg_loss", "pg_clipfrac", "kl")}}
+    return {
+        "grad_norm": float(norm),
+        **{k: sum(float(m[k]) for m in metrics) / len(metrics) for k in ("pg_loss", "pg_clipfrac", "kl")},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,8 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         batch = rollout(policy, reference, prompts_per_step=8, group_size=4, generator=generator)
         stats = train_step(policy, optimizer, algorithm, batch, args.micro_batches)
         if step % args.every == 0 or step == args.steps - 1:
-            print(f"step {step:3d}  reward {float(batch['rewards'].mean()):.3f}  "
-                  + "  ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+            print(
+                f"step {step:3d}  reward {float(batch['rewards'].mean()):.3f}  "
+                + "  ".join(f"{k} {v:.4f}" for k, v in stats.items())
+            )
 
 
 if __name__ == "__main__":

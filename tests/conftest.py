@@ -1,10 +1,9 @@
 import os
+import socket
 import sys
 from pathlib import Path
 
 import pytest
-import socket
-
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,8 +35,17 @@ def make_batch(batch=5, length=7, *, seed=0, spread=0.3, dtype=torch.float64, pe
     group_ids = torch.arange(batch) % 2
     scores = torch.randn(batch, generator=gen, dtype=dtype)
     teacher = log_probs(old + 0.3 * torch.randn(batch, length, generator=gen, dtype=dtype))
-    return dict(log_prob=log_prob, old_log_prob=old, ref_log_prob=ref, advantages=advantages, mask=mask,
-                entropy=entropy, group_ids=group_ids, scores=scores, teacher_log_prob=teacher)
+    return dict(
+        log_prob=log_prob,
+        old_log_prob=old,
+        ref_log_prob=ref,
+        advantages=advantages,
+        mask=mask,
+        entropy=entropy,
+        group_ids=group_ids,
+        scores=scores,
+        teacher_log_prob=teacher,
+    )
 
 
 def optional_inputs(data, part=slice(None)):
@@ -67,8 +75,9 @@ def run_ranks(worker, world: int = 2) -> dict:
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    mp.start_processes(_rank_main, args=(world, free_port(), results, worker), nprocs=world, start_method="spawn",
-                       join=True)
+    mp.start_processes(
+        _rank_main, args=(world, free_port(), results, worker), nprocs=world, start_method="spawn", join=True
+    )
     return {rank: results[rank] for rank in range(world)}
 
 

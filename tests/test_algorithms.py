@@ -2,17 +2,20 @@
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import algorithm, log_probs, make_batch
+
+import pgloss
 
 # The families whose loops live in tests/loops.py (LUSPO and FIPO subclass the clipped family);
 # the other names are checked against tests/loops/losses.py in losses/test_families_against_loops.py.
-NAMES = [n for n, (family, _) in pgloss.algorithms.NAMED.items()
-         if issubclass(family, (pgloss.ClippedPolicy, pgloss.CISPO, pgloss.SAPO)) and family is not pgloss.CHORD]
+NAMES = [
+    n
+    for n, (family, _) in pgloss.algorithms.NAMED.items()
+    if issubclass(family, (pgloss.ClippedPolicy, pgloss.CISPO, pgloss.SAPO)) and family is not pgloss.CHORD
+]
 # CHORD (a ClippedPolicy mixed with SFT on expert rows) has its own loop: tests/losses/test_chord.py.
 
 
@@ -29,12 +32,29 @@ def reference_policy(alg, data):
         return loops.cispo_per_token(lp, old, adv, clip_low=alg.clip_low, clip_high=alg.clip_high)
     if isinstance(alg, pgloss.SAPO):
         return loops.sapo_per_token(lp, old, adv, tau_pos=alg.tau_pos, tau_neg=alg.tau_neg)
-    values = loops.clipped_policy_per_token(lp, old, adv, mask, level=alg.ratio_level, clip_low=alg.clip_low,
-                                            clip_high=alg.clip_high, dual_clip=alg.dual_clip, delta=alg.delta)
+    values = loops.clipped_policy_per_token(
+        lp,
+        old,
+        adv,
+        mask,
+        level=alg.ratio_level,
+        clip_low=alg.clip_low,
+        clip_high=alg.clip_high,
+        dual_clip=alg.dual_clip,
+        delta=alg.delta,
+    )
     if isinstance(alg, pgloss.FIPO):
-        f = loops.fipo_weights(lp, old, adv, mask, decay_rate=alg.fipo_decay_rate, clip_range=alg.fipo_clip_range,
-                               clip_high_only=alg.fipo_clip_high_only, safety_threshold=alg.fipo_safety_threshold,
-                               delta=alg.delta)
+        f = loops.fipo_weights(
+            lp,
+            old,
+            adv,
+            mask,
+            decay_rate=alg.fipo_decay_rate,
+            clip_range=alg.fipo_clip_range,
+            clip_high_only=alg.fipo_clip_high_only,
+            safety_threshold=alg.fipo_safety_threshold,
+            delta=alg.delta,
+        )
         values = [[w * v for w, v in zip(fr, vr)] for fr, vr in zip(f, values)]
     return values
 
@@ -42,20 +62,31 @@ def reference_policy(alg, data):
 def reference_loss(alg, data):
     mask = data["mask"].tolist()
     group_ids = data["group_ids"].tolist()
-    agg = lambda values: loops.aggregate(values, mask, alg.loss_agg_mode, norm_constant=alg.norm_constant,
-                                         group_ids=group_ids)
+    agg = lambda values: loops.aggregate(
+        values, mask, alg.loss_agg_mode, norm_constant=alg.norm_constant, group_ids=group_ids
+    )
     loss = agg(reference_policy(alg, data))
     lp, ref, ent = data["log_prob"].tolist(), data["ref_log_prob"].tolist(), data["entropy"].tolist()
     if alg.kl_coef:
-        loss += alg.kl_coef * agg([[loops.kl(a, b, alg.kl_estimator) for a, b in zip(ra, rb)] for ra, rb in zip(lp, ref)])
+        loss += alg.kl_coef * agg(
+            [[loops.kl(a, b, alg.kl_estimator) for a, b in zip(ra, rb)] for ra, rb in zip(lp, ref)]
+        )
     if alg.entropy_coef:
         loss -= alg.entropy_coef * agg(ent)
     return loss
 
 
 def call(alg, data, **extra):
-    return alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
-               ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], group_ids=data["group_ids"], **extra)
+    return alg(
+        data["log_prob"],
+        data["old_log_prob"],
+        data["advantages"],
+        data["mask"],
+        ref_log_prob=data["ref_log_prob"],
+        entropy=data["entropy"],
+        group_ids=data["group_ids"],
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -78,12 +109,15 @@ def test_every_aggregation_matches_loop(name, mode):
     assert call(alg, data).loss.item() == pytest.approx(reference_loss(alg, data), rel=1e-10, abs=1e-12)
 
 
-@pytest.mark.parametrize("setting", [
-    dict(),  # the 32B headline run: [1, 1.2], safety threshold 10, delta 10
-    dict(fipo_clip_high_only=False, fipo_safety_threshold=3.0),  # the 7B run
-    dict(fipo_safety_threshold=4.0, delta=None),  # ms-swift's defaults
-    dict(fipo_clip_range=None, fipo_safety_threshold=1.5),  # no clipping: the safety interval is [0.8, 1]
-])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(),  # the 32B headline run: [1, 1.2], safety threshold 10, delta 10
+        dict(fipo_clip_high_only=False, fipo_safety_threshold=3.0),  # the 7B run
+        dict(fipo_safety_threshold=4.0, delta=None),  # ms-swift's defaults
+        dict(fipo_clip_range=None, fipo_safety_threshold=1.5),  # no clipping: the safety interval is [0.8, 1]
+    ],
+)
 def test_fipo_settings_match_loop(setting):
     data = make_batch(seed=6, spread=1.2, per_token_adv=True)
     alg = pgloss.get("fipo", **setting)
@@ -92,13 +126,22 @@ def test_fipo_settings_match_loop(setting):
 
 def test_fipo_defaults_are_the_32b_run():
     alg = pgloss.get("fipo")
-    assert (alg.fipo_clip_range, alg.fipo_clip_high_only, alg.fipo_safety_threshold, alg.delta) == (0.2, True, 10.0, 10.0)
+    assert (alg.fipo_clip_range, alg.fipo_clip_high_only, alg.fipo_safety_threshold, alg.delta) == (
+        0.2,
+        True,
+        10.0,
+        10.0,
+    )
 
 
 def test_dual_clip_bounds_negative_advantage_loss_at_c():
     # A = -1 and r = e^2 ≈ 7.39: PPO's loss is 7.39, dual clip caps it at c = 3, gradient zero.
     lp = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
-    args = (torch.full((1, 1), -2.0, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))
+    args = (
+        torch.full((1, 1), -2.0, dtype=torch.float64),
+        torch.tensor([-1.0], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.bool),
+    )
     ppo = pgloss.get("ppo")(lp, *args)
     assert ppo.loss.item() == pytest.approx(math.exp(2.0))
     out = pgloss.get("dual_clip_ppo")(lp, *args)
@@ -203,7 +246,9 @@ def test_algorithm_is_a_frozen_dataclass_with_paper_defaults():
 
 def test_the_recipe_is_not_a_field_of_the_loss():
     """Advantages and sampling belong to the trainer: get() refuses them and points at pgloss.recipe."""
-    with pytest.raises(TypeError, match=r"dynamic_sampling belongs to the advantages and sampling.*pgloss.recipe\('dapo'\)"):
+    with pytest.raises(
+        TypeError, match=r"dynamic_sampling belongs to the advantages and sampling.*pgloss.recipe\('dapo'\)"
+    ):
         pgloss.get("dapo", dynamic_sampling=False)
     assert "scale_rewards" not in pgloss.get("dr_grpo", norm_constant=1.0).describe()
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):

@@ -124,8 +124,13 @@ def test_a_folder_sits_on_one_floor():
     assert not split, f"modules off their folder's floor: {[(m, floor(m)) for m in split]}"
 
 
-@pytest.mark.parametrize(("old", "new"), [("pgloss.integrations.trl_config", "pgloss.trainer_options.trl"),
-                                          ("pgloss.integrations.verl_config", "pgloss.trainer_options.verl")])
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("pgloss.integrations.trl_config", "pgloss.trainer_options.trl"),
+        ("pgloss.integrations.verl_config", "pgloss.trainer_options.verl"),
+    ],
+)
 def test_a_moved_module_keeps_its_old_name(old, new):
     """The translators' former paths are the modules themselves (one object: a patch through either name holds)."""
     import importlib

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import algorithm, make_batch, optional_inputs
 
 import pgloss
-from conftest import algorithm, make_batch, optional_inputs
 from pgloss.advantages import gae
 from pgloss.kl.estimators import AdaptiveKLController, kl_penalized_rewards
 
@@ -15,8 +15,9 @@ NAMES = pgloss.names()
 
 
 def call(alg, data, **extra):
-    return alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
-               **(optional_inputs(data) | extra))
+    return alg(
+        data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"], **(optional_inputs(data) | extra)
+    )
 
 
 def numeric_fields(alg):
@@ -43,13 +44,16 @@ def test_numbers_of_other_real_types_are_accepted_as_floats():
     assert type(alg.clip_high) is float and alg.clip_high == 1.0
 
 
-@pytest.mark.parametrize("field, value, error, message", [
-    ("max_log_ratio", True, TypeError, "max_log_ratio must be a real number"),
-    ("loss_agg_mode", None, TypeError, "loss_agg_mode must be a str, got None"),
-    ("kl_estimator", 3, TypeError, "kl_estimator must be a str, got 3"),
-    ("dual_clip", "3", TypeError, "dual_clip must be a real number or None"),
-    ("kl_coef", torch.tensor(0.1), TypeError, "kl_coef must be a real number"),
-])
+@pytest.mark.parametrize(
+    "field, value, error, message",
+    [
+        ("max_log_ratio", True, TypeError, "max_log_ratio must be a real number"),
+        ("loss_agg_mode", None, TypeError, "loss_agg_mode must be a str, got None"),
+        ("kl_estimator", 3, TypeError, "kl_estimator must be a str, got 3"),
+        ("dual_clip", "3", TypeError, "dual_clip must be a real number or None"),
+        ("kl_coef", torch.tensor(0.1), TypeError, "kl_coef must be a real number"),
+    ],
+)
 def test_other_types_are_refused_by_name(field, value, error, message):
     with pytest.raises(error, match=message):
         pgloss.get("ppo", **{field: value})
@@ -99,7 +103,9 @@ def test_kl_penalized_rewards_checks_its_inputs():
     rewards = torch.zeros(2, 3)
     good = torch.zeros(2, 3)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="ref_log_prob must have the shape of token_rewards \\(2, 3\\), got \\(2, 2\\)"):
+    with pytest.raises(
+        ValueError, match="ref_log_prob must have the shape of token_rewards \\(2, 3\\), got \\(2, 2\\)"
+    ):
         kl_penalized_rewards(rewards, good, good[:, :2], mask, kl_coef=0.1)
     with pytest.raises(ValueError, match="mask must have shape"):
         kl_penalized_rewards(rewards, good, good, mask[:1], kl_coef=0.1)
@@ -146,6 +152,7 @@ def test_adaptive_controller_refuses_a_non_finite_kl():
 
 # ----- the opt-in anomaly mode -----
 
+
 def poison(data, key, row, column, value):
     out = {k: v.clone() for k, v in data.items()}
     if out[key].ndim == 1:
@@ -160,8 +167,16 @@ def first_valid(mask):
     return row, column
 
 
-@pytest.mark.parametrize("key, value", [("log_prob", math.nan), ("log_prob", -math.inf), ("old_log_prob", -math.inf),
-                                        ("ref_log_prob", math.nan), ("entropy", math.nan)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("log_prob", math.nan),
+        ("log_prob", -math.inf),
+        ("old_log_prob", -math.inf),
+        ("ref_log_prob", math.nan),
+        ("entropy", math.nan),
+    ],
+)
 def test_detect_anomaly_names_the_tensor_and_the_first_bad_position(key, value):
     data = make_batch(seed=4, per_token_adv=True)
     row, column = first_valid(data["mask"])

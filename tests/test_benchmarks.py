@@ -24,8 +24,12 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if '__name__ == "__main
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the refusal cannot be seen")
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_benchmark_refuses_cuda_cleanly_without_it(script):
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *EXTRA.get(script, []), "--device", "cuda"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *EXTRA.get(script, []), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("--device cuda: no CUDA device is visible"), done.stderr
@@ -112,8 +116,13 @@ def test_gpu_quick_plain_and_divergence_rows(quick_run):
 
 def test_gpu_run_cut_short_keeps_its_rows_and_never_overwrites(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.Popen([*GPU, "--sections", "hidden", "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [*GPU, "--sections", "hidden", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in proc.stdout:  # the first measured row, then the run is killed with the process it runs
             if line.startswith("| reference"):
@@ -176,12 +185,20 @@ def step_run(tmp_path_factory):
     if not installed("trl"):
         pytest.skip("trl is not installed")
     out = tmp_path_factory.mktemp("step") / "step.jsonl"
-    done = subprocess.run([*STEP, "--max-completion", "32", "--budget", "600", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [*STEP, "--max-completion", "32", "--budget", "600", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    return done.stdout, lines[0]["header"], [line for line in lines[1:] if "summary" not in line], \
-        [line for line in lines[1:] if "summary" in line]
+    return (
+        done.stdout,
+        lines[0]["header"],
+        [line for line in lines[1:] if "summary" not in line],
+        [line for line in lines[1:] if "summary" in line],
+    )
 
 
 def test_step_quick_runs_every_variant_through_trainer_train(step_run):
@@ -201,8 +218,9 @@ def test_step_quick_runs_every_variant_through_trainer_train(step_run):
     liger = [row for row in rows if row["variant"] == "liger"]
     assert [row["status"] for row in liger] == (["needs CUDA"] if installed("liger") else ["not installed"])
     ended = {s["variant"]: (s["longest_completion"], s["ended"]) for s in summaries}
-    assert {v: ended[v] for v in ("trl", "pgloss", "fused")} == dict.fromkeys(("trl", "pgloss", "fused"),
-                                                                              (32, "reached --max-completion"))
+    assert {v: ended[v] for v in ("trl", "pgloss", "fused")} == dict.fromkeys(
+        ("trl", "pgloss", "fused"), (32, "reached --max-completion")
+    )
     printed = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
     assert len(printed) == len(rows)  # every row printed, one line each
 
@@ -229,14 +247,19 @@ def test_step_ladder_ends_at_out_of_memory_with_the_error(monkeypatch, capsys):
         return {"status": "measured", "step_s": length / 1000}
 
     rows = ladder.run_ladder([16, 32, 64, 128], measure, deadline=math.inf, release=lambda: released.append(1))
-    assert [(row["completion"], row["status"]) for row in rows] == [(16, "measured"), (32, "measured"),
-                                                                      (64, "out of memory")]
+    assert [(row["completion"], row["status"]) for row in rows] == [
+        (16, "measured"),
+        (32, "measured"),
+        (64, "out of memory"),
+    ]
     assert rows[-1]["note"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
     assert "Traceback" in rows[-1]["error"] and "in measure" in rows[-1]["error"]
     assert len(released) == 3
-    emitted = [json.loads(line[len(ladder.ROW):]) for line in capsys.readouterr().out.splitlines()]
+    emitted = [json.loads(line[len(ladder.ROW) :]) for line in capsys.readouterr().out.splitlines()]
     assert [row.get("event", row.get("status")) for row in emitted] == ["start", "measured"] * 2 + [
-        "start", "out of memory"]
+        "start",
+        "out of memory",
+    ]
 
 
 def test_step_ladder_stops_cleanly_before_its_deadline_and_on_a_failure(monkeypatch):

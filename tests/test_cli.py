@@ -50,11 +50,16 @@ def test_bad_numbers_and_unknown_trainers_get_one_line_as_a_user_runs_them():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "losses", "--length", "0"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "pgloss.cli", "losses", "--length", "0"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and done.stderr == "pgloss losses: --length must be >= 1 (tokens per response), got 0\n"
-    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "conformance", "--trainer", "nemo_rl"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "pgloss.cli", "conformance", "--trainer", "nemo_rl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     choices = "'liger', 'ms_swift', 'openrlhf', 'trl', 'verl'"
     assert done.returncode == 2 and f"invalid choice: 'nemo_rl' (choose from {choices})" in done.stderr
     assert "Traceback" not in done.stderr and "install" not in done.stderr + done.stdout
@@ -64,8 +69,12 @@ def test_a_misspelt_algorithm_on_the_command_line_gets_the_closest_name():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "train", "--algorithm", "grpoo"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "pgloss.cli", "train", "--algorithm", "grpoo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "unknown algorithm 'grpoo' (did you mean 'grpo'?)" in done.stderr
 
@@ -78,7 +87,8 @@ def test_an_option_of_another_command_gets_that_commands_usage_and_a_hint():
     assert done.stderr.startswith("usage: pgloss train "), done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         "pgloss train: error: unrecognized arguments: --seeds 1 "
-        "(did you mean --seed? --seeds is an option of pgloss compare and pgloss experiment)")
+        "(did you mean --seed? --seeds is an option of pgloss compare and pgloss experiment)"
+    )
 
 
 def test_help_describes_every_command_in_the_users_words():

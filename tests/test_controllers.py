@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 
+import loops
 import pytest
 import torch
 
-import loops
 from pgloss.controllers import AdaptiveEntropy
 
 F64 = dict(dtype=torch.float64)
@@ -38,9 +38,11 @@ def entropies(seed, steps=14, micro=2, rows=5, width=7):
     return out
 
 
-CONFIGS = [dict(coef=0.0, target=0.5, delta=0.005, coef_min=0.0, coef_max=0.012),
-           dict(coef=0.02, target=0.6, delta=0.01, coef_min=0.005, coef_max=1.0),
-           dict(coef=0.1, target=0.2, delta=0.005, coef_min=0.0, coef_max=1.0)]  # TRL's defaults but coef
+CONFIGS = [
+    dict(coef=0.0, target=0.5, delta=0.005, coef_min=0.0, coef_max=0.012),
+    dict(coef=0.02, target=0.6, delta=0.01, coef_min=0.005, coef_max=1.0),
+    dict(coef=0.1, target=0.2, delta=0.005, coef_min=0.0, coef_max=1.0),
+]  # TRL's defaults but coef
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -104,18 +106,26 @@ def test_bad_arguments():
 
 # -- TRL 1.16 -----------------------------------------------------------------------------------------------------
 
+
 def trl_sequence(config, steps, micro):
     """TRL's _compute_loss over the steps on one stand-in trainer: per step, the applied coefficient (from
     the entropy gradient), then its coefficient and last entropy after the step."""
     trl = pytest.importorskip("trl")
     from pgloss.conformance.trl import _trainer
 
-    options = dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=config["coef"],
-                   entropy_target=config["target"], entropy_coef_delta=config["delta"],
-                   entropy_coef_min=config["coef_min"], entropy_coef_max=config["coef_max"],
-                   gradient_accumulation_steps=micro)
-    grpo = trl.GRPOConfig(output_dir="pgloss-controllers", report_to=[], use_cpu=True, bf16=False,
-                          max_completion_length=7, **options)
+    options = dict(
+        loss_type="dapo",
+        use_adaptive_entropy=True,
+        entropy_coef=config["coef"],
+        entropy_target=config["target"],
+        entropy_coef_delta=config["delta"],
+        entropy_coef_min=config["coef_min"],
+        entropy_coef_max=config["coef_max"],
+        gradient_accumulation_steps=micro,
+    )
+    grpo = trl.GRPOConfig(
+        output_dir="pgloss-controllers", report_to=[], use_cpu=True, bf16=False, max_completion_length=7, **options
+    )
     stub = None
     out = []
     for step in steps:
@@ -123,19 +133,26 @@ def trl_sequence(config, steps, micro):
         for j, (entropy, mask) in enumerate(step[:micro]):
             log_prob = -torch.rand(mask.shape, generator=torch.Generator().manual_seed(j), **F64)
             h = entropy.clone().requires_grad_(True)
-            state = None if stub is None else {k: getattr(stub, k) for k in
-                                               ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")}
+            state = (
+                None
+                if stub is None
+                else {k: getattr(stub, k) for k in ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")}
+            )
             stub = _trainer(grpo, log_prob, h)
             if state is not None:
                 for k, v in state.items():
                     setattr(stub, k, v)
             stub.current_gradient_accumulation_steps = micro
             stub.accelerator.sync_gradients = j == micro - 1
-            inputs = dict(prompt_ids=torch.zeros(mask.shape[0], 1, dtype=torch.long),
-                          prompt_mask=torch.ones(mask.shape[0], 1, dtype=torch.long),
-                          completion_ids=torch.zeros(mask.shape, dtype=torch.long), completion_mask=mask,
-                          advantages=torch.zeros(mask.shape[0], **F64), old_per_token_logps=log_prob.detach(),
-                          num_items_in_batch=mask.sum())
+            inputs = dict(
+                prompt_ids=torch.zeros(mask.shape[0], 1, dtype=torch.long),
+                prompt_mask=torch.ones(mask.shape[0], 1, dtype=torch.long),
+                completion_ids=torch.zeros(mask.shape, dtype=torch.long),
+                completion_mask=mask,
+                advantages=torch.zeros(mask.shape[0], **F64),
+                old_per_token_logps=log_prob.detach(),
+                num_items_in_batch=mask.sum(),
+            )
             trl.GRPOTrainer._compute_loss(stub, None, inputs).backward()
             applied.append(-micro * h.grad.sum().item())
         out.append((applied, stub.entropy_coef, stub._last_world_entropy))

@@ -19,16 +19,24 @@ def documented() -> set[str]:
 
 
 def test_the_api_reference_covers_every_public_name_and_the_adapters():
-    missing = sorted(f"pgloss.{name}" for name in pgloss.__all__) + ["pgloss.integrations.trl",
-                                                                      "pgloss.integrations.verl"]
+    missing = sorted(f"pgloss.{name}" for name in pgloss.__all__) + [
+        "pgloss.integrations.trl",
+        "pgloss.integrations.verl",
+    ]
     missing = [name for name in missing if name not in documented()]
     assert not missing, f"add to a page of docs/api/: {missing}"
 
 
 def test_the_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-5000:]
     for page in ("index.html", "api/algorithms/index.html", "api/integrations/index.html", "lab/index.html"):
         assert (tmp_path / "site" / page).is_file(), page

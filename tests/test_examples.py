@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def readme_python(start: str, end: str | None = None) -> str:
     """The first Python block of the README after `start` (and before `end`)."""
     readme = (ROOT / "README.md").read_text()
-    part = readme[readme.index(start):None if end is None else readme.index(end)]
+    part = readme[readme.index(start) : None if end is None else readme.index(end)]
     return re.search(r"```python\n(.*?)```", part, re.S).group(1)
 
 
@@ -53,8 +53,12 @@ def _example():
 
 
 def test_the_plain_pytorch_example_trains():
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "plain_pytorch.py"), "--steps", "3", "--every", "1"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plain_pytorch.py"), "--steps", "3", "--every", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert [line.split()[:2] for line in lines] == [["step", str(k)] for k in range(3)]
@@ -64,8 +68,12 @@ def test_the_plain_pytorch_example_trains():
 def test_the_plain_pytorch_example_learns_at_its_default():
     """Run with no argument, as its docstring says: the reward of the last printed steps is well above the
     first's (measured: 0.03 at step 0, 0.94 at step 119)."""
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "plain_pytorch.py"), "--every", "1"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plain_pytorch.py"), "--every", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rewards = [float(line.split()[3]) for line in done.stdout.strip().splitlines()]
     assert len(rewards) == 120

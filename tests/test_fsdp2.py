@@ -12,13 +12,12 @@ Clip-Cov and KL-Cov select their tokens within each call, so no split of the bat
 loss: their reference is the same per-call selections in one process, summed under the step's counts.
 """
 
-
 import pytest
 import torch
-
-import pgloss
 from conftest import run_ranks
 from properties.micro_batches import micro_batches
+
+import pgloss
 
 ROWS, WIDTH, HIDDEN, VOCAB = 16, 6, 5, 11
 # rank -> its micro-batches, each of whole groups (group_ids = row // 2: REAL contrasts a group's rows).
@@ -73,10 +72,16 @@ def data():
         log_prob = model.lm_head(model(ids)).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
     noise = lambda scale: scale * torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64)  # noqa: E731
     old = (log_prob + noise(0.1)).clamp(max=-1e-3)
-    inputs = dict(old_log_prob=old, advantages=torch.randn(ROWS, generator=g, dtype=torch.float64), mask=mask,
-                  ref_log_prob=(old + noise(0.2)).clamp(max=-1e-3), rollout_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
-                  group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g, dtype=torch.float64),
-                  teacher_log_prob=(old + noise(0.3)).clamp(max=-1e-3))
+    inputs = dict(
+        old_log_prob=old,
+        advantages=torch.randn(ROWS, generator=g, dtype=torch.float64),
+        mask=mask,
+        ref_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
+        rollout_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
+        group_ids=torch.arange(ROWS) // 2,
+        scores=torch.randn(ROWS, generator=g, dtype=torch.float64),
+        teacher_log_prob=(old + noise(0.3)).clamp(max=-1e-3),
+    )
     return ids, targets, inputs
 
 
@@ -94,10 +99,12 @@ def micro_loss(algorithm, model, path, ids, targets, inputs, part, normalizer):
 
 
 def step_normalizer(algorithm, inputs, parts):
-    return algorithm.step_normalizer([inputs["mask"][p] for p in parts],
-                                     old_log_probs=[inputs["old_log_prob"][p] for p in parts],
-                                     rollout_log_probs=[inputs["rollout_log_prob"][p] for p in parts],
-                                     group_ids=[inputs["group_ids"][p] for p in parts])
+    return algorithm.step_normalizer(
+        [inputs["mask"][p] for p in parts],
+        old_log_probs=[inputs["old_log_prob"][p] for p in parts],
+        rollout_log_probs=[inputs["rollout_log_prob"][p] for p in parts],
+        group_ids=[inputs["group_ids"][p] for p in parts],
+    )
 
 
 def worker(rank: int, world: int) -> dict:
@@ -158,5 +165,10 @@ def test_every_shard_gets_the_gradient_of_one_call(ranks, name):
             for key, full in want.items():
                 shards = torch.chunk(full, world, dim=0)  # FSDP2's Shard(0): torch.chunk's rows
                 shard = shards[rank] if rank < len(shards) else full[:0]
-                torch.testing.assert_close(got[key], shard, rtol=1e-9, atol=1e-12,
-                                           msg=lambda m: f"{name}, {path}, {head}, rank {rank}/{world}, {key}: {m}")
+                torch.testing.assert_close(
+                    got[key],
+                    shard,
+                    rtol=1e-9,
+                    atol=1e-12,
+                    msg=lambda m: f"{name}, {path}, {head}, rank {rank}/{world}, {key}: {m}",
+                )

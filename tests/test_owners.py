@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import loops
 import pytest
 import torch
 
-import loops
 import pgloss
 from pgloss.core import aggregate as agg
 from pgloss.core.aggregate import AGGREGATIONS, Aggregation, Normalizer, row_weights
@@ -47,7 +47,9 @@ def test_each_mode_reads_the_count_its_row_names(mode):
         if count == record.count:
             assert not torch.allclose(other, rows), f"{mode} does not read {count}"
         else:
-            torch.testing.assert_close(other, rows, rtol=0, atol=0, msg=f"{mode} reads {count}, not only {record.count}")
+            torch.testing.assert_close(
+                other, rows, rtol=0, atol=0, msg=f"{mode} reads {count}, not only {record.count}"
+            )
 
 
 @pytest.mark.parametrize("mode", list(AGGREGATIONS))
@@ -66,8 +68,9 @@ def test_each_mode_asks_a_budget_exactly_when_its_row_says(mode):
         assert not pgloss.algorithms.divides_by_budget("dapo", loss_agg_mode=mode)
         assert pgloss.get("dapo", loss_agg_mode=mode, generation_budget=BUDGET).norm_constant is None
     out = agg.aggregate(values, MASK, mode, norm_constant=BUDGET, **extra)
-    expected = loops.aggregate(values.tolist(), MASK.tolist(), mode, norm_constant=BUDGET, group_ids=IDS.tolist(),
-                               delta_l_alpha=0.5)
+    expected = loops.aggregate(
+        values.tolist(), MASK.tolist(), mode, norm_constant=BUDGET, group_ids=IDS.tolist(), delta_l_alpha=0.5
+    )
     assert out.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -99,9 +102,12 @@ def _budget_token_sum(mask, normalizer, *, norm_constant, **_):
 def test_a_mode_added_to_the_table_is_all_it_takes(monkeypatch):
     """Two new rows, one plain and one with a budget: the call, get, both translators and the verl
     adapter's counts take them without another change."""
-    monkeypatch.setitem(AGGREGATIONS, "half-token-sum", Aggregation("half-token-sum", "2", None, False, _half_token_sum))
-    monkeypatch.setitem(AGGREGATIONS, "budget-token-sum",
-                        Aggregation("budget-token-sum", "C", None, True, _budget_token_sum))
+    monkeypatch.setitem(
+        AGGREGATIONS, "half-token-sum", Aggregation("half-token-sum", "2", None, False, _half_token_sum)
+    )
+    monkeypatch.setitem(
+        AGGREGATIONS, "budget-token-sum", Aggregation("budget-token-sum", "C", None, True, _budget_token_sum)
+    )
     gen = torch.Generator().manual_seed(2)
     log_prob = -torch.rand(MASK.shape, generator=gen, dtype=torch.float64)
     old = log_prob + 0.05 * torch.randn(MASK.shape, generator=gen, dtype=torch.float64)
@@ -116,8 +122,9 @@ def test_a_mode_added_to_the_table_is_all_it_takes(monkeypatch):
     torch.testing.assert_close(budget(log_prob, old, advantages, MASK).loss, plain / 4, rtol=1e-12, atol=0)
 
     for mode, constant in (("half-token-sum", None), ("budget-token-sum", BUDGET)):
-        from_verl = pgloss.from_verl(dict(loss_agg_mode=mode, loss_scale_factor=BUDGET,
-                                          policy_loss=dict(loss_mode="pgloss_dapo")))
+        from_verl = pgloss.from_verl(
+            dict(loss_agg_mode=mode, loss_scale_factor=BUDGET, policy_loss=dict(loss_mode="pgloss_dapo"))
+        )
         assert (from_verl.loss_agg_mode, from_verl.norm_constant) == (mode, constant)
         given = pgloss.get("dapo", loss_agg_mode=mode, generation_budget=BUDGET)
         assert trl_config.trainer_algorithm(trl_config.grpo_options({}), given) == given
@@ -131,8 +138,15 @@ def test_a_mode_added_to_the_table_is_all_it_takes(monkeypatch):
 def test_verl_refuses_a_count_it_does_not_carry():
     verl = pytest.importorskip("pgloss.integrations.verl")
     with pytest.raises(ValueError, match="divides by the step's length_counts, which verl's global_batch_info"):
-        verl.agg_loss(torch.ones(2, 3), torch.ones(2, 3), "delta-l-norm", dp_size=2, batch_num_tokens=6,
-                      global_batch_size=2, loss_scale_factor=4)
+        verl.agg_loss(
+            torch.ones(2, 3),
+            torch.ones(2, 3),
+            "delta-l-norm",
+            dp_size=2,
+            batch_num_tokens=6,
+            global_batch_size=2,
+            loss_scale_factor=4,
+        )
     with pytest.raises(ValueError, match=r"needs global_batch_info\['global_batch_size'\]"):
         verl.agg_loss(torch.ones(2, 3), torch.ones(2, 3), "seq-mean-token-mean", dp_size=2, batch_num_tokens=6)
 
@@ -164,7 +178,9 @@ def test_rollout_use_is_what_the_call_does(name):
         elif use == "correction":
             assert given is CORRECTION
         else:
-            assert given == pgloss.RolloutCorrection(upper=algorithm.rollout_is_cap, max_log_ratio=algorithm.max_log_ratio)
+            assert given == pgloss.RolloutCorrection(
+                upper=algorithm.rollout_is_cap, max_log_ratio=algorithm.max_log_ratio
+            )
 
 
 @pytest.mark.parametrize("vllm_is", [False, True])

@@ -39,23 +39,45 @@ def test_the_wheel_installs_and_carries_its_data(tmp_path):
     shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    run = dict(capture_output=True, text=True, timeout=120, cwd=tmp_path,
-               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                           "--wheel-dir", str(tmp_path / "dist"), str(source)], **run)
+    run = dict(
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        **run,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("pgloss-*.whl")
 
     env = tmp_path / "env"
     venv.create(env, with_pip=False)  # pip runs from this interpreter into it (--python): no pip to install
     python = env / "bin" / "python"
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-                           str(wheel)], **run)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)], **run
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # torch and the lab's extras from this environment, added after the install so that pip saw none of them
     # (nor this environment's own pgloss): a path, not a site directory, so its .pth files are not read.
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               **run).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], **run
+        ).stdout.strip()
+    )
     (site / "_test_dependencies.pth").write_text(str(Path(torch.__file__).parent.parent) + "\n")
 
     version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)

@@ -19,14 +19,14 @@ from __future__ import annotations
 import enum
 from types import SimpleNamespace
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import algorithm, make_batch
 from properties.micro_batches import cut, split_call
 from test_algorithms import reference_loss
+
+import pgloss
 
 F64 = dict(dtype=torch.float64)
 
@@ -34,14 +34,23 @@ F64 = dict(dtype=torch.float64)
 def data_with_rewards(seed, rows=8, length=7, real=False):
     data = make_batch(batch=rows, length=length, seed=seed, per_token_adv=False)
     gen = torch.Generator().manual_seed(100 + seed)
-    data["scores"] = (torch.randn(rows, generator=gen, **F64) if real
-                      else torch.randint(0, 2, (rows,), generator=gen).double())
+    data["scores"] = (
+        torch.randn(rows, generator=gen, **F64) if real else torch.randint(0, 2, (rows,), generator=gen).double()
+    )
     return data
 
 
 def call(alg, data, **extra):
-    return alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
-               ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], scores=data["scores"], **extra)
+    return alg(
+        data["log_prob"],
+        data["old_log_prob"],
+        data["advantages"],
+        data["mask"],
+        ref_log_prob=data["ref_log_prob"],
+        entropy=data["entropy"],
+        scores=data["scores"],
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "cispo", "dr_grpo"])
@@ -70,8 +79,9 @@ def test_gradient_is_minus_mu_over_rewarded_tokens():
     lp = data["log_prob"].clone().requires_grad_(True)
     alg = pgloss.get("dapo", positive_nll_coef=0.7)
     base = pgloss.get("dapo")
-    with_term = torch.autograd.grad(alg(lp, data["old_log_prob"], data["advantages"], data["mask"],
-                                        scores=data["scores"]).loss, lp)[0]
+    with_term = torch.autograd.grad(
+        alg(lp, data["old_log_prob"], data["advantages"], data["mask"], scores=data["scores"]).loss, lp
+    )[0]
     without = torch.autograd.grad(base(lp, data["old_log_prob"], data["advantages"], data["mask"]).loss, lp)[0]
     rewarded = (data["scores"] > 0)[:, None] & data["mask"]
     expected = torch.where(rewarded, -0.7 / rewarded.sum().double(), 0.0)
@@ -83,8 +93,14 @@ def test_gradcheck():
     alg = pgloss.get("grpo", positive_nll_coef=0.4, loss_agg_mode="delta-l-norm", norm_constant=5.0)
 
     def loss(log_prob):
-        return alg(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
-                   ref_log_prob=data["ref_log_prob"], scores=data["scores"]).loss
+        return alg(
+            log_prob,
+            data["old_log_prob"],
+            data["advantages"],
+            data["mask"],
+            ref_log_prob=data["ref_log_prob"],
+            scores=data["scores"],
+        ).loss
 
     assert torch.autograd.gradcheck(loss, (data["log_prob"].clone().requires_grad_(True),))
 
@@ -97,9 +113,17 @@ def test_micro_batches_add_up(parts):
     whole = call(alg, {**data, "log_prob": whole_lp}).loss
     whole.backward()
     norm = alg.step_normalizer(cut(data["mask"], parts), scores=cut(data["scores"], parts))
-    total, grad = split_call(alg, data["log_prob"], parts, norm, old_log_prob=data["old_log_prob"],
-                             advantages=data["advantages"], mask=data["mask"], ref_log_prob=data["ref_log_prob"],
-                             scores=data["scores"])
+    total, grad = split_call(
+        alg,
+        data["log_prob"],
+        parts,
+        norm,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=data["mask"],
+        ref_log_prob=data["ref_log_prob"],
+        scores=data["scores"],
+    )
     torch.testing.assert_close(total, whole.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
 
@@ -125,40 +149,73 @@ def test_inspect_keeps_the_term_out_of_the_policy_gradient():
     alg = pgloss.get("dapo", positive_nll_coef=0.5)
     from pgloss.diagnostics.inspect import inspect
 
-    report = inspect(alg, data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
-                     scores=data["scores"])
+    report = inspect(
+        alg, data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"], scores=data["scores"]
+    )
     plain = inspect(pgloss.get("dapo"), data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
     torch.testing.assert_close(report.policy_grad, plain.policy_grad, rtol=1e-13, atol=1e-16)
     rewarded = (data["scores"] > 0)[:, None] & data["mask"]
-    torch.testing.assert_close(report.grad - report.policy_grad,
-                               torch.where(rewarded, -0.5 / rewarded.sum().double(), 0.0), rtol=1e-12, atol=1e-16)
+    torch.testing.assert_close(
+        report.grad - report.policy_grad,
+        torch.where(rewarded, -0.5 / rewarded.sum().double(), 0.0),
+        rtol=1e-12,
+        atol=1e-16,
+    )
 
 
 # -- NeMo-RL ------------------------------------------------------------------------------------------------------
 
+
 def _nemo_rl():
     from advantages.trainer_sources import load, source_file
 
-    utils = load(source_file("PGLOSS_NEMO_RL_SRC", "nemo_rl/algorithms/utils.py"), ("masked_mean", "calculate_kl"),
-                 {"torch": torch, "Optional": __import__("typing").Optional})
+    utils = load(
+        source_file("PGLOSS_NEMO_RL_SRC", "nemo_rl/algorithms/utils.py"),
+        ("masked_mean", "calculate_kl"),
+        {"torch": torch, "Optional": __import__("typing").Optional},
+    )
     path = source_file("PGLOSS_NEMO_RL_SRC", "nemo_rl/algorithms/loss/loss_functions.py")
-    enums = load(source_file("PGLOSS_NEMO_RL_SRC", "nemo_rl/algorithms/loss/interfaces.py"),
-                 ("LossType", "MetricNormalizer", "LossInputType"), {"enum": enum})
-    namespace = {"torch": torch, "Tensor": torch.Tensor, "LossFunction": object, "BatchedDataDict": dict,
-                 "ClippedPGLossConfig": object, "ClippedPGLossDataDict": object, "masked_mean": utils["masked_mean"],
-                 "calculate_kl": utils["calculate_kl"], **{k: enums[k] for k in ("LossType", "MetricNormalizer", "LossInputType")}}
+    enums = load(
+        source_file("PGLOSS_NEMO_RL_SRC", "nemo_rl/algorithms/loss/interfaces.py"),
+        ("LossType", "MetricNormalizer", "LossInputType"),
+        {"enum": enum},
+    )
+    namespace = {
+        "torch": torch,
+        "Tensor": torch.Tensor,
+        "LossFunction": object,
+        "BatchedDataDict": dict,
+        "ClippedPGLossConfig": object,
+        "ClippedPGLossDataDict": object,
+        "masked_mean": utils["masked_mean"],
+        "calculate_kl": utils["calculate_kl"],
+        **{k: enums[k] for k in ("LossType", "MetricNormalizer", "LossInputType")},
+    }
     return load(path, ("ClippedPGLossFn",), namespace)["ClippedPGLossFn"]
 
 
 def _nemo_config(mu):
-    return SimpleNamespace(disable_ppo_ratio=False, ratio_clip_min=0.2, ratio_clip_max=0.2, ratio_clip_c=None,
-                           reference_policy_kl_penalty=0.0, use_kl_in_reward=False, reference_policy_kl_type="k3",
-                           kl_input_clamp_value=None, kl_output_clamp_value=None,
-                           use_importance_sampling_correction=False, truncated_importance_sampling_type=None,
-                           truncated_importance_sampling_ratio=None, truncated_importance_sampling_ratio_min=None,
-                           use_on_policy_kl_approximation=False, force_on_policy_ratio=False,
-                           sequence_level_importance_ratios=False, positive_example_nll_weight=mu,
-                           token_level_loss=True, use_cispo=False)
+    return SimpleNamespace(
+        disable_ppo_ratio=False,
+        ratio_clip_min=0.2,
+        ratio_clip_max=0.2,
+        ratio_clip_c=None,
+        reference_policy_kl_penalty=0.0,
+        use_kl_in_reward=False,
+        reference_policy_kl_type="k3",
+        kl_input_clamp_value=None,
+        kl_output_clamp_value=None,
+        use_importance_sampling_correction=False,
+        truncated_importance_sampling_type=None,
+        truncated_importance_sampling_ratio=None,
+        truncated_importance_sampling_ratio_min=None,
+        use_on_policy_kl_approximation=False,
+        force_on_policy_ratio=False,
+        sequence_level_importance_ratios=False,
+        positive_example_nll_weight=mu,
+        token_level_loss=True,
+        use_cispo=False,
+    )
 
 
 def _nemo_call(fn, data, lp, rows, tokens, part=slice(None)):
@@ -166,9 +223,14 @@ def _nemo_call(fn, data, lp, rows, tokens, part=slice(None)):
     pad = lambda x: torch.cat([torch.zeros_like(x[:, :1]), x], dim=1)
     mask = data["mask"][part].double()
     adv = data["advantages"][part][:, None].expand_as(mask)
-    batch = dict(token_mask=pad(mask), sample_mask=torch.ones(mask.shape[0], **F64), advantages=pad(adv),
-                 prev_logprobs=pad(data["old_log_prob"][part]), generation_logprobs=pad(data["old_log_prob"][part]),
-                 rewards=data["scores"][part])
+    batch = dict(
+        token_mask=pad(mask),
+        sample_mask=torch.ones(mask.shape[0], **F64),
+        advantages=pad(adv),
+        prev_logprobs=pad(data["old_log_prob"][part]),
+        generation_logprobs=pad(data["old_log_prob"][part]),
+        rewards=data["scores"][part],
+    )
     return fn(lp[part], batch, torch.tensor(rows, **F64), torch.tensor(tokens, **F64))[0]
 
 
@@ -181,8 +243,9 @@ def test_matches_nemo_rl(mu, seed):
     theirs = _nemo_call(fn, data, theirs_lp, float(data["mask"].any(-1).sum()), float(data["mask"].sum()))
     theirs.backward()
     ours_lp = data["log_prob"].clone().requires_grad_(True)
-    ours = pgloss.get("bnpo", positive_nll_coef=mu)(ours_lp, data["old_log_prob"], data["advantages"], data["mask"],
-                                                    scores=data["scores"]).loss
+    ours = pgloss.get("bnpo", positive_nll_coef=mu)(
+        ours_lp, data["old_log_prob"], data["advantages"], data["mask"], scores=data["scores"]
+    ).loss
     ours.backward()
     torch.testing.assert_close(ours, theirs, rtol=1e-8, atol=0)
     torch.testing.assert_close(ours_lp.grad, theirs_lp.grad, rtol=1e-8, atol=1e-9)
@@ -197,7 +260,8 @@ def test_nemo_rl_micro_batches_differ():
     lp = data["log_prob"]
     one = _nemo_call(fn, data, lp, rows, tokens)
     two = sum(_nemo_call(fn, data, lp, rows, tokens, p) for p in (slice(0, 4), slice(4, 8)))
-    ours = pgloss.get("bnpo", positive_nll_coef=1.0)(lp, data["old_log_prob"], data["advantages"], data["mask"],
-                                                     scores=data["scores"]).loss
+    ours = pgloss.get("bnpo", positive_nll_coef=1.0)(
+        lp, data["old_log_prob"], data["advantages"], data["mask"], scores=data["scores"]
+    ).loss
     assert ours.item() == pytest.approx(one.item(), rel=1e-8)
     assert abs(two.item() - one.item()) > 0.1 * abs(one.item())

@@ -5,13 +5,13 @@ import pkgutil
 import re
 from pathlib import Path
 
+import loops
 import pytest
 import torch
+from conftest import make_batch
 
-import loops
 import pgloss
 import pgloss.losses
-from conftest import make_batch
 from pgloss.algorithms import _TABLE, NAMED, SOURCES, ClippedPolicy
 
 
@@ -47,8 +47,11 @@ def _loss_families() -> dict[str, list[type]]:
     out = {}
     for info in pkgutil.iter_modules(pgloss.losses.__path__):
         module = importlib.import_module(f"pgloss.losses.{info.name}")
-        out[info.name] = [cls for cls in vars(module).values() if isinstance(cls, type)
-                          and issubclass(cls, pgloss.Algorithm) and cls.__module__ == module.__name__]
+        out[info.name] = [
+            cls
+            for cls in vars(module).values()
+            if isinstance(cls, type) and issubclass(cls, pgloss.Algorithm) and cls.__module__ == module.__name__
+        ]
     return out
 
 
@@ -61,7 +64,8 @@ def test_every_family_file_has_a_name():
     for module, classes in files.items():
         for cls in classes:
             assert cls in named or any(issubclass(family, cls) for family in named), (
-                f"losses/{module}.py defines {cls.__name__} but no name in algorithms._TABLE uses it")
+                f"losses/{module}.py defines {cls.__name__} but no name in algorithms._TABLE uses it"
+            )
     assert named <= {cls for classes in files.values() for cls in classes}
 
 
@@ -75,9 +79,12 @@ def test_every_name_is_documented_and_tested():
     assert len(documented) == len(set(documented))
     assert set(documented) == set(pgloss.names()), (
         f"undocumented: {sorted(set(pgloss.names()) - set(documented))}; "
-        f"documented but not registered: {sorted(set(documented) - set(pgloss.names()))}")
-    tests = "".join(path.read_text() for path in [*(ROOT / "tests" / "losses").glob("test_*.py"),
-                                                  ROOT / "tests" / "test_algorithms.py"])
+        f"documented but not registered: {sorted(set(documented) - set(pgloss.names()))}"
+    )
+    tests = "".join(
+        path.read_text()
+        for path in [*(ROOT / "tests" / "losses").glob("test_*.py"), ROOT / "tests" / "test_algorithms.py"]
+    )
     untested = [name for name in pgloss.names() if f'"{name}"' not in tests]
     assert not untested, f"no test under tests/losses/ names {untested}"
 
@@ -98,8 +105,11 @@ def test_register_takes_a_family_by_the_name_pgloss_list_prints(registered):
     pgloss.register("dapo_named", "ClippedPolicy", clip_high=0.35)
     registered.append("dapo_named")
     assert NAMED["dapo_named"][0] is ClippedPolicy and pgloss.get("dapo_named").clip_high == 0.35
-    with pytest.raises(ValueError, match=r"^family 'ClipedPolicy' is not a registered family \(did you mean "
-                                         r"'ClippedPolicy'\?\); families: ClippedPolicy, "):
+    with pytest.raises(
+        ValueError,
+        match=r"^family 'ClipedPolicy' is not a registered family \(did you mean "
+        r"'ClippedPolicy'\?\); families: ClippedPolicy, ",
+    ):
         pgloss.register("mine", "ClipedPolicy")
     assert "mine" not in pgloss.names()
 
@@ -123,7 +133,9 @@ def test_register_refuses_duplicates_bad_families_and_unknown_hyperparameters(re
 
 
 def test_a_miss_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"unknown algorithm 'gmop' \(did you mean 'gmpo'\?\); valid names: ppo, .*, gmpo, .*, real"):
+    with pytest.raises(
+        ValueError, match=r"unknown algorithm 'gmop' \(did you mean 'gmpo'\?\); valid names: ppo, .*, gmpo, .*, real"
+    ):
         pgloss.get("gmop")
 
 
@@ -137,8 +149,12 @@ def test_cispo_absolute_convention_is_trls_cap():
     torch.testing.assert_close(out.per_token, per_token, rtol=1e-12, atol=1e-14)
     assert (r[data["mask"]] > 1.1).any()  # the cap binds somewhere
     relative = pgloss.get("cispo", clip_high=0.1)  # the same cap written the paper's way
-    torch.testing.assert_close(relative(data["log_prob"], data["old_log_prob"], data["advantages"],
-                                        data["mask"]).loss, out.loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        relative(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"]).loss,
+        out.loss,
+        rtol=1e-12,
+        atol=1e-14,
+    )
     with pytest.raises(ValueError, match="has no lower bound"):
         pgloss.get("cispo", cispo_convention="absolute", clip_low=0.2)
     with pytest.raises(ValueError, match="cispo_convention must be one of"):
@@ -150,16 +166,26 @@ def test_token_sum_is_the_plain_sum():
     data = make_batch(seed=3, per_token_adv=True)
     alg = pgloss.get("gpg", loss_agg_mode="token-sum")
     out = alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
-    expected = loops.aggregate([[-a * p for a, p in zip(ra, rp)] for ra, rp in
-                                zip(data["advantages"].tolist(), data["log_prob"].tolist())],
-                               data["mask"].tolist(), "token-sum")
+    expected = loops.aggregate(
+        [[-a * p for a, p in zip(ra, rp)] for ra, rp in zip(data["advantages"].tolist(), data["log_prob"].tolist())],
+        data["mask"].tolist(),
+        "token-sum",
+    )
     assert out.loss.item() == pytest.approx(expected, rel=1e-12)
-    assert out.loss.item() == pytest.approx(float(torch.where(data["mask"], -data["advantages"] * data["log_prob"],
-                                                              0.0).sum()), rel=1e-12)
+    assert out.loss.item() == pytest.approx(
+        float(torch.where(data["mask"], -data["advantages"] * data["log_prob"], 0.0).sum()), rel=1e-12
+    )
 
 
-@pytest.mark.parametrize("option", [dict(kl_estimator="k3+"), dict(kl_correction="ratio_weighted"),
-                                    dict(kl_correction="unbiased_gradient"), dict(kl_estimator="k1+")])
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(kl_estimator="k3+"),
+        dict(kl_correction="ratio_weighted"),
+        dict(kl_correction="unbiased_gradient"),
+        dict(kl_estimator="k1+"),
+    ],
+)
 def test_kl_options_change_the_kl_term_as_documented(option):
     data = make_batch(seed=4)
     plain = pgloss.get("grpo", kl_coef=0.5)
@@ -188,8 +214,9 @@ def test_kl_options_change_the_kl_term_as_documented(option):
         new_kl_grad = 0.5 * w * r.clamp(max=10.0) * d
     if option.get("kl_estimator") == "k1+":  # k1's value is reported, k2's gradient is followed
         torch.testing.assert_close(losses[1].metrics["kl"], d[mask].mean())
-    torch.testing.assert_close(grads[1] - grads[0], torch.where(mask, new_kl_grad - plain_kl_grad, 0.0),
-                               rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(
+        grads[1] - grads[0], torch.where(mask, new_kl_grad - plain_kl_grad, 0.0), rtol=1e-10, atol=1e-13
+    )
 
 
 def test_inspect_closed_form_follows_the_cispo_convention():
@@ -201,28 +228,31 @@ def test_inspect_closed_form_follows_the_cispo_convention():
     torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("name, hyperparameters, message", [
-    ("gmpo", dict(clip_low=-0.1), "clip_low must be >= 0"),
-    ("gmpo", dict(loss_agg_mode="token-mean"), "gmpo defines its loss over sequences"),
-    ("clip_cov", dict(clip_cov_ratio=0.0), "clip_cov_ratio must be > 0"),
-    ("clip_cov", dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
-    ("kl_cov", dict(kl_cov_ratio=-1e-4), "kl_cov_ratio must be > 0"),
-    ("kl_cov", dict(ppo_kl_coef=-0.1), "ppo_kl_coef must be >= 0"),
-    ("tis_pg", dict(tis_lower_bound=2.0), "tis bounds must satisfy"),
-    ("topr", dict(tis_upper_bound=0.0), "tis bounds must satisfy"),
-    ("dppo_tv", dict(divergence="js"), "divergence must be one of"),
-    ("dppo_kl", dict(truncation=0.0), "truncation must be > 0"),
-    ("dro", dict(dro_beta=0.0), "dro_beta must be > 0"),
-    ("vespo", dict(vespo_lambda_neg=-1.0), "vespo_lambda_neg must be >= 0"),
-    ("luspo", dict(loss_agg_mode="seq-mean-token-mean"), "luspo defines its loss over sequences"),
-    ("ce_gppo", dict(dual_clip=1.0), "dual_clip must be > 1"),
-    ("ce_gppo", dict(gppo_beta_low=-0.5), "gppo_beta_low and gppo_beta_high must be >= 0"),
-    ("real", dict(real_tau=0.0), "real_tau must be > 0"),
-    ("real", dict(loss_agg_mode="token-mean"), "real defines its loss over groups"),
-    ("grpo", dict(kl_estimator="k4+"), "kl_estimator must be one of"),
-    ("grpo", dict(kl_correction="bias"), "kl_correction must be None or one of"),
-    ("grpo", dict(kl_correction_cap=0.0), "kl_correction_cap must be > 0"),
-])
+@pytest.mark.parametrize(
+    "name, hyperparameters, message",
+    [
+        ("gmpo", dict(clip_low=-0.1), "clip_low must be >= 0"),
+        ("gmpo", dict(loss_agg_mode="token-mean"), "gmpo defines its loss over sequences"),
+        ("clip_cov", dict(clip_cov_ratio=0.0), "clip_cov_ratio must be > 0"),
+        ("clip_cov", dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
+        ("kl_cov", dict(kl_cov_ratio=-1e-4), "kl_cov_ratio must be > 0"),
+        ("kl_cov", dict(ppo_kl_coef=-0.1), "ppo_kl_coef must be >= 0"),
+        ("tis_pg", dict(tis_lower_bound=2.0), "tis bounds must satisfy"),
+        ("topr", dict(tis_upper_bound=0.0), "tis bounds must satisfy"),
+        ("dppo_tv", dict(divergence="js"), "divergence must be one of"),
+        ("dppo_kl", dict(truncation=0.0), "truncation must be > 0"),
+        ("dro", dict(dro_beta=0.0), "dro_beta must be > 0"),
+        ("vespo", dict(vespo_lambda_neg=-1.0), "vespo_lambda_neg must be >= 0"),
+        ("luspo", dict(loss_agg_mode="seq-mean-token-mean"), "luspo defines its loss over sequences"),
+        ("ce_gppo", dict(dual_clip=1.0), "dual_clip must be > 1"),
+        ("ce_gppo", dict(gppo_beta_low=-0.5), "gppo_beta_low and gppo_beta_high must be >= 0"),
+        ("real", dict(real_tau=0.0), "real_tau must be > 0"),
+        ("real", dict(loss_agg_mode="token-mean"), "real defines its loss over groups"),
+        ("grpo", dict(kl_estimator="k4+"), "kl_estimator must be one of"),
+        ("grpo", dict(kl_correction="bias"), "kl_correction must be None or one of"),
+        ("grpo", dict(kl_correction_cap=0.0), "kl_correction_cap must be > 0"),
+    ],
+)
 def test_impossible_hyperparameters_of_the_new_families_are_refused(name, hyperparameters, message):
     with pytest.raises(ValueError, match=message):
         pgloss.get(name, **hyperparameters)

@@ -1,35 +1,62 @@
 """pgloss: policy-gradient losses for reinforcement learning of language models.
 
-    import pgloss
-    algorithm = pgloss.get("dapo")
-    out = algorithm(log_prob=lp, old_log_prob=old, advantages=adv, mask=mask)
-    out.loss.backward()
+import pgloss
+algorithm = pgloss.get("dapo")
+out = algorithm(log_prob=lp, old_log_prob=old, advantages=adv, mask=mask)
+out.loss.backward()
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from . import advantages, kl
-from .core import checks
-from .correction import m2po, rollout, token_masks
-from .core.aggregate import AGG_MODES, Normalizer, aggregate
-from .core.sequence_parallel import SequenceParallel  # sequences split over a sequence/context group
-from .core.checks import detect_anomaly
-from .core.step_metrics import StepMetrics  # a step's metrics over micro-batches and ranks
-from .algorithms import (
-    CEGPPO, CHORD, CISPO, DPPO, DRO, FIPO, GMPO, GPG, GVPO, LUSPO, OPD, OPMD, REAL, REC, SAPO, SPPO, TISPG, TOPR, VESPO,  # families: losses/<family>.py
-    Algorithm, ClipCov, ClippedPolicy, KLCov, LossOutput, families, get, names, recipe, register,
-)
-from .vocab.entropy import log_prob_and_entropy
-from .vocab.chunks import HeadOptions  # an LM head's bias, logit scale and soft-cap: head=, ref_head=, teacher_head=
-from .vocab.divergence import divergence_from_hidden, divergence_from_logits
-from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
-from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
-from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
-from .correction.rollout import Rejection, RolloutCorrection
 from .advantages.role_baseline import RoleBaseline  # RAE's per-role running baseline: state across steps
+from .algorithms import (
+    CEGPPO,
+    CHORD,
+    CISPO,
+    DPPO,
+    DRO,
+    FIPO,
+    GMPO,
+    GPG,
+    GVPO,
+    LUSPO,
+    OPD,
+    OPMD,
+    REAL,
+    REC,
+    SAPO,
+    SPPO,
+    TISPG,
+    TOPR,
+    VESPO,  # families: losses/<family>.py
+    Algorithm,
+    ClipCov,
+    ClippedPolicy,
+    KLCov,
+    LossOutput,
+    families,
+    get,
+    names,
+    recipe,
+    register,
+)
 from .controllers import AdaptiveEntropy, MuSchedule  # TRL's adaptive entropy coefficient: state across steps
+from .core import checks
+from .core.aggregate import AGG_MODES, Normalizer, aggregate
+from .core.checks import detect_anomaly
+from .core.sequence_parallel import SequenceParallel  # sequences split over a sequence/context group
+from .core.step_metrics import StepMetrics  # a step's metrics over micro-batches and ranks
+from .correction import m2po, rollout, token_masks
+from .correction.rollout import Rejection, RolloutCorrection
+from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 from .trainer_options.trl import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
 from .trainer_options.verl import from_verl  # verl's actor config as an Algorithm (imports no verl)
+from .vocab.chunks import HeadOptions  # an LM head's bias, logit scale and soft-cap: head=, ref_head=, teacher_head=
+from .vocab.divergence import divergence_from_hidden, divergence_from_logits
+from .vocab.entropy import log_prob_and_entropy
+from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
+from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 
 try:
     __version__ = version("pgloss")

@@ -15,8 +15,8 @@ from typing import Any
 
 from .base import Algorithm
 from .core.aggregate import needs_budget
-from .core.output import LossOutput, PolicyTerms
 from .core.checks import check_number
+from .core.output import LossOutput, PolicyTerms
 from .core.trainer_names import closest, field_hint
 from .losses.ce_gppo import CEGPPO
 from .losses.chord import CHORD
@@ -38,9 +38,42 @@ from .losses.sapo import SAPO
 from .losses.sppo import SPPO
 from .losses.vespo import VESPO
 
-__all__ = ["Algorithm", "LossOutput", "PolicyTerms", "NAMED", "SOURCES", "RECIPES", "Recipe", "recipe", "register", "names", "get", "families",
-           "CEGPPO", "CHORD", "CISPO", "ClipCov", "ClippedPolicy", "DPPO", "DRO", "FIPO", "GMPO", "GPG", "GVPO", "KLCov",
-           "LUSPO", "OPD", "OPMD", "REAL", "REC", "SAPO", "SPPO", "TISPG", "TOPR", "VESPO"]
+__all__ = [
+    "Algorithm",
+    "LossOutput",
+    "PolicyTerms",
+    "NAMED",
+    "SOURCES",
+    "RECIPES",
+    "Recipe",
+    "recipe",
+    "register",
+    "names",
+    "get",
+    "families",
+    "CEGPPO",
+    "CHORD",
+    "CISPO",
+    "ClipCov",
+    "ClippedPolicy",
+    "DPPO",
+    "DRO",
+    "FIPO",
+    "GMPO",
+    "GPG",
+    "GVPO",
+    "KLCov",
+    "LUSPO",
+    "OPD",
+    "OPMD",
+    "REAL",
+    "REC",
+    "SAPO",
+    "SPPO",
+    "TISPG",
+    "TOPR",
+    "VESPO",
+]
 
 NAMED: dict[str, tuple[type[Algorithm], dict[str, Any]]] = {}
 """name -> (family, defaults), in registration order."""
@@ -50,21 +83,54 @@ SOURCES: dict[str, str] = {}
 SEQ, TOK = "seq-mean-token-mean", "token-mean"
 _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
     ("ppo", ClippedPolicy, "Schulman et al. 2017, arXiv 1707.06347", dict(loss_agg_mode=SEQ)),
-    ("dual_clip_ppo", ClippedPolicy, "Ye et al. 2020, arXiv 1912.09729; verl vanilla", dict(loss_agg_mode=SEQ, dual_clip=3.0)),
-    ("grpo", ClippedPolicy, "Shao et al. 2024, arXiv 2402.03300", dict(loss_agg_mode=SEQ, kl_coef=0.04, kl_estimator="k3")),
-    ("sample_grpo", ClippedPolicy, "OpenR1 in practice (6), 2025-06-04", dict(loss_agg_mode=SEQ, ratio_level="sequence_product")),
-    ("gspo", ClippedPolicy, "Zheng et al. 2025, arXiv 2507.18071", dict(loss_agg_mode=SEQ, ratio_level="sequence",
-                                                                         clip_low=3e-4, clip_high=4e-4)),
-    ("gspo_token", ClippedPolicy, "arXiv 2507.18071 eq. 13; verl gspo", dict(loss_agg_mode=SEQ, ratio_level="sequence_token",
-                                                                           clip_low=3e-4, clip_high=4e-4)),
+    (
+        "dual_clip_ppo",
+        ClippedPolicy,
+        "Ye et al. 2020, arXiv 1912.09729; verl vanilla",
+        dict(loss_agg_mode=SEQ, dual_clip=3.0),
+    ),
+    (
+        "grpo",
+        ClippedPolicy,
+        "Shao et al. 2024, arXiv 2402.03300",
+        dict(loss_agg_mode=SEQ, kl_coef=0.04, kl_estimator="k3"),
+    ),
+    (
+        "sample_grpo",
+        ClippedPolicy,
+        "OpenR1 in practice (6), 2025-06-04",
+        dict(loss_agg_mode=SEQ, ratio_level="sequence_product"),
+    ),
+    (
+        "gspo",
+        ClippedPolicy,
+        "Zheng et al. 2025, arXiv 2507.18071",
+        dict(loss_agg_mode=SEQ, ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+    ),
+    (
+        "gspo_token",
+        ClippedPolicy,
+        "arXiv 2507.18071 eq. 13; verl gspo",
+        dict(loss_agg_mode=SEQ, ratio_level="sequence_token", clip_low=3e-4, clip_high=4e-4),
+    ),
     ("dapo", ClippedPolicy, "Yu et al. 2025, arXiv 2503.14476", dict(loss_agg_mode=TOK, clip_low=0.2, clip_high=0.28)),
     ("bnpo", ClippedPolicy, "TRL / ms-swift loss_type=bnpo", dict(loss_agg_mode=TOK)),
     ("dr_grpo", ClippedPolicy, "Liu et al. 2025, arXiv 2503.20783", dict(loss_agg_mode="seq-mean-token-sum-norm")),
     ("cispo", CISPO, "MiniMax-M1, arXiv 2506.13585", dict(loss_agg_mode=TOK)),
     ("sapo", SAPO, "Gao et al. 2025, arXiv 2511.20347", dict(loss_agg_mode=SEQ)),
-    ("fipo", FIPO, "Ma et al. 2026, arXiv 2603.19835; ms-swift fipo",
-     dict(loss_agg_mode=TOK, clip_low=0.2, clip_high=0.28, delta=10.0,
-          fipo_clip_high_only=True, fipo_safety_threshold=10.0)),
+    (
+        "fipo",
+        FIPO,
+        "Ma et al. 2026, arXiv 2603.19835; ms-swift fipo",
+        dict(
+            loss_agg_mode=TOK,
+            clip_low=0.2,
+            clip_high=0.28,
+            delta=10.0,
+            fipo_clip_high_only=True,
+            fipo_safety_threshold=10.0,
+        ),
+    ),
     ("gmpo", GMPO, "Zhao et al. 2025, arXiv 2507.20673; verl geo_mean (trainer/ppo/core_algos.py)", dict()),
     ("clip_cov", ClipCov, "Cui et al. 2025, arXiv 2505.22617; verl clip_cov (trainer/ppo/core_algos.py)", dict()),
     ("kl_cov", KLCov, "Cui et al. 2025, arXiv 2505.22617; verl kl_cov (trainer/ppo/core_algos.py)", dict()),
@@ -78,20 +144,47 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
     ("luspo", LUSPO, "TRL luspo (trl/trainer/grpo_trainer.py)", dict()),
     ("ce_gppo", CEGPPO, "Su et al. 2025, Kwai-Klear/CE-GPPO compute_gppo_loss_general_beta", dict()),
     ("real", REAL, "arXiv 2602.05630; ms-swift real (swift/rlhf_trainers/grpo_trainer.py)", dict()),
-    ("rec_oneside", REC, "Yao et al. 2025, arXiv 2509.24203; Trinity-RFT rec REC-OneSide-NoIS "
-     "(trinity/algorithm/policy_loss_fn/rec_policy_loss.py)", dict(rec_clip_mode="one-side")),
-    ("rec_ring", REC, "Yao et al. 2025, arXiv 2509.24203; Trinity-RFT rec REC-Ring-NoIS "
-     "(trinity/algorithm/policy_loss_fn/rec_policy_loss.py)", dict(rec_clip_mode="ring", ring_low=0.6, ring_high=2.0)),
-    ("opmd", OPMD, "Kimi k1.5, arXiv 2501.12599; Trinity-RFT opmd (trinity/algorithm/policy_loss_fn/opmd_policy_loss.py)",
-     dict()),
+    (
+        "rec_oneside",
+        REC,
+        "Yao et al. 2025, arXiv 2509.24203; Trinity-RFT rec REC-OneSide-NoIS "
+        "(trinity/algorithm/policy_loss_fn/rec_policy_loss.py)",
+        dict(rec_clip_mode="one-side"),
+    ),
+    (
+        "rec_ring",
+        REC,
+        "Yao et al. 2025, arXiv 2509.24203; Trinity-RFT rec REC-Ring-NoIS "
+        "(trinity/algorithm/policy_loss_fn/rec_policy_loss.py)",
+        dict(rec_clip_mode="ring", ring_low=0.6, ring_high=2.0),
+    ),
+    (
+        "opmd",
+        OPMD,
+        "Kimi k1.5, arXiv 2501.12599; Trinity-RFT opmd (trinity/algorithm/policy_loss_fn/opmd_policy_loss.py)",
+        dict(),
+    ),
     ("sppo", SPPO, "arXiv 2108.05828; Trinity-RFT sppo (trinity/algorithm/policy_loss_fn/sppo_loss_fn.py)", dict()),
     ("gvpo", GVPO, "Zhang et al. 2025, arXiv 2504.19599; verl-recipe gvpo (gvpo/gvpo_core_algos.py)", dict()),
-    ("opd", OPD, "On-Policy Distillation (Thinking Machines, 2025), GKD arXiv 2306.13649; tinker-cookbook "
-     "distillation/train_on_policy.py", dict(loss_agg_mode=TOK)),
-    ("iw_opd", OPD, "Xie et al. 2026, arXiv 2606.22600; TRL iw_opd (trl/experimental/iw_opd/iw_opd_trainer.py)",
-     dict(loss_agg_mode=TOK, opd_position_gamma=0.5, opd_surrogate="log_prob")),
-    ("chord", CHORD, "CHORD, arXiv 2508.11408; Trinity-RFT mix_chord (trinity/algorithm/policy_loss_fn/"
-     "chord_policy_loss.py)", dict(loss_agg_mode=TOK, dual_clip=3.0)),
+    (
+        "opd",
+        OPD,
+        "On-Policy Distillation (Thinking Machines, 2025), GKD arXiv 2306.13649; tinker-cookbook "
+        "distillation/train_on_policy.py",
+        dict(loss_agg_mode=TOK),
+    ),
+    (
+        "iw_opd",
+        OPD,
+        "Xie et al. 2026, arXiv 2606.22600; TRL iw_opd (trl/experimental/iw_opd/iw_opd_trainer.py)",
+        dict(loss_agg_mode=TOK, opd_position_gamma=0.5, opd_surrogate="log_prob"),
+    ),
+    (
+        "chord",
+        CHORD,
+        "CHORD, arXiv 2508.11408; Trinity-RFT mix_chord (trinity/algorithm/policy_loss_fn/chord_policy_loss.py)",
+        dict(loss_agg_mode=TOK, dual_clip=3.0),
+    ),
 ]
 
 
@@ -143,14 +236,24 @@ def _check_hyperparameters(name: str, family: type[Algorithm], values: dict[str,
         hints = "".join(field_hint(key) or closest(key, _valid_fields(family)) for key in unknown)
         recipe_fields = sorted(set(unknown) & {f.name for f in dataclasses.fields(Recipe)})
         if recipe_fields:
-            hints += (f" ({', '.join(recipe_fields)} belongs to the advantages and sampling, not the loss: "
-                      f"pgloss.recipe({name!r}), or register(..., recipe=pgloss.algorithms.Recipe(...)))")
-        raise TypeError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}{hints}; "
-                        f"valid: {', '.join(sorted(_valid_fields(family)))}")
+            hints += (
+                f" ({', '.join(recipe_fields)} belongs to the advantages and sampling, not the loss: "
+                f"pgloss.recipe({name!r}), or register(..., recipe=pgloss.algorithms.Recipe(...)))"
+            )
+        raise TypeError(
+            f"{name} has no hyperparameter {', '.join(map(repr, unknown))}{hints}; "
+            f"valid: {', '.join(sorted(_valid_fields(family)))}"
+        )
 
 
-def register(name: str, family: type[Algorithm] | str, *, source: str = "user-registered",
-             recipe: Recipe | None = None, **defaults: Any) -> None:
+def register(
+    name: str,
+    family: type[Algorithm] | str,
+    *,
+    source: str = "user-registered",
+    recipe: Recipe | None = None,
+    **defaults: Any,
+) -> None:
     """Add `name`: `family` (an `Algorithm` subclass, or the name of a registered family as `pgloss list` prints
     it, e.g. "ClippedPolicy") with `defaults` over the family's own.
 
@@ -170,8 +273,10 @@ def register(name: str, family: type[Algorithm] | str, *, source: str = "user-re
     if isinstance(family, str):
         classes = {cls.__name__: cls for cls, _ in NAMED.values()}
         if family not in classes:
-            raise ValueError(f"family {family!r} is not a registered family{closest(family, classes)}; "
-                             f"families: {', '.join(classes)}")
+            raise ValueError(
+                f"family {family!r} is not a registered family{closest(family, classes)}; "
+                f"families: {', '.join(classes)}"
+            )
         family = classes[family]
     if not (isinstance(family, type) and issubclass(family, Algorithm)) or family is Algorithm:
         raise TypeError(f"family must be a subclass of pgloss.Algorithm, got {family!r}")

@@ -27,26 +27,35 @@ from torch import Tensor
 from .core.aggregate import Aggregation, Normalizer, aggregation, rewarded_row_weights, row_weights, weighted_sum
 from .core.batch import TokenBatch
 from .core.checks import check_fields
-from .core.sequence_parallel import SequenceParallel
 from .core.inputs import OPTIONAL_INPUTS, check_names, keyword_parameters
-from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 from .core.metrics import Stat, token_mean
-from .correction.rollout import Corrected, RolloutCorrection
 from .core.output import LossOutput, PolicyTerms, check
+from .core.sequence_parallel import SequenceParallel
 from .core.trainer_names import value_hint
-
+from .correction.rollout import Corrected, RolloutCorrection
+from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS, kl_term
 
 _WHY = {
     "ref_log_prob": lambda a: f"kl_coef={a.kl_coef} with kl_estimator={a.kl_estimator!r}",
-    "full_kl": lambda a: f"kl_coef={a.kl_coef} with kl_estimator='full': pgloss.full_kl_from_logits or "
-                         "full_kl_from_hidden, [B, T]",
+    "full_kl": lambda a: (
+        f"kl_coef={a.kl_coef} with kl_estimator='full': pgloss.full_kl_from_logits or full_kl_from_hidden, [B, T]"
+    ),
     "entropy": lambda a: f"entropy_coef={a.entropy_coef}",
     "rollout_log_prob": lambda a: "its rollout_correction weighs or rejects on the inference engine's log-probs",
-    "group_ids": lambda a: ("[B], " + (f"loss_agg_mode={a.grouped_mode!r}" if a.grouped_mode is not None
-                                       else "its loss contrasts the rows of a group")),
-    "scores": lambda a: ("[B], the raw sequence rewards its loss weighs by" if "scores" in a.required_inputs
-                         else f"[B], the sequence rewards: positive_nll_coef={a.positive_nll_coef} trains on the "
-                              "rewarded (reward > 0) sequences"),
+    "group_ids": lambda a: (
+        "[B], "
+        + (
+            f"loss_agg_mode={a.grouped_mode!r}"
+            if a.grouped_mode is not None
+            else "its loss contrasts the rows of a group"
+        )
+    ),
+    "scores": lambda a: (
+        "[B], the raw sequence rewards its loss weighs by"
+        if "scores" in a.required_inputs
+        else f"[B], the sequence rewards: positive_nll_coef={a.positive_nll_coef} trains on the "
+        "rewarded (reward > 0) sequences"
+    ),
 }
 """Why this configuration needs an input of `Algorithm.needs`, for the error of a call without it (the
 inputs not here say their table's `doc`)."""
@@ -121,12 +130,19 @@ class Algorithm:
             )
         self.check_budget(agg)
         check(self.delta_l_alpha >= 0, f"delta_l_alpha must be >= 0, got {self.delta_l_alpha}")
-        check(self.kl_estimator in KL_OPTIONS, f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
-                                                + value_hint("kl_estimator", self.kl_estimator))
-        check(self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
-               f"kl_correction must be None or one of {KL_CORRECTIONS}, got {self.kl_correction!r}")
-        check(not (self.kl_estimator == FULL and self.kl_correction is not None),
-               f"kl_estimator='full' is exact and takes no kl_correction, got {self.kl_correction!r}")
+        check(
+            self.kl_estimator in KL_OPTIONS,
+            f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
+            + value_hint("kl_estimator", self.kl_estimator),
+        )
+        check(
+            self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
+            f"kl_correction must be None or one of {KL_CORRECTIONS}, got {self.kl_correction!r}",
+        )
+        check(
+            not (self.kl_estimator == FULL and self.kl_correction is not None),
+            f"kl_estimator='full' is exact and takes no kl_correction, got {self.kl_correction!r}",
+        )
         check(self.kl_correction_cap > 0, f"kl_correction_cap must be > 0, got {self.kl_correction_cap}")
         check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         check(self.positive_nll_coef >= 0, f"positive_nll_coef must be >= 0, got {self.positive_nll_coef}")
@@ -134,10 +150,14 @@ class Algorithm:
         check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
         check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
-            raise TypeError(f"rollout_correction must be a pgloss.RolloutCorrection or None, "
-                            f"got {type(self.rollout_correction).__name__}")
-        check(self.rollout_correction is None or self.takes_rollout_correction(),
-               f"{self.name} uses the rollout log-probs in its own weight; it takes no rollout_correction")
+            raise TypeError(
+                f"rollout_correction must be a pgloss.RolloutCorrection or None, "
+                f"got {type(self.rollout_correction).__name__}"
+            )
+        check(
+            self.rollout_correction is None or self.takes_rollout_correction(),
+            f"{self.name} uses the rollout log-probs in its own weight; it takes no rollout_correction",
+        )
 
     def check_budget(self, agg: Aggregation, field: str = "loss_agg_mode") -> None:
         """Refuse a mode that divides by the generation budget (`Aggregation.needs_budget`) without
@@ -225,7 +245,7 @@ class Algorithm:
         scores: Tensor | Sequence[Tensor] | None = None,
         expert: Tensor | Sequence[Tensor] | None = None,
         count_rejected: bool = False,
-        process_group: "dist.ProcessGroup | None" = None,
+        process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
         sequence_parallel: SequenceParallel | None = None,
     ) -> Normalizer:
@@ -251,15 +271,33 @@ class Algorithm:
         correction = self.correction(rollout_log_probs is not None)
         if correction is not None and rollout_log_probs is not None:
             if old_log_probs is None:
-                raise ValueError(f"{self.name}'s rollout correction counts the step on the old and rollout log-probs: "
-                                 "pass old_log_probs beside rollout_log_probs")
-            return correction.normalizer(masks, old_log_probs, rollout_log_probs, group_ids=groups, scores=scores,
-                                         expert=expert, count_rejected=count_rejected, process_group=process_group,
-                                         reduce=reduce, sequence_parallel=sequence_parallel)
+                raise ValueError(
+                    f"{self.name}'s rollout correction counts the step on the old and rollout log-probs: "
+                    "pass old_log_probs beside rollout_log_probs"
+                )
+            return correction.normalizer(
+                masks,
+                old_log_probs,
+                rollout_log_probs,
+                group_ids=groups,
+                scores=scores,
+                expert=expert,
+                count_rejected=count_rejected,
+                process_group=process_group,
+                reduce=reduce,
+                sequence_parallel=sequence_parallel,
+            )
         if correction is not None and correction.needs_rollout:
             raise ValueError(f"{self.name} has a rollout correction that needs rollout_log_probs to count the step")
-        return Normalizer.count(masks, group_ids=groups, scores=scores, expert=expert, process_group=process_group,
-                                reduce=reduce, sequence_parallel=sequence_parallel)
+        return Normalizer.count(
+            masks,
+            group_ids=groups,
+            scores=scores,
+            expert=expert,
+            process_group=process_group,
+            reduce=reduce,
+            sequence_parallel=sequence_parallel,
+        )
 
     def sequence_split_refusal(self) -> str | None:
         """Why this configured loss cannot be computed over sequences split across a sequence group, or None
@@ -277,43 +315,65 @@ class Algorithm:
         """The counts of a call that is the whole step (no `normalizer` given): this batch alone, on this
         process, by `step_normalizer`'s rule, from the call's optional inputs. The call and `from_hidden`
         read it."""
-        return self.step_normalizer(mask, old_log_probs=old_log_prob, rollout_log_probs=inputs.get("rollout_log_prob"),
-                                    group_ids=inputs.get("group_ids"), scores=inputs.get("scores"),
-                                    expert=inputs.get("expert"), reduce=False)
+        return self.step_normalizer(
+            mask,
+            old_log_probs=old_log_prob,
+            rollout_log_probs=inputs.get("rollout_log_prob"),
+            group_ids=inputs.get("group_ids"),
+            scores=inputs.get("scores"),
+            expert=inputs.get("expert"),
+            reduce=False,
+        )
 
-    def corrected(self, batch: TokenBatch, normalizer: Normalizer | None) -> tuple[TokenBatch, Normalizer, Corrected | None]:
+    def corrected(
+        self, batch: TokenBatch, normalizer: Normalizer | None
+    ) -> tuple[TokenBatch, Normalizer, Corrected | None]:
         """The prelude of a call, shared with `pgloss.diagnostics.inspect`: the step's counts (this batch
         counted as the whole step by `step_normalizer` when `normalizer` is None) and the rollout
         correction (`correction`) applied, its corrected old log-probs and rejections in the batch.
         Returns (batch, normalizer, the correction's output or None)."""
         if normalizer is None:
-            normalizer = self.whole_step_normalizer(batch.mask, batch.old_log_prob,
-                                                    **{name: getattr(batch, name) for name in OPTIONAL_INPUTS})
+            normalizer = self.whole_step_normalizer(
+                batch.mask, batch.old_log_prob, **{name: getattr(batch, name) for name in OPTIONAL_INPUTS}
+            )
         correction = self.correction(batch.rollout_log_prob is not None)
         if correction is None:
             return batch, normalizer, None
         corrected = correction.apply(
-            log_prob=batch.log_prob, old_log_prob=batch.old_log_prob, rollout_log_prob=batch.rollout_log_prob,
-            mask=batch.mask, seq_advantages=None if correction.off_policy_mask is None else batch.row_advantages,
+            log_prob=batch.log_prob,
+            old_log_prob=batch.old_log_prob,
+            rollout_log_prob=batch.rollout_log_prob,
+            mask=batch.mask,
+            seq_advantages=None if correction.off_policy_mask is None else batch.row_advantages,
             weight_mean=getattr(normalizer, "weight_mean", None),
-            sequence_parallel=batch.sequence_parallel)
+            sequence_parallel=batch.sequence_parallel,
+        )
         batch = dataclasses.replace(batch, old_log_prob=corrected.old_log_prob).restricted(corrected.mask)
         return batch, normalizer, corrected
 
     def row_weights(self, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None) -> Tensor:
         """c_i of this algorithm's `loss_agg_mode` (`core.aggregate.row_weights`) with its constants: the
         one place the call and `inspect` take the aggregation weights from."""
-        return row_weights(mask, self.loss_agg_mode, normalizer, norm_constant=self.norm_constant,
-                           group_ids=group_ids, delta_l_alpha=self.delta_l_alpha)
+        return row_weights(
+            mask,
+            self.loss_agg_mode,
+            normalizer,
+            norm_constant=self.norm_constant,
+            group_ids=group_ids,
+            delta_l_alpha=self.delta_l_alpha,
+        )
 
-    def aggregate(self, values: Tensor, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None = None) -> Tensor:
+    def aggregate(
+        self, values: Tensor, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None = None
+    ) -> Tensor:
         """Σ_i c_i Σ_t v_{i,t} · world_size: `[B, T]` per-token `values` (ignored where `mask` is False)
         aggregated with this algorithm's `row_weights` over the step's counts, as the call aggregates its
         KL and entropy terms. A trainer that weighs the policy term itself (verl's `rollout_is_weights`)
         aggregates the weighted `LossOutput.per_token` here instead of choosing the mode's divisor again."""
         mask = mask.bool()
-        return weighted_sum(torch.where(mask, values, 0.0), self.row_weights(mask, normalizer, group_ids),
-                            normalizer.world_size)
+        return weighted_sum(
+            torch.where(mask, values, 0.0), self.row_weights(mask, normalizer, group_ids), normalizer.world_size
+        )
 
     @classmethod
     def modes_of(cls, values: dict[str, Any]) -> tuple[str, ...]:
@@ -363,7 +423,9 @@ class Algorithm:
         over this call's valid tokens; `pgloss.StepMetrics` combines them over a step's micro-batches and ranks.
         """
         if normalizer is not None and not isinstance(normalizer, Normalizer):
-            raise TypeError(f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}")
+            raise TypeError(
+                f"normalizer must be a pgloss.Normalizer (from Normalizer.count), got {type(normalizer).__name__}"
+            )
         check_names(inputs)
         for needed in sorted(self.needs):
             if inputs.get(needed) is None:
@@ -394,9 +456,16 @@ class Algorithm:
         if self.kl_estimator == FULL:
             kl = batch.full_kl
         elif batch.ref_log_prob is not None:
-            kl = kl_term(batch.log_prob, batch.ref_log_prob, batch.old_log_prob, estimator=self.kl_estimator,
-                         correction=self.kl_correction, correction_cap=self.kl_correction_cap,
-                         max_log_ratio=self.max_log_ratio, max_kl=self.max_kl)
+            kl = kl_term(
+                batch.log_prob,
+                batch.ref_log_prob,
+                batch.old_log_prob,
+                estimator=self.kl_estimator,
+                correction=self.kl_correction,
+                correction_cap=self.kl_correction_cap,
+                max_log_ratio=self.max_log_ratio,
+                max_kl=self.max_kl,
+            )
         if kl is not None:
             kl = torch.where(mask, kl, 0.0)
             metrics["kl"] = token_mean(kl, mask)
@@ -411,8 +480,11 @@ class Algorithm:
             if self.entropy_coef != 0:
                 loss = loss - self.entropy_coef * reduce(batch.entropy)
         if self.positive_nll_coef != 0:
-            nll = weighted_sum(torch.where(mask, -batch.log_prob, 0.0),
-                               rewarded_row_weights(mask, batch.scores > 0, normalizer), normalizer.world_size)
+            nll = weighted_sum(
+                torch.where(mask, -batch.log_prob, 0.0),
+                rewarded_row_weights(mask, batch.scores > 0, normalizer),
+                normalizer.world_size,
+            )
             metrics["positive_nll_loss"] = Stat.loss(nll)
             loss = loss + self.positive_nll_coef * nll
         return LossOutput.of(loss, metrics, per_token)

@@ -48,12 +48,13 @@ def cmd_list(args: argparse.Namespace) -> int:
             print(f"{'':<{width}}  source: {algorithms.SOURCES[name]}")
     return 0
 
+
 # What each column of `pgloss losses` is (printed under the table).
 LOSS_COLUMNS = {
     "loss": "the value minimised: policy term + kl_coef * KL - entropy_coef * entropy, aggregated",
     "pg_loss": "the policy term alone",
     "kl": "the KL estimate to the reference (the algorithm's kl_estimator); '-' for a loss without a KL term "
-          "(kl_coef 0)",
+    "(kl_coef 0)",
     "pg_clipfrac": "share of valid tokens where the clip (or the loss's own bound) is active",
     "ppo_kl": "mean of log pi_old - log pi over valid tokens (how far the update moved)",
     "ratio_mean": "mean importance ratio pi / pi_old (at the loss's ratio level)",
@@ -68,25 +69,37 @@ def cmd_losses(args: argparse.Namespace) -> int:
     from .lab.grads import synthetic_batch
 
     if args.batch < 2 or args.batch % 2:
-        print(f"pgloss losses: --batch must be an even number >= 2 (groups of 2 or 4), got {args.batch}",
-              file=sys.stderr)
+        print(
+            f"pgloss losses: --batch must be an even number >= 2 (groups of 2 or 4), got {args.batch}", file=sys.stderr
+        )
         return 2
     if args.length < 1:
         print(f"pgloss losses: --length must be >= 1 (tokens per response), got {args.length}", file=sys.stderr)
         return 2
     group_size = 4 if args.batch % 4 == 0 else 2
-    data = synthetic_batch(groups=args.batch // group_size, group_size=group_size, max_length=args.length,
-                           spread=0.15, seed=args.seed)
+    data = synthetic_batch(
+        groups=args.batch // group_size, group_size=group_size, max_length=args.length, spread=0.15, seed=args.seed
+    )
     keys = ["loss", "pg_loss", "kl", "pg_clipfrac", "ppo_kl", "ratio_mean", "ratio_max", "entropy"]
-    print(f"synthetic batch: B={args.batch} in groups of {group_size}, T={args.length}, seed={args.seed}, "
-          f"{int(data['mask'].sum())} valid tokens")
+    print(
+        f"synthetic batch: B={args.batch} in groups of {group_size}, T={args.length}, seed={args.seed}, "
+        f"{int(data['mask'].sum())} valid tokens"
+    )
     print(f"{'algorithm':<14}" + "".join(f"{k:>12}" for k in keys) + "   grad_norm")
     for name in algorithms.names():
         algorithm = algorithms.get(name, generation_budget=args.length)
         log_prob = data["log_prob"].clone().requires_grad_(True)
-        out = algorithm(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
-                        ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], group_ids=data["group_ids"],
-                        scores=data["scores"], teacher_log_prob=data["teacher_log_prob"])
+        out = algorithm(
+            log_prob,
+            data["old_log_prob"],
+            data["advantages"],
+            data["mask"],
+            ref_log_prob=data["ref_log_prob"],
+            entropy=data["entropy"],
+            group_ids=data["group_ids"],
+            scores=data["scores"],
+            teacher_log_prob=data["teacher_log_prob"],
+        )
         out.loss.backward()
         values = {"loss": out.loss.detach(), **out.metrics}
         if not algorithm.uses_reference:  # measured, but no term of this loss
@@ -124,11 +137,13 @@ COMMANDS = (
 )
 
 
-DESCRIPTION = ("Policy-gradient losses for reinforcement learning of language models: list them (list), run each on "
-               "one batch (losses), train a tiny policy with one (train) or compare several over seeds (compare), test "
-               "a published claim (experiment), write a run's report again (report), draw the per-token gradient "
-               "(grads), and check pgloss against the trainers' own losses (conformance). `pgloss COMMAND --help` "
-               "gives a command's options; Ctrl-C or SIGTERM stops any of them.")
+DESCRIPTION = (
+    "Policy-gradient losses for reinforcement learning of language models: list them (list), run each on "
+    "one batch (losses), train a tiny policy with one (train) or compare several over seeds (compare), test "
+    "a published claim (experiment), write a run's report again (report), draw the per-token gradient "
+    "(grads), and check pgloss against the trainers' own losses (conformance). `pgloss COMMAND --help` "
+    "gives a command's options; Ctrl-C or SIGTERM stops any of them."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,10 +167,12 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list
     hints = []
     for name in dict.fromkeys(arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")):
         close = difflib.get_close_matches(name, list(chosen._option_string_actions), n=1)
-        elsewhere = [f"pgloss {other}" for other, p in commands.items()
-                     if other != command and name in p._option_string_actions]
+        elsewhere = [
+            f"pgloss {other}" for other, p in commands.items() if other != command and name in p._option_string_actions
+        ]
         hint = ([f"did you mean {close[0]}?"] if close else []) + (
-            [f"{name} is an option of {' and '.join(elsewhere)}"] if elsewhere else [])
+            [f"{name} is an option of {' and '.join(elsewhere)}"] if elsewhere else []
+        )
         hints += [" ".join(hint)] if hint else []
     chosen.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
 

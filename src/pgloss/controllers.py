@@ -64,8 +64,15 @@ class AdaptiveEntropy:
         coef_max: its upper bound (`entropy_coef_max`, 1).
     """
 
-    def __init__(self, coef: float = 0.0, *, target: float = 0.2, delta: float = 0.005, coef_min: float = 0.0,
-                 coef_max: float = 1.0) -> None:
+    def __init__(
+        self,
+        coef: float = 0.0,
+        *,
+        target: float = 0.2,
+        delta: float = 0.005,
+        coef_min: float = 0.0,
+        coef_max: float = 1.0,
+    ) -> None:
         self.coef = check_number("coef", coef)
         self.target = check_number("target", target)
         self.delta = check_number("delta", delta)
@@ -95,14 +102,22 @@ class AdaptiveEntropy:
         """Add a micro-batch's Σ H·m and Σ m (`[B, T]`, the loss's mask) to the step's window; detached,
         float64, no host read."""
         if entropy.shape != mask.shape:
-            raise ValueError(f"entropy and mask must have one shape, got {tuple(entropy.shape)} and {tuple(mask.shape)}")
+            raise ValueError(
+                f"entropy and mask must have one shape, got {tuple(entropy.shape)} and {tuple(mask.shape)}"
+            )
         valid = mask.detach() != 0
-        stats = torch.stack([torch.where(valid, entropy.detach().to(torch.float64), 0.0).sum(),
-                             valid.sum().to(torch.float64)])
+        stats = torch.stack(
+            [torch.where(valid, entropy.detach().to(torch.float64), 0.0).sum(), valid.sum().to(torch.float64)]
+        )
         self._window = stats if self._window is None else self._window + stats.to(self._window.device)
 
-    def step(self, *, process_group: "dist.ProcessGroup | None" = None, reduce: bool = True,
-             device: torch.device | str | None = None) -> float:
+    def step(
+        self,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        reduce: bool = True,
+        device: torch.device | str | None = None,
+    ) -> float:
         """End of an optimizer step: the window's entropy, summed over the ranks of `process_group` (a
         collective under torch.distributed: every rank calls it, even one that observed nothing, whose
         zero sums sit on `device`), updates the coefficient (`update`); the window is emptied. Returns the
@@ -135,8 +150,10 @@ class AdaptiveEntropy:
         self._window = None
 
     def __repr__(self) -> str:
-        return (f"AdaptiveEntropy(coef={self.coef}, target={self.target}, delta={self.delta}, "
-                f"coef_min={self.coef_min}, coef_max={self.coef_max}, last_entropy={self.last_entropy})")
+        return (
+            f"AdaptiveEntropy(coef={self.coef}, target={self.target}, delta={self.delta}, "
+            f"coef_min={self.coef_min}, coef_max={self.coef_max}, last_entropy={self.last_entropy})"
+        )
 
 
 @dataclass(frozen=True)
@@ -153,8 +170,9 @@ class MuSchedule:
         check_fields(self)
         for name in ("peak", "valley"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1] (μ weighs the SFT part against the RL part), "
-                                 f"got {getattr(self, name)}")
+                raise ValueError(
+                    f"{name} must lie in [0, 1] (μ weighs the SFT part against the RL part), got {getattr(self, name)}"
+                )
         for name in ("warmup_steps", "decay_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -1,10 +1,10 @@
 """MaxRL, AsymRE, OPMD, RAE's role baseline and the multi-turn optimal token baseline against the plain
 float64 loops (tests/loops/advantages.py), their special cases as equivalences, and bad input."""
 
+import loops
 import pytest
 import torch
 
-import loops
 from pgloss import advantages as est
 from pgloss.vocab.entropy import sum_pi_squared
 
@@ -60,14 +60,24 @@ def test_maxrl_skyrl_differs_by_its_epsilon():
 def test_asymre_matches_loop_and_delta_zero_is_group_mean(singleton):
     gen = torch.Generator().manual_seed(2)
     scores, ids = torch.randn(15, generator=gen, **F64), binary()[1]
-    close(est.asymre_advantages(scores, ids, baseline_shift=-0.3, singleton=singleton),
-          loops.asymre_adv(scores.tolist(), ids.tolist(), -0.3, raw_singleton=singleton == "raw"))
-    torch.testing.assert_close(est.asymre_advantages(scores, ids, baseline_shift=0.0),
-                               est.grpo_advantages(scores, ids, scale="none"), rtol=1e-12, atol=1e-12)
+    close(
+        est.asymre_advantages(scores, ids, baseline_shift=-0.3, singleton=singleton),
+        loops.asymre_adv(scores.tolist(), ids.tolist(), -0.3, raw_singleton=singleton == "raw"),
+    )
+    torch.testing.assert_close(
+        est.asymre_advantages(scores, ids, baseline_shift=0.0),
+        est.grpo_advantages(scores, ids, scale="none"),
+        rtol=1e-12,
+        atol=1e-12,
+    )
     # a negative shift adds |δ| to every member of a group of two or more
     multi = ids != 6
-    torch.testing.assert_close((est.asymre_advantages(scores, ids) - est.opmd_advantages(scores, ids))[multi],
-                               torch.full((14,), 0.1, **F64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        (est.asymre_advantages(scores, ids) - est.opmd_advantages(scores, ids))[multi],
+        torch.full((14,), 0.1, **F64),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("tau", [None, 0.3, 2.0])
@@ -76,16 +86,22 @@ def test_opmd_matches_loop(tau):
     scores, ids = torch.randn(15, generator=gen, **F64), binary()[1]
     kw = dict(baseline="mean") if tau is None else dict(baseline="logavgexp", tau=tau)
     close(est.opmd_advantages(scores, ids, **kw), loops.opmd_adv(scores.tolist(), ids.tolist(), tau=tau))
-    close(est.opmd_advantages(scores, ids, singleton="raw", **kw),
-          loops.opmd_adv(scores.tolist(), ids.tolist(), tau=tau, raw_singleton=True))
+    close(
+        est.opmd_advantages(scores, ids, singleton="raw", **kw),
+        loops.opmd_adv(scores.tolist(), ids.tolist(), tau=tau, raw_singleton=True),
+    )
 
 
 def test_opmd_logavgexp_limits():
     scores = torch.tensor([0.0, 1.0, 3.0, 0.5], **F64)
     ids = torch.zeros(4, dtype=torch.long)
     # τ → ∞: the mean; τ → 0: the max (the best response gets 0); large scores: no overflow
-    torch.testing.assert_close(est.opmd_advantages(scores, ids, baseline="logavgexp", tau=1e7),
-                               est.opmd_advantages(scores, ids), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        est.opmd_advantages(scores, ids, baseline="logavgexp", tau=1e7),
+        est.opmd_advantages(scores, ids),
+        rtol=0,
+        atol=1e-6,
+    )
     low = est.opmd_advantages(scores, ids, baseline="logavgexp", tau=1e-3)
     assert abs(low[2]) < 2e-3 and torch.isfinite(est.opmd_advantages(scores * 1e4, ids, baseline="logavgexp")).all()
 
@@ -122,8 +138,12 @@ def test_role_baseline_matches_loop_over_steps(update):
 def test_role_baseline_trace_equals_sequential_with_one_row_per_key_or_equal_rewards():
     a, b = est.RoleBaseline(2, decay=0.9), est.RoleBaseline(2, decay=0.9, update="sequential")
     for r in ([1.0, -1.0], [0.5, 0.25]):
-        torch.testing.assert_close(a(torch.tensor(r, **F64), torch.tensor([0, 1])),
-                                   b(torch.tensor(r, **F64), torch.tensor([0, 1])), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(
+            a(torch.tensor(r, **F64), torch.tensor([0, 1])),
+            b(torch.tensor(r, **F64), torch.tensor([0, 1])),
+            rtol=1e-14,
+            atol=1e-14,
+        )
     keys = torch.tensor([0, 0, 0, 1])
     a(torch.tensor([1.0, 1.0, 1.0, 2.0], **F64), keys)
     b(torch.tensor([1.0, 1.0, 1.0, 2.0], **F64), keys)
@@ -189,8 +209,12 @@ def tir_inputs(seed=5):
 def test_tir_optimal_token_baseline_matches_loop(zero_tail):
     rewards, mask, ids, old, spp = tir_inputs()
     adv, ret = est.tir_optimal_token_baseline_advantages(rewards, mask, ids, old, spp, zero_tail=zero_tail)
-    close(adv, loops.tir_optimal_token_baseline(rewards.tolist(), mask.tolist(), ids.tolist(), old.tolist(),
-                                                spp.tolist(), zero_tail=zero_tail))
+    close(
+        adv,
+        loops.tir_optimal_token_baseline(
+            rewards.tolist(), mask.tolist(), ids.tolist(), old.tolist(), spp.tolist(), zero_tail=zero_tail
+        ),
+    )
     close(ret, loops.returns(rewards.tolist(), mask.tolist(), 1.0))
 
 
@@ -210,23 +234,31 @@ def test_tir_equals_single_turn_without_holes():
 # -- bad input ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda s, i: est.maxrl_advantages(s, i, convention="verl"), ValueError, "convention must be one of"),
-    (lambda s, i: est.maxrl_advantages(s, i, eps=-1.0), ValueError, "eps must be >= 0"),
-    (lambda s, i: est.maxrl_advantages(s, i[:3]), ValueError, "group_ids must be integers"),
-    (lambda s, i: est.asymre_advantages(s, i, baseline_shift="-0.1"), TypeError, "baseline_shift"),
-    (lambda s, i: est.asymre_advantages(s, i, singleton="mean"), ValueError, "singleton must be one of"),
-    (lambda s, i: est.opmd_advantages(s, i, baseline="max"), ValueError, "baseline must be one of"),
-    (lambda s, i: est.opmd_advantages(s, i, baseline="logavgexp", tau=0.0), ValueError, "tau must be > 0"),
-    (lambda s, i: est.RoleBaseline(0), ValueError, "num_keys"),
-    (lambda s, i: est.RoleBaseline(2, decay=1.0), ValueError, "decay must lie in"),
-    (lambda s, i: est.RoleBaseline(2, update="order"), ValueError, "update must be one of"),
-    (lambda s, i: est.RoleBaseline(2)(s, i), ValueError, r"keys must lie in \[0, 2\)"),
-    (lambda s, i: est.RoleBaseline(20)(s, i.double()), ValueError, "keys must be integers"),
-    (lambda s, i: est.RoleBaseline(20, update="sequential").update(s, i), ValueError, "sequential"),
-    (lambda s, i: est.tir_optimal_token_baseline_advantages(s[:, None], torch.ones(15, 1, dtype=torch.bool), i,
-                                                            s[:, None], None), TypeError, "sum_pi_sq"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda s, i: est.maxrl_advantages(s, i, convention="verl"), ValueError, "convention must be one of"),
+        (lambda s, i: est.maxrl_advantages(s, i, eps=-1.0), ValueError, "eps must be >= 0"),
+        (lambda s, i: est.maxrl_advantages(s, i[:3]), ValueError, "group_ids must be integers"),
+        (lambda s, i: est.asymre_advantages(s, i, baseline_shift="-0.1"), TypeError, "baseline_shift"),
+        (lambda s, i: est.asymre_advantages(s, i, singleton="mean"), ValueError, "singleton must be one of"),
+        (lambda s, i: est.opmd_advantages(s, i, baseline="max"), ValueError, "baseline must be one of"),
+        (lambda s, i: est.opmd_advantages(s, i, baseline="logavgexp", tau=0.0), ValueError, "tau must be > 0"),
+        (lambda s, i: est.RoleBaseline(0), ValueError, "num_keys"),
+        (lambda s, i: est.RoleBaseline(2, decay=1.0), ValueError, "decay must lie in"),
+        (lambda s, i: est.RoleBaseline(2, update="order"), ValueError, "update must be one of"),
+        (lambda s, i: est.RoleBaseline(2)(s, i), ValueError, r"keys must lie in \[0, 2\)"),
+        (lambda s, i: est.RoleBaseline(20)(s, i.double()), ValueError, "keys must be integers"),
+        (lambda s, i: est.RoleBaseline(20, update="sequential").update(s, i), ValueError, "sequential"),
+        (
+            lambda s, i: est.tir_optimal_token_baseline_advantages(
+                s[:, None], torch.ones(15, 1, dtype=torch.bool), i, s[:, None], None
+            ),
+            TypeError,
+            "sum_pi_sq",
+        ),
+    ],
+)
 def test_bad_input_is_named(call, error, match):
     scores, ids = binary()
     with pytest.raises(error, match=match):
@@ -256,7 +288,7 @@ def check_ranks(results):
         got, offsets = [], [0, 0]
         for r, _ in rae_steps():  # each step: rank 0 holds the first 4 rows, rank 1 the rest
             for rank, n in ((0, 4), (1, r.shape[0] - 4)):
-                got.append(results[rank][update][offsets[rank]:offsets[rank] + n])
+                got.append(results[rank][update][offsets[rank] : offsets[rank] + n])
                 offsets[rank] += n
         torch.testing.assert_close(torch.cat(got), expected[:-3], rtol=1e-12, atol=1e-12, msg=update)
         for rank in (0, 1):  # every rank holds the same baseline
@@ -266,6 +298,7 @@ def check_ranks(results):
 
 
 # -- rows without a sampled token ---------------------------------------------------------------------------------
+
 
 def empty_rows(n, seed=0):
     """A token mask `[n, 5]` with some rows empty (a trace without sampled tokens), and its row flags."""
@@ -284,8 +317,10 @@ def test_maxrl_leaves_a_row_without_tokens_out_as_prime_rl_and_skyrl_counts_it()
         close(est.maxrl_advantages(scores, ids, convention=convention, mask=mask), [1.0, -1.0, 0.0])
         close(est.maxrl_advantages(scores, ids, convention=convention, mask=mask.any(-1)), [1.0, -1.0, 0.0])
     close(est.maxrl_advantages(scores, ids), [2.0, -1.0, -1.0])  # no mask: every row counts
-    close(est.maxrl_advantages(scores, ids, convention="skyrl", mask=mask),
-          [(2 / 3) / (1 / 3 + 1e-6), (-1 / 3) / (1 / 3 + 1e-6), 0.0])
+    close(
+        est.maxrl_advantages(scores, ids, convention="skyrl", mask=mask),
+        [(2 / 3) / (1 / 3 + 1e-6), (-1 / 3) / (1 / 3 + 1e-6), 0.0],
+    )
 
 
 @pytest.mark.parametrize("convention", ["pgloss", "skyrl"])
@@ -293,8 +328,9 @@ def test_maxrl_with_empty_rows_matches_loop(convention):
     scores, ids = binary()
     mask, rows = empty_rows(15)
     skyrl = convention == "skyrl"
-    expected = loops.maxrl_adv(scores.tolist(), ids.tolist(), eps=1e-6 if skyrl else 0.0, skyrl=skyrl,
-                               rows=None if skyrl else rows)
+    expected = loops.maxrl_adv(
+        scores.tolist(), ids.tolist(), eps=1e-6 if skyrl else 0.0, skyrl=skyrl, rows=None if skyrl else rows
+    )
     expected = [e if r else 0.0 for e, r in zip(expected, rows)]
     close(est.maxrl_advantages(scores, ids, convention=convention, mask=mask), expected)
 
@@ -305,12 +341,16 @@ def test_asymre_and_opmd_with_empty_rows_match_loop(singleton):
     scores = scores + torch.linspace(0, 1, 15, **F64)  # distinct rewards, so that every left-out row matters
     mask, rows = empty_rows(15, seed=1)
     raw = singleton == "raw"
-    close(est.asymre_advantages(scores, ids, baseline_shift=0.2, singleton=singleton, mask=mask),
-          loops.asymre_adv(scores.tolist(), ids.tolist(), 0.2, raw_singleton=raw, rows=rows))
+    close(
+        est.asymre_advantages(scores, ids, baseline_shift=0.2, singleton=singleton, mask=mask),
+        loops.asymre_adv(scores.tolist(), ids.tolist(), 0.2, raw_singleton=raw, rows=rows),
+    )
     for tau in (None, 0.5):
         kw = {} if tau is None else dict(baseline="logavgexp", tau=tau)
-        close(est.opmd_advantages(scores, ids, singleton=singleton, mask=mask, **kw),
-              loops.opmd_adv(scores.tolist(), ids.tolist(), tau=tau, raw_singleton=raw, rows=rows))
+        close(
+            est.opmd_advantages(scores, ids, singleton=singleton, mask=mask, **kw),
+            loops.opmd_adv(scores.tolist(), ids.tolist(), tau=tau, raw_singleton=raw, rows=rows),
+        )
 
 
 def test_rloo_and_grpo_with_empty_rows_match_loop():
@@ -321,16 +361,19 @@ def test_rloo_and_grpo_with_empty_rows_match_loop():
     for name, conv in est.STD_CONVENTIONS.items():
         for scale in est.SCALES:
             counted = None if conv.counts_empty_rows else rows
-            expected = loops.grpo(scores.tolist(), ids.tolist(), eps=conv.eps, singleton=conv.singleton, scale=scale,
-                                  rows=counted)
+            expected = loops.grpo(
+                scores.tolist(), ids.tolist(), eps=conv.eps, singleton=conv.singleton, scale=scale, rows=counted
+            )
             if scale != "group" and conv.singleton == "raw":  # verl has no batch / none scaling: μ = 0 only
                 expected[12] = scores[12].item()
             expected = [e if r else 0.0 for e, r in zip(expected, rows)]
             close(est.grpo_advantages(scores, ids, convention=name, scale=scale, mask=mask), expected)
     one = torch.tensor([1.0, 0.0, 0.0], **F64), torch.zeros(3, dtype=torch.long), torch.tensor([True, True, False])
-    close(est.grpo_advantages(*one[:2], mask=one[2]), [0.5 / (0.5 ** 0.5 + 1e-6), -0.5 / (0.5 ** 0.5 + 1e-6), 0.0])
-    close(est.grpo_advantages(*one[:2], convention="verl", mask=one[2]),
-          [(2 / 3) / ((1 / 3) ** 0.5 + 1e-6), (-1 / 3) / ((1 / 3) ** 0.5 + 1e-6), 0.0])
+    close(est.grpo_advantages(*one[:2], mask=one[2]), [0.5 / (0.5**0.5 + 1e-6), -0.5 / (0.5**0.5 + 1e-6), 0.0])
+    close(
+        est.grpo_advantages(*one[:2], convention="verl", mask=one[2]),
+        [(2 / 3) / ((1 / 3) ** 0.5 + 1e-6), (-1 / 3) / ((1 / 3) ** 0.5 + 1e-6), 0.0],
+    )
 
 
 def test_role_baseline_leaves_a_trace_without_tokens_out_as_prime_rl():

@@ -33,11 +33,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from trainer_sources import load, prime_rl, source_file
 
 from pgloss import advantages as est
 from pgloss.correction.token_masks import clip_b_mask, clip_v_mask
 from pgloss.vocab.entropy import sum_pi_squared
-from trainer_sources import load, prime_rl, source_file
 
 F64 = dict(dtype=torch.float64)
 
@@ -66,10 +66,12 @@ def outcome_batch(scores, width=4):
 
 # -- SkyRL -------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_maxrl_matches_skyrl(seed):
-    path = source_file("PGLOSS_SKYRL_SRC", "skyrl/backends/skyrl_train/utils/ppo_utils.py",
-                       "skyrl_train/utils/ppo_utils.py")
+    path = source_file(
+        "PGLOSS_SKYRL_SRC", "skyrl/backends/skyrl_train/utils/ppo_utils.py", "skyrl_train/utils/ppo_utils.py"
+    )
     ns = load(path, ("compute_maxrl_advantage",), {"torch": torch, "np": np, "defaultdict": defaultdict})
     scores, ids = binary(seed)
     rewards, mask = outcome_batch(scores)
@@ -80,8 +82,9 @@ def test_maxrl_matches_skyrl(seed):
 
 def test_maxrl_matches_skyrl_with_an_empty_row():
     """SkyRL counts a row without a valid token in its group's mean (and gives it 0 through the mask)."""
-    path = source_file("PGLOSS_SKYRL_SRC", "skyrl/backends/skyrl_train/utils/ppo_utils.py",
-                       "skyrl_train/utils/ppo_utils.py")
+    path = source_file(
+        "PGLOSS_SKYRL_SRC", "skyrl/backends/skyrl_train/utils/ppo_utils.py", "skyrl_train/utils/ppo_utils.py"
+    )
     ns = load(path, ("compute_maxrl_advantage",), {"torch": torch, "np": np, "defaultdict": defaultdict})
     scores, ids = binary(0)
     rewards, mask = outcome_batch(scores)
@@ -94,10 +97,12 @@ def test_maxrl_matches_skyrl_with_an_empty_row():
 
 # -- prime-rl ----------------------------------------------------------------------------------------------------
 
+
 def trace(reward, agent="a"):
     node = SimpleNamespace(mask=[False, True, True], token_ids=[0, 1, 2], advantages=None)
-    return SimpleNamespace(reward=float(reward), agent=SimpleNamespace(name=agent, trainable=True), has_error=False,
-                           nodes=[node], id=0)
+    return SimpleNamespace(
+        reward=float(reward), agent=SimpleNamespace(name=agent, trainable=True), has_error=False, nodes=[node], id=0
+    )
 
 
 def read(traces):
@@ -129,8 +134,9 @@ def test_rae_matches_prime_rl_sequential():
         traces = [trace(r, agent=("first", "second")[k]) for r, k in zip(rewards.tolist(), keys.tolist())]
         asyncio.run(algo.score_group([SimpleNamespace(traces=traces)]))
         torch.testing.assert_close(ours(rewards, keys), torch.tensor(read(traces), **F64), rtol=0, atol=1e-14)
-    torch.testing.assert_close(ours.baseline, torch.tensor([algo.baselines["first"], algo.baselines["second"]], **F64),
-                               rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        ours.baseline, torch.tensor([algo.baselines["first"], algo.baselines["second"]], **F64), rtol=0, atol=1e-14
+    )
 
 
 # -- Trinity-RFT ---------------------------------------------------------------------------------------------------
@@ -146,8 +152,17 @@ def trinity(file, *names):
     class AdvantageFn:
         pass
 
-    ns = {"torch": torch, "np": np, "defaultdict": defaultdict, "GroupAdvantage": GroupAdvantage,
-          "AdvantageFn": AdvantageFn, "Deprecated": lambda cls: cls, "Dict": dict, "List": list, "Tuple": tuple}
+    ns = {
+        "torch": torch,
+        "np": np,
+        "defaultdict": defaultdict,
+        "GroupAdvantage": GroupAdvantage,
+        "AdvantageFn": AdvantageFn,
+        "Deprecated": lambda cls: cls,
+        "Dict": dict,
+        "List": list,
+        "Tuple": tuple,
+    }
     return load(source_file("PGLOSS_TRINITY_SRC", ADV_FN + file), names, ns)
 
 
@@ -175,8 +190,9 @@ def test_asymre_matches_trinity(delta, seed):
     ns = trinity("asymre_advantage.py", "ASYMREAdvantageFn", "ASYMREGroupAdvantage")
     scores, ids = real(seed)
     ours = est.asymre_advantages(scores, ids, baseline_shift=delta, singleton="raw")
-    torch.testing.assert_close(run_group_class(ns["ASYMREGroupAdvantage"](baseline_shift=delta), scores, ids), ours,
-                               rtol=0, atol=5e-7)
+    torch.testing.assert_close(
+        run_group_class(ns["ASYMREGroupAdvantage"](baseline_shift=delta), scores, ids), ours, rtol=0, atol=5e-7
+    )
     batch = run_batch_fn(ns["ASYMREAdvantageFn"](baseline_shift=delta), scores, ids)
     torch.testing.assert_close(batch["advantages"], ours[:, None] * batch["response_mask"], rtol=0, atol=5e-7)
 
@@ -215,9 +231,10 @@ def clip_inputs(seed, b=10, t=12, v=7):
 def test_clip_b_matches_trinity(mu, seed):
     ns = trinity("clipb_advantage.py", "ClipBAdvantageFn")
     lp, h, _, mask, rewards, scores, ids = clip_inputs(seed)
-    exps = SimpleNamespace(batch={"token_level_rewards": rewards, "response_mask": mask.clone(),
-                                  "rollout_log_probs": lp, "entropys": h},
-                           non_tensor_batch={"uid": np.array(ids.tolist())})
+    exps = SimpleNamespace(
+        batch={"token_level_rewards": rewards, "response_mask": mask.clone(), "rollout_log_probs": lp, "entropys": h},
+        non_tensor_batch={"uid": np.array(ids.tolist())},
+    )
     ns["ClipBAdvantageFn"](mu=mu)(exps)
     adv = est.grpo_advantages(scores, ids, convention="verl")
     torch.testing.assert_close(exps.batch["advantages"], adv[:, None] * mask, rtol=0, atol=1e-15)
@@ -229,9 +246,16 @@ def test_clip_b_matches_trinity(mu, seed):
 def test_clip_v_matches_trinity(mu, max_frac, seed):
     ns = trinity("clipv_advantage.py", "ClipVAdvantageFn")
     lp, h, necs, mask, rewards, scores, ids = clip_inputs(seed)
-    exps = SimpleNamespace(batch={"token_level_rewards": rewards, "response_mask": mask.clone(), "old_log_probs": lp,
-                                  "entropys": h, "necs": necs},
-                           non_tensor_batch={"uid": np.array(ids.tolist())})
+    exps = SimpleNamespace(
+        batch={
+            "token_level_rewards": rewards,
+            "response_mask": mask.clone(),
+            "old_log_probs": lp,
+            "entropys": h,
+            "necs": necs,
+        },
+        non_tensor_batch={"uid": np.array(ids.tolist())},
+    )
     ns["ClipVAdvantageFn"](mu=mu, max_frac=max_frac)(exps)
     adv = est.grpo_advantages(scores, ids, convention="verl")
     ours = clip_v_mask(lp, h, necs, adv, mask.bool(), mu=mu, max_frac=max_frac, convention="trinity")
@@ -239,6 +263,7 @@ def test_clip_v_matches_trinity(mu, max_frac, seed):
 
 
 # -- verl ------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("zero_tail", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -255,8 +280,10 @@ def test_tir_optimal_token_baseline_matches_verl(zero_tail, seed):
     old, spp = torch.log_softmax(logits, -1)[..., 2], sum_pi_squared(logits)
     weights = 0.8 + 0.4 * torch.rand(12, 10, generator=gen, **F64)
     for w in (None, weights):
-        adv, _ = verl_tir(rewards, mask.double(), np.array(ids.tolist()), old, spp, rollout_is_weights=w,
-                          handle_zero_tail=zero_tail)
-        ours, _ = est.tir_optimal_token_baseline_advantages(rewards, mask, ids, old, spp, rollout_weights=w,
-                                                            zero_tail=zero_tail)
+        adv, _ = verl_tir(
+            rewards, mask.double(), np.array(ids.tolist()), old, spp, rollout_is_weights=w, handle_zero_tail=zero_tail
+        )
+        ours, _ = est.tir_optimal_token_baseline_advantages(
+            rewards, mask, ids, old, spp, rollout_weights=w, zero_tail=zero_tail
+        )
         torch.testing.assert_close(ours, adv, rtol=0, atol=1e-14)

@@ -1,13 +1,12 @@
 """Advantage estimators against plain float64 loops (tests/loops/advantages.py), bad input, and the
 global statistics over two gloo ranks (`on_rank`, `check_ranks`: run by properties/test_two_ranks_step_statistics.py)."""
 
+import loops
 import pytest
 import torch
 
-from pgloss.vocab.entropy import sum_pi_squared
-
-import loops
 from pgloss import advantages as est
+from pgloss.vocab.entropy import sum_pi_squared
 
 F64 = dict(dtype=torch.float64)
 
@@ -44,6 +43,7 @@ def test_conventions_give_different_advantages():
     assert not torch.allclose(verl, trl, rtol=1e-6, atol=0)  # 1e-6 vs 1e-4 in the divisor
     torch.testing.assert_close(verl, est.grpo_advantages(scores, ids, convention="pgloss"))
     from pgloss.advantages.group import group_advantages
+
     torch.testing.assert_close(est.grpo_advantages(scores, ids), group_advantages(scores, ids))
 
 
@@ -82,8 +82,13 @@ def test_remax_is_return_minus_greedy_reward():
     adv, ret = est.remax_advantages(rewards, mask, baseline)
     expected = loops.returns(rewards.tolist(), mask.tolist(), 1.0)
     close(ret, expected)
-    close(adv, [[g - b if m else 0.0 for g, m in zip(row, mrow)]
-                for row, mrow, b in zip(expected, mask.tolist(), baseline.tolist())])
+    close(
+        adv,
+        [
+            [g - b if m else 0.0 for g, m in zip(row, mrow)]
+            for row, mrow, b in zip(expected, mask.tolist(), baseline.tolist())
+        ],
+    )
 
 
 def test_opo_matches_loop_and_is_rloo_free_length_weighting():
@@ -92,8 +97,9 @@ def test_opo_matches_loop_and_is_rloo_free_length_weighting():
     # equal lengths: the baseline is the plain group mean
     equal = torch.full_like(lengths, 4)
     multi = ids != 7
-    torch.testing.assert_close(est.opo_advantages(scores, ids, equal)[multi],
-                               est.grpo_advantages(scores, ids, scale="none")[multi])
+    torch.testing.assert_close(
+        est.opo_advantages(scores, ids, equal)[multi], est.grpo_advantages(scores, ids, scale="none")[multi]
+    )
 
 
 def test_gpg_matches_loop():
@@ -120,8 +126,9 @@ def test_gdpo_matches_loop(convention):
     if convention == "trl":
         close(out, loops.gdpo_trl(scores.tolist(), ids.tolist(), weights.tolist()))
     else:  # ε = 1e-8 instead of 1e-4
-        assert not torch.allclose(out, est.gdpo_advantages(scores, ids, weights=weights, convention="trl"),
-                                  rtol=1e-7, atol=0)
+        assert not torch.allclose(
+            out, est.gdpo_advantages(scores, ids, weights=weights, convention="trl"), rtol=1e-7, atol=0
+        )
 
 
 def test_gdpo_verl_whitens_per_reward_group_scores_over_tokens():
@@ -137,36 +144,58 @@ def test_gdpo_verl_whitens_per_reward_group_scores_over_tokens():
 def test_outputs_are_detached_and_keep_dtype():
     scores, ids, lengths, mask = sample()
     s32 = scores.float().requires_grad_(True)
-    outs = [est.grpo_advantages(s32, ids), est.rloo_advantages(s32, ids), est.gpg_advantages(s32, ids),
-            est.opo_advantages(s32, ids, lengths), est.passk_advantages(s32[:11], ids[:11]),
-            est.reinforce_pp_baseline_advantages(s32, ids, mask)]
+    outs = [
+        est.grpo_advantages(s32, ids),
+        est.rloo_advantages(s32, ids),
+        est.gpg_advantages(s32, ids),
+        est.opo_advantages(s32, ids, lengths),
+        est.passk_advantages(s32[:11], ids[:11]),
+        est.reinforce_pp_baseline_advantages(s32, ids, mask),
+    ]
     for out in outs:
         assert out.dtype == torch.float32 and not out.requires_grad
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda s, i: est.grpo_advantages(s, i, convention="nemo"), ValueError, "convention must be one of"),
-    (lambda s, i: est.grpo_advantages(s, i, scale="token"), ValueError, "scale must be one of"),
-    (lambda s, i: est.grpo_advantages(s[:, None], i), ValueError, "scores must have 1 dimensions"),
-    (lambda s, i: est.rloo_advantages(s, i.double()), ValueError, "group_ids must be integers"),
-    (lambda s, i: est.rloo_advantages(s, i[:3]), ValueError, r"group_ids must be integers of shape \[12\]"),
-    (lambda s, i: est.rloo_advantages(s.tolist(), i), TypeError, "scores must be a torch.Tensor"),
-    (lambda s, i: est.passk_advantages(s, i), ValueError, "two responses per group"),
-    (lambda s, i: est.gpg_advantages(s, i, f_norm=0.0), ValueError, "f_norm"),
-    (lambda s, i: est.opo_advantages(s, i, torch.ones(3, dtype=torch.long)), ValueError, "lengths"),
-    (lambda s, i: est.gdpo_advantages(s[:, None], i, convention="verl"), ValueError, "needs mask"),
-    (lambda s, i: est.gdpo_advantages(s[:, None], i, convention="x"), ValueError, "convention"),
-    (lambda s, i: est.gdpo_advantages(s[:, None], i, weights=torch.ones(2)), ValueError, "one entry per reward"),
-    (lambda s, i: est.discounted_returns(s[:, None], torch.ones(12, 1, dtype=torch.bool), gamma=1.5), ValueError,
-     "gamma"),
-    (lambda s, i: est.whiten(s[:, None], torch.ones(12, 1, dtype=torch.bool), convention="x"), ValueError,
-     "convention"),
-    (lambda s, i: est.remax_advantages(s[:, None], torch.ones(12, 1, dtype=torch.bool), s[:3]), ValueError,
-     "baseline"),
-    (lambda s, i: sum_pi_squared(s[:, None], temperature=0.0), ValueError, "temperature"),
-    (lambda s, i: est.optimal_token_baseline_advantages(s[:, None], torch.ones(12, 1, dtype=torch.bool), i,
-                                                        s[:, None], s[:3, None]), ValueError, "sum_pi_sq must have"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda s, i: est.grpo_advantages(s, i, convention="nemo"), ValueError, "convention must be one of"),
+        (lambda s, i: est.grpo_advantages(s, i, scale="token"), ValueError, "scale must be one of"),
+        (lambda s, i: est.grpo_advantages(s[:, None], i), ValueError, "scores must have 1 dimensions"),
+        (lambda s, i: est.rloo_advantages(s, i.double()), ValueError, "group_ids must be integers"),
+        (lambda s, i: est.rloo_advantages(s, i[:3]), ValueError, r"group_ids must be integers of shape \[12\]"),
+        (lambda s, i: est.rloo_advantages(s.tolist(), i), TypeError, "scores must be a torch.Tensor"),
+        (lambda s, i: est.passk_advantages(s, i), ValueError, "two responses per group"),
+        (lambda s, i: est.gpg_advantages(s, i, f_norm=0.0), ValueError, "f_norm"),
+        (lambda s, i: est.opo_advantages(s, i, torch.ones(3, dtype=torch.long)), ValueError, "lengths"),
+        (lambda s, i: est.gdpo_advantages(s[:, None], i, convention="verl"), ValueError, "needs mask"),
+        (lambda s, i: est.gdpo_advantages(s[:, None], i, convention="x"), ValueError, "convention"),
+        (lambda s, i: est.gdpo_advantages(s[:, None], i, weights=torch.ones(2)), ValueError, "one entry per reward"),
+        (
+            lambda s, i: est.discounted_returns(s[:, None], torch.ones(12, 1, dtype=torch.bool), gamma=1.5),
+            ValueError,
+            "gamma",
+        ),
+        (
+            lambda s, i: est.whiten(s[:, None], torch.ones(12, 1, dtype=torch.bool), convention="x"),
+            ValueError,
+            "convention",
+        ),
+        (
+            lambda s, i: est.remax_advantages(s[:, None], torch.ones(12, 1, dtype=torch.bool), s[:3]),
+            ValueError,
+            "baseline",
+        ),
+        (lambda s, i: sum_pi_squared(s[:, None], temperature=0.0), ValueError, "temperature"),
+        (
+            lambda s, i: est.optimal_token_baseline_advantages(
+                s[:, None], torch.ones(12, 1, dtype=torch.bool), i, s[:, None], s[:3, None]
+            ),
+            ValueError,
+            "sum_pi_sq must have",
+        ),
+    ],
+)
 def test_bad_input_is_named(call, error, match):
     scores, ids, _, _ = sample()
     with pytest.raises(error, match=match):
@@ -218,8 +247,9 @@ def test_sum_pi_squared_is_exact():
     *_, logits = otb_inputs()
     for tau in (1.0, 0.7):
         expected = torch.softmax(logits / tau, -1).square().sum(-1)
-        torch.testing.assert_close(sum_pi_squared(logits, temperature=tau, chunk_size=7), expected,
-                                   rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(
+            sum_pi_squared(logits, temperature=tau, chunk_size=7), expected, rtol=1e-12, atol=1e-14
+        )
 
 
 @pytest.mark.parametrize("zero_tail", [True, False])
@@ -227,7 +257,8 @@ def test_optimal_token_baseline_matches_loop(zero_tail):
     rewards, mask, ids, old, logits = otb_inputs()
     spp = sum_pi_squared(logits)
     adv, ret = est.optimal_token_baseline_advantages(rewards, mask, ids, old, spp, zero_tail=zero_tail)
-    exp_adv, exp_ret = loops.optimal_token_baseline(rewards.tolist(), mask.tolist(), ids.tolist(), old.tolist(),
-                                                    spp.tolist(), zero_tail=zero_tail)
+    exp_adv, exp_ret = loops.optimal_token_baseline(
+        rewards.tolist(), mask.tolist(), ids.tolist(), old.tolist(), spp.tolist(), zero_tail=zero_tail
+    )
     close(ret, exp_ret)
     close(adv, exp_adv)

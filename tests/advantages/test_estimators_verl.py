@@ -5,12 +5,11 @@ import numpy as np
 import pytest
 import torch
 
+from pgloss import advantages as est
 from pgloss.vocab.entropy import sum_pi_squared
 
-from pgloss import advantages as est
-
 pytest.importorskip("verl")
-from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.trainer.ppo import core_algos
 
 
 def inputs(seed=0):
@@ -39,20 +38,28 @@ def test_grpo_rloo_opo_gpg_match_verl():
     index = np.array(ids.tolist())
     torch.testing.assert_close(
         core_algos.compute_grpo_outcome_advantage(rewards, mask, index)[0],
-        est.grpo_advantages(scores, ids, convention="verl")[:, None] * mask)
-    torch.testing.assert_close(core_algos.compute_rloo_outcome_advantage(rewards, mask, index)[0],
-                               est.rloo_advantages(scores, ids)[:, None] * mask)
-    torch.testing.assert_close(core_algos.compute_opo_outcome_advantage(rewards, mask, index)[0],
-                               est.opo_advantages(scores, ids, lengths)[:, None] * mask)
-    torch.testing.assert_close(core_algos.compute_gpg_outcome_advantage(rewards, mask, index)[0],
-                               est.gpg_advantages(scores, ids)[:, None] * mask)
+        est.grpo_advantages(scores, ids, convention="verl")[:, None] * mask,
+    )
+    torch.testing.assert_close(
+        core_algos.compute_rloo_outcome_advantage(rewards, mask, index)[0],
+        est.rloo_advantages(scores, ids)[:, None] * mask,
+    )
+    torch.testing.assert_close(
+        core_algos.compute_opo_outcome_advantage(rewards, mask, index)[0],
+        est.opo_advantages(scores, ids, lengths)[:, None] * mask,
+    )
+    torch.testing.assert_close(
+        core_algos.compute_gpg_outcome_advantage(rewards, mask, index)[0],
+        est.gpg_advantages(scores, ids)[:, None] * mask,
+    )
 
 
 @pytest.mark.parametrize("scale", [True, False])
 def test_passk_matches_verl(scale):
     scores, ids, _, mask, rewards = inputs(1)
     verl, _ = core_algos.compute_grpo_passk_outcome_advantage(
-        rewards, mask, np.array(ids.tolist()), config=Config(norm_adv_by_std_in_grpo=scale))
+        rewards, mask, np.array(ids.tolist()), config=Config(norm_adv_by_std_in_grpo=scale)
+    )
     torch.testing.assert_close(verl, est.passk_advantages(scores, ids, scale=scale)[:, None] * mask)
 
 
@@ -83,7 +90,8 @@ def test_optimal_token_baseline_matches_verl(with_weights):
     spp = sum_pi_squared(logits)
     weights = (0.8 + 0.4 * torch.rand(mask.shape, generator=gen, dtype=torch.float64)) if with_weights else None
     verl_adv, verl_ret = core_algos.compute_optimal_token_baseline_advantage(
-        rewards, mask, np.array(ids.tolist()), old, spp, rollout_is_weights=weights)
+        rewards, mask, np.array(ids.tolist()), old, spp, rollout_is_weights=weights
+    )
     adv, ret = est.optimal_token_baseline_advantages(rewards, mask.bool(), ids, old, spp, rollout_weights=weights)
     torch.testing.assert_close(ret, verl_ret)
     torch.testing.assert_close(adv, verl_adv)

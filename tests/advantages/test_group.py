@@ -1,9 +1,9 @@
 """GAE, group-relative advantages and DAPO's sampling rules against plain loops."""
 
+import loops
 import pytest
 import torch
 
-import loops
 from pgloss.advantages import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
 
 
@@ -14,8 +14,9 @@ def test_gae_matches_loop(gamma, lam):
     values = torch.randn(4, 7, generator=gen, dtype=torch.float64)
     mask = torch.rand(4, 7, generator=gen) > 0.25  # holes in the middle: tool output
     adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
-    expected = torch.tensor(loops.gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma=gamma, lam=lam),
-                            dtype=torch.float64)
+    expected = torch.tensor(
+        loops.gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma=gamma, lam=lam), dtype=torch.float64
+    )
     torch.testing.assert_close(adv, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ret, (expected + values) * mask)
 
@@ -32,7 +33,9 @@ def test_group_advantages_match_loop(scale):
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.9, 3.0], dtype=torch.float64)
     groups = torch.tensor([7, 7, 7, 7, 2, 2, 2, 5])  # the last group has one member
     expected = loops.group_advantages(scores.tolist(), groups.tolist(), scale=scale, eps=1e-6)
-    torch.testing.assert_close(group_advantages(scores, groups, scale=scale), torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(
+        group_advantages(scores, groups, scale=scale), torch.tensor(expected, dtype=torch.float64)
+    )
 
 
 def test_dynamic_sampling_keeps_groups_with_mixed_rewards():

@@ -55,10 +55,16 @@ def prime_rl(*names: tuple[str, str]) -> dict:
     algo = "src/prime_rl/orchestrator/algo/"
     namespace = {"torch": torch, "asyncio": asyncio, "defaultdict": defaultdict}
     load(source_file("PGLOSS_PRIME_RL_SRC", algo + "base.py"), ("iter_trainable_traces",), namespace)
-    load(source_file("PGLOSS_PRIME_RL_SRC", algo + "routing.py"), ("assign_advantages", "assign_reference_logprobs"),
-         namespace)
-    load(source_file("PGLOSS_PRIME_RL_SRC", "src/prime_rl/orchestrator/trajectories.py"), ("iter_trainable_branches",),
-         namespace)
+    load(
+        source_file("PGLOSS_PRIME_RL_SRC", algo + "routing.py"),
+        ("assign_advantages", "assign_reference_logprobs"),
+        namespace,
+    )
+    load(
+        source_file("PGLOSS_PRIME_RL_SRC", "src/prime_rl/orchestrator/trajectories.py"),
+        ("iter_trainable_branches",),
+        namespace,
+    )
 
     class Algorithm:  # the base class's constructor only stores the pool
         def __init__(self, config, policy_pool):

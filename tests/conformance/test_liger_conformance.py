@@ -4,19 +4,22 @@ documented, and a changed Liger is reported."""
 import functools
 
 import pytest
+from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
 
 from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import liger as conformance
-from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
-
 
 
 def test_every_case_agrees_or_is_documented(cases):
     bad = [c for c in cases if c.status == DIFFERS]
     assert not bad, "\n".join(f"{c.algorithm} {c.setting}: {c.loss_error:.2e} {c.grad_error:.2e}" for c in bad)
     documented = {(c.algorithm, c.setting): c for c in cases if c.status == DOCUMENTED}
-    assert set(documented) == {("luspo", "beta=0.0"), ("grpo", "beta=0.0, an empty completion"),
-                               ("dr_grpo", "beta=0.0, an empty completion"), ("grpo", "log π 3.0 below log π_ref")}
+    assert set(documented) == {
+        ("luspo", "beta=0.0"),
+        ("grpo", "beta=0.0, an empty completion"),
+        ("dr_grpo", "beta=0.0, an empty completion"),
+        ("grpo", "log π 3.0 below log π_ref"),
+    }
     assert documented[("grpo", "beta=0.0, an empty completion")].loss_error == pytest.approx(0.2, rel=1e-9)
     assert documented[("luspo", "beta=0.0")].grad_error > 0.1  # Liger's gradient reaches the padded positions
     assert all("docs/reference.md" in c.reason for c in documented.values())
@@ -48,5 +51,6 @@ def test_a_changed_trainer_is_reported(monkeypatch):
     monkeypatch.setattr(LigerFusedLinearGRPOFunction, "ppo_loss_fn", staticmethod(changed))
     loss_error, grad_error = conformance.compare(dict(loss_type="grpo"))
     assert loss_error == pytest.approx(1 - 1 / 1.01, rel=1e-6) and grad_error == pytest.approx(1 - 1 / 1.01, rel=1e-6)
-    assert all(c.status == DIFFERS for c in conformance.cases() if c.function.endswith("ppo_loss_fn")
-               and c.reason is None)
+    assert all(
+        c.status == DIFFERS for c in conformance.cases() if c.function.endswith("ppo_loss_fn") and c.reason is None
+    )

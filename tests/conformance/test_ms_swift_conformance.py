@@ -2,20 +2,23 @@
 documented, and a changed ms-swift is reported."""
 
 import pytest
+from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
 
 from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import ms_swift as conformance
-from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
-
 
 
 def test_every_case_agrees_or_is_documented(cases):
     bad = [c for c in cases if c.status == DIFFERS]
     assert not bad, "\n".join(f"{c.algorithm} {c.setting}: {c.loss_error:.2e} {c.grad_error:.2e}" for c in bad)
     documented = {(c.algorithm, c.setting): c for c in cases if c.status == DOCUMENTED}
-    assert set(documented) == {("grpo", "beta=0.0, an empty completion"), ("dr_grpo", "beta=0.0, an empty completion"),
-                               ("bnpo", "beta=0.0, off_policy_sequence_mask_delta=0.02"),
-                               ("dapo", "beta=0.0, top_entropy_quantile=0.5"), ("real", "defaults")}
+    assert set(documented) == {
+        ("grpo", "beta=0.0, an empty completion"),
+        ("dr_grpo", "beta=0.0, an empty completion"),
+        ("bnpo", "beta=0.0, off_policy_sequence_mask_delta=0.02"),
+        ("dapo", "beta=0.0, top_entropy_quantile=0.5"),
+        ("real", "defaults"),
+    }
     for key in [("grpo", "beta=0.0, an empty completion"), ("dr_grpo", "beta=0.0, an empty completion")]:
         assert documented[key].loss_error == pytest.approx(0.2, rel=1e-9)  # one empty row of six: 6/5 - 1
     assert documented[("dapo", "beta=0.0, top_entropy_quantile=0.5")].loss_error == pytest.approx(1.0, abs=0.1)
@@ -30,10 +33,18 @@ def test_coverage(cases):
     agree = [c for c in cases if c.status == AGREE]
     assert {c.algorithm for c in agree} == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo", "real"}
     settings = " ".join(c.setting for c in agree)
-    for piece in ("importance_sampling_level='sequence'", "importance_sampling_level='sequence_token'",
-                  *[f"rollout_importance_sampling_mode='{m}'" for m in ("token_truncate", "token_mask",
-                                                                          "sequence_truncate", "sequence_mask")],
-                  "off_policy_sequence_mask_delta", "delta=1.5", "fipo_clip_range=None", "real_tau=0.2"):
+    for piece in (
+        "importance_sampling_level='sequence'",
+        "importance_sampling_level='sequence_token'",
+        *[
+            f"rollout_importance_sampling_mode='{m}'"
+            for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+        ],
+        "off_policy_sequence_mask_delta",
+        "delta=1.5",
+        "fipo_clip_range=None",
+        "real_tau=0.2",
+    ):
         assert piece in settings, piece
 
 

@@ -1,11 +1,11 @@
 """The OpenRLHF part of `pgloss conformance` on OpenRLHF 0.11.2's loss files: every case agrees or differs as
 documented, and a changed OpenRLHF is reported."""
 
-import pytest
+
+from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
 
 from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import openrlhf as conformance
-from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
 
 
 def test_every_case_agrees_or_is_documented(cases):
@@ -24,12 +24,18 @@ def test_coverage(cases):
     agree = [c for c in cases if c.status == AGREE]
     assert {c.algorithm for c in agree} == {"ppo", "gspo"}
     settings = " ".join(c.setting for c in agree)
-    for piece in ("dual_clip=3.0", "token_level_loss=False", "is_correction_mode='clip'", "is_correction_level='seq'",
-                  "entropy_coef=0.01"):
+    for piece in (
+        "dual_clip=3.0",
+        "token_level_loss=False",
+        "is_correction_mode='clip'",
+        "is_correction_level='seq'",
+        "entropy_coef=0.01",
+    ):
         assert piece in settings
     kl = {c.setting for c in agree if c.function.endswith("compute_approx_kl")}
-    assert kl == {f"kl_coef=0.01, kl_estimator='{k}', unbiased_gradient={u}" for k in ("k1", "k2", "k3")
-                  for u in (False, True)}
+    assert kl == {
+        f"kl_coef=0.01, kl_estimator='{k}', unbiased_gradient={u}" for k in ("k1", "k2", "k3") for u in (False, True)
+    }
     # float64 policy terms agree to rounding; the KL, which OpenRLHF computes in float32, to its rounding
     assert max(max(c.loss_error, c.grad_error) for c in agree if c.setting not in kl) < 1e-13
     assert max(max(c.loss_error, c.grad_error) for c in agree if c.setting in kl) < 1e-7
@@ -41,8 +47,11 @@ def test_a_changed_trainer_is_reported(installed, monkeypatch):
     original = code["compute_approx_kl"]
     code["compute_approx_kl"] = lambda *a, **k: 1.01 * original(*a, **k)
     monkeypatch.setattr(conformance, "_namespace", lambda: code)
-    kl = [c for c in conformance.cases() if c.function.endswith("compute_approx_kl") and c.algorithm == "ppo"
-          and "token_level_loss" not in c.setting]
+    kl = [
+        c
+        for c in conformance.cases()
+        if c.function.endswith("compute_approx_kl") and c.algorithm == "ppo" and "token_level_loss" not in c.setting
+    ]
     assert len(kl) == 6 and all(c.status == DIFFERS for c in kl)
 
 

@@ -49,4 +49,5 @@ def test_locate_prefers_the_variable(tmp_path, monkeypatch):
     assert locate("no-such-dist", "pkg/loss.py", "PGLOSS_TEST_SRC", "pip install x") == tmp_path / "pkg" / "loss.py"
     monkeypatch.delenv("PGLOSS_TEST_SRC")
     assert locate("no-such-dist", "pkg/loss.py", "PGLOSS_TEST_SRC", "pip install x") == (
-        "no-such-dist is not installed (pip install x; or set PGLOSS_TEST_SRC to the root of its source)")
+        "no-such-dist is not installed (pip install x; or set PGLOSS_TEST_SRC to the root of its source)"
+    )

@@ -18,14 +18,14 @@ from __future__ import annotations
 from collections import defaultdict
 from types import SimpleNamespace
 
+import loops
 import numpy as np
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
 from properties.micro_batches import cut, split_call
+
+import pgloss
 from pgloss.core.aggregate import aggregate, row_weights
 
 F64 = dict(dtype=torch.float64)
@@ -52,8 +52,12 @@ def test_matches_loop(alpha, seed):
 
 def test_alpha_zero_is_dr_grpo():
     values, mask = batch(3)
-    torch.testing.assert_close(aggregate(values, mask, "delta-l-norm", norm_constant=9.0, delta_l_alpha=0.0),
-                               aggregate(values, mask, "seq-mean-token-sum-norm", norm_constant=9.0), rtol=1e-15, atol=0)
+    torch.testing.assert_close(
+        aggregate(values, mask, "delta-l-norm", norm_constant=9.0, delta_l_alpha=0.0),
+        aggregate(values, mask, "seq-mean-token-sum-norm", norm_constant=9.0),
+        rtol=1e-15,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("alpha", ALPHAS)
@@ -95,9 +99,16 @@ def test_micro_batches_and_alpha(alpha):
     alg = pgloss.get("dapo", loss_agg_mode="delta-l-norm", norm_constant=6.0, delta_l_alpha=alpha, kl_coef=0.1)
 
     def run(parts):
-        return split_call(alg, data["log_prob"], parts, alg.step_normalizer(cut(data["mask"], parts)),
-                          old_log_prob=data["old_log_prob"], advantages=data["advantages"], mask=data["mask"],
-                          ref_log_prob=data["ref_log_prob"])
+        return split_call(
+            alg,
+            data["log_prob"],
+            parts,
+            alg.step_normalizer(cut(data["mask"], parts)),
+            old_log_prob=data["old_log_prob"],
+            advantages=data["advantages"],
+            mask=data["mask"],
+            ref_log_prob=data["ref_log_prob"],
+        )
 
     whole = run([slice(0, 9)])
     for parts in ([slice(0, 2), slice(2, 9)], [slice(0, 1), slice(1, 5), slice(5, 9)]):
@@ -111,11 +122,18 @@ def test_gradcheck():
     alg = pgloss.get("grpo", loss_agg_mode="delta-l-norm", norm_constant=5.0, delta_l_alpha=0.75, entropy_coef=0.01)
 
     def loss(log_prob, entropy):
-        return alg(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
-                   ref_log_prob=data["ref_log_prob"], entropy=entropy).loss
+        return alg(
+            log_prob,
+            data["old_log_prob"],
+            data["advantages"],
+            data["mask"],
+            ref_log_prob=data["ref_log_prob"],
+            entropy=entropy,
+        ).loss
 
-    assert torch.autograd.gradcheck(loss, (data["log_prob"].clone().requires_grad_(True),
-                                           data["entropy"].clone().requires_grad_(True)))
+    assert torch.autograd.gradcheck(
+        loss, (data["log_prob"].clone().requires_grad_(True), data["entropy"].clone().requires_grad_(True))
+    )
 
 
 def test_budget_and_alpha_are_checked():
@@ -133,8 +151,11 @@ def test_normalizer_without_lengths_or_counted_on_shorter_masks_is_refused():
     bare = pgloss.Normalizer(tokens=torch.tensor(100.0, **F64), sequences=torch.tensor(10.0, **F64))
     with pytest.raises(ValueError, match="needs a Normalizer that counted the step's lengths"):
         aggregate(values, mask, "delta-l-norm", normalizer=bare, norm_constant=9.0)
-    short = pgloss.Normalizer(tokens=torch.tensor(1000.0, **F64), sequences=torch.tensor(100.0, **F64),
-                              length_counts=torch.full((5,), 20.0, **F64))
+    short = pgloss.Normalizer(
+        tokens=torch.tensor(1000.0, **F64),
+        sequences=torch.tensor(100.0, **F64),
+        length_counts=torch.full((5,), 20.0, **F64),
+    )
     with pytest.raises(ValueError, match="counted lengths up to 4"):
         aggregate(values, mask, "delta-l-norm", normalizer=short, norm_constant=9.0)
     other = pgloss.Normalizer.count(torch.ones(8, 9, dtype=torch.bool))
@@ -149,15 +170,22 @@ def test_length_counts():
 
 # -- the authors' code ------------------------------------------------------------------------------------------
 
+
 def _authors():
     from advantages.trainer_sources import load, source_file
 
     core = source_file("PGLOSS_DELTA_L_SRC", "verl/trainer/ppo/core_algos.py")
-    functional = load(source_file("PGLOSS_DELTA_L_SRC", "verl/utils/torch_functional.py"),
-                      ("masked_mean", "masked_mean_allavg"), {"torch": torch})
+    functional = load(
+        source_file("PGLOSS_DELTA_L_SRC", "verl/utils/torch_functional.py"),
+        ("masked_mean", "masked_mean_allavg"),
+        {"torch": torch},
+    )
     verl_f = SimpleNamespace(masked_mean=functional["masked_mean"], masked_mean_allavg=functional["masked_mean_allavg"])
-    return load(core, ("agg_loss", "compute_grpo_outcome_advantage", "compute_policy_loss"),
-                {"torch": torch, "np": np, "defaultdict": defaultdict, "verl_F": verl_f})
+    return load(
+        core,
+        ("agg_loss", "compute_grpo_outcome_advantage", "compute_policy_loss"),
+        {"torch": torch, "np": np, "defaultdict": defaultdict, "verl_F": verl_f},
+    )
 
 
 def authors_case(seed, rows=12, width=10):
@@ -181,8 +209,9 @@ def test_matches_the_authors_code(alpha, seed):
     adv_dl, _ = ns["compute_grpo_outcome_advantage"](rewards, mask, ids, use_grpopp=True, grpopp_config=config)
     adv, _ = ns["compute_grpo_outcome_advantage"](rewards, mask, ids)
     theirs_lp = log_prob.clone().requires_grad_(True)
-    theirs = ns["compute_policy_loss"](old, theirs_lp, adv_dl, mask, cliprange=0.2, use_grpopp=True,
-                                       grpopp_config=config)[0]
+    theirs = ns["compute_policy_loss"](
+        old, theirs_lp, adv_dl, mask, cliprange=0.2, use_grpopp=True, grpopp_config=config
+    )[0]
     theirs.backward()
     ours_lp = log_prob.clone().requires_grad_(True)
     alg = pgloss.get("dual_clip_ppo", loss_agg_mode="delta-l-norm", norm_constant=mask.shape[1], delta_l_alpha=alpha)

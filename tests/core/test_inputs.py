@@ -15,8 +15,12 @@ from pgloss.integrations import verl
 def batch(rows: int = 3, length: int = 4) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     log_prob = -torch.rand(rows, length, dtype=torch.float64)
-    return dict(log_prob=log_prob, old_log_prob=log_prob - 0.1, advantages=torch.randn(rows, dtype=torch.float64),
-                mask=torch.ones(rows, length, dtype=torch.bool))
+    return dict(
+        log_prob=log_prob,
+        old_log_prob=log_prob - 0.1,
+        advantages=torch.randn(rows, dtype=torch.float64),
+        mask=torch.ones(rows, length, dtype=torch.bool),
+    )
 
 
 def test_every_input_is_a_field_of_the_batch_and_a_parameter_of_the_call():
@@ -48,9 +52,14 @@ def test_a_missing_input_says_why_from_the_configuration():
 
 def test_the_table_says_what_is_detached_and_what_keeps_its_gradient():
     data = batch()
-    given = {name: (torch.zeros(3, dtype=torch.long if spec.kind == "integer" else torch.bool) if spec.kind != "real"
-                    else -torch.rand(3 if spec.per == "row" else (3, 4), dtype=torch.float64).requires_grad_())
-             for name, spec in OPTIONAL_INPUTS.items()}
+    given = {
+        name: (
+            torch.zeros(3, dtype=torch.long if spec.kind == "integer" else torch.bool)
+            if spec.kind != "real"
+            else -torch.rand(3 if spec.per == "row" else (3, 4), dtype=torch.float64).requires_grad_()
+        )
+        for name, spec in OPTIONAL_INPUTS.items()
+    }
     prepared = TokenBatch.prepare(**data, **given)
     for name, spec in OPTIONAL_INPUTS.items():
         assert getattr(prepared, name).requires_grad == spec.grad, name

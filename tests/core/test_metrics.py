@@ -33,7 +33,11 @@ def test_sequence_values_broadcast_over_their_tokens():
 
 
 def test_no_valid_token_gives_nan_everywhere():
-    for mask in (torch.zeros(2, 3, dtype=torch.bool), torch.zeros(0, 3, dtype=torch.bool), torch.zeros(2, 0, dtype=torch.bool)):
+    for mask in (
+        torch.zeros(2, 3, dtype=torch.bool),
+        torch.zeros(0, 3, dtype=torch.bool),
+        torch.zeros(2, 0, dtype=torch.bool),
+    ):
         values = torch.ones(mask.shape)
         metrics = ratio_metrics(values, values, mask) | clip_metrics(mask, mask, mask, mask)
         assert all(torch.isnan(stat.value) and stat.weight == 0 for stat in metrics.values()), metrics

@@ -1,9 +1,9 @@
 """The Normalizer's counts and the aggregation weights."""
 
+import loops
 import pytest
 import torch
 
-import loops
 import pgloss
 from pgloss.core.aggregate import aggregate
 
@@ -40,5 +40,10 @@ def test_bad_inputs():
         aggregate(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool), "seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="needs a Normalizer counted with group_ids"):
         n = pgloss.Normalizer.count(torch.ones(2, 2))
-        aggregate(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool), "group-mean-token-mean",
-                  normalizer=n, group_ids=torch.tensor([0, 1]))
+        aggregate(
+            torch.ones(2, 2),
+            torch.ones(2, 2, dtype=torch.bool),
+            "group-mean-token-mean",
+            normalizer=n,
+            group_ids=torch.tensor([0, 1]),
+        )

@@ -3,10 +3,10 @@
 
 import pytest
 import torch
-
-import pgloss
 from conftest import log_probs
 from properties.micro_batches import cut, split_call
+
+import pgloss
 from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 
@@ -14,10 +14,13 @@ def batch(seed=0, rows=8, width=12):
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(rows, width, generator=g) < 0.8
     old = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 2
-    return dict(log_prob=log_probs(old + 0.1 * torch.randn(rows, width, generator=g, dtype=torch.float64)),
-                old_log_prob=old,
-                rollout_log_prob=log_probs(old + 0.3 * torch.randn(rows, width, generator=g, dtype=torch.float64)),
-                advantages=torch.randn(rows, generator=g, dtype=torch.float64), mask=mask)
+    return dict(
+        log_prob=log_probs(old + 0.1 * torch.randn(rows, width, generator=g, dtype=torch.float64)),
+        old_log_prob=old,
+        rollout_log_prob=log_probs(old + 0.3 * torch.randn(rows, width, generator=g, dtype=torch.float64)),
+        advantages=torch.randn(rows, generator=g, dtype=torch.float64),
+        mask=mask,
+    )
 
 
 CORRECTIONS = {
@@ -34,8 +37,11 @@ def test_micro_batches_counted_by_the_step_rule_equal_one_call(kind):
     log_prob = data.pop("log_prob").requires_grad_(True)
     whole = algorithm(log_prob, **data).loss
     parts = [slice(0, 3), slice(3, 8)]
-    normalizer = algorithm.step_normalizer(cut(data["mask"], parts), old_log_probs=cut(data["old_log_prob"], parts),
-                                           rollout_log_probs=cut(data["rollout_log_prob"], parts))
+    normalizer = algorithm.step_normalizer(
+        cut(data["mask"], parts),
+        old_log_probs=cut(data["old_log_prob"], parts),
+        rollout_log_probs=cut(data["rollout_log_prob"], parts),
+    )
     split, grad_split = split_call(algorithm, log_prob, parts, normalizer, **data)
     torch.testing.assert_close(split, whole.detach(), rtol=1e-12, atol=1e-14)
     (grad_whole,) = torch.autograd.grad(whole, log_prob)
@@ -68,25 +74,33 @@ def test_group_ids_are_counted_only_when_needed():
     torch.testing.assert_close(counted.group_tokens, data["mask"].sum(-1).double().reshape(4, 2).sum(-1))
 
 
-@pytest.mark.parametrize("name, hyperparameters, expected", [
-    ("dapo", {}, set()),
-    ("grpo", {"kl_coef": 0.1}, {"ref_log_prob"}),
-    ("grpo", {"kl_coef": 0.1, "kl_estimator": "full"}, {"full_kl"}),
-    ("dapo", {"entropy_coef": 0.01}, {"entropy"}),
-    ("dapo", {"loss_agg_mode": "group-mean-token-mean"}, {"group_ids"}),
-    ("grpo", {}, {"ref_log_prob"}),
-    ("real", {}, {"group_ids"}),
-    ("topr", {}, {"scores"}),
-    ("dapo", {"rollout_correction": RolloutCorrection()}, {"rollout_log_prob"}),
-    ("dapo", {"rollout_correction": RolloutCorrection(weight_level=None, off_policy_mask=0.1)}, set()),
-])
+@pytest.mark.parametrize(
+    "name, hyperparameters, expected",
+    [
+        ("dapo", {}, set()),
+        ("grpo", {"kl_coef": 0.1}, {"ref_log_prob"}),
+        ("grpo", {"kl_coef": 0.1, "kl_estimator": "full"}, {"full_kl"}),
+        ("dapo", {"entropy_coef": 0.01}, {"entropy"}),
+        ("dapo", {"loss_agg_mode": "group-mean-token-mean"}, {"group_ids"}),
+        ("grpo", {}, {"ref_log_prob"}),
+        ("real", {}, {"group_ids"}),
+        ("topr", {}, {"scores"}),
+        ("dapo", {"rollout_correction": RolloutCorrection()}, {"rollout_log_prob"}),
+        ("dapo", {"rollout_correction": RolloutCorrection(weight_level=None, off_policy_mask=0.1)}, set()),
+    ],
+)
 def test_needs_declares_every_input_the_call_requires(name, hyperparameters, expected):
     algorithm = pgloss.get(name, generation_budget=64, **hyperparameters)
     assert algorithm.needs == expected
     data = batch()
-    extra = dict(ref_log_prob=data["old_log_prob"], full_kl=torch.zeros_like(data["old_log_prob"]),
-                 entropy=torch.ones_like(data["old_log_prob"]), group_ids=torch.arange(8) // 2,
-                 scores=torch.randn(8, dtype=torch.float64), rollout_log_prob=data["rollout_log_prob"])
+    extra = dict(
+        ref_log_prob=data["old_log_prob"],
+        full_kl=torch.zeros_like(data["old_log_prob"]),
+        entropy=torch.ones_like(data["old_log_prob"]),
+        group_ids=torch.arange(8) // 2,
+        scores=torch.randn(8, dtype=torch.float64),
+        rollout_log_prob=data["rollout_log_prob"],
+    )
     given = {k: v for k, v in data.items() if k != "rollout_log_prob"}
     algorithm(**given, **{k: extra[k] for k in expected})  # enough
     for missing in expected:

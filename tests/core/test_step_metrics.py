@@ -10,14 +10,14 @@ import math
 
 import pytest
 import torch
+from properties.host_sync import DEVICES, HostSync, no_host_sync, no_host_sync_on, on
+from properties.micro_batches import cut
+from properties.steps import CORRECTIONS, WIDTH, cases, data, entropy, log_probs
 
 import pgloss
 from pgloss.algorithms import ClipCov, KLCov
 from pgloss.core.batch import TokenBatch
 from pgloss.core.metrics import Stat, effective_sample_size, token_extremes, token_mean
-from properties.host_sync import DEVICES, HostSync, no_host_sync, no_host_sync_on, on
-from properties.micro_batches import cut
-from properties.steps import CORRECTIONS, WIDTH, cases, data, entropy, log_probs
 
 RANK_PARTS = {0: [slice(0, 2), slice(2, 4), slice(4, 6)], 1: [slice(6, 6), slice(6, 8)]}  # uneven, whole groups
 ONE_PROCESS = RANK_PARTS[0] + RANK_PARTS[1]  # rows 4:6 all masked, rows 6:6 none at all
@@ -53,8 +53,12 @@ def selections(algorithm, log_prob, inputs, parts):
     batch, _, _ = algorithm.corrected(whole, None)  # the masks and old log-probs the calls select on
     torch.manual_seed(0)
     if isinstance(algorithm, ClipCov):
-        return algorithm.step_selection(cut(batch.log_prob, parts), cut(batch.old_log_prob, parts),
-                                        cut(batch.advantages, parts), cut(batch.mask, parts))
+        return algorithm.step_selection(
+            cut(batch.log_prob, parts),
+            cut(batch.old_log_prob, parts),
+            cut(batch.advantages, parts),
+            cut(batch.mask, parts),
+        )
     return algorithm.step_selection(cut(batch.log_prob, parts), cut(batch.advantages, parts), cut(batch.mask, parts))
 
 
@@ -66,9 +70,13 @@ def split_metrics(parts) -> dict:
         name, kind = param.values
         algorithm = build(name, kind)
         normalizer = algorithm.step_normalizer(
-            cut(inputs["mask"], parts), old_log_probs=cut(inputs["old_log_prob"], parts),
-            rollout_log_probs=cut(inputs["rollout_log_prob"], parts), group_ids=cut(inputs["group_ids"], parts),
-            scores=cut(inputs["scores"], parts), expert=cut(inputs["expert"], parts))
+            cut(inputs["mask"], parts),
+            old_log_probs=cut(inputs["old_log_prob"], parts),
+            rollout_log_probs=cut(inputs["rollout_log_prob"], parts),
+            group_ids=cut(inputs["group_ids"], parts),
+            scores=cut(inputs["scores"], parts),
+            expert=cut(inputs["expert"], parts),
+        )
         step = pgloss.StepMetrics()
         for part, selection in zip(parts, selections(algorithm, log_prob, inputs, parts)):
             call_algorithm = algorithm if selection is None else dataclasses.replace(algorithm, selection=selection)
@@ -91,9 +99,23 @@ def check_against_whole(results: dict) -> None:
             assert got[key] == pytest.approx(value.item(), rel=tol, abs=tol * 1e-3, nan_ok=True), (name, kind, key)
         seen |= set(whole.metrics)
     # the property covered every kind of metric: means, extremes, loss terms, the ESS, CHORD's and the corrections'
-    assert {"pg_loss", "kl_loss", "positive_nll_loss", "entropy", "kl", "ratio_max", "ratio_min", "sft_loss",
-            "rollout_is_ess", "rollout_is_weight_min", "rollout_chi2_seq", "rollout_rejected_frac",
-            "rollout_opsm_frac", "clip_cov_fraction", "kl_cov_fraction"} <= seen
+    assert {
+        "pg_loss",
+        "kl_loss",
+        "positive_nll_loss",
+        "entropy",
+        "kl",
+        "ratio_max",
+        "ratio_min",
+        "sft_loss",
+        "rollout_is_ess",
+        "rollout_is_weight_min",
+        "rollout_chi2_seq",
+        "rollout_rejected_frac",
+        "rollout_opsm_frac",
+        "clip_cov_fraction",
+        "kl_cov_fraction",
+    } <= seen
 
 
 def test_micro_batches_give_the_whole_batch_metrics_for_every_name():
@@ -105,7 +127,9 @@ def on_rank(rank: int) -> dict:
     out = {"split": split_metrics(RANK_PARTS[rank])}
     step = pgloss.StepMetrics()  # rank 1 adds nothing: its collectives still run, rank 0 gets its own calls
     if rank == 0:
-        step.add({"x": Stat.mean(torch.tensor(2.0), torch.tensor(3)), "top": Stat.max(torch.tensor(5.0), torch.tensor(1))})
+        step.add(
+            {"x": Stat.mean(torch.tensor(2.0), torch.tensor(3)), "top": Stat.max(torch.tensor(5.0), torch.tensor(1))}
+        )
     out["one_rank_added"] = step.as_floats()
     mismatched = pgloss.StepMetrics()  # same number of names, different ones
     mismatched.add({"a" if rank == 0 else "b": Stat.mean(torch.tensor(1.0), torch.tensor(1))})
@@ -202,8 +226,12 @@ def test_add_and_compute_make_no_host_sync(device):
             step.as_floats()
     meta = torch.device("meta")
     step = pgloss.StepMetrics(device=meta)
-    out = pgloss.get("dapo")(torch.empty(4, 3, device=meta), torch.empty(4, 3, device=meta),
-                            torch.empty(4, device=meta), torch.empty(4, 3, dtype=torch.bool, device=meta))
+    out = pgloss.get("dapo")(
+        torch.empty(4, 3, device=meta),
+        torch.empty(4, 3, device=meta),
+        torch.empty(4, device=meta),
+        torch.empty(4, 3, dtype=torch.bool, device=meta),
+    )
     step.add(out)
     step.add(out)
     values = step.compute()
@@ -215,14 +243,18 @@ def test_every_path_hands_its_metrics_with_their_reduction():
     hidden, weight, targets, _ = data()
     algorithm = build("dapo", "token TIS")
     named = {k: v for k, v in inputs.items() if k in algorithm.needs - {"entropy"} or k == "rollout_log_prob"}
-    for out in (call(algorithm, log_prob, inputs),
-                algorithm.from_hidden(hidden, weight, targets, **{k: inputs[k] for k in ("old_log_prob", "advantages",
-                                                                                     "mask")}, **named)):
+    for out in (
+        call(algorithm, log_prob, inputs),
+        algorithm.from_hidden(
+            hidden, weight, targets, **{k: inputs[k] for k in ("old_log_prob", "advantages", "mask")}, **named
+        ),
+    ):
         assert out.stats.keys() == out.metrics.keys()
         assert all(out.stats[k].value is v for k, v in out.metrics.items())
     teacher = torch.randn(2, 3, 7, dtype=torch.float64)
-    divergence = pgloss.divergence_from_logits(torch.randn(2, 3, 7, dtype=torch.float64), teacher,
-                                               mask=torch.ones(2, 3, dtype=torch.bool), beta=0.5)
+    divergence = pgloss.divergence_from_logits(
+        torch.randn(2, 3, 7, dtype=torch.float64), teacher, mask=torch.ones(2, 3, dtype=torch.bool), beta=0.5
+    )
     assert divergence.stats["divergence"].reduce == "mean"
 
 

@@ -7,11 +7,20 @@ import pytest
 import pgloss
 
 
-@pytest.mark.parametrize("given, ours", [
-    ("epsilon", "clip_low"), ("epsilon_high", "clip_high"), ("clip_ratio_low", "clip_low"),
-    ("clip_ratio_high", "clip_high"), ("clip_ratio_c", "dual_clip"), ("beta", "kl_coef"),
-    ("kl_loss_coef", "kl_coef"), ("entropy_coeff", "entropy_coef"), ("loss_scale_factor", "norm_constant"),
-])
+@pytest.mark.parametrize(
+    "given, ours",
+    [
+        ("epsilon", "clip_low"),
+        ("epsilon_high", "clip_high"),
+        ("clip_ratio_low", "clip_low"),
+        ("clip_ratio_high", "clip_high"),
+        ("clip_ratio_c", "dual_clip"),
+        ("beta", "kl_coef"),
+        ("kl_loss_coef", "kl_coef"),
+        ("entropy_coeff", "entropy_coef"),
+        ("loss_scale_factor", "norm_constant"),
+    ],
+)
 def test_a_trainers_hyperparameter_name_is_answered_with_ours(given, ours):
     with pytest.raises(TypeError, match=rf"no hyperparameter '{given}' \(did you mean {ours}\?"):
         pgloss.get("dual_clip_ppo", **{given: 0.3})

@@ -2,10 +2,10 @@
 special cases, no host sync on meta tensors, and the statistics over two gloo ranks (`on_rank`,
 `check_ranks`: run by properties/test_two_ranks_step_statistics.py when listed there)."""
 
+import loops
 import pytest
 import torch
 
-import loops
 from pgloss.correction.token_masks import clip_b_mask, clip_v_mask
 
 F64 = dict(dtype=torch.float64)
@@ -44,8 +44,16 @@ def test_clip_b_matches_loop(mu):
 def test_clip_v_matches_loop(mu, max_frac, convention):
     lp, h, necs, adv, mask = inputs(1)
     got = clip_v_mask(lp, h, necs, adv, mask, mu=mu, max_frac=max_frac, convention=convention)
-    expected = loops.clipv_mask(lp.tolist(), h.tolist(), necs.tolist(), token(adv, mask), mask.tolist(), mu, max_frac,
-                                trinity=convention == "trinity")
+    expected = loops.clipv_mask(
+        lp.tolist(),
+        h.tolist(),
+        necs.tolist(),
+        token(adv, mask),
+        mask.tolist(),
+        mu,
+        max_frac,
+        trinity=convention == "trinity",
+    )
     assert got.tolist() == expected
 
 
@@ -72,8 +80,9 @@ def test_clip_masks_accept_token_advantages_and_ignore_masked_values():
     tok = adv[:, None].expand(mask.shape).clone()
     assert torch.equal(clip_b_mask(lp, h, tok, mask, mu=0.5), clip_b_mask(lp, h, adv, mask, mu=0.5))
     junk = torch.where(mask, lp, torch.nan), torch.where(mask, h, torch.inf), torch.where(mask, necs, torch.nan)
-    assert torch.equal(clip_v_mask(*junk, adv, mask, mu=0.5, max_frac=0.05),
-                       clip_v_mask(lp, h, necs, adv, mask, mu=0.5, max_frac=0.05))
+    assert torch.equal(
+        clip_v_mask(*junk, adv, mask, mu=0.5, max_frac=0.05), clip_v_mask(lp, h, necs, adv, mask, mu=0.5, max_frac=0.05)
+    )
 
 
 def test_clip_masks_run_on_meta_without_host_reads():
@@ -82,14 +91,17 @@ def test_clip_masks_run_on_meta_without_host_reads():
     assert clip_v_mask(lp, h, necs, adv, mask).shape == mask.shape
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda lp, h, n, a, m: clip_b_mask(lp, h, a, m, mu=0.0), ValueError, "mu must be > 0"),
-    (lambda lp, h, n, a, m: clip_b_mask(lp, h[:, :3], a, m), ValueError, "entropy must have shape"),
-    (lambda lp, h, n, a, m: clip_b_mask(lp, h, a[:3], m), ValueError, "advantages must have shape"),
-    (lambda lp, h, n, a, m: clip_v_mask(lp, h, n, a, m, max_frac=0.0), ValueError, "max_frac"),
-    (lambda lp, h, n, a, m: clip_v_mask(lp, h, n, a, m, convention="verl"), ValueError, "convention"),
-    (lambda lp, h, n, a, m: clip_v_mask(lp, h, n[:, :2], a, m), ValueError, "expected_discriminator must have"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda lp, h, n, a, m: clip_b_mask(lp, h, a, m, mu=0.0), ValueError, "mu must be > 0"),
+        (lambda lp, h, n, a, m: clip_b_mask(lp, h[:, :3], a, m), ValueError, "entropy must have shape"),
+        (lambda lp, h, n, a, m: clip_b_mask(lp, h, a[:3], m), ValueError, "advantages must have shape"),
+        (lambda lp, h, n, a, m: clip_v_mask(lp, h, n, a, m, max_frac=0.0), ValueError, "max_frac"),
+        (lambda lp, h, n, a, m: clip_v_mask(lp, h, n, a, m, convention="verl"), ValueError, "convention"),
+        (lambda lp, h, n, a, m: clip_v_mask(lp, h, n[:, :2], a, m), ValueError, "expected_discriminator must have"),
+    ],
+)
 def test_bad_input_is_named(call, error, match):
     with pytest.raises(error, match=match):
         call(*inputs())
@@ -103,8 +115,10 @@ ROWS = {0: slice(0, 3), 1: slice(3, 8)}
 def _masks(rows):
     lp, h, necs, adv, mask = inputs(4)
     p = rows
-    return {"clip_b": clip_b_mask(lp[p], h[p], adv[p], mask[p], mu=0.5),
-            "clip_v": clip_v_mask(lp[p], h[p], necs[p], adv[p], mask[p], mu=0.3, max_frac=0.03)}
+    return {
+        "clip_b": clip_b_mask(lp[p], h[p], adv[p], mask[p], mu=0.5),
+        "clip_v": clip_v_mask(lp[p], h[p], necs[p], adv[p], mask[p], mu=0.3, max_frac=0.03),
+    }
 
 
 def on_rank(rank):

@@ -1,11 +1,11 @@
 """M2PO's second-moment mask against AReaL's algorithm as a plain loop, split into micro-batches,
 and over two gloo ranks (`on_rank`, `check_ranks`: run by properties/test_two_ranks_step_statistics.py)."""
 
+import loops
 import pytest
 import torch
-
-import loops
 from conftest import log_probs, make_batch
+
 from pgloss.correction.m2po import m2po_cutoff, m2po_mask
 
 PARTS = [slice(0, 2), slice(2, 5), slice(5, 9)]
@@ -40,19 +40,26 @@ def test_keeps_one_token_when_nothing_is_below():
 def test_cutoff_is_global_over_micro_batches():
     d = data()
     whole = m2po_cutoff(d["behave"], d["old_log_prob"], d["mask"], threshold=0.04)
-    split = m2po_cutoff([d["behave"][p] for p in PARTS], [d["old_log_prob"][p] for p in PARTS],
-                        [d["mask"][p] for p in PARTS], threshold=0.04)
+    split = m2po_cutoff(
+        [d["behave"][p] for p in PARTS],
+        [d["old_log_prob"][p] for p in PARTS],
+        [d["mask"][p] for p in PARTS],
+        threshold=0.04,
+    )
     assert float(split) == float(whole)
     local = m2po_cutoff(d["behave"][PARTS[0]], d["old_log_prob"][PARTS[0]], d["mask"][PARTS[0]], threshold=0.04)
     assert float(local) != float(whole), "AReaL's per-micro-batch cut differs: the test can fail"
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda d: m2po_cutoff(d["behave"], d["old_log_prob"], d["mask"], threshold=0.0), ValueError, "threshold"),
-    (lambda d: m2po_cutoff(d["behave"], d["old_log_prob"], [], threshold=0.1), ValueError, "one tensor per"),
-    (lambda d: m2po_mask(d["behave"], d["old_log_prob"][:, :3], d["mask"], 0.1), ValueError, "one shape"),
-    (lambda d: m2po_mask(d["behave"].tolist(), d["old_log_prob"], d["mask"], 0.1), TypeError, "behave_log_prob"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda d: m2po_cutoff(d["behave"], d["old_log_prob"], d["mask"], threshold=0.0), ValueError, "threshold"),
+        (lambda d: m2po_cutoff(d["behave"], d["old_log_prob"], [], threshold=0.1), ValueError, "one tensor per"),
+        (lambda d: m2po_mask(d["behave"], d["old_log_prob"][:, :3], d["mask"], 0.1), ValueError, "one shape"),
+        (lambda d: m2po_mask(d["behave"].tolist(), d["old_log_prob"], d["mask"], 0.1), TypeError, "behave_log_prob"),
+    ],
+)
 def test_bad_input_is_named(call, error, match):
     with pytest.raises(error, match=match):
         call(data())
@@ -64,8 +71,12 @@ RANK_PARTS = {0: [slice(0, 2), slice(2, 3)], 1: [slice(3, 9)]}
 def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_statistics.py
     d = data()
     parts = RANK_PARTS[rank]
-    return m2po_cutoff([d["behave"][p] for p in parts], [d["old_log_prob"][p] for p in parts],
-                       [d["mask"][p] for p in parts], threshold=0.04)
+    return m2po_cutoff(
+        [d["behave"][p] for p in parts],
+        [d["old_log_prob"][p] for p in parts],
+        [d["mask"][p] for p in parts],
+        threshold=0.04,
+    )
 
 
 def check_ranks(results):

@@ -3,19 +3,20 @@ sequence mask, batch normalisation over a step, the mismatch metrics and bad inp
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
 from conftest import log_probs, make_batch
+
 from pgloss.correction.rollout import REJECTION_OPTIONS, Rejection, RolloutCorrection
 
 
 def mismatched(seed=0, spread=0.4):
     data = make_batch(batch=7, length=9, seed=seed)
     gen = torch.Generator().manual_seed(seed + 100)
-    data["rollout_log_prob"] = log_probs(data["old_log_prob"] + spread * torch.randn(data["mask"].shape, generator=gen,
-                                                                                       dtype=torch.float64))
+    data["rollout_log_prob"] = log_probs(
+        data["old_log_prob"] + spread * torch.randn(data["mask"].shape, generator=gen, dtype=torch.float64)
+    )
     return data
 
 
@@ -25,14 +26,20 @@ def apply(correction, data, **kwargs):
     zero = lambda x: torch.where(mask, x, 0.0)  # noqa: E731  (as TokenBatch.prepare hands them over)
     if correction.batch_normalize and "weight_mean" not in kwargs:
         kwargs["weight_mean"] = correction.step_weight_mean(mask, data["old_log_prob"], data["rollout_log_prob"])
-    return correction.apply(log_prob=zero(data["log_prob"]), old_log_prob=zero(data["old_log_prob"]),
-                            rollout_log_prob=zero(data["rollout_log_prob"]), mask=mask,
-                            seq_advantages=data["advantages"], **kwargs)
+    return correction.apply(
+        log_prob=zero(data["log_prob"]),
+        old_log_prob=zero(data["old_log_prob"]),
+        rollout_log_prob=zero(data["rollout_log_prob"]),
+        mask=mask,
+        seq_advantages=data["advantages"],
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("level", ["token", "sequence_product", "sequence_geometric"])
-@pytest.mark.parametrize("mode, lower, upper", [("truncate", None, 1.1), ("truncate", 0.9, 1.05),
-                                                ("mask", 0.9, 1.2), ("mask", None, 1.1)])
+@pytest.mark.parametrize(
+    "mode, lower, upper", [("truncate", None, 1.1), ("truncate", 0.9, 1.05), ("mask", 0.9, 1.2), ("mask", None, 1.1)]
+)
 def test_weights_match_loop(level, mode, lower, upper):
     data = mismatched()
     out = apply(RolloutCorrection(weight_level=level, weight_mode=mode, lower=lower, upper=upper), data)
@@ -62,18 +69,28 @@ def test_sequence_product_and_geometric_differ_on_long_rows():
 @pytest.mark.parametrize("option", REJECTION_OPTIONS)
 def test_kl_rejection_matches_verl_loop(option):
     data = mismatched(seed=3)
-    bounds = dict(upper=1.3, lower=0.8) if option.endswith("k1") else dict(upper=0.05 if "token" in option
-                                                                           or "mean" in option else 0.3)
+    bounds = (
+        dict(upper=1.3, lower=0.8)
+        if option.endswith("k1")
+        else dict(upper=0.05 if "token" in option or "mean" in option else 0.3)
+    )
     if option.startswith("seq_max"):
         bounds = dict(upper=1.6, lower=0.5) if option.endswith("k1") else dict(upper=0.2)
     out = apply(RolloutCorrection(weight_level=None, rejection=(Rejection(option, **bounds),)), data)
-    keep = loops.kl_rejection_keep(data["old_log_prob"].tolist(), data["rollout_log_prob"].tolist(),
-                                   data["mask"].tolist(), option, bounds["upper"], bounds.get("lower"))
+    keep = loops.kl_rejection_keep(
+        data["old_log_prob"].tolist(),
+        data["rollout_log_prob"].tolist(),
+        data["mask"].tolist(),
+        option,
+        bounds["upper"],
+        bounds.get("lower"),
+    )
     expected = data["mask"] & torch.tensor(keep)
     assert torch.equal(out.mask, expected)
     assert 0 < int(expected.sum()) < int(data["mask"].sum()), "the rule should reject some tokens, not all"
-    torch.testing.assert_close(out.metrics["rollout_rejected_frac"].value,
-                               1 - expected.sum() / data["mask"].sum(), check_dtype=False)
+    torch.testing.assert_close(
+        out.metrics["rollout_rejected_frac"].value, 1 - expected.sum() / data["mask"].sum(), check_dtype=False
+    )
 
 
 def test_rejections_chain_with_and():
@@ -84,15 +101,20 @@ def test_rejections_chain_with_and():
     two = apply(RolloutCorrection(weight_level=None, rejection=(b,)), data).mask
     assert torch.equal(both, one & two) and not torch.equal(both, one) and not torch.equal(both, two)
     counted = RolloutCorrection(weight_level=None, rejection=(a, b)).keep_mask(
-        data["mask"], data["old_log_prob"], data["rollout_log_prob"])
+        data["mask"], data["old_log_prob"], data["rollout_log_prob"]
+    )
     assert torch.equal(counted, both)  # the step counts the tokens the call keeps
 
 
 def test_ms_swift_sequence_mask_is_token_weight_with_geometric_rejection():
     # ms-swift `sequence_mask`: w_t = ρ_t · 1[exp(mean log ρ) ≤ C]; here a token weight and a seq_mean_k1 rule.
     data, cap = mismatched(seed=5, spread=0.3), 1.05
-    out = apply(RolloutCorrection(weight_level="token", upper=None,
-                                  rejection=(Rejection("seq_mean_k1", upper=None, lower=1 / cap),)), data)
+    out = apply(
+        RolloutCorrection(
+            weight_level="token", upper=None, rejection=(Rejection("seq_mean_k1", upper=None, lower=1 / cap),)
+        ),
+        data,
+    )
     m = data["mask"]
     log_rho = torch.where(m, data["old_log_prob"] - data["rollout_log_prob"], 0.0)
     seq_ok = (log_rho.sum(-1) / m.sum(-1).clamp(min=1)).exp() <= cap
@@ -117,10 +139,19 @@ def test_off_policy_mask_without_rollout_uses_old():
     data = mismatched(seed=7, spread=0.5)
     data["old_log_prob"] = data.pop("rollout_log_prob")
     out = RolloutCorrection(weight_level=None, off_policy_mask=0.1).apply(
-        log_prob=data["log_prob"], old_log_prob=data["old_log_prob"], rollout_log_prob=None, mask=data["mask"],
-        seq_advantages=data["advantages"])
-    keep = loops.opsm_keep(data["log_prob"].tolist(), data["old_log_prob"].tolist(), data["advantages"].tolist(),
-                           data["mask"].tolist(), 0.1)
+        log_prob=data["log_prob"],
+        old_log_prob=data["old_log_prob"],
+        rollout_log_prob=None,
+        mask=data["mask"],
+        seq_advantages=data["advantages"],
+    )
+    keep = loops.opsm_keep(
+        data["log_prob"].tolist(),
+        data["old_log_prob"].tolist(),
+        data["advantages"].tolist(),
+        data["mask"].tolist(),
+        0.1,
+    )
     assert torch.equal(out.mask, data["mask"] & torch.tensor(keep)[:, None])
 
 
@@ -142,14 +173,17 @@ def test_batch_normalized_weights_match_loop_and_are_split_invariant(level):
     corr = RolloutCorrection(weight_level=level, upper=1.5, batch_normalize=True)
     whole = apply(corr, data)
     lists = [data[k].tolist() for k in ("old_log_prob", "rollout_log_prob", "mask")]
-    weight, _ = loops.rollout_weights(*lists, level=level, mode="truncate", lower=None, upper=1.5,
-                                      batch_normalize=True)
+    weight, _ = loops.rollout_weights(*lists, level=level, mode="truncate", lower=None, upper=1.5, batch_normalize=True)
     torch.testing.assert_close(whole.weight, torch.tensor(weight, dtype=torch.float64), rtol=1e-12, atol=1e-14)
     parts = [slice(0, 2), slice(2, 7)]
-    mean = corr.step_weight_mean([data["mask"][p] for p in parts], [data["old_log_prob"][p] for p in parts],
-                                 [data["rollout_log_prob"][p] for p in parts])
-    pieces = [apply(corr, {k: v[p] for k, v in data.items() if k != "group_ids"}, weight_mean=mean).weight
-              for p in parts]
+    mean = corr.step_weight_mean(
+        [data["mask"][p] for p in parts],
+        [data["old_log_prob"][p] for p in parts],
+        [data["rollout_log_prob"][p] for p in parts],
+    )
+    pieces = [
+        apply(corr, {k: v[p] for k, v in data.items() if k != "group_ids"}, weight_mean=mean).weight for p in parts
+    ]
     torch.testing.assert_close(torch.cat(pieces), whole.weight, rtol=1e-12, atol=1e-14)
     local = apply(corr, {k: v[parts[0]] for k, v in data.items() if k != "group_ids"}).weight
     assert not torch.allclose(local, whole.weight[parts[0]]), "a local mean would differ: the test can fail"
@@ -164,11 +198,11 @@ def test_weight_metrics_and_ess():
     torch.testing.assert_close(metrics["rollout_is_weight_min"], w.min())
     torch.testing.assert_close(metrics["rollout_is_weight_max"], w.max())
     torch.testing.assert_close(metrics["rollout_is_weight_mean"], w.mean())
-    torch.testing.assert_close(metrics["rollout_is_ess"], w.mean() ** 2 / (w ** 2).mean())
+    torch.testing.assert_close(metrics["rollout_is_ess"], w.mean() ** 2 / (w**2).mean())
     seq = apply(RolloutCorrection(weight_level="sequence_product", upper=None), data)
     per_row = seq.weight.amax(-1)[m.any(-1)]
     torch.testing.assert_close(seq.metrics["rollout_is_weight_mean"].value, per_row.mean())
-    torch.testing.assert_close(seq.metrics["rollout_is_ess"].value, per_row.mean() ** 2 / (per_row ** 2).mean())
+    torch.testing.assert_close(seq.metrics["rollout_is_ess"].value, per_row.mean() ** 2 / (per_row**2).mean())
     assert all(v.requires_grad is False and v.ndim == 0 for v in metrics.values())
 
 
@@ -180,34 +214,40 @@ def test_mismatch_metrics_match_verl_loop():
         assert float(out.metrics[name].value) == pytest.approx(value, rel=1e-12), name
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(weight_level="seq"), ValueError, "weight_level"),
-    (dict(weight_mode="clip"), ValueError, "weight_mode"),
-    (dict(lower=2.0, upper=1.0), ValueError, "lower <= upper"),
-    (dict(upper=0.0), ValueError, "upper > 0"),
-    (dict(upper="2"), TypeError, "upper"),
-    (dict(upper=math.inf), ValueError, "upper must be finite"),
-    (dict(weight_mode="mask", upper=None), ValueError, "needs a lower or an upper"),
-    (dict(rejection=("token_k1",)), TypeError, "rejection"),
-    (dict(off_policy_mask=-1.0), ValueError, "off_policy_mask"),
-    (dict(bypass=1), TypeError, "bypass"),
-    (dict(batch_normalize=True, bypass=True), ValueError, "bypass"),
-    (dict(batch_normalize=True, weight_level=None), ValueError, "weight_level"),
-    (dict(max_log_ratio=0.0), ValueError, "max_log_ratio"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(weight_level="seq"), ValueError, "weight_level"),
+        (dict(weight_mode="clip"), ValueError, "weight_mode"),
+        (dict(lower=2.0, upper=1.0), ValueError, "lower <= upper"),
+        (dict(upper=0.0), ValueError, "upper > 0"),
+        (dict(upper="2"), TypeError, "upper"),
+        (dict(upper=math.inf), ValueError, "upper must be finite"),
+        (dict(weight_mode="mask", upper=None), ValueError, "needs a lower or an upper"),
+        (dict(rejection=("token_k1",)), TypeError, "rejection"),
+        (dict(off_policy_mask=-1.0), ValueError, "off_policy_mask"),
+        (dict(bypass=1), TypeError, "bypass"),
+        (dict(batch_normalize=True, bypass=True), ValueError, "bypass"),
+        (dict(batch_normalize=True, weight_level=None), ValueError, "weight_level"),
+        (dict(max_log_ratio=0.0), ValueError, "max_log_ratio"),
+    ],
+)
 def test_bad_configuration_is_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         RolloutCorrection(**kwargs)
 
 
-@pytest.mark.parametrize("args, match", [
-    (("token_k4", 1.0), "option must be one of"),
-    (("token_k2", None), "upper >= 0"),
-    (("token_k3", 0.1, 0.01), "only an upper bound"),
-    (("seq_mean_k1", None), "needs a ratio bound"),
-    (("seq_sum_k1", 0.5, 2.0), "lower <= upper"),
-    (("token_k1", -1.0), "must be > 0"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("token_k4", 1.0), "option must be one of"),
+        (("token_k2", None), "upper >= 0"),
+        (("token_k3", 0.1, 0.01), "only an upper bound"),
+        (("seq_mean_k1", None), "needs a ratio bound"),
+        (("seq_sum_k1", 0.5, 2.0), "lower <= upper"),
+        (("token_k1", -1.0), "must be > 0"),
+    ],
+)
 def test_bad_rejection_is_refused(args, match):
     with pytest.raises(ValueError, match=match):
         Rejection(*args)
@@ -216,11 +256,16 @@ def test_bad_rejection_is_refused(args, match):
 def test_missing_inputs_are_named():
     data = mismatched()
     with pytest.raises(ValueError, match="rollout_log_prob"):
-        RolloutCorrection().apply(log_prob=data["log_prob"], old_log_prob=data["old_log_prob"],
-                                  rollout_log_prob=None, mask=data["mask"])
+        RolloutCorrection().apply(
+            log_prob=data["log_prob"], old_log_prob=data["old_log_prob"], rollout_log_prob=None, mask=data["mask"]
+        )
     with pytest.raises(ValueError, match="off_policy_mask needs advantages"):
-        RolloutCorrection(off_policy_mask=0.1).apply(log_prob=data["log_prob"], old_log_prob=data["old_log_prob"],
-                                                     rollout_log_prob=data["rollout_log_prob"], mask=data["mask"])
+        RolloutCorrection(off_policy_mask=0.1).apply(
+            log_prob=data["log_prob"],
+            old_log_prob=data["old_log_prob"],
+            rollout_log_prob=data["rollout_log_prob"],
+            mask=data["mask"],
+        )
     with pytest.raises(ValueError, match="batch_normalize is False"):
         apply(RolloutCorrection(), data, weight_mean=torch.tensor(1.0))
 
@@ -231,8 +276,11 @@ def test_normalizer_counts_kept_tokens_and_carries_the_weight_mean():
     data = mismatched(seed=3)
     corr = RolloutCorrection(upper=1.5, batch_normalize=True, rejection=(Rejection("token_k2", 0.05),))
     parts = [slice(0, 3), slice(3, 7)]
-    args = ([data["mask"][p] for p in parts], [data["old_log_prob"][p] for p in parts],
-            [data["rollout_log_prob"][p] for p in parts])
+    args = (
+        [data["mask"][p] for p in parts],
+        [data["old_log_prob"][p] for p in parts],
+        [data["rollout_log_prob"][p] for p in parts],
+    )
     norm = corr.normalizer(*args)
     kept = [corr.keep_mask(*a) for a in zip(*args)]
     expected = pgloss.Normalizer.count(kept)
@@ -248,9 +296,21 @@ def test_normalizer_counts_kept_tokens_and_carries_the_weight_mean():
 def test_empty_batches_give_nan_metrics_and_no_error(shape):
     zeros = torch.zeros(shape, dtype=torch.float64)
     mask = torch.ones(shape, dtype=torch.bool)
-    corr = RolloutCorrection(weight_level="sequence_geometric", batch_normalize=True, off_policy_mask=0.1,
-                             rejection=(Rejection("seq_max_k3", 0.1), Rejection("seq_sum_k1", 2.0)))
-    out = apply(corr, dict(log_prob=zeros, old_log_prob=zeros, rollout_log_prob=zeros, mask=mask,
-                           advantages=torch.zeros(shape[0], dtype=torch.float64)))
+    corr = RolloutCorrection(
+        weight_level="sequence_geometric",
+        batch_normalize=True,
+        off_policy_mask=0.1,
+        rejection=(Rejection("seq_max_k3", 0.1), Rejection("seq_sum_k1", 2.0)),
+    )
+    out = apply(
+        corr,
+        dict(
+            log_prob=zeros,
+            old_log_prob=zeros,
+            rollout_log_prob=zeros,
+            mask=mask,
+            advantages=torch.zeros(shape[0], dtype=torch.float64),
+        ),
+    )
     assert out.weight.shape == shape and out.mask.shape == shape
     assert torch.isnan(out.metrics["rollout_is_weight_mean"].value) and torch.isnan(out.metrics["rollout_kl"].value)

@@ -6,14 +6,14 @@ fused path, and decoupled (three-policy) PPO as AReaL writes it."""
 import dataclasses
 import math
 
-import pytest
-import torch
-
 import loops
 import loops as lp2
-import pgloss
+import pytest
+import torch
 from conftest import log_probs, make_batch
 from properties.micro_batches import cut, split_call
+
+import pgloss
 from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 F64 = torch.float64
@@ -22,14 +22,24 @@ F64 = torch.float64
 def data(seed=0, spread=0.3, per_token_adv=False):
     d = make_batch(batch=9, length=7, seed=seed, per_token_adv=per_token_adv)
     gen = torch.Generator().manual_seed(seed + 50)
-    d["rollout_log_prob"] = log_probs(d["old_log_prob"] + spread * torch.randn(d["mask"].shape, generator=gen, dtype=F64))
+    d["rollout_log_prob"] = log_probs(
+        d["old_log_prob"] + spread * torch.randn(d["mask"].shape, generator=gen, dtype=F64)
+    )
     return d
 
 
 def call(alg, d, log_prob=None, **kw):
-    return alg(d["log_prob"] if log_prob is None else log_prob, d["old_log_prob"], d["advantages"], d["mask"],
-               rollout_log_prob=d["rollout_log_prob"], ref_log_prob=d["ref_log_prob"], group_ids=d["group_ids"],
-               teacher_log_prob=d["teacher_log_prob"], **kw)
+    return alg(
+        d["log_prob"] if log_prob is None else log_prob,
+        d["old_log_prob"],
+        d["advantages"],
+        d["mask"],
+        rollout_log_prob=d["rollout_log_prob"],
+        ref_log_prob=d["ref_log_prob"],
+        group_ids=d["group_ids"],
+        teacher_log_prob=d["teacher_log_prob"],
+        **kw,
+    )
 
 
 def expected_dapo(d, *, weight, keep, counted, clip_low=0.2, clip_high=0.28):
@@ -47,8 +57,9 @@ def expected_dapo(d, *, weight, keep, counted, clip_low=0.2, clip_high=0.28):
 @pytest.mark.parametrize("level", ["token", "sequence_product", "sequence_geometric"])
 def test_dapo_with_each_weight_level_and_rejection_matches_loop(level):
     d = data(seed=1)
-    corr = RolloutCorrection(weight_level=level, weight_mode="mask", lower=0.7, upper=1.4,
-                             rejection=(Rejection("token_k2", 0.08),))
+    corr = RolloutCorrection(
+        weight_level=level, weight_mode="mask", lower=0.7, upper=1.4, rejection=(Rejection("token_k2", 0.08),)
+    )
     out = call(pgloss.get("dapo", rollout_correction=corr), d)
     lists = [d[k].tolist() for k in ("old_log_prob", "rollout_log_prob", "mask")]
     weight, _ = lp2.rollout_weights(*lists, level=level, mode="mask", lower=0.7, upper=1.4)
@@ -79,10 +90,16 @@ def test_any_loss_composes_weight_before_aggregation(name):
     keep = corr.keep_mask(d["mask"], d["old_log_prob"], d["rollout_log_prob"])
     assert not torch.equal(keep, d["mask"])
     ref = plain(d["log_prob"], d["old_log_prob"], d["advantages"], keep, group_ids=d["group_ids"])
-    weight, _ = lp2.rollout_weights(*[d[k].tolist() for k in ("old_log_prob", "rollout_log_prob", "mask")],
-                                    level="sequence_geometric", mode="truncate", lower=None, upper=1.1)
-    expected = pgloss.aggregate(ref.per_token * torch.tensor(weight, dtype=F64), keep, plain.loss_agg_mode,
-                                norm_constant=plain.norm_constant)
+    weight, _ = lp2.rollout_weights(
+        *[d[k].tolist() for k in ("old_log_prob", "rollout_log_prob", "mask")],
+        level="sequence_geometric",
+        mode="truncate",
+        lower=None,
+        upper=1.1,
+    )
+    expected = pgloss.aggregate(
+        ref.per_token * torch.tensor(weight, dtype=F64), keep, plain.loss_agg_mode, norm_constant=plain.norm_constant
+    )
     torch.testing.assert_close(out.loss, expected, rtol=1e-12, atol=1e-14)
 
 
@@ -124,8 +141,9 @@ def test_off_policy_mask_zeroes_rows_but_keeps_the_denominator():
     out = call(pgloss.get("dapo", rollout_correction=corr), d)
     m = d["mask"]
     seq_adv = (d["advantages"] * m).sum(-1) / m.sum(-1).clamp(min=1)
-    keep = torch.tensor(lp2.opsm_keep(d["log_prob"].tolist(), d["rollout_log_prob"].tolist(), seq_adv.tolist(),
-                                      m.tolist(), 0.05))
+    keep = torch.tensor(
+        lp2.opsm_keep(d["log_prob"].tolist(), d["rollout_log_prob"].tolist(), seq_adv.tolist(), m.tolist(), 0.05)
+    )
     assert not keep[m.any(-1)].all()
     plain = pgloss.get("dapo")(d["log_prob"], d["old_log_prob"], d["advantages"], m).per_token
     torch.testing.assert_close(out.loss, (plain * keep[:, None]).sum() / m.sum(), rtol=1e-12, atol=1e-14)
@@ -133,8 +151,9 @@ def test_off_policy_mask_zeroes_rows_but_keeps_the_denominator():
 
 PARTS = [slice(0, 2), slice(2, 5), slice(5, 9)]
 CORRECTIONS = [
-    RolloutCorrection(weight_level="token", upper=1.3, batch_normalize=True,
-                      rejection=(Rejection("seq_mean_k3", 0.04),)),
+    RolloutCorrection(
+        weight_level="token", upper=1.3, batch_normalize=True, rejection=(Rejection("seq_mean_k3", 0.04),)
+    ),
     RolloutCorrection(weight_level="sequence_product", weight_mode="mask", lower=0.3, upper=3.0, batch_normalize=True),
     RolloutCorrection(weight_level="sequence_geometric", off_policy_mask=0.0, rejection=(Rejection("token_k1", 1.5),)),
 ]
@@ -148,11 +167,24 @@ def test_micro_batches_with_the_corrected_normalizer_match_one_call(corr, mode):
     whole_lp = d["log_prob"].clone().requires_grad_(True)
     whole = call(alg, d, log_prob=whole_lp)
     whole.loss.backward()
-    normalizer = corr.normalizer(cut(d["mask"], PARTS), cut(d["old_log_prob"], PARTS),
-                                 cut(d["rollout_log_prob"], PARTS), group_ids=cut(d["group_ids"], PARTS))
-    total, grad = split_call(alg, d["log_prob"], PARTS, normalizer, old_log_prob=d["old_log_prob"],
-                             advantages=d["advantages"], mask=d["mask"], rollout_log_prob=d["rollout_log_prob"],
-                             ref_log_prob=d["ref_log_prob"], group_ids=d["group_ids"])
+    normalizer = corr.normalizer(
+        cut(d["mask"], PARTS),
+        cut(d["old_log_prob"], PARTS),
+        cut(d["rollout_log_prob"], PARTS),
+        group_ids=cut(d["group_ids"], PARTS),
+    )
+    total, grad = split_call(
+        alg,
+        d["log_prob"],
+        PARTS,
+        normalizer,
+        old_log_prob=d["old_log_prob"],
+        advantages=d["advantages"],
+        mask=d["mask"],
+        rollout_log_prob=d["rollout_log_prob"],
+        ref_log_prob=d["ref_log_prob"],
+        group_ids=d["group_ids"],
+    )
     torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
 
@@ -227,11 +259,20 @@ def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_st
     for corr in CORRECTIONS:
         alg = pgloss.get("dapo", kl_coef=0.05, rollout_correction=corr)
         parts = RANK_PARTS[rank]
-        normalizer = corr.normalizer(cut(d["mask"], parts), cut(d["old_log_prob"], parts),
-                                     cut(d["rollout_log_prob"], parts))
-        _, grad = split_call(alg, d["log_prob"], parts, normalizer, old_log_prob=d["old_log_prob"],
-                             advantages=d["advantages"], mask=d["mask"], rollout_log_prob=d["rollout_log_prob"],
-                             ref_log_prob=d["ref_log_prob"])
+        normalizer = corr.normalizer(
+            cut(d["mask"], parts), cut(d["old_log_prob"], parts), cut(d["rollout_log_prob"], parts)
+        )
+        _, grad = split_call(
+            alg,
+            d["log_prob"],
+            parts,
+            normalizer,
+            old_log_prob=d["old_log_prob"],
+            advantages=d["advantages"],
+            mask=d["mask"],
+            rollout_log_prob=d["rollout_log_prob"],
+            ref_log_prob=d["ref_log_prob"],
+        )
         grad = grad.clone()
         torch.distributed.all_reduce(grad)
         out.append(grad / 2)
@@ -263,8 +304,11 @@ def test_nan_at_masked_positions_never_reaches_the_loss():
     corr = CORRECTIONS[0]
     alg = pgloss.get("dapo", rollout_correction=corr)
     clean = call(alg, d)
-    dirty = dict(d, rollout_log_prob=torch.where(d["mask"], d["rollout_log_prob"], torch.nan),
-                 old_log_prob=torch.where(d["mask"], d["old_log_prob"], torch.inf))
+    dirty = dict(
+        d,
+        rollout_log_prob=torch.where(d["mask"], d["rollout_log_prob"], torch.nan),
+        old_log_prob=torch.where(d["mask"], d["old_log_prob"], torch.inf),
+    )
     lp = torch.where(d["mask"], d["log_prob"], torch.nan).requires_grad_(True)
     out = call(alg, dirty, log_prob=lp)
     out.loss.backward()
@@ -285,11 +329,20 @@ def test_every_named_loss_composes_with_a_correction(name):
     keep = corr.keep_mask(d["mask"], d["old_log_prob"], d["rollout_log_prob"])
     plain = pgloss.get(name, **extra)
     torch.manual_seed(0)
-    ref = plain(d["log_prob"], d["old_log_prob"], d["advantages"], keep, ref_log_prob=d["ref_log_prob"],
-                group_ids=d["group_ids"], scores=SCORES, teacher_log_prob=d["teacher_log_prob"])
+    ref = plain(
+        d["log_prob"],
+        d["old_log_prob"],
+        d["advantages"],
+        keep,
+        ref_log_prob=d["ref_log_prob"],
+        group_ids=d["group_ids"],
+        scores=SCORES,
+        teacher_log_prob=d["teacher_log_prob"],
+    )
     w = torch.where(keep, (d["old_log_prob"] - d["rollout_log_prob"]).exp().clamp(max=1.3), 0.0)
-    expected = pgloss.aggregate(ref.per_token * w, keep, plain.loss_agg_mode, norm_constant=plain.norm_constant,
-                                group_ids=d["group_ids"])
+    expected = pgloss.aggregate(
+        ref.per_token * w, keep, plain.loss_agg_mode, norm_constant=plain.norm_constant, group_ids=d["group_ids"]
+    )
     policy = out.metrics["pg_loss"]
     torch.testing.assert_close(policy, expected, rtol=1e-12, atol=1e-14)
     assert float(out.metrics["rollout_rejected_frac"]) > 0
@@ -305,10 +358,20 @@ def test_bfloat16_counts_the_same_kept_tokens_as_the_call():
     corr = RolloutCorrection(upper=1.5, rejection=(Rejection("token_k3", 0.02),))
     alg = pgloss.get("dapo", rollout_correction=corr)
     whole = call(alg, d)
-    normalizer = corr.normalizer([d["mask"][p] for p in PARTS], [d["old_log_prob"][p] for p in PARTS],
-                                 [d["rollout_log_prob"][p] for p in PARTS])
+    normalizer = corr.normalizer(
+        [d["mask"][p] for p in PARTS], [d["old_log_prob"][p] for p in PARTS], [d["rollout_log_prob"][p] for p in PARTS]
+    )
     kept = whole.metrics["rollout_rejected_frac"]
     assert float(normalizer.tokens) == pytest.approx(float(d["mask"].sum()) * (1 - float(kept)))
-    total = sum(alg(d["log_prob"][p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p],
-                    rollout_log_prob=d["rollout_log_prob"][p], normalizer=normalizer).loss for p in PARTS)
+    total = sum(
+        alg(
+            d["log_prob"][p],
+            d["old_log_prob"][p],
+            d["advantages"][p],
+            d["mask"][p],
+            rollout_log_prob=d["rollout_log_prob"][p],
+            normalizer=normalizer,
+        ).loss
+        for p in PARTS
+    )
     torch.testing.assert_close(total, whole.loss, rtol=1e-5, atol=1e-7)

@@ -2,13 +2,13 @@
 plain loop, split into micro-batches, entering the normaliser, and over two gloo ranks (`on_rank`,
 `check_ranks`: run by properties/test_two_ranks_step_statistics.py)."""
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
 from properties.micro_batches import micro_batches
+
+import pgloss
 from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask, truncated_completion_mask
 
 PARTS = [slice(0, 3), slice(3, 5), slice(5, 9)]
@@ -55,15 +55,18 @@ def test_truncated_completions_are_cleared():
     assert torch.equal(truncated_completion_mask(d["mask"].int(), finished), out)
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda d: entropy_threshold(d["entropy"], d["mask"], top=0.0), ValueError, "top must be a share"),
-    (lambda d: entropy_threshold(d["entropy"], d["mask"], top=True), TypeError, "top must be a real number"),
-    (lambda d: entropy_threshold([d["entropy"]], [], top=0.2), ValueError, "one tensor per micro-batch"),
-    (lambda d: entropy_threshold(d["entropy"][0], d["mask"][0], top=0.2), ValueError, "entropies.0. must have 2"),
-    (lambda d: top_entropy_mask(d["entropy"], d["mask"][:2], 0.1), ValueError, "mask must have shape"),
-    (lambda d: truncated_completion_mask(d["mask"], torch.ones(9)), TypeError, "finished must be a bool"),
-    (lambda d: truncated_completion_mask(d["mask"], torch.ones(3, dtype=torch.bool)), ValueError, "finished must"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda d: entropy_threshold(d["entropy"], d["mask"], top=0.0), ValueError, "top must be a share"),
+        (lambda d: entropy_threshold(d["entropy"], d["mask"], top=True), TypeError, "top must be a real number"),
+        (lambda d: entropy_threshold([d["entropy"]], [], top=0.2), ValueError, "one tensor per micro-batch"),
+        (lambda d: entropy_threshold(d["entropy"][0], d["mask"][0], top=0.2), ValueError, "entropies.0. must have 2"),
+        (lambda d: top_entropy_mask(d["entropy"], d["mask"][:2], 0.1), ValueError, "mask must have shape"),
+        (lambda d: truncated_completion_mask(d["mask"], torch.ones(9)), TypeError, "finished must be a bool"),
+        (lambda d: truncated_completion_mask(d["mask"], torch.ones(3, dtype=torch.bool)), ValueError, "finished must"),
+    ],
+)
 def test_bad_input_is_named(call, error, match):
     with pytest.raises(error, match=match):
         call(data())
@@ -102,8 +105,9 @@ def check_ranks(results):
     d = data()
     threshold = entropy_threshold(d["entropy"], d["mask"], top=0.25)
     log_prob = d["log_prob"].clone().requires_grad_(True)
-    pgloss.get("dapo")(log_prob, d["old_log_prob"], d["advantages"],
-                       top_entropy_mask(d["entropy"], d["mask"], threshold)).loss.backward()
+    pgloss.get("dapo")(
+        log_prob, d["old_log_prob"], d["advantages"], top_entropy_mask(d["entropy"], d["mask"], threshold)
+    ).loss.backward()
     for rank in (0, 1):
         assert float(results[rank][0]) == float(threshold)
         torch.testing.assert_close(results[rank][1], log_prob.grad, rtol=1e-12, atol=1e-14)

@@ -11,8 +11,23 @@ from pgloss.diagnostics.inspect import inspect, token_gradients
 from pgloss.losses.ppo import clip_factor
 
 # The families with a closed form today; an algorithm added later may have none (closed_form None).
-CLOSED = ("ppo", "dual_clip_ppo", "grpo", "sample_grpo", "gspo", "gspo_token", "dapo", "bnpo", "dr_grpo", "cispo",
-          "sapo", "fipo", "gpg", "tis_pg", "topr")
+CLOSED = (
+    "ppo",
+    "dual_clip_ppo",
+    "grpo",
+    "sample_grpo",
+    "gspo",
+    "gspo_token",
+    "dapo",
+    "bnpo",
+    "dr_grpo",
+    "cispo",
+    "sapo",
+    "fipo",
+    "gpg",
+    "tis_pg",
+    "topr",
+)
 
 
 def loop_gradient(name, batch, *, clip_low, clip_high, norm_constant=None):
@@ -37,8 +52,13 @@ def loop_gradient(name, batch, *, clip_low, clip_high, norm_constant=None):
                 continue
             if name in ("grpo", "bnpo", "dr_grpo"):
                 r = math.exp(lp[i][t] - old[i][t])
-                weight = (1 / (n_seq * lens[i]) if name == "grpo" else 1 / n_tok if name == "bnpo"
-                          else 1 / (n_seq * norm_constant))
+                weight = (
+                    1 / (n_seq * lens[i])
+                    if name == "grpo"
+                    else 1 / n_tok
+                    if name == "bnpo"
+                    else 1 / (n_seq * norm_constant)
+                )
                 out[i][t] = slope(r, adv[i]) * r * weight
             elif name == "gspo":  # s = exp(mean log r); L_i = ℓ(s)/N_seq; ∂s/∂log π_t = s/|y|
                 s = math.exp(sum(log_ratios) / lens[i])
@@ -56,8 +76,9 @@ def test_closed_form_matches_a_plain_loop(name):
     if name == "gspo":  # a band wide enough that some sequences are inside and some clipped
         alg = algorithm(name, clip_low=0.05, clip_high=0.05)
     result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"])
-    expected = loop_gradient(name, batch, clip_low=alg.clip_low, clip_high=alg.clip_high,
-                             norm_constant=alg.norm_constant)
+    expected = loop_gradient(
+        name, batch, clip_low=alg.clip_low, clip_high=alg.clip_high, norm_constant=alg.norm_constant
+    )
     torch.testing.assert_close(result.closed_form, expected, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(result.policy_grad, expected, rtol=1e-10, atol=1e-14)
     valid = expected[batch["mask"]]
@@ -112,8 +133,10 @@ def test_ratio_one_is_reinforce_under_each_aggregation():
         result = inspect(alg, lp, lp, batch["advantages"], batch["mask"])
         expected = -result.advantage * result.weight * (lens if name == "sample_grpo" else 1.0)
         torch.testing.assert_close(result.policy_grad, expected, rtol=1e-12, atol=1e-15)
-        torch.testing.assert_close(result.factor[batch["mask"]],
-                                   (lens.expand_as(lp) if name == "sample_grpo" else torch.ones_like(lp))[batch["mask"]])
+        torch.testing.assert_close(
+            result.factor[batch["mask"]],
+            (lens.expand_as(lp) if name == "sample_grpo" else torch.ones_like(lp))[batch["mask"]],
+        )
 
 
 def test_aggregation_weights():
@@ -121,11 +144,19 @@ def test_aggregation_weights():
     mask = batch["mask"]
     lens = mask.sum(1, keepdim=True).double()
     n_seq, n_tok = float((lens > 0).sum()), float(lens.sum())
-    expected = {"grpo": 1 / (n_seq * lens.clamp(min=1)), "bnpo": 1 / n_tok + 0 * lens,
-                "dr_grpo": 1 / (n_seq * 9.0) + 0 * lens}
+    expected = {
+        "grpo": 1 / (n_seq * lens.clamp(min=1)),
+        "bnpo": 1 / n_tok + 0 * lens,
+        "dr_grpo": 1 / (n_seq * 9.0) + 0 * lens,
+    }
     for name, weight in expected.items():
-        result = inspect(algorithm(name, kl_coef=0.0) if name == "grpo" else algorithm(name),
-                         batch["log_prob"], batch["old_log_prob"], batch["advantages"], mask)
+        result = inspect(
+            algorithm(name, kl_coef=0.0) if name == "grpo" else algorithm(name),
+            batch["log_prob"],
+            batch["old_log_prob"],
+            batch["advantages"],
+            mask,
+        )
         torch.testing.assert_close(result.weight, torch.where(mask, weight.expand_as(result.weight), 0.0))
 
 
@@ -139,8 +170,13 @@ def test_clipped_tokens_get_exactly_zero_and_cispo_does_not():
     assert ppo.grad[0, 1] == pytest.approx(-1 / 3) and ppo.grad[0, 2] == pytest.approx(-0.5 / 3)
     low = inspect(algorithm("ppo"), lp, old, neg, mask)
     assert low.grad[0, 2] == 0 and low.grad[0, 0] == pytest.approx(2 / 3)  # A < 0, r = 0.5 < 0.8 clipped
-    dual = inspect(algorithm("dual_clip_ppo"), torch.zeros(1, 1, dtype=torch.float64),
-                   torch.full((1, 1), -math.log(5.0), dtype=torch.float64), neg, torch.ones(1, 1, dtype=torch.bool))
+    dual = inspect(
+        algorithm("dual_clip_ppo"),
+        torch.zeros(1, 1, dtype=torch.float64),
+        torch.full((1, 1), -math.log(5.0), dtype=torch.float64),
+        neg,
+        torch.ones(1, 1, dtype=torch.bool),
+    )
     assert dual.grad[0, 0] == 0 and dual.factor[0, 0] == 0  # r = 5 > c = 3: the dual clip holds the loss
     cispo = inspect(algorithm("cispo"), lp, old, pos, mask)
     torch.testing.assert_close(cispo.grad, torch.tensor([[-2.0, -1.0, -0.5]], dtype=torch.float64) / 3)
@@ -165,8 +201,14 @@ def test_masked_positions_and_nan_padding():
 def test_kl_term_is_in_grad_not_in_the_closed_form():
     batch = make_batch(5, 7, seed=6)
     alg = algorithm("grpo")  # kl_coef 0.04
-    result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"],
-                     ref_log_prob=batch["ref_log_prob"])
+    result = inspect(
+        alg,
+        batch["log_prob"],
+        batch["old_log_prob"],
+        batch["advantages"],
+        batch["mask"],
+        ref_log_prob=batch["ref_log_prob"],
+    )
     torch.testing.assert_close(result.closed_form, result.policy_grad)
     assert (result.grad - result.policy_grad).abs().max() > 1e-4
 
@@ -175,29 +217,46 @@ def test_normalizer_and_rollout_correction():
     """A micro-batch's gradient with the step's Normalizer, and truncated importance sampling."""
     batch = make_batch(6, 8, seed=7)
     normalizer = pgloss.Normalizer.count([batch["mask"], batch["mask"][:2]])
-    rollout = log_probs(batch["old_log_prob"] + 0.5 * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64,
-                                                                  generator=torch.Generator().manual_seed(0)))
+    rollout = log_probs(
+        batch["old_log_prob"]
+        + 0.5
+        * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    )
     for name in ("bnpo", "gspo", "gspo_token", "sample_grpo", "sapo"):
-        result = inspect(algorithm(name), batch["log_prob"], batch["old_log_prob"], batch["advantages"],
-                         batch["mask"], normalizer=normalizer, rollout_log_prob=rollout)
+        result = inspect(
+            algorithm(name),
+            batch["log_prob"],
+            batch["old_log_prob"],
+            batch["advantages"],
+            batch["mask"],
+            normalizer=normalizer,
+            rollout_log_prob=rollout,
+        )
         torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-9, atol=1e-13)
 
 
-@pytest.mark.parametrize("correction", [
-    dict(weight_level="sequence_geometric", weight_mode="mask", lower=0.7, upper=1.4),
-    dict(weight_level="token", upper=1.5, rejection=(pgloss.Rejection("token_k3", upper=0.08),)),
-    dict(weight_level="token", upper=2.0, bypass=True),
-])
+@pytest.mark.parametrize(
+    "correction",
+    [
+        dict(weight_level="sequence_geometric", weight_mode="mask", lower=0.7, upper=1.4),
+        dict(weight_level="token", upper=1.5, rejection=(pgloss.Rejection("token_k3", upper=0.08),)),
+        dict(weight_level="token", upper=2.0, bypass=True),
+    ],
+)
 def test_closed_form_follows_a_configured_rollout_correction(correction):
     """The closed form takes the call's own correction: its weight, its rejections and, in bypass
     mode, its old log-probs."""
     batch = make_batch(6, 8, seed=9)
-    rollout = log_probs(batch["old_log_prob"] + 0.3 * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64,
-                                                                  generator=torch.Generator().manual_seed(1)))
+    rollout = log_probs(
+        batch["old_log_prob"]
+        + 0.3
+        * torch.randn(batch["old_log_prob"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    )
     for name in ("dapo", "gspo", "cispo"):
         alg = algorithm(name, rollout_correction=pgloss.RolloutCorrection(**correction))
-        result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"],
-                         rollout_log_prob=rollout)
+        result = inspect(
+            alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"], rollout_log_prob=rollout
+        )
         torch.testing.assert_close(result.closed_form, result.policy_grad, rtol=1e-9, atol=1e-13)
 
 
@@ -225,8 +284,9 @@ def test_group_mean_token_mean_weights():
     """w = 1/(N_grp·n_g): each prompt's tokens share its group's weight."""
     batch = make_batch(6, 8, seed=9)
     alg = algorithm("bnpo", loss_agg_mode="group-mean-token-mean")
-    result = inspect(alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"],
-                     group_ids=batch["group_ids"])
+    result = inspect(
+        alg, batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"], group_ids=batch["group_ids"]
+    )
     mask, ids = batch["mask"], batch["group_ids"]
     tokens = {int(g): float(mask[ids == g].sum()) for g in ids.unique()}
     groups = sum(1 for n in tokens.values() if n > 0)
@@ -248,8 +308,9 @@ def test_clip_cov_draws_once_and_leaves_the_generator_as_it_found_it(seeded):
     batch = cov_batch()
     args = (batch["log_prob"], batch["old_log_prob"], batch["advantages"], batch["mask"])
     generator = torch.Generator().manual_seed(5) if seeded else None
-    alg = algorithm("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.05, generator=generator,
-                    entropy_coef=0.01)  # with an entropy term: grad and policy_grad are two loss calls
+    alg = algorithm(
+        "clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.05, generator=generator, entropy_coef=0.01
+    )  # with an entropy term: grad and policy_grad are two loss calls
     torch.manual_seed(123)
     before = generator.get_state() if seeded else torch.get_rng_state()
     result = inspect(alg, *args, entropy=batch["entropy"])
@@ -285,8 +346,19 @@ def test_kl_estimator_full_can_be_inspected():
     assert logits.grad is not None
 
 
-@pytest.mark.parametrize("name, closed", [("luspo", True), ("dppo_tv", True), ("dppo_kl", True), ("vespo", True),
-                                          ("clip_cov", True), ("gmpo", False), ("kl_cov", False), ("real", False)])
+@pytest.mark.parametrize(
+    "name, closed",
+    [
+        ("luspo", True),
+        ("dppo_tv", True),
+        ("dppo_kl", True),
+        ("vespo", True),
+        ("clip_cov", True),
+        ("gmpo", False),
+        ("kl_cov", False),
+        ("real", False),
+    ],
+)
 def test_each_family_owns_its_closed_form(name, closed):
     """inspect reads the family's own `gradient_factor`; a family without one says so."""
     batch = cov_batch() if name == "clip_cov" else make_batch(6, 8, seed=13, spread=0.3)

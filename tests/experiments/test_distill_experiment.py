@@ -9,8 +9,8 @@ import torch
 
 from pgloss.cli import main
 from pgloss.experiments import distill
+from pgloss.experiments.claims import run_mean, verdict
 from pgloss.experiments.distill_report import CLAIMS, steps_to_teacher, summary_rows, teacher_reward
-from pgloss.experiments.claims import verdict, run_mean
 from pgloss.experiments.runs import load
 
 SMALL = dict(prompts_per_step=2, group_size=2, warm_steps=3, warm_batch=4, d_model=16, eval_prompts=2)
@@ -31,8 +31,17 @@ def test_each_run_is_a_lab_config_of_its_own():
 
 
 def _records(rewards, kl=None, label="opd", seed=0):
-    return [{"algorithm": label, "seed": seed, "step": k, "reward": r, "accuracy": r,
-             "kl_teacher": None if kl is None else kl[k]} for k, r in enumerate(rewards)]
+    return [
+        {
+            "algorithm": label,
+            "seed": seed,
+            "step": k,
+            "reward": r,
+            "accuracy": r,
+            "kl_teacher": None if kl is None else kl[k],
+        }
+        for k, r in enumerate(rewards)
+    ]
 
 
 def test_steps_to_the_teacher_read_the_smoothed_reward_against_the_teachers_end():
@@ -43,7 +52,7 @@ def test_steps_to_the_teacher_read_the_smoothed_reward_against_the_teachers_end(
     # centred 5-step means: step 0 -> (0.2+0.5+0.8)/3 = 0.5, step 1 -> 0.575, step 2 -> 0.62, step 3 -> 0.74, step 4 -> 0.8
     assert steps_to_teacher(climbing, 0.78) == 4 and steps_to_teacher(climbing, 0.6) == 2
     assert steps_to_teacher(climbing, 0.9) is None
-    row, = summary_rows({**runs, ("opd", 0): climbing}, ["opd"], window=3)
+    (row,) = summary_rows({**runs, ("opd", 0): climbing}, ["opd"], window=3)
     assert row["reached"] == [4] and row["reward"][0][0] == pytest.approx(0.2)
 
 
@@ -75,12 +84,16 @@ def test_a_reduced_experiment_runs_resumes_and_reports(tmp_path, monkeypatch, ca
         teacher = torch.load(distill.teacher_path(out, seed))
         assert teacher.keys() and all(torch.isfinite(v).all() for v in teacher.values())
         # every student of a seed starts from its warm start on the same prompts and samples: step 0 is shared
-        starts = {json.dumps({k: runs[(label, seed)][0][k] for k in ("reward", "length", "entropy", "kl_teacher")})
-                  for label in labels[1:]}
+        starts = {
+            json.dumps({k: runs[(label, seed)][0][k] for k in ("reward", "length", "entropy", "kl_teacher")})
+            for label in labels[1:]
+        }
         assert len(starts) == 1
         assert all(r["kl_teacher"] >= 0 for label in labels[1:] for r in runs[(label, seed)])
     text = (out / "report.md").read_text()
-    assert "| opd+reward | 2 |" in text and "steps to the teacher's reward" in text and "A check run, not a result" in text
+    assert (
+        "| opd+reward | 2 |" in text and "steps to the teacher's reward" in text and "A check run, not a result" in text
+    )
     assert "On-Policy Distillation (Thinking Machines Lab, 2025)" in text and "(would read: " in text
     assert "kl_teacher(iw_opd) - kl_teacher(opd) < 0" in text
     assert (out / "distill.png").stat().st_size > 10_000
@@ -109,13 +122,35 @@ def test_a_wider_teacher_runs_from_its_own_warm_start(tmp_path, monkeypatch, cap
         distill.DistillExperiment(**SMALL, teacher_d_model=25)
     monkeypatch.setattr(distill, "DESIGN", distill.DistillExperiment(**SMALL))
     out = tmp_path / "w"
-    assert main(["experiment", "distill", "--quick", "--seeds", "1", "--teacher-steps", "2", "--steps", "1",
-                 "--students", "opd", "--teacher-d-model", "24", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "experiment",
+                "distill",
+                "--quick",
+                "--seeds",
+                "1",
+                "--teacher-steps",
+                "2",
+                "--steps",
+                "1",
+                "--students",
+                "opd",
+                "--teacher-d-model",
+                "24",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     teacher = torch.load(distill.teacher_path(out, 0))
     assert teacher["tok.weight"].shape[1] == 24
     assert len(list((out / "warm").iterdir())) == 2  # the teacher's warm start and the students'
     assert all(r["kl_teacher"] > 0 for r in load(out)[("opd", 0)])
-    assert "The teacher is GRPO from a warm start of its own, 24 wide (the students 16)" in (out / "report.md").read_text()
+    assert (
+        "The teacher is GRPO from a warm start of its own, 24 wide (the students 16)" in (out / "report.md").read_text()
+    )
     capsys.readouterr()
 
 

@@ -13,8 +13,21 @@ from pgloss.lab.config import LabConfig, field_docs
 
 LAB = {f.name: f for f in dataclasses.fields(LabConfig)}
 # A valid value other than every experiment's default, for each lab field the experiments carry.
-OTHER = dict(steps=7, task="ladder", prompts_per_step=6, group_size=3, max_new_tokens=40, warm_steps=5, warm_batch=6,
-             scratchpad_prob=0.25, d_model=24, lr=1e-3, eval_prompts=6, entropy_coef=0.01, target_entropy=0.2)
+OTHER = dict(
+    steps=7,
+    task="ladder",
+    prompts_per_step=6,
+    group_size=3,
+    max_new_tokens=40,
+    warm_steps=5,
+    warm_batch=6,
+    scratchpad_prob=0.25,
+    d_model=24,
+    lr=1e-3,
+    eval_prompts=6,
+    entropy_coef=0.01,
+    target_entropy=0.2,
+)
 
 
 @pytest.mark.parametrize("cls", [length.LengthExperiment, distill.DistillExperiment])
@@ -41,16 +54,45 @@ def test_the_teacher_takes_its_own_steps_and_width():
 
 # experiment.json as earlier versions wrote them: the length experiment before --task, --entropy-coef and
 # --target-entropy, the distill experiment before --teacher-d-model.
-OLD_LENGTH = {"algorithms": ["grpo", "dapo"], "seeds": 2, "steps": 3, "prompts_per_step": 2, "group_size": 2,
-              "max_new_tokens": 40, "warm_steps": 3, "warm_batch": 4, "scratchpad_prob": 0.5, "d_model": 16,
-              "lr": 0.0005, "eval_prompts": 2, "workers": 1, "status": "interrupted",
-              "command": "pgloss experiment length --seeds 2 --steps 3"}
-OLD_DISTILL = {"students": ["grpo", "opd"], "seeds": 2, "teacher_steps": 3, "steps": 2, "workers": 1, "task": "chain",
-               "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 24, "warm_steps": 3, "warm_batch": 4,
-               "d_model": 16, "eval_prompts": 2, "status": "finished", "command": "pgloss experiment distill"}
+OLD_LENGTH = {
+    "algorithms": ["grpo", "dapo"],
+    "seeds": 2,
+    "steps": 3,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "max_new_tokens": 40,
+    "warm_steps": 3,
+    "warm_batch": 4,
+    "scratchpad_prob": 0.5,
+    "d_model": 16,
+    "lr": 0.0005,
+    "eval_prompts": 2,
+    "workers": 1,
+    "status": "interrupted",
+    "command": "pgloss experiment length --seeds 2 --steps 3",
+}
+OLD_DISTILL = {
+    "students": ["grpo", "opd"],
+    "seeds": 2,
+    "teacher_steps": 3,
+    "steps": 2,
+    "workers": 1,
+    "task": "chain",
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "max_new_tokens": 24,
+    "warm_steps": 3,
+    "warm_batch": 4,
+    "d_model": 16,
+    "eval_prompts": 2,
+    "status": "finished",
+    "command": "pgloss experiment distill",
+}
 
 
-@pytest.mark.parametrize("saved, cls", [(OLD_LENGTH, length.LengthExperiment), (OLD_DISTILL, distill.DistillExperiment)])
+@pytest.mark.parametrize(
+    "saved, cls", [(OLD_LENGTH, length.LengthExperiment), (OLD_DISTILL, distill.DistillExperiment)]
+)
 def test_an_older_experiment_json_still_loads_and_resumes(tmp_path, saved, cls):
     (tmp_path / "experiment.json").write_text(json.dumps(saved))
     plan, command = _saved_plan(tmp_path)

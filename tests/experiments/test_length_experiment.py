@@ -11,12 +11,11 @@ import torch
 import pgloss
 from pgloss.cli import main
 from pgloss.experiments import length, length_report
-from pgloss.experiments.runs import load
 from pgloss.experiments.claims import Claim, growth, interval, run_mean, verdict
 from pgloss.experiments.length_report import CLAIMS, write_report
+from pgloss.experiments.runs import load
 from pgloss.lab.grads import gradient_table, load_batch
-from pgloss.lab.tasks import demonstration, make_task, reward
-from pgloss.lab.tasks import TraceTask
+from pgloss.lab.tasks import TraceTask, demonstration, make_task, reward
 
 
 def test_trace_task_leaves_length_free():
@@ -64,8 +63,14 @@ def test_gradient_weights_at_ratio_one_are_the_closed_forms(name):
     if pgloss.recipe(algorithm.name).dynamic_sampling:  # DAPO drops the groups whose rewards are all equal
         keep = pgloss.advantages.dynamic_sampling_keep(rewards, ids)
     n, n_tok = float(keep.sum()), float(lengths[keep].sum())
-    expected = {"grpo": -adv / lengths, "gspo": -adv / lengths, "bnpo": -adv * n / n_tok, "dapo": -adv * n / n_tok,
-                "dr_grpo": -adv / cfg.max_new_tokens, "sample_grpo": -adv}[name]
+    expected = {
+        "grpo": -adv / lengths,
+        "gspo": -adv / lengths,
+        "bnpo": -adv * n / n_tok,
+        "dapo": -adv * n / n_tok,
+        "dr_grpo": -adv / cfg.max_new_tokens,
+        "sample_grpo": -adv,
+    }[name]
     torch.testing.assert_close(got[keep], expected[keep])
     assert got[~keep].isnan().all()
 
@@ -81,8 +86,9 @@ def _runs(deltas_a, deltas_b, key="length", a="sample_grpo", b="grpo", steps=4):
     runs = {}
     for name, deltas in ((a, deltas_a), (b, deltas_b)):
         for seed, delta in enumerate(deltas):
-            runs[(name, seed)] = [{"algorithm": name, "seed": seed, "step": s, key: 10 + delta * s / (steps - 1)}
-                                  for s in range(steps)]
+            runs[(name, seed)] = [
+                {"algorithm": name, "seed": seed, "step": s, key: 10 + delta * s / (steps - 1)} for s in range(steps)
+            ]
     return runs
 
 
@@ -111,8 +117,19 @@ def test_config_checks():
         length.LengthExperiment(group_size=1)
 
 
-REDUCED = dict(algorithms=("grpo", "sample_grpo"), seeds=2, steps=2, prompts_per_step=2, group_size=2,
-               max_new_tokens=36, warm_steps=3, warm_batch=4, d_model=16, eval_prompts=2, workers=1)
+REDUCED = dict(
+    algorithms=("grpo", "sample_grpo"),
+    seeds=2,
+    steps=2,
+    prompts_per_step=2,
+    group_size=2,
+    max_new_tokens=36,
+    warm_steps=3,
+    warm_batch=4,
+    d_model=16,
+    eval_prompts=2,
+    workers=1,
+)
 
 
 def test_reduced_run_end_to_end(tmp_path):
@@ -129,8 +146,9 @@ def test_reduced_run_end_to_end(tmp_path):
     assert batch["mask"].shape[0] == 4 and gradient_table(["grpo"], batch)["grpo"]["grad"].shape == batch["mask"].shape
     # the same seed starts both algorithms from one warm start: their first rollouts are identical
     assert runs[("grpo", 0)][0]["length"] == runs[("sample_grpo", 0)][0]["length"]
-    report = write_report(runs, list(REDUCED["algorithms"]), tmp_path, command="pgloss experiment length",
-                          seconds=1.0, window=1)
+    report = write_report(
+        runs, list(REDUCED["algorithms"]), tmp_path, command="pgloss experiment length", seconds=1.0, window=1
+    )
     text = report.read_text()
     assert "| grpo | 2 |" in text and "sample-level loss lengthens" in text
     for name in ("reward", "length", "repetition", "gradient"):
@@ -145,9 +163,22 @@ def test_command(tmp_path, capsys):
     assert main(args) == 2 and "no complete run" in capsys.readouterr().err
     assert main(["experiment", "length", "--out", str(tmp_path), "--algorithms", "grpo,nope"]) == 2
     assert "nope" in capsys.readouterr().err
-    records = [{"algorithm": "grpo", "seed": 0, "step": s, "reward": 0.5, "length": 10.0, "length_right": 9.0,
-                "length_wrong": 11.0, "rep4": 0.1, "truncated": 0.0, "grad_pos": [0.1] * 5, "grad_neg": [0.2] * 5}
-               for s in range(3)]
+    records = [
+        {
+            "algorithm": "grpo",
+            "seed": 0,
+            "step": s,
+            "reward": 0.5,
+            "length": 10.0,
+            "length_right": 9.0,
+            "length_wrong": 11.0,
+            "rep4": 0.1,
+            "truncated": 0.0,
+            "grad_pos": [0.1] * 5,
+            "grad_neg": [0.2] * 5,
+        }
+        for s in range(3)
+    ]
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "grpo-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main(args + ["--algorithms", "grpo"]) == 0
@@ -168,16 +199,32 @@ def test_a_check_run_carries_a_caveat_and_no_band_goes_below_zero(tmp_path, monk
     runs = _runs([5, -3], [0, 1], steps=13)
     for records in runs.values():
         for r in records:
-            r.update(reward=0.5, length_right=r["length"], length_wrong=0.2 * r["seed"], rep4=0.01 * r["seed"],
-                     truncated=0.0, grad_pos=[0.1] * 5, grad_neg=[0.2] * 5, entropy=0.3)
+            r.update(
+                reward=0.5,
+                length_right=r["length"],
+                length_wrong=0.2 * r["seed"],
+                rep4=0.01 * r["seed"],
+                truncated=0.0,
+                grad_pos=[0.1] * 5,
+                grad_neg=[0.2] * 5,
+                entropy=0.3,
+            )
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figures to read what was drawn
-    text = write_report(runs, ["sample_grpo", "grpo"], tmp_path, command="pgloss experiment length --quick",
-                        seconds=None, window=3).read_text()
+    text = write_report(
+        runs, ["sample_grpo", "grpo"], tmp_path, command="pgloss experiment length --quick", seconds=None, window=3
+    ).read_text()
     assert "A check run, not a result: 2 seeds x 12 steps against the experiment's 5 x 100" in text
     assert "(would read: " in text and "| reproduced |" not in text and "| not resolved at this scale |" not in text
-    bands = [path for fig in figures for ax in fig.axes for c in ax.collections if hasattr(c, "get_paths")
-             for path in c.get_paths() if len(path.vertices)]
+    bands = [
+        path
+        for fig in figures
+        for ax in fig.axes
+        for c in ax.collections
+        if hasattr(c, "get_paths")
+        for path in c.get_paths()
+        if len(path.vertices)
+    ]
     assert bands and min(float(path.vertices[:, 1].min()) for path in bands) >= 0.0
 
 
@@ -188,8 +235,9 @@ def test_the_experiment_resumes_its_own_out_and_refuses_another(tmp_path, capsys
     out = tmp_path / "exp"
     assert claim_out(str(out), "unused", experiment, overwrite=False) == out  # new
     out.mkdir()
-    (out / "experiment.json").write_text(json.dumps({**dataclasses.asdict(experiment), "workers": 2,
-                                                     "status": "interrupted"}))
+    (out / "experiment.json").write_text(
+        json.dumps({**dataclasses.asdict(experiment), "workers": 2, "status": "interrupted"})
+    )
     assert claim_out(str(out), "unused", experiment, overwrite=False) == out  # the same experiment: resumed
     older = {k: v for k, v in dataclasses.asdict(experiment).items() if k != "target_entropy"}
     (out / "experiment.json").write_text(json.dumps({**older, "workers": 2, "status": "interrupted"}))
@@ -204,7 +252,9 @@ def test_the_experiment_resumes_its_own_out_and_refuses_another(tmp_path, capsys
     (out / "notes.txt").write_text("mine")
     assert claim_out(str(out), "unused", other, overwrite=True, own=length.OWN) == out
     assert not (out / "runs").exists() and not (out / "experiment.json").exists() and (out / "notes.txt").exists()
-    assert (out / "replaced" / "runs").is_dir() and (out / "replaced" / "experiment.json").exists()  # set aside, not deleted
+    assert (out / "replaced" / "runs").is_dir() and (
+        out / "replaced" / "experiment.json"
+    ).exists()  # set aside, not deleted
     assert main(["experiment", "length", "--quick", "--steps", "5", "--out", str(out / "notes.txt")]) == 2
     assert "is a file" in capsys.readouterr().err
 
@@ -226,10 +276,14 @@ def test_the_table_gives_the_growth_over_the_whole_run_and_over_its_last_quarter
     """A length that rises by 0.2 a step up to step 30, then by 0.05 (seed 0) or 0.15 (seed 1) to step 40: the
     whole run's slope is the least-squares one, the last quarter's (steps 30-40) the later rate."""
     flat = {key: 1.0 for key in ("reward", "length_right", "length_wrong", "rep4", "entropy", "truncated")}
-    runs = {("grpo", seed): [{"step": s, "seed": seed, "entropy_coef": 0.0, **flat,
-                              "length": 0.2 * min(s, 30) + late * max(s - 30, 0)} for s in range(41)]
-            for seed, late in ((0, 0.05), (1, 0.15))}
-    row, = length_report.summary_rows(runs, ["grpo"], window=5)
+    runs = {
+        ("grpo", seed): [
+            {"step": s, "seed": seed, "entropy_coef": 0.0, **flat, "length": 0.2 * min(s, 30) + late * max(s - 30, 0)}
+            for s in range(41)
+        ]
+        for seed, late in ((0, 0.05), (1, 0.15))
+    }
+    (row,) = length_report.summary_rows(runs, ["grpo"], window=5)
     whole = [growth(records, "length") for records in runs.values()]
     assert row["growth"] == pytest.approx(interval(whole))
     mean, half = row["growth_end"]
@@ -257,8 +311,17 @@ def test_the_growth_experiment_is_the_claims_where_length_is_free_to_grow():
 def test_reduced_growth_run_through_the_command(tmp_path, capsys, monkeypatch):
     """``--task chain --quick`` at a reduced scale: chain runs with the entropy bonus, the
     report carries the growth column and the check-run caveat of the chain design."""
-    small = dataclasses.replace(length.EXPERIMENTS["chain"], algorithms=("grpo", "sample_grpo"), prompts_per_step=2,
-                                group_size=2, max_new_tokens=24, warm_steps=3, warm_batch=4, d_model=16, eval_prompts=2)
+    small = dataclasses.replace(
+        length.EXPERIMENTS["chain"],
+        algorithms=("grpo", "sample_grpo"),
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=24,
+        warm_steps=3,
+        warm_batch=4,
+        d_model=16,
+        eval_prompts=2,
+    )
     monkeypatch.setitem(length.EXPERIMENTS, "chain", small)
     out = tmp_path / "g"
     assert main(["experiment", "length", "--task", "chain", "--quick", "--steps", "2", "--out", str(out)]) == 0
@@ -276,11 +339,27 @@ def test_report_command_writes_an_experiments_report_again(tmp_path, capsys):
     """`pgloss report RUN_DIR` finds the experiment in experiment.json and writes its report from the
     complete runs, keeping the earlier one in replaced/."""
     experiment = length.LengthExperiment(**{**REDUCED, "algorithms": ("grpo",)})
-    (tmp_path / "experiment.json").write_text(json.dumps({**dataclasses.asdict(experiment), "status": "running",
-                                                          "command": "pgloss experiment length --seeds 2"}))
-    records = [{"algorithm": "grpo", "seed": 0, "step": s, "reward": 0.5, "length": 10.0, "length_right": 9.0,
-                "length_wrong": 11.0, "rep4": 0.1, "truncated": 0.0, "grad_pos": [0.1] * 5, "grad_neg": [0.2] * 5}
-               for s in range(3)]
+    (tmp_path / "experiment.json").write_text(
+        json.dumps(
+            {**dataclasses.asdict(experiment), "status": "running", "command": "pgloss experiment length --seeds 2"}
+        )
+    )
+    records = [
+        {
+            "algorithm": "grpo",
+            "seed": 0,
+            "step": s,
+            "reward": 0.5,
+            "length": 10.0,
+            "length_right": 9.0,
+            "length_wrong": 11.0,
+            "rep4": 0.1,
+            "truncated": 0.0,
+            "grad_pos": [0.1] * 5,
+            "grad_neg": [0.2] * 5,
+        }
+        for s in range(3)
+    ]
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "grpo-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "report.md").write_text("an earlier report")
@@ -310,8 +389,17 @@ def test_reduced_ladder_run_through_the_command_resumes(tmp_path, capsys, monkey
     """``--task ladder --quick`` at a reduced scale: the runs steer the entropy (the coefficient is in the
     records and the report), keep each trained policy's last batch for ``pgloss grads``, and a second call
     resumes with nothing left to run."""
-    small = dataclasses.replace(length.EXPERIMENTS["ladder"], algorithms=("grpo", "dapo"), prompts_per_step=2,
-                                group_size=2, max_new_tokens=40, warm_steps=3, warm_batch=4, d_model=16, eval_prompts=2)
+    small = dataclasses.replace(
+        length.EXPERIMENTS["ladder"],
+        algorithms=("grpo", "dapo"),
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=40,
+        warm_steps=3,
+        warm_batch=4,
+        d_model=16,
+        eval_prompts=2,
+    )
     monkeypatch.setitem(length.EXPERIMENTS, "ladder", small)
     out = tmp_path / "l"
     command = ["experiment", "length", "--task", "ladder", "--quick", "--steps", "2", "--out", str(out)]

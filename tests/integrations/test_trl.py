@@ -11,10 +11,10 @@ import pgloss
 pytest.importorskip("trl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from trl import GRPOTrainer  # noqa: E402
+from trl import GRPOTrainer
+from trl_window import off_policy_window, relative_error, train, trl_tiny, window_gradient
 
-from pgloss.integrations.trl import PGLossGRPOTrainer  # noqa: E402
-from trl_window import off_policy_window, relative_error, train, trl_tiny, window_gradient  # noqa: E402
+from pgloss.integrations.trl import PGLossGRPOTrainer
 
 BUDGET = 8  # max_completion_length
 
@@ -73,10 +73,17 @@ def test_example_script_runs():
 
 def test_eval_logs_pgloss_metrics(tmp_path, model_dir):
     """In evaluation the batch is its own step (no window); metrics come back as eval_pgloss/<name>."""
-    config = trl_tiny.config(str(tmp_path / "out"), max_steps=1, eval_strategy="steps", eval_steps=1,
-                             per_device_eval_batch_size=4)
-    trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
-                                eval_dataset=trl_tiny.make_dataset(1), args=config, algorithm="dapo")
+    config = trl_tiny.config(
+        str(tmp_path / "out"), max_steps=1, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4
+    )
+    trainer = PGLossGRPOTrainer(
+        model=model_dir,
+        reward_funcs=trl_tiny.digits,
+        train_dataset=trl_tiny.make_dataset(),
+        eval_dataset=trl_tiny.make_dataset(1),
+        args=config,
+        algorithm="dapo",
+    )
     metrics = trainer.evaluate()
     assert "eval_pgloss/pg_loss" in metrics and "eval_pgloss/ppo_kl" in metrics
     assert metrics["eval_pgloss/ppo_kl"] == 0.0  # on-policy: the ratio is one
@@ -95,8 +102,13 @@ def test_mixin_on_a_users_own_subclass(tmp_path, model_dir):
     class Mine(PGLossMixin, Users):
         pass
 
-    trainer = Mine(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
-                   args=trl_tiny.config(str(tmp_path / "out"), max_steps=1, logging_steps=1), algorithm="cispo")
+    trainer = Mine(
+        model=model_dir,
+        reward_funcs=trl_tiny.digits,
+        train_dataset=trl_tiny.make_dataset(),
+        args=trl_tiny.config(str(tmp_path / "out"), max_steps=1, logging_steps=1),
+        algorithm="cispo",
+    )
     trainer.train()
     logged = trainer.state.log_history[0]
     assert "pgloss/pg_loss" in logged and "group_ids" in trainer._buffered_inputs[0]
@@ -106,8 +118,13 @@ def test_mixin_on_a_users_own_subclass(tmp_path, model_dir):
 
 def test_caller_config_is_not_mutated_and_beta_follows_kl_coef(tmp_path, model_dir):
     config = trl_tiny.config(str(tmp_path / "out"), max_steps=1)
-    trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
-                                args=config, algorithm="grpo")
+    trainer = PGLossGRPOTrainer(
+        model=model_dir,
+        reward_funcs=trl_tiny.digits,
+        train_dataset=trl_tiny.make_dataset(),
+        args=config,
+        algorithm="grpo",
+    )
     assert trainer.beta == 0.04 and trainer.ref_model is not None  # grpo's kl_coef switches on TRL's reference
     assert config.beta == 0.0  # TRL's default, untouched
     assert trainer.algorithm == pgloss.get("grpo")  # no divisor: grpo does not divide by a budget
@@ -158,6 +175,7 @@ def test_without_args_builds_trls_default_config(tmp_path, model_dir, monkeypatc
 
 # -- parity with TRL's own loss_types ------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def window(model_dir, tmp_path_factory):
     return make_window(model_dir, str(tmp_path_factory.mktemp("parity")))
@@ -167,8 +185,9 @@ def trl_log_prob(trainer, batch):
     """A micro-batch's log π as TRL computes it (`_get_per_token_logps_and_entropies`)."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    log_prob, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention,
-                                                               batch["completion_ids"].shape[1])
+    log_prob, _, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, ids, attention, batch["completion_ids"].shape[1]
+    )
     return log_prob
 
 
@@ -218,6 +237,7 @@ def trl_loss(trainer, loss_type, **settings):
         finally:
             for key, value in saved.items():
                 setattr(trainer, key, value)
+
     return compute
 
 
@@ -225,14 +245,19 @@ def ours(trainer, algorithm):
     def compute(model, inputs):
         trainer.algorithm = algorithm
         return trainer._compute_loss(model, inputs)
+
     return compute
 
 
-@pytest.mark.parametrize(("loss_type", "settings", "algorithm"), [
-    ("dapo", dict(epsilon_low=0.2, epsilon_high=0.28), pgloss.get("dapo")),
-    ("grpo", dict(epsilon_low=0.2, epsilon_high=0.2), pgloss.get("grpo", kl_coef=0.0)),
-    ("dr_grpo", dict(epsilon_low=0.2, epsilon_high=0.2), pgloss.get("dr_grpo", norm_constant=float(BUDGET))),
-], ids=["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize(
+    ("loss_type", "settings", "algorithm"),
+    [
+        ("dapo", dict(epsilon_low=0.2, epsilon_high=0.28), pgloss.get("dapo")),
+        ("grpo", dict(epsilon_low=0.2, epsilon_high=0.2), pgloss.get("grpo", kl_coef=0.0)),
+        ("dr_grpo", dict(epsilon_low=0.2, epsilon_high=0.2), pgloss.get("dr_grpo", norm_constant=float(BUDGET))),
+    ],
+    ids=["dapo", "grpo", "dr_grpo"],
+)
 def test_reproduces_trl_loss_types(window, loss_type, settings, algorithm):
     """Equal micro-batch sizes, no empty rows: TRL's dapo, grpo (β = 0) and dr_grpo are exact, and so are ours."""
     theirs = summed(window_grads(window, trl_loss(window, loss_type, **settings)))
@@ -244,6 +269,7 @@ def test_reproduces_trl_loss_types(window, loss_type, settings, algorithm):
 
 def with_inputs(trainer, **extra):
     """The window's micro-batches with extra keys, restored afterwards."""
+
     class Restore:
         def __enter__(self):
             self.saved = [dict(b) for b in trainer._buffered_inputs]
@@ -255,6 +281,7 @@ def with_inputs(trainer, **extra):
             for batch, saved in zip(trainer._buffered_inputs, self.saved):
                 batch.clear()
                 batch.update(saved)
+
     return Restore()
 
 
@@ -270,8 +297,9 @@ def test_kl_term_matches_trl_without_its_bias_correction(window, bias_correction
     with with_inputs(window, ref_per_token_logps=noisy("old_per_token_logps", 0.2, 5)):
         window.args.use_bias_correction_kl = bias_correction
         try:
-            theirs = summed(window_grads(window, trl_loss(window, "grpo", epsilon_low=0.2, epsilon_high=0.2,
-                                                          beta=0.04)))
+            theirs = summed(
+                window_grads(window, trl_loss(window, "grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.04))
+            )
         finally:
             window.args.use_bias_correction_kl = True
         mine = summed(window_grads(window, ours(window, pgloss.get("grpo"))))
@@ -283,15 +311,18 @@ def test_kl_term_matches_trl_without_its_bias_correction(window, bias_correction
 def test_vllm_token_truncate_matches_trl(window):
     """vLLM's log-probs as rollout_log_prob (NaN where vLLM could not score: weight 1) with the cap of
     vllm_importance_sampling_clip_max equals TRL's token_truncate importance sampling."""
+
     def sampling(batch):
-        values = batch["old_per_token_logps"] + 0.5 * torch.randn(batch["old_per_token_logps"].shape,
-                                                                  generator=torch.Generator().manual_seed(7))
+        values = batch["old_per_token_logps"] + 0.5 * torch.randn(
+            batch["old_per_token_logps"].shape, generator=torch.Generator().manual_seed(7)
+        )
         values[:, 0] = float("nan")
         return values
 
     def ratio(batch):  # what TRL's _generate_and_score_completions computes for token_truncate
-        diff = torch.nan_to_num((batch["old_per_token_logps"] - batch["sampling_per_token_logps"])
-                                * batch["completion_mask"], nan=0.0)
+        diff = torch.nan_to_num(
+            (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * batch["completion_mask"], nan=0.0
+        )
         return torch.exp(diff).clamp(max=3.0)
 
     with with_inputs(window, sampling_per_token_logps=sampling):
@@ -299,8 +330,17 @@ def test_vllm_token_truncate_matches_trl(window):
             window.use_vllm, window.vllm_importance_sampling_correction = True, True
             try:
                 theirs = summed(window_grads(window, trl_loss(window, "dapo", epsilon_low=0.2, epsilon_high=0.28)))
-                mine = summed(window_grads(window, ours(window, pgloss.get("dapo", rollout_correction=pgloss.RolloutCorrection(upper=3.0)))))
-                unweighted = summed(window_grads(window, ours(window, pgloss.get("dapo", rollout_correction=pgloss.RolloutCorrection(upper=1e-9)))))
+                mine = summed(
+                    window_grads(
+                        window, ours(window, pgloss.get("dapo", rollout_correction=pgloss.RolloutCorrection(upper=3.0)))
+                    )
+                )
+                unweighted = summed(
+                    window_grads(
+                        window,
+                        ours(window, pgloss.get("dapo", rollout_correction=pgloss.RolloutCorrection(upper=1e-9))),
+                    )
+                )
             finally:
                 window.use_vllm, window.vllm_importance_sampling_correction = False, False
     assert relative_error(mine, theirs) < 1e-5
@@ -317,8 +357,10 @@ def test_bnpo_differs_from_trl_by_its_per_micro_batch_count(window):
     predicted = summed(mine, [sum(counts) / (2 * n) for n in counts])
     assert relative_error(predicted, theirs) < 1e-5
     difference = relative_error(summed(mine), theirs)
-    print(f"bnpo: TRL's gradient differs from the window's token mean by {difference:.3f} (relative), "
-          f"micro-batch token counts {counts}")
+    print(
+        f"bnpo: TRL's gradient differs from the window's token mean by {difference:.3f} (relative), "
+        f"micro-batch token counts {counts}"
+    )
     assert difference > 1e-3
 
 
@@ -329,8 +371,17 @@ def test_adaptive_entropy_trains_and_checkpoints(tmp_path, model_dir, fused):
     import json
 
     os.symlink(model_dir, tmp_path / "model")
-    trainer = train(str(tmp_path), None, fused=fused, use_adaptive_entropy=True, entropy_coef=0.01,
-                    entropy_coef_delta=0.002, entropy_target=100.0, save_strategy="steps", save_steps=2)
+    trainer = train(
+        str(tmp_path),
+        None,
+        fused=fused,
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_coef_delta=0.002,
+        entropy_target=100.0,
+        save_strategy="steps",
+        save_steps=2,
+    )
     assert trainer.entropy_controller is not None
     logged = [row["entropy_coef"] for row in trainer.state.log_history if "entropy_coef" in row]
     assert logged == pytest.approx([0.012, 0.014])
@@ -354,14 +405,25 @@ def test_adaptive_entropy_follows_trls_controller(window):
         ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
         attention = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
         with torch.no_grad():
-            entropy.append(window._get_per_token_logps_and_entropies(window.model, ids, attention, m.shape[1],
-                                                                     compute_entropy=True)[1])
+            entropy.append(
+                window._get_per_token_logps_and_entropies(
+                    window.model, ids, attention, m.shape[1], compute_entropy=True
+                )[1]
+            )
     level = float(sum((e * m).sum() for e, m in zip(entropy, masks)) / sum(m.sum() for m in masks))
     targets = [level + d for d in (0.5, 0.5, 0.5, -0.5, -0.5, -0.5)]
     settings = dict(entropy_coef=0.004, entropy_coef_delta=0.003, entropy_coef_min=0.001, entropy_coef_max=0.008)
     saved = {k: getattr(window.args, k) for k in (*settings, "entropy_target", "use_adaptive_entropy")}
-    state = ("entropy_coef", "use_adaptive_entropy", "_entropy_bonus_enabled", "_last_world_entropy",
-             "_entropy_window_stats", "loss_type", "epsilon_low", "epsilon_high")
+    state = (
+        "entropy_coef",
+        "use_adaptive_entropy",
+        "_entropy_bonus_enabled",
+        "_last_world_entropy",
+        "_entropy_window_stats",
+        "loss_type",
+        "epsilon_low",
+        "epsilon_high",
+    )
     saved_state = {k: getattr(window, k) for k in state}
     gradient_state = window.accelerator.gradient_state
 
@@ -411,6 +473,7 @@ def test_adaptive_entropy_follows_trls_controller(window):
 
 # -- two processes -------------------------------------------------------------------------------
 
+
 def test_two_processes_give_the_global_gradient(tmp_path, model_dir):
     """torchrun, 2 CPU processes, gloo, DDP: each rank's averaged gradient is the gradient of one call
     on both ranks' micro-batches, with uneven token counts per rank, and so are its logged metrics; group
@@ -427,19 +490,22 @@ def test_two_processes_give_the_global_gradient(tmp_path, model_dir):
             ids = [torch.cat([b["group_ids"] for b in rank["inputs"]]) for rank in ranks]
             assert set(ids[0].tolist()).isdisjoint(ids[1].tolist())  # 4 prompts: two on each rank
         algorithm = pgloss.get(name, **hyperparameters)
-        reference, out = window_gradient(model_dir, ranks[0]["inputs"] + ranks[1]["inputs"], ranks[0]["params"],
-                                         algorithm)
+        reference, out = window_gradient(
+            model_dir, ranks[0]["inputs"] + ranks[1]["inputs"], ranks[0]["params"], algorithm
+        )
         assert sum(float(g.norm()) for g in reference.values()) > 0
         for rank in ranks:
             error = relative_error(rank["grads"], reference)
             print(f"{case}: rank tokens {tokens}, relative gradient error {error:.2e}")
             assert error < 2e-5, case
             for key, value in out.metrics.items():  # the step's metrics over both ranks' tokens, on each rank
-                assert rank["logged"][f"pgloss/{key}"] == pytest.approx(value.item(), rel=1e-4, abs=1e-6,
-                                                                       nan_ok=True), (case, key)
+                assert rank["logged"][f"pgloss/{key}"] == pytest.approx(
+                    value.item(), rel=1e-4, abs=1e-6, nan_ok=True
+                ), (case, key)
 
 
 # -- the step's counting is the algorithm's (issue: 0.257 instead of 0.566 under a k3 rejection) --------
+
 
 def one_call_gradient(trainer, algorithm, model_dir):
     params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -447,11 +513,15 @@ def one_call_gradient(trainer, algorithm, model_dir):
     return reference
 
 
-@pytest.mark.parametrize("correction", [
-    pgloss.RolloutCorrection(weight_level=None, rejection=(pgloss.Rejection("token_k3", upper=0.05),)),
-    pgloss.RolloutCorrection(upper=2.0, batch_normalize=True),
-    pgloss.RolloutCorrection(upper=2.0, off_policy_mask=0.05),
-], ids=["k3-rejection", "batch-normalize", "off-policy-mask"])
+@pytest.mark.parametrize(
+    "correction",
+    [
+        pgloss.RolloutCorrection(weight_level=None, rejection=(pgloss.Rejection("token_k3", upper=0.05),)),
+        pgloss.RolloutCorrection(upper=2.0, batch_normalize=True),
+        pgloss.RolloutCorrection(upper=2.0, off_policy_mask=0.05),
+    ],
+    ids=["k3-rejection", "batch-normalize", "off-policy-mask"],
+)
 def test_the_window_is_counted_by_the_algorithms_rule(window, model_dir, correction):
     """GA = 2 through the adapter equals one call on the window, with rejections (left out of the count),
     batch-normalised weights (the step's mean) and the off-policy mask."""
@@ -468,28 +538,45 @@ def test_the_window_is_counted_by_the_algorithms_rule(window, model_dir, correct
 
 def trl_settings(config):
     """GRPOTrainer's attributes for `config`'s loss options (what its __init__ sets)."""
-    return dict(loss_type=config.loss_type, epsilon_low=config.epsilon,
-                epsilon_high=config.epsilon if config.epsilon_high is None else config.epsilon_high,
-                beta=config.beta, off_policy_mask_threshold=config.off_policy_mask_threshold,
-                use_vllm=config.use_vllm, vllm_importance_sampling_correction=config.vllm_importance_sampling_correction)
+    return dict(
+        loss_type=config.loss_type,
+        epsilon_low=config.epsilon,
+        epsilon_high=config.epsilon if config.epsilon_high is None else config.epsilon_high,
+        beta=config.beta,
+        off_policy_mask_threshold=config.off_policy_mask_threshold,
+        use_vllm=config.use_vllm,
+        vllm_importance_sampling_correction=config.vllm_importance_sampling_correction,
+    )
 
 
-@pytest.mark.parametrize("options", [
-    dict(loss_type="grpo", beta=0.04),
-    dict(use_vllm=True),
-    dict(use_vllm=True, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
-         vllm_importance_sampling_clip_max=2.0),
-    dict(loss_type="grpo", use_vllm=True, vllm_importance_sampling_mode="sequence_truncate"),
-    dict(loss_type="dr_grpo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
-         vllm_importance_sampling_clip_min=0.8),
-    dict(off_policy_mask_threshold=0.05),
-], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(loss_type="grpo", beta=0.04),
+        dict(use_vllm=True),
+        dict(
+            use_vllm=True,
+            vllm_importance_sampling_mode="token_mask",
+            vllm_importance_sampling_clip_min=0.5,
+            vllm_importance_sampling_clip_max=2.0,
+        ),
+        dict(loss_type="grpo", use_vllm=True, vllm_importance_sampling_mode="sequence_truncate"),
+        dict(
+            loss_type="dr_grpo",
+            use_vllm=True,
+            vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_min=0.8,
+        ),
+        dict(off_policy_mask_threshold=0.05),
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
 def test_from_trl_reproduces_trls_loss_in_the_trainer(window, options):
     """pgloss.from_trl(config) through the adapter gives the gradient of TRL's own _compute_loss for
     the same config, on a real window (old, reference and vLLM log-probs perturbed)."""
-    from test_trl_config import trl_is_ratio
-
     import copy
+
+    from test_trl_config import trl_is_ratio
 
     config = copy.copy(window.args)  # a second GRPOConfig would re-initialise Accelerate's state
     for key, value in options.items():
@@ -497,12 +584,19 @@ def test_from_trl_reproduces_trls_loss_in_the_trainer(window, options):
     algorithm = pgloss.from_trl(config)
 
     def ratio(batch):
-        return trl_is_ratio(batch["old_per_token_logps"], batch["sampling_per_token_logps"],
-                            batch["completion_mask"], config.vllm_importance_sampling_mode,
-                            config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max)
+        return trl_is_ratio(
+            batch["old_per_token_logps"],
+            batch["sampling_per_token_logps"],
+            batch["completion_mask"],
+            config.vllm_importance_sampling_mode,
+            config.vllm_importance_sampling_clip_min,
+            config.vllm_importance_sampling_clip_max,
+        )
 
-    extra = dict(ref_per_token_logps=noisy("old_per_token_logps", 0.2, 5),
-                 sampling_per_token_logps=noisy("old_per_token_logps", 0.4, 7))
+    extra = dict(
+        ref_per_token_logps=noisy("old_per_token_logps", 0.2, 5),
+        sampling_per_token_logps=noisy("old_per_token_logps", 0.4, 7),
+    )
     with with_inputs(window, **(extra if config.use_vllm else {"ref_per_token_logps": extra["ref_per_token_logps"]})):
         with with_inputs(window, **({"importance_sampling_ratio": ratio} if config.use_vllm else {})):
             settings = trl_settings(config)
@@ -535,9 +629,19 @@ def head_model(path, family, options):
     trl_tiny.make_tiny_model(path)
     torch.manual_seed(0)
     config = getattr(transformers, f"{family}Config")(
-        vocab_size=len(trl_tiny.WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
-        bos_token_id=None, tie_word_embeddings=False, **options)
+        vocab_size=len(trl_tiny.WORDS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        **options,
+    )
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     if model.lm_head.bias is not None:  # initialised to 0: a random one, that a dropped bias would show
         torch.nn.init.normal_(model.lm_head.bias, std=0.5)
@@ -567,6 +671,7 @@ def test_fused_reads_the_models_head(tmp_path, head):
             value = ours(trainer, algorithm)(model, inputs)
             losses[fused].append(value.detach())
             return value
+
         return loss
 
     fused = summed(window_grads(trainer, compute(True)))
@@ -576,8 +681,10 @@ def test_fused_reads_the_models_head(tmp_path, head):
     window_loss = {fused: float(sum(values)) for fused, values in losses.items()}
     gaps = abs(window_loss[True] - float(own_out.loss)), abs(window_loss[True] - window_loss[False])
     errors = relative_error(fused, own), relative_error(fused, plain)
-    print(f"{head}: fused=True vs the model's own logits / vs fused=False: loss {gaps[0]:.2e} / {gaps[1]:.2e}, "
-          f"relative gradient {errors[0]:.2e} / {errors[1]:.2e}")
+    print(
+        f"{head}: fused=True vs the model's own logits / vs fused=False: loss {gaps[0]:.2e} / {gaps[1]:.2e}, "
+        f"relative gradient {errors[0]:.2e} / {errors[1]:.2e}"
+    )
     # measured: losses within 6.0e-8, relative gradients within 3.4e-7 (per model in docs/integrations.md)
     assert max(errors) < 2e-6 and max(gaps) < 1e-6
     if neutral is None:  # the bias: it has its gradient (a head without it would leave it None), and matters

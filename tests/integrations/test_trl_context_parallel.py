@@ -11,12 +11,11 @@ import pytest
 
 pytest.importorskip("trl")
 
-from accelerate.parallelism_config import ParallelismConfig  # noqa: E402
-from trl import GRPOConfig  # noqa: E402
+from accelerate.parallelism_config import ParallelismConfig
+from trl import GRPOConfig
 
 
 @pytest.mark.parametrize("sizes", [dict(cp_size=2), dict(sp_size=2)])
 def test_grpo_config_refuses_sequence_dim_parallelism(tmp_path, sizes):
     with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
-        GRPOConfig(output_dir=str(tmp_path), parallelism_config=ParallelismConfig(**sizes), use_cpu=True,
-                   report_to=[])
+        GRPOConfig(output_dir=str(tmp_path), parallelism_config=ParallelismConfig(**sizes), use_cpu=True, report_to=[])

@@ -17,7 +17,7 @@ import pgloss
 pytest.importorskip("trl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from trl_window import relative_error, run_two_ranks, trl_tiny, window_gradient  # noqa: E402
+from trl_window import relative_error, run_two_ranks, trl_tiny, window_gradient
 
 
 def test_two_fsdp2_ranks_give_the_window_gradient(tmp_path):
@@ -32,8 +32,9 @@ def test_two_fsdp2_ranks_give_the_window_gradient(tmp_path):
         for key, value in ranks[0]["params"].items():
             torch.testing.assert_close(ranks[1]["params"][key], value, rtol=0, atol=0)
         algorithm = pgloss.get(name, **hyperparameters)
-        reference, _ = window_gradient(model_dir, ranks[0]["inputs"] + ranks[1]["inputs"], ranks[0]["params"],
-                                       algorithm)
+        reference, _ = window_gradient(
+            model_dir, ranks[0]["inputs"] + ranks[1]["inputs"], ranks[0]["params"], algorithm
+        )
         assert sum(float(g.norm()) for g in reference.values()) > 0
         for rank in ranks:
             assert sorted(rank["grads"]) == sorted(reference), case

@@ -21,8 +21,8 @@ import pgloss
 pytest.importorskip("trl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from properties.references import central_differences, step_loss_loop  # noqa: E402
-from trl_window import off_policy_window, relative_error, trl_tiny  # noqa: E402
+from properties.references import central_differences, step_loss_loop
+from trl_window import off_policy_window, relative_error, trl_tiny
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,12 @@ def window(tmp_path_factory):
     advantages ~ N(0, 1), so that clipping, weights and signs all occur."""
     root = tmp_path_factory.mktemp("truncated")
     model_dir = trl_tiny.make_tiny_model(str(root / "model"))
-    return off_policy_window(model_dir, str(root / "out"), lambda trainer, batch: model_log_prob(trainer.model, batch),
-                             config=dict(per_device_train_batch_size=4, mask_truncated_completions=True))
+    return off_policy_window(
+        model_dir,
+        str(root / "out"),
+        lambda trainer, batch: model_log_prob(trainer.model, batch),
+        config=dict(per_device_train_batch_size=4, mask_truncated_completions=True),
+    )
 
 
 def model_log_prob(model, batch):
@@ -41,7 +45,7 @@ def model_log_prob(model, batch):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     length = batch["completion_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1]
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1]
     return logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
 
 
@@ -69,8 +73,7 @@ def loop_step(trainer, name, algorithm):
     old = torch.cat([b["old_per_token_logps"] for b in batches])
     adv = torch.cat([b["advantages"] for b in batches])[:, None].expand_as(mask)
     lp0 = log_prob.detach().double()
-    loss_of = step_loss_loop(name, algorithm, lp0.tolist(), old.double().tolist(), adv.double().tolist(),
-                             mask.tolist())
+    loss_of = step_loss_loop(name, algorithm, lp0.tolist(), old.double().tolist(), adv.double().tolist(), mask.tolist())
     log_prob.backward(central_differences(loss_of, lp0).float())
     grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
     return loss_of(lp0.tolist()), grads

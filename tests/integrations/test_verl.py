@@ -20,13 +20,13 @@ import pgloss
 pytest.importorskip("verl")
 tensordict = pytest.importorskip("tensordict")
 
+from properties.micro_batches import micro_batches  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from pgloss.integrations import verl as adapter  # noqa: E402
-from properties.micro_batches import micro_batches  # noqa: E402
 
 ROWS, LENGTH, BUDGET = 8, 7, 9.0
 SPLIT = [slice(0, 3), slice(3, 4), slice(4, 8)]  # uneven micro-batches, as verl's dynamic batching makes them
@@ -42,8 +42,9 @@ def make_batch(seed=0):
     advantages = torch.randn(ROWS, 1, generator=gen, dtype=torch.float64).expand(ROWS, LENGTH).clone()
     weights = 0.5 + torch.rand(ROWS, LENGTH, generator=gen, dtype=torch.float64)
     prompt_lengths = torch.randint(1, 4, (ROWS,), generator=gen)
-    return dict(log_prob=log_prob, old=old, advantages=advantages, mask=mask, weights=weights,
-                prompt_lengths=prompt_lengths)
+    return dict(
+        log_prob=log_prob, old=old, advantages=advantages, mask=mask, weights=weights, prompt_lengths=prompt_lengths
+    )
 
 
 def actor_config(loss_mode=None, **fields):
@@ -64,16 +65,18 @@ def micro_batch(batch, leaf, rows, *, dp_size=1, with_weights=False):
         zeros = leaf.new_zeros(int(prompt_lengths[i]) - 1)
         packed += [zeros, leaf[rows][i, :length], leaf.new_zeros(1)]
     fields = dict(
-        prompts=torch.ones(n, width, dtype=torch.long), responses=torch.ones(n, LENGTH, dtype=torch.long),
-        attention_mask=torch.cat([prompt_attention, mask], dim=1).long(), response_mask=mask,
-        old_log_probs=batch["old"][rows], advantages=batch["advantages"][rows],
+        prompts=torch.ones(n, width, dtype=torch.long),
+        responses=torch.ones(n, LENGTH, dtype=torch.long),
+        attention_mask=torch.cat([prompt_attention, mask], dim=1).long(),
+        response_mask=mask,
+        old_log_probs=batch["old"][rows],
+        advantages=batch["advantages"][rows],
     )
     if with_weights:
         fields["rollout_is_weights"] = batch["weights"][rows]
     data = tensordict.TensorDict(fields, batch_size=[n])
     # What FSDPEngine.forward_backward_batch and the trainer set: global counts of the mini-batch.
-    tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=int(batch["mask"].sum()),
-                         global_batch_size=ROWS)
+    tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=int(batch["mask"].sum()), global_batch_size=ROWS)
     return {"log_probs": torch.cat(packed)}, data
 
 
@@ -150,7 +153,11 @@ PARITY = [  # (verl's loss_mode, pgloss name, ActorConfig fields)
     # clip_cov_ratio 1: every candidate is detached, the draw (verl's randperm, pgloss's keys) does not enter
     ("clip_cov", "clip_cov", dict(loss_agg_mode="token-mean", clip_cov_ratio=1.0, clip_cov_lb=-0.5, clip_cov_ub=2.0)),
     ("gpg", "gpg", dict(loss_agg_mode="token-mean")),
-    ("dppo_tv", "dppo_tv", dict(loss_agg_mode="token-mean", clip_ratio_c=1.5, clip_ratio_low=0.05, clip_ratio_high=0.1)),
+    (
+        "dppo_tv",
+        "dppo_tv",
+        dict(loss_agg_mode="token-mean", clip_ratio_c=1.5, clip_ratio_low=0.05, clip_ratio_high=0.1),
+    ),
     ("dppo_kl", "dppo_kl", dict(loss_agg_mode="seq-mean-token-mean", clip_ratio_c=1.2, clip_ratio_low=0.02)),
 ]
 POLICY_LOSS_KEYS = ("dro_beta", "ppo_kl_coef", "kl_cov_ratio", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")
@@ -163,12 +170,16 @@ def parity_config(loss_mode, fields):
 
 
 @pytest.mark.parametrize("with_weights", [False, True], ids=["plain", "rollout_is_weights"])
-@pytest.mark.parametrize(("verl_mode", "name", "fields"), PARITY, ids=[f"{v}-{n}-{f['loss_agg_mode']}" for v, n, f in PARITY])
+@pytest.mark.parametrize(
+    ("verl_mode", "name", "fields"), PARITY, ids=[f"{v}-{n}-{f['loss_agg_mode']}" for v, n, f in PARITY]
+)
 def test_equals_verl_own_loss(verl_mode, name, fields, with_weights):
     """verl's own loss and pgloss's, split the same way with the same counts: same loss and gradient."""
     if with_weights and name == "gspo":
-        pytest.skip("per-token weights on GSPO's sequence loss spread its gradient evenly; verl's gspo is "
-                    "the sequence-token form (pgloss_gspo_token), which weights each token's own gradient")
+        pytest.skip(
+            "per-token weights on GSPO's sequence loss spread its gradient evenly; verl's gspo is "
+            "the sequence-token form (pgloss_gspo_token), which weights each token's own gradient"
+        )
     batch = make_batch(seed=3)
     if verl_mode == "gspo":  # small log-ratios, so that some sequences fall inside GSPO's narrow band
         batch["log_prob"] = batch["old"] + 1e-4 * (batch["log_prob"] - batch["old"])
@@ -179,8 +190,7 @@ def test_equals_verl_own_loss(verl_mode, name, fields, with_weights):
     torch.manual_seed(0)  # clip_cov draws its tokens with torch's global generator, pgloss's as verl's
     theirs, their_grad = run(parity_config(verl_mode, fields), batch, split, with_weights=with_weights)
     torch.manual_seed(0)
-    ours, our_grad = run(parity_config(adapter.registered_name(name), fields), batch, split,
-                         with_weights=with_weights)
+    ours, our_grad = run(parity_config(adapter.registered_name(name), fields), batch, split, with_weights=with_weights)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(our_grad, their_grad, rtol=1e-7, atol=1e-12)
     assert their_grad.abs().sum() > 0
@@ -189,8 +199,14 @@ def test_equals_verl_own_loss(verl_mode, name, fields, with_weights):
 def test_metrics_are_verl_keys():
     fn = core_algos.get_policy_loss_fn("pgloss_dual_clip_ppo")
     batch = make_batch()
-    _, metrics = fn(batch["old"], batch["log_prob"], batch["advantages"], batch["mask"], "token-mean",
-                    actor_config("pgloss_dual_clip_ppo"))
+    _, metrics = fn(
+        batch["old"],
+        batch["log_prob"],
+        batch["advantages"],
+        batch["mask"],
+        "token-mean",
+        actor_config("pgloss_dual_clip_ppo"),
+    )
     assert {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"} <= set(metrics)
     assert "actor/pg_loss" not in metrics  # ppo_loss records it itself
 
@@ -224,21 +240,35 @@ def test_register_variant_and_refuse_duplicates():
     batch["old"] = batch["log_prob"] - 3.0
     batch["advantages"] = batch["advantages"].abs()
     fn = core_algos.get_policy_loss_fn(key)
-    ours, _ = fn(batch["old"], batch["log_prob"], batch["advantages"], batch["mask"], "token-mean",
-                 actor_config(key, clip_ratio_high=0.28))
-    plain = pgloss.get("fipo", delta=9.0)(log_prob=batch["log_prob"], old_log_prob=batch["old"],
-                                           advantages=batch["advantages"], mask=batch["mask"])
+    ours, _ = fn(
+        batch["old"],
+        batch["log_prob"],
+        batch["advantages"],
+        batch["mask"],
+        "token-mean",
+        actor_config(key, clip_ratio_high=0.28),
+    )
+    plain = pgloss.get("fipo", delta=9.0)(
+        log_prob=batch["log_prob"], old_log_prob=batch["old"], advantages=batch["advantages"], mask=batch["mask"]
+    )
     torch.testing.assert_close(ours, plain.loss)
 
 
 def _bare_import(code, **env):
     """Run `code` in a fresh interpreter whose only pgloss import is verl's plugin discovery."""
-    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
-LIST = ("import verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
-        "print(sorted(k for k in R if k.startswith('pgloss_')))")
+LIST = (
+    "import verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
+    "print(sorted(k for k in R if k.startswith('pgloss_')))"
+)
 
 
 def test_entry_point_discovery():
@@ -247,8 +277,10 @@ def test_entry_point_discovery():
     auto = _bare_import(LIST)
     off = _bare_import(LIST, VERL_USE_EXTERNAL_PLUGINS="none")
     # verl 0.10 installed: the adapter's version check fails inside verl's plugin loader.
-    broken = _bare_import("import importlib.metadata as m; found = m.version; "
-                          "m.version = lambda d: '0.10.0' if d == 'verl' else found(d); " + LIST)
+    broken = _bare_import(
+        "import importlib.metadata as m; found = m.version; "
+        "m.version = lambda d: '0.10.0' if d == 'verl' else found(d); " + LIST
+    )
     out, err = auto.communicate(timeout=240)
     assert auto.returncode == 0, err
     assert eval(out.strip().splitlines()[-1]) == sorted(adapter.registered_name(n) for n in pgloss.names())

@@ -4,9 +4,9 @@ import pytest
 
 pytest.importorskip("verl")
 
-from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED  # noqa: E402
-from pgloss.conformance import verl as conformance  # noqa: E402
-from pgloss.trainer_options.verl import LOSS_MODES  # noqa: E402
+from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
+from pgloss.conformance import verl as conformance
+from pgloss.trainer_options.verl import LOSS_MODES
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,15 @@ import pgloss
 pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
-from conftest import free_port  # noqa: E402
-from properties.micro_batches import micro_batches  # noqa: E402
-from test_fsdp2 import VOCAB, selects_per_call, tiny  # noqa: E402
-from test_verl import BUDGET, LENGTH, ROWS, actor_config, make_batch, micro_batch, own_mode  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.config import PolicyLossConfig  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from conftest import free_port
+from properties.micro_batches import micro_batches
+from test_fsdp2 import VOCAB, selects_per_call, tiny
+from test_verl import BUDGET, LENGTH, ROWS, actor_config, make_batch, micro_batch, own_mode
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import PolicyLossConfig
+from verl.workers.utils.losses import ppo_loss
 
-from pgloss.integrations import verl as adapter  # noqa: E402
+from pgloss.integrations import verl as adapter
 
 WORLD = 2
 RANKS = {0: [slice(0, 3), slice(3, 5)], 1: [slice(5, 6), slice(6, 8)]}  # row 5 is empty (make_batch)
@@ -43,8 +43,9 @@ def data():
     batch["ids"] = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g)
     batch["targets"] = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g)
     with torch.no_grad():
-        batch["old"] = log_probs(tiny(), batch, slice(None)) + 0.1 * torch.randn(ROWS, LENGTH, generator=g,
-                                                                                  dtype=torch.float64)
+        batch["old"] = log_probs(tiny(), batch, slice(None)) + 0.1 * torch.randn(
+            ROWS, LENGTH, generator=g, dtype=torch.float64
+        )
     return batch
 
 
@@ -88,8 +89,9 @@ def worker(rank: int, port: int, results) -> None:
         for name in NAMES:
             config = config_of(name)
             model.zero_grad(set_to_none=True)
-            micro_batches(lambda rows: loss(config, model, batch, rows, dp_size=WORLD, batch_num_tokens=int(tokens)),
-                          parts)
+            micro_batches(
+                lambda rows: loss(config, model, batch, rows, dp_size=WORLD, batch_num_tokens=int(tokens)), parts
+            )
             out[name] = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
         results[rank] = out
     finally:
@@ -108,13 +110,21 @@ def test_every_shard_gets_the_gradient_of_one_verl_call(ranks, name):
     batch, model, config = data(), tiny(), config_of(name)
     tokens = int(batch["mask"].sum())
     if selects_per_call(pgloss.get(name, norm_constant=BUDGET)):
-        sum(loss(config, model, batch, rows, dp_size=1, batch_num_tokens=tokens)
-            for rank in range(WORLD) for rows in RANKS[rank]).backward()
+        sum(
+            loss(config, model, batch, rows, dp_size=1, batch_num_tokens=tokens)
+            for rank in range(WORLD)
+            for rows in RANKS[rank]
+        ).backward()
     else:
         loss(config, model, batch, slice(0, ROWS), dp_size=1, batch_num_tokens=tokens).backward()
     want = {k: p.grad for k, p in model.named_parameters()}
     assert sum(g.abs().sum() for g in want.values()) > 0
     for rank in range(WORLD):
         for key, full in want.items():
-            torch.testing.assert_close(ranks[rank][name][key], torch.chunk(full, WORLD)[rank], rtol=1e-9, atol=1e-12,
-                                       msg=lambda m: f"{name}, rank {rank}, {key}: {m}")
+            torch.testing.assert_close(
+                ranks[rank][name][key],
+                torch.chunk(full, WORLD)[rank],
+                rtol=1e-9,
+                atol=1e-12,
+                msg=lambda m: f"{name}, rank {rank}, {key}: {m}",
+            )

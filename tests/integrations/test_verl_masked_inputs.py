@@ -13,10 +13,10 @@ import pgloss
 
 pytest.importorskip("verl")
 
-from verl.trainer.ppo.core_algos import get_policy_loss_fn  # noqa: E402
-from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from pgloss.integrations import verl as adapter  # noqa: E402
+from pgloss.integrations import verl as adapter
 
 ROWS, LENGTH, BUDGET = 8, 6, 6.0
 
@@ -38,9 +38,13 @@ def inputs(seed):
     mask = torch.arange(LENGTH)[None, :] < lengths[:, None]
     old = -torch.rand(ROWS, LENGTH, generator=g, dtype=torch.float64) * 2 - 0.1
     log_prob = (old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
-    return dict(old_log_prob=old, log_prob=log_prob,
-                advantages=torch.randn(ROWS, LENGTH, generator=g, dtype=torch.float64), response_mask=mask,
-                rollout_is_weights=0.5 + torch.rand(ROWS, LENGTH, generator=g, dtype=torch.float64))
+    return dict(
+        old_log_prob=old,
+        log_prob=log_prob,
+        advantages=torch.randn(ROWS, LENGTH, generator=g, dtype=torch.float64),
+        response_mask=mask,
+        rollout_is_weights=0.5 + torch.rand(ROWS, LENGTH, generator=g, dtype=torch.float64),
+    )
 
 
 def poisoned(values, seed):
@@ -56,25 +60,38 @@ def poisoned(values, seed):
 
 def call(name, values, *, counts, weights):
     mode = pgloss.get(name, generation_budget=BUDGET).loss_agg_mode
-    config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2,
-                         policy_loss=PolicyLossConfig(loss_mode=adapter.registered_name(name), dro_beta=0.1),
-                         loss_agg_mode=mode, loss_scale_factor=BUDGET)
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=4,
+        ppo_mini_batch_size=2,
+        ppo_micro_batch_size_per_gpu=2,
+        policy_loss=PolicyLossConfig(loss_mode=adapter.registered_name(name), dro_beta=0.1),
+        loss_agg_mode=mode,
+        loss_scale_factor=BUDGET,
+    )
     if counts:  # what verl's ppo_loss fills before it calls the policy loss
-        config.global_batch_info.update(dp_size=1, batch_num_tokens=int(values["response_mask"].sum()) + 5,
-                                        global_batch_size=ROWS + 2)
+        config.global_batch_info.update(
+            dp_size=1, batch_num_tokens=int(values["response_mask"].sum()) + 5, global_batch_size=ROWS + 2
+        )
     leaf = values["log_prob"].clone().requires_grad_(True)
     torch.manual_seed(0)  # Clip-Cov and KL-Cov draw from the global generator
     loss, metrics = get_policy_loss_fn(adapter.registered_name(name))(
-        old_log_prob=values["old_log_prob"], log_prob=leaf, advantages=values["advantages"],
-        response_mask=values["response_mask"], loss_agg_mode=mode, config=config,
-        rollout_is_weights=values["rollout_is_weights"] if weights else None)
+        old_log_prob=values["old_log_prob"],
+        log_prob=leaf,
+        advantages=values["advantages"],
+        response_mask=values["response_mask"],
+        loss_agg_mode=mode,
+        config=config,
+        rollout_is_weights=values["rollout_is_weights"] if weights else None,
+    )
     (grad,) = torch.autograd.grad(loss, leaf)
     return loss, grad, metrics
 
 
 def same(a, b):
     return torch.equal(torch.as_tensor(a).isnan(), torch.as_tensor(b).isnan()) and torch.equal(
-        torch.nan_to_num(torch.as_tensor(a)), torch.nan_to_num(torch.as_tensor(b)))
+        torch.nan_to_num(torch.as_tensor(a)), torch.nan_to_num(torch.as_tensor(b))
+    )
 
 
 @pytest.mark.parametrize("weights", [False, True], ids=["plain", "rollout_is_weights"])

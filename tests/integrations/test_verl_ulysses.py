@@ -24,13 +24,13 @@ import pgloss
 pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
-from conftest import run_ranks  # noqa: E402
-from test_verl import BUDGET, ROWS, SPLIT, actor_config, make_batch, micro_batch, own_mode  # noqa: E402
-from verl.utils.ulysses import gather_outputs_and_unpad  # noqa: E402
-from verl.workers.config import PolicyLossConfig  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from conftest import run_ranks
+from test_verl import BUDGET, ROWS, SPLIT, actor_config, make_batch, micro_batch, own_mode
+from verl.utils.ulysses import gather_outputs_and_unpad
+from verl.workers.config import PolicyLossConfig
+from verl.workers.utils.losses import ppo_loss
 
-from pgloss.integrations import verl as adapter  # noqa: E402
+from pgloss.integrations import verl as adapter
 
 SP = 2
 
@@ -42,8 +42,11 @@ def runnable(name):
 
 
 def config(name):
-    return actor_config(policy_loss=PolicyLossConfig(loss_mode=adapter.registered_name(name), dro_beta=0.1),
-                        loss_agg_mode=own_mode(name), loss_scale_factor=BUDGET)
+    return actor_config(
+        policy_loss=PolicyLossConfig(loss_mode=adapter.registered_name(name), dro_beta=0.1),
+        loss_agg_mode=own_mode(name),
+        loss_scale_factor=BUDGET,
+    )
 
 
 def step(name, sequence_parallel):
@@ -51,16 +54,17 @@ def step(name, sequence_parallel):
     batch = make_batch(seed=3)
     theta = batch["log_prob"].clone().requires_grad_()
     total = torch.zeros((), dtype=torch.float64)
-    for rows in ([slice(0, ROWS)] if pgloss.get(name, generation_budget=BUDGET).couples_rows else SPLIT):
+    for rows in [slice(0, ROWS)] if pgloss.get(name, generation_budget=BUDGET).couples_rows else SPLIT:
         output, data = micro_batch(batch, theta, rows)
         packed = output["log_probs"]
         if sequence_parallel:  # this rank's slice of the padded packed tokens, then verl's gather back
             pad = (SP - packed.shape[0] % SP) % SP
             padded = torch.cat([packed, packed.new_zeros(pad)])
             width = padded.shape[0] // SP
-            local = padded[dist.get_rank() * width:(dist.get_rank() + 1) * width]
-            packed = gather_outputs_and_unpad(local, gather_dim=0, unpad_dim=0, padding_size=pad,
-                                              group=dist.group.WORLD)
+            local = padded[dist.get_rank() * width : (dist.get_rank() + 1) * width]
+            packed = gather_outputs_and_unpad(
+                local, gather_dim=0, unpad_dim=0, padding_size=pad, group=dist.group.WORLD
+            )
         loss, _ = ppo_loss(config(name), {"log_probs": packed}, data)
         loss.backward()
         total = total + loss.detach()

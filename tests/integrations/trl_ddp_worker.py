@@ -7,9 +7,9 @@ import os
 import sys
 
 import torch
+from trl_window import train
 
 import pgloss
-from trl_window import train
 
 CASES = {  # case -> (name, hyperparameters, fused)
     "dapo": ("dapo", {}, False),
@@ -26,5 +26,12 @@ if __name__ == "__main__":
         trainer = train(os.path.join(root, case), algorithm, fused=fused, learning_rate=rate)
         assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
         logged = [row for row in trainer.state.log_history if "pgloss/pg_loss" in row][-1]
-        torch.save({"grads": trainer.snapshot["grads"], "inputs": trainer.snapshot["inputs"],
-                    "params": trainer.snapshot["params"], "logged": logged}, os.path.join(root, case, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "grads": trainer.snapshot["grads"],
+                "inputs": trainer.snapshot["inputs"],
+                "params": trainer.snapshot["params"],
+                "logged": logged,
+            },
+            os.path.join(root, case, f"rank{rank}.pt"),
+        )

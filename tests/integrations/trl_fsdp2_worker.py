@@ -9,9 +9,9 @@ import sys
 
 import torch
 from torch.distributed.tensor import DTensor
+from trl_window import RecordingTrainer, train
 
 import pgloss
-from trl_window import RecordingTrainer, train
 
 CASES = {  # case -> (name, hyperparameters, fused)
     "dapo": ("dapo", {}, False),
@@ -54,5 +54,11 @@ if __name__ == "__main__":
         assert trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2, "accelerate's FSDP2 plugin is on"
         sharded = [k for k, v in trainer.snapshot["grads"].items() if isinstance(v, DTensor)]
         assert len(sharded) == len(trainer.snapshot["grads"]) > 0, "every gradient is an FSDP2 shard"
-        torch.save({"grads": whole(trainer.snapshot["grads"]), "inputs": trainer.snapshot["inputs"],
-                    "params": whole(trainer.snapshot["params"])}, os.path.join(root, case, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "grads": whole(trainer.snapshot["grads"]),
+                "inputs": trainer.snapshot["inputs"],
+                "params": whole(trainer.snapshot["params"]),
+            },
+            os.path.join(root, case, f"rank{rank}.pt"),
+        )

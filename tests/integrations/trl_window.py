@@ -17,13 +17,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import trl_tiny  # noqa: E402
+import trl_tiny
+from transformers import TrainerCallback
 
-from pgloss.integrations.trl import PGLossGRPOTrainer  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from pgloss.integrations.trl import PGLossGRPOTrainer
 
-KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
-        "ref_per_token_logps", "group_ids", "scores")
+KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "group_ids",
+    "scores",
+)
 
 
 class _Snapshot(TrainerCallback):
@@ -52,7 +61,6 @@ class RecordingTrainer(PGLossGRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
-
 def run_two_ranks(worker: str, tmp_path: Path, cases, model_dir: str) -> dict[str, list[dict]]:
     """Run `worker` (a file beside this one) on two gloo ranks with torchrun, one folder per case of
     `cases` holding the tiny model; the ranks' records (`rank{r}.pt`) per case."""
@@ -66,14 +74,33 @@ def run_two_ranks(worker: str, tmp_path: Path, cases, model_dir: str) -> dict[st
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_addr", "127.0.0.1", "--master_port", str(port),
-                          str(here / worker), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=500)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(here / worker),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return {case: [torch.load(tmp_path / case / f"rank{r}.pt") for r in (0, 1)] for case in cases}
+
 
 def train(tmp: str, algorithm, *, fused=False, **overrides) -> RecordingTrainer:
     """Two optimizer steps of GA = 2 with num_iterations = 2: the second step reuses the first step's
@@ -81,12 +108,23 @@ def train(tmp: str, algorithm, *, fused=False, **overrides) -> RecordingTrainer:
     model = os.path.join(tmp, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
         trl_tiny.make_tiny_model(model)
-    values = dict(per_device_train_batch_size=4, max_steps=2, num_iterations=2, learning_rate=2e-2,
-                  max_grad_norm=0.0, logging_steps=1)
+    values = dict(
+        per_device_train_batch_size=4,
+        max_steps=2,
+        num_iterations=2,
+        learning_rate=2e-2,
+        max_grad_norm=0.0,
+        logging_steps=1,
+    )
     values.update(overrides)
-    trainer = RecordingTrainer(model=model, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
-                               args=trl_tiny.config(os.path.join(tmp, "out"), **values), algorithm=algorithm,
-                               fused=fused)
+    trainer = RecordingTrainer(
+        model=model,
+        reward_funcs=trl_tiny.digits,
+        train_dataset=trl_tiny.make_dataset(),
+        args=trl_tiny.config(os.path.join(tmp, "out"), **values),
+        algorithm=algorithm,
+        fused=fused,
+    )
     trainer.train()
     return trainer
 
@@ -95,8 +133,14 @@ def off_policy_window(model_dir: str, out: str, log_prob, *, config: dict | None
     """A real GA = 2 window from TRL's generation, made off-policy: old = log π + 0.3·N(0, 1), Â ~ N(0, 1), so that
     clipping, weights and signs all occur. `log_prob(trainer, batch)` gives a micro-batch's log π; `config` holds
     options of `trl_tiny.config`, `options` those of PGLossGRPOTrainer."""
-    trainer = PGLossGRPOTrainer(model=model_dir, reward_funcs=trl_tiny.digits, train_dataset=trl_tiny.make_dataset(),
-                                args=trl_tiny.config(out, max_steps=1, **(config or {})), algorithm="dapo", **options)
+    trainer = PGLossGRPOTrainer(
+        model=model_dir,
+        reward_funcs=trl_tiny.digits,
+        train_dataset=trl_tiny.make_dataset(),
+        args=trl_tiny.config(out, max_steps=1, **(config or {})),
+        algorithm="dapo",
+        **options,
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2  # what Trainer sets for each optimizer step
     trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
@@ -125,7 +169,7 @@ def window_gradient(model_dir: str, snapshot_inputs: list[dict], params: dict, a
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         length = batch["completion_ids"].shape[1]
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1] / temperature
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1] / temperature
         logp = logits.log_softmax(-1)
         log_probs.append(logp.gather(-1, batch["completion_ids"][..., None]).squeeze(-1))
         entropies.append(-(logp.exp() * logp).sum(-1))
@@ -139,9 +183,14 @@ def window_gradient(model_dir: str, snapshot_inputs: list[dict], params: dict, a
     if "sampling_per_token_logps" in snapshot_inputs[0]:
         extra["rollout_log_prob"] = _pad([b["sampling_per_token_logps"] for b in snapshot_inputs])
     mask = _pad([b.get("loss_mask", b["completion_mask"]) for b in snapshot_inputs])
-    out = algorithm(log_prob=log_prob, old_log_prob=cat["old_per_token_logps"],
-                    advantages=torch.cat([b["advantages"] for b in snapshot_inputs]),
-                    mask=mask, entropy=entropy, **extra)
+    out = algorithm(
+        log_prob=log_prob,
+        old_log_prob=cat["old_per_token_logps"],
+        advantages=torch.cat([b["advantages"] for b in snapshot_inputs]),
+        mask=mask,
+        entropy=entropy,
+        **extra,
+    )
     out.loss.backward()
     return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}, out
 

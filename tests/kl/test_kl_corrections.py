@@ -2,12 +2,12 @@
 
 import math
 
+import loops
 import pytest
 import torch
 
-import loops
-from pgloss.kl.estimators import kl_estimate
 from pgloss.kl.corrections import kl_term, ratio_weighted, straight_through, unbiased_gradient
+from pgloss.kl.estimators import kl_estimate
 
 
 def inputs(seed=0):
@@ -48,8 +48,9 @@ def test_unbiased_gradient_keeps_the_value_and_weights_the_k2_gradient_with_a_ca
     lp, ref, old = inputs(2)
     old = old.clone()
     old[0, 0] = lp[0, 0] - 3.0  # r = e^3 > cap
-    value, grad = value_and_grad(lambda x: unbiased_gradient(kl_estimate(x, ref, "k3"), x, ref, x - old, cap=10.0,
-                                                             max_log_ratio=20.0), lp)
+    value, grad = value_and_grad(
+        lambda x: unbiased_gradient(kl_estimate(x, ref, "k3"), x, ref, x - old, cap=10.0, max_log_ratio=20.0), lp
+    )
     torch.testing.assert_close(value, kl_estimate(lp, ref, "k3"), rtol=1e-12, atol=1e-14)
     weight = torch.exp(lp - old).clamp(max=10.0)
     assert weight[0, 0].item() == 10.0 and math.exp(3.0) > 10
@@ -65,8 +66,10 @@ def test_k2_gradient_is_the_exact_kl_gradient_on_policy():
     (exact,) = torch.autograd.grad((log_pi.exp() * (log_pi - ref)).sum(), z)
     pi = log_pi.exp().detach()
     expectations = {}
-    for name, fn in {"k3+": lambda lp: straight_through(kl_estimate(lp, ref, "k3"), lp, ref),
-                     "k3": lambda lp: kl_estimate(lp, ref, "k3")}.items():
+    for name, fn in {
+        "k3+": lambda lp: straight_through(kl_estimate(lp, ref, "k3"), lp, ref),
+        "k3": lambda lp: kl_estimate(lp, ref, "k3"),
+    }.items():
         per_token = fn(torch.log_softmax(z, 0))
         # Σ_y π(y)·∇[estimator at y] with π held fixed: the expected gradient of the sampled estimator.
         (expectations[name],) = torch.autograd.grad((pi * per_token).sum(), z)
@@ -81,13 +84,16 @@ def test_kl_term_composes_the_estimator_and_the_correction(estimator, correction
     value, grad = value_and_grad(lambda x: kl_term(x, ref, old, estimator=estimator, correction=correction), lp)
     base = estimator.rstrip("+")
     d, r = lp - ref, torch.exp(lp - old)
-    k = torch.tensor([[loops.kl(a, b, base) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), ref.tolist())],
-                     dtype=torch.float64)
+    k = torch.tensor(
+        [[loops.kl(a, b, base) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), ref.tolist())],
+        dtype=torch.float64,
+    )
     own = {"k1": torch.ones_like(d), "k3": 1 - torch.exp(-d), "abs": torch.sign(d)}[base]  # ∂k/∂log π
     grad_k = d if estimator.endswith("+") else own
     expected_value = k * r if correction == "ratio_weighted" else k
-    expected_grad = {None: grad_k, "ratio_weighted": grad_k * r + k * r,
-                     "unbiased_gradient": r.clamp(max=10.0) * d}[correction]
+    expected_grad = {None: grad_k, "ratio_weighted": grad_k * r + k * r, "unbiased_gradient": r.clamp(max=10.0) * d}[
+        correction
+    ]
     torch.testing.assert_close(value, expected_value, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-14)
 

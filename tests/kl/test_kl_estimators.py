@@ -2,10 +2,10 @@
 
 import math
 
+import loops
 import pytest
 import torch
 
-import loops
 import pgloss
 from pgloss.kl.estimators import AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 
@@ -15,8 +15,10 @@ def test_estimators_match_loop(estimator):
     gen = torch.Generator().manual_seed(0)
     lp = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
     ref = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
-    expected = torch.tensor([[loops.kl(a, b, estimator) for a, b in zip(ra, rb)]
-                             for ra, rb in zip(lp.tolist(), ref.tolist())], dtype=torch.float64)
+    expected = torch.tensor(
+        [[loops.kl(a, b, estimator) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), ref.tolist())],
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(kl_estimate(lp, ref, estimator), expected, rtol=1e-12, atol=1e-14)
 
 

@@ -18,8 +18,11 @@ TINY = dict(d_model=32, n_layer=1, n_head=2, max_new_tokens=20)
 def same_run(a: dict, b: dict) -> bool:
     """Two `train` results are the same run: equal metrics and records, bit-equal final states."""
     sa, sb = a["state"], b["state"]
-    return ({k: v for k, v in a.items() if k != "state"} == {k: v for k, v in b.items() if k != "state"}
-            and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa))
+    return (
+        {k: v for k, v in a.items() if k != "state"} == {k: v for k, v in b.items() if k != "state"}
+        and sa.keys() == sb.keys()
+        and all(torch.equal(sa[k], sb[k]) for k in sa)
+    )
 
 
 def tiny_policy(seed: int = 0):

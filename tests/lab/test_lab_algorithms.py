@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from lab_helpers import TINY, fixed_batch, tiny_policy
 
 import pgloss
-from lab_helpers import TINY, fixed_batch, tiny_policy
 from pgloss.lab.config import LabConfig
 from pgloss.lab.trainer import build, make_algorithm, train, update, warm_start
 
@@ -29,17 +29,29 @@ def test_every_algorithm_updates_the_policy(name):
     batch = fixed_batch(policy, copy.deepcopy(policy))  # half right, half wrong: real advantages
     cfg = LabConfig(algorithm=name, epochs=2, minibatches=2, micro_batches=2, **TINY)
     algorithm = make_algorithm(cfg)
-    metrics = update(policy, torch.optim.AdamW(policy.parameters(), lr=3e-3), algorithm, batch, cfg, 6,
-                     torch.Generator().manual_seed(0))
+    metrics = update(
+        policy,
+        torch.optim.AdamW(policy.parameters(), lr=3e-3),
+        algorithm,
+        batch,
+        cfg,
+        6,
+        torch.Generator().manual_seed(0),
+    )
     assert math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["ppo_kl"]))
     assert float(metrics["grad_norm"]) > 0 and 0 <= float(metrics["grad_clipped"]) <= 1
     assert max(float((p.detach() - s).abs().max()) for p, s in zip(policy.parameters(), start)) > 1e-4
-    reports_clip = "pg_clipfrac" in algorithm(batch.old_log_prob, batch.old_log_prob, batch.advantages,
-                                              batch.rollout.mask, **batch.inputs(algorithm)).metrics
+    reports_clip = (
+        "pg_clipfrac"
+        in algorithm(
+            batch.old_log_prob, batch.old_log_prob, batch.advantages, batch.rollout.mask, **batch.inputs(algorithm)
+        ).metrics
+    )
     assert math.isnan(float(metrics["clip_frac"])) == (not reports_clip)  # SAPO has no clip: None, not an error
     if reports_clip:
         assert float(metrics["clip_frac"]) == pytest.approx(
-            float(metrics["clip_frac_high"]) + float(metrics["clip_frac_low"]), abs=1e-6)
+            float(metrics["clip_frac_high"]) + float(metrics["clip_frac_low"]), abs=1e-6
+        )
 
 
 @pytest.mark.parametrize("name", pgloss.names())

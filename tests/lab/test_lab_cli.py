@@ -11,27 +11,72 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+
 from pgloss import cli
 from pgloss.lab import trainer
 
 PGLOSS = str(Path(sys.executable).parent / "pgloss")
-TINY = ["--warm-steps", "5", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--prompts-per-step", "4",
-        "--group-size", "4", "--eval-prompts", "4", "--samples", "2"]
+TINY = [
+    "--warm-steps",
+    "5",
+    "--d-model",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-prompts",
+    "4",
+    "--samples",
+    "2",
+]
 
 
 def test_compare_writes_metrics_plots_samples_report_and_config(tmp_path):
     out = tmp_path / "run"
-    cmd = [PGLOSS, "compare", "--algorithms", "grpo,sample_grpo", "gspo:clip_high=0.001", "--steps", "2", "--seeds", "2",
-           "--workers", "1", *TINY, "--out", str(out)]
+    cmd = [
+        PGLOSS,
+        "compare",
+        "--algorithms",
+        "grpo,sample_grpo",
+        "gspo:clip_high=0.001",
+        "--steps",
+        "2",
+        "--seeds",
+        "2",
+        "--workers",
+        "1",
+        *TINY,
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     labels = ("grpo", "sample_grpo", "gspo:clip_high=0.001")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 * 2 * 3  # algorithms x seeds x (steps + final measurement)
-    keys = {"algorithm", "seed", "step", "reward", "accuracy", "length", "entropy", "kl_ref", "clip_frac",
-            "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "kept"}
+    keys = {
+        "algorithm",
+        "seed",
+        "step",
+        "reward",
+        "accuracy",
+        "length",
+        "entropy",
+        "kl_ref",
+        "clip_frac",
+        "clip_frac_high",
+        "clip_frac_low",
+        "ppo_kl",
+        "grad_norm",
+        "grad_clipped",
+        "kept",
+    }
     assert all(keys <= set(r) for r in records)
     assert {(r["algorithm"], r["seed"]) for r in records} == {(a, s) for a in labels for s in (0, 1)}
     for name in ("reward", "length", "entropy", "clip_frac", "kl_ref", "ppo_kl", "grad_norm", "kept", "curves"):
@@ -53,8 +98,29 @@ def test_compare_writes_metrics_plots_samples_report_and_config(tmp_path):
 
 def test_a_simulated_mismatch_shows_in_the_report_and_plots(tmp_path):
     out = tmp_path / "run"
-    assert cli.main(["compare", "--algorithms", "grpo", "--steps", "2", "--seeds", "1", "--workers", "1", *TINY,
-                     "--sampler-noise", "0.1", "--rollout-correction", "token:upper=2", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "compare",
+                "--algorithms",
+                "grpo",
+                "--steps",
+                "2",
+                "--seeds",
+                "1",
+                "--workers",
+                "1",
+                *TINY,
+                "--sampler-noise",
+                "0.1",
+                "--rollout-correction",
+                "token:upper=2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rollout_k3_kl"] > 0 and 0 < r["rollout_is_ess"] < 1 for r in records[:-1])
     report = (out / "report.md").read_text()
@@ -63,19 +129,25 @@ def test_a_simulated_mismatch_shows_in_the_report_and_plots(tmp_path):
     assert (out / "rollout_kl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["compare", "--steps", "0"], "--steps must be >= 1"),
-    (["compare", "--seeds", "0"], "--seeds must be >= 1"),
-    (["compare", "--workers", "0"], "--workers must be >= 1"),
-    (["compare", "--algorithms", "grpo,nope"], "unknown algorithm 'nope'"),
-    (["compare", "--algorithms", "dapo:clip_hihg=0.3"], "no hyperparameter 'clip_hihg' \\(did you mean 'clip_high'\\?\\); valid: .*clip_high"),
-    (["compare", "--algorithms", "grpo", "sapo", "--loss-arg", "clip_high=0.3"], "sapo:clip_high=0.3: sapo has no"),
-    (["compare", "--max-new-tokens", "5"], "--max-new-tokens must be >= 12"),
-    (["train", "--algorithm", "grpo,dapo"], "train runs one algorithm"),
-    (["compare", "--rollout-correction", "tokn"], "--rollout-correction 'tokn': the level must be"),
-    (["train", "--algorithm", "vespo", "--rollout-correction", "token"], "vespo: .*takes no rollout_correction"),
-    (["compare", "--sampler-temperature", "-1"], "--sampler-temperature must be > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "--steps", "0"], "--steps must be >= 1"),
+        (["compare", "--seeds", "0"], "--seeds must be >= 1"),
+        (["compare", "--workers", "0"], "--workers must be >= 1"),
+        (["compare", "--algorithms", "grpo,nope"], "unknown algorithm 'nope'"),
+        (
+            ["compare", "--algorithms", "dapo:clip_hihg=0.3"],
+            "no hyperparameter 'clip_hihg' \\(did you mean 'clip_high'\\?\\); valid: .*clip_high",
+        ),
+        (["compare", "--algorithms", "grpo", "sapo", "--loss-arg", "clip_high=0.3"], "sapo:clip_high=0.3: sapo has no"),
+        (["compare", "--max-new-tokens", "5"], "--max-new-tokens must be >= 12"),
+        (["train", "--algorithm", "grpo,dapo"], "train runs one algorithm"),
+        (["compare", "--rollout-correction", "tokn"], "--rollout-correction 'tokn': the level must be"),
+        (["train", "--algorithm", "vespo", "--rollout-correction", "token"], "vespo: .*takes no rollout_correction"),
+        (["compare", "--sampler-temperature", "-1"], "--sampler-temperature must be > 0"),
+    ],
+)
 def test_bad_arguments_fail_at_once_naming_the_argument(argv, message, tmp_path, capsys):
     start = time.time()
     assert cli.main([*argv, "--out", str(tmp_path / "out")]) == 2
@@ -104,12 +176,31 @@ def test_a_failing_run_keeps_the_others(tmp_path, monkeypatch, capsys):
         def fail_after_first(record):
             on_step(record)
             raise RuntimeError("boom after one step")
+
         return real(cfg, warm_state, fail_after_first, **kwargs)
 
     monkeypatch.setattr(trainer, "train", flaky)
     out = tmp_path / "run"
-    assert cli.main(["compare", "--algorithms", "grpo", "dapo", "--steps", "2", "--seeds", "1", "--workers", "1",
-                     *TINY, "--out", str(out)]) == 1
+    assert (
+        cli.main(
+            [
+                "compare",
+                "--algorithms",
+                "grpo",
+                "dapo",
+                "--steps",
+                "2",
+                "--seeds",
+                "1",
+                "--workers",
+                "1",
+                *TINY,
+                "--out",
+                str(out),
+            ]
+        )
+        == 1
+    )
     assert "failed: dapo seed 0" in capsys.readouterr().out
     report = (out / "report.md").read_text()
     assert "| grpo |" in report and "| dapo |" not in report
@@ -124,8 +215,25 @@ def test_a_failing_run_keeps_the_others(tmp_path, monkeypatch, capsys):
 def test_ctrl_c_and_sigterm_stop_within_seconds_and_write_what_finished(tmp_path, sig):
     """Ctrl-C in a terminal and `timeout`/a scheduler (SIGTERM to the process group) end a run alike."""
     out = tmp_path / "run"
-    cmd = [PGLOSS, "compare", "--algorithms", "grpo", "dapo", "gspo", "cispo", "sapo", "--steps", "30", "--seeds", "1",
-           "--workers", "2", *TINY, "--out", str(out)]
+    cmd = [
+        PGLOSS,
+        "compare",
+        "--algorithms",
+        "grpo",
+        "dapo",
+        "gspo",
+        "cispo",
+        "sapo",
+        "--steps",
+        "30",
+        "--seeds",
+        "1",
+        "--workers",
+        "2",
+        *TINY,
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 240
@@ -144,7 +252,9 @@ def test_ctrl_c_and_sigterm_stop_within_seconds_and_write_what_finished(tmp_path
     assert len(ours) == 1 and re.match(r"pgloss compare: interrupted; [12] of 5 runs finished", ours[0]), err[-3000:]
     report = (out / "report.md").read_text()
     assert "was interrupted" in report and ": interrupted after" in report and ": not started" in report
-    finished = {r["algorithm"] for r in json.loads((out / "config.json").read_text())["runs"] if r["status"] == "finished"}
+    finished = {
+        r["algorithm"] for r in json.loads((out / "config.json").read_text())["runs"] if r["status"] == "finished"
+    }
     assert all(f"| {a} |" in report for a in finished)
     assert (out / "reward.png").stat().st_size > 5000 and (out / "samples.md").exists()
     assert json.loads((out / "config.json").read_text())["status"] == "interrupted"

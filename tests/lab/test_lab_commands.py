@@ -8,17 +8,33 @@ import time
 from pathlib import Path
 
 import pytest
+from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 
 import pgloss
-from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 from pgloss import cli
 from pgloss.lab import trainer, warm
 from pgloss.lab.config import LabConfig
 from pgloss.lab.progress import Progress, clock
 
 PGLOSS = str(Path(sys.executable).parent / "pgloss")
-TINY = ["--warm-steps", "5", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--prompts-per-step", "4",
-        "--group-size", "4", "--eval-prompts", "4", "--samples", "2"]
+TINY = [
+    "--warm-steps",
+    "5",
+    "--d-model",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-prompts",
+    "4",
+    "--samples",
+    "2",
+]
 COMPARE = ["compare", "--algorithms", "grpo", "--steps", "1", "--seeds", "1", "--workers", "1", *TINY]
 
 
@@ -68,12 +84,15 @@ def test_grads_refuses_an_existing_figure_and_takes_the_same_grammar(tmp_path, c
     assert rows == pgloss.names()  # every loss, those that need scores (TOPR) or groups (REAL) included
 
 
-@pytest.mark.parametrize("argv", [
-    ["compare", "--algorithms", "grpo", "dapo:clip_hihg=0.3"],
-    ["train", "--algorithms", "dapo:clip_hihg=0.3"],
-    ["grads", "--algorithms", "grpo", "dapo:clip_hihg=0.3"],
-    ["experiment", "length", "--algorithms", "grpo", "dapo:clip_hihg=0.3"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["compare", "--algorithms", "grpo", "dapo:clip_hihg=0.3"],
+        ["train", "--algorithms", "dapo:clip_hihg=0.3"],
+        ["grads", "--algorithms", "grpo", "dapo:clip_hihg=0.3"],
+        ["experiment", "length", "--algorithms", "grpo", "dapo:clip_hihg=0.3"],
+    ],
+)
 def test_one_grammar_one_message_for_every_command(argv, tmp_path, capsys):
     assert cli.main([*argv, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
@@ -109,8 +128,13 @@ def test_the_warm_start_is_cached_by_its_settings(tmp_path, monkeypatch, warm_ca
 def test_the_cache_key_follows_what_the_warm_start_reads():
     base = LabConfig()
     same = [LabConfig(algorithm="dapo"), LabConfig(steps=3, lr=1e-3, temperature=0.7)]
-    other = [LabConfig(seed=1), LabConfig(warm_steps=10), LabConfig(d_model=64), LabConfig(max_new_tokens=30),
-             LabConfig(task="sum")]
+    other = [
+        LabConfig(seed=1),
+        LabConfig(warm_steps=10),
+        LabConfig(d_model=64),
+        LabConfig(max_new_tokens=30),
+        LabConfig(task="sum"),
+    ]
     assert all(warm.key(c) == warm.key(base) for c in same)
     assert len({warm.key(c) for c in [base, *other]}) == 1 + len(other)
 
@@ -127,7 +151,8 @@ def test_progress_eta_is_per_phase_and_names_what_is_not_timed(tmp_path):
         assert bar.remaining() == (pytest.approx(285.0), [])
         assert bar.eta() == "RL, ETA 4:45"
         assert bar.postfix() == "warm start 100/100, RL 1/20; RL, ETA 4:45" and bar.fraction() == pytest.approx(
-            (100 * 0.05 + 15) / (100 * 0.05 + 20 * 15))  # each phase's steps weighed by their seconds
+            (100 * 0.05 + 15) / (100 * 0.05 + 20 * 15)
+        )  # each phase's steps weighed by their seconds
         bar.close()
     assert clock(3725) == "1:02:05"
 
@@ -138,8 +163,17 @@ def test_the_bar_at_the_end_of_the_warm_start_shows_its_share_of_the_time(tmp_pa
     from pgloss.lab.commands import progress
     from pgloss.lab.runner import RL, WARM, timed_steps
 
-    cfg = LabConfig(warm_steps=30, steps=3, d_model=16, n_layer=1, n_head=2, prompts_per_step=4, group_size=4,
-                    eval_prompts=4, samples=2)
+    cfg = LabConfig(
+        warm_steps=30,
+        steps=3,
+        d_model=16,
+        n_layer=1,
+        n_head=2,
+        prompts_per_step=4,
+        group_size=4,
+        eval_prompts=4,
+        samples=2,
+    )
     seconds = {WARM: 0.0, RL: 0.0}
     warm.state(LabConfig(**{**cfg.__dict__, "warm_steps": 2}), None)  # torch's one-off start-up, paid before timing
 
@@ -162,8 +196,10 @@ def test_the_bar_at_the_end_of_the_warm_start_shows_its_share_of_the_time(tmp_pa
 
 def _without(package: str, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
     """The CLI in a Python where `package` cannot be imported."""
-    code = (f"import sys; sys.modules[{package!r}] = None; sys.argv = ['pgloss', *{list(argv)!r}]; "
-            "from pgloss.cli import main; sys.exit(main())")
+    code = (
+        f"import sys; sys.modules[{package!r}] = None; sys.argv = ['pgloss', *{list(argv)!r}]; "
+        "from pgloss.cli import main; sys.exit(main())"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
@@ -184,14 +220,18 @@ def test_version_and_the_command_table():
 
 
 def test_losses_explains_its_columns_and_shows_no_kl_for_a_loss_without_one():
-    out = subprocess.run([PGLOSS, "losses", "--batch", "4", "--length", "6"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [PGLOSS, "losses", "--batch", "4", "--length", "6"], capture_output=True, text=True, check=True
+    ).stdout
     header = next(line for line in out.splitlines() if line.startswith("algorithm"))
     for column in header.split()[1:]:
         assert any(line.split()[:1] == [column] for line in out.splitlines() if line.startswith("  ")), column
     kl = header.split().index("kl")
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and
-            line.split()[0] in pgloss.names()}
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.split()[:1] and line.split()[0] in pgloss.names()
+    }
     assert rows["grpo"][kl] != "-" and float(rows["grpo"][kl]) > 0  # kl_coef 0.04: a term of its loss
     assert rows["dapo"][kl] == "-" and rows["gspo"][kl] == "-"  # no KL term
     assert "\ncolumns ('-': the loss has no such quantity):" in out

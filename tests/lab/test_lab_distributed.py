@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
 from conftest import run_ranks
 from lab_helpers import TINY, fixed_batch, tiny_policy
+
 from pgloss.lab.config import LabConfig
 from pgloss.lab.trainer import LOSS_METRICS, make_algorithm, update
 

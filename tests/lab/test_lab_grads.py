@@ -17,16 +17,22 @@ def test_ratio_one_numbers_are_the_closed_forms():
     lengths = mask.sum(1).double()
     n, n_tok, c = mask.shape[0], float(lengths.sum()), float(mask.shape[1])
     a = batch["advantages"].double()
-    per_token = {"grpo": -a / lengths, "gspo": -a / lengths, "bnpo": -a * n / n_tok, "dr_grpo": -a / c,
-                 "sample_grpo": -a}
+    per_token = {
+        "grpo": -a / lengths,
+        "gspo": -a / lengths,
+        "bnpo": -a * n / n_tok,
+        "dr_grpo": -a / c,
+        "sample_grpo": -a,
+    }
     for name, expected in per_token.items():
         grad = table[name]["grad"]
         torch.testing.assert_close(grad, torch.where(mask, expected[:, None].expand_as(grad), 0.0))
         torch.testing.assert_close(table[name]["total"], expected * lengths)
     # the sequence total: constant in length for GRPO, proportional to it for the others
     torch.testing.assert_close(table["grpo"]["total"], -a)
-    torch.testing.assert_close(table["sample_grpo"]["total"] / table["grpo"]["total"].where(a != 0, 1.0),
-                               lengths.where(a != 0, 0.0))
+    torch.testing.assert_close(
+        table["sample_grpo"]["total"] / table["grpo"]["total"].where(a != 0, 1.0), lengths.where(a != 0, 0.0)
+    )
 
 
 def test_off_policy_numbers_equal_the_inspector_closed_form():

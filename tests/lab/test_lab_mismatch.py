@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
 from lab_helpers import TINY, tiny_policy
+
+from pgloss.correction.rollout import Rejection, RolloutCorrection
 from pgloss.lab.config import LabConfig
 from pgloss.lab.spec import parse_rollout_correction
 from pgloss.lab.trainer import make_sampler, train
-from pgloss.correction.rollout import Rejection, RolloutCorrection
 
 RUN = dict(steps=2, warm_steps=3, prompts_per_step=4, group_size=4, eval_prompts=4, samples=2, **TINY)
 
@@ -17,20 +17,25 @@ def test_rollout_correction_option_parses():
     assert parse_rollout_correction("none") == RolloutCorrection(weight_level=None)
     assert parse_rollout_correction("token:upper=2") == RolloutCorrection(weight_level="token", upper=2.0)
     assert parse_rollout_correction("sequence_geometric:mode=mask,lower=0.5,upper=2") == RolloutCorrection(
-        weight_level="sequence_geometric", weight_mode="mask", lower=0.5, upper=2.0)
+        weight_level="sequence_geometric", weight_mode="mask", lower=0.5, upper=2.0
+    )
     assert parse_rollout_correction("token:seq_mean_k3=0.01,bypass=true") == RolloutCorrection(
-        rejection=(Rejection("seq_mean_k3", upper=0.01),), bypass=True)
+        rejection=(Rejection("seq_mean_k3", upper=0.01),), bypass=True
+    )
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(rollout_correction="tokn"), "--rollout-correction 'tokn': the level must be"),
-    (dict(rollout_correction="token:uper=2"), "--rollout-correction .*unknown key 'uper'"),
-    (dict(rollout_correction="token:upper=-1"), "--rollout-correction .*upper > 0"),
-    (dict(rollout_correction="token:mode=mask,upper=none"), "--rollout-correction .*needs a lower or an upper"),
-    (dict(sampler_temperature=0.0), "--sampler-temperature must be > 0"),
-    (dict(sampler_noise=-0.1), "--sampler-noise must be >= 0"),
-    (dict(max_refill_rounds=-1), "--max-refill-rounds must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(rollout_correction="tokn"), "--rollout-correction 'tokn': the level must be"),
+        (dict(rollout_correction="token:uper=2"), "--rollout-correction .*unknown key 'uper'"),
+        (dict(rollout_correction="token:upper=-1"), "--rollout-correction .*upper > 0"),
+        (dict(rollout_correction="token:mode=mask,upper=none"), "--rollout-correction .*needs a lower or an upper"),
+        (dict(sampler_temperature=0.0), "--sampler-temperature must be > 0"),
+        (dict(sampler_noise=-0.1), "--sampler-noise must be >= 0"),
+        (dict(max_refill_rounds=-1), "--max-refill-rounds must be >= 0"),
+    ],
+)
 def test_bad_mismatch_settings_are_refused_by_name(fields, message):
     with pytest.raises(ValueError, match=message):
         LabConfig(**fields)

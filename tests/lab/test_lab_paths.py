@@ -5,13 +5,14 @@ import dataclasses
 
 import pytest
 import torch
+from lab_helpers import TINY, fixed_batch, tiny_policy
+from properties.steps import CORRECTIONS  # the same corrections as every other path's test
 
 import pgloss
-from lab_helpers import TINY, fixed_batch, tiny_policy
 from pgloss.lab.config import LabConfig
 from pgloss.lab.sampling import response_log_probs
 from pgloss.lab.trainer import update
-from properties.steps import CORRECTIONS  # the same corrections as every other path's test
+
 N_PROMPTS = 6
 
 
@@ -35,8 +36,16 @@ def cases():
             algorithm = pgloss.get(name, generation_budget=20)
             if correction is not None and algorithm.consumes_rollout_log_prob:
                 continue  # VESPO weighs by the rollout log-probs itself and takes no correction
-            marks = [pytest.mark.skip(reason="Clip-Cov and KL-Cov select among a call's tokens: micro-batches "
-                                             "select differently (docs/reference.md)")] if name in ("clip_cov", "kl_cov") else []
+            marks = (
+                [
+                    pytest.mark.skip(
+                        reason="Clip-Cov and KL-Cov select among a call's tokens: micro-batches "
+                        "select differently (docs/reference.md)"
+                    )
+                ]
+                if name in ("clip_cov", "kl_cov")
+                else []
+            )
             yield pytest.param(name, kind, id=f"{name}-{kind}", marks=marks)
 
 
@@ -46,8 +55,9 @@ def test_the_labs_update_takes_the_step_of_one_call(name, kind):
     batch = fixed_batch(policy, n_prompts=N_PROMPTS)
     g = torch.Generator().manual_seed(1)
     noisy = lambda x, s: (x + s * torch.randn(x.shape, generator=g)).clamp(max=-1e-3)  # noqa: E731
-    batch = dataclasses.replace(batch, old_log_prob=noisy(batch.old_log_prob, 0.1),
-                                rollout_log_prob=noisy(batch.old_log_prob, 0.2))
+    batch = dataclasses.replace(
+        batch, old_log_prob=noisy(batch.old_log_prob, 0.1), rollout_log_prob=noisy(batch.old_log_prob, 0.2)
+    )
     algorithm = pgloss.get(name, generation_budget=TINY["max_new_tokens"], rollout_correction=CORRECTIONS[kind])
     cfg = LabConfig(algorithm=name, epochs=1, minibatches=1, micro_batches=3, max_grad_norm=1e9, **TINY)
     recorder = Recorder(policy.parameters())
@@ -56,8 +66,14 @@ def test_the_labs_update_takes_the_step_of_one_call(name, kind):
 
     log_prob, entropy = response_log_probs(policy, batch.rollout, temperature=cfg.temperature)
     torch.manual_seed(0)
-    out = algorithm(log_prob=log_prob, old_log_prob=batch.old_log_prob, advantages=batch.advantages,
-                    mask=batch.rollout.mask, entropy=entropy, **batch.inputs(algorithm))
+    out = algorithm(
+        log_prob=log_prob,
+        old_log_prob=batch.old_log_prob,
+        advantages=batch.advantages,
+        mask=batch.rollout.mask,
+        entropy=entropy,
+        **batch.inputs(algorithm),
+    )
     reference = torch.autograd.grad(out.loss, recorder.params, allow_unused=True)
     for got, want in zip(recorder.grads, reference):
         want = torch.zeros_like(got) if want is None else want

@@ -6,20 +6,35 @@ import random
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-import pgloss  # noqa: E402
-from pgloss.lab import plots  # noqa: E402
+import pgloss
+from pgloss.lab import plots
 
 
 def _records(names, steps=2):
     rng = random.Random(0)
-    return [{"algorithm": a, "seed": 0, "step": s, "reward": 0.4 + 0.01 * k * s + 0.01 * rng.random(), "accuracy": 0.5,
-             "length": 6.0, "entropy": 0.4, "kl_ref": 0.01, "kept": 1.0, "clip_frac": None if s == steps else 0.01,
-             "clip_frac_high": None if s == steps else 0.004, "clip_frac_low": None if s == steps else 0.006,
-             "ppo_kl": None if s == steps else 0.002, "grad_norm": None if s == steps else 0.5,
-             "eval_reward": 0.5 + 0.01 * k if s in (0, steps) else None}
-            for k, a in enumerate(names) for s in range(steps + 1)]
+    return [
+        {
+            "algorithm": a,
+            "seed": 0,
+            "step": s,
+            "reward": 0.4 + 0.01 * k * s + 0.01 * rng.random(),
+            "accuracy": 0.5,
+            "length": 6.0,
+            "entropy": 0.4,
+            "kl_ref": 0.01,
+            "kept": 1.0,
+            "clip_frac": None if s == steps else 0.01,
+            "clip_frac_high": None if s == steps else 0.004,
+            "clip_frac_low": None if s == steps else 0.006,
+            "ppo_kl": None if s == steps else 0.002,
+            "grad_norm": None if s == steps else 0.5,
+            "eval_reward": 0.5 + 0.01 * k if s in (0, steps) else None,
+        }
+        for k, a in enumerate(names)
+        for s in range(steps + 1)
+    ]
 
 
 def _drawn(tmp_path, monkeypatch, names):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from lab_helpers import TINY, fixed_batch, same_run, tiny_policy
+
 from pgloss.lab.config import LabConfig
 from pgloss.lab.trainer import Batch, refill, train
 
@@ -17,7 +17,9 @@ def with_scores(batch: Batch, equal_groups: set[int], offset: int) -> Batch:
     """`batch` with group ids shifted by `offset` and the rewards of `equal_groups` (local ids) all 1."""
     r = batch.rollout
     ids = r.group_ids + offset
-    scores = torch.where(torch.isin(r.group_ids, torch.tensor(sorted(equal_groups), dtype=torch.long)), 1.0, batch.scores)
+    scores = torch.where(
+        torch.isin(r.group_ids, torch.tensor(sorted(equal_groups), dtype=torch.long)), 1.0, batch.scores
+    )
     rollout = type(r)(r.tokens, r.valid, r.prompt_len, r.mask, r.finished, ids)
     return Batch(rollout, batch.old_log_prob, batch.ref_log_prob, batch.advantages, scores, batch.rollout_log_prob)
 
@@ -52,7 +54,7 @@ def test_refill_fills_the_batch_with_the_first_kept_groups_renumbered(base):
     assert batch.rollout.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     src = torch.cat([base.scores[12:16], base.scores[4:8], base.scores[12:16], base.scores[0:4]])
     assert torch.equal(batch.scores, src)
-    assert torch.equal(batch.advantages, torch.cat([base.advantages[i:i + 4] for i in (12, 4, 12, 0)]))
+    assert torch.equal(batch.advantages, torch.cat([base.advantages[i : i + 4] for i in (12, 4, 12, 0)]))
     # rows keep their tokens through the re-padding
     kept_mask = batch.rollout.mask[4:8]
     assert torch.equal(batch.rollout.responses[4:8][kept_mask], base.rollout.responses[4:8][base.rollout.mask[4:8]])
@@ -71,17 +73,18 @@ def test_refill_respects_the_bound_and_stops_when_full(base):
     assert calls == [] and float(stats["groups"]) == 3 and float(stats["kept"]) == 0.75
 
 
-
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         # rank 1 holds groups 1 and 3 of each round; its groups are never dropped, rank 0's are until round 2
-        first, draw, calls = rounds(fixed_batch(tiny_policy(), n_prompts=4, group=4), [{0, 2}, {0, 2}, set()],
-                                    rank, world)
+        first, draw, calls = rounds(
+            fixed_batch(tiny_policy(), n_prompts=4, group=4), [{0, 2}, {0, 2}, set()], rank, world
+        )
         batch, stats = refill(first, draw, 4, max_rounds=3)
-        torch.save({"calls": calls, "stats": stats, "ids": batch.rollout.group_ids, "scores": batch.scores},
-                   f"{out}.{rank}")
+        torch.save(
+            {"calls": calls, "stats": stats, "ids": batch.rollout.group_ids, "scores": batch.scores}, f"{out}.{rank}"
+        )
     finally:
         dist.destroy_process_group()
 
@@ -95,7 +98,9 @@ def test_every_rank_makes_the_same_rounds_and_ids_stay_global(tmp_path, base):
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     # globally kept: round 0 -> 1, 3; round 1 -> 5, 7: four groups after one extra round, on both ranks
     assert r0["calls"] == r1["calls"] == [1]
-    assert r0["stats"] == r1["stats"] and float(r0["stats"]["groups"]) == 4 and float(r0["stats"]["sampled_groups"]) == 8
+    assert (
+        r0["stats"] == r1["stats"] and float(r0["stats"]["groups"]) == 4 and float(r0["stats"]["sampled_groups"]) == 8
+    )
     assert r0["ids"].numel() == 0 and r1["ids"].tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     first, draw, _ = rounds(base, [{0, 2}, {0, 2}, set()])
     one, _ = refill(first, draw, 4, max_rounds=3)
@@ -103,8 +108,17 @@ def test_every_rank_makes_the_same_rounds_and_ids_stay_global(tmp_path, base):
 
 
 def test_a_dapo_run_is_deterministic_and_respects_the_bound():
-    cfg = LabConfig(algorithm="dapo", max_refill_rounds=2, steps=2, warm_steps=3, prompts_per_step=4, group_size=4,
-                    eval_prompts=4, samples=2, **TINY)
+    cfg = LabConfig(
+        algorithm="dapo",
+        max_refill_rounds=2,
+        steps=2,
+        warm_steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        eval_prompts=4,
+        samples=2,
+        **TINY,
+    )
     a, b = train(cfg), train(cfg)
     assert same_run(a, b)
     for r in a["metrics"]:  # the barely warm policy never answers right: every round drops every group

@@ -4,8 +4,17 @@ import math
 
 import pytest
 
-from pgloss.lab.report import (TAIL, cell, mismatch_table, read_clipping, read_kept, run_values, summarize, tables,
-                                write_report)
+from pgloss.lab.report import (
+    TAIL,
+    cell,
+    mismatch_table,
+    read_clipping,
+    read_kept,
+    run_values,
+    summarize,
+    tables,
+    write_report,
+)
 from pgloss.lab.spec import parse_spec
 
 STEPS = 8
@@ -16,18 +25,31 @@ def run(label, seed, clip=0.05, ppo_kl=0.005, kept=1.0, length=lambda step: 5.0 
     records = []
     for step in range(STEPS + 1):
         update = step < STEPS
-        records.append({
-            "algorithm": label, "seed": seed, "step": step, "reward": 0.1 * step, "accuracy": 0.5, "length": length(step),
-            "entropy": 1.0 - 0.05 * step, "kl_ref": 0.01 * step, "scratchpad": 0.5, "reward_scratchpad": 0.6,
-            "reward_direct": 0.3, "kept": kept if update else None,
-            "clip_frac": (clip * (1 + step % 2)) if update and clip is not None else None,
-            "clip_frac_high": (clip * (1 + step % 2)) if update and clip is not None else None,
-            "clip_frac_low": 0.0 if update and clip is not None else None,
-            "ppo_kl": ppo_kl if update else None, "grad_norm": float(step) if update else None,
-            "grad_clipped": float(step >= 6) if update else None,
-            "eval_reward": {0: 0.4, STEPS: 0.5 + 0.1 * seed}.get(step), "groups": groups if update else None,
-            **{k: (f(step) if update else None) for k, f in (extra or {}).items()},
-        })
+        records.append(
+            {
+                "algorithm": label,
+                "seed": seed,
+                "step": step,
+                "reward": 0.1 * step,
+                "accuracy": 0.5,
+                "length": length(step),
+                "entropy": 1.0 - 0.05 * step,
+                "kl_ref": 0.01 * step,
+                "scratchpad": 0.5,
+                "reward_scratchpad": 0.6,
+                "reward_direct": 0.3,
+                "kept": kept if update else None,
+                "clip_frac": (clip * (1 + step % 2)) if update and clip is not None else None,
+                "clip_frac_high": (clip * (1 + step % 2)) if update and clip is not None else None,
+                "clip_frac_low": 0.0 if update and clip is not None else None,
+                "ppo_kl": ppo_kl if update else None,
+                "grad_norm": float(step) if update else None,
+                "grad_clipped": float(step >= 6) if update else None,
+                "eval_reward": {0: 0.4, STEPS: 0.5 + 0.1 * seed}.get(step),
+                "groups": groups if update else None,
+                **{k: (f(step) if update else None) for k, f in (extra or {}).items()},
+            }
+        )
     return records
 
 
@@ -56,16 +78,19 @@ def test_cells_show_the_mean_then_each_seed():
     assert f"last {TAIL}" in text and "0.400 → 0.550 (0.500, 0.600) | 2/2" in text
 
 
-@pytest.mark.parametrize("label, clip, ppo_kl, expected, absent", [
-    ("grpo", 0.2, 0.001, "the batch is reused a lot", "by design"),
-    ("grpo", 0.2, 0.05, "the steps are large", "reused"),
-    ("grpo", 0.002, 0.001, "the steps are small", "reused"),
-    ("grpo", 0.05, 0.001, "moderate clip fraction", "reused"),
-    ("gspo", 0.2, 0.001, "high by design, not a sign of batch reuse: the band is 0.0003/0.0004", "reused a lot"),
-    ("cispo", 0.2, 0.001, "CISPO clips the importance weight", "reused"),
-    ("sapo", None, 0.001, "no clip fraction was recorded", "reused"),
-    ("sample_grpo", 0.2, 0.001, "a clipped response clips all its tokens", "by design"),
-])
+@pytest.mark.parametrize(
+    "label, clip, ppo_kl, expected, absent",
+    [
+        ("grpo", 0.2, 0.001, "the batch is reused a lot", "by design"),
+        ("grpo", 0.2, 0.05, "the steps are large", "reused"),
+        ("grpo", 0.002, 0.001, "the steps are small", "reused"),
+        ("grpo", 0.05, 0.001, "moderate clip fraction", "reused"),
+        ("gspo", 0.2, 0.001, "high by design, not a sign of batch reuse: the band is 0.0003/0.0004", "reused a lot"),
+        ("cispo", 0.2, 0.001, "CISPO clips the importance weight", "reused"),
+        ("sapo", None, 0.001, "no clip fraction was recorded", "reused"),
+        ("sample_grpo", 0.2, 0.001, "a clipped response clips all its tokens", "by design"),
+    ],
+)
 def test_clip_reading_follows_the_rules_unless_the_clip_means_something_else(label, clip, ppo_kl, expected, absent):
     rows = summarize(run(label, 0, clip=clip / 1.5 if clip else None, ppo_kl=ppo_kl))
     text = read_clipping(label, rows[label], parse_spec(label).build(24))
@@ -80,15 +105,24 @@ def test_kept_fraction_is_reported_for_dynamic_sampling_only():
     assert "(per seed: 0.25, 0.50), a batch of 1.5 of 4 groups" in lines[0]
     assert "did not refill it (--max-refill-rounds 0), so its updates saw fewer responses" in lines[0]
     rows = summarize(run("dapo", 0, kept=0.5, groups=4))
-    line, = read_kept(rows, {"prompts_per_step": 4, "max_refill_rounds": 2})
+    (line,) = read_kept(rows, {"prompts_per_step": 4, "max_refill_rounds": 2})
     assert "a batch of 4.0 of 4 groups" in line and "refilled it with up to 2 extra rounds" in line
     assert "fewer responses" not in line
 
 
 def test_the_mismatch_table_shows_only_for_a_simulated_mismatch():
-    extra = {"rollout_kl": lambda s: 0.001 * s, "rollout_is_ess": lambda s: 0.9, "rollout_is_weight_mean": lambda s: 1.0}
+    extra = {
+        "rollout_kl": lambda s: 0.001 * s,
+        "rollout_is_ess": lambda s: 0.9,
+        "rollout_is_weight_mean": lambda s: 1.0,
+    }
     rows = summarize(run("grpo", 0, extra=extra) + run("grpo", 1, extra=extra))
-    base = {"temperature": 1.0, "sampler_temperature": None, "sampler_noise": 0.0, "rollout_correction": "token:upper=2"}
+    base = {
+        "temperature": 1.0,
+        "sampler_temperature": None,
+        "sampler_noise": 0.0,
+        "rollout_correction": "token:upper=2",
+    }
     assert mismatch_table(rows, base) == [] and mismatch_table(rows, {**base, "sampler_temperature": 1.0}) == []
     text = "\n".join(mismatch_table(rows, {**base, "sampler_noise": 0.05, "sampler_temperature": 1.2}))
     assert "(sampler temperature 1.2 (loss: 1), relative weight noise 0.05), rollout correction `token:upper=2`" in text
@@ -99,16 +133,37 @@ def test_the_mismatch_table_shows_only_for_a_simulated_mismatch():
 
 def test_report_of_an_interrupted_comparison_lists_the_unfinished_runs(tmp_path):
     def outcome(label, status, steps_done, records=(), error=None):
-        return {"algorithm": label, "seed": 0, "status": status, "steps_done": steps_done, "error": error,
-                "metrics": list(records)}
+        return {
+            "algorithm": label,
+            "seed": 0,
+            "status": status,
+            "steps_done": steps_done,
+            "error": error,
+            "metrics": list(records),
+        }
 
-    runs = [outcome("grpo", "finished", STEPS + 1, run("grpo", 0)),
-            outcome("dapo", "failed", 3, error="RuntimeError: boom"),
-            outcome("gspo", "interrupted", 2), outcome("cispo", "not started", 0)]
-    config = {"command": "pgloss compare", "versions": {"pgloss": "0.1.0", "torch": "2.13.0", "git": None},
-              "status": "interrupted", "seeds": [0],
-              "base": {"task": "chain", "steps": STEPS, "prompts_per_step": 4, "group_size": 4, "epochs": 2,
-                       "minibatches": 2, "eval_prompts": 4, "max_new_tokens": 24}}
+    runs = [
+        outcome("grpo", "finished", STEPS + 1, run("grpo", 0)),
+        outcome("dapo", "failed", 3, error="RuntimeError: boom"),
+        outcome("gspo", "interrupted", 2),
+        outcome("cispo", "not started", 0),
+    ]
+    config = {
+        "command": "pgloss compare",
+        "versions": {"pgloss": "0.1.0", "torch": "2.13.0", "git": None},
+        "status": "interrupted",
+        "seeds": [0],
+        "base": {
+            "task": "chain",
+            "steps": STEPS,
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "epochs": 2,
+            "minibatches": 2,
+            "eval_prompts": 4,
+            "max_new_tokens": 24,
+        },
+    }
     report = write_report(tmp_path, runs, config, []).read_text()
     assert "This comparison was interrupted: 1 of 4 runs finished." in report
     assert "- dapo, seed 0: failed after 3 of 8 steps: RuntimeError: boom" in report

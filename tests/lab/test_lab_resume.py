@@ -11,15 +11,33 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lab_helpers import TINY, same_run, warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+
 from pgloss.lab import checkpoint
 from pgloss.lab.config import LabConfig
 from pgloss.lab.trainer import train
 
 PGLOSS = str(Path(sys.executable).parent / "pgloss")
-SMALL = ["--steps", "4", "--warm-steps", "5", "--d-model", "16", "--n-layer", "1", "--n-head", "2",
-         "--prompts-per-step", "4", "--group-size", "4", "--eval-prompts", "4", "--samples", "2"]
+SMALL = [
+    "--steps",
+    "4",
+    "--warm-steps",
+    "5",
+    "--d-model",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-prompts",
+    "4",
+    "--samples",
+    "2",
+]
 
 
 class Stop(Exception):
@@ -28,8 +46,18 @@ class Stop(Exception):
 
 def test_train_from_a_checkpoint_is_the_run_never_stopped(tmp_path):
     """DAPO with refill rounds and a noisy sampler: every random stream of a run is in play."""
-    cfg = LabConfig(algorithm="dapo", max_refill_rounds=1, sampler_noise=0.05, steps=4, warm_steps=3,
-                    prompts_per_step=4, group_size=4, eval_prompts=4, samples=2, **TINY)
+    cfg = LabConfig(
+        algorithm="dapo",
+        max_refill_rounds=1,
+        sampler_noise=0.05,
+        steps=4,
+        warm_steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        eval_prompts=4,
+        samples=2,
+        **TINY,
+    )
     whole = train(cfg)
     file = tmp_path / "ck.pt"
 
@@ -52,8 +80,18 @@ def test_a_run_steering_its_entropy_resumes_with_the_controller_as_it_was(tmp_pa
     """--target-entropy: the controller's coefficient and last entropy are in the checkpoint; a target
     above the run's entropy makes the coefficient grow at every optimizer step, so a resumed run that
     restarted it would log other coefficients."""
-    cfg = LabConfig(algorithm="grpo", target_entropy=50.0, entropy_coef_delta=0.01, steps=3, warm_steps=3,
-                    prompts_per_step=4, group_size=4, eval_prompts=4, samples=2, **TINY)
+    cfg = LabConfig(
+        algorithm="grpo",
+        target_entropy=50.0,
+        entropy_coef_delta=0.01,
+        steps=3,
+        warm_steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        eval_prompts=4,
+        samples=2,
+        **TINY,
+    )
     whole = train(cfg)
     file = tmp_path / "ck.pt"
 
@@ -64,7 +102,9 @@ def test_a_run_steering_its_entropy_resumes_with_the_controller_as_it_was(tmp_pa
     with pytest.raises(Stop):
         train(cfg, on_step=stop_at_2, checkpoint=file)
     resumed = train(cfg, checkpoint=file)
-    assert [r["entropy_coef"] for r in resumed["metrics"]][1:3] == pytest.approx([0.055, 0.095])  # 4 optimizer steps each
+    assert [r["entropy_coef"] for r in resumed["metrics"]][1:3] == pytest.approx(
+        [0.055, 0.095]
+    )  # 4 optimizer steps each
     assert same_run(whole, resumed)
 
 

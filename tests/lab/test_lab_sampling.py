@@ -48,7 +48,7 @@ def test_greedy_sampling_picks_the_most_likely_token_and_log_probs_agree():
     m = model(1)
     r = sample(m, [TOK.encode("7*3=")], group_size=1, max_new_tokens=5, temperature=0.0)
     log_prob, entropy = response_log_probs(m, r, temperature=1.0)
-    logits = m(r.tokens[:, :-1], r.valid[:, :-1])[:, r.prompt_len - 1:]
+    logits = m(r.tokens[:, :-1], r.valid[:, :-1])[:, r.prompt_len - 1 :]
     best = logits.log_softmax(-1).max(-1).values
     assert torch.allclose(log_prob[r.mask], best[r.mask], atol=1e-5)
     assert (entropy[r.mask] > 0).all()
@@ -62,8 +62,14 @@ def test_teacher_forced_rollout_holds_the_responses():
 
 def test_cached_decoding_matches_the_full_forward_pass():
     m = model(2)
-    r = sample(m, [TOK.encode("1+2="), TOK.encode("3+4+5+6=")], group_size=2, max_new_tokens=8, temperature=1.0,
-               generator=torch.Generator().manual_seed(3))
+    r = sample(
+        m,
+        [TOK.encode("1+2="), TOK.encode("3+4+5+6=")],
+        group_size=2,
+        max_new_tokens=8,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(3),
+    )
     full = m(r.tokens, r.valid)
     logits, cache = m(r.tokens[:, : r.prompt_len], r.valid[:, : r.prompt_len], return_cache=True)
     position = r.valid[:, : r.prompt_len].sum(1) - 1

@@ -11,13 +11,29 @@ import time
 from pathlib import Path
 
 import pytest
-
 from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+
 from pgloss.lab.plots import plot_names
 
 PGLOSS = str(Path(sys.executable).parent / "pgloss")
-TINY = ["--warm-steps", "5", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--prompts-per-step", "4",
-        "--group-size", "4", "--eval-prompts", "4", "--samples", "2"]
+TINY = [
+    "--warm-steps",
+    "5",
+    "--d-model",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-prompts",
+    "4",
+    "--samples",
+    "2",
+]
 PNGS = [f"{name}.png" for name in plot_names()]
 
 
@@ -35,6 +51,7 @@ def _last_step_written(metrics: Path, steps: int, runs: int = 1):
             return False
         lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
         return sum(r["step"] == steps for r in lines) >= runs
+
     return ready
 
 
@@ -53,8 +70,12 @@ def test_a_signal_just_after_the_last_step_keeps_the_run_and_its_report(tmp_path
     """The issue's case: the bar shows done, then SIGTERM (or Ctrl-C) while the run returns and its files
     are written: the run is finished, the report, plots and samples are all there, one line says so."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([PGLOSS, "train", "--algorithm", "grpo", "--steps", "3", *TINY, "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [PGLOSS, "train", "--algorithm", "grpo", "--steps", "3", *TINY, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(proc, _last_step_written(out / "metrics.jsonl", 3))
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
@@ -67,8 +88,23 @@ def test_a_signal_just_after_the_last_step_keeps_the_run_and_its_report(tmp_path
 def test_signals_while_the_plots_are_drawn_wait_for_them(tmp_path):
     """Two SIGTERMs once report.md exists (the plots come after it): every plot is still drawn."""
     out = tmp_path / "run"
-    cmd = [PGLOSS, "compare", "--algorithms", "grpo", "dapo", "gspo", "--steps", "2", "--seeds", "1", "--workers", "1",
-           *TINY, "--out", str(out)]
+    cmd = [
+        PGLOSS,
+        "compare",
+        "--algorithms",
+        "grpo",
+        "dapo",
+        "gspo",
+        "--steps",
+        "2",
+        "--seeds",
+        "1",
+        "--workers",
+        "1",
+        *TINY,
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(proc, (out / "report.md").exists)
     proc.send_signal(signal.SIGTERM)
@@ -84,8 +120,22 @@ def test_a_process_group_signal_as_the_last_workers_end_keeps_every_run(tmp_path
     """SIGTERM to the process group (workers too) as soon as every run's last step is written: a run whose
     worker died before returning its result is finished all the same (its steps are all in metrics.jsonl)."""
     out = tmp_path / "run"
-    cmd = [PGLOSS, "compare", "--algorithms", "grpo", "dapo", "--steps", "2", "--seeds", "1", "--workers", "2", *TINY,
-           "--out", str(out)]
+    cmd = [
+        PGLOSS,
+        "compare",
+        "--algorithms",
+        "grpo",
+        "dapo",
+        "--steps",
+        "2",
+        "--seeds",
+        "1",
+        "--workers",
+        "2",
+        *TINY,
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_for(proc, _last_step_written(out / "metrics.jsonl", 2, runs=2))
     os.killpg(proc.pid, signal.SIGTERM)
@@ -98,9 +148,15 @@ def test_report_rebuilds_a_killed_run_and_a_finished_one(tmp_path):
     """kill -9 leaves no report; `pgloss report` writes it from metrics.jsonl and config.json. On a run
     that has one, it writes the same report and keeps the earlier files in replaced/."""
     out = tmp_path / "killed"
-    proc = subprocess.Popen([PGLOSS, "train", "--algorithm", "grpo", "--steps", "200", *TINY, "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(proc, lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2)
+    proc = subprocess.Popen(
+        [PGLOSS, "train", "--algorithm", "grpo", "--steps", "200", *TINY, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(
+        proc, lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2
+    )
     proc.kill()
     proc.communicate(timeout=60)
     assert not (out / "report.md").exists()
@@ -112,8 +168,27 @@ def test_report_rebuilds_a_killed_run_and_a_finished_one(tmp_path):
     assert json.loads((out / "config.json").read_text())["status"] == "running"  # what the run left is not rewritten
 
     finished = tmp_path / "finished"
-    subprocess.run([PGLOSS, "compare", "--algorithms", "grpo", "sapo", "--steps", "2", "--seeds", "1", "--workers", "1",
-                    *TINY, "--out", str(finished)], capture_output=True, timeout=300, check=True)
+    subprocess.run(
+        [
+            PGLOSS,
+            "compare",
+            "--algorithms",
+            "grpo",
+            "sapo",
+            "--steps",
+            "2",
+            "--seeds",
+            "1",
+            "--workers",
+            "1",
+            *TINY,
+            "--out",
+            str(finished),
+        ],
+        capture_output=True,
+        timeout=300,
+        check=True,
+    )
     before = (finished / "report.md").read_text()
     done = subprocess.run([PGLOSS, "report", str(finished)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "kept in" in done.stderr, done.stderr

@@ -120,7 +120,7 @@ def test_ladder_problem_is_a_chain_of_two_maps_with_its_running_values():
     assert work / 3000 == pytest.approx(0.35, abs=0.03)
     # the prefix is geometric with stop_prob 0.5, cut at the 15 positions
     assert sum(k == 0 for k in prefixes) / len(prefixes) == pytest.approx(0.5, abs=0.03)
-    assert sum(prefixes) / len(prefixes) == pytest.approx(sum(0.5 ** j for j in range(1, 16)), abs=0.08)
+    assert sum(prefixes) / len(prefixes) == pytest.approx(sum(0.5**j for j in range(1, 16)), abs=0.08)
     # the answer of a long chain is uniform over the digits: guessing earns 0.1 at any length
     long = [task.sample(rng).answer for _ in range(4000)]
     counts = [long.count(str(d)) / len(long) for d in range(10)]
@@ -213,8 +213,9 @@ def test_the_warm_start_learns_only_the_taught_tokens():
         def sample(self, rng):
             return self.problem
 
-    cfg = LabConfig(task="chain", warm_steps=60, warm_batch=4, warm_lr=1e-2, d_model=16, n_layer=1, n_head=2,
-                    scratchpad_prob=1.0)
+    cfg = LabConfig(
+        task="chain", warm_steps=60, warm_batch=4, warm_lr=1e-2, d_model=16, n_layer=1, n_head=2, scratchpad_prob=1.0
+    )
     probs = {}
     for teach in (True, False):
         tokenizer, _, model = build(cfg)

@@ -10,15 +10,32 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+
 from pgloss import cli
 from pgloss.lab import policy
-from pgloss.lab.sampling import response_log_probs, sample
 
 PGLOSS = str(Path(sys.executable).parent / "pgloss")
-SMALL = ["--steps", "2", "--warm-steps", "5", "--d-model", "16", "--n-layer", "1", "--n-head", "2",
-         "--prompts-per-step", "4", "--group-size", "4", "--eval-prompts", "4", "--samples", "2"]
+SMALL = [
+    "--steps",
+    "2",
+    "--warm-steps",
+    "5",
+    "--d-model",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-prompts",
+    "4",
+    "--samples",
+    "2",
+]
 
 
 def _records(out: Path) -> list[dict]:
@@ -35,8 +52,24 @@ def test_tensorboard_holds_the_metrics_and_the_settings(tmp_path):
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     out = tmp_path / "run"
-    done = subprocess.run([PGLOSS, "train", "--algorithm", "dapo:clip_high=0.3", *SMALL, "--lr", "0.001",
-                           "--report-to", "tensorboard", "--out", str(out)], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [
+            PGLOSS,
+            "train",
+            "--algorithm",
+            "dapo:clip_high=0.3",
+            *SMALL,
+            "--lr",
+            "0.001",
+            "--report-to",
+            "tensorboard",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     events = EventAccumulator(str(out / "tensorboard" / "dapo_clip_high=0.3-seed0"))
     events.Reload()
@@ -47,7 +80,8 @@ def test_tensorboard_holds_the_metrics_and_the_settings(tmp_path):
             logged = {e.step: e.value for e in events.Scalars(metric)}
             assert logged[record["step"]] == pytest.approx(value, rel=1e-6), (metric, record["step"])
     start = plugin_data_pb2.HParamsPluginData.FromString(
-        events.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info.hparams
+        events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    ).session_start_info.hparams
     assert start["lr"].number_value == 0.001 and start["algorithm"].string_value == "dapo:clip_high=0.3"
     assert start["entropy_coef"].string_value == "none" and start["steps"].number_value == 2
 
@@ -92,9 +126,28 @@ def test_wandb_logs_each_run_offline_with_its_settings(tmp_path):
     env = {**__import__("os").environ, "FAKE_WANDB_LOG": str(log)}
     env["PYTHONPATH"] = str(tmp_path / "fake") + ":" + env.get("PYTHONPATH", "")
     env.pop("WANDB_MODE", None)
-    done = subprocess.run([PGLOSS, "compare", "--algorithms", "grpo", "dr_grpo", "--seeds", "1", "--workers", "1",
-                           *SMALL, "--report-to", "wandb", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run(
+        [
+            PGLOSS,
+            "compare",
+            "--algorithms",
+            "grpo",
+            "dr_grpo",
+            "--seeds",
+            "1",
+            "--workers",
+            "1",
+            *SMALL,
+            "--report-to",
+            "wandb",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     inits = {c["name"]: c for c in calls if c["call"] == "init"}
@@ -119,6 +172,8 @@ def test_the_trained_policy_is_saved_and_grads_samples_with_it(tmp_path):
     assert batch["log_prob"].shape[0] == 3 * cfg.group_size and torch.equal(batch["log_prob"], batch["old_log_prob"])
     assert (batch["log_prob"][batch["mask"]] <= 0).all() and set(batch["group_ids"].tolist()) == {0, 1, 2}
     figure = tmp_path / "grads.png"
-    assert cli.main(["grads", "--policy", str(out), "--prompts", "3", "--algorithms", "grpo", "--out", str(figure)]) == 0
+    assert (
+        cli.main(["grads", "--policy", str(out), "--prompts", "3", "--algorithms", "grpo", "--out", str(figure)]) == 0
+    )
     assert figure.read_bytes()[:4] == b"\x89PNG"
     assert cli.main(["grads", "--policy", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2

@@ -1,13 +1,11 @@
 """The shipped warm starts: the default comparison starts from the same weights on every machine."""
 
-import dataclasses
 import hashlib
 import json
 
 import pytest
-import torch
-
 from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+
 from pgloss.lab import trainer, warm
 from pgloss.lab.config import LabConfig
 
@@ -19,17 +17,30 @@ def test_every_seed_is_shipped_with_the_defaults_settings_and_its_checksum():
     assert sorted(MANIFEST["seeds"], key=int) == [str(s) for s in warm.SHIPPED_SEEDS]
     for seed in warm.SHIPPED_SEEDS:
         file = warm.shipped(LabConfig(seed=seed))
-        assert file is not None and hashlib.sha256(file.read_bytes()).hexdigest() == MANIFEST["seeds"][str(seed)]["sha256"]
+        assert (
+            file is not None and hashlib.sha256(file.read_bytes()).hexdigest() == MANIFEST["seeds"][str(seed)]["sha256"]
+        )
 
 
-@pytest.mark.parametrize("change", [dict(seed=len(warm.SHIPPED_SEEDS)), dict(warm_steps=1499), dict(d_model=64),
-                                    dict(task="sum"), dict(max_new_tokens=30), dict(scratchpad_prob=0.4)])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(seed=len(warm.SHIPPED_SEEDS)),
+        dict(warm_steps=1499),
+        dict(d_model=64),
+        dict(task="sum"),
+        dict(max_new_tokens=30),
+        dict(scratchpad_prob=0.4),
+    ],
+)
 def test_another_warm_start_setting_is_trained_not_shipped(change):
     assert warm.shipped(LabConfig(**change)) is None
     assert not warm.cached(LabConfig(**change), None)
 
 
-@pytest.mark.parametrize("change", [dict(algorithm="dapo", steps=3, lr=1e-3), dict(threads=2, eval_prompts=8, samples=2)])
+@pytest.mark.parametrize(
+    "change", [dict(algorithm="dapo", steps=3, lr=1e-3), dict(threads=2, eval_prompts=8, samples=2)]
+)
 def test_what_the_warm_start_does_not_read_keeps_it_shipped(change):
     assert warm.shipped(LabConfig(**change)) == warm.shipped(LabConfig())
 
@@ -63,8 +74,24 @@ def test_a_run_from_the_defaults_records_its_shipped_warm_start(tmp_path):
     from pgloss import cli
 
     out = tmp_path / "run"
-    assert cli.main(["train", "--steps", "1", "--prompts-per-step", "2", "--eval-prompts", "4", "--samples", "1",
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--steps",
+                "1",
+                "--prompts-per-step",
+                "2",
+                "--eval-prompts",
+                "4",
+                "--samples",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["warm_start"].startswith("shipped with pgloss") and config["versions"]["machine"]
     assert "warm starts shipped with pgloss" in (out / "report.md").read_text()

@@ -13,9 +13,26 @@ from pgloss.lab.trainer import Batch, build, collect, make_algorithm, refill, tr
 
 
 def tiny(**overrides):
-    return LabConfig(**{**dict(algorithm="opd", steps=2, prompts_per_step=4, group_size=2, warm_steps=30,
-                                 warm_batch=16, d_model=32, n_layer=1, eval_prompts=4, samples=1, max_new_tokens=12,
-                                 epochs=1, minibatches=1), **overrides})
+    return LabConfig(
+        **{
+            **dict(
+                algorithm="opd",
+                steps=2,
+                prompts_per_step=4,
+                group_size=2,
+                warm_steps=30,
+                warm_batch=16,
+                d_model=32,
+                n_layer=1,
+                eval_prompts=4,
+                samples=1,
+                max_new_tokens=12,
+                epochs=1,
+                minibatches=1,
+            ),
+            **overrides,
+        }
+    )
 
 
 def models(cfg):
@@ -36,19 +53,26 @@ def test_the_teachers_log_probs_reach_the_loss_and_the_reference_is_the_default(
 
     def batch(with_teacher):
         generator = torch.Generator().manual_seed(0)
-        return collect(policy, policy, algorithm, problems, tokenizer, cfg, generator,
-                       teacher=teacher if with_teacher else None)
+        return collect(
+            policy, policy, algorithm, problems, tokenizer, cfg, generator, teacher=teacher if with_teacher else None
+        )
 
     own, own_stats, _ = batch(True)
     default, default_stats, _ = batch(False)
-    assert default.teacher_log_prob is None and torch.equal(default.inputs(algorithm)["teacher_log_prob"],
-                                                            default.ref_log_prob)
+    assert default.teacher_log_prob is None and torch.equal(
+        default.inputs(algorithm)["teacher_log_prob"], default.ref_log_prob
+    )
     assert not torch.equal(own.inputs(algorithm)["teacher_log_prob"], own.ref_log_prob)
     assert float(own_stats["kl_teacher"]) > 0 and float(default_stats["kl_teacher"]) == pytest.approx(0.0, abs=1e-6)
 
     def loss(b):
-        return algorithm(log_prob=b.old_log_prob, old_log_prob=b.old_log_prob, advantages=b.advantages,
-                         mask=b.rollout.mask, **b.inputs(algorithm)).loss
+        return algorithm(
+            log_prob=b.old_log_prob,
+            old_log_prob=b.old_log_prob,
+            advantages=b.advantages,
+            mask=b.rollout.mask,
+            **b.inputs(algorithm),
+        ).loss
 
     assert float(loss(own)) != pytest.approx(float(loss(default)))
     rows = torch.tensor([1, 0])
@@ -64,8 +88,11 @@ def test_a_run_with_a_teacher_records_the_kl_to_it_and_a_misfit_teacher_is_refus
     _, _, policy, teacher = models(cfg)
     out = train(cfg, warm_state=policy.state_dict(), teacher_state=teacher.state_dict())
     assert len(out["metrics"]) == cfg.steps + 1 and out["metrics"][0]["kl_teacher"] > 0
-    with pytest.raises(ValueError, match=r"teacher_state does not fit the teacher's model \(48 wide, 1 layers; "
-                                         r"pass teacher_cfg for another shape\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"teacher_state does not fit the teacher's model \(48 wide, 1 layers; "
+        r"pass teacher_cfg for another shape\)",
+    ):
         train(tiny(d_model=48), warm_state=None, teacher_state=teacher.state_dict())
 
 
@@ -91,8 +118,9 @@ def test_dapos_refill_keeps_the_teachers_log_probs():
     tokenizer, task, policy, teacher = models(cfg)
     algorithm = make_algorithm(cfg)
     problems = [task.sample(__import__("random").Random(2)) for _ in range(4)]
-    own, _, _ = collect(policy, policy, algorithm, problems, tokenizer, cfg, torch.Generator().manual_seed(0),
-                        teacher=teacher)
+    own, _, _ = collect(
+        policy, policy, algorithm, problems, tokenizer, cfg, torch.Generator().manual_seed(0), teacher=teacher
+    )
     own = dataclasses.replace(own, scores=torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]))  # group 1 all right
     kept, _ = refill(own, lambda round_: own, 4, max_rounds=0)
     rows = torch.tensor([0, 1, 4, 5, 6, 7])
@@ -103,15 +131,26 @@ def test_dapos_refill_keeps_the_teachers_log_probs():
 def test_reward_coef_weighs_the_task_advantages_and_a_run_returns_its_final_policy(monkeypatch):
     cfg = tiny()
     score = trainer.score  # rewards that differ within each group (this small a policy gets none right)
-    monkeypatch.setattr(trainer, "score", lambda rollout, *args: (
-        torch.arange(len(rollout.tokens)).remainder(3).float(), score(rollout, *args)[1]))
+    monkeypatch.setattr(
+        trainer,
+        "score",
+        lambda rollout, *args: (torch.arange(len(rollout.tokens)).remainder(3).float(), score(rollout, *args)[1]),
+    )
     tokenizer, task, policy, teacher = models(cfg)
     problems = [task.sample(__import__("random").Random(3)) for _ in range(4)]
 
     def advantages(**overrides):
         run = tiny(**overrides)
-        return collect(policy, policy, make_algorithm(run), problems, tokenizer, run,
-                       torch.Generator().manual_seed(0), teacher=teacher)[0].advantages
+        return collect(
+            policy,
+            policy,
+            make_algorithm(run),
+            problems,
+            tokenizer,
+            run,
+            torch.Generator().manual_seed(0),
+            teacher=teacher,
+        )[0].advantages
 
     full, half, none = advantages(), advantages(reward_coef=0.5), advantages(reward_coef=0.0)
     assert full.abs().max() > 0 and torch.allclose(half, 0.5 * full) and torch.equal(none, torch.zeros_like(full))

@@ -42,8 +42,13 @@ def test_a_batch_holding_a_callable_is_refused_by_pgloss_grads(tmp_path):
     batch, marker = _hostile(tmp_path / "batch.pt", tmp_path / "ran"), tmp_path / "ran"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(Path(pgloss.__file__).parent.parent)
-    done = subprocess.run([sys.executable, "-m", "pgloss.cli", "grads", "--batch", str(batch), "--out",
-                           str(tmp_path / "g.png")], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "pgloss.cli", "grads", "--batch", str(batch), "--out", str(tmp_path / "g.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"pgloss grads: --batch: {batch} holds a pickled posix.mkdir"), done.stderr
     assert "weights_only=True" in done.stderr and not marker.exists()
@@ -75,8 +80,13 @@ def test_tensors_numbers_and_containers_load_as_saved(tmp_path):
 def test_every_torch_load_in_pgloss_is_load_tensors():
     """One reader: a new torch.load elsewhere in src/ would skip weights_only=True on torch < 2.6."""
     root = Path(pgloss.__file__).parent
-    calls = sorted(str(path.relative_to(root)) for path in root.rglob("*.py")
-                   for node in ast.walk(ast.parse(path.read_text()))
-                   if isinstance(node, ast.Attribute) and node.attr == "load"
-                   and isinstance(node.value, ast.Name) and node.value.id == "torch")
+    calls = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "load"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "torch"
+    )
     assert calls == ["lab/torch_files.py"], calls

@@ -1,9 +1,9 @@
 """Plain float64 loops written from the papers, one module per concept; the package holds every name."""
 
-from .advantages import *  # noqa: F401,F403
-from .aggregate import *  # noqa: F401,F403
-from .correction import *  # noqa: F401,F403
-from .divergence import *  # noqa: F401,F403
-from .kl import *  # noqa: F401,F403
-from .losses import *  # noqa: F401,F403
-from .terms import *  # noqa: F401,F403
+from .advantages import *  # noqa: F403
+from .aggregate import *  # noqa: F403
+from .correction import *  # noqa: F403
+from .divergence import *  # noqa: F403
+from .kl import *  # noqa: F403
+from .losses import *  # noqa: F403
+from .terms import *  # noqa: F403

@@ -101,8 +101,11 @@ def whiten(values, mask, *, bessel=True, openrlhf=False):
 def opo(scores, ids, lengths):
     out = [0.0] * len(scores)
     for members in _groups(ids).values():
-        b = 0.0 if len(members) == 1 else (sum(lengths[i] * scores[i] for i in members) /
-                                           sum(lengths[i] for i in members))
+        b = (
+            0.0
+            if len(members) == 1
+            else (sum(lengths[i] * scores[i] for i in members) / sum(lengths[i] for i in members))
+        )
         for i in members:
             out[i] = scores[i] - b
     return out
@@ -276,8 +279,13 @@ def clipb_mask(log_prob, entropy, adv, mask, mu):
     """Keep unless Â < 0 and S - mean(S) < -μ σ(S), S = p (H + log p) over the valid tokens."""
     S = [[math.exp(lp) * (h + lp) for lp, h in zip(lr, hr)] for lr, hr in zip(log_prob, entropy)]
     mean, std = _valid_moments(S, mask)
-    return [[bool(mask[i][t]) and (std < 1e-12 or adv[i][t] >= 0 or S[i][t] - mean >= -mu * std)
-             for t in range(len(mask[0]))] for i in range(len(mask))]
+    return [
+        [
+            bool(mask[i][t]) and (std < 1e-12 or adv[i][t] >= 0 or S[i][t] - mean >= -mu * std)
+            for t in range(len(mask[0]))
+        ]
+        for i in range(len(mask))
+    ]
 
 
 def clipv_mask(log_prob, entropy, necs, adv, mask, mu, max_frac, *, trinity=False):

@@ -7,7 +7,6 @@ in Python floats (float64). Inputs are nested lists; `mask[i][t]` is a bool.
 from __future__ import annotations
 
 
-
 def lengths(mask) -> list[int]:
     return [sum(1 for m in row if m) for row in mask]
 

@@ -128,8 +128,12 @@ def quantile(values, q):
 def m2po_keep(behave, prox, mask, threshold):
     """AReaL's _get_m2po_loss_mask on the valid tokens: mask the largest m2 until the mean of the rest is
     below the threshold (keep at least one); returns keep flags per token."""
-    items = [((b - p) ** 2, i, t) for i in range(len(mask)) for t, (b, p, m) in
-             enumerate(zip(behave[i], prox[i], mask[i])) if m]
+    items = [
+        ((b - p) ** 2, i, t)
+        for i in range(len(mask))
+        for t, (b, p, m) in enumerate(zip(behave[i], prox[i], mask[i]))
+        if m
+    ]
     items.sort(key=lambda x: -x[0])
     n = len(items)
     k = n - 1

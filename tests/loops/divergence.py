@@ -52,8 +52,10 @@ def divergence_grad(student_row, teacher_row, beta, temperature=1.0):
 def head_logits(hidden_row, weight_rows, bias=None, scale=1.0, softcap=None):
     """An LM head's logits at one position before the temperature: c·tanh(s·(Wx + b)/c), s·(Wx + b)
     without a soft-cap c (TRL 1.16's order: bias, scale, soft-cap)."""
-    raw = [sum(w * x for w, x in zip(row, hidden_row)) + (0.0 if bias is None else bias[v])
-           for v, row in enumerate(weight_rows)]
+    raw = [
+        sum(w * x for w, x in zip(row, hidden_row)) + (0.0 if bias is None else bias[v])
+        for v, row in enumerate(weight_rows)
+    ]
     if softcap is None:
         return [scale * r for r in raw]
     return [softcap * math.tanh(scale * r / softcap) for r in raw]

@@ -24,11 +24,12 @@ def kl(lp: float, ref: float, estimator: str) -> float:
 
 def full_kl(logits_row, ref_row, temperature=1.0):
     """Σ_v π_v (log π_v - log ρ_v) for one position."""
+
     def log_softmax(row):
         z = [x / temperature for x in row]
         m = max(z)
         lse = m + math.log(sum(math.exp(x - m) for x in z))
         return [x - lse for x in z]
+
     lp, lr = log_softmax(logits_row), log_softmax(ref_row)
     return sum(math.exp(a) * (a - b) for a, b in zip(lp, lr))
-

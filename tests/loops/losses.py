@@ -32,8 +32,9 @@ def seq_log_ratio(lp_row, old_row, mask_row, *, normalized: bool) -> float:
     return total / max(n, 1) if normalized else total
 
 
-def clipped_policy_per_token(lp, old, adv, mask, *, level: str, clip_low, clip_high, dual_clip=None, delta=None,
-                             max_log_ratio=20.0):
+def clipped_policy_per_token(
+    lp, old, adv, mask, *, level: str, clip_low, clip_high, dual_clip=None, delta=None, max_log_ratio=20.0
+):
     """ℓ_{i,t} for the clipped family; adv[i][t]. Sequence levels copy ℓ_i onto every token."""
     out = []
     for i in range(len(lp)):
@@ -41,12 +42,21 @@ def clipped_policy_per_token(lp, old, adv, mask, *, level: str, clip_low, clip_h
         if level == "token":
             for t in range(len(lp[i])):
                 r = math.exp(clip(lp[i][t] - old[i][t], -max_log_ratio, max_log_ratio))
-                row.append(ppo_token(r, adv[i][t], clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta))
+                row.append(
+                    ppo_token(r, adv[i][t], clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta)
+                )
         else:
-            s = math.exp(clip(seq_log_ratio(lp[i], old[i], mask[i], normalized=level != "sequence_product"),
-                              -max_log_ratio, max_log_ratio))
-            row = [ppo_token(s, adv[i][t], clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta)
-                   for t in range(len(lp[i]))]
+            s = math.exp(
+                clip(
+                    seq_log_ratio(lp[i], old[i], mask[i], normalized=level != "sequence_product"),
+                    -max_log_ratio,
+                    max_log_ratio,
+                )
+            )
+            row = [
+                ppo_token(s, adv[i][t], clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta)
+                for t in range(len(lp[i]))
+            ]
         out.append(row)
     return out
 
@@ -157,8 +167,9 @@ def clip_cov(lp, old, adv, mask, *, clip_low, clip_high, ratio, lb, ub, draw):
                 candidates.append((i, t))  # row-major order
     k = max(int(ratio * n_valid), 1)
     picked = set(draw(candidates)[:k])
-    return [[0.0 if (i, t) in picked or not mask[i][t] else base[i, t] for t in range(len(lp[i]))]
-            for i in range(len(lp))], picked
+    return [
+        [0.0 if (i, t) in picked or not mask[i][t] else base[i, t] for t in range(len(lp[i]))] for i in range(len(lp))
+    ], picked
 
 
 def kl_cov(lp, old, adv, mask, *, ratio, kl_coef):
@@ -177,8 +188,10 @@ def kl_cov(lp, old, adv, mask, *, ratio, kl_coef):
 
 
 def per_token(fn, lp, old, adv, mask):
-    return [[fn(lp[i][t], old[i][t], adv[i][t], i) if mask[i][t] else 0.0 for t in range(len(lp[i]))]
-            for i in range(len(lp))]
+    return [
+        [fn(lp[i][t], old[i][t], adv[i][t], i) if mask[i][t] else 0.0 for t in range(len(lp[i]))]
+        for i in range(len(lp))
+    ]
 
 
 def gpg(lp, old, adv, mask):
@@ -193,6 +206,7 @@ def topr(lp, old, adv, mask, scores, *, low, high):
     def f(p, o, a, i):
         w = 1.0 if scores[i] > 0 else clip(math.exp(p - o), low, high)
         return -w * a * p
+
     return per_token(f, lp, old, adv, mask)
 
 
@@ -206,6 +220,7 @@ def dppo(lp, old, adv, mask, *, divergence, clip_low, clip_high, truncation):
             valid = (d <= clip_high or p <= q) if a > 0 else (d <= clip_low or p >= q)
         w = min(math.exp(clip(p_log - o_log, -20, 20)), truncation)
         return -a * w * p_log if valid else 0.0
+
     return per_token(f, lp, old, adv, mask)
 
 
@@ -283,7 +298,9 @@ def real_loss(lp, old, adv, mask, group_ids, *, tau):
         neg = [s for s, a in members if a <= 0]
         pos = [s for s, a in members if a > 0]
         if neg and pos:
-            total += math.log(1 + sum(math.exp(s / tau) for s in neg)) + math.log(1 + sum(math.exp(-s / tau) for s in pos))
+            total += math.log(1 + sum(math.exp(s / tau) for s in neg)) + math.log(
+                1 + sum(math.exp(-s / tau) for s in pos)
+            )
     return total / max(len(groups), 1)
 
 
@@ -314,8 +331,12 @@ def rec(lp, old, adv, mask, *, mode, weight, eps_low=0.2, eps_high=0.2, ring_low
                 keep = inside or (a >= 0 and r <= 1 - ring_low) or (a <= 0 and r >= 1 + ring_high)
             else:
                 keep = True
-            w = {"none": 1.0, "importance_sampling": r, "sequence_importance_sampling": s,
-                 "advantage": math.exp(a / temp)}[weight]
+            w = {
+                "none": 1.0,
+                "importance_sampling": r,
+                "sequence_importance_sampling": s,
+                "advantage": math.exp(a / temp),
+            }[weight]
             row.append(-w * a * lp[i][t] if keep else 0.0)
         out.append(row)
     return out
@@ -376,18 +397,32 @@ def opd_advantages(old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8, di
         row = []
         for t in range(len(a)):
             later = [s for s in range(t, len(a)) if mask[i][s]] if mask[i][t] else []
-            future = sum(discount ** k * own[s] for k, s in enumerate(later)) if discount > 0 else own[t]
+            future = sum(discount**k * own[s] for k, s in enumerate(later)) if discount > 0 else own[t]
             row.append(adv[i][t] + future)
         out.append(row)
     return out
 
 
-def opd(lp, old, teacher, adv, mask, *, coef=1.0, gamma=0.0, eps=1e-8, surrogate="ratio", current=False,
-        trust_region=None, discount=0.0):
+def opd(
+    lp,
+    old,
+    teacher,
+    adv,
+    mask,
+    *,
+    coef=1.0,
+    gamma=0.0,
+    eps=1e-8,
+    surrogate="ratio",
+    current=False,
+    trust_region=None,
+    discount=0.0,
+):
     """-r·A ("ratio") or -log π·A ("log_prob") per token, A from `opd_advantages` (compared with the current
     log-probs when `current`), 0 where π_θ - π_old < -`trust_region`."""
-    advantages = opd_advantages(lp if current else old, teacher, adv, mask, coef=coef, gamma=gamma, eps=eps,
-                                discount=discount)
+    advantages = opd_advantages(
+        lp if current else old, teacher, adv, mask, coef=coef, gamma=gamma, eps=eps, discount=discount
+    )
     out = []
     for i in range(len(lp)):
         row = []

@@ -49,8 +49,21 @@ def chord_mu(step, *, warmup_steps, decay_steps, peak, valley) -> float:
     return valley + (peak - valley) * 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / decay_steps))
 
 
-def chord_loss(log_prob, old_log_prob, advantages, mask, expert, *, mu, mode="token-mean", sft_mode=None,
-               weight="phi", cutoff=1.0, clip=0.2, dual_clip=3.0) -> float:
+def chord_loss(
+    log_prob,
+    old_log_prob,
+    advantages,
+    mask,
+    expert,
+    *,
+    mu,
+    mode="token-mean",
+    sft_mode=None,
+    weight="phi",
+    cutoff=1.0,
+    clip=0.2,
+    dual_clip=3.0,
+) -> float:
     """CHORD (arXiv 2508.11408): (1 − μ)·Agg_U(PPO) + μ·Agg_E(SFT) over the on-policy rows U and the expert
     rows E, each aggregated over its own rows. PPO: max(−A·r, −A·clip(r, 1±ε)), bounded by −c·A for A < 0.
     SFT per token: −φ(p)·log p with φ = p(1 − p) ("phi", log p capped at log cutoff), −log p ("none"),

@@ -1,9 +1,9 @@
 """CE-GPPO (losses/ce_gppo.py): clipped value, preserved gradient, against the plain loop."""
 
-import torch
-
 import loops
+import torch
 from conftest import make_batch
+
 from pgloss.losses.ce_gppo import ce_gppo_loss
 from pgloss.losses.ppo import clipped_surrogate
 

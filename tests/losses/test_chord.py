@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import os
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
 from properties.micro_batches import cut, split_call
 from trinity_losses import policy_loss_modules
+
+import pgloss
 
 TRINITY = os.environ.get("PGLOSS_TRINITY_SRC")
 needs_trinity = pytest.mark.skipif(not TRINITY, reason="PGLOSS_TRINITY_SRC (an unpacked Trinity-RFT 0.6.0) is not set")
@@ -41,22 +41,46 @@ def batch(seed, dtype=torch.float64, spread=0.5):
 
 
 def call(alg, data, log_prob=None, **extra):
-    return alg(data["log_prob"] if log_prob is None else log_prob, data["old_log_prob"], data["advantages"],
-               data["mask"], expert=data["expert"], **extra)
+    return alg(
+        data["log_prob"] if log_prob is None else log_prob,
+        data["old_log_prob"],
+        data["advantages"],
+        data["mask"],
+        expert=data["expert"],
+        **extra,
+    )
 
 
 def loop(alg, data):
-    return loops.chord_loss(data["log_prob"].tolist(), data["old_log_prob"].tolist(), data["advantages"].tolist(),
-                            data["mask"].tolist(), data["expert"].tolist(), mu=alg.chord_mu, mode=alg.loss_agg_mode,
-                            sft_mode=alg.sft_loss_agg_mode, weight=alg.sft_weight, cutoff=alg.sft_cutoff_prob,
-                            clip=alg.clip_low, dual_clip=alg.dual_clip)
+    return loops.chord_loss(
+        data["log_prob"].tolist(),
+        data["old_log_prob"].tolist(),
+        data["advantages"].tolist(),
+        data["mask"].tolist(),
+        data["expert"].tolist(),
+        mu=alg.chord_mu,
+        mode=alg.loss_agg_mode,
+        sft_mode=alg.sft_loss_agg_mode,
+        weight=alg.sft_weight,
+        cutoff=alg.sft_cutoff_prob,
+        clip=alg.clip_low,
+        dual_clip=alg.dual_clip,
+    )
 
 
-@pytest.mark.parametrize("settings", [
-    dict(), dict(chord_mu=0.6, sft_weight="none"), dict(chord_mu=0.3, sft_weight="is"),
-    dict(chord_mu=0.5, sft_cutoff_prob=0.4), dict(chord_mu=0.2, loss_agg_mode="seq-mean-token-mean"),
-    dict(chord_mu=0.7, sft_loss_agg_mode="seq-mean-token-sum"), dict(chord_mu=0.0), dict(chord_mu=1.0),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(chord_mu=0.6, sft_weight="none"),
+        dict(chord_mu=0.3, sft_weight="is"),
+        dict(chord_mu=0.5, sft_cutoff_prob=0.4),
+        dict(chord_mu=0.2, loss_agg_mode="seq-mean-token-mean"),
+        dict(chord_mu=0.7, sft_loss_agg_mode="seq-mean-token-sum"),
+        dict(chord_mu=0.0),
+        dict(chord_mu=1.0),
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_loop(settings, seed):
     data = batch(seed, spread=1.0)
@@ -94,31 +118,56 @@ def test_gradcheck():
     """Plain SFT on the expert rows (φ and p are stop-gradient weights, whose derivative the numerical check
     would see: test_expert_gradient_is_the_weighted_sft_step holds their gradient in closed form)."""
     data = batch(4)
-    alg = pgloss.get("chord", chord_mu=0.3, sft_weight="none", loss_agg_mode="seq-mean-token-mean", kl_coef=0.1,
-                     entropy_coef=0.01)
+    alg = pgloss.get(
+        "chord", chord_mu=0.3, sft_weight="none", loss_agg_mode="seq-mean-token-mean", kl_coef=0.1, entropy_coef=0.01
+    )
 
     def loss(log_prob, entropy):
-        return alg(log_prob, data["old_log_prob"], data["advantages"], data["mask"], expert=data["expert"],
-                   ref_log_prob=data["ref_log_prob"], entropy=entropy).loss
+        return alg(
+            log_prob,
+            data["old_log_prob"],
+            data["advantages"],
+            data["mask"],
+            expert=data["expert"],
+            ref_log_prob=data["ref_log_prob"],
+            entropy=entropy,
+        ).loss
 
-    assert torch.autograd.gradcheck(loss, (data["log_prob"].clone().requires_grad_(True),
-                                           data["entropy"].clone().requires_grad_(True)))
+    assert torch.autograd.gradcheck(
+        loss, (data["log_prob"].clone().requires_grad_(True), data["entropy"].clone().requires_grad_(True))
+    )
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "group-mean-token-mean", "delta-l-norm"])
 @pytest.mark.parametrize("parts", [[slice(0, 3), slice(3, 8)], [slice(0, 1), slice(1, 5), slice(5, 8)]])
 def test_micro_batches_add_up(mode, parts):
     data = batch(5)
-    alg = pgloss.get("chord", chord_mu=0.4, loss_agg_mode=mode, norm_constant=7.0, kl_coef=0.05,
-                     sft_loss_agg_mode="seq-mean-token-mean")
+    alg = pgloss.get(
+        "chord",
+        chord_mu=0.4,
+        loss_agg_mode=mode,
+        norm_constant=7.0,
+        kl_coef=0.05,
+        sft_loss_agg_mode="seq-mean-token-mean",
+    )
     whole_lp = data["log_prob"].clone().requires_grad_(True)
     whole = call(alg, data, whole_lp, ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"]).loss
     whole.backward()
-    norm = alg.step_normalizer(cut(data["mask"], parts), expert=cut(data["expert"], parts),
-                               group_ids=cut(data["group_ids"], parts))
-    total, grad = split_call(alg, data["log_prob"], parts, norm, old_log_prob=data["old_log_prob"],
-                             advantages=data["advantages"], mask=data["mask"], expert=data["expert"],
-                             ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"])
+    norm = alg.step_normalizer(
+        cut(data["mask"], parts), expert=cut(data["expert"], parts), group_ids=cut(data["group_ids"], parts)
+    )
+    total, grad = split_call(
+        alg,
+        data["log_prob"],
+        parts,
+        norm,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=data["mask"],
+        expert=data["expert"],
+        ref_log_prob=data["ref_log_prob"],
+        group_ids=data["group_ids"],
+    )
     torch.testing.assert_close(total, whole.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, whole_lp.grad, rtol=1e-12, atol=1e-14)
 
@@ -147,8 +196,9 @@ def test_inspect_has_no_closed_form_with_expert_rows():
 
     data = batch(8)
     alg = pgloss.get("chord", chord_mu=0.3)
-    report = inspect(alg, data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
-                     expert=data["expert"])
+    report = inspect(
+        alg, data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"], expert=data["expert"]
+    )
     assert report.factor is None and "expert rows" in report.reason
     lp = data["log_prob"].clone().requires_grad_(True)
     call(alg, data, lp).loss.backward()
@@ -160,8 +210,12 @@ def test_inspect_has_no_closed_form_with_expert_rows():
 
 # -- the μ schedule --------------------------------------------------------------------------------------------
 
-SCHEDULES = [dict(warmup_steps=4, decay_steps=5, peak=0.6, valley=0.1), dict(warmup_steps=0, decay_steps=3, peak=0.9,
-             valley=0.0), dict(warmup_steps=2, decay_steps=0, peak=0.5, valley=0.2), dict()]
+SCHEDULES = [
+    dict(warmup_steps=4, decay_steps=5, peak=0.6, valley=0.1),
+    dict(warmup_steps=0, decay_steps=3, peak=0.9, valley=0.0),
+    dict(warmup_steps=2, decay_steps=0, peak=0.5, valley=0.2),
+    dict(),
+]
 
 
 @pytest.mark.parametrize("settings", SCHEDULES)
@@ -185,6 +239,7 @@ def test_mu_schedule_checks():
 
 
 # -- Trinity-RFT 0.6.0 -------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def trinity():
@@ -222,17 +277,34 @@ def test_matches_trinity_mix_chord(trinity, phi, mode, step, seed, dtype):
     expert = data["expert"]
     n_expert = int(expert.sum())
     schedule = dict(mu_warmup_steps=4, mu_decay_steps=5, mu_peak=0.6, mu_valley=0.1)
-    fn = trinity.MIXCHORDPolicyLossFn(**schedule, enable_phi_function=phi, clip_range=0.2, ppo_mini_batch_size=8,
-                                      ppo_micro_batch_size_per_gpu=8, ngpus_trainer=1,
-                                      train_batch_size_usual=8 - n_expert, train_batch_size_expert=n_expert,
-                                      loss_agg_mode=mode)
+    fn = trinity.MIXCHORDPolicyLossFn(
+        **schedule,
+        enable_phi_function=phi,
+        clip_range=0.2,
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=8,
+        ngpus_trainer=1,
+        train_batch_size_usual=8 - n_expert,
+        train_batch_size_expert=n_expert,
+        loss_agg_mode=mode,
+    )
     mu = pgloss.MuSchedule(peak=0.6, valley=0.1, warmup_steps=4, decay_steps=5)
     assert mu(step) == trinity.mu_schedule_function(step, 4, 5, 0.6, 0.1)
     alg = mu.algorithm(pgloss.get("chord", loss_agg_mode=mode, sft_weight="phi" if phi else "none"), step)
     adv = data["advantages"][:, None] * data["mask"]
-    compare(lambda x: call(alg, data, x).loss,
-            lambda y: fn(logprob=y, old_logprob=data["old_log_prob"], action_mask=data["mask"], advantages=adv,
-                         expert_mask=expert, step=torch.full((8,), step))[0], data, "mix_chord")
+    compare(
+        lambda x: call(alg, data, x).loss,
+        lambda y: fn(
+            logprob=y,
+            old_logprob=data["old_log_prob"],
+            action_mask=data["mask"],
+            advantages=adv,
+            expert_mask=expert,
+            step=torch.full((8,), step),
+        )[0],
+        data,
+        "mix_chord",
+    )
 
 
 @needs_trinity

@@ -2,12 +2,12 @@
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
+
+import pgloss
 from pgloss.losses.cov import clip_cov_loss, kl_cov_loss, selection_size, token_covariance
 
 CLIP = dict(clip_low=0.2, clip_high=0.2)
@@ -36,12 +36,23 @@ def key_order(shape, seed):
 def test_clip_cov_matches_loop_with_the_same_draw(seed):
     data, lp, old, adv, mask = inputs(seed)
     cov_ratio, lb, ub = 0.1, 0.05, 5.0
-    loss, picked, by_clip = clip_cov_loss(ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=cov_ratio, cov_lb=lb,
-                                          cov_ub=ub, generator=torch.Generator().manual_seed(seed))
-    expected, expected_picked = loops.clip_cov(*loops.lists(data), **CLIP, ratio=cov_ratio, lb=lb, ub=ub,
-                                               draw=key_order(mask.shape, seed))
-    torch.testing.assert_close(torch.where(mask, loss, 0.0), torch.tensor(expected, dtype=torch.float64),
-                               rtol=1e-12, atol=1e-14)
+    loss, picked, by_clip = clip_cov_loss(
+        ratio(lp, old),
+        lp,
+        adv,
+        mask,
+        **CLIP,
+        cov_ratio=cov_ratio,
+        cov_lb=lb,
+        cov_ub=ub,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    expected, expected_picked = loops.clip_cov(
+        *loops.lists(data), **CLIP, ratio=cov_ratio, lb=lb, ub=ub, draw=key_order(mask.shape, seed)
+    )
+    torch.testing.assert_close(
+        torch.where(mask, loss, 0.0), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-14
+    )
     assert {tuple(ix) for ix in picked.nonzero().tolist()} == expected_picked
     assert len(expected_picked) == selection_size(cov_ratio, mask) >= 2  # k = ⌊0.1·N⌋ tokens were detached
     assert not (picked & by_clip).any() and not (picked & ~mask).any()
@@ -49,8 +60,9 @@ def test_clip_cov_matches_loop_with_the_same_draw(seed):
 
 def test_clip_cov_generator_makes_a_step_reproducible_and_none_uses_the_global_one():
     _, lp, old, adv, mask = inputs(0)
-    run = lambda gen: clip_cov_loss(ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=0.05, cov_lb=0.05, cov_ub=5.0,
-                                    generator=gen)[1]
+    run = lambda gen: clip_cov_loss(
+        ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=0.05, cov_lb=0.05, cov_ub=5.0, generator=gen
+    )[1]
     first, again = run(torch.Generator().manual_seed(7)), run(torch.Generator().manual_seed(7))
     assert torch.equal(first, again)
     draws = {tuple(run(torch.Generator().manual_seed(s)).nonzero().flatten().tolist()) for s in range(8)}
@@ -88,8 +100,9 @@ def test_kl_cov_matches_loop(seed, cov_ratio):
     data, lp, old, adv, mask = inputs(seed)
     loss, top = kl_cov_loss(ratio(lp, old), lp, lp - old, adv, mask, cov_ratio=cov_ratio, kl_coef=0.1)
     expected, expected_top = loops.kl_cov(*loops.lists(data), ratio=cov_ratio, kl_coef=0.1)
-    torch.testing.assert_close(torch.where(mask, loss, 0.0), torch.tensor(expected, dtype=torch.float64),
-                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        torch.where(mask, loss, 0.0), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-14
+    )
     assert {tuple(ix) for ix in top.nonzero().tolist()} == expected_top
     assert len(expected_top) == max(int(cov_ratio * int(mask.sum())), 1)
 
@@ -98,7 +111,9 @@ def test_kl_cov_gradient():
     _, lp, old, adv, mask = inputs(4)
 
     def fn(x):
-        return torch.where(mask, kl_cov_loss(ratio(x, old), x, x - old, adv, mask, cov_ratio=0.2, kl_coef=0.5)[0], 0.0).sum()
+        return torch.where(
+            mask, kl_cov_loss(ratio(x, old), x, x - old, adv, mask, cov_ratio=0.2, kl_coef=0.5)[0], 0.0
+        ).sum()
 
     assert torch.autograd.gradcheck(fn, (lp.clone().requires_grad_(),))
 

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-
-import pgloss
 from conftest import make_batch
 from properties.micro_batches import cut, micro_batches, parts_of
+
+import pgloss
 
 SPLITS = [[2, 4, 3], [1, 1, 7], [9]]
 OVERRIDES = {"clip_cov": dict(clip_cov_ratio=0.1, clip_cov_lb=0.05), "kl_cov": dict(kl_cov_ratio=0.1)}

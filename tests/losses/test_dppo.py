@@ -2,11 +2,11 @@
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
 from conftest import make_batch
+
 from pgloss.losses.dppo import dppo_loss, dppo_valid
 
 
@@ -14,8 +14,13 @@ def inputs(seed):
     data = make_batch(batch=6, length=8, seed=seed, spread=0.8, per_token_adv=True)
     data["log_prob"] = data["log_prob"].clamp(max=-1e-3)  # probabilities below one, as the Bernoulli KL needs
     mask = data["mask"]
-    return data, torch.where(mask, data["log_prob"], 0.0), torch.where(mask, data["old_log_prob"], -1.0), \
-        data["advantages"], mask
+    return (
+        data,
+        torch.where(mask, data["log_prob"], 0.0),
+        torch.where(mask, data["old_log_prob"], -1.0),
+        data["advantages"],
+        mask,
+    )
 
 
 @pytest.mark.parametrize("divergence", ["tv", "kl"])

@@ -1,9 +1,9 @@
 """DRO / Kimi-1.5 (losses/dro.py) against the plain loop, gradcheck and the identity at r = 1."""
 
-import torch
-
 import loops
+import torch
 from conftest import make_batch
+
 from pgloss.losses.dro import dro_loss
 
 
@@ -13,8 +13,9 @@ def test_matches_loop_and_gradcheck():
     lp, old = torch.where(mask, data["log_prob"], 0.0), torch.where(mask, data["old_log_prob"], 0.0)
     adv = data["advantages"]
     loss = torch.where(mask, dro_loss(lp, lp - old, adv, beta=0.3), 0.0)
-    torch.testing.assert_close(loss, torch.tensor(loops.dro(*loops.lists(data), beta=0.3), dtype=torch.float64),
-                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        loss, torch.tensor(loops.dro(*loops.lists(data), beta=0.3), dtype=torch.float64), rtol=1e-12, atol=1e-14
+    )
     fn = lambda x: torch.where(mask, dro_loss(x, x - old, adv, beta=0.3), 0.0).sum()
     assert torch.autograd.gradcheck(fn, (lp.clone().requires_grad_(),))
     x = lp.clone().requires_grad_()

@@ -1,17 +1,29 @@
 """The frameworks' other losses as named algorithms: each loss, aggregated, against a plain loop from its formula,
 the REINFORCE identity where it holds, and the couplings that make three of them row-coupled."""
 
+import loops
 import pytest
 import torch
-
-import loops
-
-import pgloss
 from conftest import make_batch
 from properties.micro_batches import cut, split_call
 
-NEW = ["gmpo", "clip_cov", "kl_cov", "gpg", "tis_pg", "topr", "dppo_tv", "dppo_kl", "dro", "vespo", "luspo",
-       "ce_gppo", "real"]
+import pgloss
+
+NEW = [
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+    "gpg",
+    "tis_pg",
+    "topr",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+    "vespo",
+    "luspo",
+    "ce_gppo",
+    "real",
+]
 SCORES = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, 0.0, 1.0, -1.0, 0.5], dtype=torch.float64)
 
 
@@ -21,24 +33,44 @@ def get(name, **hyper):
 
 def call(alg, data, log_prob=None, **extra):
     batch = data["log_prob"].shape[0]
-    return alg(data["log_prob"] if log_prob is None else log_prob, data["old_log_prob"], data["advantages"],
-               data["mask"], group_ids=data["group_ids"], scores=SCORES[:batch], **extra)
+    return alg(
+        data["log_prob"] if log_prob is None else log_prob,
+        data["old_log_prob"],
+        data["advantages"],
+        data["mask"],
+        group_ids=data["group_ids"],
+        scores=SCORES[:batch],
+        **extra,
+    )
 
 
 def reference_loss(alg, data):
     """The loss from tests/loops/losses.py, aggregated by tests/loops/aggregate.py."""
     lp, old, adv, mask = loops.lists(data)
     name = alg.name
-    agg = lambda values: loops.aggregate(values, mask, alg.loss_agg_mode, norm_constant=alg.norm_constant,
-                                         group_ids=data["group_ids"].tolist())
+    agg = lambda values: loops.aggregate(
+        values, mask, alg.loss_agg_mode, norm_constant=alg.norm_constant, group_ids=data["group_ids"].tolist()
+    )
     if name == "gmpo":
         return agg(loops.gmpo(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high))
     if name == "clip_cov":
         seed = alg.generator.initial_seed()
         keys = torch.rand(data["mask"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
         draw = lambda cells: sorted(cells, key=lambda c: float(keys[c]))  # the candidates of smallest key
-        return agg(loops.clip_cov(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
-                               ratio=alg.clip_cov_ratio, lb=alg.clip_cov_lb, ub=alg.clip_cov_ub, draw=draw)[0])
+        return agg(
+            loops.clip_cov(
+                lp,
+                old,
+                adv,
+                mask,
+                clip_low=alg.clip_low,
+                clip_high=alg.clip_high,
+                ratio=alg.clip_cov_ratio,
+                lb=alg.clip_cov_lb,
+                ub=alg.clip_cov_ub,
+                draw=draw,
+            )[0]
+        )
     if name == "kl_cov":
         return agg(loops.kl_cov(lp, old, adv, mask, ratio=alg.kl_cov_ratio, kl_coef=alg.ppo_kl_coef)[0])
     if name == "gpg":
@@ -46,21 +78,52 @@ def reference_loss(alg, data):
     if name == "tis_pg":
         return agg(loops.tis_pg(lp, old, adv, mask, low=alg.tis_lower_bound, high=alg.tis_upper_bound))
     if name == "topr":
-        scores = SCORES[:len(lp)].tolist()
+        scores = SCORES[: len(lp)].tolist()
         return agg(loops.topr(lp, old, adv, mask, scores, low=alg.tis_lower_bound, high=alg.tis_upper_bound))
     if name in ("dppo_tv", "dppo_kl"):
-        return agg(loops.dppo(lp, old, adv, mask, divergence=alg.divergence, clip_low=alg.clip_low,
-                           clip_high=alg.clip_high, truncation=alg.truncation))
+        return agg(
+            loops.dppo(
+                lp,
+                old,
+                adv,
+                mask,
+                divergence=alg.divergence,
+                clip_low=alg.clip_low,
+                clip_high=alg.clip_high,
+                truncation=alg.truncation,
+            )
+        )
     if name == "dro":
         return agg(loops.dro(lp, old, adv, mask, beta=alg.dro_beta))
     if name == "vespo":
-        return agg(loops.vespo(lp, old, adv, mask, k_pos=alg.vespo_k_pos, lambda_pos=alg.vespo_lambda_pos,
-                            k_neg=alg.vespo_k_neg, lambda_neg=alg.vespo_lambda_neg))
+        return agg(
+            loops.vespo(
+                lp,
+                old,
+                adv,
+                mask,
+                k_pos=alg.vespo_k_pos,
+                lambda_pos=alg.vespo_lambda_pos,
+                k_neg=alg.vespo_k_neg,
+                lambda_neg=alg.vespo_lambda_neg,
+            )
+        )
     if name == "luspo":
         return loops.luspo_loss(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high)
     if name == "ce_gppo":
-        return agg(loops.ce_gppo(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
-                              beta_low=alg.gppo_beta_low, beta_high=alg.gppo_beta_high, dual_clip=alg.dual_clip)[0])
+        return agg(
+            loops.ce_gppo(
+                lp,
+                old,
+                adv,
+                mask,
+                clip_low=alg.clip_low,
+                clip_high=alg.clip_high,
+                beta_low=alg.gppo_beta_low,
+                beta_high=alg.gppo_beta_high,
+                dual_clip=alg.dual_clip,
+            )[0]
+        )
     if name == "real":
         return loops.real_loss(lp, old, adv, mask, data["group_ids"].tolist(), tau=alg.real_tau)
     raise KeyError(name)
@@ -121,8 +184,12 @@ def test_where_the_identity_does_not_hold():
         alg = get(name, **overrides(name))
         call(alg, data, x).loss.backward()
         y = data["log_prob"].clone().requires_grad_()
-        pgloss.aggregate(torch.where(data["mask"], -data["advantages"][:, None] * y, 0.0), data["mask"],
-                         alg.loss_agg_mode, group_ids=data["group_ids"]).backward()
+        pgloss.aggregate(
+            torch.where(data["mask"], -data["advantages"][:, None] * y, 0.0),
+            data["mask"],
+            alg.loss_agg_mode,
+            group_ids=data["group_ids"],
+        ).backward()
         assert (x.grad - y.grad).abs().max() > 1e-3, name
 
 
@@ -139,8 +206,16 @@ def test_real_is_split_invariant_when_calls_hold_whole_groups():
     x = data["log_prob"].clone().requires_grad_()
     whole = call(alg, data, x)
     whole.loss.backward()
-    total, grad = split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
-                             advantages=data["advantages"], mask=data["mask"], group_ids=data["group_ids"])
+    total, grad = split_call(
+        alg,
+        data["log_prob"],
+        parts,
+        normalizer,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=data["mask"],
+        group_ids=data["group_ids"],
+    )
     torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-14)
 
@@ -164,8 +239,13 @@ def test_vespo_takes_the_rollout_ratio_into_its_weight_instead_of_multiplying():
     with_rollout = call(alg, data, rollout_log_prob=rollout)
     shifted = dict(data, log_prob=data["log_prob"], old_log_prob=data["old_log_prob"])
     # log(π_old/π_rollout) = -0.1 per token enters S_i, exactly as a 0.1-lower old policy would.
-    phi_direct = loops.vespo(*loops.lists(dict(shifted, old_log_prob=data["old_log_prob"] + 0.1)), k_pos=2, lambda_pos=3,
-                          k_neg=3, lambda_neg=2)
+    phi_direct = loops.vespo(
+        *loops.lists(dict(shifted, old_log_prob=data["old_log_prob"] + 0.1)),
+        k_pos=2,
+        lambda_pos=3,
+        k_neg=3,
+        lambda_neg=2,
+    )
     mask = data["mask"].tolist()
     expected = loops.aggregate(phi_direct, mask, "token-mean")
     assert with_rollout.loss.item() == pytest.approx(expected, rel=1e-10)
@@ -185,9 +265,18 @@ def test_split_into_micro_batches_equals_the_whole_batch(name, mode):
     x = data["log_prob"].clone().requires_grad_()
     whole = call(alg, data, x, ref_log_prob=data["ref_log_prob"], entropy=data["entropy"])
     whole.loss.backward()
-    total, grad = split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
-                             advantages=data["advantages"], mask=data["mask"], ref_log_prob=data["ref_log_prob"],
-                             entropy=data["entropy"], scores=SCORES[:9])
+    total, grad = split_call(
+        alg,
+        data["log_prob"],
+        parts,
+        normalizer,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=data["mask"],
+        ref_log_prob=data["ref_log_prob"],
+        entropy=data["entropy"],
+        scores=SCORES[:9],
+    )
     torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-14)
     assert x.grad.abs().sum() > 0

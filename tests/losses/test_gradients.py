@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import algorithm, make_batch
 
 import pgloss
-from conftest import algorithm, make_batch
 from pgloss.core.aggregate import Normalizer, token_weights
 
 # Losses whose value is a smooth function of log_prob (away from measure-zero kinks): gradcheck applies.
@@ -16,7 +16,9 @@ STOP_GRADIENT = ["gspo_token", "cispo", "fipo"]
 def weights(alg, data):
     """w_{i,t}: the aggregation weight of each token, so that ∇_t loss = w_t · ∂ℓ_t/∂ log π_t."""
     n = Normalizer.count(data["mask"], group_ids=data["group_ids"], reduce=False)
-    return token_weights(data["mask"], alg.loss_agg_mode, n, norm_constant=alg.norm_constant, group_ids=data["group_ids"])
+    return token_weights(
+        data["mask"], alg.loss_agg_mode, n, norm_constant=alg.norm_constant, group_ids=data["group_ids"]
+    )
 
 
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
@@ -25,8 +27,14 @@ def test_gradcheck(name):
     alg = algorithm(name, entropy_coef=0.05)
 
     def loss(log_prob, entropy):
-        return alg(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
-                   ref_log_prob=data["ref_log_prob"], entropy=entropy).loss
+        return alg(
+            log_prob,
+            data["old_log_prob"],
+            data["advantages"],
+            data["mask"],
+            ref_log_prob=data["ref_log_prob"],
+            entropy=entropy,
+        ).loss
 
     inputs = (data["log_prob"].clone().requires_grad_(True), data["entropy"].clone().requires_grad_(True))
     assert torch.autograd.gradcheck(loss, inputs, eps=1e-7, atol=1e-6)
@@ -119,8 +127,13 @@ def test_entropy_gets_a_gradient_only_when_its_coefficient_is_nonzero():
     data = make_batch(seed=15)
     for coef, expect_grad in ((0.0, False), (0.1, True)):
         entropy = data["entropy"].clone().requires_grad_(True)
-        out = pgloss.get("dapo", entropy_coef=coef)(data["log_prob"].clone().requires_grad_(True), data["old_log_prob"],
-                                                    data["advantages"], data["mask"], entropy=entropy)
+        out = pgloss.get("dapo", entropy_coef=coef)(
+            data["log_prob"].clone().requires_grad_(True),
+            data["old_log_prob"],
+            data["advantages"],
+            data["mask"],
+            entropy=entropy,
+        )
         out.loss.backward()
         assert (entropy.grad is not None) == expect_grad
         if expect_grad:
@@ -146,7 +159,9 @@ def test_token_gradient_is_zero_beyond_the_log_ratio_clamp():
     old = torch.full((1, 4), -25.0, dtype=torch.float64)
     lp = (old + torch.tensor([[25.0, 19.0, -25.0, -19.0]], dtype=torch.float64)).requires_grad_(True)
     adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
-    out = pgloss.get("ppo", loss_agg_mode="token-mean", clip_low=0.2, clip_high=0.2)(lp, old, adv, torch.ones_like(lp, dtype=torch.bool))
+    out = pgloss.get("ppo", loss_agg_mode="token-mean", clip_low=0.2, clip_high=0.2)(
+        lp, old, adv, torch.ones_like(lp, dtype=torch.bool)
+    )
     out.loss.backward()
-    expected = torch.tensor([0.0, torch.e ** 19 / 4, 0.0, 0.0], dtype=torch.float64)  # -19: clipped low (r < 0.8)
+    expected = torch.tensor([0.0, torch.e**19 / 4, 0.0, 0.0], dtype=torch.float64)  # -19: clipped low (r < 0.8)
     torch.testing.assert_close(lp.grad[0], expected, rtol=1e-12, atol=0)

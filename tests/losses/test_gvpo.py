@@ -1,12 +1,12 @@
 """GVPO's group loss (losses/gvpo.py) against the plain loop, with gradcheck and whole-group splits."""
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
 from properties.micro_batches import cut, parts_of, split_call
+
+import pgloss
 
 
 def gvpo_data(seed, per_token_adv=True):
@@ -17,8 +17,14 @@ def gvpo_data(seed, per_token_adv=True):
 
 def call(alg, data, lp=None, part=slice(None), normalizer=None):
     lp = data["log_prob"] if lp is None else lp
-    return alg(lp[part], data["old_log_prob"][part], data["advantages"][part], data["mask"][part],
-               group_ids=data["group_ids"][part], normalizer=normalizer)
+    return alg(
+        lp[part],
+        data["old_log_prob"][part],
+        data["advantages"][part],
+        data["mask"][part],
+        group_ids=data["group_ids"][part],
+        normalizer=normalizer,
+    )
 
 
 @pytest.mark.parametrize("beta", [0.1, 1.0])
@@ -47,6 +53,7 @@ def test_gradcheck_and_the_gradient_weights_sum_to_zero_in_each_group():
 
 def test_detaching_the_group_mean_changes_nothing_with_centred_advantages():
     from pgloss.losses.gvpo import gvpo_group_loss
+
     r = torch.tensor([0.3, -0.1, 0.5, 0.2], dtype=torch.float64, requires_grad=True)
     a = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
     ids, valid = torch.tensor([0, 0, 1, 1]), torch.ones(4, dtype=torch.bool)
@@ -67,9 +74,17 @@ def test_micro_batches_of_whole_groups_equal_the_whole_batch(cuts):
 
     def run(parts):
         norm = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
-        return split_call(alg, data["log_prob"], parts, norm, old_log_prob=data["old_log_prob"],
-                          advantages=data["advantages"], mask=data["mask"], group_ids=data["group_ids"],
-                          ref_log_prob=data["ref_log_prob"])
+        return split_call(
+            alg,
+            data["log_prob"],
+            parts,
+            norm,
+            old_log_prob=data["old_log_prob"],
+            advantages=data["advantages"],
+            mask=data["mask"],
+            group_ids=data["group_ids"],
+            ref_log_prob=data["ref_log_prob"],
+        )
 
     whole_loss, whole_grad = run([slice(0, 9)])
     loss, grad = run(parts_of(b - a for a, b in zip([0] + cuts, cuts + [9])))

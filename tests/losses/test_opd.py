@@ -10,12 +10,12 @@ and 3.7e-6 (float32) relative to it, a token mean of terms of both signs.
 import types
 from collections import defaultdict
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
+
+import pgloss
 
 
 def call(alg, data, lp=None):
@@ -30,10 +30,25 @@ def call(alg, data, lp=None):
 def test_opd_matches_loop(surrogate, gamma, mode, discount):
     data = make_batch(batch=7, length=6, seed=3, spread=0.5, per_token_adv=True)
     lp, old, adv, mask = loops.lists(data)
-    values = loops.opd(lp, old, data["teacher_log_prob"].tolist(), adv, mask, coef=0.7, gamma=gamma,
-                       surrogate=surrogate, discount=discount)
-    alg = pgloss.get("opd", opd_coef=0.7, opd_position_gamma=gamma, opd_surrogate=surrogate, loss_agg_mode=mode,
-                     opd_discount=discount)
+    values = loops.opd(
+        lp,
+        old,
+        data["teacher_log_prob"].tolist(),
+        adv,
+        mask,
+        coef=0.7,
+        gamma=gamma,
+        surrogate=surrogate,
+        discount=discount,
+    )
+    alg = pgloss.get(
+        "opd",
+        opd_coef=0.7,
+        opd_position_gamma=gamma,
+        opd_surrogate=surrogate,
+        loss_agg_mode=mode,
+        opd_discount=discount,
+    )
     assert call(alg, data).loss.item() == pytest.approx(loops.aggregate(values, mask, mode), rel=1e-12, abs=1e-14)
 
 
@@ -58,8 +73,17 @@ def test_prime_rl_conventions_match_loop(gamma, trust_region):
     """The advantage against the current policy and the trust region (prime-rl's conventions)."""
     data = make_batch(batch=7, length=6, seed=4, spread=0.5, per_token_adv=True)
     lp, old, adv, mask = loops.lists(data)
-    values = loops.opd(lp, old, data["teacher_log_prob"].tolist(), adv, mask, coef=0.7, gamma=gamma, current=True,
-                       trust_region=trust_region)
+    values = loops.opd(
+        lp,
+        old,
+        data["teacher_log_prob"].tolist(),
+        adv,
+        mask,
+        coef=0.7,
+        gamma=gamma,
+        current=True,
+        trust_region=trust_region,
+    )
     alg = pgloss.get("opd", opd_coef=0.7, opd_position_gamma=gamma, **dict(PRIME_RL, opd_trust_region=trust_region))
     out = call(alg, data)
     assert out.loss.item() == pytest.approx(loops.aggregate(values, mask, "token-mean"), rel=1e-12, abs=1e-14)
@@ -72,11 +96,16 @@ def test_prime_rl_conventions_match_loop(gamma, trust_region):
 def test_iw_opd_is_trls_configuration():
     alg = pgloss.get("iw_opd")
     assert (alg.opd_position_gamma, alg.opd_position_eps, alg.opd_surrogate, alg.loss_agg_mode) == (
-        0.5, 1e-8, "log_prob", "token-mean")
+        0.5,
+        1e-8,
+        "log_prob",
+        "token-mean",
+    )
 
 
-@pytest.mark.parametrize("name, options", [("opd", {}), ("iw_opd", {}),
-                                           ("opd", dict(opd_trust_region=0.05, opd_discount=0.9))])
+@pytest.mark.parametrize(
+    "name, options", [("opd", {}), ("iw_opd", {}), ("opd", dict(opd_trust_region=0.05, opd_discount=0.9))]
+)
 def test_gradcheck(name, options):
     data = make_batch(batch=5, length=4, seed=6, spread=0.3)
     x = data["log_prob"].clone().requires_grad_()
@@ -106,8 +135,10 @@ def test_at_ratio_one_the_gradient_is_the_policy_gradient_of_the_teachers_advant
     x = data["log_prob"].clone().requires_grad_()
     call(alg, data, x).loss.backward()
     _, old, adv, mask = loops.lists(data)
-    advantage = torch.tensor(loops.opd_advantages(old, data["teacher_log_prob"].tolist(), adv, mask,
-                                                  gamma=alg.opd_position_gamma), dtype=torch.float64)
+    advantage = torch.tensor(
+        loops.opd_advantages(old, data["teacher_log_prob"].tolist(), adv, mask, gamma=alg.opd_position_gamma),
+        dtype=torch.float64,
+    )
     expected = torch.where(data["mask"], -advantage / data["mask"].sum(), 0.0)
     torch.testing.assert_close(x.grad, expected, rtol=1e-10, atol=1e-13)
 
@@ -138,8 +169,13 @@ def test_a_missing_teacher_is_named():
 
 def trl_iw_opd(logits, tokens, labels, teacher, rollout, gamma):
     iw_opd = pytest.importorskip("trl.experimental.iw_opd.iw_opd_trainer")
-    trainer = types.SimpleNamespace(temperature=1.0, iw_opd_gamma=gamma, iw_opd_epsilon=1e-8,
-                                    model=types.SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)))
+    trainer = types.SimpleNamespace(
+        temperature=1.0,
+        iw_opd_gamma=gamma,
+        iw_opd_epsilon=1e-8,
+        model=types.SimpleNamespace(training=True),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+    )
     return iw_opd.IWOPDTrainer._compute_iw_opd_loss(trainer, logits, tokens, labels, teacher, rollout)
 
 
@@ -163,8 +199,13 @@ def test_parity_with_trl_iw_opd(gamma, dtype):
     ours_logits = logits.clone().requires_grad_()
     log_prob = torch.log_softmax(ours_logits, -1).gather(-1, tokens[..., None])[..., 0]
     alg = pgloss.get("iw_opd", opd_position_gamma=gamma)
-    ours = alg(torch.where(mask, log_prob, 0.0), rollout, torch.zeros(rows, dtype=dtype), mask,
-               teacher_log_prob=torch.where(mask, teacher, 0.0)).loss
+    ours = alg(
+        torch.where(mask, log_prob, 0.0),
+        rollout,
+        torch.zeros(rows, dtype=dtype),
+        mask,
+        teacher_log_prob=torch.where(mask, teacher, 0.0),
+    ).loss
     ours.backward()
     tol = dict(rtol=1e-12, atol=1e-15) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ours, theirs, **tol)

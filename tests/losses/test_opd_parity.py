@@ -21,10 +21,10 @@ import types
 
 import pytest
 import torch
-
-import pgloss
 from advantages.trainer_sources import load, source_file
 from conftest import make_batch
+
+import pgloss
 
 ON_POLICY = "tinker_cookbook/distillation/train_on_policy.py"
 METRICS = "tinker_cookbook/rl/metrics.py"
@@ -44,23 +44,34 @@ class _Data:
 
 def tinker_advantages(data, coef, discount):
     """tinker-cookbook's advantages after `incorporate_kl_penalty`, row by row (its datums are rows)."""
-    namespace = dict(asyncio=asyncio, torch=torch, cast=lambda _, x: x, safezip=zip,
-                     tinker=types.SimpleNamespace(TensorData=_Data, Datum=object, SamplingClient=object))
+    namespace = dict(
+        asyncio=asyncio,
+        torch=torch,
+        cast=lambda _, x: x,
+        safezip=zip,
+        tinker=types.SimpleNamespace(TensorData=_Data, Datum=object, SamplingClient=object),
+    )
     load(source_file("PGLOSS_TINKER_SRC", METRICS), ("discounted_future_sum_vectorized",), namespace)
     load(source_file("PGLOSS_TINKER_SRC", ON_POLICY), ("incorporate_kl_penalty",), namespace)
     rows, lengths = [], data["mask"].sum(-1).tolist()
     for i, n in enumerate(lengths):
         teacher = [0.0] + data["teacher_log_prob"][i, :n].tolist()  # its logprobs of the whole sequence: [1:]
-        client = types.SimpleNamespace(compute_logprobs=lambda _, t=teacher: types.SimpleNamespace(
-            coroutine=lambda: asyncio.sleep(0, t)))
+        client = types.SimpleNamespace(
+            compute_logprobs=lambda _, t=teacher: types.SimpleNamespace(coroutine=lambda: asyncio.sleep(0, t))
+        )
         datum = types.SimpleNamespace(
             model_input=types.SimpleNamespace(append_int=lambda token: None),
-            loss_fn_inputs=dict(target_tokens=types.SimpleNamespace(data=[0]), logprobs=_Data(data["old_log_prob"][i, :n]),
-                                mask=_Data(torch.ones(n, dtype=torch.float64)),
-                                advantages=_Data(data["advantages"][i, :n])))
+            loss_fn_inputs=dict(
+                target_tokens=types.SimpleNamespace(data=[0]),
+                logprobs=_Data(data["old_log_prob"][i, :n]),
+                mask=_Data(torch.ones(n, dtype=torch.float64)),
+                advantages=_Data(data["advantages"][i, :n]),
+            ),
+        )
         rows.append((datum, client))
-    asyncio.run(namespace["incorporate_kl_penalty"]([d for d, _ in rows], [c for _, c in rows], [0] * len(rows),
-                                                    coef, discount))
+    asyncio.run(
+        namespace["incorporate_kl_penalty"]([d for d, _ in rows], [c for _, c in rows], [0] * len(rows), coef, discount)
+    )
     out = torch.zeros_like(data["old_log_prob"])
     for i, (datum, _) in enumerate(rows):
         out[i, : lengths[i]] = datum.loss_fn_inputs["advantages"].to_torch()
@@ -79,11 +90,20 @@ def test_tinker_cookbook_advantage_and_importance_sampling_term(seed, coef, task
         data["advantages"] = torch.zeros_like(data["advantages"])
     theirs = tinker_advantages(data, coef, discount=discount)
     alg = pgloss.get("opd", opd_coef=coef, opd_discount=discount)
-    ours, _, _ = alg.advantages(pgloss.core.batch.TokenBatch.prepare(
-        data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"], teacher_log_prob=data["teacher_log_prob"]))
+    ours, _, _ = alg.advantages(
+        pgloss.core.batch.TokenBatch.prepare(
+            data["log_prob"],
+            data["old_log_prob"],
+            data["advantages"],
+            data["mask"],
+            teacher_log_prob=data["teacher_log_prob"],
+        )
+    )
     mask = data["mask"]
     torch.testing.assert_close(ours[mask], theirs[mask], rtol=0, atol=2e-7)  # its teacher log-probs: float32
-    out = alg(data["log_prob"], data["old_log_prob"], data["advantages"], mask, teacher_log_prob=data["teacher_log_prob"])
+    out = alg(
+        data["log_prob"], data["old_log_prob"], data["advantages"], mask, teacher_log_prob=data["teacher_log_prob"]
+    )
     ratio = (data["log_prob"] - data["old_log_prob"]).exp()
     torch.testing.assert_close(out.per_token[mask], (-ratio * theirs)[mask], rtol=0, atol=2e-7)
 

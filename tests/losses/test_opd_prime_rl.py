@@ -33,10 +33,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import pgloss
 from advantages.trainer_sources import load, prime_rl, source_file
 from conftest import make_batch
+
+import pgloss
 
 LOSS = "src/prime_rl/trainer/rl/loss.py"
 F64 = dict(dtype=torch.float64)
@@ -45,15 +45,30 @@ F64 = dict(dtype=torch.float64)
 def ref_kl_loss():
     """loss.py's `ref_kl_loss_fn` and `compute_loss`, with the functions they call."""
     ns = dict(torch=torch, LossInputs=SimpleNamespace, LossOutputs=SimpleNamespace)
-    return load(source_file("PGLOSS_PRIME_RL_SRC", LOSS),
-                ("_safe_mean", "compute_importance_ratio_and_mismatch_kl", "ref_kl_loss_fn", "compute_loss"), ns)
+    return load(
+        source_file("PGLOSS_PRIME_RL_SRC", LOSS),
+        ("_safe_mean", "compute_importance_ratio_and_mismatch_kl", "ref_kl_loss_fn", "compute_loss"),
+        ns,
+    )
 
 
 def prime_rl_step(ns, log_prob, inference, teacher, mask):
     """The step's loss over rows of ref_kl samples: rl weights 0, ref_kl weights 1 on the sampled tokens."""
     rows, zeros = (lambda x: list(x.unbind(0))), torch.zeros_like(inference)
-    loss, _ = ns["compute_loss"](rows(log_prob), rows(inference), rows(teacher), rows(zeros), rows(mask), rows(zeros),
-                                 None, rows(mask.to(inference.dtype)), None, 1, 1, int(mask.sum()))
+    loss, _ = ns["compute_loss"](
+        rows(log_prob),
+        rows(inference),
+        rows(teacher),
+        rows(zeros),
+        rows(mask),
+        rows(zeros),
+        None,
+        rows(mask.to(inference.dtype)),
+        None,
+        1,
+        1,
+        int(mask.sum()),
+    )
     return loss
 
 
@@ -62,9 +77,15 @@ def prime_rl_per_token(ns, log_prob, inference, teacher, mask):
     out = torch.zeros_like(inference)
     for i, t in mask.nonzero().tolist():
         one = slice(t, t + 1)
-        out[i, t] = ns["ref_kl_loss_fn"](SimpleNamespace(
-            trainer_logprobs=log_prob[i, one], inference_logprobs=inference[i, one], ref_logprobs=teacher[i, one],
-            loss_mask=torch.ones(1, dtype=torch.bool), loss_weights=None)).loss
+        out[i, t] = ns["ref_kl_loss_fn"](
+            SimpleNamespace(
+                trainer_logprobs=log_prob[i, one],
+                inference_logprobs=inference[i, one],
+                ref_logprobs=teacher[i, one],
+                loss_mask=torch.ones(1, dtype=torch.bool),
+                loss_weights=None,
+            )
+        ).loss
     return out
 
 
@@ -124,8 +145,9 @@ def test_off_policy_prime_rl_is_opd_with_its_options(seed):
     log_prob, inference, teacher, mask = (data[k] for k in ("log_prob", "old_log_prob", "teacher_log_prob", "mask"))
     loss_theirs = prime_rl_step(ref_kl_loss(), theirs := log_prob.clone().requires_grad_(), inference, teacher, mask)
     ours = log_prob.clone().requires_grad_()
-    loss_ours = pgloss.get("opd", **PRIME_RL)(ours, inference, torch.zeros(6, **F64), mask, teacher_log_prob=teacher,
-                                               ref_log_prob=inference).loss
+    loss_ours = pgloss.get("opd", **PRIME_RL)(
+        ours, inference, torch.zeros(6, **F64), mask, teacher_log_prob=teacher, ref_log_prob=inference
+    ).loss
     (loss_theirs + loss_ours).backward()
     torch.testing.assert_close(loss_ours, loss_theirs, rtol=0, atol=3e-17)
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=3e-17)
@@ -145,11 +167,13 @@ def test_the_size_of_each_convention():
     parts = torch.stack([(r * log_r)[kept].sum(), -ours[dropped].sum(), 1e-3 * log_r.square()[mask].sum()]) / tokens
     assert parts.tolist() == pytest.approx([0.027391, 0.008079, 0.000111], abs=1e-6)
     with_k2 = pgloss.get("opd", kl_coef=2e-3, kl_estimator="k2")(
-        log_prob, inference, torch.zeros(6, **F64), mask, teacher_log_prob=teacher, ref_log_prob=inference).loss
+        log_prob, inference, torch.zeros(6, **F64), mask, teacher_log_prob=teacher, ref_log_prob=inference
+    ).loss
     assert (with_k2 - opd(log_prob, inference, teacher, mask).loss).item() == pytest.approx(parts[2].item(), abs=1e-16)
     loss_theirs, grad_theirs, loss_ours, grad_ours = both(log_prob, inference, teacher, mask)
     assert (loss_theirs - loss_ours).item() == pytest.approx(parts.sum().item(), abs=1e-15)
     assert (grad_theirs - grad_ours).abs().max().item() == pytest.approx(0.031391, abs=1e-6)
+
 
 # -- opsd: the policy as its own teacher, under the demonstration ----------------------------------------------------
 
@@ -182,21 +206,35 @@ def test_opsd_is_opd_with_the_policy_under_the_demonstration_as_teacher():
         return score(ids)
 
     # prompt, a completion (its last token not trained), a tool's output, a second completion
-    nodes = [node([1, 4, 2], [False] * 3, False), node([7, 3, 9, 0], [True, True, True, False], True),
-             node([5, 5], [False] * 2, False), node([8, 2, 6], [True] * 3, True)]
+    nodes = [
+        node([1, 4, 2], [False] * 3, False),
+        node([7, 3, 9, 0], [True, True, True, False], True),
+        node([5, 5], [False] * 2, False),
+        node([8, 2, 6], [True] * 3, True),
+    ]
     branch = SimpleNamespace(nodes=nodes, token_ids=[i for n in nodes for i in n.token_ids])
-    trace = SimpleNamespace(has_error=False, agent=SimpleNamespace(trainable=True), nodes=nodes, branches=[branch],
-                            info={"demonstration": "reverse: 3 9 7"})
-    algo = ns["OPSDAlgorithm"](SimpleNamespace(demo_key="demonstration", template=TEMPLATE, renderer=None),
-                               SimpleNamespace(score=prefill))
-    algo.renderer = SimpleNamespace(render_ids=lambda messages, add_generation_prompt: [
-        ord(c) % VOCAB for m in messages for c in m["role"] + m["content"]])
+    trace = SimpleNamespace(
+        has_error=False,
+        agent=SimpleNamespace(trainable=True),
+        nodes=nodes,
+        branches=[branch],
+        info={"demonstration": "reverse: 3 9 7"},
+    )
+    algo = ns["OPSDAlgorithm"](
+        SimpleNamespace(demo_key="demonstration", template=TEMPLATE, renderer=None), SimpleNamespace(score=prefill)
+    )
+    algo.renderer = SimpleNamespace(
+        render_ids=lambda messages, add_generation_prompt: [
+            ord(c) % VOCAB for m in messages for c in m["role"] + m["content"]
+        ]
+    )
     asyncio.run(algo.score_episode(SimpleNamespace(traces=[trace])))
 
     sampled = torch.tensor([m for n in nodes for m in n.mask])
-    hint = algo.renderer.render_ids([{"role": "system", "content": TEMPLATE.format(demonstration="reverse: 3 9 7")}],
-                                    add_generation_prompt=False)
-    teacher = torch.tensor(score(hint + branch.token_ids)[len(hint):], **F64)[sampled][None]
+    hint = algo.renderer.render_ids(
+        [{"role": "system", "content": TEMPLATE.format(demonstration="reverse: 3 9 7")}], add_generation_prompt=False
+    )
+    teacher = torch.tensor(score(hint + branch.token_ids)[len(hint) :], **F64)[sampled][None]
     stored = torch.tensor([v for n in nodes if n.reference_logprobs for v in n.reference_logprobs], **F64)[None]
     assert torch.equal(stored, teacher)
 

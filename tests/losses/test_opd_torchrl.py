@@ -24,10 +24,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import pgloss
 from advantages.trainer_sources import load, source_file
 from conftest import make_batch
+
+import pgloss
 
 DISTILLATION = "torchrl/objectives/llm/distillation.py"
 F64 = dict(dtype=torch.float64)
@@ -63,36 +63,59 @@ class _Sequences:
 
 
 def torchrl():
-    ns = dict(torch=torch, contextlib=contextlib, dataclass=dataclass, LossModule=_LossModule,
-              DistillationLossOutput=SimpleNamespace, _zip_strict=lambda *xs: zip(*xs, strict=True),
-              _runtime_device=lambda *args, **kwargs: None)
-    return load(source_file("PGLOSS_TORCHRL_SRC", DISTILLATION),
-                ("k3_kl_token_estimate", "_distillation_loss", "DistillationLoss"), ns)
+    ns = dict(
+        torch=torch,
+        contextlib=contextlib,
+        dataclass=dataclass,
+        LossModule=_LossModule,
+        DistillationLossOutput=SimpleNamespace,
+        _zip_strict=lambda *xs: zip(*xs, strict=True),
+        _runtime_device=lambda *args, **kwargs: None,
+    )
+    return load(
+        source_file("PGLOSS_TORCHRL_SRC", DISTILLATION),
+        ("k3_kl_token_estimate", "_distillation_loss", "DistillationLoss"),
+        ns,
+    )
 
 
 def distillation_loss(log_prob, teacher, mask, **options):
     """`DistillationLoss(**options).forward` on rows of student log-probs (the sequences, all tokens attended)."""
+
     def student(_):  # the actor network: the student's log-probs of the sequences
         return _Sequences({("log_probs", "full"): list(log_prob)})
 
     loss = torchrl()["DistillationLoss"](student, **options)
-    return loss.forward(_Sequences({
-        ("history", "full"): None, ("next", "teacher_log_probs", "full"): list(teacher),
-        ("masks", "all_assistant_mask"): list(mask), ("masks", "all_attention_mask"): list(torch.ones_like(mask))}))
+    return loss.forward(
+        _Sequences(
+            {
+                ("history", "full"): None,
+                ("next", "teacher_log_probs", "full"): list(teacher),
+                ("masks", "all_assistant_mask"): list(mask),
+                ("masks", "all_attention_mask"): list(torch.ones_like(mask)),
+            }
+        )
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
-@pytest.mark.parametrize("reduction, normalize, mode", [("mean", True, "seq-mean-token-mean"),
-                                                         ("mean", False, "seq-mean-token-sum"),
-                                                         ("sum", True, "seq-mean-token-mean")])
+@pytest.mark.parametrize(
+    "reduction, normalize, mode",
+    [
+        ("mean", True, "seq-mean-token-mean"),
+        ("mean", False, "seq-mean-token-sum"),
+        ("sum", True, "seq-mean-token-mean"),
+    ],
+)
 def test_distillation_loss_is_the_k3_kl_term_to_the_teacher(seed, direction, reduction, normalize, mode):
     data = make_batch(batch=6, length=7, seed=seed)
     rows = data["mask"].any(-1)
     log_prob, teacher, mask = (data[k][rows] for k in ("log_prob", "teacher_log_prob", "mask"))
     theirs, ours = log_prob.clone().requires_grad_(), log_prob.clone().requires_grad_()
-    loss_theirs = distillation_loss(theirs, teacher, mask, kl_direction=direction, reduction=reduction,
-                                    normalize_by_seq_length=normalize).loss_distill
+    loss_theirs = distillation_loss(
+        theirs, teacher, mask, kl_direction=direction, reduction=reduction, normalize_by_seq_length=normalize
+    ).loss_distill
     pair = (ours, teacher) if direction == "reverse" else (teacher, ours)
     sequences = mask.shape[0] if reduction == "sum" else 1
     loss_ours = pgloss.aggregate(pgloss.kl_estimate(*pair, "k3"), mask, mode) * sequences
@@ -102,7 +125,8 @@ def test_distillation_loss_is_the_k3_kl_term_to_the_teacher(seed, direction, red
     torch.testing.assert_close(theirs.grad, ours.grad, rtol=0, atol=2e-16)
     if direction == "reverse" and reduction == "mean":  # the same as a loss's KL term with Â = 0
         term = pgloss.get("ppo", kl_coef=1.0, loss_agg_mode=mode)(
-            log_prob, log_prob, torch.zeros(mask.shape[0], **F64), mask, ref_log_prob=teacher).loss
+            log_prob, log_prob, torch.zeros(mask.shape[0], **F64), mask, ref_log_prob=teacher
+        ).loss
         torch.testing.assert_close(term, loss_theirs.detach(), rtol=0, atol=2e-16)
 
 
@@ -130,8 +154,13 @@ def test_torchrl_descends_the_forward_kl_and_opd_the_reverse_kl():
         return gradient(lambda lp: ((lp.detach() if sampler == "student" else teacher).exp() * per_token(lp)).sum())
 
     def opd(lp):
-        return pgloss.get("opd")(lp[None], lp.detach()[None], torch.zeros(1, **F64), torch.ones(1, 9, dtype=torch.bool),
-                                 teacher_log_prob=teacher[None]).per_token[0]
+        return pgloss.get("opd")(
+            lp[None],
+            lp.detach()[None],
+            torch.zeros(1, **F64),
+            torch.ones(1, 9, dtype=torch.bool),
+            teacher_log_prob=teacher[None],
+        ).per_token[0]
 
     forward_kl = gradient(lambda lp: (teacher.exp() * (teacher - lp)).sum())
     reverse_kl = gradient(lambda lp: (lp.exp() * (lp - teacher)).sum())

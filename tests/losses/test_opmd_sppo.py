@@ -3,12 +3,12 @@ with gradcheck."""
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
+
+import pgloss
 
 
 def call(alg, data, lp=None):
@@ -69,8 +69,9 @@ def test_reinforce_identity_at_ratio_one(name, scale):
     x = data["old_log_prob"].clone().requires_grad_()
     pgloss.get(name)(x, data["old_log_prob"], data["advantages"], data["mask"]).loss.backward()
     mask = data["mask"]
-    torch.testing.assert_close(x.grad, torch.where(mask, -scale * data["advantages"], 0.0) / mask.sum(),
-                               rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(
+        x.grad, torch.where(mask, -scale * data["advantages"], 0.0) / mask.sum(), rtol=1e-12, atol=1e-15
+    )
 
 
 def test_gvpo_gradient_at_ratio_one_is_the_centred_advantage():
@@ -78,8 +79,9 @@ def test_gvpo_gradient_at_ratio_one_is_the_centred_advantage():
     data = make_batch(batch=6, length=5, seed=8)
     ids = torch.arange(6) // 3
     x = data["old_log_prob"].clone().requires_grad_()
-    pgloss.get("gvpo", gvpo_beta=0.5)(x, data["old_log_prob"], data["advantages"], data["mask"],
-                                      group_ids=ids).loss.backward()
+    pgloss.get("gvpo", gvpo_beta=0.5)(
+        x, data["old_log_prob"], data["advantages"], data["mask"], group_ids=ids
+    ).loss.backward()
     mask, adv = data["mask"], data["advantages"].clone()
     valid = mask.any(-1)
     expected = torch.zeros(6, dtype=torch.float64)

@@ -37,10 +37,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-import pgloss
 from conftest import make_batch
 from trinity_losses import policy_loss_modules
+
+import pgloss
 
 TRINITY = os.environ.get("PGLOSS_TRINITY_SRC")
 RECIPE = os.environ.get("PGLOSS_VERL_RECIPE_SRC")
@@ -52,8 +52,11 @@ needs_recipe = pytest.mark.skipif(not RECIPE, reason="PGLOSS_VERL_RECIPE_SRC (a 
 def trinity():
     """Trinity's loss classes, loaded by path under stub packages that are removed afterwards."""
     with policy_loss_modules(TRINITY, "rec_policy_loss", "opmd_policy_loss", "sppo_loss_fn") as modules:
-        yield dict(rec=modules["rec_policy_loss"].RECPolicyLossFn, opmd=modules["opmd_policy_loss"].OPMDPolicyLossFn,
-                   sppo=modules["sppo_loss_fn"].sPPOPolicyLossFn)
+        yield dict(
+            rec=modules["rec_policy_loss"].RECPolicyLossFn,
+            opmd=modules["opmd_policy_loss"].OPMDPolicyLossFn,
+            sppo=modules["sppo_loss_fn"].sPPOPolicyLossFn,
+        )
 
 
 DTYPES = [torch.float32, torch.float64]
@@ -100,11 +103,24 @@ def compare(family, ours_fn, theirs_fn, data):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rec_matches_trinity(trinity, mode, weight, seed, dtype):
     data = trainer_batch(seed, dtype, spread=0.9)
-    fn = trinity["rec"](epsilon_low=0.2, epsilon_high=0.2, epsilon_low_prime=0.6, epsilon_high_prime=2.0,
-                        clip_mode=mode, weight=weight, temp=0.8)
-    alg = pgloss.get("rec_ring" if mode == "ring" else "rec_oneside", rec_clip_mode=mode, rec_weight=weight, rec_temp=0.8)
-    compare("rec", lambda x: alg(x, data["old_log_prob"], data["advantages"], data["mask"]).loss,
-            lambda y: trinity_call(fn, data, y), data)
+    fn = trinity["rec"](
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        epsilon_low_prime=0.6,
+        epsilon_high_prime=2.0,
+        clip_mode=mode,
+        weight=weight,
+        temp=0.8,
+    )
+    alg = pgloss.get(
+        "rec_ring" if mode == "ring" else "rec_oneside", rec_clip_mode=mode, rec_weight=weight, rec_temp=0.8
+    )
+    compare(
+        "rec",
+        lambda x: alg(x, data["old_log_prob"], data["advantages"], data["mask"]).loss,
+        lambda y: trinity_call(fn, data, y),
+        data,
+    )
 
 
 @needs_trinity
@@ -117,8 +133,12 @@ def test_opmd_matches_trinity(trinity, tau, mode, seed, dtype):
     data["mask"][3, 0] = True  # Trinity's seq-mean counts empty rows; pgloss counts non-empty ones
     fn = trinity["opmd"](tau=tau, loss_agg_mode=mode)
     alg = pgloss.get("opmd", opmd_tau=tau, loss_agg_mode=mode)
-    compare("opmd", lambda x: alg(x, data["old_log_prob"], data["advantages"], data["mask"]).loss,
-            lambda y: trinity_call(fn, data, y), data)
+    compare(
+        "opmd",
+        lambda x: alg(x, data["old_log_prob"], data["advantages"], data["mask"]).loss,
+        lambda y: trinity_call(fn, data, y),
+        data,
+    )
 
 
 @needs_trinity
@@ -129,8 +149,12 @@ def test_sppo_matches_trinity(trinity, epsilon, seed, dtype):
     data = trainer_batch(seed, dtype, spread=0.3)
     fn = trinity["sppo"](epsilon=epsilon)
     alg = pgloss.get("sppo", sppo_epsilon=epsilon)
-    compare("sppo", lambda x: alg(x, data["old_log_prob"], data["advantages"], data["mask"]).loss,
-            lambda y: trinity_call(fn, data, y), data)
+    compare(
+        "sppo",
+        lambda x: alg(x, data["old_log_prob"], data["advantages"], data["mask"]).loss,
+        lambda y: trinity_call(fn, data, y),
+        data,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -170,10 +194,22 @@ def test_gvpo_matches_verl_recipe(verl_recipe_gvpo, beta, dtype, seed):
     alg = pgloss.get("gvpo", gvpo_beta=beta)
     tokens = (adv[:, None] * mask).to(dtype)
     compare(
-        "gvpo", lambda x: alg(x, data["old_log_prob"], adv, mask, group_ids=ids).loss,
-        lambda y: verl_recipe_gvpo(old_log_prob=data["old_log_prob"], log_prob=y, advantages=tokens,
-                                   response_mask=mask.to(dtype), beta=beta, uid=ids.to(dtype), n=4) / groups,
-        data)
+        "gvpo",
+        lambda x: alg(x, data["old_log_prob"], adv, mask, group_ids=ids).loss,
+        lambda y: (
+            verl_recipe_gvpo(
+                old_log_prob=data["old_log_prob"],
+                log_prob=y,
+                advantages=tokens,
+                response_mask=mask.to(dtype),
+                beta=beta,
+                uid=ids.to(dtype),
+                n=4,
+            )
+            / groups
+        ),
+        data,
+    )
 
 
 def test_report_measured():

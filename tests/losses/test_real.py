@@ -2,13 +2,13 @@
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
 from properties.micro_batches import cut, parts_of, split_call
+
+import pgloss
 from pgloss.losses.real import real_group_loss
 
 
@@ -55,8 +55,9 @@ def test_gradcheck_and_huge_scores_stay_finite():
     lp, old = torch.where(mask, data["log_prob"], 0.0), torch.where(mask, data["old_log_prob"], 0.0)
     adv = data["advantages"][:, None].expand_as(mask)
     group_ids = torch.arange(6) // 3
-    assert torch.autograd.gradcheck(lambda x: batch_loss(x, old, adv, mask, group_ids, 0.5),
-                                    (lp.clone().requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda x: batch_loss(x, old, adv, mask, group_ids, 0.5), (lp.clone().requires_grad_(),)
+    )
     x = (old + 1e4).requires_grad_()
     loss = batch_loss(x, old, adv, mask, group_ids, 0.5)
     loss.backward()
@@ -74,9 +75,17 @@ def real_data(seed):
 def split_run(alg, data, parts):
     """Summed loss and gradient over micro-batches `parts`, with the step's Normalizer (group counts)."""
     normalizer = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
-    return split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
-                      advantages=data["advantages"], mask=data["mask"], group_ids=data["group_ids"],
-                      ref_log_prob=data["ref_log_prob"])
+    return split_call(
+        alg,
+        data["log_prob"],
+        parts,
+        normalizer,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=data["mask"],
+        group_ids=data["group_ids"],
+        ref_log_prob=data["ref_log_prob"],
+    )
 
 
 @pytest.mark.parametrize("cuts", [[3], [6], [3, 6], []])

@@ -1,12 +1,12 @@
 """REC (losses/rec.py: rec_oneside, rec_ring and the other keep rules and weights) against the float64
 loop of tests/loops/losses.py, with gradcheck."""
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
+
+import pgloss
 
 
 def call(alg, data, lp=None):
@@ -48,7 +48,12 @@ def test_gradcheck_and_gradient_is_the_kept_weight(name):
 
 
 def test_bad_values_are_refused_by_name():
-    for field, value in (("rec_clip_mode", "gspo-one-side"), ("rec_weight", "gspo"), ("clip_low", 1.5),
-                         ("ring_high", 0.0), ("rec_temp", 0.0)):
+    for field, value in (
+        ("rec_clip_mode", "gspo-one-side"),
+        ("rec_weight", "gspo"),
+        ("clip_low", 1.5),
+        ("ring_high", 0.0),
+        ("rec_temp", 0.0),
+    ):
         with pytest.raises(ValueError, match=field):
             pgloss.get("rec_ring", **{field: value})

@@ -1,10 +1,10 @@
 """GPG, TIS-PG and TOPR (losses/reinforce.py) against the plain loops, with their gradients."""
 
+import loops
 import pytest
 import torch
-
-import loops
 from conftest import make_batch
+
 from pgloss.losses.reinforce import reinforce_loss, tis_pg_loss, topr_loss
 
 
@@ -23,9 +23,15 @@ def masked(x, mask):
 
 def test_gpg_matches_loop_and_gradcheck():
     data, lp, old, adv, mask, _ = inputs()
-    torch.testing.assert_close(masked(reinforce_loss(lp, adv), mask),
-                               torch.tensor(loops.gpg(*loops.lists(data)), dtype=torch.float64), rtol=1e-12, atol=1e-14)
-    assert torch.autograd.gradcheck(lambda x: masked(reinforce_loss(x, adv), mask).sum(), (lp.clone().requires_grad_(),))
+    torch.testing.assert_close(
+        masked(reinforce_loss(lp, adv), mask),
+        torch.tensor(loops.gpg(*loops.lists(data)), dtype=torch.float64),
+        rtol=1e-12,
+        atol=1e-14,
+    )
+    assert torch.autograd.gradcheck(
+        lambda x: masked(reinforce_loss(x, adv), mask).sum(), (lp.clone().requires_grad_(),)
+    )
 
 
 @pytest.mark.parametrize("bounds", [(0.0, 1.0), (0.5, 2.0)])
@@ -59,9 +65,11 @@ def test_topr_splits_on_the_score_not_the_advantage():
 def test_reinforce_identity_at_ratio_one():
     _, lp, _, adv, mask, scores = inputs(3)
     grads = []
-    for fn in (lambda x: reinforce_loss(x, adv),
-               lambda x: tis_pg_loss(x, torch.exp(x - lp), adv, low=0.0, high=1.0),
-               lambda x: topr_loss(x, torch.exp(x - lp), adv, (scores > 0)[:, None], low=0.0, high=1.0)):
+    for fn in (
+        lambda x: reinforce_loss(x, adv),
+        lambda x: tis_pg_loss(x, torch.exp(x - lp), adv, low=0.0, high=1.0),
+        lambda x: topr_loss(x, torch.exp(x - lp), adv, (scores > 0)[:, None], low=0.0, high=1.0),
+    ):
         x = lp.clone().requires_grad_()
         masked(fn(x), mask).sum().backward()
         grads.append(x.grad)

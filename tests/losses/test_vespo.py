@@ -2,12 +2,12 @@
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
+
+import pgloss
 from pgloss.core.batch import TokenBatch
 from pgloss.losses.vespo import rollout_log_weight, vespo_loss, vespo_phi
 
@@ -25,8 +25,9 @@ def test_matches_loop_and_gradient_is_phi_weighted_reinforce(per_token_adv, spre
     x = lp.clone().requires_grad_()
     phi = vespo_phi(x - old, adv, mask, **SHAPE)
     loss = torch.where(mask, vespo_loss(x, phi, adv), 0.0)
-    torch.testing.assert_close(loss, torch.tensor(loops.vespo(*loops.lists(data), **SHAPE), dtype=torch.float64),
-                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        loss, torch.tensor(loops.vespo(*loops.lists(data), **SHAPE), dtype=torch.float64), rtol=1e-12, atol=1e-14
+    )
     loss.sum().backward()
     assert not phi.requires_grad
     torch.testing.assert_close(x.grad, torch.where(mask, -phi * adv, 0.0), rtol=1e-12, atol=1e-14)
@@ -46,8 +47,9 @@ def test_rollout_log_ratio_enters_the_sequence_weight():
     adv = -torch.ones(1, 2, dtype=torch.float64)
     zero = torch.zeros(1, 2, dtype=torch.float64)
     shift = torch.tensor([[0.1, -0.3]], dtype=torch.float64)
-    torch.testing.assert_close(vespo_phi(zero, adv, mask, **SHAPE, rollout_log_ratio=shift),
-                               vespo_phi(shift, adv, mask, **SHAPE))
+    torch.testing.assert_close(
+        vespo_phi(zero, adv, mask, **SHAPE, rollout_log_ratio=shift), vespo_phi(shift, adv, mask, **SHAPE)
+    )
 
 
 def test_extreme_ratios_give_finite_zero_weight():
@@ -85,17 +87,25 @@ def trl_phi(data, *, mode, clip_min, clip_max):
     return GRPOTrainer.get_gamma_weights(adv, data["log_prob"] - data["old_log_prob"], mask, ratio, **SHAPE)
 
 
-@pytest.mark.parametrize("mode, clip_min, clip_max", [("truncate", None, 3.0), ("truncate", 0.5, 2.0),
-                                                      ("mask", 0.5, 2.0), ("mask", None, 3.0)])
+@pytest.mark.parametrize(
+    "mode, clip_min, clip_max",
+    [("truncate", None, 3.0), ("truncate", 0.5, 2.0), ("mask", 0.5, 2.0), ("mask", None, 3.0)],
+)
 def test_trl_convention_folds_the_bounded_ratio_as_trl_does(mode, clip_min, clip_max):
     pytest.importorskip("trl")
     data = rollout_batch(4)
     alg = pgloss.get("vespo", vespo_rollout_mode=mode, vespo_rollout_clip_min=clip_min, vespo_rollout_clip_max=clip_max)
-    batch = TokenBatch.prepare(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"],
-                               rollout_log_prob=data["rollout_log_prob"])
+    batch = TokenBatch.prepare(
+        data["log_prob"],
+        data["old_log_prob"],
+        data["advantages"],
+        data["mask"],
+        rollout_log_prob=data["rollout_log_prob"],
+    )
     ours = alg.phi(batch)[:, :1]
-    torch.testing.assert_close(ours, trl_phi(data, mode=mode, clip_min=clip_min, clip_max=clip_max),
-                               rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(
+        ours, trl_phi(data, mode=mode, clip_min=clip_min, clip_max=clip_max), rtol=1e-12, atol=1e-15
+    )
     raw = pgloss.get("vespo").phi(batch)[:, :1]
     assert not torch.allclose(ours, raw, rtol=1e-2)  # the outliers are out of the band: the conventions differ here
 

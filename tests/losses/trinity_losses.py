@@ -37,8 +37,10 @@ def policy_loss_modules(root: str, *names: str) -> Iterator[dict[str, types.Modu
             sys.modules[package] = types.ModuleType(package)
         _load("trinity.algorithm.key_mapper", algorithm / "key_mapper.py")
         _load("trinity.algorithm.utils", algorithm / "utils.py")
-        yield {name: _load(f"trinity.algorithm.policy_loss_fn.{name}", algorithm / "policy_loss_fn" / f"{name}.py")
-               for name in ("policy_loss_fn", *names)}
+        yield {
+            name: _load(f"trinity.algorithm.policy_loss_fn.{name}", algorithm / "policy_loss_fn" / f"{name}.py")
+            for name in ("policy_loss_fn", *names)
+        }
     finally:
         for k in [k for k in sys.modules if _trinity(k)]:
             del sys.modules[k]

@@ -70,7 +70,10 @@ def sync_reason(func, args, kwargs) -> str | None:
     if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
         if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None):
             return "indexes by a bool mask (a nonzero inside: the output size depends on values)"
-    if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor) and kwargs.get("output_size") is None:
+    if (
+        func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
+        and kwargs.get("output_size") is None
+    ):
         return "repeat_interleave without output_size (the output size depends on values)"
     if func is aten._to_copy.default and "device" in kwargs and kwargs["device"] is not None:
         source, target = args[0].device, torch.device(kwargs["device"])

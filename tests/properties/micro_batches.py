@@ -8,7 +8,8 @@ Imported as `from properties.micro_batches import ...` (tests/ is on the path, s
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor

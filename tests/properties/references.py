@@ -5,9 +5,8 @@ Imported as `from properties.references import ...` (tests/ is on the path, see 
 
 from __future__ import annotations
 
-import torch
-
 import loops
+import torch
 
 DETACHED_WEIGHT = ("cispo", "vespo")
 """Families whose term is c·log π with a detached coefficient c (CISPO's -sg[clip(r)]·A, VESPO's -sg[φ(w)]·A)."""
@@ -18,15 +17,33 @@ def step_loss_loop(name, algorithm, lp0, old, adv, mask):
     (nested lists), with the family's detached weights held at `lp0`: its central differences at `lp0` are the
     gradient the loss defines. `adv` is per token; every argument is a nested list."""
     if name in DETACHED_WEIGHT:
-        term = loops.cispo_per_token(lp0, old, adv, clip_low=algorithm.clip_low, clip_high=algorithm.clip_high) \
-            if name == "cispo" else loops.vespo(lp0, old, adv, mask, k_pos=algorithm.vespo_k_pos,
-                                                lambda_pos=algorithm.vespo_lambda_pos, k_neg=algorithm.vespo_k_neg,
-                                                lambda_neg=algorithm.vespo_lambda_neg)
+        term = (
+            loops.cispo_per_token(lp0, old, adv, clip_low=algorithm.clip_low, clip_high=algorithm.clip_high)
+            if name == "cispo"
+            else loops.vespo(
+                lp0,
+                old,
+                adv,
+                mask,
+                k_pos=algorithm.vespo_k_pos,
+                lambda_pos=algorithm.vespo_lambda_pos,
+                k_neg=algorithm.vespo_k_neg,
+                lambda_neg=algorithm.vespo_lambda_neg,
+            )
+        )
         coefficient = [[v / x for v, x in zip(rv, rx)] for rv, rx in zip(term, lp0)]  # log-probs are < 0
     elif name == "fipo":
-        frozen = loops.fipo_weights(lp0, old, adv, mask, decay_rate=algorithm.fipo_decay_rate,
-                                    clip_range=algorithm.fipo_clip_range, clip_high_only=algorithm.fipo_clip_high_only,
-                                    safety_threshold=algorithm.fipo_safety_threshold, delta=algorithm.delta)
+        frozen = loops.fipo_weights(
+            lp0,
+            old,
+            adv,
+            mask,
+            decay_rate=algorithm.fipo_decay_rate,
+            clip_range=algorithm.fipo_clip_range,
+            clip_high_only=algorithm.fipo_clip_high_only,
+            safety_threshold=algorithm.fipo_safety_threshold,
+            delta=algorithm.delta,
+        )
     elif name != "dapo":
         raise KeyError(name)
 
@@ -34,11 +51,20 @@ def step_loss_loop(name, algorithm, lp0, old, adv, mask):
         if name in DETACHED_WEIGHT:
             values = [[c * x for c, x in zip(rc, rx)] for rc, rx in zip(coefficient, lp)]
         else:
-            values = loops.clipped_policy_per_token(lp, old, adv, mask, level="token", clip_low=algorithm.clip_low,
-                                                    clip_high=algorithm.clip_high, delta=algorithm.delta)
+            values = loops.clipped_policy_per_token(
+                lp,
+                old,
+                adv,
+                mask,
+                level="token",
+                clip_low=algorithm.clip_low,
+                clip_high=algorithm.clip_high,
+                delta=algorithm.delta,
+            )
         if name == "fipo":  # sg[f]·ℓ_clip
             values = [[w * v for w, v in zip(fr, vr)] for fr, vr in zip(frozen, values)]
         return loops.aggregate(values, mask, algorithm.loss_agg_mode)
+
     return loss
 
 

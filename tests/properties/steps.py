@@ -53,10 +53,16 @@ def data(seed=0):
     log_prob = log_probs(hidden, weight, targets)
     noise = lambda scale: scale * torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64)  # noqa: E731
     old = (log_prob + noise(0.1)).detach().clamp(max=-1e-3)
-    inputs = dict(old_log_prob=old, advantages=torch.randn(ROWS, generator=g, dtype=torch.float64), mask=mask,
-                  ref_log_prob=(old + noise(0.2)).clamp(max=-1e-3), rollout_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
-                  group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g, dtype=torch.float64),
-                  teacher_log_prob=(old + noise(0.3)).clamp(max=-1e-3))
+    inputs = dict(
+        old_log_prob=old,
+        advantages=torch.randn(ROWS, generator=g, dtype=torch.float64),
+        mask=mask,
+        ref_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
+        rollout_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
+        group_ids=torch.arange(ROWS) // 2,
+        scores=torch.randn(ROWS, generator=g, dtype=torch.float64),
+        teacher_log_prob=(old + noise(0.3)).clamp(max=-1e-3),
+    )
     return hidden, weight, targets, inputs
 
 
@@ -75,10 +81,12 @@ def call(algorithm, log_prob, inputs, part=slice(None), normalizer=None, **extra
 
 
 def step(algorithm, inputs):
-    return algorithm.step_normalizer([inputs["mask"][p] for p in PARTS],
-                                     old_log_probs=[inputs["old_log_prob"][p] for p in PARTS],
-                                     rollout_log_probs=[inputs["rollout_log_prob"][p] for p in PARTS],
-                                     group_ids=[inputs["group_ids"][p] for p in PARTS])
+    return algorithm.step_normalizer(
+        [inputs["mask"][p] for p in PARTS],
+        old_log_probs=[inputs["old_log_prob"][p] for p in PARTS],
+        rollout_log_probs=[inputs["rollout_log_prob"][p] for p in PARTS],
+        group_ids=[inputs["group_ids"][p] for p in PARTS],
+    )
 
 
 def splits(algorithm):

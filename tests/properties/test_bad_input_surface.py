@@ -8,19 +8,18 @@ import math
 
 import pytest
 import torch
-
-from pgloss.vocab.entropy import sum_pi_squared
-
-import pgloss
 from conftest import log_probs, make_batch
 from host_sync import no_host_sync
-from pgloss.core.checks import as_on_accelerator
+
+import pgloss
 from pgloss import advantages as est
-from pgloss.core.aggregate import MAX_GROUPS
 from pgloss.advantages import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
+from pgloss.core.aggregate import MAX_GROUPS
+from pgloss.core.checks import as_on_accelerator
 from pgloss.correction.m2po import m2po_cutoff, m2po_mask
 from pgloss.correction.rollout import Rejection, RolloutCorrection, mismatch_metrics
 from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask
+from pgloss.vocab.entropy import sum_pi_squared
 
 F64 = torch.float64
 META = torch.device("meta")  # a second device: no accelerator is needed to mix two
@@ -35,12 +34,16 @@ def rollout_step(seed=0, rows=5, width=6):
 
 # ---- silent wrong answers ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("chunk_size, error, message", [
-    (-1, ValueError, "chunk_size must be >= 1, got -1"),
-    (0, ValueError, "chunk_size must be >= 1, got 0"),
-    ("8", TypeError, "chunk_size must be an int or None, got str"),
-    (2.0, TypeError, "chunk_size must be an int or None, got float"),
-])
+
+@pytest.mark.parametrize(
+    "chunk_size, error, message",
+    [
+        (-1, ValueError, "chunk_size must be >= 1, got -1"),
+        (0, ValueError, "chunk_size must be >= 1, got 0"),
+        ("8", TypeError, "chunk_size must be an int or None, got str"),
+        (2.0, TypeError, "chunk_size must be an int or None, got float"),
+    ],
+)
 def test_sum_pi_squared_refuses_a_chunk_size_below_one(chunk_size, error, message):
     logits = torch.randn(3, 4, 5, dtype=F64)
     with pytest.raises(error, match=message):
@@ -121,8 +124,11 @@ def test_one_nan_at_a_valid_position_does_not_empty_the_step():
     assert torch.isfinite(entropy_threshold(entropy, mask, top=0.2))
     behave = data["old_log_prob"].clone()
     behave[row, column] = math.nan
-    with pytest.raises(ValueError, match=rf"m2 of behave_log_probs\[0\] and prox_log_probs\[0\] is nan at a valid "
-                                         rf"position \({row}, {column}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"m2 of behave_log_probs\[0\] and prox_log_probs\[0\] is nan at a valid "
+        rf"position \({row}, {column}\)",
+    ):
         m2po_cutoff(behave, data["old_log_prob"], mask, threshold=0.01)
 
 
@@ -130,14 +136,19 @@ def test_one_nan_at_a_valid_position_does_not_empty_the_step():
 def test_an_eps_that_lets_equal_scores_divide_by_zero_is_refused(fn):
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=F64)  # group 0: all equal, σ = 0
     ids = torch.tensor([0, 0, 1, 1])
-    for eps, error, message in ((0.0, ValueError, "eps must be > 0, got 0.0"), (-1, ValueError, "eps must be > 0"),
-                                ("1e-6", TypeError, "eps must be a real number"), (math.nan, ValueError, "eps must be finite")):
+    for eps, error, message in (
+        (0.0, ValueError, "eps must be > 0, got 0.0"),
+        (-1, ValueError, "eps must be > 0"),
+        ("1e-6", TypeError, "eps must be a real number"),
+        (math.nan, ValueError, "eps must be finite"),
+    ):
         with pytest.raises(error, match=message):
             fn(scores, ids, eps=eps)
     assert torch.isfinite(fn(scores, ids, eps=1e-6)).all()
 
 
 # ---- crashes with torch-internal messages -----------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", [(0, 4), (3, 0)])
 def test_the_exact_kl_from_hidden_states_handles_empty_batches(shape):
@@ -151,9 +162,16 @@ def test_the_exact_kl_from_hidden_states_handles_empty_batches(shape):
     assert weight.grad.shape == weight.shape and not weight.grad.any()
     alg = pgloss.get("grpo", kl_estimator="full")
     hidden.grad = weight.grad = None
-    out = alg.from_hidden(hidden, weight, torch.zeros(shape, dtype=torch.long), old_log_prob=torch.zeros(shape, dtype=F64),
-                          advantages=torch.zeros(rows, dtype=F64), mask=torch.ones(shape, dtype=torch.bool),
-                          ref_hidden=ref_hidden, ref_weight=ref_weight)
+    out = alg.from_hidden(
+        hidden,
+        weight,
+        torch.zeros(shape, dtype=torch.long),
+        old_log_prob=torch.zeros(shape, dtype=F64),
+        advantages=torch.zeros(rows, dtype=F64),
+        mask=torch.ones(shape, dtype=torch.bool),
+        ref_hidden=ref_hidden,
+        ref_weight=ref_weight,
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and not weight.grad.any()
 
@@ -170,7 +188,8 @@ def estimator_calls(scores, ids, mask, rewards):
         "gdpo_advantages": lambda ids: est.gdpo_advantages(scores[:, None], ids),
         "passk_advantages": lambda ids: est.passk_advantages(scores, ids),
         "optimal_token_baseline_advantages": lambda ids: est.optimal_token_baseline_advantages(
-            rewards, mask, ids, torch.full(mask.shape, -1.0, dtype=F64), torch.full(mask.shape, 0.5, dtype=F64)),
+            rewards, mask, ids, torch.full(mask.shape, -1.0, dtype=F64), torch.full(mask.shape, 0.5, dtype=F64)
+        ),
         "group_advantages": lambda ids: group_advantages(scores, ids),
         "dynamic_sampling_keep": lambda ids: dynamic_sampling_keep(scores, ids),
     }
@@ -222,6 +241,7 @@ def test_optimal_token_baseline_names_a_missing_input(missing):
 
 # ---- metrics that went infinite from finite input ---------------------------------------------
 
+
 @pytest.mark.parametrize("gap", [1e4, -1e4])
 def test_rollout_mismatch_metrics_stay_finite(gap):
     mask = torch.ones(2, 3, dtype=torch.bool)
@@ -240,7 +260,9 @@ def test_fipo_future_kl_stays_finite_at_the_lowest_float32_log_prob(clip_range):
     log_prob = data["log_prob"].clone()
     log_prob[data["mask"]] = torch.finfo(torch.float32).min
     log_prob.requires_grad_()
-    out = pgloss.get("fipo", fipo_clip_range=clip_range)(log_prob, data["old_log_prob"], data["advantages"], data["mask"])
+    out = pgloss.get("fipo", fipo_clip_range=clip_range)(
+        log_prob, data["old_log_prob"], data["advantages"], data["mask"]
+    )
     out.loss.backward()
     assert all(torch.isfinite(v) for v in out.metrics.values()), out.metrics
     assert torch.isfinite(out.loss) and torch.isfinite(log_prob.grad).all()
@@ -248,32 +270,75 @@ def test_fipo_future_kl_stays_finite_at_the_lowest_float32_log_prob(clip_range):
 
 # ---- messages that name the argument ----------------------------------------------------------
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda d: est.gpg_advantages(d["scores"], d["ids"], f_norm="1"), TypeError, "f_norm must be a real number, got '1'"),
-    (lambda d: est.gpg_advantages(d["scores"], d["ids"], f_norm=0), ValueError, "f_norm must be > 0, got 0"),
-    (lambda d: top_entropy_mask(d["entropy"], d["mask"], "1.0"), TypeError,
-     "threshold must be a real number or a 0-d floating tensor, got '1.0'"),
-    (lambda d: top_entropy_mask(d["entropy"], d["mask"], torch.ones(2)), TypeError, "threshold must be a real number or a 0-d"),
-    (lambda d: m2po_mask(d["old"], d["old"], d["mask"], "0.1"), TypeError, "cutoff must be a real number"),
-    (lambda d: sum_pi_squared(d["logits"], chunk_size=0), ValueError, "chunk_size must be >= 1, got 0"),
-    (lambda d: sum_pi_squared(d["logits"], temperature="1"), TypeError, "temperature must be a real number"),
-    (lambda d: est.discounted_returns(d["entropy"], d["mask"], gamma="0.9"), TypeError, "gamma must be a real number"),
-    (lambda d: est.passk_advantages(d["scores"], d["ids"], scale="no"), TypeError, "scale must be a bool, got 'no'"),
-    (lambda d: est.optimal_token_baseline_advantages(d["entropy"], d["mask"], d["ids"], d["old"], d["entropy"],
-                                                     zero_tail=1), TypeError, "zero_tail must be a bool"),
-    (lambda d: gae(d["entropy"], d["entropy"], d["mask"], gamma=1.0, lam="0.95"), TypeError, "lam must be a real number"),
-    (lambda d: overlong_penalty(torch.tensor([3]), max_length=8.0, cache_length=2), TypeError, "max_length must be an int"),
-    (lambda d: group_advantages(d["scores"], d["ids"].double()), ValueError, "group_ids must be integers of shape"),
-])
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda d: est.gpg_advantages(d["scores"], d["ids"], f_norm="1"),
+            TypeError,
+            "f_norm must be a real number, got '1'",
+        ),
+        (lambda d: est.gpg_advantages(d["scores"], d["ids"], f_norm=0), ValueError, "f_norm must be > 0, got 0"),
+        (
+            lambda d: top_entropy_mask(d["entropy"], d["mask"], "1.0"),
+            TypeError,
+            "threshold must be a real number or a 0-d floating tensor, got '1.0'",
+        ),
+        (
+            lambda d: top_entropy_mask(d["entropy"], d["mask"], torch.ones(2)),
+            TypeError,
+            "threshold must be a real number or a 0-d",
+        ),
+        (lambda d: m2po_mask(d["old"], d["old"], d["mask"], "0.1"), TypeError, "cutoff must be a real number"),
+        (lambda d: sum_pi_squared(d["logits"], chunk_size=0), ValueError, "chunk_size must be >= 1, got 0"),
+        (lambda d: sum_pi_squared(d["logits"], temperature="1"), TypeError, "temperature must be a real number"),
+        (
+            lambda d: est.discounted_returns(d["entropy"], d["mask"], gamma="0.9"),
+            TypeError,
+            "gamma must be a real number",
+        ),
+        (
+            lambda d: est.passk_advantages(d["scores"], d["ids"], scale="no"),
+            TypeError,
+            "scale must be a bool, got 'no'",
+        ),
+        (
+            lambda d: est.optimal_token_baseline_advantages(
+                d["entropy"], d["mask"], d["ids"], d["old"], d["entropy"], zero_tail=1
+            ),
+            TypeError,
+            "zero_tail must be a bool",
+        ),
+        (
+            lambda d: gae(d["entropy"], d["entropy"], d["mask"], gamma=1.0, lam="0.95"),
+            TypeError,
+            "lam must be a real number",
+        ),
+        (
+            lambda d: overlong_penalty(torch.tensor([3]), max_length=8.0, cache_length=2),
+            TypeError,
+            "max_length must be an int",
+        ),
+        (lambda d: group_advantages(d["scores"], d["ids"].double()), ValueError, "group_ids must be integers of shape"),
+    ],
+)
 def test_messages_name_the_argument(call, error, message):
     data = make_batch(seed=1)
-    inputs = dict(scores=data["scores"], ids=torch.tensor([0, 0, 1, 1, 2]), entropy=data["entropy"], mask=data["mask"],
-                  old=data["old_log_prob"], logits=torch.randn(2, 3, 4))
+    inputs = dict(
+        scores=data["scores"],
+        ids=torch.tensor([0, 0, 1, 1, 2]),
+        entropy=data["entropy"],
+        mask=data["mask"],
+        old=data["old_log_prob"],
+        logits=torch.randn(2, 3, 4),
+    )
     with pytest.raises(error, match=message):
         call(inputs)
 
 
 # ---- plausible mistakes -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("key", ["log_prob", "old_log_prob", "ref_log_prob", "rollout_log_prob"])
 def test_probabilities_passed_for_log_probabilities_are_refused(key):
@@ -281,17 +346,29 @@ def test_probabilities_passed_for_log_probabilities_are_refused(key):
     data["rollout_log_prob"] = data["old_log_prob"].clone()
     row, column = data["mask"].nonzero()[3].tolist()
     alg = pgloss.get("grpo")
-    call = lambda d: alg(d["log_prob"], d["old_log_prob"], d["advantages"], d["mask"],  # noqa: E731
-                         ref_log_prob=d["ref_log_prob"], rollout_log_prob=d["rollout_log_prob"])
+    call = lambda d: alg(
+        d["log_prob"],
+        d["old_log_prob"],
+        d["advantages"],
+        d["mask"],
+        ref_log_prob=d["ref_log_prob"],
+        rollout_log_prob=d["rollout_log_prob"],
+    )
     probabilities = dict(data, **{key: data[key].exp()})  # every valid value positive: the first is named
     first = tuple(data["mask"].nonzero()[0].tolist())
-    with pytest.raises(ValueError, match=rf"{key} must hold log-probabilities \(<= 0\), got .* at a valid position "
-                                         rf"\({first[0]}, {first[1]}\); were probabilities passed"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{key} must hold log-probabilities \(<= 0\), got .* at a valid position "
+        rf"\({first[0]}, {first[1]}\); were probabilities passed",
+    ):
         call(probabilities)
     one = dict(data, **{key: data[key].clone()})
     one[key][row, column] = 0.25
-    with pytest.raises(ValueError, match=rf"{key} must hold log-probabilities \(<= 0\), got 0.25 at a valid position "
-                                         rf"\({row}, {column}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{key} must hold log-probabilities \(<= 0\), got 0.25 at a valid position "
+        rf"\({row}, {column}\)",
+    ):
         call(one)
     masked = dict(data, **{key: data[key].clone()})
     masked[key][~data["mask"]] = 3.0  # at masked positions: never read
@@ -310,18 +387,37 @@ def test_a_positive_log_prob_is_refused_on_every_device_without_a_host_sync(key)
     row, column = data["mask"].nonzero()[3].tolist()
     alg = pgloss.get("opd", kl_coef=0.1, rollout_correction=RolloutCorrection(upper=2.0))
     data["rollout_log_prob"] = data["old_log_prob"].clone()
-    call = lambda d: alg(d["log_prob"], d["old_log_prob"], d["advantages"], d["mask"],  # noqa: E731
-                         ref_log_prob=d["ref_log_prob"], rollout_log_prob=d["rollout_log_prob"],
-                         teacher_log_prob=d["teacher_log_prob"])
+    call = lambda d: alg(
+        d["log_prob"],
+        d["old_log_prob"],
+        d["advantages"],
+        d["mask"],
+        ref_log_prob=d["ref_log_prob"],
+        rollout_log_prob=d["rollout_log_prob"],
+        teacher_log_prob=d["teacher_log_prob"],
+    )
     one = dict(data, **{key: data[key].clone()})
     one[key][row, column] = 0.25
     with pytest.raises(ValueError, match=rf"{key} must hold log-probabilities \(<= 0\), got 0.25 at a valid position"):
         call(one)  # CPU
-    with pytest.raises(RuntimeError, match=rf"{key} must hold log-probabilities \(<= 0\), got a positive value at a "
-                                           r"valid position; were probabilities passed"), no_host_sync():
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=rf"{key} must hold log-probabilities \(<= 0\), got a positive value at a "
+            r"valid position; were probabilities passed",
+        ),
+        no_host_sync(),
+    ):
         call(one)  # an accelerator
-    with as_on_accelerator(), pgloss.detect_anomaly(), pytest.raises(ValueError, match=rf"got 0.25 at a valid position "
-                                                                                       rf"\({row}, {column}\)"):
+    with (
+        as_on_accelerator(),
+        pgloss.detect_anomaly(),
+        pytest.raises(
+            ValueError,
+            match=rf"got 0.25 at a valid position "
+            rf"\({row}, {column}\)",
+        ),
+    ):
         call(one)
     masked = dict(data, **{key: data[key].clone()})
     masked[key][~data["mask"]] = 3.0  # at masked positions: never read, on any device
@@ -366,8 +462,13 @@ def test_probabilities_are_refused_wherever_log_probs_are_read_before_the_loss()
     with pytest.raises(ValueError, match="prox_log_prob must hold log-probabilities"):
         m2po_mask(rollout, old.exp(), mask, 1.0)
     with pytest.raises(ValueError, match="old_log_prob must hold log-probabilities"):
-        est.optimal_token_baseline_advantages(torch.rand(mask.shape, dtype=F64), mask, torch.arange(5) // 2,
-                                              old.exp(), torch.full(mask.shape, 0.3, dtype=F64))
+        est.optimal_token_baseline_advantages(
+            torch.rand(mask.shape, dtype=F64),
+            mask,
+            torch.arange(5) // 2,
+            old.exp(),
+            torch.full(mask.shape, 0.3, dtype=F64),
+        )
 
 
 def test_a_normalizer_counted_on_fewer_tokens_than_the_call_holds_is_refused():
@@ -376,22 +477,37 @@ def test_a_normalizer_counted_on_fewer_tokens_than_the_call_holds_is_refused():
     alg = pgloss.get("dapo")
     args = (data["log_prob"], data["old_log_prob"], data["advantages"], mask)
     truncated = mask & (torch.arange(7) < 3)  # counted on another mask than the call's
-    with pytest.raises(ValueError, match=rf"the normalizer counted {int(truncated.sum())} tokens but this call holds "
-                                         rf"{int(mask.sum())}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"the normalizer counted {int(truncated.sum())} tokens but this call holds "
+        rf"{int(mask.sum())}",
+    ):
         alg(*args, normalizer=pgloss.Normalizer.count(truncated))
     fewer_rows = pgloss.Normalizer(tokens=torch.tensor(1000.0, dtype=F64), sequences=torch.tensor(2.0, dtype=F64))
-    with pytest.raises(ValueError, match=rf"the normalizer counted 2 sequences but this call holds {int(mask.any(-1).sum())}"):
+    with pytest.raises(
+        ValueError, match=rf"the normalizer counted 2 sequences but this call holds {int(mask.any(-1).sum())}"
+    ):
         alg(*args, normalizer=fewer_rows)
     ids = torch.arange(6) // 2
-    groups = pgloss.Normalizer(tokens=torch.tensor(1000.0, dtype=F64), sequences=torch.tensor(100.0, dtype=F64),
-                               group_tokens=torch.tensor([1.0, 100.0, 100.0], dtype=F64))
+    groups = pgloss.Normalizer(
+        tokens=torch.tensor(1000.0, dtype=F64),
+        sequences=torch.tensor(100.0, dtype=F64),
+        group_tokens=torch.tensor([1.0, 100.0, 100.0], dtype=F64),
+    )
     with pytest.raises(ValueError, match="the normalizer counted 1 tokens in group 0 but this call holds more"):
         pgloss.get("real")(*args, group_ids=ids, normalizer=groups)
     # a micro-batch of the step, and a step counted on more tokens (kept in the denominator), are fine
     step = pgloss.Normalizer.count([mask, mask[:2]])
     assert torch.isfinite(alg(*args, normalizer=step).loss)
-    assert torch.isfinite(alg(data["log_prob"], data["old_log_prob"], data["advantages"], truncated,
-                              normalizer=pgloss.Normalizer.count(mask)).loss)
+    assert torch.isfinite(
+        alg(
+            data["log_prob"],
+            data["old_log_prob"],
+            data["advantages"],
+            truncated,
+            normalizer=pgloss.Normalizer.count(mask),
+        ).loss
+    )
 
 
 def test_value_checks_need_no_host_read_off_the_cpu():
@@ -400,6 +516,12 @@ def test_value_checks_need_no_host_read_off_the_cpu():
     token = torch.empty(3, 4, device=META)
     counted = pgloss.Normalizer.count(mask, group_ids=torch.empty(3, dtype=torch.long, device=META))
     assert counted.group_tokens.shape == (MAX_GROUPS,)  # the static bound: max id + 1 needs a host read
-    out = pgloss.get("real")(token, token, torch.empty(3, device=META), mask,
-                             group_ids=torch.empty(3, dtype=torch.long, device=META), normalizer=counted)
+    out = pgloss.get("real")(
+        token,
+        token,
+        torch.empty(3, device=META),
+        mask,
+        group_ids=torch.empty(3, dtype=torch.long, device=META),
+        normalizer=counted,
+    )
     assert out.loss.device == META

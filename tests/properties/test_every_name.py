@@ -3,16 +3,15 @@ registered. Beside these: tests/properties/test_paths.py (one call = micro-batch
 inspect, with each kind of rollout correction), test_no_host_sync.py (meta tensors, torch.compile)
 and test_robustness.py (extreme log-ratios, empty and all-masked batches)."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
-
-import pgloss
-from pgloss.core.inputs import OPTIONAL_INPUTS
 from conftest import run_ranks
 from properties.micro_batches import cut, micro_batches
 from steps import PARTS, data, log_probs
+
+import pgloss
+from pgloss.core.inputs import OPTIONAL_INPUTS
 
 OPTIONAL = tuple(name for name in OPTIONAL_INPUTS if name != "full_kl")  # the exact KL has its own tests
 RANKS = {0: [slice(0, 2), slice(2, 4)], 1: [slice(4, 8)]}  # uneven shares of whole groups
@@ -91,9 +90,11 @@ def rank_gradients(rank: int, world: int) -> dict:
             continue
         log_prob, inputs = step_inputs(algorithm)
         parts = RANKS[rank]
-        normalizer = algorithm.step_normalizer(cut(inputs["mask"], parts),
-                                               old_log_probs=cut(inputs["old_log_prob"], parts),
-                                               group_ids=cut(data()[3]["group_ids"], parts))
+        normalizer = algorithm.step_normalizer(
+            cut(inputs["mask"], parts),
+            old_log_probs=cut(inputs["old_log_prob"], parts),
+            group_ids=cut(data()[3]["group_ids"], parts),
+        )
         micro_batches(lambda p: run(algorithm, log_prob, inputs, p, normalizer), parts)
         total = log_prob.grad.clone()
         dist.all_reduce(total)

@@ -19,15 +19,18 @@ from hypothesis import strategies as st
 import pgloss
 from pgloss.vocab import kernels
 from pgloss.vocab.divergence import divergence_from_hidden
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
 # (device, route): on CPU the kernels run in Triton's interpreter; on CUDA "auto" takes the kernel route.
-PLACES = [pytest.param("cpu", "torch", id="cpu-torch"), pytest.param("cpu", "kernel", id="cpu-kernel"),
-          pytest.param("cuda", "torch", id="cuda-torch", marks=pytest.mark.skipif(not CUDA, reason="no GPU")),
-          pytest.param("cuda", "auto", id="cuda-kernel", marks=pytest.mark.skipif(not CUDA, reason="no GPU"))]
+PLACES = [
+    pytest.param("cpu", "torch", id="cpu-torch"),
+    pytest.param("cpu", "kernel", id="cpu-kernel"),
+    pytest.param("cuda", "torch", id="cuda-torch", marks=pytest.mark.skipif(not CUDA, reason="no GPU")),
+    pytest.param("cuda", "auto", id="cuda-kernel", marks=pytest.mark.skipif(not CUDA, reason="no GPU")),
+]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The view against the contiguous copy, relative to the largest value compared (at least 1): the two calls differ
 # only in the matmuls' order of summation, rounded to the head's dtype (half precision: a unit or two in the last
@@ -52,8 +55,13 @@ class Layout:
 @st.composite
 def layouts(draw, ndim: int) -> Layout:
     flags = st.lists(st.booleans(), min_size=ndim, max_size=ndim)
-    return Layout(tuple(draw(st.permutations(range(ndim)))), tuple(1 + s for s in draw(flags)),
-                  tuple(int(e) for e in draw(flags)), draw(st.sampled_from([0, 3])), tuple(draw(flags)))
+    return Layout(
+        tuple(draw(st.permutations(range(ndim)))),
+        tuple(1 + s for s in draw(flags)),
+        tuple(int(e) for e in draw(flags)),
+        draw(st.sampled_from([0, 3])),
+        tuple(draw(flags)),
+    )
 
 
 def laid_out(values: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -65,7 +73,7 @@ def laid_out(values: torch.Tensor, layout: Layout) -> torch.Tensor:
     padded = [n * s + layout.extra[d] for n, s, d in zip(inner.shape, steps, order)]
     fill = math.nan if values.is_floating_point() else 0
     storage = torch.full((layout.offset + math.prod(padded),), fill, dtype=values.dtype, device=values.device)
-    view = storage[layout.offset:].view(padded)[tuple(slice(0, n * s, s) for n, s in zip(inner.shape, steps))]
+    view = storage[layout.offset :].view(padded)[tuple(slice(0, n * s, s) for n, s in zip(inner.shape, steps))]
     view.copy_(inner)
     return view.permute(sorted(range(len(order)), key=order.__getitem__))
 
@@ -85,7 +93,7 @@ def calls(draw, device: str, two_heads: bool = False, loss: bool = False):
     advantages; the sizes, the dtype and the tiles drawn too."""
     dtype = draw(st.sampled_from(DTYPES))
     batch, length, size, vocab = draw(st.integers(1, 2)), draw(st.integers(1, 3)), 4, draw(st.integers(3, 19))
-    seed = draw(st.integers(0, 2 ** 16))
+    seed = draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
 
     def floats(scale):
@@ -98,14 +106,24 @@ def calls(draw, device: str, two_heads: bool = False, loss: bool = False):
         mask = torch.rand(shape, generator=gen) < 0.75
         return mask.to(device)
 
-    spec = dict(hidden=(floats(1.0), (batch, length, size)), weight=(floats(0.7), (vocab, size)),
-                bias=(floats(0.5), (vocab,)), targets=(ids, (batch, length)), mask=(valid, (batch, length)))
+    spec = dict(
+        hidden=(floats(1.0), (batch, length, size)),
+        weight=(floats(0.7), (vocab, size)),
+        bias=(floats(0.5), (vocab,)),
+        targets=(ids, (batch, length)),
+        mask=(valid, (batch, length)),
+    )
     if two_heads:
-        spec |= dict(other_hidden=(floats(1.0), (batch, length, size + 2)), other_weight=(floats(0.7),
-                     (vocab, size + 2)), other_bias=(floats(0.5), (vocab,)))
+        spec |= dict(
+            other_hidden=(floats(1.0), (batch, length, size + 2)),
+            other_weight=(floats(0.7), (vocab, size + 2)),
+            other_bias=(floats(0.5), (vocab,)),
+        )
     if loss:
-        spec |= dict(old_log_prob=(lambda shape: -torch.rand(shape, generator=gen).to(device) - 0.5, (batch, length)),
-                     advantages=(lambda shape: torch.randn(shape, generator=gen).to(device), (batch,)))
+        spec |= dict(
+            old_log_prob=(lambda shape: -torch.rand(shape, generator=gen).to(device) - 0.5, (batch, length)),
+            advantages=(lambda shape: torch.randn(shape, generator=gen).to(device), (batch,)),
+        )
     views, copies = {}, {}
     for name, (make, shape) in spec.items():
         views[name], copies[name] = argument(draw, make, shape)
@@ -131,43 +149,81 @@ def assert_same(call, views: dict, copies: dict, route: str, dtype: torch.dtype)
     for got, expected in zip(*results, strict=True):
         # the matmuls' rounding is relative to the logits (order 1), not to a small value computed from them
         scale = max(expected.detach().abs().nan_to_num(0.0).max().item(), 1.0)  # NaN: a metric with no token
-        torch.testing.assert_close(got.detach().float(), expected.detach().float(), rtol=0,
-                                   atol=RTOL[dtype] * scale, equal_nan=True)
+        torch.testing.assert_close(
+            got.detach().float(), expected.detach().float(), rtol=0, atol=RTOL[dtype] * scale, equal_nan=True
+        )
     assert all(torch.isfinite(g).all() for g in results[0][-3:])
 
 
 def log_prob_and_entropy(args, tiles):
-    lp, ent = log_prob_and_entropy_from_hidden(args["hidden"], args["weight"], args["targets"], bias=args["bias"],
-                                               mask=args["mask"], softcap=3.0, **tiles)
+    lp, ent = log_prob_and_entropy_from_hidden(
+        args["hidden"], args["weight"], args["targets"], bias=args["bias"], mask=args["mask"], softcap=3.0, **tiles
+    )
     return [lp, ent]
 
 
 def loss(args, tiles, algorithm="grpo"):
     alg = pgloss.get(algorithm, kl_coef=0.0, entropy_coef=0.01)
-    out = loss_from_hidden(alg, args["hidden"], args["weight"], args["targets"], bias=args["bias"],
-                           old_log_prob=args["old_log_prob"], advantages=args["advantages"], mask=args["mask"],
-                           **tiles)
+    out = loss_from_hidden(
+        alg,
+        args["hidden"],
+        args["weight"],
+        args["targets"],
+        bias=args["bias"],
+        old_log_prob=args["old_log_prob"],
+        advantages=args["advantages"],
+        mask=args["mask"],
+        **tiles,
+    )
     return [out.loss, *out.metrics.values()]
 
 
 def from_hidden_exact_kl(args, tiles):
     alg = pgloss.get("grpo", kl_estimator="full", kl_coef=0.1, entropy_coef=0.01)
-    out = alg.from_hidden(args["hidden"], args["weight"], args["targets"], bias=args["bias"],
-                          old_log_prob=args["old_log_prob"], advantages=args["advantages"], mask=args["mask"],
-                          ref_hidden=args["other_hidden"], ref_weight=args["other_weight"],
-                          ref_bias=args["other_bias"], **tiles)
+    out = alg.from_hidden(
+        args["hidden"],
+        args["weight"],
+        args["targets"],
+        bias=args["bias"],
+        old_log_prob=args["old_log_prob"],
+        advantages=args["advantages"],
+        mask=args["mask"],
+        ref_hidden=args["other_hidden"],
+        ref_weight=args["other_weight"],
+        ref_bias=args["other_bias"],
+        **tiles,
+    )
     return [out.loss, *out.metrics.values()]
 
 
 def full_kl(args, tiles):
-    return [full_kl_from_hidden(args["hidden"], args["weight"], args["other_hidden"], args["other_weight"],
-                                bias=args["bias"], ref_bias=args["other_bias"], mask=args["mask"], **tiles)]
+    return [
+        full_kl_from_hidden(
+            args["hidden"],
+            args["weight"],
+            args["other_hidden"],
+            args["other_weight"],
+            bias=args["bias"],
+            ref_bias=args["other_bias"],
+            mask=args["mask"],
+            **tiles,
+        )
+    ]
 
 
 def divergence(args, tiles, beta=0.5):
-    out = divergence_from_hidden(args["hidden"], args["weight"], args["other_hidden"], args["other_weight"],
-                                 args["mask"], beta=beta, bias=args["bias"], teacher_bias=args["other_bias"],
-                                 teacher_softcap=2.0, **tiles)
+    out = divergence_from_hidden(
+        args["hidden"],
+        args["weight"],
+        args["other_hidden"],
+        args["other_weight"],
+        args["mask"],
+        beta=beta,
+        bias=args["bias"],
+        teacher_bias=args["other_bias"],
+        teacher_softcap=2.0,
+        **tiles,
+    )
     return [out.loss, out.per_token]
 
 

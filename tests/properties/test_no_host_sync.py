@@ -12,20 +12,19 @@ backward, for every name: a host read would be a graph break, which fullgraph re
 import dataclasses
 
 import pytest
+import steps
 import torch
+from host_sync import DEVICES, HostSync, no_host_sync, no_host_sync_on, on
 
 import pgloss
-from pgloss.core.inputs import OPTIONAL_INPUTS
+from pgloss.core.aggregate import AGG_MODES
 from pgloss.core.checks import anomaly_enabled
-from pgloss.losses.ppo import ClippedPolicy
+from pgloss.core.inputs import OPTIONAL_INPUTS
 from pgloss.correction import m2po, token_masks
 from pgloss.correction.rollout import REJECTION_OPTIONS, WEIGHT_LEVELS, WEIGHT_MODES, Rejection, RolloutCorrection
-from pgloss.vocab.fused import PASSED_INPUTS as PASSED_TO_FROM_HIDDEN
-from pgloss.core.aggregate import AGG_MODES
 from pgloss.kl.corrections import KL_CORRECTIONS, KL_OPTIONS
-
-import steps
-from host_sync import DEVICES, HostSync, no_host_sync, no_host_sync_on, on
+from pgloss.losses.ppo import ClippedPolicy
+from pgloss.vocab.fused import PASSED_INPUTS as PASSED_TO_FROM_HIDDEN
 
 CORRECTIONS = {
     "none": None,
@@ -59,13 +58,20 @@ def build(name, kind="none", width=WIDTH, **hyperparameters):
 
 def meta_inputs(rows=ROWS):
     """Every optional input a call may take, on `meta`; each algorithm reads what it needs."""
+
     def empty(spec):
         shape = (rows, WIDTH) if spec.per == "token" else (rows,)
-        return torch.empty(shape, dtype={"integer": torch.long, "bool": torch.bool}.get(spec.kind, torch.float32), device=META)
+        return torch.empty(
+            shape, dtype={"integer": torch.long, "bool": torch.bool}.get(spec.kind, torch.float32), device=META
+        )
 
     optional = {name: empty(spec) for name, spec in OPTIONAL_INPUTS.items() if name != "full_kl"}
-    return dict(old_log_prob=torch.empty(rows, WIDTH, device=META), advantages=torch.empty(rows, device=META),
-                mask=torch.empty(rows, WIDTH, dtype=torch.bool, device=META), **optional)
+    return dict(
+        old_log_prob=torch.empty(rows, WIDTH, device=META),
+        advantages=torch.empty(rows, device=META),
+        mask=torch.empty(rows, WIDTH, dtype=torch.bool, device=META),
+        **optional,
+    )
 
 
 def test_meta_tensors_catch_a_host_read():
@@ -99,9 +105,14 @@ def test_every_name_and_correction_runs_on_meta_tensors(name, kind):
         inputs.pop("rollout_log_prob")  # "none": no rollout log-probs, no truncated IS weight either
     whole = algorithm(log_prob, **inputs)  # the call counts itself (algorithm.step_normalizer)
     both = lambda key: [data[key], data[key][:2]] if key in inputs else None  # noqa: E731  (a step of two)
-    step = algorithm.step_normalizer(both("mask"), old_log_probs=both("old_log_prob"),
-                                     rollout_log_probs=both("rollout_log_prob"), group_ids=both("group_ids"),
-                                     scores=both("scores"), expert=both("expert"))
+    step = algorithm.step_normalizer(
+        both("mask"),
+        old_log_probs=both("old_log_prob"),
+        rollout_log_probs=both("rollout_log_prob"),
+        group_ids=both("group_ids"),
+        scores=both("scores"),
+        expert=both("expert"),
+    )
     micro = algorithm(log_prob, **inputs, normalizer=step)
     (whole.loss + micro.loss).backward()
     assert whole.loss.device == META and whole.loss.shape == ()
@@ -124,10 +135,18 @@ def test_from_hidden_runs_on_meta_tensors(name, exact_kl):
     if not algorithm.consumes_rollout_log_prob:
         extra.pop("rollout_log_prob")  # no rollout correction here: the next test has them
     if exact_kl:
-        extra |= dict(ref_hidden=torch.empty(ROWS, WIDTH, HIDDEN, device=META),
-                      ref_weight=torch.empty(VOCAB, HIDDEN, device=META))
-    out = algorithm.from_hidden(hidden, weight, targets, old_log_prob=data["old_log_prob"],
-                                advantages=data["advantages"], mask=data["mask"], **extra)
+        extra |= dict(
+            ref_hidden=torch.empty(ROWS, WIDTH, HIDDEN, device=META), ref_weight=torch.empty(VOCAB, HIDDEN, device=META)
+        )
+    out = algorithm.from_hidden(
+        hidden,
+        weight,
+        targets,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=data["mask"],
+        **extra,
+    )
     out.loss.backward()
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
     assert out.metrics["kl"].device == META
@@ -139,15 +158,22 @@ def test_from_hidden_with_a_correction_and_the_exact_kl_from_logits_run_on_meta_
     weight = torch.empty(VOCAB, HIDDEN, device=META, requires_grad=True)
     targets = torch.empty(ROWS, WIDTH, dtype=torch.long, device=META)
     for kind in CORRECTIONS:
-        out = build("dapo", kind).from_hidden(hidden, weight, targets, old_log_prob=data["old_log_prob"],
-                                              advantages=data["advantages"], mask=data["mask"],
-                                              rollout_log_prob=data["rollout_log_prob"])
+        out = build("dapo", kind).from_hidden(
+            hidden,
+            weight,
+            targets,
+            old_log_prob=data["old_log_prob"],
+            advantages=data["advantages"],
+            mask=data["mask"],
+            rollout_log_prob=data["rollout_log_prob"],
+        )
         out.loss.backward()
     logits = torch.empty(ROWS, WIDTH, VOCAB, device=META, requires_grad=True)
     full_kl = pgloss.full_kl_from_logits(logits, torch.empty(ROWS, WIDTH, VOCAB, device=META))
     log_prob, entropy = pgloss.log_prob_and_entropy(logits, targets)
-    out = build("grpo", kl_estimator="full")(log_prob, data["old_log_prob"], data["advantages"], data["mask"],
-                                            full_kl=full_kl, entropy=entropy)
+    out = build("grpo", kl_estimator="full")(
+        log_prob, data["old_log_prob"], data["advantages"], data["mask"], full_kl=full_kl, entropy=entropy
+    )
     out.loss.backward()
     assert logits.grad.shape == logits.shape
 
@@ -159,8 +185,12 @@ def cpu_inputs(algorithm, seed=0):
     mask = torch.rand(ROWS, WIDTH, generator=g) < 0.8
     mask[2] = False  # an empty row
     inputs = dict(old_log_prob=old, advantages=torch.randn(ROWS, generator=g), mask=mask)
-    available = dict(ref_log_prob=noisy(0.1), group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g),
-                     teacher_log_prob=noisy(0.2))
+    available = dict(
+        ref_log_prob=noisy(0.1),
+        group_ids=torch.arange(ROWS) // 2,
+        scores=torch.randn(ROWS, generator=g),
+        teacher_log_prob=noisy(0.2),
+    )
     inputs |= {key: value for key, value in available.items() if key in algorithm.needs}
     if algorithm.takes_expert:  # CHORD's demonstration rows (an input it reads without needing it)
         inputs["expert"] = torch.arange(ROWS) % 3 == 0
@@ -214,7 +244,8 @@ ALLOWED = {  # fills and Python operands: no copy, no read
     "clamp with numbers": lambda x, m: x.clamp(-1.0, 1.0),
     "integer indexing": lambda x, m: x.gather(1, m.long()),
     "repeat_interleave with output_size": lambda x, m: torch.repeat_interleave(
-        torch.arange(3), torch.full((3,), 2), output_size=6),
+        torch.arange(3), torch.full((3,), 2), output_size=6
+    ),
     "assert_async": lambda x, m: torch._assert_async(m.sum() >= 0, "a count is never negative"),
 }
 
@@ -265,9 +296,16 @@ def sync_free_inputs(seed=0):
 
 def counted_step(algorithm, inputs):
     """The step's `Normalizer`, counted before the calls (a step-level collective may sync)."""
-    keys = dict(old_log_probs="old_log_prob", rollout_log_probs="rollout_log_prob", group_ids="group_ids",
-                scores="scores", expert="expert")
-    return algorithm.step_normalizer([inputs["mask"]], **{arg: [inputs[key]] for arg, key in keys.items() if key in inputs})
+    keys = dict(
+        old_log_probs="old_log_prob",
+        rollout_log_probs="rollout_log_prob",
+        group_ids="group_ids",
+        scores="scores",
+        expert="expert",
+    )
+    return algorithm.step_normalizer(
+        [inputs["mask"]], **{arg: [inputs[key]] for arg, key in keys.items() if key in inputs}
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -295,8 +333,11 @@ def test_every_name_and_correction_calls_without_a_host_sync(name, kind, device)
 
 # Whole-vocabulary chunks, and vocabulary tiles of 4 columns with whole rows per chunk (the one-pass
 # route) or 5-token chunks (the recompute route), as in test_paths.py.
-TILES = {"whole": {}, "tiles one pass": dict(chunk_size=12, vocab_block=4),
-         "tiles recompute": dict(chunk_size=5, vocab_block=4)}
+TILES = {
+    "whole": {},
+    "tiles one pass": dict(chunk_size=12, vocab_block=4),
+    "tiles recompute": dict(chunk_size=5, vocab_block=4),
+}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -314,8 +355,16 @@ def test_from_hidden_calls_without_a_host_sync(name, exact_kl, tiles, device):
         extra |= dict(ref_hidden=hidden + 0.1, ref_weight=weight.flip(0))
     hidden.requires_grad_(True), weight.requires_grad_(True)
     with no_host_sync_on(device):
-        out = algorithm.from_hidden(hidden, weight, targets, old_log_prob=inputs["old_log_prob"],
-                                    advantages=inputs["advantages"], mask=inputs["mask"], **extra, **TILES[tiles])
+        out = algorithm.from_hidden(
+            hidden,
+            weight,
+            targets,
+            old_log_prob=inputs["old_log_prob"],
+            advantages=inputs["advantages"],
+            mask=inputs["mask"],
+            **extra,
+            **TILES[tiles],
+        )
         out.loss.backward()
     assert hidden.grad.abs().sum() > 0 and weight.grad.abs().sum() > 0
 
@@ -323,15 +372,35 @@ def test_from_hidden_calls_without_a_host_sync(name, exact_kl, tiles, device):
 OPTIONS = {  # the options no name takes by default, each on one name
     **{f"grpo {mode}": ("grpo", dict(loss_agg_mode=mode, norm_constant=8.0, delta_l_alpha=0.5)) for mode in AGG_MODES},
     **{f"grpo KL {kl}": ("grpo", dict(kl_coef=0.1, kl_estimator=kl)) for kl in KL_OPTIONS if kl != "full"},
-    **{f"grpo KL correction {c}": ("grpo", dict(kl_coef=0.1, kl_estimator="k2", kl_correction=c)) for c in KL_CORRECTIONS},
+    **{
+        f"grpo KL correction {c}": ("grpo", dict(kl_coef=0.1, kl_estimator="k2", kl_correction=c))
+        for c in KL_CORRECTIONS
+    },
     "ppo delta": ("ppo", dict(delta=2.0)),
     "dual_clip_ppo delta": ("dual_clip_ppo", dict(delta=2.0)),
-    **{f"correction {level} {mode}": ("grpo", dict(rollout_correction=RolloutCorrection(
-        weight_level=level, weight_mode=mode, lower=0.5, upper=2.0))) for level in WEIGHT_LEVELS for mode in WEIGHT_MODES},
-    **{f"rejection {option}": ("grpo", dict(rollout_correction=RolloutCorrection(
-        rejection=(Rejection(option, upper=2.0 if option.endswith("k1") else 0.05),)))) for option in REJECTION_OPTIONS},
-    "correction bypass, weighing the KL": ("grpo", dict(kl_coef=0.1, rollout_correction=RolloutCorrection(
-        bypass=True, weight_kl=True))),
+    **{
+        f"correction {level} {mode}": (
+            "grpo",
+            dict(rollout_correction=RolloutCorrection(weight_level=level, weight_mode=mode, lower=0.5, upper=2.0)),
+        )
+        for level in WEIGHT_LEVELS
+        for mode in WEIGHT_MODES
+    },
+    **{
+        f"rejection {option}": (
+            "grpo",
+            dict(
+                rollout_correction=RolloutCorrection(
+                    rejection=(Rejection(option, upper=2.0 if option.endswith("k1") else 0.05),)
+                )
+            ),
+        )
+        for option in REJECTION_OPTIONS
+    },
+    "correction bypass, weighing the KL": (
+        "grpo",
+        dict(kl_coef=0.1, rollout_correction=RolloutCorrection(bypass=True, weight_kl=True)),
+    ),
 }
 
 

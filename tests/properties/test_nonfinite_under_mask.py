@@ -20,13 +20,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from properties.call_inputs import LEAVES, ROW_INPUTS, ROWS, TOKEN_INPUTS, WIDTH, call_with_gradients, finite_inputs
 
 import pgloss
 from pgloss.core.aggregate import AGGREGATIONS
 from pgloss.core.inputs import OPTIONAL_INPUTS
 from pgloss.correction.rollout import Rejection, RolloutCorrection
 from pgloss.kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS
-from properties.call_inputs import LEAVES, ROW_INPUTS, ROWS, TOKEN_INPUTS, WIDTH, call_with_gradients, finite_inputs
 
 POISONS = (math.nan, math.inf, -math.inf)
 REAL_INPUTS = TOKEN_INPUTS + ROW_INPUTS + ("advantages",)
@@ -37,12 +37,19 @@ CORRECTIONS = {
     "token TIS": RolloutCorrection(upper=1.5),
     "token IcePop": RolloutCorrection(weight_mode="mask", lower=0.5, upper=1.5),
     "sequence product": RolloutCorrection(weight_level="sequence_product", upper=2.0),
-    "sequence geometric, batch-normalised": RolloutCorrection(weight_level="sequence_geometric", lower=0.5,
-                                                              upper=2.0, batch_normalize=True),
+    "sequence geometric, batch-normalised": RolloutCorrection(
+        weight_level="sequence_geometric", lower=0.5, upper=2.0, batch_normalize=True
+    ),
     "token batch-normalised, KL weighted": RolloutCorrection(upper=2.0, batch_normalize=True, weight_kl=True),
-    "chained rejection": RolloutCorrection(weight_level=None, rejection=(
-        Rejection("token_k1", upper=2.0), Rejection("seq_mean_k3", upper=0.5), Rejection("seq_max_k2", upper=1.0),
-        Rejection("seq_sum_k2", upper=2.0))),
+    "chained rejection": RolloutCorrection(
+        weight_level=None,
+        rejection=(
+            Rejection("token_k1", upper=2.0),
+            Rejection("seq_mean_k3", upper=0.5),
+            Rejection("seq_max_k2", upper=1.0),
+            Rejection("seq_sum_k2", upper=2.0),
+        ),
+    ),
     "off-policy mask": RolloutCorrection(weight_level=None, off_policy_mask=0.05),
     "bypass": RolloutCorrection(bypass=True, upper=1.5, off_policy_mask=0.05),
 }
@@ -52,16 +59,24 @@ def configurations():
     """Every registered name with every loss_agg_mode its family allows."""
     for name in pgloss.names():
         fixed = pgloss.get(name, generation_budget=WIDTH).fixed_agg_mode
-        for mode in ([fixed] if fixed else AGGREGATIONS):
+        for mode in [fixed] if fixed else AGGREGATIONS:
             yield pytest.param(name, mode, id=f"{name}-{mode}")
 
 
 def build(name, mode, estimator, kl_correction, correction):
     if pgloss.get(name, generation_budget=WIDTH).consumes_rollout_log_prob:
         correction = None  # VESPO folds the rollout log-probs into its own weight and takes no correction
-    return pgloss.get(name, generation_budget=WIDTH, loss_agg_mode=mode, kl_coef=0.1, kl_estimator=estimator,
-                      kl_correction=None if estimator == FULL else kl_correction, entropy_coef=0.01,
-                      positive_nll_coef=0.1, rollout_correction=correction)
+    return pgloss.get(
+        name,
+        generation_budget=WIDTH,
+        loss_agg_mode=mode,
+        kl_coef=0.1,
+        kl_estimator=estimator,
+        kl_correction=None if estimator == FULL else kl_correction,
+        entropy_coef=0.01,
+        positive_nll_coef=0.1,
+        rollout_correction=correction,
+    )
 
 
 def poisoned(values, seed, inputs, share=0.5):
@@ -82,8 +97,9 @@ def assert_same(got, expected, what):
     """Equal bit for bit, NaN where NaN (a metric over no valid token is NaN in both runs)."""
     assert got.dtype == expected.dtype and got.shape == expected.shape, what
     assert torch.equal(got.isnan(), expected.isnan()), f"{what}: NaN at other places"
-    assert torch.equal(torch.nan_to_num(got, nan=0.0), torch.nan_to_num(expected, nan=0.0)), \
+    assert torch.equal(torch.nan_to_num(got, nan=0.0), torch.nan_to_num(expected, nan=0.0)), (
         f"{what}: {got} != {expected}"
+    )
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -99,8 +115,9 @@ def assert_same(got, expected, what):
     step=st.booleans(),
 )
 @pytest.mark.parametrize("name, mode", list(configurations()))
-def test_non_finite_values_under_the_mask_change_nothing(name, mode, seed, mask_bits, per_token_advantages, dtype,
-                                                         estimator, kl_correction, correction, inputs, step):
+def test_non_finite_values_under_the_mask_change_nothing(
+    name, mode, seed, mask_bits, per_token_advantages, dtype, estimator, kl_correction, correction, inputs, step
+):
     algorithm = build(name, mode, estimator, kl_correction, CORRECTIONS[correction])
     mask = torch.tensor(mask_bits).view(ROWS, WIDTH)
     clean = finite_inputs(seed, mask, per_token_advantages, dtype)
@@ -135,8 +152,7 @@ def test_the_poison_reaches_the_call():
 
 # -- where the mask is 1: today's behaviour, as pgloss.core.checks documents it -----------------------------------
 
-LOG_PROB_INPUTS = ("log_prob", "old_log_prob") + tuple(name for name, spec in OPTIONAL_INPUTS.items()
-                                                 if spec.log_prob)
+LOG_PROB_INPUTS = ("log_prob", "old_log_prob") + tuple(name for name, spec in OPTIONAL_INPUTS.items() if spec.log_prob)
 
 
 def valid_call(name, key, value, anomaly=False):
@@ -168,8 +184,9 @@ def test_positive_infinity_in_a_log_prob_is_refused(key):
         valid_call("grpo", key, math.inf)
 
 
-@pytest.mark.parametrize("key", ("log_prob", "old_log_prob", "advantages", "ref_log_prob", "rollout_log_prob",
-                                 "entropy", "full_kl"))
+@pytest.mark.parametrize(
+    "key", ("log_prob", "old_log_prob", "advantages", "ref_log_prob", "rollout_log_prob", "entropy", "full_kl")
+)
 def test_nan_at_a_valid_position_propagates_to_the_loss(key):
     """Outside detect_anomaly() a NaN at a valid position is not checked (no host sync): like any torch
     computation, the loss comes out NaN, for an input this configuration reads (grpo with a KL term, an entropy

@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-
-from pgloss.diagnostics.inspect import inspect
 from properties.micro_batches import micro_batches
 from steps import PARTS, VERL_CHAINED, build, call, cases, data, entropy, log_probs, splits, step
+
+from pgloss.diagnostics.inspect import inspect
+
 
 @pytest.mark.parametrize("name, kind", cases())
 def test_log_prob_paths_agree(name, kind):
@@ -25,8 +26,9 @@ def test_log_prob_paths_agree(name, kind):
     torch.testing.assert_close(inspected.grad, reference, rtol=1e-10, atol=1e-13)
 
     if splits(algorithm):
-        torch.testing.assert_close(split_gradient(algorithm, log_prob, inputs, step(algorithm, inputs)), reference,
-                                   rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(
+            split_gradient(algorithm, log_prob, inputs, step(algorithm, inputs)), reference, rtol=1e-10, atol=1e-13
+        )
 
 
 def split_gradient(algorithm, log_prob, inputs, normalizer):
@@ -45,8 +47,13 @@ def test_chained_rejection_counts_and_applies_verl_s_mask(name):
     algorithm = build(name, "chained rejection")
     hidden, weight, targets, inputs = data()
     _, kept, _ = helper.compute_rollout_correction_and_rejection_mask(
-        inputs["old_log_prob"], inputs["rollout_log_prob"], inputs["mask"].double(), rollout_is=None,
-        rollout_is_threshold=None, **VERL_CHAINED)
+        inputs["old_log_prob"],
+        inputs["rollout_log_prob"],
+        inputs["mask"].double(),
+        rollout_is=None,
+        rollout_is_threshold=None,
+        **VERL_CHAINED,
+    )
     kept = kept.bool()
     assert (int(kept.sum()), int(inputs["mask"].sum())) == (26, 32)
     log_prob = log_probs(hidden, weight, targets).detach().requires_grad_(True)
@@ -60,14 +67,18 @@ def test_chained_rejection_counts_and_applies_verl_s_mask(name):
     (whole,) = torch.autograd.grad(call(algorithm, log_prob, inputs).loss, log_prob)
     torch.testing.assert_close(whole, reference, rtol=1e-10, atol=1e-13)
     if splits(algorithm):
-        torch.testing.assert_close(split_gradient(algorithm, log_prob, inputs, normalizer), reference,
-                                   rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(
+            split_gradient(algorithm, log_prob, inputs, normalizer), reference, rtol=1e-10, atol=1e-13
+        )
 
 
 # Whole-vocabulary chunks (the default sizes), and vocabulary tiles of 4 columns (11 = 4 + 4 + 3) with
 # whole rows per chunk (the one-pass route) or 5-token chunks (shorter than a row: the recompute route).
-TILES = {"whole": {}, "tiles_one_pass": dict(chunk_size=12, vocab_block=4),
-         "tiles_recompute": dict(chunk_size=5, vocab_block=4)}
+TILES = {
+    "whole": {},
+    "tiles_one_pass": dict(chunk_size=12, vocab_block=4),
+    "tiles_recompute": dict(chunk_size=5, vocab_block=4),
+}
 
 
 @pytest.mark.parametrize("tiles", TILES)
@@ -77,8 +88,12 @@ def test_hidden_state_paths_agree(name, kind, tiles):
     algorithm = build(name, kind)
     hidden, weight, targets, inputs = data(seed=1)
     hidden.requires_grad_(True), weight.requires_grad_(True)
-    plain = call(algorithm, log_probs(hidden, weight, targets), inputs,
-                 entropy=entropy(hidden, weight) if "entropy" in algorithm.needs else None).loss
+    plain = call(
+        algorithm,
+        log_probs(hidden, weight, targets),
+        inputs,
+        entropy=entropy(hidden, weight) if "entropy" in algorithm.needs else None,
+    ).loss
     reference = torch.autograd.grad(plain, (hidden, weight))
 
     torch.manual_seed(0)
@@ -92,8 +107,9 @@ def test_hidden_state_paths_agree(name, kind, tiles):
 
         def part(p):
             torch.manual_seed(0)
-            return algorithm.from_hidden(h[p], w, targets[p], normalizer=normalizer,
-                                         **{k: v[p] for k, v in inputs.items()}, **sizes)
+            return algorithm.from_hidden(
+                h[p], w, targets[p], normalizer=normalizer, **{k: v[p] for k, v in inputs.items()}, **sizes
+            )
 
         micro_batches(part, PARTS)
         for got, want in zip((h.grad, w.grad), reference):

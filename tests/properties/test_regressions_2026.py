@@ -10,17 +10,17 @@ the TRL adapter) are in tests/integrations/test_trl_truncated_window.py.
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
-import pgloss
 from conftest import make_batch
+from properties.micro_batches import cut, micro_batches, parts_of, split_call
+from properties.references import central_differences, step_loss_loop
+
+import pgloss
 from pgloss.vocab import kernels
 from pgloss.vocab.divergence import divergence_from_logits
 from pgloss.vocab.entropy import log_prob_and_entropy
-from properties.micro_batches import cut, micro_batches, parts_of, split_call
-from properties.references import central_differences, step_loss_loop
 
 PARTS = parts_of([2, 4, 3])  # three accumulation steps of uneven token counts
 
@@ -38,6 +38,7 @@ def indicator_weights(mask, mode):
 
 # -- ms-swift #10117: the step's gradient is the sum of its micro-batches' --------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["dapo", "cispo", "fipo"])
 def test_accumulated_micro_batches_give_the_step_gradient_once(name):
     """ms-swift #10117: three gradient-accumulation micro-batches, each called with the step's counts
@@ -49,12 +50,20 @@ def test_accumulated_micro_batches_give_the_step_gradient_once(name):
     counts = [int(mask[p].sum()) for p in PARTS]
     assert len(set(counts)) == len(counts), counts  # uneven micro-batches, where per-step divisors go wrong
     normalizer = algorithm.step_normalizer(cut(mask, PARTS))
-    loss, grad = split_call(algorithm, data["log_prob"], PARTS, normalizer, old_log_prob=data["old_log_prob"],
-                            advantages=data["advantages"], mask=mask)
+    loss, grad = split_call(
+        algorithm,
+        data["log_prob"],
+        PARTS,
+        normalizer,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=mask,
+    )
 
     adv = data["advantages"][:, None].expand_as(mask).tolist()
-    reference = step_loss_loop(name, algorithm, data["log_prob"].tolist(), data["old_log_prob"].tolist(), adv,
-                               mask.tolist())
+    reference = step_loss_loop(
+        name, algorithm, data["log_prob"].tolist(), data["old_log_prob"].tolist(), adv, mask.tolist()
+    )
     assert loss.item() == pytest.approx(reference(data["log_prob"].tolist()), rel=1e-12, abs=1e-14)
     expected = central_differences(reference, data["log_prob"])
     assert expected.abs().sum() > 0
@@ -62,6 +71,7 @@ def test_accumulated_micro_batches_give_the_step_gradient_once(name):
 
 
 # -- verl #7200: distillation does not depend on the micro-batch split ----------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "token-sum"])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -75,16 +85,30 @@ def test_divergence_gradient_is_independent_of_the_split(beta, mode):
     mask = make_batch(batch=rows, length=width, seed=8)["mask"]
     normalizer = pgloss.Normalizer.count(cut(mask, PARTS))
     leaf = student.clone().requires_grad_(True)
-    loss = micro_batches(lambda p: divergence_from_logits(leaf[p], teacher[p], mask[p], beta=beta, loss_agg_mode=mode,
-                                                          normalizer=normalizer), PARTS)
+    loss = micro_batches(
+        lambda p: divergence_from_logits(
+            leaf[p], teacher[p], mask[p], beta=beta, loss_agg_mode=mode, normalizer=normalizer
+        ),
+        PARTS,
+    )
 
     lists = mask.tolist()
-    per_token = [[loops.divergence(student[i, t].tolist(), teacher[i, t].tolist(), beta) for t in range(width)]
-                 for i in range(rows)]
+    per_token = [
+        [loops.divergence(student[i, t].tolist(), teacher[i, t].tolist(), beta) for t in range(width)]
+        for i in range(rows)
+    ]
     assert loss.item() == pytest.approx(loops.aggregate(per_token, lists, mode), rel=1e-12)
     weights = indicator_weights(lists, mode)
-    expected = torch.tensor([[loops.divergence_grad(student[i, t].tolist(), teacher[i, t].tolist(), beta)
-                              for t in range(width)] for i in range(rows)], dtype=torch.float64) * weights[..., None]
+    expected = (
+        torch.tensor(
+            [
+                [loops.divergence_grad(student[i, t].tolist(), teacher[i, t].tolist(), beta) for t in range(width)]
+                for i in range(rows)
+            ],
+            dtype=torch.float64,
+        )
+        * weights[..., None]
+    )
     torch.testing.assert_close(leaf.grad, expected, rtol=1e-10, atol=1e-13)
 
 
@@ -96,16 +120,34 @@ def test_on_policy_distillation_is_independent_of_the_split(name):
     algorithm = pgloss.get(name)
     mask = data["mask"]
     normalizer = algorithm.step_normalizer(cut(mask, PARTS))
-    loss, grad = split_call(algorithm, data["log_prob"], PARTS, normalizer, old_log_prob=data["old_log_prob"],
-                            advantages=data["advantages"], mask=mask, teacher_log_prob=data["teacher_log_prob"])
+    loss, grad = split_call(
+        algorithm,
+        data["log_prob"],
+        PARTS,
+        normalizer,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=mask,
+        teacher_log_prob=data["teacher_log_prob"],
+    )
 
     old, teacher, adv, lists = (data[k].tolist() for k in ("old_log_prob", "teacher_log_prob", "advantages", "mask"))
 
     def reference(lp):
-        values = loops.opd(lp, old, teacher, adv, lists, coef=algorithm.opd_coef, gamma=algorithm.opd_position_gamma,
-                           eps=algorithm.opd_position_eps, surrogate=algorithm.opd_surrogate,
-                           current=algorithm.opd_advantage_policy == "current", trust_region=algorithm.opd_trust_region,
-                           discount=algorithm.opd_discount)
+        values = loops.opd(
+            lp,
+            old,
+            teacher,
+            adv,
+            lists,
+            coef=algorithm.opd_coef,
+            gamma=algorithm.opd_position_gamma,
+            eps=algorithm.opd_position_eps,
+            surrogate=algorithm.opd_surrogate,
+            current=algorithm.opd_advantage_policy == "current",
+            trust_region=algorithm.opd_trust_region,
+            discount=algorithm.opd_discount,
+        )
         return loops.aggregate(values, lists, algorithm.loss_agg_mode)
 
     assert loss.item() == pytest.approx(reference(data["log_prob"].tolist()), rel=1e-12)
@@ -148,8 +190,9 @@ def test_fused_gradient_equals_the_plain_gradient_under_importance_sampling(name
     old = exact((log_prob + 0.1 * torch.randn(rows, width, generator=g, dtype=torch.float64)).clamp(max=-1e-3))
     rollout = exact((old + 0.6 * torch.randn(rows, width, generator=g, dtype=torch.float64)).clamp(max=-1e-3))
     advantages = exact(torch.randn(rows, generator=g, dtype=torch.float64))
-    algorithm = pgloss.get(name, kl_coef=0.0, loss_agg_mode="token-mean",
-                           rollout_correction=CORRECTIONS[correction], rollout_is_cap=2.0)
+    algorithm = pgloss.get(
+        name, kl_coef=0.0, loss_agg_mode="token-mean", rollout_correction=CORRECTIONS[correction], rollout_is_cap=2.0
+    )
     inputs = dict(old_log_prob=old, advantages=advantages, mask=mask, rollout_log_prob=rollout)
 
     # The plain path, its loss against the loop.
@@ -158,11 +201,13 @@ def test_fused_gradient_equals_the_plain_gradient_under_importance_sampling(name
     (grad_log_prob,) = torch.autograd.grad(plain.loss, leaf)
     lp, old_l, lists = log_prob.tolist(), old.tolist(), mask.tolist()
     adv = advantages[:, None].expand(rows, width).tolist()
-    values = loops.clipped_policy_per_token(lp, old_l, adv, lists, level="token", clip_low=algorithm.clip_low,
-                                            clip_high=algorithm.clip_high)
+    values = loops.clipped_policy_per_token(
+        lp, old_l, adv, lists, level="token", clip_low=algorithm.clip_low, clip_high=algorithm.clip_high
+    )
     weights = [[min(math.exp(o - r), 2.0) for o, r in zip(orow, rrow)] for orow, rrow in zip(old_l, rollout.tolist())]
-    expected_loss = loops.aggregate([[w * v for w, v in zip(wr, vr)] for wr, vr in zip(weights, values)], lists,
-                                    "token-mean")
+    expected_loss = loops.aggregate(
+        [[w * v for w, v in zip(wr, vr)] for wr, vr in zip(weights, values)], lists, "token-mean"
+    )
     assert plain.loss.item() == pytest.approx(expected_loss, rel=1e-12)
     assert any(w == 2.0 for wr, mr in zip(weights, lists) for w, m in zip(wr, mr) if m)  # the cap is reached
 
@@ -198,9 +243,13 @@ ROUTES = {  # (the source of the logits, the vocabulary loop's route, its tiles)
     "head, kernel": ("head", "kernel", {}),  # Triton (its interpreter on a CPU)
     "head, kernel tiles": ("head", "kernel", dict(chunk_size=3, vocab_block=4)),
 }
-CASES = [pytest.param(band, dtype, route, id=f"{band}-{str(dtype)[6:]}-{route}") for band in NEGATIVE
-         for dtype in (torch.float64, torch.float32) for route in ROUTES
-         if not (ROUTES[route][1] == "kernel" and dtype == torch.float64)]  # the kernels run float32 and half heads
+CASES = [
+    pytest.param(band, dtype, route, id=f"{band}-{str(dtype)[6:]}-{route}")
+    for band in NEGATIVE
+    for dtype in (torch.float64, torch.float32)
+    for route in ROUTES
+    if not (ROUTES[route][1] == "kernel" and dtype == torch.float64)
+]  # the kernels run float32 and half heads
 
 
 def negative_head(band, dtype, vocab=11):
@@ -232,8 +281,9 @@ def route_outputs(band, dtype, route):
         if source == "logits":
             log_prob, entropy = log_prob_and_entropy(leaf, targets, **tiles)
         else:
-            log_prob, entropy = pgloss.log_prob_and_entropy_from_hidden(leaf, weight, targets,
-                                                                         head=pgloss.HeadOptions(bias=bias), **tiles)
+            log_prob, entropy = pgloss.log_prob_and_entropy_from_hidden(
+                leaf, weight, targets, head=pgloss.HeadOptions(bias=bias), **tiles
+            )
         (log_prob.sum() + entropy.sum()).backward()
     grad = leaf.grad if source == "head" else leaf.grad @ weight
     return (log_prob.double(), entropy.double(), grad.double()), expected
@@ -259,10 +309,14 @@ def test_entropy_of_all_negative_logits_is_finite_and_exact(band, dtype, route):
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=bound * float(expected_grad.abs().max()))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vocab/: at |logit| = 1e4 float32 loses ~4e-4 in the log-prob (the tiled and kernel routes form "
-    "z_y - (m + log s), with lse rounded to float32) and in the gradient of every route (π = exp(z - lse)); "
-    "keeping m and log s apart (log π = (z - m) - log s) gives ~3e-7, as the whole-vocabulary torch log-prob does"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "vocab/: at |logit| = 1e4 float32 loses ~4e-4 in the log-prob (the tiled and kernel routes form "
+        "z_y - (m + log s), with lse rounded to float32) and in the gradient of every route (π = exp(z - lse)); "
+        "keeping m and log s apart (log π = (z - m) - log s) gives ~3e-7, as the whole-vocabulary torch log-prob does"
+    ),
+)
 @pytest.mark.parametrize("route", ["head, kernel", "head, vocabulary tiles", "logits"])
 def test_log_prob_and_gradient_of_all_negative_logits_to_float32_precision(route):
     (log_prob, _, grad), (expected_log_prob, _, expected_grad) = route_outputs("band at -1e4", torch.float32, route)

@@ -6,13 +6,13 @@ registered name: loss, metrics and gradients (∂/∂log_prob, ∂/∂entropy).
 (Before `TokenBatch.restricted`: the entropy bonus summed the rejected tokens' entropy over the kept tokens'
 count, while its metric, the KL and the policy term left them out.)"""
 
+import loops
 import pytest
 import torch
+from properties.call_inputs import ROWS, WIDTH, call_with_gradients, finite_inputs
 
-import loops
 import pgloss
 from pgloss.correction.rollout import Rejection, RolloutCorrection
-from properties.call_inputs import ROWS, WIDTH, call_with_gradients, finite_inputs
 
 REJECTION = RolloutCorrection(weight_level=None, rejection=(Rejection("token_k3", upper=0.01),))
 TERMS = dict(kl_coef=0.1, entropy_coef=0.05, positive_nll_coef=0.1)
@@ -26,22 +26,22 @@ def inputs(seed=4):
     return values, kept
 
 
-@pytest.mark.parametrize("name", [n for n in pgloss.names()
-                                  if pgloss.get(n, generation_budget=WIDTH).takes_rollout_correction()])
+@pytest.mark.parametrize(
+    "name", [n for n in pgloss.names() if pgloss.get(n, generation_budget=WIDTH).takes_rollout_correction()]
+)
 def test_rejected_tokens_leave_every_term(name):
     values, kept = inputs()
     corrected = pgloss.get(name, generation_budget=WIDTH, rollout_correction=REJECTION, **TERMS)
     plain = pgloss.get(name, generation_budget=WIDTH, **TERMS)
     out, grads = call_with_gradients(corrected, values, step=True)
-    expected, expected_grads = call_with_gradients(plain, values | {"mask": kept, "rollout_log_prob": None},
-                                                   step=True)
+    expected, expected_grads = call_with_gradients(plain, values | {"mask": kept, "rollout_log_prob": None}, step=True)
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-12, atol=1e-15)
     for key, value in expected.metrics.items():
-        torch.testing.assert_close(out.metrics[key], value, rtol=1e-12, atol=1e-15, equal_nan=True,
-                                   msg=lambda m, key=key: f"metric {key}: {m}")
+        torch.testing.assert_close(
+            out.metrics[key], value, rtol=1e-12, atol=1e-15, equal_nan=True, msg=lambda m, key=key: f"metric {key}: {m}"
+        )
     for key, grad in expected_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-12, atol=1e-15,
-                                   msg=lambda m, key=key: f"∂/∂{key}: {m}")
+        torch.testing.assert_close(grads[key], grad, rtol=1e-12, atol=1e-15, msg=lambda m, key=key: f"∂/∂{key}: {m}")
         assert (grads[key][values["mask"] & ~kept] == 0).all(), key
 
 

@@ -3,9 +3,9 @@ test_nonfinite_under_mask.py.)"""
 
 import pytest
 import torch
+from conftest import algorithm, make_batch
 
 import pgloss
-from conftest import algorithm, make_batch
 
 NAMES = pgloss.names()
 
@@ -15,8 +15,15 @@ def call(alg, data, log_prob=None, **extra):
     # ignore them.
     for key in ("group_ids", "scores", "teacher_log_prob"):
         extra.setdefault(key, data[key])
-    return alg(data["log_prob"] if log_prob is None else log_prob, data["old_log_prob"], data["advantages"],
-               data["mask"], ref_log_prob=data["ref_log_prob"], entropy=data["entropy"], **extra)
+    return alg(
+        data["log_prob"] if log_prob is None else log_prob,
+        data["old_log_prob"],
+        data["advantages"],
+        data["mask"],
+        ref_log_prob=data["ref_log_prob"],
+        entropy=data["entropy"],
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -90,9 +97,17 @@ def test_empty_batches_from_hidden(name):
         weight = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
         targets = torch.randint(0, 6, (B, T), generator=gen)
         out = algorithm(name, kl_coef=0.1).from_hidden(
-            hidden, weight, targets, old_log_prob=data["old_log_prob"], advantages=data["advantages"],
-            mask=data["mask"], ref_log_prob=data["ref_log_prob"], group_ids=data["group_ids"], scores=data["scores"],
-            teacher_log_prob=data["teacher_log_prob"])
+            hidden,
+            weight,
+            targets,
+            old_log_prob=data["old_log_prob"],
+            advantages=data["advantages"],
+            mask=data["mask"],
+            ref_log_prob=data["ref_log_prob"],
+            group_ids=data["group_ids"],
+            scores=data["scores"],
+            teacher_log_prob=data["teacher_log_prob"],
+        )
         out.loss.backward()
         assert out.loss.item() == 0.0, label
         assert (hidden.grad == 0).all() and (weight.grad == 0).all(), label
@@ -118,21 +133,24 @@ def test_unknown_hyperparameter_is_a_type_error_naming_it():
         pgloss.get("grpo", tau_pos=1.0)
 
 
-@pytest.mark.parametrize("name, hyperparameters, message", [
-    ("dual_clip_ppo", dict(dual_clip=1.0), "dual_clip must be > 1"),
-    ("ppo", dict(clip_low=-0.1), "clip_low must be >= 0"),
-    ("ppo", dict(clip_high=-0.1), "clip_high must be >= 0"),
-    ("ppo", dict(delta=1.1), "delta must be > 1 \\+ clip_high"),
-    ("ppo", dict(loss_agg_mode="token-max"), "loss_agg_mode must be one of"),
-    ("dr_grpo", dict(), "requires norm_constant"),
-    ("dr_grpo", dict(norm_constant=0), "requires norm_constant"),
-    ("grpo", dict(kl_estimator="k4"), "kl_estimator must be one of"),
-    ("grpo", dict(kl_coef=-1.0), "kl_coef must be >= 0"),
-    ("sapo", dict(tau_neg=0.0), "tau_pos and tau_neg must be > 0"),
-    ("cispo", dict(clip_low=-1.0), "clip_low must be >= 0"),
-    ("fipo", dict(fipo_clip_range=1.5), "fipo_clip_range"),
-    ("ppo", dict(ratio_level="word"), "ratio_level must be one of"),
-])
+@pytest.mark.parametrize(
+    "name, hyperparameters, message",
+    [
+        ("dual_clip_ppo", dict(dual_clip=1.0), "dual_clip must be > 1"),
+        ("ppo", dict(clip_low=-0.1), "clip_low must be >= 0"),
+        ("ppo", dict(clip_high=-0.1), "clip_high must be >= 0"),
+        ("ppo", dict(delta=1.1), "delta must be > 1 \\+ clip_high"),
+        ("ppo", dict(loss_agg_mode="token-max"), "loss_agg_mode must be one of"),
+        ("dr_grpo", dict(), "requires norm_constant"),
+        ("dr_grpo", dict(norm_constant=0), "requires norm_constant"),
+        ("grpo", dict(kl_estimator="k4"), "kl_estimator must be one of"),
+        ("grpo", dict(kl_coef=-1.0), "kl_coef must be >= 0"),
+        ("sapo", dict(tau_neg=0.0), "tau_pos and tau_neg must be > 0"),
+        ("cispo", dict(clip_low=-1.0), "clip_low must be >= 0"),
+        ("fipo", dict(fipo_clip_range=1.5), "fipo_clip_range"),
+        ("ppo", dict(ratio_level="word"), "ratio_level must be one of"),
+    ],
+)
 def test_impossible_hyperparameters_are_refused(name, hyperparameters, message):
     with pytest.raises(ValueError, match=message):
         pgloss.get(name, **hyperparameters)

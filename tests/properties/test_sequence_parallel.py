@@ -24,11 +24,11 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import run_ranks
+from steps import CORRECTIONS
 
 import pgloss
 from pgloss import SequenceParallel
-from conftest import run_ranks
-from steps import CORRECTIONS
 
 ROWS, WIDTH, HIDDEN, VOCAB = 8, 8, 4, 7
 FIXED = "fixed"  # the family's own mode (a family that fixes it, or the default)
@@ -48,20 +48,26 @@ def data(seed=0):
     lp = torch.log_softmax(hidden @ weight.T, dim=-1).gather(-1, targets[..., None])[..., 0]
     noise = lambda scale: scale * torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64)  # noqa: E731
     old = (lp + noise(0.1)).clamp(max=-1e-3)
-    inputs = dict(old_log_prob=old, advantages=torch.randn(ROWS, generator=g, dtype=torch.float64), mask=mask,
-                  ref_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
-                  rollout_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
-                  teacher_log_prob=(old + noise(0.3)).clamp(max=-1e-3),
-                  group_ids=torch.arange(ROWS) // 2, scores=torch.randn(ROWS, generator=g, dtype=torch.float64),
-                  expert=torch.arange(ROWS) % 4 == 3)
+    inputs = dict(
+        old_log_prob=old,
+        advantages=torch.randn(ROWS, generator=g, dtype=torch.float64),
+        mask=mask,
+        ref_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
+        rollout_log_prob=(old + noise(0.2)).clamp(max=-1e-3),
+        teacher_log_prob=(old + noise(0.3)).clamp(max=-1e-3),
+        group_ids=torch.arange(ROWS) // 2,
+        scores=torch.randn(ROWS, generator=g, dtype=torch.float64),
+        expert=torch.arange(ROWS) % 4 == 3,
+    )
     ref_weight = weight + 0.3 * torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
     return hidden, weight, ref_weight, targets, inputs
 
 
 def build(name, kind="none", mode=FIXED, **extra):
     """`name` with a KL term, an entropy bonus and the positive NLL, so that every optional input is in play."""
-    fields = dict(generation_budget=WIDTH, kl_coef=0.05, entropy_coef=0.01, rollout_correction=CORRECTIONS[kind],
-                  **extra)
+    fields = dict(
+        generation_budget=WIDTH, kl_coef=0.05, entropy_coef=0.01, rollout_correction=CORRECTIONS[kind], **extra
+    )
     if mode != FIXED:
         fields["loss_agg_mode"] = mode
     algorithm = pgloss.get(name, **fields)
@@ -106,8 +112,22 @@ def call_inputs(algorithm, inputs, kind):
     return {k: v for k, v in inputs.items() if k in wanted}
 
 
-def loss_and_grads(algorithm, kind, hidden, weight, ref_weight, targets, inputs, *, split=None, rows=None,
-                   parts=None, process_group=None, exact_kl=False, fused=None):
+def loss_and_grads(
+    algorithm,
+    kind,
+    hidden,
+    weight,
+    ref_weight,
+    targets,
+    inputs,
+    *,
+    split=None,
+    rows=None,
+    parts=None,
+    process_group=None,
+    exact_kl=False,
+    fused=None,
+):
     """The step's loss (this process's share) and the gradients of `hidden` (whole) and `weight`. Without
     `split`: one process, one call. With it: this rank's rows (`rows`), cut into micro-batches (`parts` of
     those rows), each micro-batch's tokens this rank's slice (`split.shard`)."""
@@ -121,12 +141,15 @@ def loss_and_grads(algorithm, kind, hidden, weight, ref_weight, targets, inputs,
     normalizer = None
     if split is not None:
         normalizer = algorithm.step_normalizer(
-            [c["mask"] for c in local], old_log_probs=[c["old_log_prob"] for c in local],
+            [c["mask"] for c in local],
+            old_log_probs=[c["old_log_prob"] for c in local],
             rollout_log_probs=[c["rollout_log_prob"] for c in local] if "rollout_log_prob" in given else None,
             group_ids=[c["group_ids"] for c in local] if "group_ids" in given else None,
             scores=[c["scores"] for c in local] if "scores" in given else None,
             expert=[c["expert"] for c in local] if "expert" in given else None,
-            process_group=process_group, sequence_parallel=split)
+            process_group=process_group,
+            sequence_parallel=split,
+        )
     total = torch.zeros((), dtype=torch.float64)
     whole = algorithm
     for part, call in zip(parts, local):
@@ -136,9 +159,15 @@ def loss_and_grads(algorithm, kind, hidden, weight, ref_weight, targets, inputs,
         if exact_kl:
             call["full_kl"] = pgloss.full_kl_from_hidden(h, weight, h.detach(), ref_weight)
         if fused is not None:
-            out = algorithm.from_hidden(h, weight, y, normalizer=normalizer, chunk_size=fused,
-                                        **{k: v for k, v in call.items() if k != "full_kl"},
-                                        **(dict(ref_hidden=h.detach(), ref_weight=ref_weight) if exact_kl else {}))
+            out = algorithm.from_hidden(
+                h,
+                weight,
+                y,
+                normalizer=normalizer,
+                chunk_size=fused,
+                **{k: v for k, v in call.items() if k != "full_kl"},
+                **(dict(ref_hidden=h.detach(), ref_weight=ref_weight) if exact_kl else {}),
+            )
         else:
             lp, ent = log_probs_and_entropy(h, weight, y)
             out = algorithm(lp, entropy=ent, normalizer=normalizer, **call)
@@ -152,8 +181,10 @@ EXTRA = ("exact KL", "IW-OPD, discounted")
 
 def extra_cases():
     """(label, name, kind, fields, options): the exact KL, and from_hidden on its one-pass and recompute routes."""
-    out = [("exact KL", "grpo", "none", dict(kl_estimator="full"), dict(exact_kl=True)),
-           ("IW-OPD, discounted", "iw_opd", "none", dict(opd_position_gamma=0.5, opd_discount=0.9), {})]
+    out = [
+        ("exact KL", "grpo", "none", dict(kl_estimator="full"), dict(exact_kl=True)),
+        ("IW-OPD, discounted", "iw_opd", "none", dict(opd_position_gamma=0.5, opd_discount=0.9), {}),
+    ]
     for name in pgloss.names():
         kind = "chained rejection" if accepts(name, "chained rejection", FIXED) else "none"
         for route, chunk in (("one pass", None), ("recompute", 4)):
@@ -172,8 +203,13 @@ def corrections_cases():
 
 def sequence_rules_cases():
     """Every name with the chained rejection (its sequence rules) where it takes it, and the extra losses."""
-    return [case for case in corrections_cases() if case[2] == "chained rejection" or case[0] in EXTRA
-            or (case[2] == "none" and not accepts(case[1], "chained rejection", FIXED))]
+    return [
+        case
+        for case in corrections_cases()
+        if case[2] == "chained rejection"
+        or case[0] in EXTRA
+        or (case[2] == "none" and not accepts(case[1], "chained rejection", FIXED))
+    ]
 
 
 def run_all(cases, split, rows, parts, process_group):
@@ -185,8 +221,20 @@ def run_all(cases, split, rows, parts, process_group):
         fields = dict(fields)
         algorithm = build(name, kind, fields.pop("mode", FIXED), **fields)
         try:
-            pack = loss_and_grads(algorithm, kind, hidden, weight, ref_weight, targets, inputs, split=split,
-                                  rows=rows, parts=parts, process_group=process_group, **options)
+            pack = loss_and_grads(
+                algorithm,
+                kind,
+                hidden,
+                weight,
+                ref_weight,
+                targets,
+                inputs,
+                split=split,
+                rows=rows,
+                parts=parts,
+                process_group=process_group,
+                **options,
+            )
         except Exception as error:
             raise AssertionError(f"{label} ({split.layout}) failed") from error
         dist.all_reduce(pack)
@@ -199,9 +247,12 @@ def two_ranks(rank, world):
     reduces over the group (`collectives`), the refusal by name, KL-Cov's step selection."""
     torch.set_num_threads(1)  # tiny tensors: a second intra-op thread per rank only contends for the cores
     parts = [slice(0, 2), slice(2, 8)]
-    return {"sp2 contiguous": run_all(all_cases(), SequenceParallel(), slice(None), parts, None),
-            "sp2 load_balanced": run_all(sequence_rules_cases(), SequenceParallel(layout="load_balanced"),
-                                         slice(None), parts, None)}, side_checks(SequenceParallel(layout="load_balanced"))
+    return {
+        "sp2 contiguous": run_all(all_cases(), SequenceParallel(), slice(None), parts, None),
+        "sp2 load_balanced": run_all(
+            sequence_rules_cases(), SequenceParallel(layout="load_balanced"), slice(None), parts, None
+        ),
+    }, side_checks(SequenceParallel(layout="load_balanced"))
 
 
 def side_checks(split):
@@ -214,14 +265,20 @@ def side_checks(split):
         normalizer = algorithm.step_normalizer(call["mask"], sequence_parallel=split)
         leaf = lp.detach().requires_grad_(True)
         with counted() as forward:
-            loss = algorithm(leaf, **{k: call[k] for k in ("old_log_prob", "advantages", "mask", "ref_log_prob")},
-                             normalizer=normalizer).loss
+            loss = algorithm(
+                leaf,
+                **{k: call[k] for k in ("old_log_prob", "advantages", "mask", "ref_log_prob")},
+                normalizer=normalizer,
+            ).loss
         with counted() as backward:
             loss.backward()
         out["collectives"][name] = (dict(forward), dict(backward))
     try:
-        pgloss.get("clip_cov")(lp, **{k: call[k] for k in ("old_log_prob", "advantages", "mask")},
-                               normalizer=pgloss.get("clip_cov").step_normalizer(call["mask"], sequence_parallel=split))
+        pgloss.get("clip_cov")(
+            lp,
+            **{k: call[k] for k in ("old_log_prob", "advantages", "mask")},
+            normalizer=pgloss.get("clip_cov").step_normalizer(call["mask"], sequence_parallel=split),
+        )
     except ValueError as error:
         out["refusal"] = str(error)
     out["host syncs"] = host_syncs(split)
@@ -247,9 +304,14 @@ def host_syncs(split):
         if getattr(algorithm, "selection", None) is not None:
             algorithm = dataclasses.replace(algorithm, selection=split.shard(algorithm.selection))
         normalizer = algorithm.step_normalizer(
-            given["mask"], old_log_probs=given["old_log_prob"], rollout_log_probs=given.get("rollout_log_prob"),
-            group_ids=given.get("group_ids"), scores=given.get("scores"), expert=given.get("expert"),
-            sequence_parallel=split)
+            given["mask"],
+            old_log_probs=given["old_log_prob"],
+            rollout_log_probs=given.get("rollout_log_prob"),
+            group_ids=given.get("group_ids"),
+            scores=given.get("scores"),
+            expert=given.get("expert"),
+            sequence_parallel=split,
+        )
         lp, ent = log_probs_and_entropy(split.shard(hidden), weight.clone().requires_grad_(True), split.shard(targets))
         try:
             with no_host_sync():
@@ -269,9 +331,13 @@ def torch_layouts():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     positions = torch.arange(ROWS * WIDTH, dtype=torch.float64).view(ROWS, WIDTH)
     balancer = _HeadTailLoadBalancer(WIDTH, dist.get_world_size(), "cpu")
-    return {layout: torch.equal(SequenceParallel(layout=layout).shard(positions),
-                                _context_parallel_shard(mesh, [positions], [1], load_balancer=balancer)[0])
-            for layout, balancer in (("contiguous", None), ("load_balanced", balancer))}
+    return {
+        layout: torch.equal(
+            SequenceParallel(layout=layout).shard(positions),
+            _context_parallel_shard(mesh, [positions], [1], load_balancer=balancer)[0],
+        )
+        for layout, balancer in (("contiguous", None), ("load_balanced", balancer))
+    }
 
 
 @contextlib.contextmanager
@@ -284,6 +350,7 @@ def counted():
         def call(*args, **kwargs):
             calls[name] += 1
             return originals[name](*args, **kwargs)
+
         return call
 
     for name in originals:
@@ -306,12 +373,21 @@ def four_ranks(rank, world):
     mesh_split = SequenceParallel(group=mesh.get_group("sp"))
     # the corrections whose step statistics are reduced over the data-parallel group too: the kept tokens' counts
     # (a sequence rule after a token rule) and the step's mean weight
-    stepwise = [case for case in corrections_cases() if case[2] in ("chained rejection", "batch-normalised")
-                or case[0] in EXTRA or (case[2] == "none" and not accepts(case[1], "chained rejection", FIXED))]
-    return {"dp2 x sp2 contiguous": run_all(stepwise, mesh_split, slice(4 * dp, 4 * dp + 4), [slice(0, 2), slice(2, 4)],
-                                            mesh.get_group("dp")),
-            "sp4 load_balanced": run_all(sequence_rules_cases(), SequenceParallel(layout="load_balanced"), slice(None),
-                                         [slice(0, 8)], None)}
+    stepwise = [
+        case
+        for case in corrections_cases()
+        if case[2] in ("chained rejection", "batch-normalised")
+        or case[0] in EXTRA
+        or (case[2] == "none" and not accepts(case[1], "chained rejection", FIXED))
+    ]
+    return {
+        "dp2 x sp2 contiguous": run_all(
+            stepwise, mesh_split, slice(4 * dp, 4 * dp + 4), [slice(0, 2), slice(2, 4)], mesh.get_group("dp")
+        ),
+        "sp4 load_balanced": run_all(
+            sequence_rules_cases(), SequenceParallel(layout="load_balanced"), slice(None), [slice(0, 8)], None
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +411,9 @@ def check(results, expected):
         for config, got in by_config.items():
             assert got, config
             for label, value in got.items():
-                torch.testing.assert_close(value, expected[label], rtol=1e-9, atol=1e-12,
-                                           msg=lambda m: f"{label}, {config}, rank {rank}: {m}")
+                torch.testing.assert_close(
+                    value, expected[label], rtol=1e-9, atol=1e-12, msg=lambda m: f"{label}, {config}, rank {rank}: {m}"
+                )
 
 
 def test_two_ranks_of_one_sequence_group_give_one_process_loss_and_gradients(expected):
@@ -347,9 +424,12 @@ def test_two_ranks_of_one_sequence_group_give_one_process_loss_and_gradients(exp
     # a call reduces only what its configuration reads: DAPO (token ratio, token-mean) nothing; GRPO its
     # sequence lengths (seq-mean-token-mean); GSPO its sequence log-ratio and lengths (one all-reduce), the
     # lengths, and the log-ratio's gradient in backward; FIPO gathers its Future-KL's input once
-    assert side["collectives"] == {"dapo": ({}, {}), "grpo": ({"all_reduce": 1}, {}),
-                                   "gspo": ({"all_reduce": 2}, {"all_reduce": 1}),
-                                   "fipo": ({"all_gather": 1}, {})}
+    assert side["collectives"] == {
+        "dapo": ({}, {}),
+        "grpo": ({"all_reduce": 1}, {}),
+        "gspo": ({"all_reduce": 2}, {"all_reduce": 1}),
+        "fipo": ({"all_gather": 1}, {}),
+    }
     assert "clip_cov cannot be computed over sequences split across ranks" in side["refusal"]
     assert side["layouts"] == {"contiguous": True, "load_balanced": True}
     assert side["host syncs"] == {}

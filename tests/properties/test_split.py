@@ -1,13 +1,13 @@
 """Split invariance: micro-batches sharing one Normalizer give the whole batch's loss and gradient."""
 
 import pytest
+import torch
+from conftest import algorithm, make_batch, optional_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
+from properties.micro_batches import cut, parts_of, split_call
 
 import pgloss
-from conftest import algorithm, make_batch, optional_inputs
-from properties.micro_batches import cut, parts_of, split_call
 
 SPLITS = [[0, 1, 2, 3, 4, 5, 6, 7, 8], [2, 4, 3], [1, 1, 7]]  # rows per micro-batch (uneven)
 
@@ -16,8 +16,16 @@ def run(alg, data, sizes, *, normalizer_from_whole_step=True):
     """Return (summed loss, summed log_prob gradient) over micro-batches of `sizes` rows."""
     parts = parts_of(sizes)
     normalizer = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
-    return split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
-                      advantages=data["advantages"], mask=data["mask"], **optional_inputs(data))
+    return split_call(
+        alg,
+        data["log_prob"],
+        parts,
+        normalizer,
+        old_log_prob=data["old_log_prob"],
+        advantages=data["advantages"],
+        mask=data["mask"],
+        **optional_inputs(data),
+    )
 
 
 @pytest.mark.parametrize("mode", pgloss.AGG_MODES)
@@ -47,8 +55,13 @@ def test_per_micro_batch_normalisation_would_not_be_invariant():
     data = make_batch(batch=9, length=6, seed=23)
     alg = pgloss.get("dapo")
     whole_loss, _ = run(alg, data, [9])
-    local = sum(alg(data["log_prob"][s], data["old_log_prob"][s], data["advantages"][s], data["mask"][s]).loss
-                for s in (slice(0, 2), slice(2, 9))) / 2
+    local = (
+        sum(
+            alg(data["log_prob"][s], data["old_log_prob"][s], data["advantages"][s], data["mask"][s]).loss
+            for s in (slice(0, 2), slice(2, 9))
+        )
+        / 2
+    )
     assert abs(local.item() - whole_loss.item()) > 1e-3
 
 

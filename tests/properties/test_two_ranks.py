@@ -4,13 +4,12 @@ Each rank computes its share of the batch with the all-reduced Normalizer; avera
 ranks' gradients, as DDP does, must give the gradient of the whole batch on one process.
 """
 
-
 import torch
 import torch.distributed as dist
-
-import pgloss
 from conftest import algorithm, make_batch, run_ranks
 from properties.micro_batches import cut, split_call
+
+import pgloss
 
 CASES = [("grpo", mode) for mode in pgloss.AGG_MODES] + [("gspo", "seq-mean-token-mean"), ("fipo", "token-mean")]
 # Rank 0 gets 3 rows split in two micro-batches, rank 1 gets 6 rows: uneven on purpose.
@@ -24,9 +23,17 @@ def worker(rank: int, world: int) -> dict:
         alg = algorithm(name, loss_agg_mode=mode, norm_constant=6.0, kl_coef=0.1)
         parts = RANK_ROWS[rank]
         normalizer = pgloss.Normalizer.count(cut(data["mask"], parts), group_ids=cut(data["group_ids"], parts))
-        _, grad = split_call(alg, data["log_prob"], parts, normalizer, old_log_prob=data["old_log_prob"],
-                             advantages=data["advantages"], mask=data["mask"], ref_log_prob=data["ref_log_prob"],
-                             group_ids=data["group_ids"])
+        _, grad = split_call(
+            alg,
+            data["log_prob"],
+            parts,
+            normalizer,
+            old_log_prob=data["old_log_prob"],
+            advantages=data["advantages"],
+            mask=data["mask"],
+            ref_log_prob=data["ref_log_prob"],
+            group_ids=data["group_ids"],
+        )
         grad = grad.clone()
         dist.all_reduce(grad)
         out[(name, mode)] = grad / dist.get_world_size()  # DDP's gradient average
@@ -39,8 +46,15 @@ def test_two_gloo_ranks_match_one_process():
     for name, mode in CASES:
         alg = algorithm(name, loss_agg_mode=mode, norm_constant=6.0, kl_coef=0.1)
         log_prob = data["log_prob"].clone().requires_grad_(True)
-        alg(log_prob, data["old_log_prob"], data["advantages"], data["mask"], ref_log_prob=data["ref_log_prob"],
-            group_ids=data["group_ids"]).loss.backward()
+        alg(
+            log_prob,
+            data["old_log_prob"],
+            data["advantages"],
+            data["mask"],
+            ref_log_prob=data["ref_log_prob"],
+            group_ids=data["group_ids"],
+        ).loss.backward()
         for rank in (0, 1):
-            torch.testing.assert_close(results[rank][(name, mode)], log_prob.grad, rtol=1e-12, atol=1e-14,
-                                       msg=f"{name} {mode} rank {rank}")
+            torch.testing.assert_close(
+                results[rank][(name, mode)], log_prob.grad, rtol=1e-12, atol=1e-14, msg=f"{name} {mode} rank {rank}"
+            )

@@ -9,13 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ranks
 
 TESTS = Path(__file__).resolve().parents[1]
-MODULES = ["advantages/test_estimators", "correction/test_token_masks", "correction/test_m2po",
-           "correction/test_rollout_algorithms", "losses/test_cov_step", "losses/test_real",
-           "advantages/test_baselines", "correction/test_clip_masks", "core/test_step_metrics"]
+MODULES = [
+    "advantages/test_estimators",
+    "correction/test_token_masks",
+    "correction/test_m2po",
+    "correction/test_rollout_algorithms",
+    "losses/test_cov_step",
+    "losses/test_real",
+    "advantages/test_baselines",
+    "correction/test_clip_masks",
+    "core/test_step_metrics",
+]
 
 
 def module(path: str):

@@ -4,15 +4,13 @@ on-policy rows apart, the expert rows on both ranks); each rank computes its sha
 all-reduced step counts, and DDP's gradient average equals one process's gradient. The adaptive
 entropy controller, stepped on each rank from its own micro-batches, moves as on one process."""
 
-
 import pytest
-
 import torch
 import torch.distributed as dist
-
-import pgloss
 from conftest import make_batch, run_ranks
 from properties.micro_batches import cut, split_call
+
+import pgloss
 from pgloss.controllers import AdaptiveEntropy
 
 RANK_ROWS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
@@ -20,12 +18,16 @@ RANK_ROWS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 9)]}
 
 def cases():
     return {
-        "delta_l_0.75": (pgloss.get("dapo", loss_agg_mode="delta-l-norm", norm_constant=6.0, delta_l_alpha=0.75,
-                                    kl_coef=0.1), {}),
+        "delta_l_0.75": (
+            pgloss.get("dapo", loss_agg_mode="delta-l-norm", norm_constant=6.0, delta_l_alpha=0.75, kl_coef=0.1),
+            {},
+        ),
         "positive_nll": (pgloss.get("grpo", positive_nll_coef=0.5), {}),
         "chord": (pgloss.get("chord", chord_mu=0.3, kl_coef=0.1), {"expert": EXPERT}),
-        "chord_seq": (pgloss.get("chord", chord_mu=0.6, loss_agg_mode="seq-mean-token-mean", sft_weight="none"),
-                      {"expert": EXPERT}),
+        "chord_seq": (
+            pgloss.get("chord", chord_mu=0.6, loss_agg_mode="seq-mean-token-mean", sft_weight="none"),
+            {"expert": EXPERT},
+        ),
     }
 
 
@@ -39,11 +41,21 @@ def data():
 
 
 def step(alg, batch, parts, extra):
-    normalizer = alg.step_normalizer(cut(batch["mask"], parts), scores=cut(batch["scores"], parts),
-                                     **{k: cut(v, parts) for k, v in extra.items()})
-    return split_call(alg, batch["log_prob"], parts, normalizer, old_log_prob=batch["old_log_prob"],
-                      advantages=batch["advantages"], mask=batch["mask"], ref_log_prob=batch["ref_log_prob"],
-                      scores=batch["scores"], **extra)[1]
+    normalizer = alg.step_normalizer(
+        cut(batch["mask"], parts), scores=cut(batch["scores"], parts), **{k: cut(v, parts) for k, v in extra.items()}
+    )
+    return split_call(
+        alg,
+        batch["log_prob"],
+        parts,
+        normalizer,
+        old_log_prob=batch["old_log_prob"],
+        advantages=batch["advantages"],
+        mask=batch["mask"],
+        ref_log_prob=batch["ref_log_prob"],
+        scores=batch["scores"],
+        **extra,
+    )[1]
 
 
 def controller_run(parts_per_step):

@@ -19,11 +19,13 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
-from pgloss.vocab import kernels as route, triton_kernels
+from pgloss.vocab import kernels as route
+from pgloss.vocab import triton_kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
-HEAD_DTYPES = tuple({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-                    for dtype in route.KERNEL_DTYPES)
+HEAD_DTYPES = tuple(
+    {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype] for dtype in route.KERNEL_DTYPES
+)
 """the LM head's dtypes the kernel route takes, in Triton's names, cycled over a kernel's flag combinations"""
 HEAD_POINTERS = {"R", "B", "R2", "B2"}  # the head's outputs and bias, in its dtype
 INDEX_POINTERS = {"TARGETS"}
@@ -34,8 +36,11 @@ WIDEST_BLOCK, WIDEST_WARPS = route.launch_shape(1 << 30)
 
 
 def kernels(broken=False) -> dict:
-    found = {name: value for name, value in vars(triton_kernels).items()
-             if isinstance(value, triton.runtime.jit.JITFunction) and not name.startswith("_")}
+    found = {
+        name: value
+        for name, value in vars(triton_kernels).items()
+        if isinstance(value, triton.runtime.jit.JITFunction) and not name.startswith("_")
+    }
     if broken:
         found["broken"] = _broken
     return found
@@ -90,8 +95,11 @@ def flag_combinations(kernel):
 
 def source(kernel, flags: dict, head: str) -> ASTSource:
     names = [parameter.name for parameter in kernel.params]
-    return ASTSource(kernel, signature(kernel, flags, head),
-                     constexprs={(names.index(name),): value for name, value in flags.items()})
+    return ASTSource(
+        kernel,
+        signature(kernel, flags, head),
+        constexprs={(names.index(name),): value for name, value in flags.items()},
+    )
 
 
 def front_end(kernel, flags: dict, head: str) -> str:
@@ -101,8 +109,9 @@ def front_end(kernel, flags: dict, head: str) -> str:
     context = triton._C.libtriton.ir.context()
     triton._C.libtriton.ir.load_dialects(context)
     backend.load_dialects(context)
-    module = source(kernel, flags, head).make_ir(TARGET, options, backend.get_codegen_implementation(options),
-                                                backend.get_module_map(), context)
+    module = source(kernel, flags, head).make_ir(
+        TARGET, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+    )
     return re.sub(r" loc\([^)]*\)", "", str(module))
 
 

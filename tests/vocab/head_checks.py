@@ -27,6 +27,7 @@ def assert_refuses_bad_head(call, bias: torch.Tensor, prefix: str = "") -> None:
     `{prefix}head=HeadOptions(...)`, whose parts are named `{prefix}head.bias`, ... `bias` is a valid float64 bias
     on the CPU."""
     for record in (False, True):
+
         def bad(option: str, value: object):
             """`call` with one bad option, and that option's name in the error."""
             if record:
@@ -36,10 +37,11 @@ def assert_refuses_bad_head(call, bias: torch.Tensor, prefix: str = "") -> None:
 
         w = f"{prefix}weight"
         for value, error, message in (
-                (bias[:-1], ValueError, rf"must have shape \[V\] = \[{bias.shape[0]}\] \(the rows of {w}\), got"),
-                (bias.float(), TypeError, f"has dtype torch.float32 but {w} has torch.float64"),
-                (bias.tolist(), TypeError, "must be a Tensor or None, got list"),
-                (torch.empty_like(bias, device="meta"), ValueError, f"is on meta but {w} is on cpu")):
+            (bias[:-1], ValueError, rf"must have shape \[V\] = \[{bias.shape[0]}\] \(the rows of {w}\), got"),
+            (bias.float(), TypeError, f"has dtype torch.float32 but {w} has torch.float64"),
+            (bias.tolist(), TypeError, "must be a Tensor or None, got list"),
+            (torch.empty_like(bias, device="meta"), ValueError, f"is on meta but {w} is on cpu"),
+        ):
             run, name = bad("bias", value)
             with pytest.raises(error, match=f"^{re.escape(name)} {message}"):
                 run()
@@ -48,8 +50,9 @@ def assert_refuses_bad_head(call, bias: torch.Tensor, prefix: str = "") -> None:
             with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a finite number > 0, got {value}"):
                 run()
             run, name = bad("softcap", value)
-            with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a finite number > 0 or None, "
-                                                 f"got {value}"):
+            with pytest.raises(
+                ValueError, match=f"^{re.escape(name)} must be a finite number > 0 or None, got {value}"
+            ):
                 run()
         for value in (math.inf, math.nan):
             for option in ("logit_scale", "softcap"):

@@ -15,6 +15,7 @@ def normal(seed: int, device):
 
     def r(*shape, scale=1.0):
         return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).float().to(device)
+
     return gen, r
 
 
@@ -56,8 +57,10 @@ def jsd(z_student, z_teacher, beta):
 
 def largest_error(got, expected):
     """max |got − expected| over a list of pairs of tensors (float64, on the CPU)."""
-    return max((a.detach().double().cpu() - b.detach().double().cpu()).abs().max().item()
-               for a, b in zip(got, expected, strict=True))
+    return max(
+        (a.detach().double().cpu() - b.detach().double().cpu()).abs().max().item()
+        for a, b in zip(got, expected, strict=True)
+    )
 
 
 def scale_of(tensors):

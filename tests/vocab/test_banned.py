@@ -6,15 +6,15 @@ formed by hand (plain_head.py), a banned logit stood in for by one 10⁴ below t
 
 import pytest
 import torch
+from vocab import plain_head
+from vocab.plain_head import ROUTES, largest_error, scale_of
 
 import pgloss
 from pgloss.vocab import kernels
-from pgloss.vocab.divergence import divergence_from_hidden
 from pgloss.vocab.banned import LOG_PROB_FLOOR
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
+from pgloss.vocab.divergence import divergence_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden
-from vocab import plain_head
-from vocab.plain_head import ROUTES, largest_error, scale_of
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,15 +30,24 @@ def draw(seed=0, shift=0.0):
     bias[BANNED] = -torch.inf
     allowed = torch.tensor([v for v in range(V) if v not in BANNED])
     targets = allowed[torch.randint(0, len(allowed), (B, T), generator=gen)].to(DEVICE)
-    return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.5), bias=bias, ref_hidden=r(B, T, H),
-                ref_weight=r(V, H, scale=0.5), upstream=r(B, T), upstream2=r(B, T), targets=targets)
+    return dict(
+        hidden=r(B, T, H),
+        weight=r(V, H, scale=0.5),
+        bias=bias,
+        ref_hidden=r(B, T, H),
+        ref_weight=r(V, H, scale=0.5),
+        upstream=r(B, T),
+        upstream2=r(B, T),
+        targets=targets,
+    )
 
 
 def run(route, x, targets, tiles, **head):
     h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
     with kernels.use(route):
-        lp, ent = log_prob_and_entropy_from_hidden(h, w, targets, bias=b, temperature=0.7, chunk_size=tiles[0],
-                                                   vocab_block=tiles[1], **head)
+        lp, ent = log_prob_and_entropy_from_hidden(
+            h, w, targets, bias=b, temperature=0.7, chunk_size=tiles[0], vocab_block=tiles[1], **head
+        )
         (lp * x["upstream"] + ent * x["upstream2"]).sum().backward()
     return [lp, ent, h.grad, w.grad, b.grad]
 
@@ -114,7 +123,8 @@ def test_divergences_with_tokens_banned_by_both_heads(route, beta):
     z = plain_head.finite(plain_head.logits(h2, x["weight"].cpu(), x["bias"].cpu()))
     z_other = plain_head.finite(plain_head.logits(x["ref_hidden"].cpu(), x["ref_weight"].cpu(), other_bias.cpu()))
     expected = {0.0: lambda: plain_head.kl(z_other, z), 1.0: lambda: plain_head.kl(z, z_other)}.get(
-        beta, lambda: plain_head.jsd(z, z_other, beta))()
+        beta, lambda: plain_head.jsd(z, z_other, beta)
+    )()
     (expected * x["upstream"].double().cpu()).sum().backward()
     expected = [expected, h2.grad] + ([expected] if beta == 1.0 else [])
     assert largest_error(got, expected) <= RTOL * scale_of(expected)
@@ -125,11 +135,27 @@ def divergence(route, x, other_bias, beta):
     h = x["hidden"].clone().requires_grad_()
     mask = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     with kernels.use(route):
-        out = divergence_from_hidden(h, x["weight"], x["ref_hidden"], x["ref_weight"], mask, beta=beta,
-                                     bias=x["bias"], teacher_bias=other_bias, vocab_block=10)
+        out = divergence_from_hidden(
+            h,
+            x["weight"],
+            x["ref_hidden"],
+            x["ref_weight"],
+            mask,
+            beta=beta,
+            bias=x["bias"],
+            teacher_bias=other_bias,
+            vocab_block=10,
+        )
         (out.per_token * x["upstream"]).sum().backward()
-        extra = [full_kl_from_hidden(x["hidden"], x["weight"], x["ref_hidden"], x["ref_weight"], bias=x["bias"],
-                                     ref_bias=other_bias)] if beta == 1.0 else []
+        extra = (
+            [
+                full_kl_from_hidden(
+                    x["hidden"], x["weight"], x["ref_hidden"], x["ref_weight"], bias=x["bias"], ref_bias=other_bias
+                )
+            ]
+            if beta == 1.0
+            else []
+        )
     return [out.per_token, h.grad, *extra]
 
 
@@ -165,9 +191,16 @@ def test_a_loss_whose_padding_sits_on_a_banned_token(route, chunk_size):
     for pad in (-100, int(x["targets"][0, 0])):
         h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
         with kernels.use(route):
-            out = algorithm.from_hidden(h, w, x["targets"].masked_fill(~mask, pad), bias=x["bias"],
-                                        old_log_prob=old, advantages=torch.tensor([1.0, -0.5], device=DEVICE),
-                                        mask=mask, chunk_size=chunk_size)
+            out = algorithm.from_hidden(
+                h,
+                w,
+                x["targets"].masked_fill(~mask, pad),
+                bias=x["bias"],
+                old_log_prob=old,
+                advantages=torch.tensor([1.0, -0.5], device=DEVICE),
+                mask=mask,
+                chunk_size=chunk_size,
+            )
             out.loss.backward()
         results.append([out.loss, h.grad, w.grad])
     assert all(torch.isfinite(t).all() for t in results[0])

@@ -20,16 +20,16 @@ Parity with TRL 1.16 on the same inputs (B, T, V = 3, 5, 37; H = 8, teacher H' =
 import math
 import warnings
 
+import loops
 import pytest
 import torch
+from properties.micro_batches import cut, micro_batches
 
-import loops
 import pgloss
 import pgloss.vocab.entropy
 from pgloss.core.aggregate import Normalizer, aggregate
 from pgloss.vocab.divergence import divergence_from_hidden, divergence_from_logits
 from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
-from properties.micro_batches import cut, micro_batches
 
 B, T, H, H_T, V = 3, 5, 8, 6, 37
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
@@ -42,8 +42,13 @@ MASK = torch.arange(T)[None, :] < LENGTHS[:, None]
 def make(seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).to(dtype)  # noqa: E731
-    return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.7), teacher_hidden=r(B, T, H_T),
-                teacher_weight=r(V, H_T, scale=0.7), upstream=r(B, T))
+    return dict(
+        hidden=r(B, T, H),
+        weight=r(V, H, scale=0.7),
+        teacher_hidden=r(B, T, H_T),
+        teacher_weight=r(V, H_T, scale=0.7),
+        upstream=r(B, T),
+    )
 
 
 def logits_of(x):
@@ -74,8 +79,15 @@ def small_blocks(monkeypatch):
 def test_from_logits_matches_the_loop(beta, tiles, temperature, small_blocks):
     student, teacher = logits_of(make(seed=1))
     student = (2.0 * student).requires_grad_()  # sharper distributions: the terms differ more
-    out = divergence_from_logits(student, teacher, torch.ones(B, T, dtype=torch.bool), beta=beta,
-                                 temperature=temperature, chunk_size=tiles[0], vocab_block=tiles[1])
+    out = divergence_from_logits(
+        student,
+        teacher,
+        torch.ones(B, T, dtype=torch.bool),
+        beta=beta,
+        temperature=temperature,
+        chunk_size=tiles[0],
+        vocab_block=tiles[1],
+    )
     (grad,) = torch.autograd.grad(out.per_token.sum(), student)
     for i in range(B):
         for t in range(T):
@@ -98,8 +110,17 @@ def small(seed):
 def test_gradcheck_from_logits(beta, vocab_block):
     hidden, weight, teacher_hidden, teacher_weight, mask = small(2)
     teacher = teacher_hidden @ teacher_weight.t()
-    fn = lambda s: divergence_from_logits(s, teacher, mask, beta=beta, temperature=0.7, chunk_size=4,  # noqa: E731
-                                          vocab_block=vocab_block).per_token
+    fn = lambda s: (
+        divergence_from_logits(
+            s,
+            teacher,
+            mask,
+            beta=beta,
+            temperature=0.7,
+            chunk_size=4,
+            vocab_block=vocab_block,
+        ).per_token
+    )
     assert torch.autograd.gradcheck(fn, ((hidden @ weight.t()).requires_grad_(),))
 
 
@@ -107,8 +128,18 @@ def test_gradcheck_from_logits(beta, vocab_block):
 @pytest.mark.parametrize("vocab_block", [None, 4])
 def test_gradcheck_from_hidden(beta, vocab_block):
     hidden, weight, teacher_hidden, teacher_weight, mask = small(3)
-    fn = lambda h, w: divergence_from_hidden(h, w, teacher_hidden, teacher_weight, mask, beta=beta,  # noqa: E731
-                                            chunk_size=4, vocab_block=vocab_block).loss
+    fn = lambda h, w: (
+        divergence_from_hidden(
+            h,
+            w,
+            teacher_hidden,
+            teacher_weight,
+            mask,
+            beta=beta,
+            chunk_size=4,
+            vocab_block=vocab_block,
+        ).loss
+    )
     assert torch.autograd.gradcheck(fn, (hidden.requires_grad_(), weight.requires_grad_()))
 
 
@@ -121,14 +152,26 @@ def test_fused_equals_materialised(beta, tiles, temperature, small_blocks):
     x = make(seed=4)
     hidden, weight = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
     teacher_hidden = x["teacher_hidden"].clone().requires_grad_()
-    fused = divergence_from_hidden(hidden, weight, teacher_hidden, x["teacher_weight"], MASK, beta=beta,
-                                   temperature=temperature, chunk_size=tiles[0], vocab_block=tiles[1])
+    fused = divergence_from_hidden(
+        hidden,
+        weight,
+        teacher_hidden,
+        x["teacher_weight"],
+        MASK,
+        beta=beta,
+        temperature=temperature,
+        chunk_size=tiles[0],
+        vocab_block=tiles[1],
+    )
     (fused.per_token * x["upstream"]).sum().backward()
     h2, w2 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
-    materialised = divergence_from_logits(h2 @ w2.t(), x["teacher_hidden"] @ x["teacher_weight"].t(), MASK, beta=beta,
-                                          temperature=temperature)
+    materialised = divergence_from_logits(
+        h2 @ w2.t(), x["teacher_hidden"] @ x["teacher_weight"].t(), MASK, beta=beta, temperature=temperature
+    )
     (materialised.per_token * x["upstream"]).sum().backward()
-    expected = torch.where(MASK, plain(h2 @ w2.t(), x["teacher_hidden"] @ x["teacher_weight"].t(), beta, temperature), 0.0)
+    expected = torch.where(
+        MASK, plain(h2 @ w2.t(), x["teacher_hidden"] @ x["teacher_weight"].t(), beta, temperature), 0.0
+    )
     torch.testing.assert_close(fused.per_token, expected.detach(), rtol=0, atol=1e-13)
     torch.testing.assert_close(materialised.per_token, expected.detach(), rtol=0, atol=1e-13)
     torch.testing.assert_close(hidden.grad, h2.grad, rtol=0, atol=1e-13)
@@ -144,14 +187,24 @@ def test_reverse_kl_is_full_kl(tiles):
     x = make(seed=5)
     student, teacher = logits_of(x)
     ones = torch.ones(B, T, dtype=torch.bool)
-    ours = divergence_from_logits(student, teacher, ones, beta=1.0, temperature=0.7, chunk_size=tiles[0],
-                                  vocab_block=tiles[1]).per_token
+    ours = divergence_from_logits(
+        student, teacher, ones, beta=1.0, temperature=0.7, chunk_size=tiles[0], vocab_block=tiles[1]
+    ).per_token
     theirs = full_kl_from_logits(student, teacher, temperature=0.7, chunk_size=tiles[0], vocab_block=tiles[1])
     assert torch.equal(ours, theirs)
-    ours = divergence_from_hidden(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], ones, beta=1.0,
-                                  chunk_size=tiles[0], vocab_block=tiles[1]).per_token
-    theirs = full_kl_from_hidden(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"],
-                                 chunk_size=tiles[0], vocab_block=tiles[1])
+    ours = divergence_from_hidden(
+        x["hidden"],
+        x["weight"],
+        x["teacher_hidden"],
+        x["teacher_weight"],
+        ones,
+        beta=1.0,
+        chunk_size=tiles[0],
+        vocab_block=tiles[1],
+    ).per_token
+    theirs = full_kl_from_hidden(
+        x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], chunk_size=tiles[0], vocab_block=tiles[1]
+    )
     assert torch.equal(ours, theirs)
     # and β = 0 is full_kl with the roles swapped (the gradient then goes to the other argument)
     forward = divergence_from_logits(student, teacher, ones, beta=0.0, chunk_size=tiles[0], vocab_block=tiles[1])
@@ -216,9 +269,20 @@ def test_loss_is_aggregate_and_micro_batches_sum_to_the_step(mode):
     parts = [slice(0, 2), slice(2, 3)]
     normalizer = Normalizer.count(cut(MASK, parts))
     leaf = hidden.detach().clone().requires_grad_()
-    total = micro_batches(lambda rows: divergence_from_hidden(
-        leaf[rows], x["weight"], x["teacher_hidden"][rows], x["teacher_weight"], MASK[rows], beta=0.4,
-        loss_agg_mode=mode, normalizer=normalizer, chunk_size=4), parts)
+    total = micro_batches(
+        lambda rows: divergence_from_hidden(
+            leaf[rows],
+            x["weight"],
+            x["teacher_hidden"][rows],
+            x["teacher_weight"],
+            MASK[rows],
+            beta=0.4,
+            loss_agg_mode=mode,
+            normalizer=normalizer,
+            chunk_size=4,
+        ),
+        parts,
+    )
     torch.testing.assert_close(total, whole.loss.detach(), rtol=0, atol=1e-14)
     torch.testing.assert_close(leaf.grad, g_whole, rtol=0, atol=1e-14)
 
@@ -230,8 +294,9 @@ def test_meta_tensors(beta, vocab_block):
     meta = lambda *s: torch.empty(*s, device="meta")  # noqa: E731
     hidden, weight = meta(B, T, H).requires_grad_(), meta(V, H).requires_grad_()
     mask = torch.ones(B, T, dtype=torch.bool, device="meta")
-    out = divergence_from_hidden(hidden, weight, meta(B, T, H_T), meta(V, H_T), mask, beta=beta, chunk_size=4,
-                                 vocab_block=vocab_block)
+    out = divergence_from_hidden(
+        hidden, weight, meta(B, T, H_T), meta(V, H_T), mask, beta=beta, chunk_size=4, vocab_block=vocab_block
+    )
     assert out.per_token.shape == (B, T) and out.per_token.device.type == "meta" and out.loss.shape == ()
     out.loss.backward()
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
@@ -247,8 +312,9 @@ def test_no_n_by_v_tensor_is_saved_for_backward(beta):
     saved = []
     hidden, weight = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        out = divergence_from_hidden(hidden, weight, x["teacher_hidden"], x["teacher_weight"], MASK, beta=beta,
-                                     chunk_size=4, vocab_block=10)
+        out = divergence_from_hidden(
+            hidden, weight, x["teacher_hidden"], x["teacher_weight"], MASK, beta=beta, chunk_size=4, vocab_block=10
+        )
     assert saved and all(math.prod(s) < B * T * V for s in saved), saved
     out.loss.backward()
     assert torch.isfinite(hidden.grad).all()
@@ -308,7 +374,9 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="teacher_weight must have shape"):
         divergence_from_hidden(*args[:3], x["weight"], MASK, beta=0.5)
     with pytest.raises(ValueError, match="teacher_hidden must have shape"):
-        divergence_from_hidden(x["hidden"], x["weight"], x["teacher_hidden"][:, :-1], x["teacher_weight"], MASK, beta=0.5)
+        divergence_from_hidden(
+            x["hidden"], x["weight"], x["teacher_hidden"][:, :-1], x["teacher_weight"], MASK, beta=0.5
+        )
     with pytest.raises(ValueError, match="loss_agg_mode"):
         divergence_from_hidden(*args, beta=0.5, loss_agg_mode="mean")
     with pytest.raises(ValueError, match="memory_budget and chunk_size are exclusive"):
@@ -353,12 +421,16 @@ def test_bfloat16_heads_compute_in_float32(beta):
     in float32, equal to the float64 divergence of the bfloat16 logits to bfloat16 matmul rounding."""
     x = {k: v.to(torch.bfloat16) for k, v in make(seed=14).items()}
     hidden, weight = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
-    out = divergence_from_hidden(hidden, weight, x["teacher_hidden"], x["teacher_weight"], MASK, beta=beta,
-                                 chunk_size=4, vocab_block=10)
+    out = divergence_from_hidden(
+        hidden, weight, x["teacher_hidden"], x["teacher_weight"], MASK, beta=beta, chunk_size=4, vocab_block=10
+    )
     out.loss.backward()
     assert out.per_token.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
-    expected = plain(hidden.detach().double() @ weight.detach().double().t(),
-                     x["teacher_hidden"].double() @ x["teacher_weight"].double().t(), beta)
+    expected = plain(
+        hidden.detach().double() @ weight.detach().double().t(),
+        x["teacher_hidden"].double() @ x["teacher_weight"].double().t(),
+        beta,
+    )
     # measured: within 0.2% relative (bfloat16 logits carry 8 bits)
     torch.testing.assert_close(out.per_token.double(), torch.where(MASK, expected, 0.0), rtol=5e-3, atol=1e-3)
     assert torch.isfinite(hidden.grad.float()).all() and hidden.grad[MASK].abs().max() > 0
@@ -372,9 +444,21 @@ def test_compiles_whole_forward_and_backward(beta):
     Each case from a reset: a β that changes between compiles of one function makes it a symbolic float,
     which the checks of β and τ (math.isfinite) cannot read."""
     hidden, weight, teacher_hidden, teacher_weight, mask = small(15)
-    hidden, weight, teacher_hidden, teacher_weight = (t.float() for t in (hidden, weight, teacher_hidden, teacher_weight))
-    call = lambda h, w: divergence_from_hidden(h, w, teacher_hidden, teacher_weight, mask, beta=beta,  # noqa: E731
-                                               chunk_size=4, vocab_block=4).loss
+    hidden, weight, teacher_hidden, teacher_weight = (
+        t.float() for t in (hidden, weight, teacher_hidden, teacher_weight)
+    )
+    call = lambda h, w: (
+        divergence_from_hidden(
+            h,
+            w,
+            teacher_hidden,
+            teacher_weight,
+            mask,
+            beta=beta,
+            chunk_size=4,
+            vocab_block=4,
+        ).loss
+    )
     torch._dynamo.reset()
     compiled = torch.compile(call, fullgraph=True, backend="inductor")
     (h1, w1), (h2, w2) = [(hidden.clone().requires_grad_(), weight.clone().requires_grad_()) for _ in range(2)]

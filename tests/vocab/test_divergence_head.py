@@ -13,12 +13,12 @@ value max abs 4.77e-6 (rel 8.2e-7), the gradients within the bounds above.
 
 import math
 
+import loops
 import pytest
 import torch
-
-import loops
-from pgloss.vocab.divergence import divergence_from_hidden
 from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, with_biases
+
+from pgloss.vocab.divergence import divergence_from_hidden
 
 B, T, H, H_T, V = 3, 5, 8, 6, 37
 TAU = 0.7
@@ -30,8 +30,15 @@ MASK = torch.arange(T)[None, :] < torch.tensor([5, 3, 1])[:, None]
 def make(seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).to(dtype)  # noqa: E731
-    return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.7), bias=r(V, scale=0.5), teacher_hidden=r(B, T, H_T),
-                teacher_weight=r(V, H_T, scale=0.7), teacher_bias=r(V, scale=0.5), upstream=r(B, T))
+    return dict(
+        hidden=r(B, T, H),
+        weight=r(V, H, scale=0.7),
+        bias=r(V, scale=0.5),
+        teacher_hidden=r(B, T, H_T),
+        teacher_weight=r(V, H_T, scale=0.7),
+        teacher_bias=r(V, scale=0.5),
+        upstream=r(B, T),
+    )
 
 
 # Each model's options (the logits' spread is about 2: soft-caps of 1.5 to 3 bend them).
@@ -41,8 +48,9 @@ OPTIONS = {
     "scale": dict(logit_scale=1.7, teacher_logit_scale=0.6),
     "softcap": dict(softcap=2.5, teacher_softcap=1.5),
     "teacher": dict(teacher_bias=True, teacher_logit_scale=1.3, teacher_softcap=1.5),
-    "all": dict(bias=True, teacher_bias=True, logit_scale=0.8, teacher_logit_scale=1.25, softcap=3.0,
-                teacher_softcap=2.0),
+    "all": dict(
+        bias=True, teacher_bias=True, logit_scale=0.8, teacher_logit_scale=1.25, softcap=3.0, teacher_softcap=2.0
+    ),
 }
 
 
@@ -60,10 +68,16 @@ def loop_reference(x, opts, beta):
     and the upstream-weighted gradients to the student's hidden states, weight and bias by the chain rule
     ∂D/∂(Wx + b)_v = ∂D/∂logits_v · s (1 − tanh²)."""
     weight, teacher_weight = x["weight"].tolist(), x["teacher_weight"].tolist()
-    student_head = dict(bias=x["bias"].tolist() if opts.get("bias") is not None else None,
-                        scale=opts.get("logit_scale", 1.0), softcap=opts.get("softcap"))
-    teacher_head = dict(bias=x["teacher_bias"].tolist() if opts.get("teacher_bias") is not None else None,
-                        scale=opts.get("teacher_logit_scale", 1.0), softcap=opts.get("teacher_softcap"))
+    student_head = dict(
+        bias=x["bias"].tolist() if opts.get("bias") is not None else None,
+        scale=opts.get("logit_scale", 1.0),
+        softcap=opts.get("softcap"),
+    )
+    teacher_head = dict(
+        bias=x["teacher_bias"].tolist() if opts.get("teacher_bias") is not None else None,
+        scale=opts.get("teacher_logit_scale", 1.0),
+        softcap=opts.get("teacher_softcap"),
+    )
     values = torch.zeros(B, T, dtype=torch.float64)
     g_hidden, g_weight, g_bias = torch.zeros(B, T, H, dtype=torch.float64), [[0.0] * H for _ in range(V)], [0.0] * V
     for i in range(B):
@@ -77,8 +91,9 @@ def loop_reference(x, opts, beta):
             slope = loops.head_slope(h_row, weight, **student_head)
             up = float(x["upstream"][i, t])
             g_raw = [up * g * s for g, s in zip(loops.divergence_grad(student, teacher, beta, TAU), slope)]
-            g_hidden[i, t] = torch.tensor([sum(g_raw[v] * weight[v][k] for v in range(V)) for k in range(H)],
-                                          dtype=torch.float64)
+            g_hidden[i, t] = torch.tensor(
+                [sum(g_raw[v] * weight[v][k] for v in range(V)) for k in range(H)], dtype=torch.float64
+            )
             for v in range(V):
                 g_bias[v] += g_raw[v]
                 for k in range(H):
@@ -93,8 +108,18 @@ def test_matches_the_loop(beta, name, tiles):
     x = make(seed=1)
     hidden, weight, bias = leaves(x)
     opts = options(name, x, bias)
-    out = divergence_from_hidden(hidden, weight, x["teacher_hidden"], x["teacher_weight"], MASK, beta=beta,
-                                 temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **opts)
+    out = divergence_from_hidden(
+        hidden,
+        weight,
+        x["teacher_hidden"],
+        x["teacher_weight"],
+        MASK,
+        beta=beta,
+        temperature=TAU,
+        chunk_size=tiles[0],
+        vocab_block=tiles[1],
+        **opts,
+    )
     (out.per_token * x["upstream"]).sum().backward()
     values, g_hidden, g_weight, g_bias = loop_reference(x, opts, beta)
     # measured worst cases: values 7.6e-15, ∂/∂hidden 1.9e-14, ∂/∂weight 3.5e-14, ∂/∂bias 4.4e-15
@@ -129,8 +154,13 @@ def test_defaults_leave_the_plain_head_bit_for_bit(beta, tiles, dtype):
     args = (x["teacher_hidden"], x["teacher_weight"], MASK)
     sizes = dict(beta=beta, temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1])
     results = []
-    for extra in ({}, dict(bias=None, teacher_bias=None, logit_scale=1.0, teacher_logit_scale=1.0, softcap=None,
-                           teacher_softcap=None), "zero bias"):
+    for extra in (
+        {},
+        dict(
+            bias=None, teacher_bias=None, logit_scale=1.0, teacher_logit_scale=1.0, softcap=None, teacher_softcap=None
+        ),
+        "zero bias",
+    ):
         hidden, weight, _ = leaves(x)
         if extra == "zero bias":
             zero = torch.zeros(V, dtype=dtype, requires_grad=True)
@@ -157,9 +187,22 @@ ALL_ON = dict(logit_scale=1.3, teacher_logit_scale=0.7, softcap=1.5, teacher_sof
 @pytest.mark.parametrize("vocab_block", [None, 4])
 def test_gradcheck_with_every_option(beta, vocab_block):
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask = small(4)
-    fn = lambda h, w, b: divergence_from_hidden(  # noqa: E731
-        h, w, teacher_hidden, teacher_weight, mask, beta=beta, temperature=TAU, bias=b, teacher_bias=teacher_bias,
-        chunk_size=4, vocab_block=vocab_block, **ALL_ON).per_token
+    fn = lambda h, w, b: (
+        divergence_from_hidden(
+            h,
+            w,
+            teacher_hidden,
+            teacher_weight,
+            mask,
+            beta=beta,
+            temperature=TAU,
+            bias=b,
+            teacher_bias=teacher_bias,
+            chunk_size=4,
+            vocab_block=vocab_block,
+            **ALL_ON,
+        ).per_token
+    )
     assert torch.autograd.gradcheck(fn, (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()))
 
 
@@ -167,8 +210,9 @@ def test_the_teacher_gets_no_gradient():
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask = small(5)
     teacher = [t.requires_grad_() for t in (teacher_hidden, teacher_weight, teacher_bias)]
     bias.requires_grad_()
-    out = divergence_from_hidden(hidden, weight, *teacher[:2], mask, beta=0.3, bias=bias, teacher_bias=teacher[2],
-                                 vocab_block=4, **ALL_ON)
+    out = divergence_from_hidden(
+        hidden, weight, *teacher[:2], mask, beta=0.3, bias=bias, teacher_bias=teacher[2], vocab_block=4, **ALL_ON
+    )
     out.loss.backward()
     assert all(t.grad is None for t in teacher) and bias.grad.abs().max() > 0
 
@@ -182,8 +226,16 @@ def test_memory_budget_and_no_n_by_v_tensor_saved(beta):
     for sizes in (dict(), dict(memory_budget=5 * 8 * 6 * 5)):
         hidden, weight, bias = leaves(x)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-            out = divergence_from_hidden(hidden, weight, x["teacher_hidden"], x["teacher_weight"], MASK, beta=beta,
-                                         **options("all", x, bias), **sizes)
+            out = divergence_from_hidden(
+                hidden,
+                weight,
+                x["teacher_hidden"],
+                x["teacher_weight"],
+                MASK,
+                beta=beta,
+                **options("all", x, bias),
+                **sizes,
+            )
         out.loss.backward()
         results.append((out.per_token, hidden.grad, weight.grad, bias.grad))
     for a, b in zip(*results):
@@ -197,8 +249,19 @@ def test_meta_tensors(beta, vocab_block):
     """The call with every option, forward and backward, on meta tensors: nothing reads a value on the host."""
     meta = lambda *s: torch.empty(*s, device="meta")  # noqa: E731
     hidden, weight, bias = meta(B, T, H).requires_grad_(), meta(V, H).requires_grad_(), meta(V).requires_grad_()
-    out = divergence_from_hidden(hidden, weight, meta(B, T, H_T), meta(V, H_T), MASK.to("meta"), beta=beta,
-                                 bias=bias, teacher_bias=meta(V), chunk_size=4, vocab_block=vocab_block, **ALL_ON)
+    out = divergence_from_hidden(
+        hidden,
+        weight,
+        meta(B, T, H_T),
+        meta(V, H_T),
+        MASK.to("meta"),
+        beta=beta,
+        bias=bias,
+        teacher_bias=meta(V),
+        chunk_size=4,
+        vocab_block=vocab_block,
+        **ALL_ON,
+    )
     assert out.per_token.shape == (B, T) and out.per_token.device.type == "meta" and out.loss.shape == ()
     out.loss.backward()
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape and bias.grad.shape == bias.shape
@@ -209,9 +272,21 @@ def test_meta_tensors(beta, vocab_block):
 def test_compiles_whole_forward_and_backward(beta):
     """torch.compile(fullgraph=True) with every option over vocabulary tiles, with the eager loss and gradients."""
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask = (t.float() for t in small(7))
-    call = lambda h, w, b: divergence_from_hidden(  # noqa: E731
-        h, w, teacher_hidden, teacher_weight, mask, beta=beta, bias=b, teacher_bias=teacher_bias, chunk_size=4,
-        vocab_block=4, **ALL_ON).loss
+    call = lambda h, w, b: (
+        divergence_from_hidden(
+            h,
+            w,
+            teacher_hidden,
+            teacher_weight,
+            mask,
+            beta=beta,
+            bias=b,
+            teacher_bias=teacher_bias,
+            chunk_size=4,
+            vocab_block=4,
+            **ALL_ON,
+        ).loss
+    )
     assert_compiles_like_eager(call, [hidden, weight, bias])
 
 
@@ -223,14 +298,32 @@ def test_bfloat16_heads_with_a_bias(beta):
     x = {k: v.to(torch.bfloat16) for k, v in make(seed=8).items()}
     hidden, weight, bias = leaves(x)
     opts = options("all", x, bias)
-    out = divergence_from_hidden(hidden, weight, x["teacher_hidden"], x["teacher_weight"], MASK, beta=beta,
-                                 temperature=TAU, chunk_size=4, vocab_block=10, **opts)
+    out = divergence_from_hidden(
+        hidden,
+        weight,
+        x["teacher_hidden"],
+        x["teacher_weight"],
+        MASK,
+        beta=beta,
+        temperature=TAU,
+        chunk_size=4,
+        vocab_block=10,
+        **opts,
+    )
     out.loss.backward()
     assert out.per_token.dtype == torch.float32 and bias.grad.dtype == weight.grad.dtype == torch.bfloat16
     exact = {k: v.detach().double() for k, v in x.items()}
     h, w, b = (t.detach().double().requires_grad_() for t in (hidden, weight, bias))
-    expected = divergence_from_hidden(h, w, exact["teacher_hidden"], exact["teacher_weight"], MASK, beta=beta,
-                                      temperature=TAU, **options("all", exact, b))
+    expected = divergence_from_hidden(
+        h,
+        w,
+        exact["teacher_hidden"],
+        exact["teacher_weight"],
+        MASK,
+        beta=beta,
+        temperature=TAU,
+        **options("all", exact, b),
+    )
     expected.loss.backward()
     # measured: values within 0.135% relative, the bias's gradient within 0.29% of its largest entry
     torch.testing.assert_close(out.per_token.double(), expected.per_token.detach(), rtol=2e-3, atol=1e-6)
@@ -268,14 +361,33 @@ def test_parity_with_trl_chunked_divergence(dtype, name, beta, temperature, smal
     ones = torch.ones(B, T, dtype=torch.bool)
     (h1, w1, b1), (h2, w2, b2) = leaves(x), leaves(x)
     opts = options(name, x, b1)
-    ours = divergence_from_hidden(h1, w1, x["teacher_hidden"], x["teacher_weight"], ones, beta=beta,
-                                  temperature=temperature, chunk_size=4, vocab_block=10 if small_tiles else None,
-                                  **opts).per_token
+    ours = divergence_from_hidden(
+        h1,
+        w1,
+        x["teacher_hidden"],
+        x["teacher_weight"],
+        ones,
+        beta=beta,
+        temperature=temperature,
+        chunk_size=4,
+        vocab_block=10 if small_tiles else None,
+        **opts,
+    ).per_token
     (ours * x["upstream"]).sum().backward()
     theirs, _ = cd.ChunkedDivergenceFunction.apply(
-        h2.reshape(-1, H), w2, b2 if "bias" in opts else None, x["teacher_hidden"].reshape(-1, H_T),
-        x["teacher_weight"], opts.get("teacher_bias"), beta, temperature, opts.get("logit_scale", 1.0),
-        opts.get("softcap"), opts.get("teacher_logit_scale", 1.0), opts.get("teacher_softcap"))
+        h2.reshape(-1, H),
+        w2,
+        b2 if "bias" in opts else None,
+        x["teacher_hidden"].reshape(-1, H_T),
+        x["teacher_weight"],
+        opts.get("teacher_bias"),
+        beta,
+        temperature,
+        opts.get("logit_scale", 1.0),
+        opts.get("softcap"),
+        opts.get("teacher_logit_scale", 1.0),
+        opts.get("teacher_softcap"),
+    )
     (theirs.view(B, T) * x["upstream"].to(theirs.dtype)).sum().backward()
     assert ours.dtype == dtype and theirs.dtype == torch.float32
     torch.testing.assert_close(ours.double(), theirs.view(B, T).double(), rtol=0, atol=5e-6)

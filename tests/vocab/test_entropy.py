@@ -50,7 +50,10 @@ def test_matches_plain_float64(temperature, chunk_size, blocks, request):
         request.getfixturevalue("small_blocks")
     logits, targets = make()
     gen = torch.Generator().manual_seed(1)
-    w_lp, w_h = torch.randn(3, 5, generator=gen, dtype=torch.float64), torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    w_lp, w_h = (
+        torch.randn(3, 5, generator=gen, dtype=torch.float64),
+        torch.randn(3, 5, generator=gen, dtype=torch.float64),
+    )
     lp, h, g = value_and_grads(
         lambda x: log_prob_and_entropy(x, targets, temperature=temperature, chunk_size=chunk_size), logits, w_lp, w_h
     )

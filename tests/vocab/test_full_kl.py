@@ -2,10 +2,10 @@
 
 import math
 
+import loops
 import pytest
 import torch
 
-import loops
 import pgloss
 import pgloss.vocab.entropy
 from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
@@ -22,8 +22,13 @@ def plain(logits, ref_logits, temperature=1.0):
 def make(seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).to(dtype)
-    return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.7), ref_hidden=r(B, T, H_REF), ref_weight=r(V, H_REF, scale=0.7),
-                upstream=r(B, T))
+    return dict(
+        hidden=r(B, T, H),
+        weight=r(V, H, scale=0.7),
+        ref_hidden=r(B, T, H_REF),
+        ref_weight=r(V, H_REF, scale=0.7),
+        upstream=r(B, T),
+    )
 
 
 @pytest.fixture
@@ -33,12 +38,17 @@ def small_blocks(monkeypatch):
 
 def test_one_position_matches_the_loop():
     gen = torch.Generator().manual_seed(1)
-    logits, ref = torch.randn(2, V, generator=gen, dtype=torch.float64), torch.randn(2, V, generator=gen, dtype=torch.float64)
+    logits, ref = (
+        torch.randn(2, V, generator=gen, dtype=torch.float64),
+        torch.randn(2, V, generator=gen, dtype=torch.float64),
+    )
     kl = full_kl_from_logits(logits, ref, temperature=0.7)
     expected = [loops.full_kl(a, b, 0.7) for a, b in zip(logits.tolist(), ref.tolist())]
     torch.testing.assert_close(kl, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-14)
     assert (kl > 0).all()
-    torch.testing.assert_close(full_kl_from_logits(logits, logits), torch.zeros(2, dtype=torch.float64), rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        full_kl_from_logits(logits, logits), torch.zeros(2, dtype=torch.float64), rtol=0, atol=1e-14
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -61,8 +71,9 @@ def test_from_logits_value_and_gradient(temperature, chunk_size, small_blocks):
 def test_from_hidden_value_and_gradients(temperature, chunk_size, small_blocks):
     x = make(seed=2)
     hidden, weight = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
-    kl = full_kl_from_hidden(hidden, weight, x["ref_hidden"], x["ref_weight"], temperature=temperature,
-                             chunk_size=chunk_size)
+    kl = full_kl_from_hidden(
+        hidden, weight, x["ref_hidden"], x["ref_weight"], temperature=temperature, chunk_size=chunk_size
+    )
     (kl * x["upstream"]).sum().backward()
     h2, w2 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
     expected = plain(h2 @ w2.t(), x["ref_hidden"] @ x["ref_weight"].t(), temperature)
@@ -91,7 +102,10 @@ def test_no_n_by_v_tensor_is_saved_for_backward():
 
 def test_banned_tokens_of_both_models_contribute_zero():
     gen = torch.Generator().manual_seed(5)
-    logits, ref = torch.randn(2, V, generator=gen, dtype=torch.float64), torch.randn(2, V, generator=gen, dtype=torch.float64)
+    logits, ref = (
+        torch.randn(2, V, generator=gen, dtype=torch.float64),
+        torch.randn(2, V, generator=gen, dtype=torch.float64),
+    )
     banned_logits, banned_ref = logits.clone(), ref.clone()
     banned_logits[:, :3] = -torch.inf
     banned_ref[:, :3] = -torch.inf
@@ -103,7 +117,9 @@ def test_banned_tokens_of_both_models_contribute_zero():
 def test_float32_matches_float64():
     x = make(seed=6, dtype=torch.float32)
     kl32 = full_kl_from_hidden(x["hidden"], x["weight"], x["ref_hidden"], x["ref_weight"], chunk_size=4)
-    kl64 = plain(x["hidden"].double() @ x["weight"].double().t(), x["ref_hidden"].double() @ x["ref_weight"].double().t())
+    kl64 = plain(
+        x["hidden"].double() @ x["weight"].double().t(), x["ref_hidden"].double() @ x["ref_weight"].double().t()
+    )
     assert kl32.dtype == torch.float32
     torch.testing.assert_close(kl32.double(), kl64, rtol=1e-5, atol=1e-6)
 
@@ -136,8 +152,18 @@ def test_algorithm_with_the_exact_kl_from_hidden_matches_materialised_logits(chu
     adv = torch.randn(B, generator=gen, dtype=torch.float64)
     alg = pgloss.get("grpo", kl_estimator="full", kl_coef=0.3)
     h1, w1 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
-    fused = alg.from_hidden(h1, w1, targets, old_log_prob=old, advantages=adv, mask=mask, temperature=0.7,
-                            ref_hidden=x["ref_hidden"], ref_weight=x["ref_weight"], chunk_size=chunk_size)
+    fused = alg.from_hidden(
+        h1,
+        w1,
+        targets,
+        old_log_prob=old,
+        advantages=adv,
+        mask=mask,
+        temperature=0.7,
+        ref_hidden=x["ref_hidden"],
+        ref_weight=x["ref_weight"],
+        chunk_size=chunk_size,
+    )
     fused.loss.backward()
     h2, w2 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
     logits = h2 @ w2.t()
@@ -160,7 +186,13 @@ def test_algorithm_with_the_exact_kl_refuses_missing_inputs():
     with pytest.raises(ValueError, match="needs full_kl"):
         alg(lp, lp, torch.zeros(B, dtype=torch.float64), mask)
     with pytest.raises(ValueError, match="needs ref_hidden and ref_weight"):
-        alg.from_hidden(x["hidden"], x["weight"], torch.zeros(B, T, dtype=torch.long), old_log_prob=lp,
-                        advantages=torch.zeros(B, dtype=torch.float64), mask=mask)
+        alg.from_hidden(
+            x["hidden"],
+            x["weight"],
+            torch.zeros(B, T, dtype=torch.long),
+            old_log_prob=lp,
+            advantages=torch.zeros(B, dtype=torch.float64),
+            mask=mask,
+        )
     with pytest.raises(ValueError, match="takes no kl_correction"):
         pgloss.get("grpo", kl_estimator="full", kl_correction="ratio_weighted")

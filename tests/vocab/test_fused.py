@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from properties.micro_batches import cut, micro_batches
 
 import pgloss
 import pgloss.vocab.entropy
 from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
-from properties.micro_batches import cut, micro_batches
 
 B, T, H, V = 3, 5, 8, 37  # N = 15 tokens; chunk_size 4 divides neither N nor V
 LENGTHS = [5, 3, 1]
@@ -28,8 +28,11 @@ def make(dtype=torch.float64, seed=0):
     targets = torch.randint(0, V, (B, T), generator=gen).masked_fill(~mask, -100)  # padding ids at masked slots
     hidden, weight = randn(B, T, H), randn(V, H, scale=0.7)
     with torch.no_grad():  # old / ref / rollout log-probs near the current ones, so that ratios vary around 1
-        current = torch.log_softmax(hidden.double() @ weight.double().t(), -1).gather(
-            -1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        current = (
+            torch.log_softmax(hidden.double() @ weight.double().t(), -1)
+            .gather(-1, targets.clamp(min=0).unsqueeze(-1))
+            .squeeze(-1)
+        )
     old = (current + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).to(dtype)
     ref = (current + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)).to(dtype)
     rollout = (current + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)).to(dtype)
@@ -37,8 +40,17 @@ def make(dtype=torch.float64, seed=0):
     old = old.masked_fill(~mask, float("nan"))
     old[2, 4] = float("inf")
     ref = ref.masked_fill(~mask, -float("inf"))
-    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, old_log_prob=old, ref_log_prob=ref,
-                rollout_log_prob=rollout, teacher_log_prob=teacher, advantages=randn(B))
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        targets=targets,
+        mask=mask,
+        old_log_prob=old,
+        ref_log_prob=ref,
+        rollout_log_prob=rollout,
+        teacher_log_prob=teacher,
+        advantages=randn(B),
+    )
 
 
 def unfused(alg, inputs, *, temperature=1.0, **kw):
@@ -47,14 +59,29 @@ def unfused(alg, inputs, *, temperature=1.0, **kw):
     log_pi = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
     log_prob = log_pi.gather(-1, inputs["targets"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
     entropy = -(log_pi.exp() * log_pi).sum(-1)
-    return alg(log_prob=log_prob, old_log_prob=inputs["old_log_prob"], advantages=inputs["advantages"],
-               mask=inputs["mask"], ref_log_prob=inputs["ref_log_prob"], entropy=entropy, **kw)
+    return alg(
+        log_prob=log_prob,
+        old_log_prob=inputs["old_log_prob"],
+        advantages=inputs["advantages"],
+        mask=inputs["mask"],
+        ref_log_prob=inputs["ref_log_prob"],
+        entropy=entropy,
+        **kw,
+    )
 
 
 def fused(alg, inputs, **kw):
-    return loss_from_hidden(alg, inputs["hidden"], inputs["weight"], inputs["targets"],
-                            old_log_prob=inputs["old_log_prob"], advantages=inputs["advantages"],
-                            mask=inputs["mask"], ref_log_prob=inputs["ref_log_prob"], **kw)
+    return loss_from_hidden(
+        alg,
+        inputs["hidden"],
+        inputs["weight"],
+        inputs["targets"],
+        old_log_prob=inputs["old_log_prob"],
+        advantages=inputs["advantages"],
+        mask=inputs["mask"],
+        ref_log_prob=inputs["ref_log_prob"],
+        **kw,
+    )
 
 
 def run(path, alg, inputs, **kw):
@@ -92,8 +119,11 @@ def test_every_algorithm_matches_unfused_float64(name, temperature, path, small_
     alg = algorithm(name, kl_coef=0.05, entropy_coef=0.01)
     inputs = leaves(make())
     # The row inputs and the teacher for the names that need them (REAL, TOPR, OPD); the others ignore them.
-    extra = dict(group_ids=torch.tensor([0, 0, 1]), scores=torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64),
-                 teacher_log_prob=inputs["teacher_log_prob"])
+    extra = dict(
+        group_ids=torch.tensor([0, 0, 1]),
+        scores=torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64),
+        teacher_log_prob=inputs["teacher_log_prob"],
+    )
     torch.manual_seed(0)  # Clip-Cov draws from the global generator: the same draw on both paths
     out, gh, gw = run(fused, alg, inputs, temperature=temperature, chunk_size=PATHS[path], **extra)
     torch.manual_seed(0)
@@ -133,11 +163,26 @@ def test_from_hidden_method_and_normalizer_micro_batches(path):
     whole, gh, gw = run(fused, alg, inputs, group_ids=group_ids, chunk_size=PATHS[path])
     parts = [slice(0, 1), slice(1, 3)]
     normalizer = pgloss.Normalizer.count(cut(inputs["mask"], parts), group_ids=cut(group_ids, parts))
-    hidden, weight = inputs["hidden"].detach().clone().requires_grad_(), inputs["weight"].detach().clone().requires_grad_()
-    total = micro_batches(lambda p: alg.from_hidden(
-        hidden[p], weight, inputs["targets"][p], old_log_prob=inputs["old_log_prob"][p],
-        advantages=inputs["advantages"][p], mask=inputs["mask"][p], ref_log_prob=inputs["ref_log_prob"][p],
-        normalizer=normalizer, group_ids=group_ids[p], temperature=1.0, chunk_size=PATHS[path]), parts)
+    hidden, weight = (
+        inputs["hidden"].detach().clone().requires_grad_(),
+        inputs["weight"].detach().clone().requires_grad_(),
+    )
+    total = micro_batches(
+        lambda p: alg.from_hidden(
+            hidden[p],
+            weight,
+            inputs["targets"][p],
+            old_log_prob=inputs["old_log_prob"][p],
+            advantages=inputs["advantages"][p],
+            mask=inputs["mask"][p],
+            ref_log_prob=inputs["ref_log_prob"][p],
+            normalizer=normalizer,
+            group_ids=group_ids[p],
+            temperature=1.0,
+            chunk_size=PATHS[path],
+        ),
+        parts,
+    )
     torch.testing.assert_close(total, whole.loss.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(hidden.grad, gh, rtol=0, atol=1e-12)
     torch.testing.assert_close(weight.grad, gw, rtol=0, atol=1e-12)
@@ -189,7 +234,10 @@ def test_scaled_loss_no_grad_and_single_backward(path):
     alg = algorithm("gspo_token", entropy_coef=0.01)
     inputs = leaves(make(seed=9))
     ref, gh_ref, gw_ref = run(unfused, alg, inputs)
-    hidden, weight = inputs["hidden"].detach().clone().requires_grad_(), inputs["weight"].detach().clone().requires_grad_()
+    hidden, weight = (
+        inputs["hidden"].detach().clone().requires_grad_(),
+        inputs["weight"].detach().clone().requires_grad_(),
+    )
     out = fused(alg, {**inputs, "hidden": hidden, "weight": weight}, chunk_size=PATHS[path])
     (-2.5 * out.loss).backward()
     torch.testing.assert_close(hidden.grad, -2.5 * gh_ref, rtol=0, atol=1e-12)
@@ -237,8 +285,12 @@ def test_bad_inputs_raise():
     inputs = make()
     alg = algorithm("grpo")
     h, w, y = inputs["hidden"], inputs["weight"], inputs["targets"]
-    kw = dict(old_log_prob=inputs["old_log_prob"], advantages=inputs["advantages"], mask=inputs["mask"],
-              ref_log_prob=inputs["ref_log_prob"])
+    kw = dict(
+        old_log_prob=inputs["old_log_prob"],
+        advantages=inputs["advantages"],
+        mask=inputs["mask"],
+        ref_log_prob=inputs["ref_log_prob"],
+    )
     cases = [
         (dict(hidden=h[0]), ValueError, "hidden must have 3 dimensions"),
         (dict(hidden=h.long()), TypeError, "hidden must be a floating tensor"),

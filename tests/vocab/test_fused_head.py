@@ -9,11 +9,11 @@ and the recompute routes, and the exact KL to a reference head), `full_kl_from_h
 
 import pytest
 import torch
+from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, with_biases
 
 import pgloss
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
-from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, with_biases
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
 
 B, T, H, H_REF, V = 3, 5, 8, 6, 37  # N = 15 tokens
 TAU = 0.7
@@ -38,9 +38,19 @@ ALL_ON = dict(logit_scale=1.3, softcap=1.5)
 def make(seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).to(dtype)  # noqa: E731
-    return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.7), bias=r(V, scale=0.5), ref_hidden=r(B, T, H_REF),
-                ref_weight=r(V, H_REF, scale=0.7), ref_bias=r(V, scale=0.5), upstream=r(B, T), upstream2=r(B, T),
-                targets=torch.randint(0, V, (B, T), generator=gen), noise=r(3, B, T), advantages=r(B))
+    return dict(
+        hidden=r(B, T, H),
+        weight=r(V, H, scale=0.7),
+        bias=r(V, scale=0.5),
+        ref_hidden=r(B, T, H_REF),
+        ref_weight=r(V, H_REF, scale=0.7),
+        ref_bias=r(V, scale=0.5),
+        upstream=r(B, T),
+        upstream2=r(B, T),
+        targets=torch.randint(0, V, (B, T), generator=gen),
+        noise=r(3, B, T),
+        advantages=r(B),
+    )
 
 
 def options(name, x, bias=None, ref=False):
@@ -66,8 +76,13 @@ def policy_logits(hidden, weight, opts):
 
 
 def ref_logits(x, opts):
-    return head_logits(x["ref_hidden"], x["ref_weight"], opts.get("ref_bias"), opts.get("ref_logit_scale", 1.0),
-                       opts.get("ref_softcap"))
+    return head_logits(
+        x["ref_hidden"],
+        x["ref_weight"],
+        opts.get("ref_bias"),
+        opts.get("ref_logit_scale", 1.0),
+        opts.get("ref_softcap"),
+    )
 
 
 def grads(*tensors):
@@ -91,8 +106,9 @@ def test_log_prob_and_entropy_match_the_materialised_logits(name, tiles):
     x = make(seed=1)
     (h1, w1, b1), (h2, w2, b2) = leaves(x), leaves(x)
     opts1, opts2 = options(name, x, b1), options(name, x, b2)
-    lp, ent = log_prob_and_entropy_from_hidden(h1, w1, x["targets"], temperature=TAU, chunk_size=tiles[0],
-                                               vocab_block=tiles[1], **opts1)
+    lp, ent = log_prob_and_entropy_from_hidden(
+        h1, w1, x["targets"], temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **opts1
+    )
     (lp * x["upstream"] + ent * x["upstream2"]).sum().backward()
     lp_ref, ent_ref = pgloss.log_prob_and_entropy(policy_logits(h2, w2, opts2), x["targets"], temperature=TAU)
     (lp_ref * x["upstream"] + ent_ref * x["upstream2"]).sum().backward()
@@ -102,8 +118,9 @@ def test_log_prob_and_entropy_match_the_materialised_logits(name, tiles):
     assert_close_all(grads(h1, w1), grads(h2, w2))
     assert_close_all([b1.grad], [b2.grad if "bias" in opts1 else None])
     if name != "none":  # each option moves log π (the comparison above is not the plain head's twice)
-        plain, _ = pgloss.log_prob_and_entropy(policy_logits(x["hidden"], x["weight"], {}), x["targets"],
-                                               temperature=TAU)
+        plain, _ = pgloss.log_prob_and_entropy(
+            policy_logits(x["hidden"], x["weight"], {}), x["targets"], temperature=TAU
+        )
         assert (lp.detach() - plain).abs().min() > 1e-4
 
 
@@ -114,13 +131,16 @@ def losses(x, opts):
     """grpo with an entropy bonus and its k3 KL to sampled reference log-probs, and grpo with the exact KL to
     the reference head (`REF`'s options): old and reference log-probs near the current ones."""
     with torch.no_grad():
-        current, _ = pgloss.log_prob_and_entropy(policy_logits(x["hidden"], x["weight"], opts), x["targets"],
-                                                 temperature=TAU)
+        current, _ = pgloss.log_prob_and_entropy(
+            policy_logits(x["hidden"], x["weight"], opts), x["targets"], temperature=TAU
+        )
     old, ref = current + 0.3 * x["noise"][0], current + 0.2 * x["noise"][1]
     old = old.masked_fill(~MASK, float("nan"))
     common = dict(old_log_prob=old, advantages=x["advantages"], mask=MASK)
-    return {"grpo": (pgloss.get("grpo", entropy_coef=0.01), dict(common, ref_log_prob=ref)),
-            "grpo+full_kl": (pgloss.get("grpo", kl_estimator="full", kl_coef=0.3, entropy_coef=0.01), common)}
+    return {
+        "grpo": (pgloss.get("grpo", entropy_coef=0.01), dict(common, ref_log_prob=ref)),
+        "grpo+full_kl": (pgloss.get("grpo", kl_estimator="full", kl_coef=0.3, entropy_coef=0.01), common),
+    }
 
 
 def materialised_loss(algorithm, inputs, hidden, weight, x, opts):
@@ -146,8 +166,9 @@ def test_loss_matches_the_materialised_logits(loss, name, route):
     extra = dict(ref_hidden=x["ref_hidden"], ref_weight=x["ref_weight"]) if algorithm.uses_full_kl else {}
     chunk_size, vocab_block = ROUTES[route]
     targets = x["targets"].masked_fill(~MASK, -100)
-    out = algorithm.from_hidden(h1, w1, targets, temperature=TAU, chunk_size=chunk_size, vocab_block=vocab_block,
-                                **inputs, **opts1, **extra)
+    out = algorithm.from_hidden(
+        h1, w1, targets, temperature=TAU, chunk_size=chunk_size, vocab_block=vocab_block, **inputs, **opts1, **extra
+    )
     out.loss.backward()
     expected = materialised_loss(algorithm, inputs, h2, w2, x, opts2)
     expected.loss.backward()
@@ -169,8 +190,18 @@ def test_the_reference_head_gets_no_gradient_and_a_frozen_bias_none():
     hidden, weight, bias = leaves(x)
     bias.requires_grad_(False)
     reference = [x[k].clone().requires_grad_() for k in ("ref_hidden", "ref_weight", "ref_bias")]
-    out = algorithm.from_hidden(hidden, weight, x["targets"], **inputs, bias=bias, softcap=2.0, ref_hidden=reference[0],
-                                ref_weight=reference[1], ref_bias=reference[2], ref_softcap=1.5)
+    out = algorithm.from_hidden(
+        hidden,
+        weight,
+        x["targets"],
+        **inputs,
+        bias=bias,
+        softcap=2.0,
+        ref_hidden=reference[0],
+        ref_weight=reference[1],
+        ref_bias=reference[2],
+        ref_softcap=1.5,
+    )
     out.loss.backward()
     assert all(t.grad is None for t in reference) and bias.grad is None and weight.grad.abs().max() > 0
     hidden, weight, bias = leaves(x)
@@ -187,8 +218,16 @@ def test_only_the_bias_trains(route):
     (h1, w1, b1), (h2, w2, b2) = leaves(x), leaves(x)
     h1.requires_grad_(False), w1.requires_grad_(False)
     chunk_size, vocab_block = ROUTES[route]
-    out = algorithm.from_hidden(h1, w1, x["targets"], temperature=TAU, chunk_size=chunk_size, vocab_block=vocab_block,
-                                **inputs, **options("all", x, b1))
+    out = algorithm.from_hidden(
+        h1,
+        w1,
+        x["targets"],
+        temperature=TAU,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        **inputs,
+        **options("all", x, b1),
+    )
     out.loss.backward()
     materialised_loss(algorithm, inputs, h2, w2, x, options("all", x, b2)).loss.backward()
     assert h1.grad is None and w1.grad is None
@@ -205,8 +244,9 @@ def test_full_kl_matches_the_materialised_logits(name, tiles):
     x = make(seed=4)
     (h1, w1, b1), (h2, w2, b2) = leaves(x), leaves(x)
     opts1, opts2 = options(name, x, b1, ref=True), options(name, x, b2, ref=True)
-    kl = full_kl_from_hidden(h1, w1, x["ref_hidden"], x["ref_weight"], temperature=TAU, chunk_size=tiles[0],
-                             vocab_block=tiles[1], **opts1)
+    kl = full_kl_from_hidden(
+        h1, w1, x["ref_hidden"], x["ref_weight"], temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **opts1
+    )
     (kl * x["upstream"]).sum().backward()
     expected = full_kl_from_logits(policy_logits(h2, w2, opts2), ref_logits(x, opts2), temperature=TAU)
     (expected * x["upstream"]).sum().backward()
@@ -271,8 +311,18 @@ def test_defaults_leave_the_loss_bit_for_bit(loss, route, dtype):
     results = []
     for options_ in variants:
         hidden, weight, _ = leaves(x)
-        out = loss_from_hidden(algorithm, hidden, weight, x["targets"], temperature=TAU, chunk_size=chunk_size,
-                               vocab_block=vocab_block, **inputs, **extra, **options_)
+        out = loss_from_hidden(
+            algorithm,
+            hidden,
+            weight,
+            x["targets"],
+            temperature=TAU,
+            chunk_size=chunk_size,
+            vocab_block=vocab_block,
+            **inputs,
+            **extra,
+            **options_,
+        )
         out.loss.backward()
         results.append([out.loss, out.per_token, *out.metrics.values(), hidden.grad, weight.grad])
     assert_all_equal(results)
@@ -286,9 +336,18 @@ def small(seed):
     """Small enough for gradcheck's finite differences: B, T = 2, 3; V = 11; H = 4, H' = 3."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    return dict(hidden=r(2, 3, 4), weight=r(11, 4), bias=r(11), ref_hidden=r(2, 3, 3), ref_weight=r(11, 3),
-                ref_bias=r(11), targets=torch.randint(0, 11, (2, 3), generator=gen), old=-r(2, 3).abs() * 2,
-                advantages=r(2), mask=torch.tensor([[True, True, False], [True] * 3]))
+    return dict(
+        hidden=r(2, 3, 4),
+        weight=r(11, 4),
+        bias=r(11),
+        ref_hidden=r(2, 3, 3),
+        ref_weight=r(11, 3),
+        ref_bias=r(11),
+        targets=torch.randint(0, 11, (2, 3), generator=gen),
+        old=-r(2, 3).abs() * 2,
+        advantages=r(2),
+        mask=torch.tensor([[True, True, False], [True] * 3]),
+    )
 
 
 @pytest.mark.parametrize("vocab_block", [None, 4])
@@ -298,13 +357,28 @@ def test_gradcheck_with_every_option(vocab_block):
     ref = dict(ref_bias=s["ref_bias"], ref_logit_scale=0.7, ref_softcap=2.0)
     args = [s[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
     both = lambda h, w, b: log_prob_and_entropy_from_hidden(  # noqa: E731
-        h, w, s["targets"], bias=b, **ALL_ON, **sizes)
+        h, w, s["targets"], bias=b, **ALL_ON, **sizes
+    )
     kl = lambda h, w, b: full_kl_from_hidden(  # noqa: E731
-        h, w, s["ref_hidden"], s["ref_weight"], bias=b, **ALL_ON, **ref, **sizes)
+        h, w, s["ref_hidden"], s["ref_weight"], bias=b, **ALL_ON, **ref, **sizes
+    )
     algorithm = pgloss.get("grpo", kl_estimator="full", kl_coef=0.3, entropy_coef=0.1)
-    loss = lambda h, w, b: algorithm.from_hidden(  # noqa: E731  (chunks of 2 < T: the recompute route)
-        h, w, s["targets"], old_log_prob=s["old"], advantages=s["advantages"], mask=s["mask"], bias=b, **ALL_ON,
-        ref_hidden=s["ref_hidden"], ref_weight=s["ref_weight"], **ref, **dict(sizes, chunk_size=2)).loss
+    loss = lambda h, w, b: (
+        algorithm.from_hidden(
+            h,
+            w,
+            s["targets"],
+            old_log_prob=s["old"],
+            advantages=s["advantages"],
+            mask=s["mask"],
+            bias=b,
+            **ALL_ON,
+            ref_hidden=s["ref_hidden"],
+            ref_weight=s["ref_weight"],
+            **ref,
+            **dict(sizes, chunk_size=2),
+        ).loss
+    )
     for function in (both, kl, loss):
         assert torch.autograd.gradcheck(function, args)
 
@@ -321,11 +395,25 @@ def test_meta_tensors(route):
     lp, ent = log_prob_and_entropy_from_hidden(hidden, weight, targets, bias=bias, **ALL_ON, **sizes)
     kl = full_kl_from_hidden(hidden, weight, meta(B, T, H_REF), meta(V, H_REF), bias=bias, **ALL_ON, **ref, **sizes)
     (lp.sum() + ent.sum() + kl.sum()).backward()
-    for algorithm, extra in ((pgloss.get("grpo", entropy_coef=0.01), dict(ref_log_prob=meta(B, T))),
-                             (pgloss.get("grpo", kl_estimator="full", kl_coef=0.3),
-                              dict(ref_hidden=meta(B, T, H_REF), ref_weight=meta(V, H_REF), **ref))):
-        out = algorithm.from_hidden(hidden, weight, targets, old_log_prob=meta(B, T), advantages=meta(B), mask=mask,
-                                    bias=bias, **ALL_ON, **sizes, **extra)
+    for algorithm, extra in (
+        (pgloss.get("grpo", entropy_coef=0.01), dict(ref_log_prob=meta(B, T))),
+        (
+            pgloss.get("grpo", kl_estimator="full", kl_coef=0.3),
+            dict(ref_hidden=meta(B, T, H_REF), ref_weight=meta(V, H_REF), **ref),
+        ),
+    ):
+        out = algorithm.from_hidden(
+            hidden,
+            weight,
+            targets,
+            old_log_prob=meta(B, T),
+            advantages=meta(B),
+            mask=mask,
+            bias=bias,
+            **ALL_ON,
+            **sizes,
+            **extra,
+        )
         assert out.loss.device.type == "meta" and out.loss.shape == ()
         out.loss.backward()
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape and bias.grad.shape == bias.shape
@@ -338,10 +426,25 @@ def test_compiles_whole_forward_and_backward():
     (The one-pass route calls torch.autograd.grad inside the forward, which dynamo does not trace by default.)"""
     s = {k: v.float() if v.is_floating_point() else v for k, v in small(8).items()}
     algorithm = pgloss.get("grpo", kl_estimator="full", kl_coef=0.3, entropy_coef=0.1)
-    call = lambda h, w, b: algorithm.from_hidden(  # noqa: E731
-        h, w, s["targets"], old_log_prob=s["old"], advantages=s["advantages"], mask=s["mask"], bias=b, **ALL_ON,
-        ref_hidden=s["ref_hidden"], ref_weight=s["ref_weight"], ref_bias=s["ref_bias"], ref_logit_scale=0.7,
-        ref_softcap=2.0, chunk_size=4, vocab_block=4).loss
+    call = lambda h, w, b: (
+        algorithm.from_hidden(
+            h,
+            w,
+            s["targets"],
+            old_log_prob=s["old"],
+            advantages=s["advantages"],
+            mask=s["mask"],
+            bias=b,
+            **ALL_ON,
+            ref_hidden=s["ref_hidden"],
+            ref_weight=s["ref_weight"],
+            ref_bias=s["ref_bias"],
+            ref_logit_scale=0.7,
+            ref_softcap=2.0,
+            chunk_size=4,
+            vocab_block=4,
+        ).loss
+    )
     assert_compiles_like_eager(call, [s[k] for k in ("hidden", "weight", "bias")])
 
 
@@ -356,8 +459,16 @@ def test_bfloat16_head_with_a_bias(route):
     algorithm, inputs = losses(x, options("all", x))["grpo"]
     chunk_size, vocab_block = ROUTES[route]
     hidden, weight, bias = leaves(x)
-    out = algorithm.from_hidden(hidden, weight, x["targets"], temperature=TAU, chunk_size=chunk_size,
-                                vocab_block=vocab_block, **inputs, **options("all", x, bias))
+    out = algorithm.from_hidden(
+        hidden,
+        weight,
+        x["targets"],
+        temperature=TAU,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        **inputs,
+        **options("all", x, bias),
+    )
     out.loss.backward()
     assert bias.grad.dtype == weight.grad.dtype == torch.bfloat16
     h, w, b = (t.detach().double().requires_grad_() for t in (hidden, weight, bias))
@@ -385,15 +496,24 @@ def test_bad_options_name_the_argument():
     for call in calls.values():  # chunks.check_head's messages, naming the policy's argument
         assert_refuses_bad_head(call, x["bias"])
     # The reference head's options, named ref_*, in the exact KL and the loss that computes it.
-    for call in (calls["full_kl"], lambda **kw: full.from_hidden(x["hidden"], x["weight"], x["targets"], **inputs,
-                                                                  **ref_head, **kw)):
+    for call in (
+        calls["full_kl"],
+        lambda **kw: full.from_hidden(x["hidden"], x["weight"], x["targets"], **inputs, **ref_head, **kw),
+    ):
         assert_refuses_bad_head(call, x["ref_bias"], prefix="ref_")
     # A reference head's options without the exact KL are refused, not ignored.
-    for extra in (dict(ref_bias=x["ref_bias"]), dict(ref_logit_scale=2.0), dict(ref_softcap=30.0),
-                  dict(ref_head=pgloss.HeadOptions())):
-        with pytest.raises(ValueError, match=r"ref_hidden and ref_weight \(and the reference head: ref_head, or "
-                                             r"ref_bias, ref_logit_scale, ref_softcap\) are for kl_estimator='full'; "
-                                             r"grpo has kl_estimator='k3'"):
+    for extra in (
+        dict(ref_bias=x["ref_bias"]),
+        dict(ref_logit_scale=2.0),
+        dict(ref_softcap=30.0),
+        dict(ref_head=pgloss.HeadOptions()),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"ref_hidden and ref_weight \(and the reference head: ref_head, or "
+            r"ref_bias, ref_logit_scale, ref_softcap\) are for kl_estimator='full'; "
+            r"grpo has kl_estimator='k3'",
+        ):
             calls["loss"](**extra)
     with pytest.raises(TypeError, match="ref_logit_scale must be a real number"):
         calls["loss"](ref_logit_scale="1")

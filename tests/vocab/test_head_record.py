@@ -23,16 +23,25 @@ OTHER = dict(logit_scale=1.25, softcap=2.0)  # the reference's or the teacher's,
 def make(seed=0):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s, scale=1.0: scale * torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.7), bias=r(V, scale=0.5), other_hidden=r(B, T, H_OTHER),
-                other_weight=r(V, H_OTHER, scale=0.7), other_bias=r(V, scale=0.5), noise=r(B, T),
-                targets=torch.randint(0, V, (B, T), generator=gen), advantages=r(B))
+    return dict(
+        hidden=r(B, T, H),
+        weight=r(V, H, scale=0.7),
+        bias=r(V, scale=0.5),
+        other_hidden=r(B, T, H_OTHER),
+        other_weight=r(V, H_OTHER, scale=0.7),
+        other_bias=r(V, scale=0.5),
+        noise=r(B, T),
+        targets=torch.randint(0, V, (B, T), generator=gen),
+        advantages=r(B),
+    )
 
 
 def grpo_inputs(x):
     """grpo with the exact KL to the reference head and an entropy bonus; old log-probs near the current ones."""
     with torch.no_grad():
-        current, _ = pgloss.log_prob_and_entropy_from_hidden(x["hidden"], x["weight"], x["targets"],
-                                                             temperature=TAU, bias=x["bias"], **STUDENT)
+        current, _ = pgloss.log_prob_and_entropy_from_hidden(
+            x["hidden"], x["weight"], x["targets"], temperature=TAU, bias=x["bias"], **STUDENT
+        )
     old = (current + 0.3 * x["noise"]).masked_fill(~MASK, float("nan"))
     return dict(old_log_prob=old, advantages=x["advantages"], mask=MASK)
 
@@ -40,19 +49,62 @@ def grpo_inputs(x):
 # Each public call from hidden states: (its keyword prefix for the other model, or None without one; a function of
 # the data, the policy's three leaves and the head keyword arguments that returns a scalar to differentiate).
 CALLS = {
-    "log_prob_and_entropy_from_hidden": (None, lambda x, h, w, kw: sum(t.sum() for t in (
-        pgloss.log_prob_and_entropy_from_hidden(h, w, x["targets"], temperature=TAU, chunk_size=4, **kw)))),
-    "loss_from_hidden": ("ref_", lambda x, h, w, kw: pgloss.get("grpo", kl_estimator="full", kl_coef=0.3,
-                                                                entropy_coef=0.01).from_hidden(
-        h, w, x["targets"], **grpo_inputs(x), ref_hidden=x["other_hidden"], ref_weight=x["other_weight"],
-        temperature=TAU, chunk_size=4, **kw).loss),
-    "loss_from_hidden one pass": (None, lambda x, h, w, kw: pgloss.get("grpo", entropy_coef=0.01).from_hidden(
-        h, w, x["targets"], **grpo_inputs(x), ref_log_prob=grpo_inputs(x)["old_log_prob"] - 0.1, temperature=TAU,
-        chunk_size=11, **kw).loss),
-    "full_kl_from_hidden": ("ref_", lambda x, h, w, kw: pgloss.full_kl_from_hidden(
-        h, w, x["other_hidden"], x["other_weight"], temperature=TAU, chunk_size=4, vocab_block=10, **kw).sum()),
-    "divergence_from_hidden": ("teacher_", lambda x, h, w, kw: pgloss.divergence_from_hidden(
-        h, w, x["other_hidden"], x["other_weight"], MASK, beta=0.4, temperature=TAU, chunk_size=4, **kw).loss),
+    "log_prob_and_entropy_from_hidden": (
+        None,
+        lambda x, h, w, kw: sum(
+            t.sum()
+            for t in (pgloss.log_prob_and_entropy_from_hidden(h, w, x["targets"], temperature=TAU, chunk_size=4, **kw))
+        ),
+    ),
+    "loss_from_hidden": (
+        "ref_",
+        lambda x, h, w, kw: (
+            pgloss.get("grpo", kl_estimator="full", kl_coef=0.3, entropy_coef=0.01)
+            .from_hidden(
+                h,
+                w,
+                x["targets"],
+                **grpo_inputs(x),
+                ref_hidden=x["other_hidden"],
+                ref_weight=x["other_weight"],
+                temperature=TAU,
+                chunk_size=4,
+                **kw,
+            )
+            .loss
+        ),
+    ),
+    "loss_from_hidden one pass": (
+        None,
+        lambda x, h, w, kw: (
+            pgloss.get("grpo", entropy_coef=0.01)
+            .from_hidden(
+                h,
+                w,
+                x["targets"],
+                **grpo_inputs(x),
+                ref_log_prob=grpo_inputs(x)["old_log_prob"] - 0.1,
+                temperature=TAU,
+                chunk_size=11,
+                **kw,
+            )
+            .loss
+        ),
+    ),
+    "full_kl_from_hidden": (
+        "ref_",
+        lambda x, h, w, kw: pgloss.full_kl_from_hidden(
+            h, w, x["other_hidden"], x["other_weight"], temperature=TAU, chunk_size=4, vocab_block=10, **kw
+        ).sum(),
+    ),
+    "divergence_from_hidden": (
+        "teacher_",
+        lambda x, h, w, kw: (
+            pgloss.divergence_from_hidden(
+                h, w, x["other_hidden"], x["other_weight"], MASK, beta=0.4, temperature=TAU, chunk_size=4, **kw
+            ).loss
+        ),
+    ),
 }
 
 
@@ -91,12 +143,16 @@ def test_a_record_beside_its_keywords_is_refused_naming_them(name):
     h, w = x["hidden"], x["weight"]
     for prefix in ("",) + ((other,) if other else ()):
         record = {f"{prefix}head": pgloss.HeadOptions(x[f"{prefix and 'other_'}bias"])}
-        for keywords, named in ((dict(softcap=2.0), "softcap"), (dict(logit_scale=0.5, bias=x["bias"]),
-                                                                   "bias, {p}logit_scale")):
+        for keywords, named in (
+            (dict(softcap=2.0), "softcap"),
+            (dict(logit_scale=0.5, bias=x["bias"]), "bias, {p}logit_scale"),
+        ):
             spelled = {f"{prefix}{k}": v for k, v in keywords.items()}
-            message = (f"{prefix}head and {prefix}{named.format(p=prefix)} both describe the head: pass "
-                       f"{prefix}head=HeadOptions(...) alone, or the keywords {prefix}bias, {prefix}logit_scale, "
-                       f"{prefix}softcap alone")
+            message = (
+                f"{prefix}head and {prefix}{named.format(p=prefix)} both describe the head: pass "
+                f"{prefix}head=HeadOptions(...) alone, or the keywords {prefix}bias, {prefix}logit_scale, "
+                f"{prefix}softcap alone"
+            )
             with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
                 call(x, h, w, record | spelled)
         # a keyword left at its default beside the record is no second description
@@ -117,7 +173,8 @@ def test_every_call_from_hidden_takes_the_record_and_converts_at_one_place():
     from_hidden = {getattr(pgloss, name) for name in pgloss.__all__ if name.endswith("_from_hidden")}
     assert from_hidden == set(PUBLIC)  # a new call from hidden states is listed here, and so checked
     assert "return loss_from_hidden(self, hidden, weight, targets, **kwargs)" in inspect.getsource(
-        pgloss.Algorithm.from_hidden)  # Algorithm.from_hidden is loss_from_hidden
+        pgloss.Algorithm.from_hidden
+    )  # Algorithm.from_hidden is loss_from_hidden
     options = [f.name for f in dataclasses.fields(pgloss.HeadOptions)]
     assert options == ["bias", "logit_scale", "softcap"]
     for function, prefixes in PUBLIC.items():

@@ -5,13 +5,13 @@ float64 logits formed by hand (plain_head.py). The kernels run in Triton's inter
 
 import pytest
 import torch
+from vocab import plain_head
+from vocab.plain_head import ROUTES, largest_error, scale_of
 
 from pgloss.vocab import kernels
 from pgloss.vocab.divergence import divergence_from_hidden
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden
-from vocab import plain_head
-from vocab.plain_head import ROUTES, largest_error, scale_of
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,9 +22,16 @@ RTOL = 2e-5  # float32 against float64, relative to the largest value compared
 
 def draw(seed=0):
     gen, r = plain_head.normal(seed, DEVICE)
-    return dict(hidden=r(B, T, H), weight=r(V, H, scale=0.5), bias=r(V), ref_hidden=r(B, T, H),
-                ref_weight=r(V, H, scale=0.5), upstream=r(B, T), upstream2=r(B, T),
-                targets=torch.randint(0, V, (B, T), generator=gen).to(DEVICE))
+    return dict(
+        hidden=r(B, T, H),
+        weight=r(V, H, scale=0.5),
+        bias=r(V),
+        ref_hidden=r(B, T, H),
+        ref_weight=r(V, H, scale=0.5),
+        upstream=r(B, T),
+        upstream2=r(B, T),
+        targets=torch.randint(0, V, (B, T), generator=gen).to(DEVICE),
+    )
 
 
 def bias_view(layout: str, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, callable]:
@@ -58,8 +65,9 @@ def test_a_strided_or_expanded_bias_is_read_where_it_lies(route, layout, tiles):
     leaf, bias, to_bias = bias_view(layout, x["bias"])
     h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
     with kernels.use(route):
-        lp, ent = log_prob_and_entropy_from_hidden(h, w, x["targets"], bias=bias, temperature=0.7,
-                                                   chunk_size=tiles[0], vocab_block=tiles[1])
+        lp, ent = log_prob_and_entropy_from_hidden(
+            h, w, x["targets"], bias=bias, temperature=0.7, chunk_size=tiles[0], vocab_block=tiles[1]
+        )
         (lp * x["upstream"] + ent * x["upstream2"]).sum().backward()
     h2, w2 = (x[k].double().cpu().requires_grad_() for k in ("hidden", "weight"))
     b2 = reference_bias(layout, x["bias"]).double().cpu().requires_grad_()
@@ -81,17 +89,29 @@ def test_the_other_heads_bias_is_read_where_it_lies(route, beta):
     mask = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     with kernels.use(route):
         if beta == 1.0:
-            value = full_kl_from_hidden(h, x["weight"], x["ref_hidden"], x["ref_weight"], ref_bias=other_bias,
-                                        vocab_block=10)
+            value = full_kl_from_hidden(
+                h, x["weight"], x["ref_hidden"], x["ref_weight"], ref_bias=other_bias, vocab_block=10
+            )
         else:
-            value = divergence_from_hidden(h, x["weight"], x["ref_hidden"], x["ref_weight"], mask, beta=beta,
-                                           teacher_bias=other_bias, vocab_block=10).per_token
+            value = divergence_from_hidden(
+                h,
+                x["weight"],
+                x["ref_hidden"],
+                x["ref_weight"],
+                mask,
+                beta=beta,
+                teacher_bias=other_bias,
+                vocab_block=10,
+            ).per_token
         (value * x["upstream"]).sum().backward()
     h2 = x["hidden"].double().cpu().requires_grad_()
     z = plain_head.logits(h2, x["weight"].cpu())
     z_other = plain_head.logits(x["ref_hidden"].cpu(), x["ref_weight"].cpu(), x["bias"].cpu())
-    expected = plain_head.kl(z, z_other) if beta == 1.0 else (
-        plain_head.kl(z_other, z) if beta == 0.0 else plain_head.jsd(z, z_other, beta))
+    expected = (
+        plain_head.kl(z, z_other)
+        if beta == 1.0
+        else (plain_head.kl(z_other, z) if beta == 0.0 else plain_head.jsd(z, z_other, beta))
+    )
     (expected * x["upstream"].double().cpu()).sum().backward()
     assert largest_error([value, h.grad], [expected, h2.grad]) <= RTOL * scale_of([expected, h2.grad])
 
@@ -124,9 +144,9 @@ def softcap_errors(route, softcap):
     """The largest error in log π (and H) and in ∂/∂W against float64, logits near 3 under a soft-cap c: for a
     large c, s·r/c is near 0, where tanh(u) as 1 − 2/(e^{2u} + 1) loses float32's absolute precision, times c."""
     gen = torch.Generator().manual_seed(5)
-    hidden = (3.0 + 0.1 * torch.randn(B, T, H, generator=gen, dtype=torch.float64)) / H ** 0.5
+    hidden = (3.0 + 0.1 * torch.randn(B, T, H, generator=gen, dtype=torch.float64)) / H**0.5
     weight = 1.0 + 0.05 * torch.randn(V, H, generator=gen, dtype=torch.float64)
-    hidden, weight = hidden.div(H ** 0.5).float().to(DEVICE), weight.float().to(DEVICE)  # logits near 3
+    hidden, weight = hidden.div(H**0.5).float().to(DEVICE), weight.float().to(DEVICE)  # logits near 3
     targets = torch.randint(0, V, (B, T), generator=gen).to(DEVICE)
     w = weight.clone().requires_grad_()
     with kernels.use(route):
@@ -149,10 +169,10 @@ def test_the_kernels_soft_cap_is_as_precise_as_the_torch_routes(softcap):
 
 # --- the launch ---------------------------------------------------------------------------------------------
 
-CUDA_GRID = (2 ** 31 - 1, 65535, 65535)  # the largest grid CUDA launches, per axis (x, y, z)
+CUDA_GRID = (2**31 - 1, 65535, 65535)  # the largest grid CUDA launches, per axis (x, y, z)
 
 
-@pytest.mark.parametrize("rows", [1, 65535, 65536, 2 ** 20, 2 ** 31 - 1])
+@pytest.mark.parametrize("rows", [1, 65535, 65536, 2**20, 2**31 - 1])
 def test_the_grid_of_any_chunk_fits_cudas_limits(rows):
     """One program per row on the grid's x axis, up to 2³¹ − 1 rows (Liger-Kernel #1294: a grid axis of
     65,536 rows and more crashed an unchunked Triton loss)."""
@@ -162,7 +182,7 @@ def test_the_grid_of_any_chunk_fits_cudas_limits(rows):
 
 def test_a_chunk_beyond_the_grid_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^chunk_size .* 2147483648 rows, .* at most 2147483647"):
-        kernels.grid(2 ** 31)
+        kernels.grid(2**31)
 
 
 def test_a_tile_wider_than_32_bit_column_offsets_is_refused_by_name():

@@ -10,15 +10,15 @@ float32, so float32 inputs are held against float64 at float32's tolerance.
 
 import pytest
 import torch
+from properties.host_sync import no_host_sync
+from vocab import test_fused, test_fused_head
+from vocab.test_fused_head import MASK, OPTIONS, ROUTES, TAU, TILES, losses, make, materialised_loss, options
 
 import pgloss
 from pgloss.vocab import kernels
 from pgloss.vocab.divergence import divergence_from_hidden, divergence_from_logits
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden
-from properties.host_sync import no_host_sync
-from vocab import test_fused, test_fused_head
-from vocab.test_fused_head import MASK, OPTIONS, ROUTES, TAU, TILES, losses, make, materialised_loss, options
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,12 +56,21 @@ def test_every_algorithm_on_the_kernel_route_matches_float64(name, path):
     alg = test_fused.algorithm(name, kl_coef=0.05, entropy_coef=0.01)
     inputs64 = test_fused.leaves(test_fused.make())
     inputs32 = test_fused.leaves({k: v.to(DEVICE) for k, v in test_fused.make(dtype=torch.float32).items()})
-    extra = dict(group_ids=torch.tensor([0, 0, 1]), scores=torch.tensor([1.0, 0.0, 1.0]),
-                 teacher_log_prob=inputs32["teacher_log_prob"])
+    extra = dict(
+        group_ids=torch.tensor([0, 0, 1]),
+        scores=torch.tensor([1.0, 0.0, 1.0]),
+        teacher_log_prob=inputs32["teacher_log_prob"],
+    )
     torch.manual_seed(0)  # Clip-Cov draws from the global generator: the same draw on both paths
     with kernels.use("kernel"):
-        out, gh, gw = test_fused.run(test_fused.fused, alg, inputs32, temperature=TAU,
-                                     chunk_size=test_fused.PATHS[path], **{k: v.to(DEVICE) for k, v in extra.items()})
+        out, gh, gw = test_fused.run(
+            test_fused.fused,
+            alg,
+            inputs32,
+            temperature=TAU,
+            chunk_size=test_fused.PATHS[path],
+            **{k: v.to(DEVICE) for k, v in extra.items()},
+        )
     torch.manual_seed(0)
     extra64 = dict(extra, scores=extra["scores"].double(), teacher_log_prob=inputs64["teacher_log_prob"])
     ref, gh_ref, gw_ref = test_fused.run(test_fused.unfused, alg, inputs64, temperature=TAU, **extra64)
@@ -85,11 +94,13 @@ def test_log_prob_and_entropy_with_every_head_option(name, tiles):
     (h1, w1, b1), (h2, w2, b2) = kernel_leaves(x32), test_fused_head.leaves(x)
     opts1, opts2 = options(name, x32, b1), options(name, x, b2)
     with kernels.use("kernel"):
-        lp, ent = log_prob_and_entropy_from_hidden(h1, w1, x32["targets"], temperature=TAU, chunk_size=tiles[0],
-                                                   vocab_block=tiles[1], **opts1)
+        lp, ent = log_prob_and_entropy_from_hidden(
+            h1, w1, x32["targets"], temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **opts1
+        )
         (lp * x32["upstream"] + ent.sum()).sum().backward()
-    lp_ref, ent_ref = pgloss.log_prob_and_entropy(test_fused_head.policy_logits(h2, w2, opts2), x["targets"],
-                                                  temperature=TAU)
+    lp_ref, ent_ref = pgloss.log_prob_and_entropy(
+        test_fused_head.policy_logits(h2, w2, opts2), x["targets"], temperature=TAU
+    )
     (lp_ref * x["upstream"] + ent_ref.sum()).sum().backward()
     assert_near([lp, ent, h1.grad, w1.grad], [lp_ref, ent_ref, h2.grad, w2.grad])
     assert_near([b1.grad], [b2.grad if "bias" in opts1 else None])
@@ -110,8 +121,17 @@ def test_loss_with_head_options_on_both_routes(loss, name, route):
     extra = dict(ref_hidden=x32["ref_hidden"], ref_weight=x32["ref_weight"]) if algorithm.uses_full_kl else {}
     chunk_size, vocab_block = ROUTES[route]
     with kernels.use("kernel"):
-        out = algorithm.from_hidden(h1, w1, x32["targets"].masked_fill(~MASK.to(DEVICE), -100), temperature=TAU,
-                                    chunk_size=chunk_size, vocab_block=vocab_block, **inputs32, **opts1, **extra)
+        out = algorithm.from_hidden(
+            h1,
+            w1,
+            x32["targets"].masked_fill(~MASK.to(DEVICE), -100),
+            temperature=TAU,
+            chunk_size=chunk_size,
+            vocab_block=vocab_block,
+            **inputs32,
+            **opts1,
+            **extra,
+        )
         out.loss.backward()
     expected = materialised_loss(algorithm, inputs, h2, w2, x, options(name, x, b2, ref=True))
     expected.loss.backward()
@@ -134,9 +154,21 @@ def test_divergences_with_both_heads_options(beta, tiles):
     student = dict(logit_scale=0.8, softcap=3.0)
     teacher = dict(teacher_logit_scale=1.25, teacher_softcap=2.0)
     with kernels.use("kernel"):
-        out = divergence_from_hidden(h1, w1, x32["ref_hidden"], x32["ref_weight"], MASK.to(DEVICE), beta=beta,
-                                     temperature=TAU, bias=b1, teacher_bias=x32["ref_bias"], chunk_size=tiles[0],
-                                     vocab_block=tiles[1], **student, **teacher)
+        out = divergence_from_hidden(
+            h1,
+            w1,
+            x32["ref_hidden"],
+            x32["ref_weight"],
+            MASK.to(DEVICE),
+            beta=beta,
+            temperature=TAU,
+            bias=b1,
+            teacher_bias=x32["ref_bias"],
+            chunk_size=tiles[0],
+            vocab_block=tiles[1],
+            **student,
+            **teacher,
+        )
         (out.per_token * x32["upstream"]).sum().backward()
     logits = test_fused_head.head_logits(h2, w2, b2, **student)
     teacher_logits = test_fused_head.head_logits(x["ref_hidden"], x["ref_weight"], x["ref_bias"], 1.25, 2.0)
@@ -145,9 +177,20 @@ def test_divergences_with_both_heads_options(beta, tiles):
     assert_near([out.per_token, h1.grad, w1.grad, b1.grad], [expected.per_token, h2.grad, w2.grad, b2.grad])
     if beta == 1.0:
         with kernels.use("kernel"):
-            kl = full_kl_from_hidden(x32["hidden"], x32["weight"], x32["ref_hidden"], x32["ref_weight"],
-                                     temperature=TAU, bias=x32["bias"], ref_bias=x32["ref_bias"], chunk_size=tiles[0],
-                                     vocab_block=tiles[1], ref_logit_scale=1.25, ref_softcap=2.0, **student)
+            kl = full_kl_from_hidden(
+                x32["hidden"],
+                x32["weight"],
+                x32["ref_hidden"],
+                x32["ref_weight"],
+                temperature=TAU,
+                bias=x32["bias"],
+                ref_bias=x32["ref_bias"],
+                chunk_size=tiles[0],
+                vocab_block=tiles[1],
+                ref_logit_scale=1.25,
+                ref_softcap=2.0,
+                **student,
+            )
         assert_near([torch.where(MASK.to(DEVICE), kl, 0.0)], [expected.per_token])
 
 
@@ -173,8 +216,16 @@ def test_bfloat16_heads_match_the_torch_route(route):
     for which in ("kernel", "torch"):
         h, w, b = kernel_leaves(x16)
         with kernels.use(which):
-            out = algorithm.from_hidden(h, w, x16["targets"], temperature=TAU, chunk_size=chunk_size,
-                                        vocab_block=vocab_block, **inputs32, **options("all", x16, b))
+            out = algorithm.from_hidden(
+                h,
+                w,
+                x16["targets"],
+                temperature=TAU,
+                chunk_size=chunk_size,
+                vocab_block=vocab_block,
+                **inputs32,
+                **options("all", x16, b),
+            )
             out.loss.backward()
         assert h.grad.dtype == w.grad.dtype == b.grad.dtype == torch.bfloat16
         results.append([out.loss, out.metrics["entropy"], h.grad, w.grad, b.grad])
@@ -201,7 +252,9 @@ def test_the_route_is_chosen_by_device_and_refused_where_the_kernels_cannot_run(
             kernels.route(statistic, ("logits",), x["hidden"].float().reshape(-1, 8))
         if DEVICE == "cpu":
             monkeypatch.delenv("TRITON_INTERPRET")
-            with pytest.raises(RuntimeError, match="^the kernel route on cpu tensors runs only in Triton's interpreter"):
+            with pytest.raises(
+                RuntimeError, match="^the kernel route on cpu tensors runs only in Triton's interpreter"
+            ):
                 kernels.route(statistic, (kind,), head32)
     with pytest.raises(ValueError, match=r"^route must be one of \('auto', 'torch', 'kernel'\), got 'triton'"):
         with kernels.use("triton"):

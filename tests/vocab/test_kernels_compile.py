@@ -23,10 +23,17 @@ SRC = HERE.parents[1] / "src"
 @pytest.fixture(scope="module")
 def compiled_run(tmp_path_factory) -> dict:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env |= dict(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")),  # compiled here, not found
-                PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, str(HERE / "compile_kernels.py"), "--broken"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env |= dict(
+        TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")),  # compiled here, not found
+        PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")])),
+    )
+    done = subprocess.run(
+        [sys.executable, str(HERE / "compile_kernels.py"), "--broken"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -42,11 +49,18 @@ def compiled_pointers(compiled_run) -> dict:
 
 
 def test_every_kernel_compiles_for_a_hopper_gpu_with_every_flag(compiled):
-    refused = {label: message for label, message in compiled.items() if message != "ok" and not label.startswith("broken")}
+    refused = {
+        label: message for label, message in compiled.items() if message != "ok" and not label.startswith("broken")
+    }
     assert refused == {}
     assert sum(label.startswith("pair_backward ") and "cubin" not in label for label in compiled) == 3 * 2**4
     assert [label.split()[0] for label in compiled if "cubin" in label] == [
-        "log_prob_entropy_forward", "log_prob_entropy_backward", "pair_forward", "jsd_forward", "pair_backward"]
+        "log_prob_entropy_forward",
+        "log_prob_entropy_backward",
+        "pair_forward",
+        "jsd_forward",
+        "pair_backward",
+    ]
 
 
 def test_the_check_refuses_a_kernel_whose_returns_differ_in_type(compiled):
@@ -61,8 +75,9 @@ def narrow_offsets(additions: list[str]) -> list[str]:
     `kernels.MAX_WIDTH`)."""
     scalar = [line for line in additions if re.search(r": !tt\.ptr<[^>]+>, i\d+$", line)]
     columns = re.compile(r"tt\.addptr %\w+, %cols\w* :")
-    return ([line for line in scalar if not line.endswith(", i64")]
-            + [line for line in additions if line.endswith("xi32>") and not columns.search(line)])
+    return [line for line in scalar if not line.endswith(", i64")] + [
+        line for line in additions if line.endswith("xi32>") and not columns.search(line)
+    ]
 
 
 def test_every_row_offset_in_the_kernels_is_64_bit(compiled_pointers):
@@ -71,8 +86,13 @@ def test_every_row_offset_in_the_kernels_is_64_bit(compiled_pointers):
     a 32-bit offset is a tile's column within a row (< `kernels.MAX_WIDTH`), so that a tile past 2³¹ elements
     (Cut Cross-Entropy #39) cannot wrap. The check flags a kernel whose row offset is 32-bit."""
     kernels = {name: lines for name, lines in compiled_pointers.items() if not name.startswith("broken")}
-    assert set(kernels) == {"log_prob_entropy_forward", "log_prob_entropy_backward", "pair_forward", "jsd_forward",
-                            "pair_backward"}
+    assert set(kernels) == {
+        "log_prob_entropy_forward",
+        "log_prob_entropy_backward",
+        "pair_forward",
+        "jsd_forward",
+        "pair_backward",
+    }
     assert all(lines for lines in kernels.values())
     assert {name: narrow_offsets(lines) for name, lines in kernels.items()} == dict.fromkeys(kernels, [])
     assert narrow_offsets(compiled_pointers["broken rows in 32 bits"])

@@ -5,10 +5,10 @@ whole-vocabulary chunks."""
 
 import math
 
+import loops
 import pytest
 import torch
 
-import loops
 import pgloss
 import pgloss.vocab.entropy
 from pgloss.vocab.chunks import ChunkLoop, plan_tiles, tileable
@@ -109,8 +109,9 @@ def test_full_kl_tiled_from_logits_and_from_hidden(tiles, temperature):
 
     hidden, weight = randn(B, T, H, seed=3).requires_grad_(), randn(V, H, seed=4, scale=0.7).requires_grad_()
     ref_hidden, ref_weight = randn(B, T, 6, seed=5), randn(V, 6, seed=6, scale=0.7)
-    kl = full_kl_from_hidden(hidden, weight, ref_hidden, ref_weight, temperature=temperature,
-                             chunk_size=tiles[0], vocab_block=tiles[1])
+    kl = full_kl_from_hidden(
+        hidden, weight, ref_hidden, ref_weight, temperature=temperature, chunk_size=tiles[0], vocab_block=tiles[1]
+    )
     grads = torch.autograd.grad((upstream * kl).sum(), (hidden, weight))
     want = full_kl_from_logits(hidden @ weight.t(), ref_hidden @ ref_weight.t(), temperature=temperature)
     want_grads = torch.autograd.grad((upstream * want).sum(), (hidden, weight))
@@ -149,8 +150,18 @@ def test_loss_from_hidden_tiled_equals_whole_rows_float32(name, route):
     for vocab_block in (64, None):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         torch.manual_seed(0)
-        out = loss_from_hidden(alg, h, w, targets, old_log_prob=old, advantages=torch.randn(4, generator=gen.manual_seed(1)),
-                               mask=mask, ref_log_prob=old + 0.05, chunk_size=chunk, vocab_block=vocab_block)
+        out = loss_from_hidden(
+            alg,
+            h,
+            w,
+            targets,
+            old_log_prob=old,
+            advantages=torch.randn(4, generator=gen.manual_seed(1)),
+            mask=mask,
+            ref_log_prob=old + 0.05,
+            chunk_size=chunk,
+            vocab_block=vocab_block,
+        )
         out.loss.backward()
         results.append((out.loss, h.grad, w.grad))
     for a, b in zip(*results):
@@ -172,8 +183,14 @@ def test_exact_kl_loss_from_hidden_in_tiles(tiles):
     logits = hidden @ weight.t()
     log_pi = torch.log_softmax(logits, -1)
     log_rho = torch.log_softmax(ref_hidden @ ref_weight.t(), -1)
-    want = alg(log_pi.gather(-1, targets.unsqueeze(-1)).squeeze(-1), old, adv, mask,
-               entropy=-(log_pi.exp() * log_pi).sum(-1), full_kl=(log_pi.exp() * (log_pi - log_rho)).sum(-1)).loss
+    want = alg(
+        log_pi.gather(-1, targets.unsqueeze(-1)).squeeze(-1),
+        old,
+        adv,
+        mask,
+        entropy=-(log_pi.exp() * log_pi).sum(-1),
+        full_kl=(log_pi.exp() * (log_pi - log_rho)).sum(-1),
+    ).loss
     want_grads = torch.autograd.grad(want, (hidden, weight))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     for a, b in zip(grads, want_grads):
@@ -282,8 +299,10 @@ def test_plan_tiles_on_the_kernel_route():
     assert plan_tiles(4096, vocab, chunk_size=64, kernel=True) == (64, vocab)
 
 
-@pytest.mark.parametrize("chunk_size, vocab_block, sums", [(4, 10, (True, True)), (15, 10, (True, False)),
-                                                          (4, None, (False, True)), (15, None, (False, False))])
+@pytest.mark.parametrize(
+    "chunk_size, vocab_block, sums",
+    [(4, 10, (True, True)), (15, 10, (True, False)), (4, None, (False, True)), (15, None, (False, False))],
+)
 def test_half_precision_gradients_accumulate_in_float32_only_where_they_sum(chunk_size, vocab_block, sums):
     """∂L/∂x sums over vocabulary tiles and ∂L/∂W over token chunks: a bfloat16 head's buffer is a float32
     accumulator where its gradient is such a sum, and the head's own dtype where each part is written once (no
@@ -297,26 +316,37 @@ def test_half_precision_gradients_accumulate_in_float32_only_where_they_sum(chun
     assert [source.grad_hidden.dtype, source.grad_weight.dtype] == expected
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    (dict(memory_budget=0), ValueError, "memory_budget must be >= 1, got 0"),
-    (dict(memory_budget=1.5e9), TypeError, "memory_budget must be an int or None, got float"),
-    (dict(memory_budget=11), ValueError, "memory_budget must hold at least one value per buffer"),
-    (dict(vocab_block=0), ValueError, "vocab_block must be >= 1, got 0"),
-    (dict(vocab_block="8"), TypeError, "vocab_block must be an int or None, got str"),
-    (dict(chunk_size=0), ValueError, "chunk_size must be >= 1, got 0"),
-    (dict(memory_budget=1 << 20, chunk_size=4), ValueError, "memory_budget and chunk_size are exclusive"),
-    (dict(memory_budget=1 << 20, vocab_block=4), ValueError, "memory_budget and vocab_block are exclusive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(memory_budget=0), ValueError, "memory_budget must be >= 1, got 0"),
+        (dict(memory_budget=1.5e9), TypeError, "memory_budget must be an int or None, got float"),
+        (dict(memory_budget=11), ValueError, "memory_budget must hold at least one value per buffer"),
+        (dict(vocab_block=0), ValueError, "vocab_block must be >= 1, got 0"),
+        (dict(vocab_block="8"), TypeError, "vocab_block must be an int or None, got str"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be >= 1, got 0"),
+        (dict(memory_budget=1 << 20, chunk_size=4), ValueError, "memory_budget and chunk_size are exclusive"),
+        (dict(memory_budget=1 << 20, vocab_block=4), ValueError, "memory_budget and vocab_block are exclusive"),
+    ],
+)
 def test_bad_tile_arguments_name_the_argument(kwargs, error, message):
     logits = randn(2, V)
     targets = torch.zeros(2, dtype=torch.long)
     hidden, weight = randn(1, 2, 4), randn(V, 4)
-    calls = [lambda: log_prob_and_entropy(logits, targets, **kwargs),
-             lambda: log_prob_and_entropy_from_hidden(hidden, weight, targets.view(1, 2), **kwargs),
-             lambda: full_kl_from_logits(logits, logits, **kwargs),
-             lambda: pgloss.get("grpo").from_hidden(hidden, weight, targets.view(1, 2), old_log_prob=torch.zeros(1, 2),
-                                                    advantages=torch.zeros(1), mask=torch.ones(1, 2, dtype=torch.bool),
-                                                    **kwargs)]
+    calls = [
+        lambda: log_prob_and_entropy(logits, targets, **kwargs),
+        lambda: log_prob_and_entropy_from_hidden(hidden, weight, targets.view(1, 2), **kwargs),
+        lambda: full_kl_from_logits(logits, logits, **kwargs),
+        lambda: pgloss.get("grpo").from_hidden(
+            hidden,
+            weight,
+            targets.view(1, 2),
+            old_log_prob=torch.zeros(1, 2),
+            advantages=torch.zeros(1),
+            mask=torch.ones(1, 2, dtype=torch.bool),
+            **kwargs,
+        ),
+    ]
     for call in calls:
         with pytest.raises(error, match=message):
             call()
@@ -328,13 +358,24 @@ def test_memory_budget_runs_on_meta_tensors():
     hidden = torch.empty(4, 6, 8, device=meta, requires_grad=True)
     weight = torch.empty(1000, 8, device=meta, requires_grad=True)
     targets = torch.empty(4, 6, dtype=torch.long, device=meta)
-    base = dict(old_log_prob=torch.empty(4, 6, device=meta), advantages=torch.empty(4, device=meta),
-                mask=torch.empty(4, 6, dtype=torch.bool, device=meta))
-    for alg, extra in ((pgloss.get("grpo"), dict(ref_log_prob=torch.empty(4, 6, device=meta))),
-                       (pgloss.get("clip_cov"), {}),
-                       (pgloss.get("grpo", kl_estimator="full", kl_coef=0.1),
-                        dict(ref_hidden=torch.empty(4, 6, 8, device=meta), ref_weight=torch.empty(1000, 8, device=meta)))):
-        for sizes in (dict(memory_budget=48 * 1000), dict(chunk_size=12, vocab_block=300), dict(chunk_size=5, vocab_block=300)):
+    base = dict(
+        old_log_prob=torch.empty(4, 6, device=meta),
+        advantages=torch.empty(4, device=meta),
+        mask=torch.empty(4, 6, dtype=torch.bool, device=meta),
+    )
+    for alg, extra in (
+        (pgloss.get("grpo"), dict(ref_log_prob=torch.empty(4, 6, device=meta))),
+        (pgloss.get("clip_cov"), {}),
+        (
+            pgloss.get("grpo", kl_estimator="full", kl_coef=0.1),
+            dict(ref_hidden=torch.empty(4, 6, 8, device=meta), ref_weight=torch.empty(1000, 8, device=meta)),
+        ),
+    ):
+        for sizes in (
+            dict(memory_budget=48 * 1000),
+            dict(chunk_size=12, vocab_block=300),
+            dict(chunk_size=5, vocab_block=300),
+        ):
             out = alg.from_hidden(hidden, weight, targets, **base, **extra, **sizes)
             out.loss.backward()
             assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape

@@ -24,26 +24,32 @@ with `process_group` (or the default group, when torch.distributed is initialize
 whole rollout on one process.
 """
 
+from .gae import gae
+from .gdpo import GDPO_EPS, gdpo_advantages
 from .group import (
-    StdConvention,
-    STD_CONVENTIONS,
     SCALES,
-    group_index,
-    grpo_advantages,
-    group_advantages,
+    STD_CONVENTIONS,
+    StdConvention,
     batch_std,
     dynamic_sampling_keep,
+    group_advantages,
+    group_index,
+    grpo_advantages,
     overlong_penalty,
 )
-from .gae import gae
-from .returns import whiten, discounted_returns
-from .reinforce import reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages
-from .group_baselines import (rloo_advantages, opo_advantages, gpg_advantages, asymre_advantages, OPMD_BASELINES,
-                              opmd_advantages)
-from .gdpo import GDPO_EPS, gdpo_advantages
-from .passk import passk_advantages
-from .optimal_token_baseline import optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages
+from .group_baselines import (
+    OPMD_BASELINES,
+    asymre_advantages,
+    gpg_advantages,
+    opmd_advantages,
+    opo_advantages,
+    rloo_advantages,
+)
 from .maxrl import MAXRL_CONVENTIONS, maxrl_advantages
+from .optimal_token_baseline import optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages
+from .passk import passk_advantages
+from .reinforce import reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages
+from .returns import discounted_returns, whiten
 from .role_baseline import RoleBaseline
 
 __all__ = [

@@ -9,9 +9,7 @@ from ..core.batch import check_device, check_mask, check_tensor
 from ..core.checks import check_number
 
 
-def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438).
 
         δ_t = r_t + γ V_{t+1} - V_t,     A_t = δ_t + γ λ A_{t+1},     returns_t = A_t + V_t

@@ -6,18 +6,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .group import StdConvention, _grpo, batch_std, grpo_advantages
-from .returns import whiten
 from ..core.batch import check_device, check_mask, check_tensor
 from ..core.distributed import all_reduce
-
+from .group import StdConvention, _grpo, batch_std, grpo_advantages
+from .returns import whiten
 
 GDPO_EPS = {"trl": 1e-4, "ms-swift": 1e-8}
 """GDPO's ε, inside each reward's group normalisation and in the final batch normalisation."""
 
 
-def gdpo_advantages(scores: Tensor, group_ids: Tensor, *, weights: Tensor | None = None, convention: str = "trl",
-                    mask: Tensor | None = None, process_group=None, reduce: bool = True) -> Tensor:
+def gdpo_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    *,
+    weights: Tensor | None = None,
+    convention: str = "trl",
+    mask: Tensor | None = None,
+    process_group=None,
+    reduce: bool = True,
+) -> Tensor:
     """GDPO (arXiv 2601.05242): each reward is normalised within its group, then the weighted sum is
     normalised over the batch. `scores` `[B, K]`, one column per reward.
 
@@ -53,6 +60,7 @@ def gdpo_advantages(scores: Tensor, group_ids: Tensor, *, weights: Tensor | None
         mask = check_mask(mask, mask.shape, scores.device, "scores")
         if mask.shape[0] != work.shape[0]:
             raise ValueError(f"mask must have {work.shape[0]} rows, got {tuple(mask.shape)}")
-        return whiten(total[:, None].expand(mask.shape), mask, process_group=process_group,
-                      reduce=reduce).to(scores.dtype)
+        return whiten(total[:, None].expand(mask.shape), mask, process_group=process_group, reduce=reduce).to(
+            scores.dtype
+        )
     raise ValueError(f"convention must be one of {(*GDPO_EPS, 'verl')}, got {convention!r}")

@@ -135,7 +135,7 @@ def grpo_advantages(
     convention: str = "pgloss",
     scale: str = "group",
     mask: Tensor | None = None,
-    process_group: "dist.ProcessGroup | None" = None,
+    process_group: dist.ProcessGroup | None = None,
     reduce: bool = True,
 ) -> Tensor:
     """GRPO's group-relative advantage (Shao et al. 2024, arXiv 2402.03300) with a framework's
@@ -152,8 +152,9 @@ def grpo_advantages(
     return _grpo(scores, group_ids, _check_convention(convention), scale, process_group, reduce, mask)
 
 
-def _grpo(scores, group_ids, conv: StdConvention, scale: str, process_group, reduce: bool,
-          mask: Tensor | None = None) -> Tensor:
+def _grpo(
+    scores, group_ids, conv: StdConvention, scale: str, process_group, reduce: bool, mask: Tensor | None = None
+) -> Tensor:
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     scores = _scores(scores)
@@ -167,8 +168,11 @@ def _grpo(scores, group_ids, conv: StdConvention, scale: str, process_group, red
         out = centered
     elif scale == "group":
         weight = _counted(work, counted)
-        std = _std(_group_sum(torch.where(weight > 0, centered.square(), 0.0), index, n_groups),
-                   _group_sum(weight, index, n_groups), conv.bessel)[index]
+        std = _std(
+            _group_sum(torch.where(weight > 0, centered.square(), 0.0), index, n_groups),
+            _group_sum(weight, index, n_groups),
+            conv.bessel,
+        )[index]
         out = centered / (std + conv.eps)
     else:
         std = batch_std(work, bessel=conv.bessel, mask=counted, process_group=process_group, reduce=reduce)
@@ -182,8 +186,9 @@ def _grpo(scores, group_ids, conv: StdConvention, scale: str, process_group, red
     return out.to(scores.dtype)
 
 
-def group_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, eps: float = 1e-6,
-                     mask: Tensor | None = None) -> Tensor:
+def group_advantages(
+    scores: Tensor, group_ids: Tensor, *, scale: bool = True, eps: float = 1e-6, mask: Tensor | None = None
+) -> Tensor:
     """Group-relative advantages, one per sequence, `[B]`: `grpo_advantages` with pgloss's convention.
 
     GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300): Â_i = (r_i - mean_g r) / (std_g r + ε),
@@ -197,8 +202,9 @@ def group_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     return _grpo(scores, group_ids, convention, "group" if check_flag("scale", scale) else "none", None, False, mask)
 
 
-def batch_std(values: Tensor, *, bessel: bool = True, mask: Tensor | None = None, process_group=None,
-              reduce: bool = True) -> Tensor:
+def batch_std(
+    values: Tensor, *, bessel: bool = True, mask: Tensor | None = None, process_group=None, reduce: bool = True
+) -> Tensor:
     """The std of `[N]` values over the whole batch (all ranks): two passes, mean then Σ(x - μ)²; over
     the values where `mask` (bool `[N]`) is True when given."""
     work = values.detach().to(torch.float64)
@@ -229,9 +235,9 @@ def dynamic_sampling_keep(scores: Tensor, group_ids: Tensor) -> Tensor:
 def overlong_penalty(lengths: Tensor, *, max_length: int, cache_length: int) -> Tensor:
     """DAPO's soft overlong punishment (eq. 13), added to the reward; `[B]`:
 
-        0                                   |y| ≤ L_max - L_cache
-        ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| ≤ L_max
-        -1                                  |y| > L_max
+    0                                   |y| ≤ L_max - L_cache
+    ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| ≤ L_max
+    -1                                  |y| > L_max
     """
     for name, value in (("max_length", max_length), ("cache_length", cache_length)):
         if isinstance(value, bool) or not isinstance(value, int):

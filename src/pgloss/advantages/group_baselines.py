@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .group import _counted, _group_center, _group_sum, _positive, _scores, group_index, rows_of
 from ..core.batch import check_device, check_tensor
 from ..core.checks import check_number
 from ..core.distributed import all_reduce
+from .group import _counted, _group_center, _group_sum, _positive, _scores, group_index, rows_of
 
 
 def rloo_advantages(scores: Tensor, group_ids: Tensor, *, mask: Tensor | None = None) -> Tensor:
@@ -49,8 +49,9 @@ def opo_advantages(scores: Tensor, group_ids: Tensor, lengths: Tensor) -> Tensor
     return (work - torch.where(size > 1, baseline[index], 0.0)).to(scores.dtype)
 
 
-def gpg_advantages(scores: Tensor, group_ids: Tensor, *, f_norm: float = 1.0, process_group=None,
-                   reduce: bool = True) -> Tensor:
+def gpg_advantages(
+    scores: Tensor, group_ids: Tensor, *, f_norm: float = 1.0, process_group=None, reduce: bool = True
+) -> Tensor:
     """GPG (Chu et al. 2025, arXiv 2504.02546): Â_i = α (s_i - μ_g) / F_norm with α = B / #{i: s_i ≠ 0}
     (the batch's share of sequences with a non-zero reward, at least one), `[B]`; verl `gpg`
     (a group of one: μ = 0). B and the count are over all ranks."""
@@ -60,8 +61,9 @@ def gpg_advantages(scores: Tensor, group_ids: Tensor, *, f_norm: float = 1.0, pr
     index, n_groups = group_index(group_ids, work.shape[0], work.device)
     centered, size = _group_center(work, index, n_groups)
     centered = torch.where(size > 1, centered, work)
-    counts = all_reduce(torch.stack([work.new_tensor(work.numel()), (work != 0).sum().to(torch.float64)]),
-                         process_group, reduce)
+    counts = all_reduce(
+        torch.stack([work.new_tensor(work.numel()), (work != 0).sum().to(torch.float64)]), process_group, reduce
+    )
     alpha = counts[0] / counts[1].clamp(min=1)
     return (alpha * centered / f_norm).to(scores.dtype)
 
@@ -90,8 +92,14 @@ def _shifted_group_baseline(scores, group_ids, baseline_of, singleton: str, mask
     return (out if rows is None else torch.where(rows, out, 0.0)).to(scores.dtype)
 
 
-def asymre_advantages(scores: Tensor, group_ids: Tensor, *, baseline_shift: float = -0.1,
-                      singleton: str = "zero", mask: Tensor | None = None) -> Tensor:
+def asymre_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    *,
+    baseline_shift: float = -0.1,
+    singleton: str = "zero",
+    mask: Tensor | None = None,
+) -> Tensor:
     """AsymRE, asymmetric REINFORCE (Arnal et al. 2025, arXiv 2506.20520), `[B]`:
 
         Â_i = s_i - (μ_g + δ)
@@ -114,8 +122,15 @@ def asymre_advantages(scores: Tensor, group_ids: Tensor, *, baseline_shift: floa
 OPMD_BASELINES = ("mean", "logavgexp")
 
 
-def opmd_advantages(scores: Tensor, group_ids: Tensor, *, baseline: str = "mean", tau: float = 1.0,
-                    singleton: str = "zero", mask: Tensor | None = None) -> Tensor:
+def opmd_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    *,
+    baseline: str = "mean",
+    tau: float = 1.0,
+    singleton: str = "zero",
+    mask: Tensor | None = None,
+) -> Tensor:
     """OPMD, online policy mirror descent (Trinity-RFT; arXiv 2509.24203 section 2.2, after Kimi k1.5,
     arXiv 2501.12599), `[B]`: Â_i = s_i - b_g with
 
@@ -139,7 +154,8 @@ def opmd_advantages(scores: Tensor, group_ids: Tensor, *, baseline: str = "mean"
         weight = _counted(work, counted)
         x = torch.where(weight > 0, work / tau, -torch.inf)
         top = torch.full((n_groups,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce(
-            0, index, x, reduce="amax")
+            0, index, x, reduce="amax"
+        )
         top = torch.where(top > -torch.inf, top, 0.0)  # a group without a counted row (its rows get 0)
         total = _group_sum((x - top[index]).exp(), index, n_groups)
         count = _group_sum(weight, index, n_groups)

@@ -6,16 +6,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .group import _group_center, _scores, group_index, rows_of
 from ..core.checks import check_number
-
+from .group import _group_center, _scores, group_index, rows_of
 
 MAXRL_CONVENTIONS = {"pgloss": (0.0, "zero", False), "prime-rl": (0.0, "zero", False), "skyrl": (1e-6, "raw", True)}
 """convention: (ε, a group of one, whether a row without a valid token counts in its group given a mask)."""
 
 
-def maxrl_advantages(scores: Tensor, group_ids: Tensor, *, convention: str = "pgloss",
-                     eps: float | None = None, mask: Tensor | None = None) -> Tensor:
+def maxrl_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    *,
+    convention: str = "pgloss",
+    eps: float | None = None,
+    mask: Tensor | None = None,
+) -> Tensor:
     """MaxRL, maximum-likelihood RL (Tajwar, Zeng et al. 2026, arXiv 2602.02710), `[B]`:
 
         Â_i = (s_i - μ_g) / μ_g        (0 when μ_g ≤ 0: a group without a success carries no signal)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .group import _group_sum, _positive, group_index
-from .returns import discounted_returns
 from ..core.batch import check_device, check_mask, check_tensor
 from ..core.checks import check_flag, check_log_prob
+from .group import _group_sum, _positive, group_index
+from .returns import discounted_returns
 
 
 def _otb_inputs(token_rewards, mask, group_ids, old_log_prob, sum_pi_sq, rollout_weights, zero_tail, eps):
@@ -48,11 +48,13 @@ def _otb_baseline(returns, valid, w, index, n_groups, size, zero_tail, eps) -> T
     if zero_tail and returns.shape[0]:
         lengths = valid.sum(dim=-1)
         longest = torch.zeros(n_groups, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
-            0, index, lengths, reduce="amax", include_self=False)
+            0, index, lengths, reduce="amax", include_self=False
+        )
         at_max = lengths == longest[index]
         n_at_max = torch.zeros_like(longest).index_add_(0, index, at_max.to(lengths.dtype))
         second = torch.zeros_like(longest).scatter_reduce(
-            0, index, torch.where(at_max, 0, lengths), reduce="amax", include_self=False)
+            0, index, torch.where(at_max, 0, lengths), reduce="amax", include_self=False
+        )
         tail_row = at_max & (n_at_max[index] == 1) & (size > 1)
         tail = tail_row[:, None] & (torch.arange(width, device=returns.device)[None, :] >= second[index][:, None])
         baseline = torch.where(tail, 0.0, baseline)
@@ -81,7 +83,8 @@ def optimal_token_baseline_advantages(
     The baseline pools the group's tokens at the same column t (`tir_optimal_token_baseline_advantages`
     pools the same generated-token index instead, for multi-turn responses with tool output inside)."""
     returns, valid, w, index, n_groups, zero_tail, eps = _otb_inputs(
-        token_rewards, mask, group_ids, old_log_prob, sum_pi_sq, rollout_weights, zero_tail, eps)
+        token_rewards, mask, group_ids, old_log_prob, sum_pi_sq, rollout_weights, zero_tail, eps
+    )
     size = _group_sum(torch.ones(returns.shape[0], dtype=torch.float64, device=returns.device), index, n_groups)[index]
     baseline = _otb_baseline(returns, valid, w, index, n_groups, size, zero_tail, eps)
     adv = torch.where(valid, returns - baseline, 0.0)
@@ -115,7 +118,8 @@ def tir_optimal_token_baseline_advantages(
     Without holes in the mask it equals `optimal_token_baseline_advantages`. The returns are 0 at
     masked positions (verl's carry the next valid return there; the advantages agree)."""
     returns, valid, w, index, n_groups, zero_tail, eps = _otb_inputs(
-        token_rewards, mask, group_ids, old_log_prob, sum_pi_sq, rollout_weights, zero_tail, eps)
+        token_rewards, mask, group_ids, old_log_prob, sum_pi_sq, rollout_weights, zero_tail, eps
+    )
     order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices  # the valid columns first, in order
     compact_valid = torch.gather(valid, 1, order)
     compact = [torch.gather(x, 1, order) for x in (returns, w)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .group import _group_center, _group_sum, _positive, _scores, _std, group_index
 from ..core.checks import check_flag
+from .group import _group_center, _group_sum, _positive, _scores, _std, group_index
 
 
 def passk_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, eps: float = 1e-6) -> Tensor:
@@ -22,13 +22,16 @@ def passk_advantages(scores: Tensor, group_ids: Tensor, *, scale: bool = True, e
     if work.numel() and bool((size < 2).any()):
         raise ValueError("passk_advantages needs at least two responses per group")
     top = torch.full((n_groups,), -torch.inf, dtype=work.dtype, device=work.device).scatter_reduce(
-        0, index, work, reduce="amax")
+        0, index, work, reduce="amax"
+    )
     rows = torch.arange(work.shape[0], device=work.device)
     first = torch.full((n_groups,), work.shape[0], device=work.device).scatter_reduce(
-        0, index, torch.where(work == top[index], rows, work.shape[0]), reduce="amin")
+        0, index, torch.where(work == top[index], rows, work.shape[0]), reduce="amin"
+    )
     is_best = rows == first[index]
     second = torch.full((n_groups,), -torch.inf, dtype=work.dtype, device=work.device).scatter_reduce(
-        0, index, torch.where(is_best, -torch.inf, work), reduce="amax")
+        0, index, torch.where(is_best, -torch.inf, work), reduce="amax"
+    )
     adv = top - second
     if scale:
         centered, _ = _group_center(work, index, n_groups)

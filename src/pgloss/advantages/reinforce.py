@@ -6,13 +6,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..core.batch import check_device, check_mask, check_tensor
 from .group import _group_center, _scores, group_index
 from .returns import discounted_returns, whiten
-from ..core.batch import check_device, check_mask, check_tensor
 
 
-def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, convention: str = "verl",
-                            process_group=None, reduce: bool = True) -> tuple[Tensor, Tensor]:
+def reinforce_pp_advantages(
+    token_rewards: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float = 1.0,
+    convention: str = "verl",
+    process_group=None,
+    reduce: bool = True,
+) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): the discounted return G_t, whitened over the
     batch's tokens (`whiten`). Returns (advantages, returns), `[B, T]`; verl `reinforce_plus_plus`,
     OpenRLHF `reinforce`."""
@@ -20,8 +27,15 @@ def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, *, gamma: float
     return whiten(returns, mask, convention=convention, process_group=process_group, reduce=reduce), returns
 
 
-def reinforce_pp_baseline_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, *, convention: str = "verl",
-                                     process_group=None, reduce: bool = True) -> Tensor:
+def reinforce_pp_baseline_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    mask: Tensor,
+    *,
+    convention: str = "verl",
+    process_group=None,
+    reduce: bool = True,
+) -> Tensor:
     """REINFORCE++-baseline: Â_{i,t} = whiten(s_i - μ_g) over the batch's tokens, `[B, T]`
     (verl `reinforce_plus_plus_baseline`, OpenRLHF `reinforce_baseline`; a group of one: μ = 0)."""
     scores = _scores(scores)

@@ -27,8 +27,9 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.
     return out.to(rewards.dtype)
 
 
-def whiten(values: Tensor, mask: Tensor, *, convention: str = "verl", process_group=None,
-           reduce: bool = True) -> Tensor:
+def whiten(
+    values: Tensor, mask: Tensor, *, convention: str = "verl", process_group=None, reduce: bool = True
+) -> Tensor:
     """(x - μ) / σ over the valid tokens of the whole batch, 0 at masked positions, `[B, T]`.
 
     verl `masked_whiten`: σ² with Bessel, (x - μ)·rsqrt(σ² + 1e-8). OpenRLHF: σ² without Bessel,

@@ -92,11 +92,15 @@ class RoleBaseline:
         rewards = check_tensor("rewards", rewards, ndim=(1,))
         keys = check_tensor("keys", keys, ndim=(1,), floating=False)
         if keys.shape != rewards.shape or not is_integer(keys):
-            raise ValueError(f"keys must be integers of shape {tuple(rewards.shape)}, "
-                             f"got {keys.dtype} {tuple(keys.shape)}")
+            raise ValueError(
+                f"keys must be integers of shape {tuple(rewards.shape)}, got {keys.dtype} {tuple(keys.shape)}"
+            )
         check_device("keys", keys, rewards.device, "rewards")
-        check_values(keys, lambda: (keys < 0) | (keys >= self.num_keys),
-                     lambda at: f"keys must lie in [0, {self.num_keys}), got {int(keys[at[0]])} at row {int(at[0])}")
+        check_values(
+            keys,
+            lambda: (keys < 0) | (keys >= self.num_keys),
+            lambda at: f"keys must lie in [0, {self.num_keys}), got {int(keys[at[0]])} at row {int(at[0])}",
+        )
         self.baseline = self.baseline.to(rewards.device)
         rows = rows_of(mask, rewards.shape[0], rewards.device, "rewards")
         rows = torch.ones_like(keys, dtype=torch.bool) if rows is None else rows
@@ -108,8 +112,15 @@ class RoleBaseline:
         work, keys, rewards, rows = self._inputs(rewards, keys, mask)
         return torch.where(rows, work - self.baseline[keys], 0.0).to(rewards.dtype)
 
-    def update(self, rewards: Tensor, keys: Tensor, *, mask: Tensor | None = None,
-               process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> None:
+    def update(
+        self,
+        rewards: Tensor,
+        keys: Tensor,
+        *,
+        mask: Tensor | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        reduce: bool = True,
+    ) -> None:
         """Fold the step's rows (those with a valid token of `mask`) into the baseline (`trace` or
         `step`; `sequential` updates in `__call__`)."""
         if self.update_rule == "sequential":
@@ -123,8 +134,15 @@ class RoleBaseline:
         keep = self.decay ** (count if self.update_rule == "trace" else (count > 0).to(torch.float64))
         self.baseline = keep * self.baseline + (1 - keep) * mean
 
-    def __call__(self, rewards: Tensor, keys: Tensor, *, mask: Tensor | None = None,
-                 process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> Tensor:
+    def __call__(
+        self,
+        rewards: Tensor,
+        keys: Tensor,
+        *,
+        mask: Tensor | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        reduce: bool = True,
+    ) -> Tensor:
         if self.update_rule != "sequential":
             out = self.advantages(rewards, keys, mask=mask)
             self.update(rewards, keys, mask=mask, process_group=process_group, reduce=reduce)
@@ -142,8 +160,10 @@ class RoleBaseline:
                 mine = start
             start = maps[r, 0] * start + maps[r, 1]
         self.baseline = start
-        b = before[0][torch.arange(work.shape[0], device=work.device), keys] * mine[keys] + \
-            before[1][torch.arange(work.shape[0], device=work.device), keys]
+        b = (
+            before[0][torch.arange(work.shape[0], device=work.device), keys] * mine[keys]
+            + before[1][torch.arange(work.shape[0], device=work.device), keys]
+        )
         return torch.where(rows, work - b, 0.0).to(rewards.dtype)
 
 

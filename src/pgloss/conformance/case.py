@@ -50,9 +50,15 @@ def batch(seed: int, *, empty_row: bool = False, rows: int = ROWS, length: int =
     mask = (torch.arange(length)[None] < lengths[:, None]).double()
     old = -torch.rand(rows, length, generator=g, dtype=torch.float64) * 2 - 0.05
     near = lambda scale: -(old + scale * torch.randn(rows, length, generator=g, dtype=torch.float64)).abs()  # noqa: E731
-    return dict(mask=mask, old=old, log_prob=near(0.3), ref=near(0.2), sampling=near(0.4),
-                advantages=torch.randn(rows, generator=g, dtype=torch.float64),
-                entropy=torch.rand(rows, length, generator=g, dtype=torch.float64) * 2)
+    return dict(
+        mask=mask,
+        old=old,
+        log_prob=near(0.3),
+        ref=near(0.2),
+        sampling=near(0.4),
+        advantages=torch.randn(rows, generator=g, dtype=torch.float64),
+        entropy=torch.rand(rows, length, generator=g, dtype=torch.float64) * 2,
+    )
 
 
 def relative(mine: torch.Tensor, theirs: torch.Tensor) -> float:

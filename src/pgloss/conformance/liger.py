@@ -48,13 +48,15 @@ def available() -> str | None:
         return f"liger-kernel is not installed (pip install --no-deps {PIN}: its GRPO loss needs only torch and triton)"
     try:
         from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction  # noqa: F401
-    except Exception as error:  # noqa: BLE001 - any import failure means: not available
+    except Exception as error:
         return f"liger-kernel {found} cannot be imported ({type(error).__name__}: {error})"
     try:
         from trl import GRPOConfig  # noqa: F401
-    except Exception as error:  # noqa: BLE001
-        return (f"trl cannot be imported ({type(error).__name__}: {error}): Liger's GRPO options are TRL's "
-                "GRPOConfig's, which pgloss.from_trl translates (pip install 'trl>=1.16,<1.17')")
+    except Exception as error:
+        return (
+            f"trl cannot be imported ({type(error).__name__}: {error}): Liger's GRPO options are TRL's "
+            "GRPOConfig's, which pgloss.from_trl translates (pip install 'trl>=1.16,<1.17')"
+        )
     return None
 
 
@@ -83,18 +85,31 @@ def _inputs(config: Any, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor | 
     """(Liger's vllm_is_ratio, pgloss's rollout log-probs) for `config`, or (None, None) without vLLM."""
     if not config.use_vllm:
         return None, None
-    ratio = _trl_is_ratio(data["old"], data["sampling"], data["mask"], config.vllm_importance_sampling_mode,
-                          config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max)
+    ratio = _trl_is_ratio(
+        data["old"],
+        data["sampling"],
+        data["mask"],
+        config.vllm_importance_sampling_mode,
+        config.vllm_importance_sampling_clip_min,
+        config.vllm_importance_sampling_clip_max,
+    )
     return ratio, data["sampling"]
 
 
-def compare(options: dict[str, Any], vllm: dict[str, Any] | None = None, *, seed: int = 0,
-            empty_row: bool = False, below_ref: float = 0.0) -> tuple[float, float]:
+def compare(
+    options: dict[str, Any],
+    vllm: dict[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    empty_row: bool = False,
+    below_ref: float = 0.0,
+) -> tuple[float, float]:
     """(relative loss error, relative gradient error w.r.t. the log-probs) of Liger's `ppo_loss_fn` with
     `LigerFusedLinearGRPOLoss(**options)`'s settings against pgloss on one random float64 batch
     (`below_ref`: the policy's, old and sampling log-probs lowered by that much, the reference's not)."""
-    import pgloss
     from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction
+
+    import pgloss
 
     liger = _module(options)
     config = _config(liger, vllm)
@@ -102,26 +117,43 @@ def compare(options: dict[str, Any], vllm: dict[str, Any] | None = None, *, seed
     data |= {name: data[name] - below_ref for name in ("old", "log_prob", "sampling")}
     mask = data["mask"]
     is_ratio, rollout = _inputs(config, data)
-    keywords = {name: getattr(liger, name) for name in inspect.signature(LigerFusedLinearGRPOFunction.ppo_loss_fn)
-                .parameters if hasattr(liger, name)}
+    keywords = {
+        name: getattr(liger, name)
+        for name in inspect.signature(LigerFusedLinearGRPOFunction.ppo_loss_fn).parameters
+        if hasattr(liger, name)
+    }
     losses, grads = [], []
     for side in ("liger", "pgloss"):
         log_prob = data["log_prob"].clone().requires_grad_(True)
         if side == "liger":
             loss, _ = LigerFusedLinearGRPOFunction.ppo_loss_fn(
-                per_token_logps=log_prob, attention_mask=mask, advantages=data["advantages"], full_attention_mask=mask,
-                ref_per_token_logps=data["ref"], old_per_token_logps=data["old"], vllm_is_ratio=is_ratio, **keywords)
+                per_token_logps=log_prob,
+                attention_mask=mask,
+                advantages=data["advantages"],
+                full_attention_mask=mask,
+                ref_per_token_logps=data["ref"],
+                old_per_token_logps=data["old"],
+                vllm_is_ratio=is_ratio,
+                **keywords,
+            )
         else:
-            loss = pgloss.from_trl(config)(log_prob, data["old"], data["advantages"], mask.bool(),
-                                           ref_log_prob=data["ref"], rollout_log_prob=rollout).loss
+            loss = pgloss.from_trl(config)(
+                log_prob,
+                data["old"],
+                data["advantages"],
+                mask.bool(),
+                ref_log_prob=data["ref"],
+                rollout_log_prob=rollout,
+            ).loss
         loss.backward()
         losses.append(loss.detach())
         grads.append(log_prob.grad.flatten())
     return relative(losses[1], losses[0]), relative(grads[1], grads[0])
 
 
-def compare_fused(options: dict[str, Any], *, seed: int = 0, vocab: int = 13, hidden_size: int = 8
-                  ) -> tuple[float, float]:
+def compare_fused(
+    options: dict[str, Any], *, seed: int = 0, vocab: int = 13, hidden_size: int = 8
+) -> tuple[float, float]:
     """(relative loss error, relative gradient error w.r.t. the hidden states and the head) of
     `LigerFusedLinearGRPOLoss(**options)` against pgloss's `algorithm.from_hidden`, float64 inputs."""
     import pgloss
@@ -143,21 +175,44 @@ def compare_fused(options: dict[str, Any], *, seed: int = 0, vocab: int = 13, hi
     for side in ("liger", "pgloss"):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         if side == "liger":
-            loss, _ = liger(h, w, ids, mask.long(), data["advantages"], ref_per_token_logps=data["ref"],
-                            old_per_token_logps=data["old"])
+            loss, _ = liger(
+                h,
+                w,
+                ids,
+                mask.long(),
+                data["advantages"],
+                ref_per_token_logps=data["ref"],
+                old_per_token_logps=data["old"],
+            )
         else:
-            loss = pgloss.from_trl(config).from_hidden(h, w, ids, old_log_prob=data["old"], advantages=data["advantages"],
-                                                       mask=mask.bool(), ref_log_prob=data["ref"]).loss
+            loss = (
+                pgloss.from_trl(config)
+                .from_hidden(
+                    h,
+                    w,
+                    ids,
+                    old_log_prob=data["old"],
+                    advantages=data["advantages"],
+                    mask=mask.bool(),
+                    ref_log_prob=data["ref"],
+                )
+                .loss
+            )
         loss.backward()
         losses.append(loss.detach().double())
         grads.append(torch.cat([h.grad.flatten(), w.grad.flatten()]))
     return relative(losses[1], losses[0]), relative(grads[1], grads[0])
 
 
-_VLLM = [dict(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=low,
-              vllm_importance_sampling_clip_max=high)
-         for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-         for low, high in ((None, 3.0), (0.5, 2.0))]
+_VLLM = [
+    dict(
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=low,
+        vllm_importance_sampling_clip_max=high,
+    )
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    for low, high in ((None, 3.0), (0.5, 2.0))
+]
 
 _AGREE: list[tuple[dict[str, Any], dict[str, Any] | None]] = [
     (dict(loss_type=name, beta=0.0), None) for name in ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "vespo")
@@ -174,22 +229,40 @@ _AGREE: list[tuple[dict[str, Any], dict[str, Any] | None]] = [
     (dict(loss_type="grpo", use_bias_correction_kl=True), None),
     (dict(loss_type="bnpo", beta=0.1, use_bias_correction_kl=True), None),
     (dict(loss_type="dr_grpo", beta=0.1), None),
-    (dict(loss_type="vespo", beta=0.0), dict(vllm_importance_sampling_mode="token_truncate",
-                                             vllm_importance_sampling_clip_max=3.0)),
+    (
+        dict(loss_type="vespo", beta=0.0),
+        dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=3.0),
+    ),
     *[(dict(loss_type=name, beta=0.0), v) for name in ("dapo", "grpo") for v in _VLLM],
     (dict(loss_type="dapo"), _VLLM[0]),
     (dict(loss_type="luspo", beta=0.0, importance_sampling_level="sequence"), None),  # one ℓ per row: no padding
 ]
 
 _DOCUMENTED: list[tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], str]] = [
-    (dict(loss_type="luspo", beta=0.0), None, {},
-     f"Liger's luspo sums ℓ·|y_i| over every position, padding included, ÷ B·T; pgloss sums valid tokens ({_REF})"),
-    (dict(loss_type="grpo", beta=0.0), None, dict(empty_row=True),
-     f"Liger's grpo counts an empty completion as a row of the mean; pgloss does not ({_REF})"),
-    (dict(loss_type="dr_grpo", beta=0.0), None, dict(empty_row=True),
-     f"dr_grpo: Liger divides by every row, empty ones too ({_REF})"),
-    (dict(loss_type="grpo"), None, dict(below_ref=3.0),
-     f"k3 past 10 (log π_ref − log π ≈ 3): pgloss clamps k3 at 10, Liger does not ({_REF})"),
+    (
+        dict(loss_type="luspo", beta=0.0),
+        None,
+        {},
+        f"Liger's luspo sums ℓ·|y_i| over every position, padding included, ÷ B·T; pgloss sums valid tokens ({_REF})",
+    ),
+    (
+        dict(loss_type="grpo", beta=0.0),
+        None,
+        dict(empty_row=True),
+        f"Liger's grpo counts an empty completion as a row of the mean; pgloss does not ({_REF})",
+    ),
+    (
+        dict(loss_type="dr_grpo", beta=0.0),
+        None,
+        dict(empty_row=True),
+        f"dr_grpo: Liger divides by every row, empty ones too ({_REF})",
+    ),
+    (
+        dict(loss_type="grpo"),
+        None,
+        dict(below_ref=3.0),
+        f"k3 past 10 (log π_ref − log π ≈ 3): pgloss clamps k3 at 10, Liger does not ({_REF})",
+    ),
 ]
 
 _FUSED: list[dict[str, Any]] = [dict(loss_type="grpo"), dict(loss_type="dapo", beta=0.0, epsilon_high=0.28)]
@@ -207,17 +280,33 @@ def _setting(options: dict[str, Any], vllm: dict[str, Any] | None, extra: dict[s
 def cases() -> Iterator[Case]:
     """Every Liger loss_type with the clip, δ, sequence ratio, KL (with and without its ratio weight) and
     vLLM IS settings on log-probs; then the fused route from hidden states."""
-    def one(function: str, options: dict[str, Any], vllm: dict[str, Any] | None, extra: dict[str, Any],
-            reason: str | None, tolerance: float, run) -> Case:
+
+    def one(
+        function: str,
+        options: dict[str, Any],
+        vllm: dict[str, Any] | None,
+        extra: dict[str, Any],
+        reason: str | None,
+        tolerance: float,
+        run,
+    ) -> Case:
         setting = _setting(options, vllm, extra)
         try:
             loss_error, grad_error = run()
-        except Exception as error:  # noqa: BLE001 - a Liger that no longer runs this way: reported, not hidden
+        except Exception as error:
             loss_error = grad_error = math.inf
             setting += f" [{type(error).__name__}: {error}]"
             reason = None
-        return Case(trainer=TRAINER, function=function, algorithm=options.get("loss_type", "dapo"), setting=setting,
-                    loss_error=loss_error, grad_error=grad_error, tolerance=tolerance, reason=reason)
+        return Case(
+            trainer=TRAINER,
+            function=function,
+            algorithm=options.get("loss_type", "dapo"),
+            setting=setting,
+            loss_error=loss_error,
+            grad_error=grad_error,
+            tolerance=tolerance,
+            reason=reason,
+        )
 
     function = "LigerFusedLinearGRPOFunction.ppo_loss_fn"
     for seed, (options, vllm) in enumerate(_AGREE):
@@ -225,5 +314,12 @@ def cases() -> Iterator[Case]:
     for options, vllm, extra, reason in _DOCUMENTED:
         yield one(function, options, vllm, extra, reason, TOLERANCE, lambda: compare(options, vllm, **extra))
     for seed, options in enumerate(_FUSED):
-        yield one("LigerFusedLinearGRPOLoss (from hidden states)", options, None, {}, None, FUSED_TOLERANCE,
-                  lambda: compare_fused(options, seed=seed))
+        yield one(
+            "LigerFusedLinearGRPOLoss (from hidden states)",
+            options,
+            None,
+            {},
+            None,
+            FUSED_TOLERANCE,
+            lambda: compare_fused(options, seed=seed),
+        )

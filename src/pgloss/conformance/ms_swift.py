@@ -49,10 +49,18 @@ TRAINER_FILE, ARGS_FILE = "swift/rlhf_trainers/grpo_trainer.py", "swift/rlhf_tra
 TOLERANCE = 1e-9
 GROUP = 3
 """`num_generations`: REAL's groups are consecutive blocks of this many rows."""
-_METHODS = ("_compute_loss_and_metrics", "_compute_fipo_influence", "_get_rollout_is_correction",
-            "_apply_rollout_importance_sampling", "_compute_sequence_level_ratios", "_compute_off_policy_sequence_mask",
-            "_compute_rollout_offpolicy_metrics", "_compute_is_correction_metrics", "_undo_gradient_accumulation_scaling",
-            "_prepare_algorithm_params")
+_METHODS = (
+    "_compute_loss_and_metrics",
+    "_compute_fipo_influence",
+    "_get_rollout_is_correction",
+    "_apply_rollout_importance_sampling",
+    "_compute_sequence_level_ratios",
+    "_compute_off_policy_sequence_mask",
+    "_compute_rollout_offpolicy_metrics",
+    "_compute_is_correction_metrics",
+    "_undo_gradient_accumulation_scaling",
+    "_prepare_algorithm_params",
+)
 _REF = "docs/reference.md, 'Conformance with ms-swift'"
 
 
@@ -71,12 +79,14 @@ def available() -> str | None:
         return found
     try:
         from trl import GRPOConfig  # noqa: F401
-    except Exception as error:  # noqa: BLE001
-        return (f"trl cannot be imported ({type(error).__name__}: {error}): ms-swift's GRPO options are TRL's "
-                "GRPOConfig's, which pgloss.from_trl translates (pip install 'trl>=1.16,<1.17')")
+    except Exception as error:
+        return (
+            f"trl cannot be imported ({type(error).__name__}: {error}): ms-swift's GRPO options are TRL's "
+            "GRPOConfig's, which pgloss.from_trl translates (pip install 'trl>=1.16,<1.17')"
+        )
     try:
         _code()
-    except Exception as error:  # noqa: BLE001 - files that no longer define these: reported
+    except Exception as error:
         return f"ms-swift's loss code cannot be loaded ({type(error).__name__}: {error})"
     return None
 
@@ -87,13 +97,25 @@ def _code() -> tuple[dict, dict]:
     from trl.trainer.grpo_trainer import nanmax, nanmin
 
     trainer_file, args_file = _files()
-    arguments = load(args_file, ("VllmArguments", "RolloutTrainerArgumentsMixin", "GRPOArgumentsMixin"), dict(
-        dataclass=dataclasses.dataclass, field=dataclasses.field, json_parse_to_dict=None))
+    arguments = load(
+        args_file,
+        ("VllmArguments", "RolloutTrainerArgumentsMixin", "GRPOArgumentsMixin"),
+        dict(dataclass=dataclasses.dataclass, field=dataclasses.field, json_parse_to_dict=None),
+    )
     mixin = arguments["GRPOArgumentsMixin"]  # its decorator dropped: the defaults are class attributes
-    defaults = {name: getattr(mixin, name) for name in dir(mixin)
-                if not name.startswith("_") and not callable(getattr(mixin, name))}
-    namespace = dict(torch=torch, gather=lambda x: x, gather_object=lambda x: x, nanmax=nanmax, nanmin=nanmin,
-                     logger=SimpleNamespace(info=lambda *a: None, warning=lambda *a: None))
+    defaults = {
+        name: getattr(mixin, name)
+        for name in dir(mixin)
+        if not name.startswith("_") and not callable(getattr(mixin, name))
+    }
+    namespace = dict(
+        torch=torch,
+        gather=lambda x: x,
+        gather_object=lambda x: x,
+        nanmax=nanmax,
+        nanmin=nanmin,
+        logger=SimpleNamespace(info=lambda *a: None, warning=lambda *a: None),
+    )
     load(trainer_file, ("WINDOW_NORMALIZED_LOSS_TYPES",), namespace)
     load(trainer_file, _METHODS, namespace, within="GRPOTrainer")
     return namespace, defaults
@@ -109,12 +131,21 @@ class _Accelerator:
 
 def _trainer(code: dict, args: SimpleNamespace, log_prob: torch.Tensor, entropy: torch.Tensor) -> Any:
     """What `_compute_loss_and_metrics` reads of `self`, set as GRPOTrainer.__init__ sets it."""
-    stub = SimpleNamespace(args=args, model=SimpleNamespace(training=True), accelerator=_Accelerator(),
-                           beta=args.beta, max_completion_length=args.max_completion_length,
-                           num_generations=args.num_generations, _has_teacher=False, disable_rollout_importance_sampling=False,
-                           chord_sft_iterator=None, model_accepts_loss_kwargs=False, compute_loss_func=None,
-                           current_gradient_accumulation_steps=1,
-                           _get_per_token_logps_and_entropies=lambda *a, **k: (log_prob, entropy))
+    stub = SimpleNamespace(
+        args=args,
+        model=SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
+        beta=args.beta,
+        max_completion_length=args.max_completion_length,
+        num_generations=args.num_generations,
+        _has_teacher=False,
+        disable_rollout_importance_sampling=False,
+        chord_sft_iterator=None,
+        model_accepts_loss_kwargs=False,
+        compute_loss_func=None,
+        current_gradient_accumulation_steps=1,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (log_prob, entropy),
+    )
     for name in _METHODS:
         setattr(stub, name, MethodType(code[name], stub))
     stub._prepare_algorithm_params()
@@ -124,16 +155,23 @@ def _trainer(code: dict, args: SimpleNamespace, log_prob: torch.Tensor, entropy:
 
 def _arguments(defaults: dict, options: dict[str, Any]) -> SimpleNamespace:
     """ms-swift's GRPO arguments: its defaults, then `options` (with β = 0.04, ms-swift's GRPO default)."""
-    values = dict(defaults) | dict(loss_type="grpo", beta=0.04, num_iterations=1, max_completion_length=LENGTH,
-                                   num_generations=GROUP, gradient_accumulation_steps=1)
+    values = dict(defaults) | dict(
+        loss_type="grpo",
+        beta=0.04,
+        num_iterations=1,
+        max_completion_length=LENGTH,
+        num_generations=GROUP,
+        gradient_accumulation_steps=1,
+    )
     return SimpleNamespace(**(values | options))
 
 
 def algorithm(args: SimpleNamespace) -> tuple[Any, bool]:
     """The pgloss algorithm for ms-swift's GRPO arguments `args` (see the module's table), and whether its
     rollout rejection is counted on the original masks (sequence_mask keeps its rows in ms-swift's counts)."""
-    import pgloss
     from trl import GRPOConfig
+
+    import pgloss
 
     from ..correction.rollout import Rejection, RolloutCorrection
     from ..trainer_options.trl import LOSS_TYPES
@@ -142,33 +180,58 @@ def algorithm(args: SimpleNamespace) -> tuple[Any, bool]:
     kl = dict(kl_coef=args.beta, kl_estimator="k3")
     if args.loss_type in LOSS_TYPES:
         level = args.importance_sampling_level
-        config = GRPOConfig(output_dir="pgloss-conformance", report_to=[], use_cpu=True, bf16=False,
-                            loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                            delta=args.delta, importance_sampling_level="token" if level == "sequence_token" else level,
-                            beta=args.beta, use_bias_correction_kl=False, sapo_temperature_pos=args.tau_pos,
-                            sapo_temperature_neg=args.tau_neg, max_completion_length=args.max_completion_length)
+        config = GRPOConfig(
+            output_dir="pgloss-conformance",
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            loss_type=args.loss_type,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            delta=args.delta,
+            importance_sampling_level="token" if level == "sequence_token" else level,
+            beta=args.beta,
+            use_bias_correction_kl=False,
+            sapo_temperature_pos=args.tau_pos,
+            sapo_temperature_neg=args.tau_neg,
+            max_completion_length=args.max_completion_length,
+        )
         ours = pgloss.from_trl(config)
         if level == "sequence_token":
             ours = dataclasses.replace(ours, ratio_level="sequence_token")
     elif args.loss_type == "fipo":
-        ours = pgloss.get("fipo", clip_low=args.epsilon, clip_high=high, delta=args.delta,
-                          fipo_decay_rate=args.fipo_decay_rate, fipo_clip_range=args.fipo_clip_range,
-                          fipo_clip_high_only=args.fipo_clip_high_only,
-                          fipo_safety_threshold=args.fipo_safety_threshold, **kl)
+        ours = pgloss.get(
+            "fipo",
+            clip_low=args.epsilon,
+            clip_high=high,
+            delta=args.delta,
+            fipo_decay_rate=args.fipo_decay_rate,
+            fipo_clip_range=args.fipo_clip_range,
+            fipo_clip_high_only=args.fipo_clip_high_only,
+            fipo_safety_threshold=args.fipo_safety_threshold,
+            **kl,
+        )
     elif args.loss_type == "real":
         ours = pgloss.get("real", real_tau=args.real_tau, **kl)
     else:
         raise ValueError(f"loss_type={args.loss_type!r}: not one of ms-swift's losses pgloss computes")
     mode, cap = args.rollout_importance_sampling_mode, args.rollout_importance_sampling_threshold
-    weights = {None: dict(weight_level=None),
-               "token_truncate": dict(weight_level="token", upper=cap),
-               "token_mask": dict(weight_level="token", weight_mode="mask", upper=cap),
-               "sequence_truncate": dict(weight_level="sequence_geometric", upper=cap),
-               "sequence_mask": dict(weight_level="token", upper=None,
-                                     rejection=(Rejection("seq_mean_k1", upper=None, lower=1 / cap),))}[mode]
+    weights = {
+        None: dict(weight_level=None),
+        "token_truncate": dict(weight_level="token", upper=cap),
+        "token_mask": dict(weight_level="token", weight_mode="mask", upper=cap),
+        "sequence_truncate": dict(weight_level="sequence_geometric", upper=cap),
+        "sequence_mask": dict(
+            weight_level="token", upper=None, rejection=(Rejection("seq_mean_k1", upper=None, lower=1 / cap),)
+        ),
+    }[mode]
     if mode is not None or args.off_policy_sequence_mask_delta is not None:
-        ours = dataclasses.replace(ours, rollout_correction=RolloutCorrection(
-            off_policy_mask=args.off_policy_sequence_mask_delta, weight_kl=True, **weights))
+        ours = dataclasses.replace(
+            ours,
+            rollout_correction=RolloutCorrection(
+                off_policy_mask=args.off_policy_sequence_mask_delta, weight_kl=True, **weights
+            ),
+        )
     return ours, mode == "sequence_mask"
 
 
@@ -182,8 +245,11 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
     ours, counted = algorithm(args)
     data = batch(seed, empty_row=empty_row)
     mask = data["mask"].bool()
-    rollout = data["sampling"] if (args.rollout_importance_sampling_mode is not None
-                                   or args.off_policy_sequence_mask_delta is not None) else None
+    rollout = (
+        data["sampling"]
+        if (args.rollout_importance_sampling_mode is not None or args.off_policy_sequence_mask_delta is not None)
+        else None
+    )
     group_ids = torch.arange(ROWS) // GROUP
     losses, grads = [], []
     for side in ("ms-swift", "pgloss"):
@@ -191,40 +257,68 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
         if side == "ms-swift":
             trainer = _trainer(code, args, log_prob, data["entropy"])
             grpo_batch = SimpleNamespace(
-                completion_mask=mask, truncated_mask=torch.zeros(ROWS, dtype=torch.bool), ref_per_token_logps=data["ref"],
-                advantages=data["advantages"][:, None].expand(ROWS, mask.shape[1]), old_per_token_logps=data["old"],
-                rollout_per_token_logps=rollout, num_items_in_batch=mask.sum(), teacher_per_token_logps=None)
+                completion_mask=mask,
+                truncated_mask=torch.zeros(ROWS, dtype=torch.bool),
+                ref_per_token_logps=data["ref"],
+                advantages=data["advantages"][:, None].expand(ROWS, mask.shape[1]),
+                old_per_token_logps=data["old"],
+                rollout_per_token_logps=rollout,
+                num_items_in_batch=mask.sum(),
+                teacher_per_token_logps=None,
+            )
             loss, _ = trainer._compute_loss_and_metrics(None, {}, grpo_batch)
         else:
             loss_mask = mask
             if args.top_entropy_quantile < 1:
                 threshold = entropy_threshold(data["entropy"], mask, top=args.top_entropy_quantile, reduce=False)
                 loss_mask = top_entropy_mask(data["entropy"], mask, threshold)
-            normalizer = ours.rollout_correction.normalizer(
-                loss_mask, data["old"], rollout, group_ids=group_ids, count_rejected=True) if counted else None
-            loss = ours(log_prob, data["old"], data["advantages"], loss_mask, ref_log_prob=data["ref"],
-                        rollout_log_prob=rollout, group_ids=group_ids, normalizer=normalizer).loss
+            normalizer = (
+                ours.rollout_correction.normalizer(
+                    loss_mask, data["old"], rollout, group_ids=group_ids, count_rejected=True
+                )
+                if counted
+                else None
+            )
+            loss = ours(
+                log_prob,
+                data["old"],
+                data["advantages"],
+                loss_mask,
+                ref_log_prob=data["ref"],
+                rollout_log_prob=rollout,
+                group_ids=group_ids,
+                normalizer=normalizer,
+            ).loss
         loss.backward()
         losses.append(loss.detach())
         grads.append(log_prob.grad.flatten())
     return relative(losses[1], losses[0]), relative(grads[1], grads[0])
 
 
-_IS = [dict(rollout_importance_sampling_mode=mode, rollout_importance_sampling_threshold=cap)
-       for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask") for cap in (2.0, 1.2)]
+_IS = [
+    dict(rollout_importance_sampling_mode=mode, rollout_importance_sampling_threshold=cap)
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    for cap in (2.0, 1.2)
+]
 
 _AGREE: list[dict[str, Any]] = [
     *[dict(loss_type=name, beta=0.0) for name in ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "fipo", "real")],
     dict(),  # ms-swift's GRPO defaults: grpo, β = 0.04
-    dict(loss_type="dapo", beta=0.0, epsilon_high=0.28), dict(loss_type="cispo", beta=0.0, epsilon_high=5.0),
-    dict(loss_type="cispo", epsilon_high=5.0), dict(loss_type="bnpo"), dict(loss_type="dr_grpo"),
+    dict(loss_type="dapo", beta=0.0, epsilon_high=0.28),
+    dict(loss_type="cispo", beta=0.0, epsilon_high=5.0),
+    dict(loss_type="cispo", epsilon_high=5.0),
+    dict(loss_type="bnpo"),
+    dict(loss_type="dr_grpo"),
     dict(loss_type="dapo", epsilon_high=0.28),
-    dict(loss_type="sapo", beta=0.0, tau_pos=2.0, tau_neg=0.5), dict(loss_type="sapo"),
-    dict(loss_type="grpo", beta=0.0, delta=1.5), dict(loss_type="dapo", beta=0.0, delta=1.5, epsilon_high=0.28),
+    dict(loss_type="sapo", beta=0.0, tau_pos=2.0, tau_neg=0.5),
+    dict(loss_type="sapo"),
+    dict(loss_type="grpo", beta=0.0, delta=1.5),
+    dict(loss_type="dapo", beta=0.0, delta=1.5, epsilon_high=0.28),
     dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
     dict(loss_type="grpo", importance_sampling_level="sequence_token", epsilon=3e-4, epsilon_high=4e-4),
     dict(loss_type="fipo", beta=0.0, delta=3.0, fipo_clip_high_only=False, fipo_safety_threshold=1.2),
-    dict(loss_type="fipo", beta=0.0, fipo_clip_range=None), dict(loss_type="fipo", epsilon_high=0.28),
+    dict(loss_type="fipo", beta=0.0, fipo_clip_range=None),
+    dict(loss_type="fipo", epsilon_high=0.28),
     dict(loss_type="real", beta=0.0, real_tau=0.2),
     *[dict(loss_type=name, **v) for name in ("dapo", "grpo") for v in _IS],
     dict(loss_type="grpo", beta=0.0, off_policy_sequence_mask_delta=0.02),
@@ -232,34 +326,57 @@ _AGREE: list[dict[str, Any]] = [
 ]
 
 _DOCUMENTED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
-    (dict(loss_type="grpo", beta=0.0), dict(empty_row=True),
-     f"ms-swift's grpo counts an empty completion as a row of the mean; pgloss does not ({_REF})"),
-    (dict(loss_type="dr_grpo", beta=0.0), dict(empty_row=True),
-     f"dr_grpo: ms-swift divides by every row, empty ones too ({_REF})"),
-    (dict(loss_type="bnpo", beta=0.0, off_policy_sequence_mask_delta=0.02), {},
-     f"ms-swift's off-policy mask leaves the token count; pgloss keeps a dropped sequence's tokens in it ({_REF})"),
-    (dict(loss_type="dapo", beta=0.0, top_entropy_quantile=0.5), {},
-     f"ms-swift keeps the tokens its entropy mask drops in the denominator; pgloss counts the mask ({_REF})"),
-    (dict(loss_type="real"), {},
-     f"REAL's KL: a token mean in ms-swift; pgloss aggregates it like the loss, per group ({_REF})"),
+    (
+        dict(loss_type="grpo", beta=0.0),
+        dict(empty_row=True),
+        f"ms-swift's grpo counts an empty completion as a row of the mean; pgloss does not ({_REF})",
+    ),
+    (
+        dict(loss_type="dr_grpo", beta=0.0),
+        dict(empty_row=True),
+        f"dr_grpo: ms-swift divides by every row, empty ones too ({_REF})",
+    ),
+    (
+        dict(loss_type="bnpo", beta=0.0, off_policy_sequence_mask_delta=0.02),
+        {},
+        f"ms-swift's off-policy mask leaves the token count; pgloss keeps a dropped sequence's tokens in it ({_REF})",
+    ),
+    (
+        dict(loss_type="dapo", beta=0.0, top_entropy_quantile=0.5),
+        {},
+        f"ms-swift keeps the tokens its entropy mask drops in the denominator; pgloss counts the mask ({_REF})",
+    ),
+    (
+        dict(loss_type="real"),
+        {},
+        f"REAL's KL: a token mean in ms-swift; pgloss aggregates it like the loss, per group ({_REF})",
+    ),
 ]
 
 
 def cases() -> Iterator[Case]:
     """Every ms-swift loss_type pgloss computes with the clip, δ, ratio levels, KL, FIPO and REAL options,
     the rollout importance sampling modes and the off-policy mask, each on a random batch."""
+
     def one(options: dict[str, Any], extra: dict[str, Any], reason: str | None) -> Case:
         setting = ", ".join(f"{k}={v!r}" for k, v in options.items() if k != "loss_type")
         setting = ", ".join(filter(None, [setting, "an empty completion" if extra.get("empty_row") else ""]))
         try:
             loss_error, grad_error = compare(options, **extra)
-        except Exception as error:  # noqa: BLE001 - an ms-swift that no longer runs this way: reported, not hidden
+        except Exception as error:
             loss_error = grad_error = math.inf
             setting += f" [{type(error).__name__}: {error}]"
             reason = None
-        return Case(trainer=TRAINER, function="GRPOTrainer._compute_loss_and_metrics",
-                    algorithm=options.get("loss_type", "grpo"), setting=setting or "defaults", loss_error=loss_error,
-                    grad_error=grad_error, tolerance=TOLERANCE, reason=reason)
+        return Case(
+            trainer=TRAINER,
+            function="GRPOTrainer._compute_loss_and_metrics",
+            algorithm=options.get("loss_type", "grpo"),
+            setting=setting or "defaults",
+            loss_error=loss_error,
+            grad_error=grad_error,
+            tolerance=TOLERANCE,
+            reason=reason,
+        )
 
     for seed, options in enumerate(_AGREE):
         yield one(options, dict(seed=seed), None)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
@@ -52,8 +52,15 @@ _REF = "docs/reference.md, 'Conformance with OpenRLHF'"
 
 
 def _files() -> tuple | str:
-    found = [locate("openrlhf", name, VARIABLE, f"pip install --no-deps {PIN}: pgloss reads its loss files, which need only torch")
-             for name in FILES]
+    found = [
+        locate(
+            "openrlhf",
+            name,
+            VARIABLE,
+            f"pip install --no-deps {PIN}: pgloss reads its loss files, which need only torch",
+        )
+        for name in FILES
+    ]
     why = [f for f in found if isinstance(f, str)]
     return why[0] if why else tuple(found)
 
@@ -65,7 +72,7 @@ def available() -> str | None:
         return found
     try:
         _namespace()
-    except Exception as error:  # noqa: BLE001 - a file that no longer defines these: reported
+    except Exception as error:
         return f"OpenRLHF's loss code cannot be loaded ({type(error).__name__}: {error})"
     return None
 
@@ -74,14 +81,24 @@ def available() -> str | None:
 def _namespace() -> dict:
     """OpenRLHF's loss functions, executed from its files."""
     loss_file, utils_file = _files()
-    namespace = dict(torch=torch, nn=torch.nn, F=torch.nn.functional, dist=torch.distributed, Optional=Optional,
-                     Tuple=Tuple)
+    namespace = dict(
+        torch=torch, nn=torch.nn, F=torch.nn.functional, dist=torch.distributed, Optional=Optional, Tuple=tuple
+    )
     load(utils_file, ("KL_IS_WEIGHT_CLIP", "masked_mean", "compute_approx_kl"), namespace)
     return load(loss_file, ("aggregate_loss", "PolicyLoss"), namespace)
 
 
-_POLICY = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type", "is_correction_level",
-           "is_correction_mode", "is_correction_gating", "is_correction_threshold")
+_POLICY = (
+    "clip_eps_low",
+    "clip_eps_high",
+    "dual_clip",
+    "token_level_loss",
+    "policy_loss_type",
+    "is_correction_level",
+    "is_correction_mode",
+    "is_correction_gating",
+    "is_correction_threshold",
+)
 
 
 def algorithm(options: dict[str, Any]) -> tuple[Any, bool]:
@@ -92,10 +109,14 @@ def algorithm(options: dict[str, Any]) -> tuple[Any, bool]:
 
     gspo = options.get("policy_loss_type", "ppo") == "gspo"
     level = options.get("is_correction_level", "off")
-    fields: dict[str, Any] = dict(clip_low=options.get("clip_eps_low", 0.2), clip_high=options.get("clip_eps_high", 0.2),
-                                  kl_coef=options.get("kl_coef", 0.0), kl_estimator=options.get("kl_estimator", "k1"),
-                                  kl_correction="unbiased_gradient" if options.get("unbiased_gradient") else None,
-                                  entropy_coef=options.get("entropy_coef", 0.0))
+    fields: dict[str, Any] = dict(
+        clip_low=options.get("clip_eps_low", 0.2),
+        clip_high=options.get("clip_eps_high", 0.2),
+        kl_coef=options.get("kl_coef", 0.0),
+        kl_estimator=options.get("kl_estimator", "k1"),
+        kl_correction="unbiased_gradient" if options.get("unbiased_gradient") else None,
+        entropy_coef=options.get("entropy_coef", 0.0),
+    )
     if options.get("dual_clip") is not None:
         fields["dual_clip"] = options["dual_clip"]
     if not gspo:
@@ -107,11 +128,13 @@ def algorithm(options: dict[str, Any]) -> tuple[Any, bool]:
         low, high = options.get("is_correction_threshold", (0.5, 5.0))
         mode = options.get("is_correction_mode", "mask")
         if level == "token":
-            fields["rollout_correction"] = RolloutCorrection(weight_level="token", lower=low, upper=high,
-                                                             weight_mode="truncate" if mode == "clip" else "mask")
+            fields["rollout_correction"] = RolloutCorrection(
+                weight_level="token", lower=low, upper=high, weight_mode="truncate" if mode == "clip" else "mask"
+            )
         else:  # seq: the token ratio, rows whose geometric-mean ratio leaves [low, high] rejected
-            fields["rollout_correction"] = RolloutCorrection(weight_level="token", upper=None, rejection=(
-                Rejection("seq_mean_k1", upper=1 / low, lower=1 / high),))
+            fields["rollout_correction"] = RolloutCorrection(
+                weight_level="token", upper=None, rejection=(Rejection("seq_mean_k1", upper=1 / low, lower=1 / high),)
+            )
             counted = True
     return pgloss.get("gspo" if gspo else "ppo", **fields), counted
 
@@ -132,14 +155,21 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
         log_prob = data["log_prob"].clone().requires_grad_(True)
         entropy = data["entropy"].clone().requires_grad_(True)
         if side == "openrlhf":
-            info = dict(dp_size=1, batch_num_tokens=mask.sum().to(torch.float32),
-                        global_batch_size=(mask.sum(-1) > 0).sum().to(torch.float32))
+            info = dict(
+                dp_size=1,
+                batch_num_tokens=mask.sum().to(torch.float32),
+                global_batch_size=(mask.sum(-1) > 0).sum().to(torch.float32),
+            )
             policy = theirs_code["PolicyLoss"](**{k: options[k] for k in _POLICY if k in options})
             loss = policy(log_prob, data["old"], advantages, action_mask=mask, rollout_log_probs=rollout, **info)[0]
             if options.get("kl_coef", 0.0):
-                kl = theirs_code["compute_approx_kl"](log_prob, data["ref"], log_probs_old=data["old"],
-                                                      kl_estimator=options.get("kl_estimator", "k1"),
-                                                      unbiased_gradient=options.get("unbiased_gradient", False))
+                kl = theirs_code["compute_approx_kl"](
+                    log_prob,
+                    data["ref"],
+                    log_probs_old=data["old"],
+                    kl_estimator=options.get("kl_estimator", "k1"),
+                    unbiased_gradient=options.get("unbiased_gradient", False),
+                )
                 loss = loss + theirs_code["aggregate_loss"](kl, mask, **info) * options["kl_coef"]
             if options.get("entropy_coef"):
                 loss = loss - theirs_code["aggregate_loss"](entropy, mask, **info) * options["entropy_coef"]
@@ -150,8 +180,16 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
                 normalizer = ours.rollout_correction.normalizer(mask, data["old"], rollout, count_rejected=True)
             elif ours.entropy_coef:
                 normalizer = Normalizer.count(mask)
-            loss = ours(log_prob, old, advantages, mask, ref_log_prob=data["ref"], entropy=entropy,
-                        rollout_log_prob=rollout, normalizer=normalizer).loss
+            loss = ours(
+                log_prob,
+                old,
+                advantages,
+                mask,
+                ref_log_prob=data["ref"],
+                entropy=entropy,
+                rollout_log_prob=rollout,
+                normalizer=normalizer,
+            ).loss
         loss.backward()
         none = torch.zeros(log_prob.numel(), dtype=torch.float64)
         losses.append(loss.detach())
@@ -159,49 +197,72 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
     return relative(losses[1], losses[0]), relative(grads[1], grads[0])
 
 
-_IS = [dict(is_correction_level=level, is_correction_mode=mode, is_correction_threshold=band)
-       for level, mode in (("token", "clip"), ("token", "mask"), ("seq", "mask"))
-       for band in ((0.5, 5.0), (0.8, 1.25))]
+_IS = [
+    dict(is_correction_level=level, is_correction_mode=mode, is_correction_threshold=band)
+    for level, mode in (("token", "clip"), ("token", "mask"), ("seq", "mask"))
+    for band in ((0.5, 5.0), (0.8, 1.25))
+]
 
 _AGREE: list[dict[str, Any]] = [
-    dict(), dict(token_level_loss=False), dict(clip_eps_low=0.2, clip_eps_high=0.28),
-    dict(dual_clip=3.0), dict(dual_clip=3.0, token_level_loss=False),
+    dict(),
+    dict(token_level_loss=False),
+    dict(clip_eps_low=0.2, clip_eps_high=0.28),
+    dict(dual_clip=3.0),
+    dict(dual_clip=3.0, token_level_loss=False),
     dict(policy_loss_type="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4),
     dict(policy_loss_type="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, is_correction_level="token"),
-    *[dict(o) for o in _IS], dict(_IS[0], token_level_loss=False), dict(_IS[4], token_level_loss=False),
+    *[dict(o) for o in _IS],
+    dict(_IS[0], token_level_loss=False),
+    dict(_IS[4], token_level_loss=False),
     dict(entropy_coef=0.01),
 ]
 _KL: list[dict[str, Any]] = [
     dict(kl_coef=0.01, kl_estimator=kind, unbiased_gradient=unbiased)
-    for kind in ("k1", "k2", "k3") for unbiased in (False, True)
+    for kind in ("k1", "k2", "k3")
+    for unbiased in (False, True)
 ]
 
 _DOCUMENTED: list[tuple[dict[str, Any], str]] = [
-    (dict(kl_coef=0.01, kl_estimator="k3", token_level_loss=False),
-     f"OpenRLHF's KL term is a token mean beside the policy's sequence mean; pgloss aggregates every term one way "
-     f"({_REF})"),
-    (dict(policy_loss_type="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, kl_coef=0.01, kl_estimator="k3"),
-     f"the KL term: a token mean beside GSPO's sequence mean in OpenRLHF ({_REF})"),
-    (dict(policy_loss_type="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, entropy_coef=0.01),
-     f"the entropy bonus: a token mean beside GSPO's sequence mean in OpenRLHF; one aggregation in pgloss ({_REF})"),
+    (
+        dict(kl_coef=0.01, kl_estimator="k3", token_level_loss=False),
+        f"OpenRLHF's KL term is a token mean beside the policy's sequence mean; pgloss aggregates every term one way "
+        f"({_REF})",
+    ),
+    (
+        dict(policy_loss_type="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, kl_coef=0.01, kl_estimator="k3"),
+        f"the KL term: a token mean beside GSPO's sequence mean in OpenRLHF ({_REF})",
+    ),
+    (
+        dict(policy_loss_type="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, entropy_coef=0.01),
+        f"the entropy bonus: a token mean beside GSPO's sequence mean in OpenRLHF; one aggregation in pgloss ({_REF})",
+    ),
 ]
 
 
 def cases() -> Iterator[Case]:
     """PPO (token and sequence aggregation, clip-higher, dual clip), GSPO, the ratio-gated IS corrections,
     the entropy bonus, and each KL estimator with and without the unbiased gradient, each on a random batch."""
+
     def one(options: dict[str, Any], seed: int, reason: str | None, tolerance: float) -> Case:
         setting = ", ".join(f"{k}={v!r}" for k, v in options.items() if k != "policy_loss_type") or "defaults"
         try:
             loss_error, grad_error = compare(options, seed=seed)
-        except Exception as error:  # noqa: BLE001 - an OpenRLHF that no longer runs this way: reported
+        except Exception as error:
             loss_error = grad_error = math.inf
             setting += f" [{type(error).__name__}: {error}]"
             reason = None
         kind = options.get("policy_loss_type", "ppo")
         function = "PolicyLoss" + (" + compute_approx_kl" if options.get("kl_coef") else "")
-        return Case(trainer=TRAINER, function=function, algorithm=kind, setting=setting, loss_error=loss_error,
-                    grad_error=grad_error, tolerance=tolerance, reason=reason)
+        return Case(
+            trainer=TRAINER,
+            function=function,
+            algorithm=kind,
+            setting=setting,
+            loss_error=loss_error,
+            grad_error=grad_error,
+            tolerance=tolerance,
+            reason=reason,
+        )
 
     for seed, options in enumerate(_AGREE):
         yield one(options, seed, None, TOLERANCE)

@@ -19,8 +19,13 @@ from .case import AGREE, DIFFERS, DOCUMENTED, Case
 
 __all__ = ["MODULES", "cmd_conformance", "register", "run"]
 
-MODULES = tuple(sorted(info.name for info in pkgutil.iter_modules([str(Path(__file__).parent)])
-                       if info.name not in ("case", "run", "sources")))
+MODULES = tuple(
+    sorted(
+        info.name
+        for info in pkgutil.iter_modules([str(Path(__file__).parent)])
+        if info.name not in ("case", "run", "sources")
+    )
+)
 """The trainer modules of pgloss.conformance (every module of the package beside `case`, `run` and
 `sources`): `--trainer` takes only these, so a trainer without one is named as such."""
 
@@ -66,13 +71,24 @@ def run(modules: Iterable[tuple[str, bool]], *, show=print) -> Counter:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `conformance` subcommand to pgloss's command line."""
-    parser = subparsers.add_parser("conformance", help="check pgloss against the installed trainers' own losses",
-                                   description=__doc__.splitlines()[0])
-    parser.add_argument("--trainer", action="append", choices=MODULES,
-                        help="only this trainer's module (repeatable; default: every installed one)")
-    parser.add_argument("--module", action="append", default=[],
-                        help="run an importable module with TRAINER, available() and cases() (repeatable); "
-                             "with --module, the built-in trainers run only when --trainer names them")
+    parser = subparsers.add_parser(
+        "conformance",
+        help="check pgloss against the installed trainers' own losses",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument(
+        "--trainer",
+        action="append",
+        choices=MODULES,
+        help="only this trainer's module (repeatable; default: every installed one)",
+    )
+    parser.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        help="run an importable module with TRAINER, available() and cases() (repeatable); "
+        "with --module, the built-in trainers run only when --trainer names them",
+    )
     parser.set_defaults(func=cmd_conformance)
 
 
@@ -82,8 +98,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     modules = [(name, True) for name in builtin] + [(name, False) for name in args.module]
     totals = run(modules)
     ran = sum(totals[s] for s in (AGREE, DOCUMENTED, DIFFERS))
-    print(f"pgloss conformance: {totals[AGREE]} agree, {totals[DOCUMENTED]} differ as documented, "
-          f"{totals[DIFFERS]} DIFFER")
+    print(
+        f"pgloss conformance: {totals[AGREE]} agree, {totals[DOCUMENTED]} differ as documented, "
+        f"{totals[DIFFERS]} DIFFER"
+    )
     if ran == 0:
         print(f"no trainer could be checked: install one beside pgloss ({', '.join(builtin) or 'the modules given'})")
         return 1

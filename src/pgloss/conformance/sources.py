@@ -9,8 +9,8 @@ released wheels and sets the variables) or else in the installed distribution, w
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import os
 from importlib.metadata import PackageNotFoundError, distribution
@@ -56,7 +56,7 @@ def load(path: Path, names: tuple[str, ...], namespace: dict, *, within: str | N
         else:
             continue
         if name in names:
-            source = lines[node.lineno - 1:node.end_lineno]  # from the `def`: decorators sit above it
+            source = lines[node.lineno - 1 : node.end_lineno]  # from the `def`: decorators sit above it
             pad = " " * node.col_offset  # a method's indentation inside its class
             found[name] = "".join(line.removeprefix(pad) for line in source)
     missing = [name for name in names if name not in found]
@@ -64,5 +64,5 @@ def load(path: Path, names: tuple[str, ...], namespace: dict, *, within: str | N
         raise LookupError(f"{path} defines none of {missing}" + (f" in class {within}" if within else ""))
     flags = __future__.annotations.compiler_flag
     for name in names:
-        exec(compile(found[name], str(path), "exec", flags=flags, dont_inherit=True), namespace)  # noqa: S102
+        exec(compile(found[name], str(path), "exec", flags=flags, dont_inherit=True), namespace)
     return namespace

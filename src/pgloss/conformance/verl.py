@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from ..core.aggregate import AGG_MODES
-from ..trainer_options.verl import LOSS_MODES, from_verl
-from ..kl.corrections import kl_term
 from ..core.trainer_names import translate_value
+from ..kl.corrections import kl_term
+from ..trainer_options.verl import LOSS_MODES, from_verl
 from .case import Case
 
 __all__ = ["TRAINER", "available", "cases"]
@@ -47,12 +47,28 @@ FIELDS: dict[str, dict[str, Any]] = {  # each verl loss with its fields set away
     "dppo_tv": dict(clip_ratio_c=1.5, clip_ratio_low=0.05, clip_ratio_high=0.1),
     "dppo_kl": dict(clip_ratio_c=1.2, clip_ratio_low=0.02, clip_ratio_high=0.05),
 }
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
-            "low_var_kl+", "k3+")
+KL_TYPES = (
+    "kl",
+    "k1",
+    "abs",
+    "mse",
+    "k2",
+    "low_var_kl",
+    "k3",
+    "kl+",
+    "k1+",
+    "abs+",
+    "mse+",
+    "k2+",
+    "low_var_kl+",
+    "k3+",
+)
 
-EMPTY_ROW = ("verl's geo_mean takes torch.mean over a micro-batch's rows, empty ones included; pgloss's gmpo "
-             "averages over the non-empty sequences (docs/reference.md, 'Where the frameworks disagree': "
-             "GMPO's reduction)")
+EMPTY_ROW = (
+    "verl's geo_mean takes torch.mean over a micro-batch's rows, empty ones included; pgloss's gmpo "
+    "averages over the non-empty sequences (docs/reference.md, 'Where the frameworks disagree': "
+    "GMPO's reduction)"
+)
 
 
 def available() -> str | None:
@@ -63,7 +79,7 @@ def available() -> str | None:
         return "verl is not installed"
     try:
         from verl.trainer.ppo import core_algos  # noqa: F401
-    except Exception as error:  # noqa: BLE001 - any import failure means: not available
+    except Exception as error:
         return f"verl {found} cannot be imported ({type(error).__name__}: {error})"
     return None
 
@@ -81,8 +97,9 @@ def _batch(seed: int, *, empty_row: bool = False) -> dict[str, torch.Tensor]:
     return dict(log_prob=log_prob, old=old, ref=ref, advantages=advantages, mask=mask)
 
 
-def _errors(ours: torch.Tensor, theirs: torch.Tensor, our_grad: torch.Tensor, their_grad: torch.Tensor
-            ) -> tuple[float, float]:
+def _errors(
+    ours: torch.Tensor, theirs: torch.Tensor, our_grad: torch.Tensor, their_grad: torch.Tensor
+) -> tuple[float, float]:
     loss = abs(float(ours - theirs)) / max(abs(float(theirs)), 1e-12)
     grad = float((our_grad - their_grad).norm()) / max(float(their_grad.norm()), 1e-12)
     return loss, grad
@@ -93,8 +110,15 @@ def _config(loss_mode: str, fields: dict[str, Any], loss_agg_mode: str) -> Any:
 
     fields = dict(fields)
     policy = {key: fields.pop(key) for key in POLICY_LOSS_KEYS if key in fields}
-    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=loss_agg_mode,
-                         loss_scale_factor=BUDGET, policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy), **fields)
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=loss_agg_mode,
+        loss_scale_factor=BUDGET,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy),
+        **fields,
+    )
     config.global_batch_info["loss_scale_factor"] = BUDGET  # as verl's ppo_loss sets it
     return config
 
@@ -109,24 +133,40 @@ def _policy_case(mode: str, agg: str, seed: int, *, name: str | None = None, emp
 
         from ..algorithms import get
 
-        algorithm = get(name, **{f.name: getattr(algorithm, f.name) for f in dataclasses.fields(algorithm)
-                                 if f.name not in ("name", "ratio_level")})
+        algorithm = get(
+            name,
+            **{
+                f.name: getattr(algorithm, f.name)
+                for f in dataclasses.fields(algorithm)
+                if f.name not in ("name", "ratio_level")
+            },
+        )
     batch = _batch(seed, empty_row=empty_row)
     theirs_leaf = batch["log_prob"].clone().requires_grad_()
     torch.manual_seed(seed)  # clip_cov's draw: the same generator state for both
     theirs, _ = getattr(core_algos, f"compute_policy_loss_{mode}")(
-        batch["old"], theirs_leaf, batch["advantages"], batch["mask"].double(), agg, config)
+        batch["old"], theirs_leaf, batch["advantages"], batch["mask"].double(), agg, config
+    )
     theirs.backward()
     ours_leaf = batch["log_prob"].clone().requires_grad_()
     torch.manual_seed(seed)
-    ours = algorithm(log_prob=ours_leaf, old_log_prob=batch["old"], advantages=batch["advantages"],
-                     mask=batch["mask"]).loss
+    ours = algorithm(
+        log_prob=ours_leaf, old_log_prob=batch["old"], advantages=batch["advantages"], mask=batch["mask"]
+    ).loss
     ours.backward()
     loss_error, grad_error = _errors(ours.detach(), theirs.detach(), ours_leaf.grad, theirs_leaf.grad)
     fields = ", ".join(f"{k}={v}" for k, v in FIELDS[mode].items())
     setting = f"loss_agg_mode={agg}" + (f", {fields}" if fields else "") + (", an empty row" if empty_row else "")
-    return Case(TRAINER, f"compute_policy_loss_{mode}", algorithm.name, setting, loss_error, grad_error, TOLERANCE,
-                reason=EMPTY_ROW if empty_row and mode == "geo_mean" else None)
+    return Case(
+        TRAINER,
+        f"compute_policy_loss_{mode}",
+        algorithm.name,
+        setting,
+        loss_error,
+        grad_error,
+        TOLERANCE,
+        reason=EMPTY_ROW if empty_row and mode == "geo_mean" else None,
+    )
 
 
 def _kl_case(kind: str, seed: int) -> Case:
@@ -144,8 +184,9 @@ def _kl_case(kind: str, seed: int) -> Case:
     ours = torch.where(mask, ours, 0.0).sum() / mask.sum()
     ours.backward()
     loss_error, grad_error = _errors(ours.detach(), theirs.detach(), ours_leaf.grad, theirs_leaf.grad)
-    return Case(TRAINER, "kl_penalty", f"kl_estimator={estimator}", f"kl_penalty={kind}", loss_error, grad_error,
-                TOLERANCE)
+    return Case(
+        TRAINER, "kl_penalty", f"kl_estimator={estimator}", f"kl_penalty={kind}", loss_error, grad_error, TOLERANCE
+    )
 
 
 def cases() -> Iterator[Case]:

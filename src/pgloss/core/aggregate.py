@@ -78,22 +78,26 @@ class Normalizer:
     world_size: int = 1
     length_counts: Tensor | None = None
     rewarded_tokens: Tensor | None = None
-    expert: "Normalizer | None" = None
+    expert: Normalizer | None = None
     sequence_parallel: SequenceParallel | None = None
     """The sequence group the step's sequences are split over (`pgloss.core.sequence_parallel`): every call
     that takes this Normalizer then computes over whole sequences. None: each call holds whole rows."""
 
-    def complement(self, part: "Normalizer | None") -> "Normalizer":
+    def complement(self, part: Normalizer | None) -> Normalizer:
         """The counts of the step's rows outside `part` (a sub-count of the same rows, e.g. `self.expert`):
         every count minus `part`'s; `self` when `part` is None."""
         if part is None:
             return self
         minus = lambda mine, theirs: None if mine is None or theirs is None else mine - theirs  # noqa: E731
-        return Normalizer(tokens=self.tokens - part.tokens, sequences=self.sequences - part.sequences,
-                          group_tokens=minus(self.group_tokens, part.group_tokens), world_size=self.world_size,
-                          length_counts=minus(self.length_counts, part.length_counts),
-                          rewarded_tokens=minus(self.rewarded_tokens, part.rewarded_tokens),
-                          sequence_parallel=self.sequence_parallel)
+        return Normalizer(
+            tokens=self.tokens - part.tokens,
+            sequences=self.sequences - part.sequences,
+            group_tokens=minus(self.group_tokens, part.group_tokens),
+            world_size=self.world_size,
+            length_counts=minus(self.length_counts, part.length_counts),
+            rewarded_tokens=minus(self.rewarded_tokens, part.rewarded_tokens),
+            sequence_parallel=self.sequence_parallel,
+        )
 
     @property
     def groups(self) -> Tensor:
@@ -110,10 +114,10 @@ class Normalizer:
         group_ids: Tensor | Sequence[Tensor] | None = None,
         scores: Tensor | Sequence[Tensor] | None = None,
         expert: Tensor | Sequence[Tensor] | None = None,
-        process_group: "dist.ProcessGroup | None" = None,
+        process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
         sequence_parallel: SequenceParallel | None = None,
-    ) -> "Normalizer":
+    ) -> Normalizer:
         """Count valid tokens, non-empty sequences, sequences per length and (with `group_ids`)
         tokens per group.
 
@@ -157,24 +161,34 @@ class Normalizer:
         per_length = torch.zeros(width + 1, dtype=torch.float64, device=device)
         for length in lengths:
             per_length.index_add_(0, length.to(device).long(), (length > 0).to(torch.float64))
+
         def per_row(name: str, values: Tensor | Sequence[Tensor]) -> list[Tensor]:
             """`values` of each micro-batch, checked to be `[B]` like its mask's rows."""
             value_list = per_micro_batch(name, values, len(mask_list))
             for k, (value, length) in enumerate(zip(value_list, lengths)):
                 if not isinstance(value, Tensor) or value.shape != length.shape:
-                    raise ValueError(f"{name}[{k}] must be a tensor of shape {tuple(length.shape)}, got "
-                                     f"{tuple(getattr(value, 'shape', ())) or type(value).__name__}")
+                    raise ValueError(
+                        f"{name}[{k}] must be a tensor of shape {tuple(length.shape)}, got "
+                        f"{tuple(getattr(value, 'shape', ())) or type(value).__name__}"
+                    )
             return value_list
 
         rewarded = torch.zeros((), dtype=torch.float64, device=device)
         if scores is not None:
             for score, length in zip(per_row("scores", scores), lengths):
                 rewarded = rewarded + torch.where(score.to(device) > 0, length.to(device), 0.0).sum()
-        counts = torch.cat([torch.stack([
-            sum(length.sum() for length in lengths),
-            sum((length > 0).sum() for length in lengths).to(torch.float64),
-            rewarded,
-        ]), per_length])
+        counts = torch.cat(
+            [
+                torch.stack(
+                    [
+                        sum(length.sum() for length in lengths),
+                        sum((length > 0).sum() for length in lengths).to(torch.float64),
+                        rewarded,
+                    ]
+                ),
+                per_length,
+            ]
+        )
         if distributed:
             dist.all_reduce(counts, group=process_group)
         group_tokens = None
@@ -182,16 +196,27 @@ class Normalizer:
             id_list = per_micro_batch("group_ids", group_ids, len(mask_list))
             for k, (ids, length) in enumerate(zip(id_list, lengths)):
                 if not isinstance(ids, Tensor) or ids.shape != length.shape or not is_integer(ids):
-                    raise ValueError(f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "
-                                     f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+                    raise ValueError(
+                        f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
+                    )
                 # The counts are a dense array indexed by id: ids number the step's groups, not a data set.
-                check_values(ids, lambda ids=ids: ids < 0,
-                             lambda at, ids=ids, k=k: f"group_ids[{k}] must be non-negative, got {int(ids[at])} at "
-                                                      f"row {int(at)}")
-                check_values(ids, lambda ids=ids: ids >= MAX_GROUPS,
-                             lambda at, ids=ids, k=k: f"group_ids[{k}] must number the step's groups from 0 (below "
-                                                      f"{MAX_GROUPS}), got id {int(ids[at])} at row {int(at)}; renumber "
-                                                      f"them, e.g. by prompt position within the step")
+                check_values(
+                    ids,
+                    lambda ids=ids: ids < 0,
+                    lambda at, ids=ids, k=k: (
+                        f"group_ids[{k}] must be non-negative, got {int(ids[at])} at row {int(at)}"
+                    ),
+                )
+                check_values(
+                    ids,
+                    lambda ids=ids: ids >= MAX_GROUPS,
+                    lambda at, ids=ids, k=k: (
+                        f"group_ids[{k}] must number the step's groups from 0 (below "
+                        f"{MAX_GROUPS}), got id {int(ids[at])} at row {int(at)}; renumber "
+                        f"them, e.g. by prompt position within the step"
+                    ),
+                )
             if distributed or all(host_reads(ids) for ids in id_list):
                 # max id + 1 entries: read on the host, free on the CPU (and a collective is a sync point anyway)
                 size = torch.tensor(max(int(ids.max()) + 1 if ids.numel() else 0 for ids in id_list), device=device)
@@ -211,12 +236,24 @@ class Normalizer:
         expert_counts = None
         if expert is not None:
             flag_list = per_row("expert", expert)
-            expert_counts = cls.count([m * (f != 0).to(m.device)[:, None] for m, f in zip(mask_list, flag_list)],
-                                      group_ids=group_ids, scores=scores, process_group=process_group,
-                                      reduce=reduce, sequence_parallel=sequence_parallel)
-        return cls(tokens=counts[0], sequences=counts[1], group_tokens=group_tokens, world_size=world_size,
-                   length_counts=counts[3:], rewarded_tokens=counts[2] if scores is not None else None,
-                   expert=expert_counts, sequence_parallel=sequence_parallel)
+            expert_counts = cls.count(
+                [m * (f != 0).to(m.device)[:, None] for m, f in zip(mask_list, flag_list)],
+                group_ids=group_ids,
+                scores=scores,
+                process_group=process_group,
+                reduce=reduce,
+                sequence_parallel=sequence_parallel,
+            )
+        return cls(
+            tokens=counts[0],
+            sequences=counts[1],
+            group_tokens=group_tokens,
+            world_size=world_size,
+            length_counts=counts[3:],
+            rewarded_tokens=counts[2] if scores is not None else None,
+            expert=expert_counts,
+            sequence_parallel=sequence_parallel,
+        )
 
 
 def row_weights(
@@ -269,20 +306,33 @@ def _group_mean_token_mean_rows(mask: Tensor, normalizer: Normalizer, *, group_i
     if normalizer.group_tokens is None:
         raise ValueError("loss_agg_mode 'group-mean-token-mean' needs a Normalizer counted with group_ids")
     groups = len(normalizer.group_tokens)
-    check_values(group_ids, lambda: (group_ids < 0) | (group_ids >= groups),
-                 lambda at: f"group_ids must lie in [0, {groups}) (the groups the step's Normalizer counted), "
-                            f"got {int(group_ids[at])} at row {int(at)}")
+    check_values(
+        group_ids,
+        lambda: (group_ids < 0) | (group_ids >= groups),
+        lambda at: (
+            f"group_ids must lie in [0, {groups}) (the groups the step's Normalizer counted), "
+            f"got {int(group_ids[at])} at row {int(at)}"
+        ),
+    )
     ids = group_ids.to(mask.device).long()
-    check_values(mask, lambda: torch.zeros_like(normalizer.group_tokens).index_add_(
-                     0, ids, mask.sum(dim=-1, dtype=torch.float64)) > normalizer.group_tokens,
-                 lambda at: f"the normalizer counted {int(normalizer.group_tokens[at])} tokens in group {int(at)} "
-                            f"but this call holds more; count the step's Normalizer on every micro-batch's mask")
+    check_values(
+        mask,
+        lambda: (
+            torch.zeros_like(normalizer.group_tokens).index_add_(0, ids, mask.sum(dim=-1, dtype=torch.float64))
+            > normalizer.group_tokens
+        ),
+        lambda at: (
+            f"the normalizer counted {int(normalizer.group_tokens[at])} tokens in group {int(at)} "
+            f"but this call holds more; count the step's Normalizer on every micro-batch's mask"
+        ),
+    )
     per_row = normalizer.group_tokens[ids].clamp(min=1)
     return 1.0 / (per_row * normalizer.groups.clamp(min=1))
 
 
-def _delta_l_norm_rows(mask: Tensor, normalizer: Normalizer, *, norm_constant: float, delta_l_alpha: float,
-                       **_: object) -> Tensor:
+def _delta_l_norm_rows(
+    mask: Tensor, normalizer: Normalizer, *, norm_constant: float, delta_l_alpha: float, **_: object
+) -> Tensor:
     return _delta_l_rows(mask, normalizer, norm_constant, delta_l_alpha)
 
 
@@ -291,17 +341,31 @@ def _delta_l_rows(mask: Tensor, normalizer: Normalizer, norm_constant: float, al
     (`normalizer.length_counts`); 0 for an empty row, and 0 for every row of an empty step."""
     counts = normalizer.length_counts
     if counts is None:
-        raise ValueError("loss_agg_mode 'delta-l-norm' needs a Normalizer that counted the step's lengths "
-                         "(Normalizer.count or Algorithm.step_normalizer)")
+        raise ValueError(
+            "loss_agg_mode 'delta-l-norm' needs a Normalizer that counted the step's lengths "
+            "(Normalizer.count or Algorithm.step_normalizer)"
+        )
     lengths = row_lengths(mask, normalizer.sequence_parallel)
     size = counts.shape[0]
-    check_values(mask, lambda: lengths >= size,
-                 lambda at: f"row {int(at)} holds {int(lengths[at])} valid tokens but the normalizer counted "
-                            f"lengths up to {size - 1}; count the step's Normalizer on every micro-batch's mask")
-    check_values(mask, lambda: torch.zeros_like(counts).index_add_(
-                     0, lengths.long().clamp(max=size - 1), (lengths > 0).to(torch.float64)) > counts,
-                 lambda at: f"the normalizer counted {int(counts[at])} sequences of {int(at)} tokens but this call "
-                            f"holds more; count the step's Normalizer on every micro-batch's mask")
+    check_values(
+        mask,
+        lambda: lengths >= size,
+        lambda at: (
+            f"row {int(at)} holds {int(lengths[at])} valid tokens but the normalizer counted "
+            f"lengths up to {size - 1}; count the step's Normalizer on every micro-batch's mask"
+        ),
+    )
+    check_values(
+        mask,
+        lambda: (
+            torch.zeros_like(counts).index_add_(0, lengths.long().clamp(max=size - 1), (lengths > 0).to(torch.float64))
+            > counts
+        ),
+        lambda at: (
+            f"the normalizer counted {int(counts[at])} sequences of {int(at)} tokens but this call "
+            f"holds more; count the step's Normalizer on every micro-batch's mask"
+        ),
+    )
     support = torch.arange(size, dtype=torch.float64, device=counts.device)
     total = (counts * support.clamp(min=1).pow(-alpha)).sum()  # Σ_j |y_j|^-α (counts[0] = 0)
     own = torch.where(lengths > 0, lengths.clamp(min=1).pow(-alpha), 0.0)
@@ -331,15 +395,18 @@ class Aggregation:
         return self.count == "group_tokens"
 
 
-AGGREGATIONS: dict[str, Aggregation] = {a.name: a for a in (
-    Aggregation("token-mean", "N_tok", "tokens", False, _token_mean_rows),
-    Aggregation("seq-mean-token-mean", "|y_i|·N_seq", "sequences", False, _seq_mean_token_mean_rows),
-    Aggregation("seq-mean-token-sum", "N_seq", "sequences", False, _seq_mean_token_sum_rows),
-    Aggregation("seq-mean-token-sum-norm", "N_seq·C", "sequences", True, _seq_mean_token_sum_norm_rows),
-    Aggregation("group-mean-token-mean", "n_g·N_grp", "group_tokens", False, _group_mean_token_mean_rows),
-    Aggregation("token-sum", "1", None, False, _token_sum_rows),
-    Aggregation("delta-l-norm", "C·Σ_j |y_j|^-α / |y_i|^-α", "length_counts", True, _delta_l_norm_rows),
-)}
+AGGREGATIONS: dict[str, Aggregation] = {
+    a.name: a
+    for a in (
+        Aggregation("token-mean", "N_tok", "tokens", False, _token_mean_rows),
+        Aggregation("seq-mean-token-mean", "|y_i|·N_seq", "sequences", False, _seq_mean_token_mean_rows),
+        Aggregation("seq-mean-token-sum", "N_seq", "sequences", False, _seq_mean_token_sum_rows),
+        Aggregation("seq-mean-token-sum-norm", "N_seq·C", "sequences", True, _seq_mean_token_sum_norm_rows),
+        Aggregation("group-mean-token-mean", "n_g·N_grp", "group_tokens", False, _group_mean_token_mean_rows),
+        Aggregation("token-sum", "1", None, False, _token_sum_rows),
+        Aggregation("delta-l-norm", "C·Σ_j |y_j|^-α / |y_i|^-α", "length_counts", True, _delta_l_norm_rows),
+    )
+}
 """loss_agg_mode -> its `Aggregation`: the table of the modes (the module docstring has the formulas)."""
 
 AGG_MODES = tuple(AGGREGATIONS)
@@ -366,13 +433,20 @@ def rewarded_row_weights(mask: Tensor, rewarded: Tensor, normalizer: Normalizer)
     `rewarded`), N_rew = `normalizer.rewarded_tokens` (clamped at 1: a step without a rewarded token
     gives 0). The aggregation of VAPO's positive-example NLL (arXiv 2504.05118, eq. 10); `[B]`, float64."""
     if normalizer.rewarded_tokens is None:
-        raise ValueError("the positive-example NLL term needs a Normalizer counted with scores "
-                         "(Algorithm.step_normalizer(..., scores=...) or Normalizer.count(..., scores=...))")
+        raise ValueError(
+            "the positive-example NLL term needs a Normalizer counted with scores "
+            "(Algorithm.step_normalizer(..., scores=...) or Normalizer.count(..., scores=...))"
+        )
     held = torch.where(rewarded, mask.sum(dim=-1, dtype=torch.float64), 0.0).sum()
-    check_values(mask, lambda: held > normalizer.rewarded_tokens,
-                 lambda _: f"the normalizer counted {int(normalizer.rewarded_tokens)} tokens of rewarded sequences "
-                           f"but this call holds {int(held)}; count the step's Normalizer on every micro-batch's "
-                           f"mask and scores")
+    check_values(
+        mask,
+        lambda: held > normalizer.rewarded_tokens,
+        lambda _: (
+            f"the normalizer counted {int(normalizer.rewarded_tokens)} tokens of rewarded sequences "
+            f"but this call holds {int(held)}; count the step's Normalizer on every micro-batch's "
+            f"mask and scores"
+        ),
+    )
     return rewarded.to(torch.float64) / normalizer.rewarded_tokens.clamp(min=1).to(mask.device)
 
 
@@ -383,12 +457,16 @@ def check_counts(mask: Tensor, normalizer: Normalizer) -> None:
     if not host_reads(mask):
         return
     lengths = mask.sum(dim=-1)
-    for what, counted, held in (("tokens", normalizer.tokens, lengths.sum()),
-                                ("sequences", normalizer.sequences, (lengths > 0).sum())):
+    for what, counted, held in (
+        ("tokens", normalizer.tokens, lengths.sum()),
+        ("sequences", normalizer.sequences, (lengths > 0).sum()),
+    ):
         if bool(held > counted):
-            raise ValueError(f"the normalizer counted {int(counted)} {what} but this call holds {int(held)}; count "
-                             f"the step's Normalizer on the masks the calls use (every micro-batch's, after any "
-                             f"token mask)")
+            raise ValueError(
+                f"the normalizer counted {int(counted)} {what} but this call holds {int(held)}; count "
+                f"the step's Normalizer on the masks the calls use (every micro-batch's, after any "
+                f"token mask)"
+            )
 
 
 def token_weights(
@@ -401,8 +479,9 @@ def token_weights(
     delta_l_alpha: float = 1.0,
 ) -> Tensor:
     """w_{i,t} with loss = Σ w ℓ for `mode` (see the module docstring); `[B, T]`, float64."""
-    rows = row_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids,
-                       delta_l_alpha=delta_l_alpha)
+    rows = row_weights(
+        mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids, delta_l_alpha=delta_l_alpha
+    )
     return mask.to(torch.float64) * rows[:, None]
 
 
@@ -430,6 +509,7 @@ def aggregate(
     mask = mask.bool()
     if normalizer is None:
         normalizer = Normalizer.count(mask, group_ids=group_ids, reduce=False)
-    rows = row_weights(mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids,
-                       delta_l_alpha=delta_l_alpha)
+    rows = row_weights(
+        mask, mode, normalizer, norm_constant=norm_constant, group_ids=group_ids, delta_l_alpha=delta_l_alpha
+    )
     return weighted_sum(torch.where(mask, values, 0.0), rows, normalizer.world_size)

@@ -9,9 +9,8 @@ later (a rollout correction's rejections, a family's subset of rows) is applied 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +55,13 @@ def check_mask(mask: object, shape: torch.Size, device: torch.device, reference:
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
-        check_values(mask, lambda: (mask != 0) & (mask != 1),
-                     lambda at: f"mask must hold only 0 and 1 (or be bool), got {mask[tuple(at)].item()} at {tuple(at.tolist())}")
+        check_values(
+            mask,
+            lambda: (mask != 0) & (mask != 1),
+            lambda at: (
+                f"mask must hold only 0 and 1 (or be bool), got {mask[tuple(at)].item()} at {tuple(at.tolist())}"
+            ),
+        )
         return mask != 0
     raise TypeError(f"mask must be bool or 0/1 numbers, got dtype {mask.dtype}")
 
@@ -103,7 +107,7 @@ class TokenBatch:
             return self.mask.any(dim=-1)
         return row_lengths(self.mask, self.sequence_parallel) > 0
 
-    def restricted(self, mask: Tensor) -> "TokenBatch":
+    def restricted(self, mask: Tensor) -> TokenBatch:
         """This batch with its effective mask narrowed to the bool `mask` (a subset of `self.mask`: a rollout
         correction's rejections, a family's subset of rows), every real value outside it zeroed as `prepare`
         zeroes the masked positions (a row's value by `kept_rows`): what the narrowing drops reaches no term of
@@ -121,8 +125,16 @@ class TokenBatch:
         return dataclasses.replace(self, mask=mask, **zeroed)
 
     @classmethod
-    def prepare(cls, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, *,
-                sequence_parallel: SequenceParallel | None = None, **inputs: Tensor | None) -> "TokenBatch":
+    def prepare(
+        cls,
+        log_prob: Tensor,
+        old_log_prob: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        sequence_parallel: SequenceParallel | None = None,
+        **inputs: Tensor | None,
+    ) -> TokenBatch:
         """Check, upcast and mask the call's tensors; `inputs` are optional inputs (core/inputs.py).
 
         Row inputs (`advantages` `[B]`, `scores`) are 0 on the rows without a valid token. Under a sequence
@@ -159,8 +171,10 @@ class TokenBatch:
                 right = value.dtype == torch.bool if spec.kind == "bool" else is_integer(value)
                 if value.shape[0] != shape[0] or not right:
                     kind = "a bool" if spec.kind == "bool" else "an integer"
-                    raise ValueError(f"{spec.name} must be {kind} tensor of shape [{shape[0]}], got "
-                                     f"{value.dtype} {tuple(value.shape)}")
+                    raise ValueError(
+                        f"{spec.name} must be {kind} tensor of shape [{shape[0]}], got "
+                        f"{value.dtype} {tuple(value.shape)}"
+                    )
                 check_device(spec.name, value, device)
                 return value
             if value.shape[0] != shape[0]:
@@ -204,11 +218,13 @@ def kept_rows(valid_rows: Tensor, value: Tensor, sequence_parallel: SequencePara
     return valid_rows if sequence_parallel is None else valid_rows | value.isfinite()
 
 
-def per_micro_batch(name: str, value: "Tensor | Sequence[Tensor]", count: int | None = None) -> list[Tensor]:
+def per_micro_batch(name: str, value: Tensor | Sequence[Tensor], count: int | None = None) -> list[Tensor]:
     """The step's tensors as a list, one per micro-batch: a tensor is one micro-batch, a sequence holds
     one per micro-batch. ValueError naming `name` when there is none, or not `count` (the masks')."""
     values = [value] if isinstance(value, Tensor) else list(value)
     if not values or (count is not None and len(values) != count):
-        raise ValueError(f"{name} must hold one tensor per micro-batch"
-                         + (f" ({count}, as masks), got {len(values)}" if count is not None else ", got none"))
+        raise ValueError(
+            f"{name} must hold one tensor per micro-batch"
+            + (f" ({count}, as masks), got {len(values)}" if count is not None else ", got none")
+        )
     return values

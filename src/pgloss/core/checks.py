@@ -117,15 +117,19 @@ def check_log_prob(name: str, value: Tensor, mask: Tensor | None = None) -> None
         return
     valid = value.detach() if mask is None else torch.where(mask, value.detach(), 0.0)
     if not host_reads(value):
-        torch._assert_async((valid > 0).any().logical_not(),
-                            f"{name} must hold log-probabilities (<= 0), got a positive value at a valid position; "
-                            "were probabilities passed instead of their log? (run the step inside "
-                            "pgloss.detect_anomaly() for its position)")
+        torch._assert_async(
+            (valid > 0).any().logical_not(),
+            f"{name} must hold log-probabilities (<= 0), got a positive value at a valid position; "
+            "were probabilities passed instead of their log? (run the step inside "
+            "pgloss.detect_anomaly() for its position)",
+        )
         return
     if bool(valid.amax() > 0):
         where = tuple(int(i) for i in (valid > 0).nonzero()[0])
-        raise ValueError(f"{name} must hold log-probabilities (<= 0), got {float(value.detach()[where])} at a valid position "
-                         f"{where}; were probabilities passed instead of their log?")
+        raise ValueError(
+            f"{name} must hold log-probabilities (<= 0), got {float(value.detach()[where])} at a valid position "
+            f"{where}; were probabilities passed instead of their log?"
+        )
 
 
 def check_finite(name: str, value: Tensor | None, mask: Tensor) -> None:
@@ -149,12 +153,16 @@ def check_cut(name: str, value: Any, device: torch.device) -> Tensor:
     a value check (`check_values`)."""
     if isinstance(value, Tensor):
         if value.ndim != 0 or not value.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a real number or a 0-d floating tensor, got a {value.dtype} tensor "
-                            f"of shape {tuple(value.shape)}")
+            raise TypeError(
+                f"{name} must be a real number or a 0-d floating tensor, got a {value.dtype} tensor "
+                f"of shape {tuple(value.shape)}"
+            )
         check_values(value, lambda: torch.isnan(value), lambda _: f"{name} is NaN: no value passes it")
         return value.detach().to(device=device, dtype=torch.float64)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number or a 0-d floating tensor, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{name} must be a real number or a 0-d floating tensor, got {value!r} ({type(value).__name__})"
+        )
     if math.isnan(value):
         raise ValueError(f"{name} is NaN: no value passes it")
     return torch.full((), float(value), dtype=torch.float64, device=device)  # a fill: no copy from the host
@@ -171,14 +179,16 @@ def check_valid_finite(name: str, values: Tensor, mask: Tensor) -> None:
 
 # ---- hyperparameters: checked by name, always (no tensors involved) ----
 
+
 def check_number(name: str, value: Any, *, optional: bool = False) -> float | None:
     """`value` as a float: TypeError unless a real number (bool excluded; None when `optional`),
     ValueError unless finite."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number{' or None' if optional else ''}, "
-                        f"got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{name} must be a real number{' or None' if optional else ''}, got {value!r} ({type(value).__name__})"
+        )
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return float(value)

@@ -16,17 +16,21 @@ def is_distributed(reduce: bool = True) -> bool:
     return reduce and dist.is_available() and dist.is_initialized()
 
 
-def all_reduce(tensor: Tensor, process_group: "dist.ProcessGroup | None" = None, reduce: bool = True,
-               op: "dist.ReduceOp.RedOpType" = dist.ReduceOp.SUM) -> Tensor:
+def all_reduce(
+    tensor: Tensor,
+    process_group: dist.ProcessGroup | None = None,
+    reduce: bool = True,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> Tensor:
     """`tensor` reduced in place over the ranks when `is_distributed(reduce)`; returned either way."""
     if is_distributed(reduce):
         dist.all_reduce(tensor, op=op, group=process_group)
     return tensor
 
 
-def world_size(process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> int:
+def world_size(process_group: dist.ProcessGroup | None = None, reduce: bool = True) -> int:
     return dist.get_world_size(process_group) if is_distributed(reduce) else 1
 
 
-def rank(process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> int:
+def rank(process_group: dist.ProcessGroup | None = None, reduce: bool = True) -> int:
     return dist.get_rank(process_group) if is_distributed(reduce) else 0

@@ -31,22 +31,34 @@ class OptionalInput:
     kind: str = "real"
 
 
-OPTIONAL_INPUTS: dict[str, OptionalInput] = {spec.name: spec for spec in (
-    OptionalInput("ref_log_prob", "token", "log π_ref(y_t), the frozen reference model's, for the KL term",
-                  log_prob=True),
-    OptionalInput("entropy", "token", "H(π_θ(·|s_t)) with its gradient, for the entropy bonus", grad=True),
-    OptionalInput("rollout_log_prob", "token", "the inference engine's log-probs, for a rollout correction",
-                  log_prob=True),
-    OptionalInput("group_ids", "row", "the prompt of each row (integers), for the group modes and contrasts",
-                  kind="integer"),
-    OptionalInput("scores", "row", "[B], the raw sequence rewards its loss weighs by"),
-    OptionalInput("full_kl", "token", "the exact per-token KL(π‖π_ref) with its gradient, for kl_estimator='full'",
-                  grad=True),
-    OptionalInput("teacher_log_prob", "token", "log π_T(y_t), the teacher's log-probs of the sampled tokens, "
-                  "for on-policy distillation", log_prob=True),
-    OptionalInput("expert", "row", "the flags (bool) of expert (demonstration) rows, for CHORD's SFT term",
-                  kind="bool"),
-)}
+OPTIONAL_INPUTS: dict[str, OptionalInput] = {
+    spec.name: spec
+    for spec in (
+        OptionalInput(
+            "ref_log_prob", "token", "log π_ref(y_t), the frozen reference model's, for the KL term", log_prob=True
+        ),
+        OptionalInput("entropy", "token", "H(π_θ(·|s_t)) with its gradient, for the entropy bonus", grad=True),
+        OptionalInput(
+            "rollout_log_prob", "token", "the inference engine's log-probs, for a rollout correction", log_prob=True
+        ),
+        OptionalInput(
+            "group_ids", "row", "the prompt of each row (integers), for the group modes and contrasts", kind="integer"
+        ),
+        OptionalInput("scores", "row", "[B], the raw sequence rewards its loss weighs by"),
+        OptionalInput(
+            "full_kl", "token", "the exact per-token KL(π‖π_ref) with its gradient, for kl_estimator='full'", grad=True
+        ),
+        OptionalInput(
+            "teacher_log_prob",
+            "token",
+            "log π_T(y_t), the teacher's log-probs of the sampled tokens, for on-policy distillation",
+            log_prob=True,
+        ),
+        OptionalInput(
+            "expert", "row", "the flags (bool) of expert (demonstration) rows, for CHORD's SFT term", kind="bool"
+        ),
+    )
+}
 """Every optional input of `Algorithm.__call__`, in the order of its signature."""
 
 
@@ -61,5 +73,7 @@ def check_names(inputs: dict[str, object], allowed: dict[str, OptionalInput] = O
 
 def keyword_parameters(allowed: dict[str, OptionalInput] = OPTIONAL_INPUTS) -> list[inspect.Parameter]:
     """The inputs as keyword parameters defaulting to None, for a signature that spells them out."""
-    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Tensor | None")
-            for name in allowed]
+    return [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Tensor | None")
+        for name in allowed
+    ]

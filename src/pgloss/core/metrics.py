@@ -46,23 +46,28 @@ class Stat:
     finish: Callable[..., Tensor] | None = None
 
     @classmethod
-    def mean(cls, value: Tensor, weight: Tensor, parts: tuple[Tensor, ...] | None = None,
-             finish: Callable[..., Tensor] | None = None) -> "Stat":
+    def mean(
+        cls,
+        value: Tensor,
+        weight: Tensor,
+        parts: tuple[Tensor, ...] | None = None,
+        finish: Callable[..., Tensor] | None = None,
+    ) -> Stat:
         """A mean over `weight` tokens or rows (`finish(*parts)` when it is a function of the means `parts`)."""
         return cls(value, MEAN, weight, parts, finish)
 
     @classmethod
-    def max(cls, value: Tensor, count: Tensor) -> "Stat":
+    def max(cls, value: Tensor, count: Tensor) -> Stat:
         """The largest of `count` values (NaN when `count` is 0)."""
         return cls(value, MAX, count)
 
     @classmethod
-    def min(cls, value: Tensor, count: Tensor) -> "Stat":
+    def min(cls, value: Tensor, count: Tensor) -> Stat:
         """The smallest of `count` values (NaN when `count` is 0)."""
         return cls(value, MIN, count)
 
     @classmethod
-    def loss(cls, value: Tensor) -> "Stat":
+    def loss(cls, value: Tensor) -> Stat:
         """A term of the loss: summed over micro-batches, averaged over ranks."""
         return cls(value.detach(), LOSS)
 
@@ -144,15 +149,23 @@ def ratio_metrics(ratio: Tensor, token_log_ratio: Tensor, mask: Tensor, count: T
     }
 
 
-def clip_metrics(clipped_high: Tensor, clipped_low: Tensor, mask: Tensor, clipped_dual: Tensor | None = None,
-                 count: Tensor | None = None) -> dict[str, Stat]:
+def clip_metrics(
+    clipped_high: Tensor,
+    clipped_low: Tensor,
+    mask: Tensor,
+    clipped_dual: Tensor | None = None,
+    count: Tensor | None = None,
+) -> dict[str, Stat]:
     """pg_clipfrac (either bound), its high / low split and, for dual clip, pg_clipfrac_lower;
     `count` = mask.sum() when known."""
     count = mask.sum() if count is None else count
     high = masked_fraction(clipped_high, mask, count)
     low = masked_fraction(clipped_low, mask, count)
-    out = {"pg_clipfrac": Stat.mean(high + low, count), "pg_clipfrac_high": Stat.mean(high, count),
-           "pg_clipfrac_low": Stat.mean(low, count)}
+    out = {
+        "pg_clipfrac": Stat.mean(high + low, count),
+        "pg_clipfrac_high": Stat.mean(high, count),
+        "pg_clipfrac_low": Stat.mean(low, count),
+    }
     if clipped_dual is not None:
         out["pg_clipfrac_lower"] = token_fraction(clipped_dual, mask, count)
     return out

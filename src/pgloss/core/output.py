@@ -23,7 +23,7 @@ class LossOutput:
     stats: dict[str, Stat] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, loss: Tensor, metrics: Mapping[str, Stat | Tensor], per_token: Tensor) -> "LossOutput":
+    def of(cls, loss: Tensor, metrics: Mapping[str, Stat | Tensor], per_token: Tensor) -> LossOutput:
         """The output of a call whose metrics are `Stat`s (a bare tensor is kept as a value without one)."""
         stats = {key: value for key, value in metrics.items() if isinstance(value, Stat)}
         values = {key: value.value if isinstance(value, Stat) else value for key, value in metrics.items()}

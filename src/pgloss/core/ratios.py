@@ -30,8 +30,9 @@ def log_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
     return log_prob - old_log_prob
 
 
-def sequence_log_ratio(token_log_ratio: Tensor, mask: Tensor, *, length_normalized: bool,
-                       sequence_parallel: SequenceParallel | None = None) -> Tensor:
+def sequence_log_ratio(
+    token_log_ratio: Tensor, mask: Tensor, *, length_normalized: bool, sequence_parallel: SequenceParallel | None = None
+) -> Tensor:
     """Σ_t m_t log r_t, divided by |y_i| = Σ_t m_t when `length_normalized`; `[B, 1]`.
 
     A row with no valid token gets 0 (ratio one), never 0/0. Under a sequence group the sums are over the
@@ -44,8 +45,14 @@ def sequence_log_ratio(token_log_ratio: Tensor, mask: Tensor, *, length_normaliz
 
 
 def importance_ratio(
-    log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, *, level: str, max_log_ratio: float,
-    token_log_ratio: Tensor | None = None, sequence_parallel: SequenceParallel | None = None,
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    mask: Tensor,
+    *,
+    level: str,
+    max_log_ratio: float,
+    token_log_ratio: Tensor | None = None,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> Tensor:
     """The importance ratio at `level` (see the module docstring), `[B, T]` or `[B, 1]`.
     `token_log_ratio`: log π_θ - log π_old when the caller has it (one pass less), with the gradient
@@ -57,8 +64,7 @@ def importance_ratio(
     elif level == "sequence":
         log_r = sequence_log_ratio(token_log_ratio, mask, length_normalized=True, sequence_parallel=sequence_parallel)
     elif level == "sequence_product":
-        log_r = sequence_log_ratio(token_log_ratio, mask, length_normalized=False,
-                                   sequence_parallel=sequence_parallel)
+        log_r = sequence_log_ratio(token_log_ratio, mask, length_normalized=False, sequence_parallel=sequence_parallel)
     elif level == "sequence_token":
         seq = sequence_log_ratio(token_log_ratio, mask, length_normalized=True, sequence_parallel=sequence_parallel)
         # sg[log s_i] + log π_θ - sg[log π_θ]: value log s_i, gradient d log π_θ(y_t).

@@ -59,7 +59,7 @@ class SequenceParallel:
     Pass it to the step's count (`Algorithm.step_normalizer(..., sequence_parallel=)`, `Normalizer.count`);
     every call that takes that `Normalizer` is then computed over whole sequences."""
 
-    group: "dist.ProcessGroup | None" = None
+    group: dist.ProcessGroup | None = None
     """The ranks that hold the slices of the same sequences; None: the default group (pure sequence parallelism)."""
     layout: str = "contiguous"
     """How a sequence is cut over the group: "contiguous" or "load_balanced" (`LAYOUTS`)."""
@@ -68,8 +68,10 @@ class SequenceParallel:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("SequenceParallel needs an initialised torch.distributed process group "
-                             "(torch.distributed.init_process_group)")
+            raise ValueError(
+                "SequenceParallel needs an initialised torch.distributed process group "
+                "(torch.distributed.init_process_group)"
+            )
 
     @property
     def size(self) -> int:
@@ -90,8 +92,10 @@ class SequenceParallel:
     def _chunk_width(self, local_width: int) -> int:
         per_rank = len(self.chunks(0))
         if local_width % per_rank:
-            raise ValueError(f"layout 'load_balanced' holds two chunks of a sequence per rank: the local width must "
-                             f"be even, got {local_width}")
+            raise ValueError(
+                f"layout 'load_balanced' holds two chunks of a sequence per rank: the local width must "
+                f"be even, got {local_width}"
+            )
         return local_width // per_rank
 
     def shard(self, values: Tensor, dim: int = 1) -> Tensor:
@@ -100,8 +104,10 @@ class SequenceParallel:
         width = values.shape[dim]
         chunks = len(self.chunks(0)) * self.size
         if width % chunks:
-            raise ValueError(f"a sequence of {width} positions does not cut into {chunks} equal chunks "
-                             f"(layout {self.layout!r} over {self.size} ranks); pad it to a multiple of {chunks}")
+            raise ValueError(
+                f"a sequence of {width} positions does not cut into {chunks} equal chunks "
+                f"(layout {self.layout!r} over {self.size} ranks); pad it to a multiple of {chunks}"
+            )
         size = width // chunks
         return torch.cat([values.narrow(dim, c * size, size) for c in self.chunks()], dim=dim)
 
@@ -115,10 +121,10 @@ class SequenceParallel:
         pieces = {}
         for rank, part in enumerate(parts):
             for k, chunk in enumerate(self.chunks(rank)):
-                pieces[chunk] = part[..., k * size:(k + 1) * size]
+                pieces[chunk] = part[..., k * size : (k + 1) * size]
         return torch.cat([pieces[c] for c in sorted(pieces)], dim=-1)
 
-    def all_reduce(self, values: Tensor, op: "dist.ReduceOp.RedOpType" = dist.ReduceOp.SUM) -> Tensor:
+    def all_reduce(self, values: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         """`values` reduced over the group, out of place: differentiable for SUM (its backward a SUM too, see
         the module docstring) when `values` carries a gradient."""
         if op == dist.ReduceOp.SUM and values.requires_grad:
@@ -133,7 +139,7 @@ class _SumOverGroup(torch.autograd.Function):
     `torch.distributed.nn.functional.all_reduce`, without its deprecation)."""
 
     @staticmethod
-    def forward(ctx, values: Tensor, group: "dist.ProcessGroup | None") -> Tensor:
+    def forward(ctx, values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         ctx.group = group
         out = values.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=group)
@@ -144,7 +150,7 @@ class _SumOverGroup(torch.autograd.Function):
         return _SumOverGroup.apply(grad, ctx.group), None
 
 
-def check_sequence_parallel(value: object) -> "SequenceParallel | None":
+def check_sequence_parallel(value: object) -> SequenceParallel | None:
     """`value` when it is a `SequenceParallel` or None; TypeError naming the argument otherwise."""
     if value is not None and not isinstance(value, SequenceParallel):
         raise TypeError(f"sequence_parallel must be a pgloss.SequenceParallel or None, got {type(value).__name__}")
@@ -159,24 +165,32 @@ def row_sum(values: Tensor, sequence_parallel: SequenceParallel | None = None, *
     return total if sequence_parallel is None else sequence_parallel.all_reduce(total)
 
 
-def row_total_and_length(values: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None, *,
-                         keepdim: bool = False) -> tuple[Tensor, Tensor]:
+def row_total_and_length(
+    values: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None, *, keepdim: bool = False
+) -> tuple[Tensor, Tensor]:
     """(Σ_t values, |y_i| = Σ_t m) over the whole of each row, in the values' dtype: one all-reduce of both under a
     sequence group (`row_sum`). Zero `values` at masked positions first."""
-    total, length = row_sum(torch.stack([values, mask.to(values.dtype).expand_as(values)]), sequence_parallel,
-                            keepdim=keepdim)
+    total, length = row_sum(
+        torch.stack([values, mask.to(values.dtype).expand_as(values)]), sequence_parallel, keepdim=keepdim
+    )
     return total, length
 
 
-def row_mean(values: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None, *,
-             keepdim: bool = False) -> Tensor:
+def row_mean(
+    values: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None, *, keepdim: bool = False
+) -> Tensor:
     """Σ_t values / max(|y_i|, 1) over the whole of each row (`row_total_and_length`): 0 for an empty row."""
     total, length = row_total_and_length(values, mask, sequence_parallel, keepdim=keepdim)
     return total / length.clamp(min=1)
 
 
-def row_lengths(mask: Tensor, sequence_parallel: SequenceParallel | None = None, *, keepdim: bool = False,
-                dtype: torch.dtype = torch.float64) -> Tensor:
+def row_lengths(
+    mask: Tensor,
+    sequence_parallel: SequenceParallel | None = None,
+    *,
+    keepdim: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
     """|y_i| = Σ_t m_{i,t} over the whole sequence, in `dtype`, `[B]` (`[B, 1]` with `keepdim`)."""
     return row_sum(mask.to(dtype), sequence_parallel, keepdim=keepdim)
 
@@ -191,8 +205,9 @@ def row_max(values: Tensor, sequence_parallel: SequenceParallel | None = None, *
     return high if sequence_parallel is None else sequence_parallel.all_reduce(high, op=dist.ReduceOp.MAX)
 
 
-def along_sequence(fn: Callable[[Tensor], Tensor], values: Tensor,
-                   sequence_parallel: SequenceParallel | None = None) -> Tensor:
+def along_sequence(
+    fn: Callable[[Tensor], Tensor], values: Tensor, sequence_parallel: SequenceParallel | None = None
+) -> Tensor:
     """`fn` (a detached map of whole `[B, T]` rows to `[B, T]`, reading positions in order: a prefix or suffix
     sum) applied to `values`; under a sequence group on the gathered rows (`SequenceParallel.whole`), this
     rank's columns kept. Several inputs: stack them on a leading dimension and unstack in `fn`."""
@@ -201,8 +216,9 @@ def along_sequence(fn: Callable[[Tensor], Tensor], values: Tensor,
     return sequence_parallel.shard(fn(sequence_parallel.whole(values)), dim=-1)
 
 
-def data_parallel_group(process_group: "dist.ProcessGroup | None", reduce: bool,
-                        sequence_parallel: SequenceParallel | None) -> tuple["dist.ProcessGroup | None", bool]:
+def data_parallel_group(
+    process_group: dist.ProcessGroup | None, reduce: bool, sequence_parallel: SequenceParallel | None
+) -> tuple[dist.ProcessGroup | None, bool]:
     """(the group a step statistic is reduced over, whether it is reduced): `process_group` and
     `is_distributed(reduce)` as without a sequence group; under one, `process_group` is the data-parallel group
     beside it (the ranks holding other sequences), and None there means none when the sequence group is every
@@ -214,12 +230,16 @@ def data_parallel_group(process_group: "dist.ProcessGroup | None", reduce: bool,
     if sequence_parallel is None or not distributed:
         return process_group, distributed
     if process_group is not None and process_group is sequence_parallel.group:
-        raise ValueError("process_group is the sequence group; pass the data-parallel group beside it (the ranks "
-                         "holding other sequences), or None when every rank holds slices of the same sequences")
+        raise ValueError(
+            "process_group is the sequence group; pass the data-parallel group beside it (the ranks "
+            "holding other sequences), or None when every rank holds slices of the same sequences"
+        )
     if process_group is None:
         if dist.get_world_size() != sequence_parallel.size:
-            raise ValueError(f"process_group=None under a sequence group of {sequence_parallel.size} ranks in a world "
-                             f"of {dist.get_world_size()}: pass the data-parallel group (the ranks holding other "
-                             f"sequences, e.g. mesh['dp'].get_group())")
+            raise ValueError(
+                f"process_group=None under a sequence group of {sequence_parallel.size} ranks in a world "
+                f"of {dist.get_world_size()}: pass the data-parallel group (the ranks holding other "
+                f"sequences, e.g. mesh['dp'].get_group())"
+            )
         return None, False
     return process_group, True

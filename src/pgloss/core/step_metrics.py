@@ -54,9 +54,15 @@ class StepMetrics:
     the current CUDA device under NCCL, else the CPU). `capacity`: the most metric slots one step holds.
     """
 
-    def __init__(self, *, process_group: "dist.ProcessGroup | None" = None, reduce: bool = True,
-                 dtype: torch.dtype = torch.float64, device: torch.device | str | None = None,
-                 capacity: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        reduce: bool = True,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str | None = None,
+        capacity: int = 256,
+    ) -> None:
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         if not isinstance(reduce, bool):
@@ -73,8 +79,10 @@ class StepMetrics:
         if isinstance(output, LossOutput):
             bare = sorted(set(output.metrics) - set(output.stats))
             if bare:
-                raise TypeError(f"metrics {bare} are bare tensors that do not say how a step combines them; "
-                                "build them as pgloss.core.metrics.Stat (token_mean, Stat.max, ...)")
+                raise TypeError(
+                    f"metrics {bare} are bare tensors that do not say how a step combines them; "
+                    "build them as pgloss.core.metrics.Stat (token_mean, Stat.max, ...)"
+                )
             stats = output.stats
         elif isinstance(output, Mapping):
             stats = output
@@ -117,8 +125,10 @@ class StepMetrics:
         values, agree = self._reduce()
         numbers = torch.stack([agree.to(self.dtype), *values.values()]).tolist()
         if numbers[0] != 1.0:
-            raise ValueError("the ranks added different metric names to StepMetrics: every rank must add the "
-                             "outputs of the same algorithm called with the same inputs")
+            raise ValueError(
+                "the ranks added different metric names to StepMetrics: every rank must add the "
+                "outputs of the same algorithm called with the same inputs"
+            )
         return dict(zip(values, numbers[1:]))
 
     # -- the reduction ---------------------------------------------------------------------------
@@ -142,8 +152,10 @@ class StepMetrics:
         width_sum = sum(len(s) for s in sums)
         width_max = sum(len(e) for e in extremes)
         if max(width_sum, width_max) > self.capacity:
-            raise ValueError(f"{len(layout)} metrics take {max(width_sum, width_max)} slots, more than "
-                             f"capacity={self.capacity}; pass a larger capacity to StepMetrics")
+            raise ValueError(
+                f"{len(layout)} metrics take {max(width_sum, width_max)} slots, more than "
+                f"capacity={self.capacity}; pass a larger capacity to StepMetrics"
+            )
         summed = torch.zeros(self.capacity, dtype=dtype, device=device)
         peaks = torch.full((self.capacity + 4,), -torch.inf, dtype=dtype, device=device)
         if sums:
@@ -161,8 +173,8 @@ class StepMetrics:
         ranks = world_size(self.process_group, self.reduce)
         values, at_sum, at_max = {}, 0, 0
         for name, s, e in zip(layout, sums, extremes):
-            part_sums, at_sum = summed[at_sum:at_sum + len(s)], at_sum + len(s)
-            peak, at_max = peaks[at_max:at_max + len(e)], at_max + len(e)
+            part_sums, at_sum = summed[at_sum : at_sum + len(s)], at_sum + len(s)
+            peak, at_max = peaks[at_max : at_max + len(e)], at_max + len(e)
             values[name] = self._finish(name, part_sums, peak, ranks)
         return values, agree
 

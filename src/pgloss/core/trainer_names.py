@@ -99,6 +99,6 @@ def refuse_misspelt(given, known, where: str) -> None:
     """A ValueError naming every misspelt key of `given` (`misspelt`) and the name it misspells."""
     found = misspelt(given, known)
     if found:
-        raise ValueError(f"{where}: " + "; ".join(f"{key!r} is not an option (did you mean {match!r}?)"
-                                                   for key, match in found))
-
+        raise ValueError(
+            f"{where}: " + "; ".join(f"{key!r} is not an option (did you mean {match!r}?)" for key, match in found)
+        )

@@ -40,8 +40,9 @@ def second_moment(behave_log_prob: Tensor, prox_log_prob: Tensor, mask: Tensor |
     behave = check_tensor("behave_log_prob", behave_log_prob, ndim=(2,))
     prox = check_tensor("prox_log_prob", prox_log_prob, ndim=(2,))
     if behave.shape != prox.shape:
-        raise ValueError(f"behave_log_prob and prox_log_prob must share one shape, got {tuple(behave.shape)} "
-                         f"and {tuple(prox.shape)}")
+        raise ValueError(
+            f"behave_log_prob and prox_log_prob must share one shape, got {tuple(behave.shape)} and {tuple(prox.shape)}"
+        )
     check_device("prox_log_prob", prox, behave.device, "behave_log_prob")
     if mask is not None:
         mask = check_mask(mask, behave.shape, behave.device, "behave_log_prob")
@@ -56,7 +57,7 @@ def m2po_cutoff(
     masks: Tensor | Sequence[Tensor],
     *,
     threshold: float,
-    process_group: "dist.ProcessGroup | None" = None,
+    process_group: dist.ProcessGroup | None = None,
     reduce: bool = True,
 ) -> Tensor:
     """The largest m2 M2PO keeps over the step's micro-batches (and every rank when torch.distributed
@@ -77,8 +78,7 @@ def m2po_cutoff(
     if m2.numel() == 0:
         return m2.new_full((), math.inf)
     ordered = torch.sort(m2, descending=True).values
-    tail_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(len(ordered), 0, -1, dtype=m2.dtype,
-                                                                 device=m2.device)
+    tail_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(len(ordered), 0, -1, dtype=m2.dtype, device=m2.device)
     below = tail_mean < threshold
     k = torch.where(below.any(), below.to(torch.uint8).argmax(), len(ordered) - 1)
     return ordered[k]

@@ -61,8 +61,15 @@ from ..core.aggregate import Normalizer
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
 from ..core.checks import check_log_prob, check_number
 from ..core.metrics import Stat, effective_sample_size, masked_mean, token_extremes, token_fraction, token_mean
-from ..core.sequence_parallel import (SequenceParallel, data_parallel_group, row_lengths, row_max, row_mean, row_sum,
-                                     row_total_and_length)
+from ..core.sequence_parallel import (
+    SequenceParallel,
+    data_parallel_group,
+    row_lengths,
+    row_max,
+    row_mean,
+    row_sum,
+    row_total_and_length,
+)
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
 WEIGHT_MODES = ("truncate", "mask")
@@ -119,8 +126,9 @@ class Rejection:
         elif level == "seq_mean":
             stat = row_mean(stat, mask, sequence_parallel, keepdim=True)
         elif level == "seq_max":
-            stat = row_max(torch.where(mask, stat, -torch.inf), sequence_parallel,
-                           keepdim=True).clamp(min=-torch.finfo(stat.dtype).max)
+            stat = row_max(torch.where(mask, stat, -torch.inf), sequence_parallel, keepdim=True).clamp(
+                min=-torch.finfo(stat.dtype).max
+            )
         if k == "k1":  # bounds on the ratio, compared in log space
             keep = torch.ones_like(stat, dtype=torch.bool)
             if self.upper is not None:
@@ -206,10 +214,17 @@ class RolloutCorrection:
         if self.batch_normalize and self.weight_level is None:
             raise ValueError("batch_normalize needs a weight_level")
         if self.batch_normalize and self.bypass:
-            raise ValueError("batch_normalize cannot be combined with bypass: the weight then depends on π_θ, "
-                             "so its mean over the step is not known before the step")
-        for name, value in (("lower", lower), ("upper", upper), ("rejection", rejection),
-                            ("off_policy_mask", delta), ("max_log_ratio", max_log_ratio)):
+            raise ValueError(
+                "batch_normalize cannot be combined with bypass: the weight then depends on π_θ, "
+                "so its mean over the step is not known before the step"
+            )
+        for name, value in (
+            ("lower", lower),
+            ("upper", upper),
+            ("rejection", rejection),
+            ("off_policy_mask", delta),
+            ("max_log_ratio", max_log_ratio),
+        ):
             object.__setattr__(self, name, value)
 
     @property
@@ -222,14 +237,16 @@ class RolloutCorrection:
     def _log_rho(self, train: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
         return torch.where(mask, (train - rollout).clamp(-self.max_log_ratio, self.max_log_ratio), 0.0)
 
-    def _raw_weight(self, train: Tensor, rollout: Tensor, mask: Tensor,
-                    sequence_parallel: SequenceParallel | None = None) -> Tensor:
+    def _raw_weight(
+        self, train: Tensor, rollout: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None
+    ) -> Tensor:
         """The unbounded weight ρ, `[B, T]` (sequence levels broadcast over the row, their sums over the whole
         sequence under a `sequence_parallel` group)."""
         if self.weight_level == "token":
             return torch.exp(self._log_rho(train, rollout, mask))
-        total, length = row_total_and_length(torch.where(mask, train - rollout, 0.0), mask, sequence_parallel,
-                                             keepdim=True)
+        total, length = row_total_and_length(
+            torch.where(mask, train - rollout, 0.0), mask, sequence_parallel, keepdim=True
+        )
         if self.weight_level == "sequence_geometric":
             total = total / length.clamp(min=1)
         return torch.exp(total.clamp(-self.max_log_ratio, self.max_log_ratio)).expand(mask.shape)
@@ -247,20 +264,26 @@ class RolloutCorrection:
             return raw, out
         return raw.clamp(min=self.lower, max=self.upper), out
 
-    def keep_mask(self, mask: Tensor, old_log_prob: Tensor, rollout_log_prob: Tensor,
-                  sequence_parallel: SequenceParallel | None = None) -> Tensor:
+    def keep_mask(
+        self,
+        mask: Tensor,
+        old_log_prob: Tensor,
+        rollout_log_prob: Tensor,
+        sequence_parallel: SequenceParallel | None = None,
+    ) -> Tensor:
         """The mask after the KL-based rejection, known before the step (decoupled mode): count a
         step's `Normalizer` on these to leave rejected tokens out of the denominator."""
         if self.bypass and self.rejection:
             raise ValueError("with bypass the rejection depends on π_θ; count the Normalizer on the original masks")
         ((mask, old_log_prob, rollout_log_prob),) = _micro_batches(
-            mask, old_log_prob, rollout_log_prob, names=("mask", "old_log_prob", "rollout_log_prob"))
+            mask, old_log_prob, rollout_log_prob, names=("mask", "old_log_prob", "rollout_log_prob")
+        )
         dtype = compute_dtype(old_log_prob.dtype)  # the loss call's arithmetic, so both see one mask
-        return self.kept(old_log_prob.detach().to(dtype), rollout_log_prob.detach().to(dtype), mask,
-                         sequence_parallel)
+        return self.kept(old_log_prob.detach().to(dtype), rollout_log_prob.detach().to(dtype), mask, sequence_parallel)
 
-    def kept(self, train: Tensor, rollout: Tensor, mask: Tensor,
-             sequence_parallel: SequenceParallel | None = None) -> Tensor:
+    def kept(
+        self, train: Tensor, rollout: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None
+    ) -> Tensor:
         """The tokens the KL-based rejection keeps, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n, where
         every rule computes its statistic over the original `mask` (a sequence rule after a token rule
         averages over the sequence's valid tokens, not over the ones the token rule kept), as verl's
@@ -278,7 +301,7 @@ class RolloutCorrection:
         old_log_probs: Tensor | Sequence[Tensor],
         rollout_log_probs: Tensor | Sequence[Tensor],
         *,
-        process_group: "dist.ProcessGroup | None" = None,
+        process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
         sequence_parallel: SequenceParallel | None = None,
     ) -> Tensor:
@@ -293,11 +316,13 @@ class RolloutCorrection:
         process_group, distributed = data_parallel_group(process_group, reduce, sequence_parallel)
         totals = torch.zeros(2, dtype=torch.float64, device=parts[0][0].device)
         for mask, old, rollout in parts:
-            weight, _ = self._bound(self._raw_weight(old.detach().double(), rollout.detach().double(), mask,
-                                                     sequence_parallel))
+            weight, _ = self._bound(
+                self._raw_weight(old.detach().double(), rollout.detach().double(), mask, sequence_parallel)
+            )
             if self.weight_level == "token":  # per row, then over the sequence group: every token once
-                totals += torch.stack(row_total_and_length(torch.where(mask, weight, 0.0), mask,
-                                                           sequence_parallel)).sum(dim=-1)
+                totals += torch.stack(
+                    row_total_and_length(torch.where(mask, weight, 0.0), mask, sequence_parallel)
+                ).sum(dim=-1)
             else:  # a sequence weight is the same on every rank of the sequence group: each sequence once
                 rows = row_lengths(mask, sequence_parallel) > 0
                 totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
@@ -315,7 +340,7 @@ class RolloutCorrection:
         scores: Tensor | Sequence[Tensor] | None = None,
         expert: Tensor | Sequence[Tensor] | None = None,
         count_rejected: bool = False,
-        process_group: "dist.ProcessGroup | None" = None,
+        process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
         sequence_parallel: SequenceParallel | None = None,
     ) -> CorrectedNormalizer:
@@ -323,16 +348,28 @@ class RolloutCorrection:
         bypass mode: over the original masks), with the step's weight mean when `batch_normalize`.
         A collective under torch.distributed, like `Normalizer.count` (and `sequence_parallel` as there)."""
         masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs))
-        counted = masks if count_rejected or self.bypass or not self.rejection else [
-            self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(masks, olds, rollouts)]
-        base = Normalizer.count(counted, group_ids=group_ids, scores=scores, expert=expert,
-                                process_group=process_group, reduce=reduce, sequence_parallel=sequence_parallel)
+        counted = (
+            masks
+            if count_rejected or self.bypass or not self.rejection
+            else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(masks, olds, rollouts)]
+        )
+        base = Normalizer.count(
+            counted,
+            group_ids=group_ids,
+            scores=scores,
+            expert=expert,
+            process_group=process_group,
+            reduce=reduce,
+            sequence_parallel=sequence_parallel,
+        )
         mean = None
         if self.batch_normalize:
-            mean = self.step_weight_mean(masks, olds, rollouts, process_group=process_group, reduce=reduce,
-                                         sequence_parallel=sequence_parallel)
-        return CorrectedNormalizer(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                                   weight_mean=mean)
+            mean = self.step_weight_mean(
+                masks, olds, rollouts, process_group=process_group, reduce=reduce, sequence_parallel=sequence_parallel
+            )
+        return CorrectedNormalizer(
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, weight_mean=mean
+        )
 
     # -- the call -------------------------------------------------------------------------------
 
@@ -357,8 +394,10 @@ class RolloutCorrection:
         if weight_mean is not None and not self.batch_normalize:
             raise ValueError("weight_mean was given but batch_normalize is False")
         if self.batch_normalize and weight_mean is None:
-            raise ValueError("batch_normalize needs the step's mean weight: count the step with "
-                             "algorithm.step_normalizer(...) and pass that normalizer")
+            raise ValueError(
+                "batch_normalize needs the step's mean weight: count the step with "
+                "algorithm.step_normalizer(...) and pass that normalizer"
+            )
         rollout = None if rollout_log_prob is None else rollout_log_prob.detach()
         old = rollout if self.bypass else old_log_prob.detach()
         train = log_prob.detach() if self.bypass else old
@@ -374,8 +413,9 @@ class RolloutCorrection:
             if seq_advantages is None:
                 raise ValueError("off_policy_mask needs advantages")
             behave = old_log_prob.detach() if rollout is None else rollout
-            opsm = off_policy_sequence_mask(log_prob, behave, seq_advantages, mask, delta=self.off_policy_mask,
-                                            sequence_parallel=sequence_parallel)
+            opsm = off_policy_sequence_mask(
+                log_prob, behave, seq_advantages, mask, delta=self.off_policy_mask, sequence_parallel=sequence_parallel
+            )
             metrics["rollout_opsm_frac"] = token_fraction(~opsm, mask, count)
             effective = effective & opsm
         weight = None
@@ -389,10 +429,13 @@ class RolloutCorrection:
         return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics)
 
 
-def _micro_batches(masks: Tensor | Sequence[Tensor], old_log_probs: Tensor | Sequence[Tensor],
-                   rollout_log_probs: Tensor | Sequence[Tensor], *,
-                   names: tuple[str, str, str] = ("masks", "old_log_probs", "rollout_log_probs"),
-                   ) -> list[tuple[Tensor, Tensor, Tensor]]:
+def _micro_batches(
+    masks: Tensor | Sequence[Tensor],
+    old_log_probs: Tensor | Sequence[Tensor],
+    rollout_log_probs: Tensor | Sequence[Tensor],
+    *,
+    names: tuple[str, str, str] = ("masks", "old_log_probs", "rollout_log_probs"),
+) -> list[tuple[Tensor, Tensor, Tensor]]:
     """(bool mask, old, rollout) per micro-batch, checked as a loss call checks them: one tensor of
     each per micro-batch, floating `[B, T]` log-probs of the mask's shape and device, at most 0 at
     valid positions (a value check)."""
@@ -408,7 +451,9 @@ def _micro_batches(masks: Tensor | Sequence[Tensor], old_log_probs: Tensor | Seq
         for name, value in ((f"{old_name}{at}", old), (f"{rollout_name}{at}", rollout)):
             check_tensor(name, value, ndim=(2,))
             if value.shape != mask.shape:
-                raise ValueError(f"{name} must have the shape of its mask {tuple(mask.shape)}, got {tuple(value.shape)}")
+                raise ValueError(
+                    f"{name} must have the shape of its mask {tuple(mask.shape)}, got {tuple(value.shape)}"
+                )
             check_device(name, value, mask.device, reference=f"{mask_name}{at}")
             check_log_prob(name, value, mask)
         out.append((mask, old, rollout))
@@ -422,8 +467,15 @@ def _row_max(values: Tensor) -> Tensor:
     return values.amax(dim=-1, keepdim=True)
 
 
-def off_policy_sequence_mask(log_prob: Tensor, behave_log_prob: Tensor, seq_advantages: Tensor, mask: Tensor,
-                             *, delta: float, sequence_parallel: SequenceParallel | None = None) -> Tensor:
+def off_policy_sequence_mask(
+    log_prob: Tensor,
+    behave_log_prob: Tensor,
+    seq_advantages: Tensor,
+    mask: Tensor,
+    *,
+    delta: float,
+    sequence_parallel: SequenceParallel | None = None,
+) -> Tensor:
     """DeepSeek-V3.2's off-policy sequence mask, bool `[B, T]`: False on the rows with Â_i < 0 and
     (1/|y_i|) Σ_t m (log π_behave - sg log π_θ) > δ (over the whole sequence under `sequence_parallel`)."""
     gap = row_mean(torch.where(mask, behave_log_prob.detach() - log_prob.detach(), 0.0), mask, sequence_parallel)
@@ -447,8 +499,9 @@ def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[
     }
 
 
-def mismatch_metrics(train: Tensor, rollout: Tensor, mask: Tensor,
-                     sequence_parallel: SequenceParallel | None = None) -> dict[str, Stat]:
+def mismatch_metrics(
+    train: Tensor, rollout: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None
+) -> dict[str, Stat]:
     """The train/rollout mismatch over valid tokens (verl's `compute_offpolicy_metrics`):
 
         rollout_kl        mean_t (log π_rollout - log π_train)          k1 of KL(π_rollout‖π_train)

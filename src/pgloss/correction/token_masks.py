@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core.batch import check_mask, check_tensor, per_micro_batch
-from ..core.distributed import all_reduce, is_distributed
 from ..core.checks import check_cut, check_number, check_valid_finite
+from ..core.distributed import all_reduce, is_distributed
 
 
 def entropy_threshold(
@@ -37,7 +37,7 @@ def entropy_threshold(
     masks: Tensor | Sequence[Tensor],
     *,
     top: float,
-    process_group: "dist.ProcessGroup | None" = None,
+    process_group: dist.ProcessGroup | None = None,
     reduce: bool = True,
 ) -> Tensor:
     """The (1 - top) quantile of the valid entropies of the step's micro-batches (and, when
@@ -60,7 +60,7 @@ def entropy_threshold(
     return torch.quantile(local, 1.0 - top)
 
 
-def gather_values(local: Tensor, *, process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> Tensor:
+def gather_values(local: Tensor, *, process_group: dist.ProcessGroup | None = None, reduce: bool = True) -> Tensor:
     """The 1-d `local` values of every rank, concatenated in rank order (uneven lengths: padded for
     the all-gather, then cut); `local` itself outside torch.distributed or with `reduce=False`."""
     if not is_distributed(reduce):
@@ -111,8 +111,9 @@ def _token_advantages(advantages: Tensor, shape: torch.Size, device: torch.devic
 
 def _masked_moments(values: Tensor, mask: Tensor, process_group, reduce: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(count, mean, population std) of `values` over the valid tokens of every rank: two passes."""
-    totals = all_reduce(torch.stack([torch.where(mask, values, 0.0).sum(), mask.sum().to(torch.float64)]),
-                        process_group, reduce)
+    totals = all_reduce(
+        torch.stack([torch.where(mask, values, 0.0).sum(), mask.sum().to(torch.float64)]), process_group, reduce
+    )
     count = totals[1].clamp(min=1)
     mean = totals[0] / count
     sq = all_reduce(torch.where(mask, values - mean, 0.0).square().sum().reshape(1), process_group, reduce)[0]
@@ -130,8 +131,16 @@ def _discriminator_inputs(log_prob, entropy, mask):
     return lp.exp() * (h + lp), mask  # S = p (H + log p)
 
 
-def clip_b_mask(log_prob: Tensor, entropy: Tensor, advantages: Tensor, mask: Tensor, *, mu: float = 2.5,
-                process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> Tensor:
+def clip_b_mask(
+    log_prob: Tensor,
+    entropy: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    mu: float = 2.5,
+    process_group: dist.ProcessGroup | None = None,
+    reduce: bool = True,
+) -> Tensor:
     """Clip_B (Wang et al. 2026, "On the Entropy Dynamics in Reinforcement Fine-Tuning of LLMs",
     arXiv 2602.03392; Trinity-RFT 0.6.0 `algorithm/advantage_fn/clipb_advantage.py`), bool `[B, T]`.
 
@@ -156,9 +165,19 @@ def clip_b_mask(log_prob: Tensor, entropy: Tensor, advantages: Tensor, mask: Ten
     return mask & keep
 
 
-def clip_v_mask(log_prob: Tensor, entropy: Tensor, expected_discriminator: Tensor, advantages: Tensor,
-                mask: Tensor, *, mu: float = 8.5, max_frac: float = 1e-4, convention: str = "pgloss",
-                process_group: "dist.ProcessGroup | None" = None, reduce: bool = True) -> Tensor:
+def clip_v_mask(
+    log_prob: Tensor,
+    entropy: Tensor,
+    expected_discriminator: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    mu: float = 8.5,
+    max_frac: float = 1e-4,
+    convention: str = "pgloss",
+    process_group: dist.ProcessGroup | None = None,
+    reduce: bool = True,
+) -> Tensor:
     """Clip_V (arXiv 2602.03392; Trinity-RFT 0.6.0 `algorithm/advantage_fn/clipv_advantage.py`),
     bool `[B, T]`: clip the negative-advantage tokens whose first-order entropy change is an outlier,
     at most a share `max_frac` of the step's valid tokens.

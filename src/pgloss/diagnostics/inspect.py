@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.aggregate import Normalizer
 from ..base import Algorithm
+from ..core.aggregate import Normalizer
 from ..core.batch import TokenBatch
 from ..core.inputs import check_names
 from ..losses.closed_form import GradientFactor
@@ -86,8 +86,9 @@ class TokenGradients:
         return None if self.factor is None else -self.advantage * self.factor * self.weight
 
 
-def token_gradients(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
-                    mask: Tensor, **kwargs) -> Tensor:
+def token_gradients(
+    algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, **kwargs
+) -> Tensor:
     """g = ∂L/∂log π_θ by autograd, `[B, T]`: `algorithm`'s loss on this batch, called with the same
     arguments as `algorithm(...)` (`kwargs`: ref_log_prob, entropy, normalizer, group_ids, full_kl, ...).
     Inputs other than `log_prob` are taken detached: g is the gradient with respect to log π_θ(y_t) alone."""
@@ -105,8 +106,16 @@ _TERM_INPUTS = ("ref_log_prob", "entropy", "full_kl")
 """The inputs of the KL and entropy terms, which `policy_grad` leaves out."""
 
 
-def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, *,
-            normalizer: Normalizer | None = None, **inputs: Tensor | None) -> TokenGradients:
+def inspect(
+    algorithm: Algorithm,
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    normalizer: Normalizer | None = None,
+    **inputs: Tensor | None,
+) -> TokenGradients:
     """The per-token gradient of `algorithm`'s loss on this batch and its decomposition -Â·f·w.
 
     Arguments as for `algorithm(...)`; without `normalizer` the batch is the whole step. A random
@@ -122,14 +131,16 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
     with _replayed_draws(algorithm) as rewind:
         grad = token_gradients(algorithm, log_prob, old_log_prob, advantages, mask, normalizer=normalizer, **inputs)
         rewind()
-        policy_grad = token_gradients(policy_only, log_prob, old_log_prob, advantages, mask, normalizer=normalizer,
-                                      **policy_inputs)
+        policy_grad = token_gradients(
+            policy_only, log_prob, old_log_prob, advantages, mask, normalizer=normalizer, **policy_inputs
+        )
         rewind()
         batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask, **policy_inputs)
         batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
         tis = None if corrected is None else corrected.weight
-        rows = algorithm.policy_row_weights(batch, normalizer, algorithm.row_weights(batch.mask, normalizer,
-                                                                                   batch.group_ids))
+        rows = algorithm.policy_row_weights(
+            batch, normalizer, algorithm.row_weights(batch.mask, normalizer, batch.group_ids)
+        )
         weight = (batch.mask.to(torch.float64) * rows[:, None]).to(batch.log_prob.dtype) * normalizer.world_size
         closed = _closed_form(algorithm, batch)
     factor, reason = closed.factor, closed.reason
@@ -139,8 +150,9 @@ def inspect(algorithm: Algorithm, log_prob: Tensor, old_log_prob: Tensor, advant
                 tis = tis.sum(dim=-1, keepdim=True) / batch.mask.sum(dim=-1, keepdim=True).clamp(min=1)
             factor, reason = factor * tis, reason + ", times the rollout correction's weight"
         factor = torch.where(batch.mask, factor, 0.0)
-    return TokenGradients(grad=grad, policy_grad=policy_grad, advantage=batch.advantages, weight=weight,
-                          factor=factor, reason=reason)
+    return TokenGradients(
+        grad=grad, policy_grad=policy_grad, advantage=batch.advantages, weight=weight, factor=factor, reason=reason
+    )
 
 
 def _check_algorithm(algorithm: object) -> None:
@@ -162,8 +174,11 @@ def _replayed_draws(algorithm: Algorithm) -> Iterator:
     `torch.Generator` fields, torch's global CPU generator and, once CUDA is in use, each GPU's) back
     to its state on entry; on exit they are left in that state, so the diagnostic's draws are the next
     training call's."""
-    generators = [value for value in (getattr(algorithm, f.name) for f in dataclasses.fields(algorithm))
-                  if isinstance(value, torch.Generator)]
+    generators = [
+        value
+        for value in (getattr(algorithm, f.name) for f in dataclasses.fields(algorithm))
+        if isinstance(value, torch.Generator)
+    ]
     states = [g.get_state() for g in generators]
     global_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None

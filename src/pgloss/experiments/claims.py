@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..lab.intervals import interval  # noqa: F401 (the reports read every statistic from here)
+from ..lab.intervals import interval
 
 
 def nanmean(values) -> float:
@@ -68,8 +68,9 @@ def verdict(claim: Claim, runs: dict, window: int, measure=change) -> dict | Non
     if not seeds:
         return None
     args = (window,) if measure is change else ()
-    diffs = [measure(runs[(claim.a, s)], claim.key, *args) - measure(runs[(claim.b, s)], claim.key, *args)
-             for s in seeds]
+    diffs = [
+        measure(runs[(claim.a, s)], claim.key, *args) - measure(runs[(claim.b, s)], claim.key, *args) for s in seeds
+    ]
     mean, half = interval(diffs)
     low, high = mean - half, mean + half
     if math.isnan(half):
@@ -98,13 +99,21 @@ def interval_curve(ax, runs: dict, label: str, key: str, smooth: int, **style) -
     if not seeds:
         return
     steps = [r["step"] for r in runs[(label, seeds[0])]]
-    stats = [interval([window_mean(runs[(label, s)], key, range(step - smooth // 2, step + smooth // 2 + 1))
-                       for s in seeds]) for step in steps]
+    stats = [
+        interval([window_mean(runs[(label, s)], key, range(step - smooth // 2, step + smooth // 2 + 1)) for s in seeds])
+        for step in steps
+    ]
     mean = [m for m, _ in stats]
     half = [0.0 if math.isnan(h) else h for _, h in stats]
     ax.plot(steps, mean, label=f"{label} (n={len(seeds)})", lw=1.4, **style)
-    ax.fill_between(steps, [max(0.0, m - h) for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
-                    color=style.get("color"), alpha=0.15, lw=0)
+    ax.fill_between(
+        steps,
+        [max(0.0, m - h) for m, h in zip(mean, half)],
+        [m + h for m, h in zip(mean, half)],
+        color=style.get("color"),
+        alpha=0.15,
+        lw=0,
+    )
 
 
 def scale_caveat(runs: dict, design) -> str | None:
@@ -114,6 +123,8 @@ def scale_caveat(runs: dict, design) -> str | None:
     steps = max((records[-1]["step"] for records in runs.values()), default=0)
     if seeds >= design.seeds and steps >= design.steps:
         return None
-    return (f"A check run, not a result: {seeds} seed{'s' if seeds != 1 else ''} x {steps} steps against the "
-            f"experiment's {design.seeds} x {design.steps}. With so few seeds and steps the intervals are wide and "
-            "the verdicts below say only what the numbers would read; docs/experiments.md has the full run.")
+    return (
+        f"A check run, not a result: {seeds} seed{'s' if seeds != 1 else ''} x {steps} steps against the "
+        f"experiment's {design.seeds} x {design.steps}. With so few seeds and steps the intervals are wide and "
+        "the verdicts below say only what the numbers would read; docs/experiments.md has the full run."
+    )

@@ -43,8 +43,9 @@ def claim_out(out: str | None, default: str, experiment, overwrite: bool, own: t
     mine = _settings(experiment)
     if saved is not None:  # a setting added since the experiment was saved holds its default there
         saved = {**_settings(type(experiment)()), **saved}
-    if saved is not None and {k: v for k, v in saved.items() if k not in UNCOMPARED} == \
-            {k: v for k, v in mine.items() if k not in UNCOMPARED}:
+    if saved is not None and {k: v for k, v in saved.items() if k not in UNCOMPARED} == {
+        k: v for k, v in mine.items() if k not in UNCOMPARED
+    }:
         return path  # the same experiment: resumed
     if overwrite:
         set_aside(path, own)
@@ -53,15 +54,19 @@ def claim_out(out: str | None, default: str, experiment, overwrite: bool, own: t
         return beside(path)
     if saved is None:
         raise ValueError(refusal(path))
-    differ = [f"{k} {saved.get(k)!r} there, {mine[k]!r} here" for k in mine
-              if k not in UNCOMPARED and saved.get(k) != mine[k]]
-    raise ValueError(f"--out {path} holds an experiment with other settings ({'; '.join(differ)}): a run never "
-                     "replaces another; give a new --out, or add --overwrite to replace it")
+    differ = [
+        f"{k} {saved.get(k)!r} there, {mine[k]!r} here" for k in mine if k not in UNCOMPARED and saved.get(k) != mine[k]
+    ]
+    raise ValueError(
+        f"--out {path} holds an experiment with other settings ({'; '.join(differ)}): a run never "
+        "replaces another; give a new --out, or add --overwrite to replace it"
+    )
 
 
 def _save(out: Path, experiment, status: str, command: str) -> None:
-    (out / "experiment.json").write_text(json.dumps({**_settings(experiment), "status": status, "command": command},
-                                                    indent=2) + "\n")
+    (out / "experiment.json").write_text(
+        json.dumps({**_settings(experiment), "status": status, "command": command}, indent=2) + "\n"
+    )
 
 
 @dataclass(frozen=True)
@@ -88,14 +93,22 @@ def _given(args, names) -> dict:
 
 def _refuse_others(args, allowed: set[str]) -> None:
     """--options of the other experiment are refused, not ignored."""
-    for name in ("task", "algorithms", "entropy_coef", "target_entropy", "students", "teacher_steps", "teacher_d_model"):
+    for name in (
+        "task",
+        "algorithms",
+        "entropy_coef",
+        "target_entropy",
+        "students",
+        "teacher_steps",
+        "teacher_d_model",
+    ):
         if name not in allowed and getattr(args, name, None) is not None:
             raise ValueError(f"--{name.replace('_', '-')} is an option of another experiment, not of {args.name}")
 
 
 def length_plan(args) -> Plan:
-    from . import length
     from ..lab.spec import parse_algorithms
+    from . import length
 
     _refuse_others(args, {"task", "algorithms", "entropy_coef", "target_entropy"})
     task = args.task or "trace"
@@ -104,12 +117,16 @@ def length_plan(args) -> Plan:
     if args.algorithms is not None:
         overrides["algorithms"] = tuple(spec.label for spec in parse_algorithms(args.algorithms))
     experiment = dataclasses.replace(length.quick(design) if args.quick else design, **overrides)
-    command = ["pgloss experiment length", *([f"--task {task}"] if task != "trace" else []),
-               *(["--quick"] if args.quick else []),
-               *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "algorithms"),
-               *([f"--algorithms {' '.join(overrides['algorithms'])}"] if args.algorithms else [])]
-    return _length_plan(experiment, command, "runs/length" + ("" if task == "trace" else f"-{task}")
-                        + ("-quick" if args.quick else ""))
+    command = [
+        "pgloss experiment length",
+        *([f"--task {task}"] if task != "trace" else []),
+        *(["--quick"] if args.quick else []),
+        *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "algorithms"),
+        *([f"--algorithms {' '.join(overrides['algorithms'])}"] if args.algorithms else []),
+    ]
+    return _length_plan(
+        experiment, command, "runs/length" + ("" if task == "trace" else f"-{task}") + ("-quick" if args.quick else "")
+    )
 
 
 def _length_plan(experiment, command: list[str], default_out: str) -> Plan:
@@ -123,8 +140,9 @@ def _length_plan(experiment, command: list[str], default_out: str) -> Plan:
         names = list(experiment.algorithms) + sorted({a for a, _ in runs} - set(experiment.algorithms))
         return write_report(runs, names, out, command=command, seconds=seconds, window=window, design=design)
 
-    return Plan(experiment, length, default_out, length.OWN, command, report,
-                experiment.seeds * len(experiment.algorithms))
+    return Plan(
+        experiment, length, default_out, length.OWN, command, report, experiment.seeds * len(experiment.algorithms)
+    )
 
 
 def distill_plan(args) -> Plan:
@@ -135,12 +153,19 @@ def distill_plan(args) -> Plan:
     if args.students is not None:
         overrides["students"] = tuple(args.students)
     experiment = dataclasses.replace(distill.quick(distill.DESIGN) if args.quick else distill.DESIGN, **overrides)
-    command = ["pgloss experiment distill", *(["--quick"] if args.quick else []),
-               *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "students"),
-               *([f"--students {' '.join(overrides['students'])}"] if args.students else [])]
-    return _distill_plan(experiment, command, "runs/distill" + (f"-teacher{experiment.teacher_d_model}"
-                                                                if experiment.teacher_d_model else "")
-                         + ("-quick" if args.quick else ""))
+    command = [
+        "pgloss experiment distill",
+        *(["--quick"] if args.quick else []),
+        *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "students"),
+        *([f"--students {' '.join(overrides['students'])}"] if args.students else []),
+    ]
+    return _distill_plan(
+        experiment,
+        command,
+        "runs/distill"
+        + (f"-teacher{experiment.teacher_d_model}" if experiment.teacher_d_model else "")
+        + ("-quick" if args.quick else ""),
+    )
 
 
 def _distill_plan(experiment, command: list[str], default_out: str) -> Plan:
@@ -153,13 +178,24 @@ def _distill_plan(experiment, command: list[str], default_out: str) -> Plan:
     def report(runs, out, *, command, seconds):
         labels = list(experiment.students) + sorted({a for a, _ in runs} - set(experiment.students) - {distill.TEACHER})
         caveat = scale_caveat({k: v for k, v in runs.items() if k[0] != distill.TEACHER}, distill.DESIGN)
-        teacher = (f"GRPO from a warm start of its own, {experiment.teacher_d_model} wide (the students "
-                   f"{experiment.d_model})" if experiment.teacher_d_model else "GRPO from the same warm start")
-        return write_report(runs, labels, out, command=command, seconds=seconds, window=window, caveat=caveat,
-                            teacher=teacher)
+        teacher = (
+            f"GRPO from a warm start of its own, {experiment.teacher_d_model} wide (the students {experiment.d_model})"
+            if experiment.teacher_d_model
+            else "GRPO from the same warm start"
+        )
+        return write_report(
+            runs, labels, out, command=command, seconds=seconds, window=window, caveat=caveat, teacher=teacher
+        )
 
-    return Plan(experiment, distill, default_out, distill.OWN, command, report,
-                experiment.seeds * (1 + len(experiment.students)))
+    return Plan(
+        experiment,
+        distill,
+        default_out,
+        distill.OWN,
+        command,
+        report,
+        experiment.seeds * (1 + len(experiment.students)),
+    )
 
 
 PLANS = {"length": length_plan, "distill": distill_plan}
@@ -174,8 +210,11 @@ def _saved_plan(out: Path) -> tuple[Plan, str]:
         saved = json.loads((out / "experiment.json").read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"{out}: no experiment.json of a pgloss experiment there ({err})") from None
-    kind, cls, build = (("distill", distill.DistillExperiment, _distill_plan) if "students" in saved
-                        else ("length", length.LengthExperiment, _length_plan))
+    kind, cls, build = (
+        ("distill", distill.DistillExperiment, _distill_plan)
+        if "students" in saved
+        else ("length", length.LengthExperiment, _length_plan)
+    )
     fields = {f.name for f in dataclasses.fields(cls)}
     experiment = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})
     command = saved.get("command") or f"pgloss experiment {kind} --out {out} (the settings of experiment.json)"
@@ -185,8 +224,8 @@ def _saved_plan(out: Path) -> tuple[Plan, str]:
 def rebuild_experiment(out: Path) -> Path:
     """Write the report and plots of the experiment in `out` again from its complete runs (``out/runs``);
     an earlier report and plots are kept in ``out/replaced`` first. ValueError when there is none."""
-    from .runs import load
     from ..lab.outputs import set_aside
+    from .runs import load
 
     plan, command = _saved_plan(out)
     runs = load(out)
@@ -220,16 +259,19 @@ def cmd_report(args) -> int:
 def add_report_command(subparsers) -> None:
     """Add ``report`` to the ``pgloss`` command's subparsers."""
     parser = subparsers.add_parser("report", help="write the report and plots of a run folder again from what it saved")
-    parser.add_argument("run_dir", metavar="RUN_DIR",
-                        help="the --out of a pgloss train, compare or experiment run (an earlier report.md and plots "
-                             "there are kept in RUN_DIR/replaced)")
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="the --out of a pgloss train, compare or experiment run (an earlier report.md and plots "
+        "there are kept in RUN_DIR/replaced)",
+    )
     parser.set_defaults(func=cmd_report)
 
 
 def cmd_experiment(args) -> int:
     """Run (or resume) the experiment in ``--out``, then write report.md and its plots there."""
-    from .runs import load
     from ..lab.runner import Held, require_extras
+    from .runs import load
 
     try:  # every argument is checked before any work
         require_extras()
@@ -262,14 +304,19 @@ def cmd_experiment(args) -> int:
         if not args.report_only:
             _save(out, plan.experiment, "interrupted" if interrupted else "finished", command)
         if not runs:
-            print(f"pgloss experiment: {'interrupted; ' if interrupted else ''}no complete run in {out}", file=sys.stderr)
+            print(
+                f"pgloss experiment: {'interrupted; ' if interrupted else ''}no complete run in {out}", file=sys.stderr
+            )
             return 130 if interrupted else 2
         seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else None
         report = plan.report(runs, out, command=command, seconds=seconds)
     interrupted = interrupted or bool(held.received)
     if interrupted:
-        print(f"pgloss experiment: interrupted; {len(runs)} of {plan.total} runs complete; report: {report}; "
-              "the same command resumes", file=sys.stderr)
+        print(
+            f"pgloss experiment: interrupted; {len(runs)} of {plan.total} runs complete; report: {report}; "
+            "the same command resumes",
+            file=sys.stderr,
+        )
         return 130
     print(f"pgloss experiment: {len(runs)} of {plan.total} runs complete; report: {report}")
     return 0
@@ -277,54 +324,99 @@ def cmd_experiment(args) -> int:
 
 def add_experiment_command(subparsers) -> None:
     """Add ``experiment`` to the ``pgloss`` command's subparsers."""
+    from ..lab.spec import add_algorithms_argument
     from .distill import STUDENTS, DistillExperiment
     from .length import EXPERIMENTS, LengthExperiment
-    from ..lab.spec import add_algorithms_argument
 
     distill = DistillExperiment()  # the defaults the help states
-    parser = subparsers.add_parser("experiment", help="run an experiment that tests a published claim (length, distill)")
-    parser.add_argument("name", choices=sorted(PLANS),
-                        help="length: which losses lengthen responses; distill: does on-policy distillation reach its "
-                             "teacher faster than RL (docs/experiments.md)")
-    parser.add_argument("--quick", action="store_true",
-                        help="two seeds and a few steps: checks that everything runs (minutes, not a result)")
-    parser.add_argument("--task", choices=sorted(EXPERIMENTS), default=None,
-                        help="length only. trace: length is the policy's free choice (default); chain: a longer trace "
-                             "raises the reward, so responses lengthen (its own algorithms, budget, warm start and "
-                             "entropy bonus); ladder: each further step of work solves longer chains, so responses "
-                             "keep lengthening (its own algorithms, 8 seeds, 200 steps, the entropy steered to a target)")
+    parser = subparsers.add_parser(
+        "experiment", help="run an experiment that tests a published claim (length, distill)"
+    )
+    parser.add_argument(
+        "name",
+        choices=sorted(PLANS),
+        help="length: which losses lengthen responses; distill: does on-policy distillation reach its "
+        "teacher faster than RL (docs/experiments.md)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="two seeds and a few steps: checks that everything runs (minutes, not a result)",
+    )
+    parser.add_argument(
+        "--task",
+        choices=sorted(EXPERIMENTS),
+        default=None,
+        help="length only. trace: length is the policy's free choice (default); chain: a longer trace "
+        "raises the reward, so responses lengthen (its own algorithms, budget, warm start and "
+        "entropy bonus); ladder: each further step of work solves longer chains, so responses "
+        "keep lengthening (its own algorithms, 8 seeds, 200 steps, the entropy steered to a target)",
+    )
     add_algorithms_argument(parser, LengthExperiment().algorithms)
     action = next(a for a in parser._actions if a.dest == "algorithms")
-    action.help = ("length only. " + action.help[:-1] + f"; --task chain: {' '.join(EXPERIMENTS['chain'].algorithms)}"
-                   f"; --task ladder: {' '.join(EXPERIMENTS['ladder'].algorithms)})")
+    action.help = (
+        "length only. " + action.help[:-1] + f"; --task chain: {' '.join(EXPERIMENTS['chain'].algorithms)}"
+        f"; --task ladder: {' '.join(EXPERIMENTS['ladder'].algorithms)})"
+    )
     parser.set_defaults(algorithms=None)  # None: the experiment's own (or --quick's) algorithms
-    parser.add_argument("--students", nargs="+", choices=list(STUDENTS),
-                        help=f"distill only. the students trained against each teacher (default: "
-                             f"{' '.join(distill.students)}): grpo on the task's reward, opd on the teacher's advantage "
-                             "alone, opd+reward on both, iw_opd with IW-OPD's position weights")
-    parser.add_argument("--teacher-steps", type=int,
-                        help=f"distill only. GRPO steps that make each teacher (default: {distill.teacher_steps}; "
-                             "--quick: 12)")
-    parser.add_argument("--teacher-d-model", type=int,
-                        help=f"distill only. width of each teacher, a larger model than the students' "
-                             f"({distill.d_model}) from a warm start of its own (default: the students' width)")
-    parser.add_argument("--seeds", type=int, help=f"seeds (default: length 5, --task ladder "
-                                                   f"{EXPERIMENTS['ladder'].seeds}; distill {distill.seeds}; --quick: 2)")
-    parser.add_argument("--steps", type=int,
-                        help=f"RL steps per run (default: length {EXPERIMENTS['trace'].steps}, --task chain "
-                             f"{EXPERIMENTS['chain'].steps}, --task ladder {EXPERIMENTS['ladder'].steps}; distill {distill.steps} per student; --quick: 12, distill 8)")
-    parser.add_argument("--workers", type=int, help="runs trained at once (default: 2; length --task chain or ladder 1)")
-    parser.add_argument("--entropy-coef", type=float, help="length only. entropy bonus of every algorithm (default: "
-                                                           f"none; --task chain {EXPERIMENTS['chain'].entropy_coef}; "
-                                                           "with --target-entropy, the starting coefficient)")
-    parser.add_argument("--target-entropy", type=float,
-                        help="length only. steer every algorithm's entropy bonus toward this entropy, nats per token "
-                             f"(pgloss.AdaptiveEntropy; default: none, a fixed bonus; --task ladder "
-                             f"{EXPERIMENTS['ladder'].target_entropy})")
-    parser.add_argument("--out", help="output folder (default: runs/NAME, with -TASK for length's chain and ladder and -quick for "
-                                      "--quick; taken by another experiment: the next free name beside it); the same "
-                                      "experiment is resumed")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an experiment with other settings in --out, its files kept in --out/replaced")
+    parser.add_argument(
+        "--students",
+        nargs="+",
+        choices=list(STUDENTS),
+        help=f"distill only. the students trained against each teacher (default: "
+        f"{' '.join(distill.students)}): grpo on the task's reward, opd on the teacher's advantage "
+        "alone, opd+reward on both, iw_opd with IW-OPD's position weights",
+    )
+    parser.add_argument(
+        "--teacher-steps",
+        type=int,
+        help=f"distill only. GRPO steps that make each teacher (default: {distill.teacher_steps}; --quick: 12)",
+    )
+    parser.add_argument(
+        "--teacher-d-model",
+        type=int,
+        help=f"distill only. width of each teacher, a larger model than the students' "
+        f"({distill.d_model}) from a warm start of its own (default: the students' width)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help=f"seeds (default: length 5, --task ladder "
+        f"{EXPERIMENTS['ladder'].seeds}; distill {distill.seeds}; --quick: 2)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"RL steps per run (default: length {EXPERIMENTS['trace'].steps}, --task chain "
+        f"{EXPERIMENTS['chain'].steps}, --task ladder {EXPERIMENTS['ladder'].steps}; distill {distill.steps} per student; --quick: 12, distill 8)",
+    )
+    parser.add_argument(
+        "--workers", type=int, help="runs trained at once (default: 2; length --task chain or ladder 1)"
+    )
+    parser.add_argument(
+        "--entropy-coef",
+        type=float,
+        help="length only. entropy bonus of every algorithm (default: "
+        f"none; --task chain {EXPERIMENTS['chain'].entropy_coef}; "
+        "with --target-entropy, the starting coefficient)",
+    )
+    parser.add_argument(
+        "--target-entropy",
+        type=float,
+        help="length only. steer every algorithm's entropy bonus toward this entropy, nats per token "
+        f"(pgloss.AdaptiveEntropy; default: none, a fixed bonus; --task ladder "
+        f"{EXPERIMENTS['ladder'].target_entropy})",
+    )
+    parser.add_argument(
+        "--out",
+        help="output folder (default: runs/NAME, with -TASK for length's chain and ladder and -quick for "
+        "--quick; taken by another experiment: the next free name beside it); the same "
+        "experiment is resumed",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an experiment with other settings in --out, its files kept in --out/replaced",
+    )
     parser.add_argument("--report-only", action="store_true", help="only write the report from the runs in --out")
     parser.set_defaults(func=cmd_experiment)

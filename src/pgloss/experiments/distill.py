@@ -91,9 +91,15 @@ class DistillExperiment:
         steps = self.teacher_steps if label == TEACHER else self.steps
         width = (self.teacher_d_model or self.d_model) if label == TEACHER else self.d_model
         warm_lr = LabConfig.warm_lr / (width / self.d_model)  # a wider model warms up at a lower rate
-        return LabConfig(**{**lab_settings(self), "steps": steps, "d_model": width}, algorithm=algorithm,
-                         reward_coef=reward_coef, seed=seed, warm_lr=warm_lr, samples=min(4, self.eval_prompts),
-                         threads=1)
+        return LabConfig(
+            **{**lab_settings(self), "steps": steps, "d_model": width},
+            algorithm=algorithm,
+            reward_coef=reward_coef,
+            seed=seed,
+            warm_lr=warm_lr,
+            samples=min(4, self.eval_prompts),
+            threads=1,
+        )
 
     def warm_configs(self, seed: int) -> list:
         """The configurations whose warm starts a seed needs: the teacher's, and the students' when wider."""
@@ -125,8 +131,9 @@ def _teacher(experiment: DistillExperiment, seed: int, out: str) -> None:
     import torch
 
     out = Path(out)
-    result = write_run(experiment.lab_config(TEACHER, seed), str(run_path(out, TEACHER, seed)), str(out / "warm"),
-                       label=TEACHER)
+    result = write_run(
+        experiment.lab_config(TEACHER, seed), str(run_path(out, TEACHER, seed)), str(out / "warm"), label=TEACHER
+    )
     path = teacher_path(out, seed)
     torch.save(result["state"], path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)  # a complete file or none
@@ -136,9 +143,14 @@ def _student(experiment: DistillExperiment, label: str, seed: int, out: str) -> 
     from ..lab.torch_files import load_tensors
 
     out = Path(out)
-    write_run(experiment.lab_config(label, seed), str(run_path(out, label, seed)), str(out / "warm"), label=label,
-              teacher_state=load_tensors(teacher_path(out, seed), "distillation teacher"),
-              teacher_cfg=experiment.lab_config(TEACHER, seed))
+    write_run(
+        experiment.lab_config(label, seed),
+        str(run_path(out, label, seed)),
+        str(out / "warm"),
+        label=label,
+        teacher_state=load_tensors(teacher_path(out, seed), "distillation teacher"),
+        teacher_cfg=experiment.lab_config(TEACHER, seed),
+    )
 
 
 def check(experiment: DistillExperiment) -> None:
@@ -164,10 +176,18 @@ def run(experiment: DistillExperiment, out: Path, progress: bool = True) -> floa
     students = [(label, s) for s in seeds for label in experiment.students if not run_path(out, label, s).exists()]
     needed = sorted(set(teachers) | {s for _, s in students})
     cold = [cfg for s in needed for cfg in experiment.warm_configs(s) if not warm.cached(cfg, out / "warm")]
-    stages = [(_warm, [(experiment, s, str(out / "warm")) for s in needed]),
-              (_teacher, [(experiment, s, str(out)) for s in teachers]),
-              (_student, [(experiment, label, s, str(out)) for label, s in students])]
+    stages = [
+        (_warm, [(experiment, s, str(out / "warm")) for s in needed]),
+        (_teacher, [(experiment, s, str(out)) for s in teachers]),
+        (_student, [(experiment, label, s, str(out)) for label, s in students]),
+    ]
     rl_steps = len(teachers) * (experiment.teacher_steps + 1) + len(students) * (experiment.steps + 1)
-    return execute("distill", stages, workers=min(experiment.workers, max(1, len(teachers) + len(students))),
-                   warm_starts=len(cold), warm_steps=experiment.warm_steps, rl_steps=rl_steps,
-                   progress=progress)
+    return execute(
+        "distill",
+        stages,
+        workers=min(experiment.workers, max(1, len(teachers) + len(students))),
+        warm_starts=len(cold),
+        warm_steps=experiment.warm_steps,
+        rl_steps=rl_steps,
+        progress=progress,
+    )

@@ -18,16 +18,48 @@ from .distill import STUDENTS, TEACHER
 SOURCE = "On-Policy Distillation (Thinking Machines Lab, 2025)"
 IW_OPD = "On the Position Bias of On-Policy Distillation (arXiv 2606.22600)"
 CLAIMS = (
-    Claim(SOURCE, "on-policy distillation brings the student's reverse KL to the teacher down faster than RL on "
-          "the task's reward", "kl_teacher", "opd", "grpo", -1, "nats/token"),
-    Claim(SOURCE, "on-policy distillation raises the reward faster than RL on the task's reward",
-          "reward", "opd", "grpo", +1, "reward"),
-    Claim(SOURCE, "the teacher's per-token grade added to the task's reward lowers the reverse KL to the teacher "
-          "faster than the reward alone", "kl_teacher", "opd+reward", "grpo", -1, "nats/token"),
-    Claim(IW_OPD, "IW-OPD's position weights bring the reverse KL to the teacher down faster than on-policy "
-          "distillation's uniform token mean", "kl_teacher", "iw_opd", "opd", -1, "nats/token"),
-    Claim(IW_OPD, "IW-OPD raises the reward faster than on-policy distillation", "reward", "iw_opd", "opd", +1,
-          "reward"),
+    Claim(
+        SOURCE,
+        "on-policy distillation brings the student's reverse KL to the teacher down faster than RL on "
+        "the task's reward",
+        "kl_teacher",
+        "opd",
+        "grpo",
+        -1,
+        "nats/token",
+    ),
+    Claim(
+        SOURCE,
+        "on-policy distillation raises the reward faster than RL on the task's reward",
+        "reward",
+        "opd",
+        "grpo",
+        +1,
+        "reward",
+    ),
+    Claim(
+        SOURCE,
+        "the teacher's per-token grade added to the task's reward lowers the reverse KL to the teacher "
+        "faster than the reward alone",
+        "kl_teacher",
+        "opd+reward",
+        "grpo",
+        -1,
+        "nats/token",
+    ),
+    Claim(
+        IW_OPD,
+        "IW-OPD's position weights bring the reverse KL to the teacher down faster than on-policy "
+        "distillation's uniform token mean",
+        "kl_teacher",
+        "iw_opd",
+        "opd",
+        -1,
+        "nats/token",
+    ),
+    Claim(
+        IW_OPD, "IW-OPD raises the reward faster than on-policy distillation", "reward", "iw_opd", "opd", +1, "reward"
+    ),
 )
 EARLY = 10
 """The first RL steps, whose mean reward says how fast a student learns."""
@@ -110,52 +142,84 @@ def plot(runs: dict, labels: list[str], out: Path, window: int) -> Path:
     return path
 
 
-def write_report(runs: dict, labels: list[str], out: Path, *, command: str, seconds: float | None, window: int,
-                 caveat: str | None = None, teacher: str = "GRPO from the same warm start") -> Path:
+def write_report(
+    runs: dict,
+    labels: list[str],
+    out: Path,
+    *,
+    command: str,
+    seconds: float | None,
+    window: int,
+    caveat: str | None = None,
+    teacher: str = "GRPO from the same warm start",
+) -> Path:
     """report.md (table, verdicts, plot) in `out`; returns its path. `caveat`: a line that says the runs are
     a check, not a result; `teacher`: what the teacher is."""
     students = [label for label in labels if label in STUDENTS]
     image = plot(runs, students, out, window)
     rows = summary_rows(runs, [TEACHER, *students], window)
-    lines = ["# The distillation experiment", "",
-             f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""), "",
-             *([f"**{caveat}**", ""] if caveat else []),
-             f"Step 0 is the warm start (every run of a seed starts there); early: the mean of steps 1-{EARLY}; end: "
-             f"the mean of the last {window} steps; ± the 95% interval over seeds. The teacher is {teacher}; its KL "
-             "column is to itself, 0 by definition, and not shown.", "",
-             "| run | seeds | reward: start → early → end | reverse KL to the teacher: start → early → end | "
-             "greedy accuracy: start → end | steps to the teacher's reward |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# The distillation experiment",
+        "",
+        f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
+        "",
+        *([f"**{caveat}**", ""] if caveat else []),
+        f"Step 0 is the warm start (every run of a seed starts there); early: the mean of steps 1-{EARLY}; end: "
+        f"the mean of the last {window} steps; ± the 95% interval over seeds. The teacher is {teacher}; its KL "
+        "column is to itself, 0 by definition, and not shown.",
+        "",
+        "| run | seeds | reward: start → early → end | reverse KL to the teacher: start → early → end | "
+        "greedy accuracy: start → end | steps to the teacher's reward |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
+
         def arrow(key, digits=3, early=True):
             start, mid, end = row[key]
             return " → ".join(fmt(v, digits) for v in ((start, mid, end) if early else (start, end)))
+
         kl = "-" if row["label"] == TEACHER else arrow("kl_teacher")
         reached = row["reached"]
-        to_teacher = "-" if row["label"] == TEACHER else (
-            f"{sum(reached) / len(reached):.1f} ({len(reached)} of {row['seeds']} seeds)" if reached else
-            f"not within the run (0 of {row['seeds']})")
-        lines.append(f"| {row['label']} | {row['seeds']} | {arrow('reward')} | {kl} | {arrow('accuracy', early=False)} "
-                     f"| {to_teacher} |")
-    lines += ["", "## Claims", "",
-              "Paired by seed: the mean over the student's RL steps minus step 0 (how fast) under the first run "
-              "minus under the second, its 95% interval over seeds and the verdict it gives; the last column "
-              f"compares the end (the last {window} steps) instead.", "",
-              "| source | claim | predicts | over the run (95% CI) | verdict | at the end (95% CI) |",
-              "|---|---|---|---|---|---|"]
+        to_teacher = (
+            "-"
+            if row["label"] == TEACHER
+            else (
+                f"{sum(reached) / len(reached):.1f} ({len(reached)} of {row['seeds']} seeds)"
+                if reached
+                else f"not within the run (0 of {row['seeds']})"
+            )
+        )
+        lines.append(
+            f"| {row['label']} | {row['seeds']} | {arrow('reward')} | {kl} | {arrow('accuracy', early=False)} "
+            f"| {to_teacher} |"
+        )
+    lines += [
+        "",
+        "## Claims",
+        "",
+        "Paired by seed: the mean over the student's RL steps minus step 0 (how fast) under the first run "
+        "minus under the second, its 95% interval over seeds and the verdict it gives; the last column "
+        f"compares the end (the last {window} steps) instead.",
+        "",
+        "| source | claim | predicts | over the run (95% CI) | verdict | at the end (95% CI) |",
+        "|---|---|---|---|---|---|",
+    ]
     for claim in CLAIMS:
         whole = verdict(claim, runs, window, measure=run_mean)
         if whole is None:
             continue
         end = verdict(claim, runs, window)
         if caveat:
-            whole, end = ({**x, "verdict": f"(would read: {x['verdict']}; not a result at this scale)"}
-                          for x in (whole, end))
+            whole, end = (
+                {**x, "verdict": f"(would read: {x['verdict']}; not a result at this scale)"} for x in (whole, end)
+            )
         side = ">" if claim.sign > 0 else "<"
-        lines.append(f"| {claim.source} | {claim.statement} | {claim.key}({claim.a}) - {claim.key}({claim.b}) {side} 0 "
-                     f"| {whole['mean']:+.3f} [{whole['low']:+.3f}, {whole['high']:+.3f}] {claim.unit}, "
-                     f"{whole['seeds']} seeds | {whole['verdict']} | {end['mean']:+.3f} [{end['low']:+.3f}, "
-                     f"{end['high']:+.3f}]: {end['verdict']} |")
+        lines.append(
+            f"| {claim.source} | {claim.statement} | {claim.key}({claim.a}) - {claim.key}({claim.b}) {side} 0 "
+            f"| {whole['mean']:+.3f} [{whole['low']:+.3f}, {whole['high']:+.3f}] {claim.unit}, "
+            f"{whole['seeds']} seeds | {whole['verdict']} | {end['mean']:+.3f} [{end['low']:+.3f}, "
+            f"{end['high']:+.3f}]: {end['verdict']} |"
+        )
     lines += ["", f"![distill]({image.name})", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))

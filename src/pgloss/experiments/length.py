@@ -35,8 +35,18 @@ import torch
 
 from .runs import check_counts, execute, lab_settings, run_path, warm_state, write_run
 
-OWN = ("runs", "warm", "experiment.json", "seconds.json", "report.md", "length_reward.png", "length_length.png",
-       "length_repetition.png", "length_entropy.png", "length_gradient.png")
+OWN = (
+    "runs",
+    "warm",
+    "experiment.json",
+    "seconds.json",
+    "report.md",
+    "length_reward.png",
+    "length_length.png",
+    "length_repetition.png",
+    "length_entropy.png",
+    "length_gradient.png",
+)
 """The files and folders the experiment writes into its --out (what --overwrite sets aside)."""
 LENGTH_BINS = (1, 8, 16, 32, 64)
 """Lower edges of the response-length bins (tokens, end token included) of the gradient weight."""
@@ -77,10 +87,13 @@ class LengthExperiment:
         if not self.algorithms:
             raise ValueError("algorithms: need at least one algorithm name")
         check_counts(self, "seeds", "workers")
-        if self.entropy_coef is not None and not (isinstance(self.entropy_coef, (int, float)) and self.entropy_coef >= 0):
+        if self.entropy_coef is not None and not (
+            isinstance(self.entropy_coef, (int, float)) and self.entropy_coef >= 0
+        ):
             raise ValueError(f"entropy_coef: need a number >= 0 or None, got {self.entropy_coef!r}")
-        if self.target_entropy is not None and not (isinstance(self.target_entropy, (int, float))
-                                                    and self.target_entropy > 0):
+        if self.target_entropy is not None and not (
+            isinstance(self.target_entropy, (int, float)) and self.target_entropy > 0
+        ):
             raise ValueError(f"target_entropy: need a number > 0 or None, got {self.target_entropy!r}")
         self.lab_config(self.algorithms[0], 0)  # the lab's settings, checked where the lab owns them
 
@@ -88,17 +101,27 @@ class LengthExperiment:
         """The lab's configuration of one run."""
         from ..lab.config import LabConfig
 
-        return LabConfig(**lab_settings(self), algorithm=algorithm, seed=seed, samples=min(4, self.eval_prompts),
-                         threads=1)
+        return LabConfig(
+            **lab_settings(self), algorithm=algorithm, seed=seed, samples=min(4, self.eval_prompts), threads=1
+        )
 
 
 QUICK = LengthExperiment(seeds=2, steps=12)
 """``--quick``: every algorithm on two seeds for 12 steps (a check that it all runs, not a result)."""
 
 GROWTH = LengthExperiment(
-    algorithms=("grpo", "grpo:kl_coef=0", "bnpo", "dr_grpo", "sample_grpo"), task="chain", seeds=5, steps=120,
-    max_new_tokens=256, warm_steps=1500, warm_batch=64, d_model=96, lr=2e-4, entropy_coef=0.02,
-    workers=1)
+    algorithms=("grpo", "grpo:kl_coef=0", "bnpo", "dr_grpo", "sample_grpo"),
+    task="chain",
+    seeds=5,
+    steps=120,
+    max_new_tokens=256,
+    warm_steps=1500,
+    warm_batch=64,
+    d_model=96,
+    lr=2e-4,
+    entropy_coef=0.02,
+    workers=1,
+)
 """``--task chain``: the claims where a longer trace raises the reward, so responses lengthen
 (docs/experiments.md, "Where length grows"): the lab's ``chain`` task, where the scratchpad pays; the
 algorithms of the claims with the control; a 256-token budget (the longest demonstration is 12 tokens,
@@ -107,9 +130,19 @@ so no response is cut off by the budget unless it runs on); the lab's default wa
 collapse within the run."""
 
 LADDER = LengthExperiment(
-    algorithms=("grpo", "grpo:kl_coef=0", "sample_grpo", "bnpo", "dr_grpo", "dapo", "gspo"), task="ladder", seeds=8,
-    steps=200, max_new_tokens=128, warm_steps=1000, warm_batch=64, scratchpad_prob=1.0, d_model=96, lr=1e-5,
-    target_entropy=0.1, workers=1)
+    algorithms=("grpo", "grpo:kl_coef=0", "sample_grpo", "bnpo", "dr_grpo", "dapo", "gspo"),
+    task="ladder",
+    seeds=8,
+    steps=200,
+    max_new_tokens=128,
+    warm_steps=1000,
+    warm_batch=64,
+    scratchpad_prob=1.0,
+    d_model=96,
+    lr=1e-5,
+    target_entropy=0.1,
+    workers=1,
+)
 """``--task ladder``: the claims where length keeps growing over the whole run (docs/experiments.md, "Where
 length keeps growing"): the lab's ``ladder`` task (chains of 2 to 16 terms of ``+1`` and ``*3`` whose warm
 start learns the step at every position but writes a short prefix of the work, so each step RL adds
@@ -153,14 +186,17 @@ def gradient_weights(algorithm, rewards: torch.Tensor, lengths: torch.Tensor, gr
     step's group advantages and dynamic sampling (dropped responses get NaN); N is the number of
     responses the loss sees, so that weights of different aggregations share one scale."""
     from ..advantages.group import dynamic_sampling_keep, group_advantages
-    from ..diagnostics.inspect import token_gradients
-
     from ..algorithms import recipe
+    from ..diagnostics.inspect import token_gradients
 
     group_ids = torch.arange(len(rewards)) // group_size
     paper = recipe(algorithm.name)
     advantages = group_advantages(rewards, group_ids, scale=paper.scale_rewards).to(torch.float64)
-    keep = dynamic_sampling_keep(rewards, group_ids) if paper.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
+    keep = (
+        dynamic_sampling_keep(rewards, group_ids)
+        if paper.dynamic_sampling
+        else torch.ones_like(rewards, dtype=torch.bool)
+    )
     weights = torch.full((len(rewards),), math.nan, dtype=torch.float64)
     if not bool(keep.any()):
         return weights
@@ -184,8 +220,13 @@ def measure(problems, texts: list[str], algorithm, group_size: int, max_new_toke
 
     lengths = response_lengths(texts, max_new_tokens)
     finished = lengths < max_new_tokens
-    rewards = torch.tensor([reward(t, problems[i // group_size]) if done else 0.0
-                            for i, (t, done) in enumerate(zip(texts, finished.tolist()))], dtype=torch.float64)
+    rewards = torch.tensor(
+        [
+            reward(t, problems[i // group_size]) if done else 0.0
+            for i, (t, done) in enumerate(zip(texts, finished.tolist()))
+        ],
+        dtype=torch.float64,
+    )
     right, wrong = rewards > 0.5, rewards <= 0.5
     weights = gradient_weights(algorithm, rewards, lengths, group_size)
     advantages_sign = rewards - rewards.view(-1, group_size).mean(1).repeat_interleave(group_size)
@@ -214,14 +255,25 @@ def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) 
     from ..lab.tasks import reward
 
     lengths = response_lengths(texts, max_new_tokens)
-    rewards = torch.tensor([reward(t, problems[i // group_size]) if n < max_new_tokens else 0.0
-                            for i, (t, n) in enumerate(zip(texts, lengths.tolist()))], dtype=torch.float64)
+    rewards = torch.tensor(
+        [
+            reward(t, problems[i // group_size]) if n < max_new_tokens else 0.0
+            for i, (t, n) in enumerate(zip(texts, lengths.tolist()))
+        ],
+        dtype=torch.float64,
+    )
     mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     zeros = torch.zeros(mask.shape, dtype=torch.float64)
     group_ids = torch.arange(len(texts)) // group_size
     advantages = group_advantages(rewards, group_ids).double()
-    return {"log_prob": zeros, "old_log_prob": zeros.clone(), "advantages": advantages, "mask": mask,
-            "scores": rewards, "group_ids": group_ids}
+    return {
+        "log_prob": zeros,
+        "old_log_prob": zeros.clone(),
+        "advantages": advantages,
+        "mask": mask,
+        "scores": rewards,
+        "group_ids": group_ids,
+    }
 
 
 def end_batch_path(run_file: str | Path) -> Path:
@@ -267,8 +319,12 @@ def check(experiment: LengthExperiment) -> None:
 
 def jobs(experiment: LengthExperiment, out: Path) -> list[tuple]:
     """The (algorithm, seed) runs not yet complete in `out`, as arguments of `_run`."""
-    return [(experiment, a, s, str(out / "warm"), str(run_path(out, a, s)))
-            for s in range(experiment.seeds) for a in experiment.algorithms if not run_path(out, a, s).exists()]
+    return [
+        (experiment, a, s, str(out / "warm"), str(run_path(out, a, s)))
+        for s in range(experiment.seeds)
+        for a in experiment.algorithms
+        if not run_path(out, a, s).exists()
+    ]
 
 
 def run(experiment: LengthExperiment, out: Path, progress: bool = True) -> float:
@@ -284,6 +340,12 @@ def run(experiment: LengthExperiment, out: Path, progress: bool = True) -> float
     todo = jobs(experiment, out)
     seeds = sorted({job[2] for job in todo})
     cold = [s for s in seeds if not warm.cached(experiment.lab_config(experiment.algorithms[0], s), out / "warm")]
-    return execute("length", [(_warm, [(experiment, s, str(out / "warm")) for s in seeds]), (_run, todo)],
-                   workers=min(experiment.workers, max(1, len(todo))), warm_starts=len(cold), warm_steps=experiment.warm_steps,
-                   rl_steps=len(todo) * (experiment.steps + 1), progress=progress)
+    return execute(
+        "length",
+        [(_warm, [(experiment, s, str(out / "warm")) for s in seeds]), (_run, todo)],
+        workers=min(experiment.workers, max(1, len(todo))),
+        warm_starts=len(cold),
+        warm_steps=experiment.warm_steps,
+        rl_steps=len(todo) * (experiment.steps + 1),
+        progress=progress,
+    )

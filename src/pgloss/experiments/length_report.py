@@ -14,21 +14,51 @@ from .claims import Claim, fmt, growth, interval, interval_curve, nanmean, run_m
 from .length import LENGTH_BINS, LengthExperiment
 
 CLAIMS = (
-    Claim("OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
-          "the sample-level loss lengthens responses more than GRPO's per-sequence token mean",
-          "length", "sample_grpo", "grpo", +1, "tokens"),
-    Claim("OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
-          "BNPO's token mean lengthens responses more than GRPO's per-sequence token mean",
-          "length", "bnpo", "grpo", +1, "tokens"),
-    Claim("OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
-          "the sample-level loss brings more repetition (rep-4 of the traces) than GRPO",
-          "rep4", "sample_grpo", "grpo", +1, "rep-4"),
-    Claim("Dr.GRPO (arXiv 2503.20783, sec. 3.1)",
-          "GRPO's 1/length lets wrong answers grow longer than Dr.GRPO's constant divisor does",
-          "length_wrong", "grpo", "dr_grpo", +1, "tokens"),
-    Claim("Dr.GRPO (arXiv 2503.20783, sec. 3.1)",
-          "GRPO's 1/length keeps right answers shorter than Dr.GRPO's constant divisor does",
-          "length_right", "grpo", "dr_grpo", -1, "tokens"),
+    Claim(
+        "OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
+        "the sample-level loss lengthens responses more than GRPO's per-sequence token mean",
+        "length",
+        "sample_grpo",
+        "grpo",
+        +1,
+        "tokens",
+    ),
+    Claim(
+        "OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
+        "BNPO's token mean lengthens responses more than GRPO's per-sequence token mean",
+        "length",
+        "bnpo",
+        "grpo",
+        +1,
+        "tokens",
+    ),
+    Claim(
+        "OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
+        "the sample-level loss brings more repetition (rep-4 of the traces) than GRPO",
+        "rep4",
+        "sample_grpo",
+        "grpo",
+        +1,
+        "rep-4",
+    ),
+    Claim(
+        "Dr.GRPO (arXiv 2503.20783, sec. 3.1)",
+        "GRPO's 1/length lets wrong answers grow longer than Dr.GRPO's constant divisor does",
+        "length_wrong",
+        "grpo",
+        "dr_grpo",
+        +1,
+        "tokens",
+    ),
+    Claim(
+        "Dr.GRPO (arXiv 2503.20783, sec. 3.1)",
+        "GRPO's 1/length keeps right answers shorter than Dr.GRPO's constant divisor does",
+        "length_right",
+        "grpo",
+        "dr_grpo",
+        -1,
+        "tokens",
+    ),
 )
 CONTROL = "grpo:kl_coef=0"
 """GRPO without its KL term (kl_coef 0.04 in the paper, 0 in the other losses here): run beside the
@@ -50,8 +80,9 @@ def summary_rows(runs: dict, algorithms: list[str], window: int) -> list[dict]:
         row["growth"] = interval([growth(runs[(a, s)], "length") for s in seeds])
         row["growth_end"] = interval([growth(last_quarter(runs[(a, s)]), "length") for s in seeds])
         # the entropy coefficient the loss applied (fixed, or steered to a target): mean over the updates
-        row["entropy_coef"] = interval([window_mean(runs[(a, s)], "entropy_coef", range(runs[(a, s)][-1]["step"]))
-                                        for s in seeds])
+        row["entropy_coef"] = interval(
+            [window_mean(runs[(a, s)], "entropy_coef", range(runs[(a, s)][-1]["step"])) for s in seeds]
+        )
         for key in ("reward", "length", "length_right", "length_wrong", "rep4", "entropy", "truncated"):
             starts, ends = [], []
             for s in seeds:
@@ -95,8 +126,13 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
 
     style = styles(algorithms)  # a distinct colour and line style per algorithm
     colors = {a: color for a, (color, _, _) in style.items()}
-    legend = dict(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
-                  ncol=1 if len(algorithms) <= 14 else 2)  # beside the data, never over it
+    legend = dict(
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0,
+        ncol=1 if len(algorithms) <= 14 else 2,
+    )  # beside the data, never over it
     paths = []
 
     def curves(ax, key: str, title: str) -> None:
@@ -110,12 +146,27 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
 
     for name, panels in (
         ("reward", [("reward", f"sampled reward (mean of {SMOOTH} steps, 95% CI over seeds)")]),
-        ("length", [("length_right", "length of right answers (tokens)"),
-                    ("length_wrong", "length of wrong answers (tokens)")]),
-        ("repetition", [("rep4", "repeated 4-grams in the traces (rep-4)"),
-                        ("scratchpad", "share of responses that write a trace")]),
-        ("entropy", [("entropy", "entropy of the sampling policy (nats per token)"),
-                     ("entropy_coef", "entropy coefficient the loss applied")]),
+        (
+            "length",
+            [
+                ("length_right", "length of right answers (tokens)"),
+                ("length_wrong", "length of wrong answers (tokens)"),
+            ],
+        ),
+        (
+            "repetition",
+            [
+                ("rep4", "repeated 4-grams in the traces (rep-4)"),
+                ("scratchpad", "share of responses that write a trace"),
+            ],
+        ),
+        (
+            "entropy",
+            [
+                ("entropy", "entropy of the sampling policy (nats per token)"),
+                ("entropy_coef", "entropy coefficient the loss applied"),
+            ],
+        ),
     ):
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 2.2, 3.6), squeeze=False)
         for ax, (key, title) in zip(axes[0], panels):
@@ -138,9 +189,18 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
             positive = positive or any(m > 0 for m, _ in stats)
             shift = (k - (len(algorithms) - 1) / 2) * min(0.12, 0.7 / len(algorithms))
             half = [0.0 if math.isnan(h) else h for _, h in stats]
-            ax.errorbar([c + shift for c in centers], [m for m, _ in stats],
-                        yerr=[[min(h, m) if m == m else 0.0 for (m, _), h in zip(stats, half)], half],
-                        fmt=style[a][2], ls=style[a][1], ms=3, lw=1, capsize=2, color=colors[a], label=a)
+            ax.errorbar(
+                [c + shift for c in centers],
+                [m for m, _ in stats],
+                yerr=[[min(h, m) if m == m else 0.0 for (m, _), h in zip(stats, half)], half],
+                fmt=style[a][2],
+                ls=style[a][1],
+                ms=3,
+                lw=1,
+                capsize=2,
+                color=colors[a],
+                label=a,
+            )
         ax.set_xticks(centers, labels)
         if positive:  # the weights span decades; an empty panel (no such response) stays linear
             ax.set_yscale("log")
@@ -155,35 +215,52 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
     return paths
 
 
-def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, seconds: float | None,
-                 window: int, design=None) -> Path:
+def write_report(
+    runs: dict, algorithms: list[str], out: Path, *, command: str, seconds: float | None, window: int, design=None
+) -> Path:
     """report.md with the table, the verdicts and the plots, in `out`; returns its path. `design` is the
     experiment the runs belong to (its seeds and steps decide whether they are a check run)."""
     plots = plot(runs, algorithms, out)
     rows = summary_rows(runs, algorithms, window)
     caveat = scale_caveat(runs, LengthExperiment() if design is None else design)
-    lines = ["# The length experiment", "", f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
-             "", *([f"**{caveat}**", ""] if caveat else []), f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.", "",
-             "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "
-             "rep-4 start → end | entropy start → end | entropy coefficient (mean) | cut off at end | "
-             "length growth (tokens/100 steps) | the same over the last quarter |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# The length experiment",
+        "",
+        f"Command: `{command}`" + (f" ({seconds / 60:.1f} min)" if seconds else ""),
+        "",
+        *([f"**{caveat}**", ""] if caveat else []),
+        f"Start: step 0 (the warm-start policy); end: mean of the last {window} steps; ± the 95% interval over seeds.",
+        "",
+        "| algorithm | seeds | reward start → end | length start → end | right answers | wrong answers | "
+        "rep-4 start → end | entropy start → end | entropy coefficient (mean) | cut off at end | "
+        "length growth (tokens/100 steps) | the same over the last quarter |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
+
         def arrow(key, digits=2):
             start, end = row[key]
             return f"{fmt(start, digits)} → {fmt(end, digits)}"
-        lines.append(f"| {row['algorithm']} | {row['seeds']} | {arrow('reward')} | {arrow('length', 1)} | "
-                     f"{arrow('length_right', 1)} | {arrow('length_wrong', 1)} | {arrow('rep4', 3)} | "
-                     f"{arrow('entropy', 3)} | {fmt(row['entropy_coef'], 4)} | {fmt(row['truncated'][1], 3)} | "
-                     f"{fmt(row['growth'], 2)} | {fmt(row['growth_end'], 2)} |")
-    lines += ["", "## Claims", "",
-              "Paired by seed: the change (end minus step 0) under the first algorithm minus under the second, "
-              "its 95% interval over seeds, and the verdict it gives. The last column compares the mean over "
-              "every RL step instead of the end (how fast, not only how far), as a secondary reading; the growth "
-              "column compares the least-squares slope of the measure against the step, per 100 steps.", "",
-              "| source | claim | predicts | measured at the end (95% CI) | verdict | over the whole run (95% CI) | "
-              "growth rate per 100 steps (95% CI) |",
-              "|---|---|---|---|---|---|---|"]
+
+        lines.append(
+            f"| {row['algorithm']} | {row['seeds']} | {arrow('reward')} | {arrow('length', 1)} | "
+            f"{arrow('length_right', 1)} | {arrow('length_wrong', 1)} | {arrow('rep4', 3)} | "
+            f"{arrow('entropy', 3)} | {fmt(row['entropy_coef'], 4)} | {fmt(row['truncated'][1], 3)} | "
+            f"{fmt(row['growth'], 2)} | {fmt(row['growth_end'], 2)} |"
+        )
+    lines += [
+        "",
+        "## Claims",
+        "",
+        "Paired by seed: the change (end minus step 0) under the first algorithm minus under the second, "
+        "its 95% interval over seeds, and the verdict it gives. The last column compares the mean over "
+        "every RL step instead of the end (how fast, not only how far), as a secondary reading; the growth "
+        "column compares the least-squares slope of the measure against the step, per 100 steps.",
+        "",
+        "| source | claim | predicts | measured at the end (95% CI) | verdict | over the whole run (95% CI) | "
+        "growth rate per 100 steps (95% CI) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for claim in CLAIMS:
         v = verdict(claim, runs, window)
         if v is None:
@@ -192,13 +269,16 @@ def write_report(runs: dict, algorithms: list[str], out: Path, *, command: str, 
         rate = verdict(claim, runs, window, measure=growth)
         side = ">" if claim.sign > 0 else "<"
         if caveat:  # a verdict of a check run is shown as what it would read, not as a finding
-            v, whole, rate = ({**x, "verdict": f"(would read: {x['verdict']}; not a result at this scale)"}
-                              for x in (v, whole, rate))
-        lines.append(f"| {claim.source} | {claim.statement} | Δ{claim.key}({claim.a}) - Δ{claim.key}({claim.b}) "
-                     f"{side} 0 | {v['mean']:+.3f} [{v['low']:+.3f}, {v['high']:+.3f}] {claim.unit}, "
-                     f"{v['seeds']} seeds | {v['verdict']} | {whole['mean']:+.3f} [{whole['low']:+.3f}, "
-                     f"{whole['high']:+.3f}]: {whole['verdict']} | {rate['mean']:+.3f} [{rate['low']:+.3f}, "
-                     f"{rate['high']:+.3f}]: {rate['verdict']} |")
+            v, whole, rate = (
+                {**x, "verdict": f"(would read: {x['verdict']}; not a result at this scale)"} for x in (v, whole, rate)
+            )
+        lines.append(
+            f"| {claim.source} | {claim.statement} | Δ{claim.key}({claim.a}) - Δ{claim.key}({claim.b}) "
+            f"{side} 0 | {v['mean']:+.3f} [{v['low']:+.3f}, {v['high']:+.3f}] {claim.unit}, "
+            f"{v['seeds']} seeds | {v['verdict']} | {whole['mean']:+.3f} [{whole['low']:+.3f}, "
+            f"{whole['high']:+.3f}]: {whole['verdict']} | {rate['mean']:+.3f} [{rate['low']:+.3f}, "
+            f"{rate['high']:+.3f}]: {rate['verdict']} |"
+        )
     lines += [""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     path = out / "report.md"
     path.write_text("\n".join(lines))

@@ -43,8 +43,17 @@ def warm_state(cfg, cache: str):
     return warm.state(cfg, Path(cache), on_steps=lambda steps, seconds: emit({"warm": steps, "seconds": seconds}))
 
 
-def write_run(cfg, path: str, cache: str, *, label: str | None = None, extra=None, on_rollout=None,
-              teacher_state=None, teacher_cfg=None) -> dict:
+def write_run(
+    cfg,
+    path: str,
+    cache: str,
+    *,
+    label: str | None = None,
+    extra=None,
+    on_rollout=None,
+    teacher_state=None,
+    teacher_cfg=None,
+) -> dict:
     """Train `cfg` from its warm start in `cache`, each step's record (with ``extra(step)``'s measures,
     and `label` as its ``algorithm`` when given) appended to ``path.tmp`` as it is made and reported to
     the progress bar; the file takes its final name `path` only when the run is complete. `teacher_state`
@@ -55,21 +64,39 @@ def write_run(cfg, path: str, cache: str, *, label: str | None = None, extra=Non
     tmp = Path(path + ".tmp")
     report = timed_steps(emit)
     with open(tmp, "w") as f:
+
         def on_step(record):
-            record = {**record, **({} if label is None else {"algorithm": label}),
-                      **({} if extra is None else extra(record["step"]))}
+            record = {
+                **record,
+                **({} if label is None else {"algorithm": label}),
+                **({} if extra is None else extra(record["step"])),
+            }
             f.write(json.dumps(record) + "\n")
             f.flush()
             report(record)
 
-        result = trainer.train(cfg, warm_state(cfg, cache), on_step=on_step, on_rollout=on_rollout,
-                               teacher_state=teacher_state, teacher_cfg=teacher_cfg)
+        result = trainer.train(
+            cfg,
+            warm_state(cfg, cache),
+            on_step=on_step,
+            on_rollout=on_rollout,
+            teacher_state=teacher_state,
+            teacher_cfg=teacher_cfg,
+        )
     tmp.rename(path)  # only a complete run gets its final name
     return result
 
 
-def execute(name: str, stages: list[tuple], *, workers: int, warm_starts: int, warm_steps: int, rl_steps: int,
-            progress: bool = True) -> float:
+def execute(
+    name: str,
+    stages: list[tuple],
+    *,
+    workers: int,
+    warm_starts: int,
+    warm_steps: int,
+    rl_steps: int,
+    progress: bool = True,
+) -> float:
     """Run `stages`, each ``(fn, jobs)`` after the one before (e.g. warm starts, then teachers, then
     students), ``workers`` jobs at a time, with one progress bar on stderr over the `warm_starts` to
     train (`warm_steps` each) and `rl_steps`; returns the seconds taken. A KeyboardInterrupt (Ctrl-C, SIGTERM) stops the workers and
@@ -78,8 +105,13 @@ def execute(name: str, stages: list[tuple], *, workers: int, warm_starts: int, w
     from ..lab.runner import RL, WARM, Runner, Sink
 
     start = time.time()
-    bar = Progress(f"experiment {name}", {WARM: (warm_starts * warm_steps, min(workers, warm_starts)),
-                                               RL: (rl_steps, workers)}) if progress else None
+    bar = (
+        Progress(
+            f"experiment {name}", {WARM: (warm_starts * warm_steps, min(workers, warm_starts)), RL: (rl_steps, workers)}
+        )
+        if progress
+        else None
+    )
     sink = Sink(None, bar)
     runner, interrupted = None, False
     try:

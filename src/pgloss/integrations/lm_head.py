@@ -24,14 +24,21 @@ used by fused=False) reads the same keys by name for every class instead.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..vocab.chunks import HeadOptions
 
 __all__ = ["KEYS", "head_options"]
 
-KEYS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "lm_head_multiplier", "logits_scaling",
-        "output_multiplier")
+KEYS = (
+    "final_logit_softcapping",
+    "logits_soft_cap",
+    "logit_scale",
+    "lm_head_multiplier",
+    "logits_scaling",
+    "output_multiplier",
+)
 """Config keys that change a head's logits in some model; a class outside `_RULES` with one of them set is refused."""
 
 
@@ -51,16 +58,34 @@ def _scale(key: str, divides: bool = False) -> Callable[[Any], dict[str, Any]]:
 
 _GEMMA_CAP = _softcap("final_logit_softcapping")
 _RULES: dict[str, Callable[[Any], dict[str, Any]]] = {
-    **dict.fromkeys(["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3nForCausalLM", "Gemma3nForConditionalGeneration",
-                     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForCausalLM",
-                     "Gemma4UnifiedForConditionalGeneration", "VaultGemmaForCausalLM", "NanoChatForCausalLM"],
-                    _GEMMA_CAP),
+    **dict.fromkeys(
+        [
+            "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM",
+            "Gemma3nForCausalLM",
+            "Gemma3nForConditionalGeneration",
+            "Gemma4ForCausalLM",
+            "Gemma4ForConditionalGeneration",
+            "Gemma4UnifiedForCausalLM",
+            "Gemma4UnifiedForConditionalGeneration",
+            "VaultGemmaForCausalLM",
+            "NanoChatForCausalLM",
+        ],
+        _GEMMA_CAP,
+    ),
     "RecurrentGemmaForCausalLM": _softcap("logits_soft_cap"),
     **dict.fromkeys(["CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM"], _scale("logit_scale")),
     "FalconH1ForCausalLM": _scale("lm_head_multiplier"),
-    **dict.fromkeys(["GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                     "GraniteMoeHybridForCausalLM", "Granite4VisionForConditionalGeneration"],
-                    _scale("logits_scaling", divides=True)),
+    **dict.fromkeys(
+        [
+            "GraniteForCausalLM",
+            "GraniteMoeForCausalLM",
+            "GraniteMoeSharedForCausalLM",
+            "GraniteMoeHybridForCausalLM",
+            "Granite4VisionForConditionalGeneration",
+        ],
+        _scale("logits_scaling", divides=True),
+    ),
     "HyperCLOVAXForCausalLM": _scale("logits_scaling"),
     "MptForCausalLM": lambda config: {},
 }
@@ -82,6 +107,8 @@ def head_options(model: Any) -> HeadOptions:
         return HeadOptions(bias, **rule(config))
     unknown = sorted({f"{key}={getattr(c, key)!r}" for c in (config, model.config) for key in KEYS if _sets(c, key)})
     if unknown:
-        raise ValueError(f"fused=True does not know how {type(model).__name__} applies {', '.join(unknown)} to its "
-                         "logits (pgloss.integrations.lm_head lists the models it reads); use fused=False")
+        raise ValueError(
+            f"fused=True does not know how {type(model).__name__} applies {', '.join(unknown)} to its "
+            "logits (pgloss.integrations.lm_head lists the models it reads); use fused=False"
+        )
     return HeadOptions(bias)

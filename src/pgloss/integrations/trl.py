@@ -58,13 +58,13 @@ import torch
 from torch import Tensor
 
 import pgloss
-from ..core.aggregate import Normalizer
+
 from ..algorithms import Algorithm
+from ..core.aggregate import Normalizer
 from ..core.output import LossOutput
 from ..correction.token_masks import entropy_threshold, top_entropy_mask
-
-from .lm_head import head_options
 from ..trainer_options.trl import adaptive_entropy, trainer_algorithm
+from .lm_head import head_options
 
 __all__ = ["SUPPORTED", "PGLossGRPOTrainer", "PGLossMixin"]
 
@@ -78,8 +78,7 @@ try:
     from packaging.specifiers import SpecifierSet
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import _ForwardRedirection
-    from trl.trainer.utils import get_config_model_id
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
+    from trl.trainer.utils import get_config_model_id, maybe_gather_lm_head_ctx
 except ImportError as error:  # pragma: no cover - exercised without the extra
     raise ImportError("pgloss.integrations.trl needs TRL: pip install -e '.[trl]' in a clone of pgloss") from error
 
@@ -87,8 +86,18 @@ if trl.__version__ not in SpecifierSet(",".join(SUPPORTED)):
     raise ImportError(f"pgloss.integrations.trl supports trl {','.join(SUPPORTED)}, found trl {trl.__version__}")
 
 # Inputs TRL forwards to a vision-language model; the non-fused path passes them on unchanged.
-_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-               "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_MULTIMODAL = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 _PASSED = frozenset({"ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores"})
@@ -101,9 +110,11 @@ def _refusals(args: Any) -> list[str]:
     refused = []
     every = args.steps_per_generation * args.num_iterations
     if every % args.gradient_accumulation_steps:
-        refused.append(f"steps_per_generation={args.steps_per_generation} with num_iterations={args.num_iterations} "
-                       f"and gradient_accumulation_steps={args.gradient_accumulation_steps} (an optimizer step would "
-                       "span two generations; make steps_per_generation·num_iterations a multiple of it)")
+        refused.append(
+            f"steps_per_generation={args.steps_per_generation} with num_iterations={args.num_iterations} "
+            f"and gradient_accumulation_steps={args.gradient_accumulation_steps} (an optimizer step would "
+            "span two generations; make steps_per_generation·num_iterations a multiple of it)"
+        )
     parallel = getattr(args, "parallelism_config", None)
     if parallel is not None and (getattr(parallel, "cp_size", 1) > 1 or getattr(parallel, "sp_size", 1) > 1):
         refused.append("parallelism_config with cp_size or sp_size > 1 (tokens would be counted once per shard)")
@@ -125,8 +136,14 @@ class PGLossMixin:
     What is translated and what is refused: `pgloss.trainer_options.trl.trainer_algorithm`.
     """
 
-    def __init__(self, *args: Any, algorithm: str | Algorithm | None = None, fused: bool = False,
-                 chunk_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        algorithm: str | Algorithm | None = None,
+        fused: bool = False,
+        chunk_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         if config is None:  # what GRPOTrainer does without args
             model = kwargs.get("model", args[0] if args else None)
@@ -140,25 +157,38 @@ class PGLossMixin:
         refused = _refusals(config)
         missing = sorted(algorithm.needs - _PASSED)
         if missing:  # e.g. on-policy distillation's teacher_log_prob: GRPOTrainer has no teacher
-            refused.append(f"{algorithm.name}, which needs {', '.join(missing)} in each call (GRPOTrainer passes "
-                           f"{', '.join(sorted(_PASSED))})")
+            refused.append(
+                f"{algorithm.name}, which needs {', '.join(missing)} in each call (GRPOTrainer passes "
+                f"{', '.join(sorted(_PASSED))})"
+            )
         if refused:
             raise ValueError("PGLossGRPOTrainer cannot honour: " + "; ".join(refused))
         config = copy.copy(config)  # the caller's config stays as it was
         config.beta = algorithm.kl_coef  # TRL builds the reference model and its log-probs iff beta != 0
         if algorithm.kl_coef != 0 and config.use_bias_correction_kl and algorithm.kl_correction != "ratio_weighted":
-            _log.warning("%s: the KL term is pgloss's %s estimate (kl_coef=%s, kl_correction=%s). TRL's "
-                         "use_bias_correction_kl=True (its default) would multiply k3 by the importance ratio "
-                         "(kl_correction='ratio_weighted').", algorithm.name, algorithm.kl_estimator, algorithm.kl_coef,
-                         algorithm.kl_correction)
+            _log.warning(
+                "%s: the KL term is pgloss's %s estimate (kl_coef=%s, kl_correction=%s). TRL's "
+                "use_bias_correction_kl=True (its default) would multiply k3 by the importance ratio "
+                "(kl_correction='ratio_weighted').",
+                algorithm.name,
+                algorithm.kl_estimator,
+                algorithm.kl_coef,
+                algorithm.kl_correction,
+            )
         paper = pgloss.recipe(algorithm.name) if algorithm.name in pgloss.names() else pgloss.algorithms.Recipe()
         if paper.scale_rewards != (config.scale_rewards != "none"):
-            _log.warning("%s's paper %s the group advantages by their std; TRL's scale_rewards=%r is kept.",
-                         algorithm.name, "divides" if paper.scale_rewards else "does not divide",
-                         config.scale_rewards)
+            _log.warning(
+                "%s's paper %s the group advantages by their std; TRL's scale_rewards=%r is kept.",
+                algorithm.name,
+                "divides" if paper.scale_rewards else "does not divide",
+                config.scale_rewards,
+            )
         if paper.dynamic_sampling:
-            _log.warning("%s's paper drops groups whose rewards are all equal (dynamic sampling); TRL has no such "
-                         "option, so every group is kept.", algorithm.name)
+            _log.warning(
+                "%s's paper drops groups whose rewards are all equal (dynamic sampling); TRL has no such "
+                "option, so every group is kept.",
+                algorithm.name,
+            )
         if len(args) > 2:
             args = (*args[:2], config, *args[3:])
         else:
@@ -174,10 +204,14 @@ class PGLossMixin:
         if fused:
             self._check_fused_head()
         if getattr(type(algorithm), "couples_rows", False) and (
-                config.gradient_accumulation_steps > 1 or self.accelerator.num_processes > 1):
-            _log.warning("%s couples the rows of a call (a selection among its tokens, or a group contrast), and "
-                         "TRL's micro-batches do not hold whole groups: its loss is computed per micro-batch, as "
-                         "verl does, and is not the loss of the whole step.", algorithm.name)
+            config.gradient_accumulation_steps > 1 or self.accelerator.num_processes > 1
+        ):
+            _log.warning(
+                "%s couples the rows of a call (a selection among its tokens, or a group contrast), and "
+                "TRL's micro-batches do not hold whole groups: its loss is computed per micro-batch, as "
+                "verl does, and is not the loss of the whole step.",
+                algorithm.name,
+            )
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -197,7 +231,7 @@ class PGLossMixin:
         out["group_ids"] = (first + torch.arange(rows, device=out["completion_ids"].device)) // size
         if self._pgloss_rewards_per_func is not None:  # the raw reward TRL logs as `reward`, this process's rows
             weights = self.reward_weights.to(self._pgloss_rewards_per_func.device)
-            out["scores"] = (self._pgloss_rewards_per_func * weights).nansum(dim=1)[first:first + rows]
+            out["scores"] = (self._pgloss_rewards_per_func * weights).nansum(dim=1)[first : first + rows]
         return out
 
     @staticmethod
@@ -212,8 +246,13 @@ class PGLossMixin:
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with torch.no_grad():
             log_prob, entropy, _ = self._get_per_token_logps_and_entropies(
-                self.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True,
-                **{key: inputs.get(key) for key in _MULTIMODAL})
+                self.model,
+                ids,
+                attention,
+                inputs["completion_ids"].size(1),
+                compute_entropy=True,
+                **{key: inputs.get(key) for key in _MULTIMODAL},
+            )
         return log_prob.float(), entropy.float()
 
     def _pgloss_uses_rollout(self, inputs: dict[str, Any]) -> bool:
@@ -224,10 +263,13 @@ class PGLossMixin:
         # The algorithm says what they do (`rollout_use`); TRL applies no weight unless asked, so they are
         # not passed where the algorithm would apply its implicit truncated IS.
         use = self.algorithm.rollout_use
-        return use == "correction" or (use == "own weight" and self.use_vllm and self.vllm_importance_sampling_correction)
+        return use == "correction" or (
+            use == "own weight" and self.use_vllm and self.vllm_importance_sampling_correction
+        )
 
-    def _pgloss_old_and_rollout(self, inputs: dict[str, Any],
-                                log_prob: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    def _pgloss_old_and_rollout(
+        self, inputs: dict[str, Any], log_prob: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
         """(old log-probs, rollout log-probs or None), float32. Old: TRL's, else the detached current
         ones (`log_prob`, or a no-grad pass when not given). Rollout: NaN where vLLM could not score
         becomes the old log-prob (weight 1, as TRL's nan_to_num)."""
@@ -257,9 +299,14 @@ class PGLossMixin:
         with_rollout = all(r is not None for r in rollouts)
         groups = [batch["group_ids"] for batch in batches] if "group_ids" in self.algorithm.needs else None
         scores = [batch["scores"] for batch in batches] if "scores" in self.algorithm.needs else None
-        return self.algorithm.step_normalizer(masks, old_log_probs=list(olds) if with_rollout else None,
-                                              rollout_log_probs=list(rollouts) if with_rollout else None,
-                                              group_ids=groups, scores=scores, reduce=reduce)
+        return self.algorithm.step_normalizer(
+            masks,
+            old_log_probs=list(olds) if with_rollout else None,
+            rollout_log_probs=list(rollouts) if with_rollout else None,
+            group_ids=groups,
+            scores=scores,
+            reduce=reduce,
+        )
 
     def _pgloss_step(self) -> tuple[Normalizer, Tensor]:
         """This optimizer step's normalizer, counted once per step over its micro-batches on every
@@ -270,8 +317,10 @@ class PGLossMixin:
             size = self.current_gradient_accumulation_steps
             per_generation, every = self.args.steps_per_generation, self.args.steps_per_generation * self.num_iterations
             if any((self._step + j) % every == 0 for j in range(1, size)):
-                raise ValueError(f"optimizer step {step} spans two generations (steps_per_generation={per_generation}, "
-                                 f"num_iterations={self.num_iterations}, gradient_accumulation_steps={size})")
+                raise ValueError(
+                    f"optimizer step {step} spans two generations (steps_per_generation={per_generation}, "
+                    f"num_iterations={self.num_iterations}, gradient_accumulation_steps={size})"
+                )
             window = [self._buffered_inputs[(self._step + j) % per_generation] for j in range(size)]
             masks = self._pgloss_masks(window)
             self._pgloss_window = (step, self._step, self._pgloss_count(window, masks), masks)
@@ -285,8 +334,14 @@ class PGLossMixin:
             raise ValueError("on-policy inputs need the current log-probs for old_log_prob")
         ref = inputs.get("ref_per_token_logps") if "ref_log_prob" in self.algorithm.needs else None
         extra = {key: inputs[key] for key in ("group_ids", "scores") if key in self.algorithm.needs}
-        return dict(old_log_prob=old, advantages=inputs["advantages"], mask=mask,
-                    ref_log_prob=None if ref is None else ref.float(), rollout_log_prob=rollout, **extra)
+        return dict(
+            old_log_prob=old,
+            advantages=inputs["advantages"],
+            mask=mask,
+            ref_log_prob=None if ref is None else ref.float(),
+            rollout_log_prob=rollout,
+            **extra,
+        )
 
     # -- the loss -------------------------------------------------------------------------------
 
@@ -313,7 +368,9 @@ class PGLossMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)  # TRL restores entropy_coef and _last_world_entropy
         if self.entropy_controller is not None and checkpoint is not None:
-            self.entropy_controller.load_state_dict({"coef": self.entropy_coef, "last_entropy": self._last_world_entropy})
+            self.entropy_controller.load_state_dict(
+                {"coef": self.entropy_coef, "last_entropy": self._last_world_entropy}
+            )
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
         training = self.model.training
@@ -332,13 +389,22 @@ class PGLossMixin:
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             log_prob, entropy, aux = self._get_per_token_logps_and_entropies(
-                model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True,
-                compute_aux_loss=self.aux_loss_enabled, **{key: inputs.get(key) for key in _MULTIMODAL},
+                model,
+                ids,
+                attention,
+                inputs["completion_ids"].size(1),
+                compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled,
+                **{key: inputs.get(key) for key in _MULTIMODAL},
             )
             log_prob = log_prob.float()
             entropy = None if entropy is None else entropy.float()
-            out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer,
-                            **self._pgloss_arguments(inputs, log_prob, mask))
+            out = algorithm(
+                log_prob=log_prob,
+                entropy=entropy,
+                normalizer=normalizer,
+                **self._pgloss_arguments(inputs, log_prob, mask),
+            )
         if self.fused and self.entropy_controller is not None and mode == "train":
             entropy = self._pgloss_forward(inputs)[1]  # the fused path keeps no [B, T] entropy outside its call
         loss = out.loss
@@ -384,26 +450,34 @@ class PGLossMixin:
         """Refuse, at construction, a head whose options `lm_head.head_options` cannot read."""
         head_options(self._pgloss_head_owner(self.model))
 
-    def _pgloss_fused(self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor,
-                      algorithm: Algorithm):
+    def _pgloss_fused(
+        self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor, algorithm: Algorithm
+    ):
         present = [key for key in _MULTIMODAL if inputs.get(key) is not None]
         if present:
             raise ValueError(f"fused=True supports text-only models; these inputs need fused=False: {present}")
         unwrapped = self.accelerator.unwrap_model(model)
         # The loss must run inside the wrapper's forward: called beside it, DDP/FSDP/ZeRO-3 hooks do not
         # fire and the gradient is silently wrong (TRL's Liger integration did the same).
-        return _ForwardRedirection()(model, unwrapped, self._pgloss_fused_loss, unwrapped, inputs, normalizer,
-                                     mask, algorithm)
+        return _ForwardRedirection()(
+            model, unwrapped, self._pgloss_fused_loss, unwrapped, inputs, normalizer, mask, algorithm
+        )
 
-    def _pgloss_fused_loss(self, unwrapped: torch.nn.Module, inputs: dict[str, Any],
-                           normalizer: Normalizer, mask: Tensor, algorithm: Algorithm) -> LossOutput:
+    def _pgloss_fused_loss(
+        self,
+        unwrapped: torch.nn.Module,
+        inputs: dict[str, Any],
+        normalizer: Normalizer,
+        mask: Tensor,
+        algorithm: Algorithm,
+    ) -> LossOutput:
         owner = self._pgloss_head_owner(unwrapped)
         targets = inputs["completion_ids"]
         length = targets.size(1)
         ids = torch.cat([inputs["prompt_ids"], targets], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         hidden = owner.base_model(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
-        hidden = hidden[:, -length - 1:-1]  # the positions that predict the completion tokens
+        hidden = hidden[:, -length - 1 : -1]  # the positions that predict the completion tokens
         weight = owner.get_output_embeddings().weight
         head = head_options(owner)  # the bias, logit scale and soft-cap of the model's own logits
         # FSDP2: the whole head, its gradient averaged back onto the shards
@@ -418,11 +492,23 @@ class PGLossMixin:
             if inputs.get("old_per_token_logps") is None:  # on-policy: log π_old is the detached log π
                 with torch.no_grad():
                     log_prob, _ = pgloss.log_prob_and_entropy_from_hidden(
-                        hidden, weight, torch.where(mask.bool(), targets, 0),
-                        temperature=self.temperature, chunk_size=self.chunk_size, head=head)
-            return algorithm.from_hidden(hidden, weight, targets, temperature=self.temperature,
-                                         normalizer=normalizer, chunk_size=self.chunk_size, head=head,
-                                         **self._pgloss_arguments(inputs, log_prob, mask))
+                        hidden,
+                        weight,
+                        torch.where(mask.bool(), targets, 0),
+                        temperature=self.temperature,
+                        chunk_size=self.chunk_size,
+                        head=head,
+                    )
+            return algorithm.from_hidden(
+                hidden,
+                weight,
+                targets,
+                temperature=self.temperature,
+                normalizer=normalizer,
+                chunk_size=self.chunk_size,
+                head=head,
+                **self._pgloss_arguments(inputs, log_prob, mask),
+            )
 
     def _pgloss_check_zero3(self, weight: Tensor, length: int) -> None:
         """Under ZeRO-3 the head is gathered for the forward only: the one-pass path (whole sequences in

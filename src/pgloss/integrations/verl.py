@@ -41,10 +41,11 @@ import torch
 from torch import Tensor
 
 import pgloss
+
+from ..algorithms import Algorithm
 from ..core.aggregate import Normalizer, aggregate, aggregation
 from ..core.inputs import OPTIONAL_INPUTS
 from ..core.metrics import LOSS
-from ..algorithms import Algorithm
 from ..trainer_options.verl import PREFIX, VARIANTS, algorithm_from_verl, config_get
 
 __all__ = ["PREFIX", "SUPPORTED", "agg_loss", "policy_loss_fn", "register", "registered_name"]
@@ -75,12 +76,15 @@ _NOT_PASSED = frozenset(OPTIONAL_INPUTS)
 def _algorithm(name: str, base: Algorithm | None, loss_agg_mode: str, config: Any) -> Algorithm:
     """The algorithm with verl's config values for the fields verl has (`algorithm_from_verl`);
     `base` (or pgloss's `name`) supplies the rest."""
-    alg = algorithm_from_verl(config, name=None if base is not None else name, algorithm=base,
-                              loss_agg_mode=loss_agg_mode, policy_only=True)
+    alg = algorithm_from_verl(
+        config, name=None if base is not None else name, algorithm=base, loss_agg_mode=loss_agg_mode, policy_only=True
+    )
     missing = sorted(alg.needs & _NOT_PASSED)
     if missing:
-        raise ValueError(f"{registered_name(name)} needs {', '.join(missing)} in each call, which verl does not pass "
-                         "to a policy loss")
+        raise ValueError(
+            f"{registered_name(name)} needs {', '.join(missing)} in each call, which verl does not pass "
+            "to a policy loss"
+        )
     return alg
 
 
@@ -106,44 +110,70 @@ def _normalizer(mask: Tensor, mode: str, info: dict[str, Any]) -> Normalizer | N
         return None  # one micro-batch is the step (verl's legacy actor leaves the info empty)
     count = aggregation(mode).count
     if count is not None and count not in GLOBAL_COUNTS:
-        raise ValueError(f"loss_agg_mode {mode!r} divides by the step's {count}, which verl's global_batch_info does "
-                         f"not carry (it holds {', '.join(GLOBAL_COUNTS.values())})")
+        raise ValueError(
+            f"loss_agg_mode {mode!r} divides by the step's {count}, which verl's global_batch_info does "
+            f"not carry (it holds {', '.join(GLOBAL_COUNTS.values())})"
+        )
     key = GLOBAL_COUNTS.get(count)
     if key is not None and info.get(key) is None and world > 1:
         raise ValueError(f"loss_agg_mode {mode!r} with dp_size={world} needs global_batch_info[{key!r}]")
     local = Normalizer.count(mask, reduce=False)
-    return Normalizer(tokens=local.tokens if tokens is None else tokens,
-                      sequences=local.sequences if sequences is None else sequences, world_size=world)
+    return Normalizer(
+        tokens=local.tokens if tokens is None else tokens,
+        sequences=local.sequences if sequences is None else sequences,
+        world_size=world,
+    )
 
 
-def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, dp_size: int = 1,
-             batch_num_tokens: Any = None, global_batch_size: Any = None, loss_scale_factor: Any = None) -> Tensor:
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: Any = None,
+    global_batch_size: Any = None,
+    loss_scale_factor: Any = None,
+) -> Tensor:
     """verl's `core_algos.agg_loss` signature over `pgloss.core.aggregate`: the same counts
     (`global_batch_info`) as a `Normalizer`, `loss_scale_factor` as `norm_constant` (required by
     seq-mean-token-sum-norm: pgloss never divides by the padded width)."""
     info = dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
     mask = loss_mask.bool()
     norm_constant = None if loss_scale_factor is None else float(loss_scale_factor)
-    return aggregate(loss_mat, mask, loss_agg_mode, normalizer=_normalizer(mask, loss_agg_mode, info),
-                     norm_constant=norm_constant)
+    return aggregate(
+        loss_mat, mask, loss_agg_mode, normalizer=_normalizer(mask, loss_agg_mode, info), norm_constant=norm_constant
+    )
 
 
 def policy_loss_fn(name: str, algorithm: Algorithm | None = None) -> Callable[..., tuple[Tensor, dict[str, Any]]]:
     """A verl `PolicyLossFn` computing `algorithm` (default: `pgloss.get(name)`) with verl's config."""
 
-    def fn(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-           loss_agg_mode: str = "token-mean", config: Any = None,
-           rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
+    def fn(
+        old_log_prob: Tensor,
+        log_prob: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Any]]:
         alg = _algorithm(name, algorithm, loss_agg_mode, config)
         info = dict(config_get(config, "global_batch_info", None) or {}) if config is not None else {}
         dtype = torch.promote_types(log_prob.dtype, torch.float32)
         normalizer = _normalizer(response_mask, alg.loss_agg_mode, info)
         if normalizer is None:  # this call is the step: the algorithm's own count of it, as its call would make
             normalizer = alg.whole_step_normalizer(response_mask, old_log_prob.to(dtype))
-        out = alg(log_prob=log_prob.to(dtype), old_log_prob=old_log_prob.to(dtype), advantages=advantages,
-                  mask=response_mask, normalizer=normalizer)
+        out = alg(
+            log_prob=log_prob.to(dtype),
+            old_log_prob=old_log_prob.to(dtype),
+            advantages=advantages,
+            mask=response_mask,
+            normalizer=normalizer,
+        )
         loss = out.loss
-        if rollout_is_weights is not None:  # verl's own rollout correction weighs the policy term before its aggregation
+        if (
+            rollout_is_weights is not None
+        ):  # verl's own rollout correction weighs the policy term before its aggregation
             weighted = out.per_token * rollout_is_weights.detach().to(out.per_token.dtype)
             loss = alg.aggregate(weighted, response_mask, normalizer)
         # The call's metrics; verl reduces them over its micro-batches and dp ranks itself. Loss terms (pg_loss)

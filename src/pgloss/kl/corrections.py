@@ -48,8 +48,9 @@ def ratio_weighted(value: Tensor, token_log_ratio: Tensor, *, max_log_ratio: flo
     return value * torch.exp(token_log_ratio.clamp(-max_log_ratio, max_log_ratio))
 
 
-def unbiased_gradient(value: Tensor, log_prob: Tensor, ref_log_prob: Tensor, token_log_ratio: Tensor, *,
-                      cap: float, max_log_ratio: float) -> Tensor:
+def unbiased_gradient(
+    value: Tensor, log_prob: Tensor, ref_log_prob: Tensor, token_log_ratio: Tensor, *, cap: float, max_log_ratio: float
+) -> Tensor:
     """sg[k] + w·½d² - sg[w·½d²], w = sg[min(r, cap)], `[B, T]`."""
     weight = torch.exp(token_log_ratio.detach().clamp(-max_log_ratio, max_log_ratio)).clamp(max=cap)
     return straight_through(value, log_prob, ref_log_prob, weight)
@@ -80,8 +81,9 @@ def kl_term(
     if correction == "ratio_weighted":
         return ratio_weighted(value, token_log_ratio, max_log_ratio=max_log_ratio)
     if correction == "unbiased_gradient":
-        return unbiased_gradient(value, log_prob, ref_log_prob, token_log_ratio, cap=correction_cap,
-                                 max_log_ratio=max_log_ratio)
+        return unbiased_gradient(
+            value, log_prob, ref_log_prob, token_log_ratio, cap=correction_cap, max_log_ratio=max_log_ratio
+        )
     if correction is not None:
         raise ValueError(f"kl_correction must be None or one of {KL_CORRECTIONS}, got {correction!r}")
     return value

@@ -69,8 +69,9 @@ def kl_penalized_rewards(
     for name, value in (("old_log_prob", old_log_prob), ("ref_log_prob", ref_log_prob)):
         value = check_tensor(name, value, ndim=(2,))
         if value.shape != token_rewards.shape:
-            raise ValueError(f"{name} must have the shape of token_rewards {tuple(token_rewards.shape)}, "
-                             f"got {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} must have the shape of token_rewards {tuple(token_rewards.shape)}, got {tuple(value.shape)}"
+            )
     mask = check_mask(mask, token_rewards.shape, token_rewards.device)
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -92,7 +93,7 @@ class FixedKLController:
 class AdaptiveKLController:
     """β adapted towards a target KL (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593):
 
-        e = clip(KL / KL_target - 1, -0.2, 0.2),    β ← β · (1 + e · n_steps / horizon)
+    e = clip(KL / KL_target - 1, -0.2, 0.2),    β ← β · (1 + e · n_steps / horizon)
     """
 
     value: float

@@ -36,8 +36,11 @@ def path(out: Path, label: str, seed: int) -> Path:
 def differences(saved: dict, mine: dict, name=str) -> list[str]:
     """``NAME THEIRS there, MINE here`` for every key whose value differs (a key one side lacks is None
     there), ``name(key)`` naming it."""
-    return [f"{name(k)} {saved.get(k)!r} there, {mine.get(k)!r} here" for k in dict.fromkeys([*saved, *mine])
-            if saved.get(k) != mine.get(k)]
+    return [
+        f"{name(k)} {saved.get(k)!r} there, {mine.get(k)!r} here"
+        for k in dict.fromkeys([*saved, *mine])
+        if saved.get(k) != mine.get(k)
+    ]
 
 
 def save(file: Path, state: dict) -> None:

@@ -33,15 +33,25 @@ import traceback
 from pathlib import Path
 
 from . import warm
-from .provenance import versions
 from .config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args, mismatched
 from .outputs import claim_directory
 from .progress import Progress, step_costs
+from .provenance import versions
 from .runner import RL, WARM, Held, Runner, Sink, emit, require_extras, timed_steps
 from .spec import add_algorithms_argument, parse_algorithms
 
-LAB_FILES = ("metrics.jsonl", "config.json", "samples.md", "report.md", "errors.log", "checkpoints", "policy.safetensors",
-             "policies", "tensorboard", "wandb")
+LAB_FILES = (
+    "metrics.jsonl",
+    "config.json",
+    "samples.md",
+    "report.md",
+    "errors.log",
+    "checkpoints",
+    "policy.safetensors",
+    "policies",
+    "tensorboard",
+    "wandb",
+)
 
 
 def _failure(err: BaseException, **extra) -> dict:
@@ -52,9 +62,10 @@ def warm_state(cfg: LabConfig, cache: Path | None) -> dict:
     """``{"state": the warm-started policy of cfg.seed}`` (a CPU state dict, from the cache when it
     holds it), or ``{"error": ...}``; each step of a warm start that trains is emitted."""
     try:
-        return {"state": warm.state(cfg, cache, on_steps=lambda steps, seconds: emit({"warm": steps,
-                                                                                      "seconds": seconds}))}
-    except Exception as err:  # noqa: BLE001 (reported per run, the other seeds go on)
+        return {
+            "state": warm.state(cfg, cache, on_steps=lambda steps, seconds: emit({"warm": steps, "seconds": seconds}))
+        }
+    except Exception as err:
         return _failure(err)
 
 
@@ -80,15 +91,21 @@ def run(cfg: LabConfig, start: dict, checkpoint: Path | None = None, policy_file
         if policy_file is not None:
             policy.save(result["state"], cfg, policy_file)
         return result
-    except Exception as err:  # noqa: BLE001 (one algorithm failing does not lose the others)
+    except Exception as err:
         return _failure(err, metrics=records)
 
 
 def progress(desc: str, cold_warm_starts: int, cfg: LabConfig, runs: int, workers: int, done: int = 0) -> Progress:
     """The command's one bar: the steps of the warm starts to train (not those in the cache), then
     every run's RL steps (and its final measurement), but the `done` steps a resumed run had made."""
-    return Progress(desc, {WARM: (cold_warm_starts * cfg.warm_steps, min(workers, cold_warm_starts)),
-                           RL: (runs * (cfg.steps + 1) - done, min(workers, runs))}, prior=step_costs(cfg))
+    return Progress(
+        desc,
+        {
+            WARM: (cold_warm_starts * cfg.warm_steps, min(workers, cold_warm_starts)),
+            RL: (runs * (cfg.steps + 1) - done, min(workers, runs)),
+        },
+        prior=step_costs(cfg),
+    )
 
 
 def prepare_out(out: str | None, default: str, overwrite: bool) -> Path:
@@ -124,15 +141,22 @@ def resume_folder(args, command: str, config: dict) -> dict:
     if not saved.get("command", "").startswith(f"pgloss {command}"):
         raise ValueError(f"--resume: {out} holds a run of {saved.get('command')!r}, not of pgloss {command}")
     if saved.get("status") == "finished":
-        raise ValueError(f"--resume: the run in {out} is finished, nothing to continue (pgloss report {out} "
-                         "writes its report again)")
+        raise ValueError(
+            f"--resume: the run in {out} is finished, nothing to continue (pgloss report {out} writes its report again)"
+        )
     differ = differences(_settings(saved), _settings(config), name=lambda k: "--" + k.replace("_", "-"))
     if differ:
-        raise ValueError(f"--resume: the run in {out} has other settings ({'; '.join(differ)}); give the same "
-                         "settings, or a new --out")
-    return {**saved, "status": "running", "versions": config["versions"],
-            "resumed": [*saved.get("resumed", []), config["command"]],
-            **({"workers": config["workers"]} if "workers" in config else {})}
+        raise ValueError(
+            f"--resume: the run in {out} has other settings ({'; '.join(differ)}); give the same "
+            "settings, or a new --out"
+        )
+    return {
+        **saved,
+        "status": "running",
+        "versions": config["versions"],
+        "resumed": [*saved.get("resumed", []), config["command"]],
+        **({"workers": config["workers"]} if "workers" in config else {}),
+    }
 
 
 def kept_records(out: Path, runs: list[LabConfig]) -> tuple[list[dict], set[tuple]]:
@@ -171,14 +195,19 @@ def finish(out: Path, runs: list[dict], config: dict, command: str = "compare", 
         write_samples(out, {(r["algorithm"], r["seed"]): r["samples"] for r in finished if r["samples"]})
     failed = [r for r in runs if r["status"] == "failed" and r.get("traceback") and not rebuilt]
     if failed:
-        (out / "errors.log").write_text("".join(f"== {r['algorithm']}, seed {r['seed']}\n{r['traceback']}\n"
-                                                for r in failed))
+        (out / "errors.log").write_text(
+            "".join(f"== {r['algorithm']}, seed {r['seed']}\n{r['traceback']}\n" for r in failed)
+        )
     mismatch = mismatched(config["base"])
     plots = [out / f"{name}.png" for name in plot_names(mismatch)] if finished else []
     report = write_report(out, runs, config, plots, title=TITLES[command])
     if finished:
-        plot_all([m for r in finished for m in r["metrics"]], out, max_grad_norm=config["base"]["max_grad_norm"],
-                 mismatch=mismatch)
+        plot_all(
+            [m for r in finished for m in r["metrics"]],
+            out,
+            max_grad_norm=config["base"]["max_grad_norm"],
+            mismatch=mismatch,
+        )
     return report
 
 
@@ -202,10 +231,20 @@ def _saved_runs(out: Path, config: dict) -> list[dict]:
         metrics = sorted({r["step"]: r for r in records.get(key, [])}.values(), key=lambda r: r["step"])
         status, error = saved.get(key, {}).get("status"), saved.get(key, {}).get("error")
         if status != "failed":
-            status = ("finished" if metrics and metrics[-1]["step"] == steps else "interrupted" if metrics
-                      else "not started")
-        runs.append({"algorithm": key[0], "seed": key[1], "status": status, "error": error, "samples": {},
-                     "steps_done": min(len(metrics), steps), "metrics": metrics})
+            status = (
+                "finished" if metrics and metrics[-1]["step"] == steps else "interrupted" if metrics else "not started"
+            )
+        runs.append(
+            {
+                "algorithm": key[0],
+                "seed": key[1],
+                "status": status,
+                "error": error,
+                "samples": {},
+                "steps_done": min(len(metrics), steps),
+                "metrics": metrics,
+            }
+        )
     return runs
 
 
@@ -220,7 +259,7 @@ def rebuild(out: Path) -> Path:
     try:
         config = json.loads((out / "config.json").read_text())
         command = "train" if config["command"].startswith("pgloss train") else "compare"
-        config["base"], config["algorithms"], config["seeds"]  # noqa: B018 (what a run's config.json holds)
+        config["base"], config["algorithms"], config["seeds"]
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"{out}: no config.json of a pgloss train or compare run there ({err})") from None
     set_aside(out, ["report.md", *(f"{name}.png" for name in plot_names(mismatch=True))], why="pgloss report")
@@ -234,24 +273,46 @@ def _outcome(cfg: LabConfig, result: dict | None, sink: Sink) -> dict:
     if result is None:
         records = sorted(sink.records.get((cfg.algorithm, cfg.seed), []), key=lambda r: r["step"])
         if records and records[-1]["step"] == cfg.steps:
-            return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": "finished", "steps_done": cfg.steps,
-                    "error": None, "metrics": records, "samples": {}}
+            return {
+                "algorithm": cfg.algorithm,
+                "seed": cfg.seed,
+                "status": "finished",
+                "steps_done": cfg.steps,
+                "error": None,
+                "metrics": records,
+                "samples": {},
+            }
         steps = min(sink.steps_done(cfg.algorithm, cfg.seed), cfg.steps)
         started = steps or (cfg.algorithm, cfg.seed) in sink.started
-        return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": "interrupted" if started else "not started",
-                "steps_done": steps, "error": None, "metrics": [], "samples": {}}
+        return {
+            "algorithm": cfg.algorithm,
+            "seed": cfg.seed,
+            "status": "interrupted" if started else "not started",
+            "steps_done": steps,
+            "error": None,
+            "metrics": [],
+            "samples": {},
+        }
     status = "failed" if "error" in result else "finished"
-    return {"algorithm": cfg.algorithm, "seed": cfg.seed, "status": status, "steps_done": min(len(result["metrics"]), cfg.steps),
-            "error": result.get("error"), "traceback": result.get("traceback"), "metrics": result["metrics"],
-            "samples": result.get("samples", {})}
+    return {
+        "algorithm": cfg.algorithm,
+        "seed": cfg.seed,
+        "status": status,
+        "steps_done": min(len(result["metrics"]), cfg.steps),
+        "error": result.get("error"),
+        "traceback": result.get("traceback"),
+        "metrics": result["metrics"],
+        "samples": result.get("samples", {}),
+    }
 
 
 def _command_line() -> str:
     return "pgloss " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def _summary_line(command: str, runs: list[dict], report: Path, seconds: float, interrupted: bool,
-                  signalled: bool = False) -> str:
+def _summary_line(
+    command: str, runs: list[dict], report: Path, seconds: float, interrupted: bool, signalled: bool = False
+) -> str:
     """The command's last line; `signalled`: a signal came after every run ended (the report is complete)."""
     done = sum(r["status"] == "finished" for r in runs)
     failed = [f"{r['algorithm']} seed {r['seed']}" for r in runs if r["status"] == "failed"]
@@ -284,9 +345,16 @@ def cmd_compare(args) -> int:
         seeds = list(range(args.seeds))
         runs = [dataclasses.replace(base, algorithm=s.label, seed=seed) for s in specs for seed in seeds]
         workers = min(args.workers, len(runs))
-        config = {"command": _command_line(), "versions": versions(), "algorithms": [s.label for s in specs],
-                  "seeds": seeds, "workers": workers, "base": dataclasses.asdict(base),
-                  "warm_start": warm.origin([dataclasses.replace(base, seed=s) for s in seeds]), "status": "running"}
+        config = {
+            "command": _command_line(),
+            "versions": versions(),
+            "algorithms": [s.label for s in specs],
+            "seeds": seeds,
+            "workers": workers,
+            "base": dataclasses.asdict(base),
+            "warm_start": warm.origin([dataclasses.replace(base, seed=s) for s in seeds]),
+            "status": "running",
+        }
         kept, resumable = None, set()
         if args.resume:
             config = resume_folder(args, "compare", config)
@@ -298,20 +366,31 @@ def cmd_compare(args) -> int:
         print(f"pgloss compare: {err}", file=sys.stderr)
         return 2
     _write_config(out, config)
-    starts = [dataclasses.replace(base, seed=s) for s in seeds
-              if any((cfg.algorithm, s) not in resumable for cfg in runs)]  # a seed with a run to start
+    starts = [
+        dataclasses.replace(base, seed=s) for s in seeds if any((cfg.algorithm, s) not in resumable for cfg in runs)
+    ]  # a seed with a run to start
     cold = sum(not warm.cached(cfg, cache) for cfg in starts)
     logs = trackers.Trackers(report_to, out, dataclasses.asdict(base), resumed=args.resume) if report_to else None
-    sink = Sink(out / "metrics.jsonl", progress("compare", cold, base, len(runs), workers, len(kept or ())), kept,
-                logs)
+    sink = Sink(out / "metrics.jsonl", progress("compare", cold, base, len(runs), workers, len(kept or ())), kept, logs)
     runner, states, results, interrupted, held = None, {}, {}, False, Held()
     try:
         runner = Runner(workers, sink)
         runner.map(warm_state, [(cfg, cache) for cfg in starts], states)
         states = {cfg.seed: states[i] for i, cfg in enumerate(starts)}
-        runner.map(run, [(cfg, states.get(cfg.seed, {}), checkpoint.path(out, cfg.algorithm, cfg.seed),
-                          policy.path(out, cfg.algorithm, cfg.seed, single=False)) for cfg in runs],
-                   results, on_done=sink.result)
+        runner.map(
+            run,
+            [
+                (
+                    cfg,
+                    states.get(cfg.seed, {}),
+                    checkpoint.path(out, cfg.algorithm, cfg.seed),
+                    policy.path(out, cfg.algorithm, cfg.seed, single=False),
+                )
+                for cfg in runs
+            ],
+            results,
+            on_done=sink.result,
+        )
         held.hold()  # every run has ended: from here a signal waits for the report
     except KeyboardInterrupt:
         held.hold()
@@ -321,12 +400,20 @@ def cmd_compare(args) -> int:
         if runner is not None:
             runner.close(terminate=interrupted)
         sink.close()
-    return _conclude("compare", out, [_outcome(cfg, results.get(i), sink) for i, cfg in enumerate(runs)],
-                     config, start, interrupted, held)
+    return _conclude(
+        "compare",
+        out,
+        [_outcome(cfg, results.get(i), sink) for i, cfg in enumerate(runs)],
+        config,
+        start,
+        interrupted,
+        held,
+    )
 
 
-def _conclude(command: str, out: Path, runs: list[dict], config: dict, start: float, interrupted: bool,
-              held: Held) -> int:
+def _conclude(
+    command: str, out: Path, runs: list[dict], config: dict, start: float, interrupted: bool, held: Held
+) -> int:
     """Write the files of what finished and print one line, signals held until then; the exit status
     (0, 1 failed, 130 after a signal). The status in config.json is "finished" when every run ended
     (finished or failed), even if a signal came after the last one, else "interrupted"."""
@@ -353,20 +440,31 @@ def cmd_train(args) -> int:
         require_extras()
         specs = parse_algorithms(args.algorithms, loss_args=args.loss_arg or [])
         if len(specs) != 1:
-            raise ValueError(f"--algorithms: train runs one algorithm, got {', '.join(s.label for s in specs)} "
-                             "(use pgloss compare for several)")
+            raise ValueError(
+                f"--algorithms: train runs one algorithm, got {', '.join(s.label for s in specs)} "
+                "(use pgloss compare for several)"
+            )
         cfg = config_from_args(args, algorithm=specs[0].label)
         trainer.make_algorithm(cfg)
         cache = warm.cache_dir(args.warm_cache)
         report_to = trackers.check(args.report_to)
         rank, world = dist.init(cfg.device)
-        config = {"command": _command_line(), "versions": versions(), "algorithms": [cfg.algorithm],
-                  "seeds": [cfg.seed], "world_size": world, "base": dataclasses.asdict(cfg),
-                  "warm_start": warm.origin([cfg]), "status": "running"}
+        config = {
+            "command": _command_line(),
+            "versions": versions(),
+            "algorithms": [cfg.algorithm],
+            "seeds": [cfg.seed],
+            "world_size": world,
+            "base": dataclasses.asdict(cfg),
+            "warm_start": warm.origin([cfg]),
+            "status": "running",
+        }
         kept, out, saved = None, None, None
         if args.resume and world > 1:
-            raise ValueError("--resume: a run under torchrun keeps no checkpoint (each rank samples with its own "
-                             "generator); resume a single-process run")
+            raise ValueError(
+                "--resume: a run under torchrun keeps no checkpoint (each rank samples with its own "
+                "generator); resume a single-process run"
+            )
         if args.resume:
             config = {**resume_folder(args, "train", config), "world_size": world}
             out = Path(args.out)
@@ -382,8 +480,9 @@ def cmd_train(args) -> int:
         _write_config(out, config)
         cold = int(saved is None and not warm.cached(cfg, cache))
         logs = trackers.Trackers(report_to, out, dataclasses.asdict(cfg), resumed=args.resume) if report_to else None
-        sink = Sink(out / "metrics.jsonl", progress(f"train {cfg.algorithm}", cold, cfg, 1, 1, len(kept or ())), kept,
-                    logs)
+        sink = Sink(
+            out / "metrics.jsonl", progress(f"train {cfg.algorithm}", cold, cfg, 1, 1, len(kept or ())), kept, logs
+        )
     records: list[dict] = []
     held = Held()
 
@@ -395,17 +494,24 @@ def cmd_train(args) -> int:
 
     result, interrupted = None, False
     try:
-        state = None if saved is not None else warm.state(
-            cfg, cache, on_steps=lambda steps, seconds: sink({"warm": steps, "seconds": seconds}))
+        state = (
+            None
+            if saved is not None
+            else warm.state(cfg, cache, on_steps=lambda steps, seconds: sink({"warm": steps, "seconds": seconds}))
+        )
         timed = timed_steps(sink)  # the first RL step is timed from here, not from before the warm start
-        result = trainer.train(cfg, state, on_step=on_step,
-                               checkpoint=checkpoint.path(out, cfg.algorithm, cfg.seed) if world == 1 else None)
+        result = trainer.train(
+            cfg,
+            state,
+            on_step=on_step,
+            checkpoint=checkpoint.path(out, cfg.algorithm, cfg.seed) if world == 1 else None,
+        )
         if rank == 0:
             policy.save(result["state"], cfg, policy.path(out, cfg.algorithm, cfg.seed, single=True))
     except KeyboardInterrupt:
         held.hold()
         interrupted = True
-    except Exception as err:  # noqa: BLE001 (the partial metrics and the traceback are written)
+    except Exception as err:
         result = _failure(err, metrics=records)
     finally:
         held.hold()
@@ -420,22 +526,42 @@ def cmd_train(args) -> int:
 
 def _add_run_arguments(parser, default_out: str) -> None:
     """The options train and compare share besides LabConfig's: loss settings, output, cache."""
-    parser.add_argument("--loss-arg", action="append", metavar="KEY=VALUE",
-                        help="a loss hyperparameter of pgloss.get for every algorithm of the run, e.g. clip_high=0.28 "
-                             "or kl_coef=0 (repeatable; NAME:KEY=VALUE in --algorithms sets one algorithm's)")
-    parser.add_argument("--out", help=f"output directory (default: {default_out}, or {default_out}-2, ... when "
-                                      "taken); an --out that holds files is refused")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="write over a run in --out, its files kept in --out/replaced (otherwise refused)")
-    parser.add_argument("--report-to", nargs="+", metavar="TRACKER",
-                        help="also log every step's metrics and the run's settings to tensorboard (OUT/tensorboard), "
-                             "wandb (offline unless WANDB_MODE says otherwise) or none (default)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the interrupted run in --out from each run's last finished step (the "
-                             "same settings as it; the result is that of a run never stopped)")
-    parser.add_argument("--warm-cache", metavar="DIR",
-                        help="where warm starts are cached, keyed by their settings, torch and the lab's code "
-                             "(default: $XDG_CACHE_HOME/pgloss/warm or ~/.cache/pgloss/warm; none: no cache)")
+    parser.add_argument(
+        "--loss-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a loss hyperparameter of pgloss.get for every algorithm of the run, e.g. clip_high=0.28 "
+        "or kl_coef=0 (repeatable; NAME:KEY=VALUE in --algorithms sets one algorithm's)",
+    )
+    parser.add_argument(
+        "--out",
+        help=f"output directory (default: {default_out}, or {default_out}-2, ... when "
+        "taken); an --out that holds files is refused",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write over a run in --out, its files kept in --out/replaced (otherwise refused)",
+    )
+    parser.add_argument(
+        "--report-to",
+        nargs="+",
+        metavar="TRACKER",
+        help="also log every step's metrics and the run's settings to tensorboard (OUT/tensorboard), "
+        "wandb (offline unless WANDB_MODE says otherwise) or none (default)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in --out from each run's last finished step (the "
+        "same settings as it; the result is that of a run never stopped)",
+    )
+    parser.add_argument(
+        "--warm-cache",
+        metavar="DIR",
+        help="where warm starts are cached, keyed by their settings, torch and the lab's code "
+        "(default: $XDG_CACHE_HOME/pgloss/warm or ~/.cache/pgloss/warm; none: no cache)",
+    )
 
 
 def add_commands(subparsers) -> None:
@@ -448,11 +574,19 @@ def add_commands(subparsers) -> None:
 
     compare = subparsers.add_parser("compare", help="train a tiny policy with each algorithm and compare them")
     add_algorithms_argument(compare, DEFAULT_ALGORITHMS)
-    compare.add_argument("--seeds", type=int, default=len(warm.SHIPPED_SEEDS),
-                         help=f"seeds 0..K-1 per algorithm (default: {len(warm.SHIPPED_SEEDS)}, the seeds whose warm "
-                              "starts pgloss ships, so every machine starts them from the same weights)")
-    compare.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
-                         help="runs trained at once, one process each (default: min(2, CPUs))")
+    compare.add_argument(
+        "--seeds",
+        type=int,
+        default=len(warm.SHIPPED_SEEDS),
+        help=f"seeds 0..K-1 per algorithm (default: {len(warm.SHIPPED_SEEDS)}, the seeds whose warm "
+        "starts pgloss ships, so every machine starts them from the same weights)",
+    )
+    compare.add_argument(
+        "--workers",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="runs trained at once, one process each (default: min(2, CPUs))",
+    )
     add_config_arguments(compare, skip=("algorithm", "seed"))
     _add_run_arguments(compare, "runs/compare")
     compare.set_defaults(func=cmd_compare)

@@ -7,9 +7,9 @@ docstring), so a run's ``config.json`` is all it takes to reproduce it.
 from __future__ import annotations
 
 import ast
-import math
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass
 
 DEFAULT_ALGORITHMS = ("grpo", "dapo", "gspo", "dr_grpo", "sample_grpo")
@@ -102,29 +102,52 @@ class LabConfig:
             ("reward_coef", math.isfinite(self.reward_coef) and self.reward_coef >= 0, "a finite number >= 0"),
             ("max_refill_rounds", self.max_refill_rounds >= 0, ">= 0"),
             ("epochs", self.epochs >= 1, ">= 1"),
-            ("minibatches", 1 <= self.minibatches <= self.prompts_per_step,
-             f"between 1 and --prompts-per-step ({self.prompts_per_step}): a minibatch holds whole groups"),
+            (
+                "minibatches",
+                1 <= self.minibatches <= self.prompts_per_step,
+                f"between 1 and --prompts-per-step ({self.prompts_per_step}): a minibatch holds whole groups",
+            ),
             ("micro_batches", self.micro_batches >= 1, ">= 1"),
             ("lr", self.lr > 0, "> 0"),
             ("warmup", self.warmup >= 0, ">= 0"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
-            ("entropy_coef", self.entropy_coef is None or (isinstance(self.entropy_coef, (int, float))
-                                                           and math.isfinite(self.entropy_coef)), "a finite number or none"),
-            ("target_entropy", self.target_entropy is None or (isinstance(self.target_entropy, (int, float))
-                                                               and math.isfinite(self.target_entropy)
-                                                               and self.target_entropy > 0), "a finite number > 0 or none"),
-            ("entropy_coef_delta", math.isfinite(self.entropy_coef_delta) and self.entropy_coef_delta >= 0,
-             "a finite number >= 0"),
-            ("entropy_coef_max", math.isfinite(self.entropy_coef_max) and self.entropy_coef_max >= 0,
-             "a finite number >= 0"),
+            (
+                "entropy_coef",
+                self.entropy_coef is None
+                or (isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)),
+                "a finite number or none",
+            ),
+            (
+                "target_entropy",
+                self.target_entropy is None
+                or (
+                    isinstance(self.target_entropy, (int, float))
+                    and math.isfinite(self.target_entropy)
+                    and self.target_entropy > 0
+                ),
+                "a finite number > 0 or none",
+            ),
+            (
+                "entropy_coef_delta",
+                math.isfinite(self.entropy_coef_delta) and self.entropy_coef_delta >= 0,
+                "a finite number >= 0",
+            ),
+            (
+                "entropy_coef_max",
+                math.isfinite(self.entropy_coef_max) and self.entropy_coef_max >= 0,
+                "a finite number >= 0",
+            ),
             ("warm_steps", self.warm_steps >= 0, ">= 0"),
             ("warm_batch", self.warm_batch >= 1, ">= 1"),
             ("warm_lr", self.warm_lr > 0, "> 0"),
             ("scratchpad_prob", 0 <= self.scratchpad_prob <= 1, "in [0, 1]"),
             ("n_layer", self.n_layer >= 1, ">= 1"),
             ("n_head", self.n_head >= 1, ">= 1"),
-            ("d_model", self.d_model >= 1 and self.d_model % max(self.n_head, 1) == 0,
-             f">= 1 and a multiple of --n-head ({self.n_head})"),
+            (
+                "d_model",
+                self.d_model >= 1 and self.d_model % max(self.n_head, 1) == 0,
+                f">= 1 and a multiple of --n-head ({self.n_head})",
+            ),
             ("threads", self.threads >= 1, ">= 1"),
             ("eval_prompts", self.eval_prompts >= 1, ">= 1"),
             ("samples", 0 <= self.samples <= self.eval_prompts, f"between 0 and --eval-prompts ({self.eval_prompts})"),
@@ -135,10 +158,14 @@ class LabConfig:
 
         if self.task not in TASKS:
             raise ValueError(f"--task: unknown task {self.task!r}; valid names: {', '.join(sorted(TASKS))}")
-        longest = TASKS[self.task]().max_response_chars + 1  # the warm start's longest demonstration, end token included
+        longest = (
+            TASKS[self.task]().max_response_chars + 1
+        )  # the warm start's longest demonstration, end token included
         if self.max_new_tokens < longest:
-            raise ValueError(f"--max-new-tokens must be >= {longest} for --task {self.task} (its longest "
-                             f"demonstration with the end token), got {self.max_new_tokens}")
+            raise ValueError(
+                f"--max-new-tokens must be >= {longest} for --task {self.task} (its longest "
+                f"demonstration with the end token), got {self.max_new_tokens}"
+            )
         check_device(self.device)
         from .spec import parse_rollout_correction
 
@@ -194,8 +221,13 @@ def add_config_arguments(parser, skip: tuple[str, ...] = ()) -> None:
             from .tasks import TASKS
 
             extra = f"; one of {', '.join(TASKS)}"
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
-                            help=f"{docs.get(f.name, '')} (default: {f.default}{extra})")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=kind,
+            default=f.default,
+            help=f"{docs.get(f.name, '')} (default: {f.default}{extra})",
+        )
 
 
 def _optional_float(text: str) -> float | None:

@@ -31,8 +31,9 @@ EXTRA_KEYS = ("scores", "group_ids", "teacher_log_prob")
 """What some losses also need (TOPR the raw rewards, REAL the groups, OPD a teacher); a batch may hold them."""
 
 
-def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 128, spread: float = 0.0,
-                    seed: int = 0) -> dict[str, Tensor]:
+def synthetic_batch(
+    *, groups: int = 8, group_size: int = 8, max_length: int = 128, spread: float = 0.0, seed: int = 0
+) -> dict[str, Tensor]:
     """`groups` prompts × `group_size` responses of lengths spread over 1..max_length, 0/1 rewards
     (``scores``) with GRPO's group advantages and their ``group_ids``, log π = log π_old + spread·noise
     (spread 0: ratio one), a reference and a teacher near π_old and an entropy per token. float64. The
@@ -56,8 +57,17 @@ def synthetic_batch(*, groups: int = 8, group_size: int = 8, max_length: int = 1
     ref = -(old + 0.05 * torch.randn(n, max_length, generator=gen, dtype=torch.float64)).abs()
     entropy = torch.rand(n, max_length, generator=gen, dtype=torch.float64)
     teacher = -(old + 0.3 * torch.randn(n, max_length, generator=gen, dtype=torch.float64)).abs()
-    return {"log_prob": log_prob, "old_log_prob": old, "advantages": advantages, "mask": mask, "scores": rewards,
-            "group_ids": group_ids, "ref_log_prob": ref, "entropy": entropy, "teacher_log_prob": teacher}
+    return {
+        "log_prob": log_prob,
+        "old_log_prob": old,
+        "advantages": advantages,
+        "mask": mask,
+        "scores": rewards,
+        "group_ids": group_ids,
+        "ref_log_prob": ref,
+        "entropy": entropy,
+        "teacher_log_prob": teacher,
+    }
 
 
 def load_batch(path: str | Path) -> dict[str, Tensor]:
@@ -95,8 +105,14 @@ def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float
         result = inspect(algorithm, batch["log_prob"], batch["old_log_prob"], batch["advantages"], mask, **extra)
         grad = result.policy_grad * n
         closed = None if result.closed_form is None else result.closed_form * n
-        table[spec.label] = {"grad": grad, "closed_form": closed, "total": grad.sum(dim=1), "lengths": lengths,
-                       "advantages": advantages, "reason": result.reason}
+        table[spec.label] = {
+            "grad": grad,
+            "closed_form": closed,
+            "total": grad.sum(dim=1),
+            "lengths": lengths,
+            "advantages": advantages,
+            "reason": result.reason,
+        }
     return table
 
 
@@ -127,8 +143,12 @@ def plot(table: dict[str, dict], path: Path) -> Path:
     cols = min(COLUMNS, len(names))
     blocks = -(-len(names) // cols)
     fig, axes = plt.subplots(2 * blocks, cols, figsize=(3.0 * cols + 0.6, 2.8 * 2 * blocks + 0.4), squeeze=False)
-    styles = {"short, Â>0": ("tab:green", "-"), "long, Â>0": ("tab:green", "--"),
-              "short, Â<0": ("tab:red", "-"), "long, Â<0": ("tab:red", "--")}
+    styles = {
+        "short, Â>0": ("tab:green", "-"),
+        "long, Â>0": ("tab:green", "--"),
+        "short, Â<0": ("tab:red", "-"),
+        "long, Â<0": ("tab:red", "--"),
+    }
     tops, bottoms = [], []
     for k, name in enumerate(names):
         entry = table[name]
@@ -139,15 +159,26 @@ def plot(table: dict[str, dict], path: Path) -> Path:
         for label, row in examples(lengths, advantages).items():
             length = int(lengths[row])
             color, style = styles[label]
-            top.plot(range(1, length + 1), entry["grad"][row, :length].tolist(), style, color=color, lw=1.3,
-                     label=f"{label} (|y|={length})")
+            top.plot(
+                range(1, length + 1),
+                entry["grad"][row, :length].tolist(),
+                style,
+                color=color,
+                lw=1.3,
+                label=f"{label} (|y|={length})",
+            )
         top.axhline(0, color="black", lw=0.5)
         top.set_title(name, fontsize=10)
         top.set_xlabel("token position")
         for sign, color in ((1, "tab:green"), (-1, "tab:red")):
             rows = advantages * sign > 0
-            bottom.scatter(lengths[rows].tolist(), entry["total"][rows].tolist(), s=9, color=color,
-                           label="Â > 0" if sign > 0 else "Â < 0")
+            bottom.scatter(
+                lengths[rows].tolist(),
+                entry["total"][rows].tolist(),
+                s=9,
+                color=color,
+                label="Â > 0" if sign > 0 else "Â < 0",
+            )
         bottom.axhline(0, color="black", lw=0.5)
         bottom.set_xlabel("response length |y|")
         # one scale per kind of plot for every algorithm; symmetric-log, since the losses differ by decades
@@ -220,8 +251,11 @@ def cmd_grads(args) -> int:
 
             batch = policy_batch(args.policy, prompts=args.prompts, seed=args.seed)
         else:
-            batch = load_batch(args.batch) if args.batch else synthetic_batch(spread=args.spread, seed=args.seed,
-                                                                               max_length=args.max_length)
+            batch = (
+                load_batch(args.batch)
+                if args.batch
+                else synthetic_batch(spread=args.spread, seed=args.seed, max_length=args.max_length)
+            )
         table = gradient_table(names, batch)
         out = claim_file(args.out, "runs/grads.png", args.overwrite)
     except (ValueError, TypeError, FileNotFoundError) as err:
@@ -238,18 +272,44 @@ def add_grads_command(subparsers) -> None:
 
     parser = subparsers.add_parser("grads", help="draw the per-token gradient of chosen losses on one batch")
     add_algorithms_argument(parser, DEFAULT_ALGORITHMS)
-    parser.add_argument("--batch", help="a saved batch (torch.save of a dict with log_prob, old_log_prob, "
-                                        "advantages, mask); default: a synthetic batch")
-    parser.add_argument("--policy", metavar="RUN",
-                        help="a batch sampled by a trained lab policy: a pgloss train folder (its policy.safetensors), "
-                             "or a policy file of a compare folder (policies/<algorithm>-seed<seed>.safetensors)")
-    parser.add_argument("--prompts", type=int, default=8, help="--policy: prompts sampled, each the run's group size "
-                                                                 "of times (default 8)")
-    parser.add_argument("--spread", type=float, default=0.0,
-                        help="synthetic batch: std of log π - log π_old (default 0: ratio one, the on-policy step)")
+    parser.add_argument(
+        "--batch",
+        help="a saved batch (torch.save of a dict with log_prob, old_log_prob, "
+        "advantages, mask); default: a synthetic batch",
+    )
+    parser.add_argument(
+        "--policy",
+        metavar="RUN",
+        help="a batch sampled by a trained lab policy: a pgloss train folder (its policy.safetensors), "
+        "or a policy file of a compare folder (policies/<algorithm>-seed<seed>.safetensors)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=8,
+        help="--policy: prompts sampled, each the run's group size of times (default 8)",
+    )
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=0.0,
+        help="synthetic batch: std of log π - log π_old (default 0: ratio one, the on-policy step)",
+    )
     parser.add_argument("--max-length", type=int, default=128, help="synthetic batch: longest response (default 128)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch, or of --policy's prompts and sampling (default 0)")
-    parser.add_argument("--out", help="the figure's path (default: runs/grads.png, or runs/grads-2.png, ... when "
-                                      "taken); an --out that exists is refused")
-    parser.add_argument("--overwrite", action="store_true", help="write over the figure at --out, the earlier one kept as <name>.replaced.png")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the synthetic batch, or of --policy's prompts and sampling (default 0)",
+    )
+    parser.add_argument(
+        "--out",
+        help="the figure's path (default: runs/grads.png, or runs/grads-2.png, ... when "
+        "taken); an --out that exists is refused",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write over the figure at --out, the earlier one kept as <name>.replaced.png",
+    )
     parser.set_defaults(func=cmd_grads)

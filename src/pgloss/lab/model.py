@@ -38,7 +38,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor, past=None):
         """New residual stream and this block's keys and values (appended to `past`, if given)."""

@@ -41,8 +41,7 @@ def refusal(path: Path) -> str:
     else:
         names = sorted(p.name for p in path.iterdir())
         held = "already holds " + ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    return (f"--out {path} {held}: a run never replaces another; give a new --out, or add --overwrite "
-            "to replace it")
+    return f"--out {path} {held}: a run never replaces another; give a new --out, or add --overwrite to replace it"
 
 
 def set_aside(folder: Path, names, why: str = "--overwrite") -> Path | None:

@@ -55,7 +55,7 @@ def _smooth(values: list, window: int) -> list[float]:
     NaN where the step itself has no value."""
     out = []
     for i, value in enumerate(values):
-        part = [v for v in values[max(0, i - window + 1): i + 1] if v is not None and v == v]
+        part = [v for v in values[max(0, i - window + 1) : i + 1] if v is not None and v == v]
         out.append(sum(part) / len(part) if part and value is not None and value == value else float("nan"))
     return out
 
@@ -88,12 +88,15 @@ def styles(labels: list[str]) -> dict[str, tuple]:
     import matplotlib
 
     palette = matplotlib.colormaps["tab10"]
-    return {a: (palette(k % 10), LINESTYLES[(k // 10) % len(LINESTYLES)], MARKERS[k % len(MARKERS)])
-            for k, a in enumerate(labels)}
+    return {
+        a: (palette(k % 10), LINESTYLES[(k // 10) % len(LINESTYLES)], MARKERS[k % len(MARKERS)])
+        for k, a in enumerate(labels)
+    }
 
 
-def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm: float | None = None,
-             mismatch: bool = False) -> list[Path]:
+def plot_all(
+    records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm: float | None = None, mismatch: bool = False
+) -> list[Path]:
     """Write one PNG per panel of ``PANELS`` (and ``MISMATCH_PANELS`` when `mismatch`) and the overview
     grid ``curves.png``; returns the paths (the grid first). `max_grad_norm` draws the gradient
     clipping threshold. Up to `FEW` algorithms, a panel is one plot with its legend beside the data;
@@ -104,7 +107,6 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     data = curves(records)
@@ -115,9 +117,14 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
     evals: dict[str, list[tuple[float, float]]] = {}
     for k, algorithm in enumerate(algorithms):  # mean eval reward over seeds, shifted sideways per algorithm
         shift = (k - (len(algorithms) - 1) / 2) * max(last, 1) * (0.012 if len(algorithms) <= FEW else 0.0)
-        for step in sorted({r["step"] for r in records if r["algorithm"] == algorithm and r.get("eval_reward") is not None}):
-            values = [r["eval_reward"] for r in records if r["algorithm"] == algorithm and r["step"] == step
-                      and r.get("eval_reward") is not None]
+        for step in sorted(
+            {r["step"] for r in records if r["algorithm"] == algorithm and r.get("eval_reward") is not None}
+        ):
+            values = [
+                r["eval_reward"]
+                for r in records
+                if r["algorithm"] == algorithm and r["step"] == step and r.get("eval_reward") is not None
+            ]
             evals.setdefault(algorithm, []).append((step + shift, sum(values) / len(values)))
 
     def line(ax, algorithm, seeds, ls=None, label=None, grey=False, own_style=True):
@@ -146,8 +153,16 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
             else:
                 line(ax, algorithm, data[metric][algorithm], label=algorithm, own_style=own_style)
             if metric == "reward" and algorithm in evals:
-                ax.plot(*zip(*evals[algorithm]), ls="none", marker=style[algorithm][2], ms=6, mfc="white", mew=1.4,
-                        color=style[algorithm][0], zorder=5)
+                ax.plot(
+                    *zip(*evals[algorithm]),
+                    ls="none",
+                    marker=style[algorithm][2],
+                    ms=6,
+                    mfc="white",
+                    mew=1.4,
+                    color=style[algorithm][0],
+                    zorder=5,
+                )
         if metric == "clip_frac":
             ax.set_yscale("symlog", linthresh=1e-3)
             ax.set_ylim(bottom=0)
@@ -185,17 +200,22 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
                 draw(ax, metric, [algorithm], grey=[a for a in algorithms if a != algorithm], split=True)
                 empty = metric == "clip_frac" and not any(v is not None for s in data[metric][algorithm] for v in s)
                 ax.set_title(algorithm + (" (no clipping)" if empty else ""), fontsize=9)
-            for ax in list(axes.flat)[len(algorithms):]:
+            for ax in list(axes.flat)[len(algorithms) :]:
                 ax.set_visible(False)
             for ax in axes[:, 0]:
                 ax.set_ylabel(panels[metric][1], fontsize=8)
             for ax in axes[-1, :]:
                 ax.set_xlabel("RL step", fontsize=8)
             # the two-line title in the top 0.6 inch, the first row's titles below it (margins in inches)
-            fig.suptitle(f"{title(metric, split=True)}\neach algorithm in colour, the others in grey; {note}",
-                         fontsize=10, y=1 - 0.12 / height, va="top")
-            fig.subplots_adjust(left=0.06, right=0.99, bottom=0.5 / height, top=1 - 1.0 / height, wspace=0.08,
-                                hspace=0.35)
+            fig.suptitle(
+                f"{title(metric, split=True)}\neach algorithm in colour, the others in grey; {note}",
+                fontsize=10,
+                y=1 - 0.12 / height,
+                va="top",
+            )
+            fig.subplots_adjust(
+                left=0.06, right=0.99, bottom=0.5 / height, top=1 - 1.0 / height, wspace=0.08, hspace=0.35
+            )
         path = out / f"{metric}.png"
         fig.savefig(path, dpi=110 if len(algorithms) <= FEW else 80)
         plt.close(fig)
@@ -207,18 +227,28 @@ def plot_all(records: list[dict], out: Path, smooth: int = SMOOTH, max_grad_norm
         final = {a: evals[a][-1][1] if a in evals else float("-inf") for a in algorithms}
         shown = sorted(algorithms, key=lambda a: -final[a])[:FEW]
         style.update(styles(shown))  # a few lines: solid, in distinct colours
-        legend_title = (f"the {FEW} of {len(algorithms)} algorithms with the highest\nfinal eval reward (markers); "
-                        "the others grey.\nEach one alone: the panel's own PNG")
+        legend_title = (
+            f"the {FEW} of {len(algorithms)} algorithms with the highest\nfinal eval reward (markers); "
+            "the others grey.\nEach one alone: the panel's own PNG"
+        )
     for ax, metric in zip(axes.flat, panels):
         draw(ax, metric, shown, grey=[a for a in algorithms if a not in shown])
         ax.set_xlabel("RL step")
         ax.set_ylabel(panels[metric][1])
         ax.set_title(title(metric), fontsize=10)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()  # one legend for every panel, outside them
-    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.865, 0.94), fontsize=8, ncol=1,
-               title=legend_title, title_fontsize=8)
+    fig.legend(
+        handles,
+        labels,
+        loc="upper left",
+        bbox_to_anchor=(0.865, 0.94),
+        fontsize=8,
+        ncol=1,
+        title=legend_title,
+        title_fontsize=8,
+    )
     fig.suptitle(note, fontsize=10)
     fig.subplots_adjust(left=0.04, right=0.855, bottom=0.05, top=0.94, wspace=0.22, hspace=0.32)
     path = out / "curves.png"

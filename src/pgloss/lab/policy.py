@@ -30,8 +30,11 @@ def save(state: dict, cfg, file: Path) -> Path:
     file = Path(file)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(file.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(tmp),
-              metadata={"lab_config": json.dumps(dataclasses.asdict(cfg))})
+    save_file(
+        {k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
+        str(tmp),
+        metadata={"lab_config": json.dumps(dataclasses.asdict(cfg))},
+    )
     tmp.replace(file)
     return file
 
@@ -46,10 +49,13 @@ def find(where: str | Path) -> Path:
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
-        raise ValueError(f"--policy {where}: no {FILE} or {FOLDER}/*.safetensors there (a finished pgloss "
-                         "train or compare run writes them)")
-    raise ValueError(f"--policy {where}: holds {len(candidates)} policies; name one: "
-                     + ", ".join(str(c) for c in candidates))
+        raise ValueError(
+            f"--policy {where}: no {FILE} or {FOLDER}/*.safetensors there (a finished pgloss "
+            "train or compare run writes them)"
+        )
+    raise ValueError(
+        f"--policy {where}: holds {len(candidates)} policies; name one: " + ", ".join(str(c) for c in candidates)
+    )
 
 
 def load(where: str | Path):
@@ -92,13 +98,23 @@ def batch(where: str | Path, prompts: int = 8, seed: int = 0) -> dict:
     cfg, model = load(where)
     tokenizer, task, rng = Tokenizer(), make_task(cfg.task), random.Random(f"grads-{seed}")
     problems = [task.sample(rng) for _ in range(prompts)]
-    rollout = sample(model, [tokenizer.encode(p.prompt) for p in problems], group_size=cfg.group_size,
-                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                     generator=torch.Generator().manual_seed(seed))
+    rollout = sample(
+        model,
+        [tokenizer.encode(p.prompt) for p in problems],
+        group_size=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        generator=torch.Generator().manual_seed(seed),
+    )
     rewards, _ = score(rollout, problems, tokenizer, cfg.group_size)
     with torch.no_grad():
         log_prob, _ = response_log_probs(model, rollout, temperature=cfg.temperature)
     log_prob = log_prob.double()
-    return {"log_prob": log_prob, "old_log_prob": log_prob.clone(), "mask": rollout.mask,
-            "advantages": group_advantages(rewards.double(), rollout.group_ids), "scores": rewards.double(),
-            "group_ids": rollout.group_ids}
+    return {
+        "log_prob": log_prob,
+        "old_log_prob": log_prob.clone(),
+        "mask": rollout.mask,
+        "advantages": group_advantages(rewards.double(), rollout.group_ids),
+        "scores": rewards.double(),
+        "group_ids": rollout.group_ids,
+    }

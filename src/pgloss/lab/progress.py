@@ -40,11 +40,16 @@ def step_costs(cfg) -> dict[str, float]:
     from .runner import RL, WARM
 
     prompt, response = 10, max(1, cfg.max_new_tokens // 2)
-    call = lambda rows, positions: 1 + rows * positions * (cfg.d_model ** 2 * cfg.n_layer / 3e6 + 1e-3)  # noqa: E731
+    call = lambda rows, positions: 1 + rows * positions * (cfg.d_model**2 * cfg.n_layer / 3e6 + 1e-3)  # noqa: E731
     rows = cfg.prompts_per_step * cfg.group_size
-    rl = (call(rows, prompt) + response * call(rows, 1) + 2 * call(rows, prompt + response)
-          + cfg.epochs * cfg.minibatches * 3 * call(rows / cfg.minibatches, prompt + response)
-          + call(cfg.eval_prompts, prompt) + response * call(cfg.eval_prompts, 1))
+    rl = (
+        call(rows, prompt)
+        + response * call(rows, 1)
+        + 2 * call(rows, prompt + response)
+        + cfg.epochs * cfg.minibatches * 3 * call(rows / cfg.minibatches, prompt + response)
+        + call(cfg.eval_prompts, prompt)
+        + response * call(cfg.eval_prompts, 1)
+    )
     return {WARM: 3 * call(cfg.warm_batch, prompt + response), RL: rl}
 
 
@@ -53,8 +58,9 @@ class Progress:
     counts `steps` made in `seconds` of one worker's time. `prior`: {name: relative cost of a step}
     (``step_costs``; equal when not given), read only for phases not timed yet."""
 
-    def __init__(self, desc: str, phases: dict[str, tuple[int, int]], file=None,
-                 prior: dict[str, float] | None = None) -> None:
+    def __init__(
+        self, desc: str, phases: dict[str, tuple[int, int]], file=None, prior: dict[str, float] | None = None
+    ) -> None:
         from tqdm import tqdm
 
         self.left = {name: steps for name, (steps, _) in phases.items() if steps > 0}
@@ -62,8 +68,9 @@ class Progress:
         self.parallel = {name: max(1, parallel) for name, (_, parallel) in phases.items()}
         self.prior = {name: (prior or {}).get(name, 1.0) for name in self.left}
         self.timed = {name: [0.0, 0] for name in self.left}  # seconds, steps
-        self.bar = tqdm(total=SCALE, desc=desc, bar_format=FORMAT, dynamic_ncols=True,
-                        mininterval=1.0, file=file or sys.stderr)
+        self.bar = tqdm(
+            total=SCALE, desc=desc, bar_format=FORMAT, dynamic_ncols=True, mininterval=1.0, file=file or sys.stderr
+        )
         self.bar.set_postfix_str(self.postfix(), refresh=False)
 
     def advance(self, phase: str, steps: int = 1, seconds: float | None = None) -> None:
@@ -84,8 +91,9 @@ class Progress:
             cost = total / count
         else:
             timed = [p for p in self.timed if self.timed[p][1]]
-            cost = self.prior[phase] * (self.timed[timed[0]][0] / self.timed[timed[0]][1] / self.prior[timed[0]]
-                                        if timed else 1.0)
+            cost = self.prior[phase] * (
+                self.timed[timed[0]][0] / self.timed[timed[0]][1] / self.prior[timed[0]] if timed else 1.0
+            )
         return cost / self.parallel[phase]
 
     def fraction(self) -> float:

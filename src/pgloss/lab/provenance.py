@@ -15,12 +15,17 @@ def _git_version() -> str | None:
 
     src = Path(pgloss.__file__).resolve().parent
     try:
-        tracked = subprocess.run(["git", "-C", str(src), "ls-files", "--error-unmatch", "__init__.py"],
-                                 capture_output=True, timeout=10)
+        tracked = subprocess.run(
+            ["git", "-C", str(src), "ls-files", "--error-unmatch", "__init__.py"], capture_output=True, timeout=10
+        )
         if tracked.returncode != 0:
             return None
-        done = subprocess.run(["git", "-C", str(src), "describe", "--always", "--dirty", "--abbrev=12"],
-                              capture_output=True, text=True, timeout=10)
+        done = subprocess.run(
+            ["git", "-C", str(src), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() or None if done.returncode == 0 else None
@@ -33,7 +38,9 @@ def machine() -> str:
 
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    name = next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor()
+    )
     return f"{name or 'unknown CPU'} ({platform.machine()}, torch kernels {torch.backends.cpu.get_cpu_capability()})"
 
 
@@ -43,5 +50,10 @@ def versions() -> dict:
 
     import pgloss
 
-    return {"pgloss": pgloss.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "git": _git_version(), "machine": machine()}
+    return {
+        "pgloss": pgloss.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git": _git_version(),
+        "machine": machine(),
+    }

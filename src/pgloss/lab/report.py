@@ -40,15 +40,33 @@ def tail(steps: int) -> int:
 def last(window: int) -> str:
     return "last step" if window == 1 else f"last {window} steps"
 
+
 HIGH_CLIP, LOW_CLIP, HIGH_PPO_KL = 0.10, 0.01, 0.02
 NARROW_BAND = 0.01  # clip_low + clip_high below this: a band the article's thresholds were not made for
 
 ROLLOUT = ("reward", "accuracy", "length", "entropy", "kl_ref", "scratchpad", "reward_scratchpad", "reward_direct")
-UPDATE = ("clip_frac", "clip_frac_high", "clip_frac_low", "ppo_kl", "grad_norm", "grad_clipped", "kept", "groups",
-          "entropy_coef")
+UPDATE = (
+    "clip_frac",
+    "clip_frac_high",
+    "clip_frac_low",
+    "ppo_kl",
+    "grad_norm",
+    "grad_clipped",
+    "kept",
+    "groups",
+    "entropy_coef",
+)
 # the sampler mismatch and its correction (a table only when the run simulates a mismatched sampler)
-MISMATCH = ("rollout_kl", "rollout_k3_kl", "rollout_is_weight_mean", "rollout_is_weight_min", "rollout_is_weight_max",
-            "rollout_is_ess", "rollout_is_bounded_frac", "rollout_rejected_frac")
+MISMATCH = (
+    "rollout_kl",
+    "rollout_k3_kl",
+    "rollout_is_weight_mean",
+    "rollout_is_weight_min",
+    "rollout_is_weight_max",
+    "rollout_is_ess",
+    "rollout_is_bounded_frac",
+    "rollout_rejected_frac",
+)
 
 VERL_ARTICLE = "an article on the components of PG losses in verl's conventions"
 OPENR1_ARTICLE = '"OpenR1 in practice (6): sample-level vs token-level loss" (2025-06-04)'
@@ -120,24 +138,34 @@ def tables(rows: dict[str, dict], window: int = TAIL) -> str:
     """The outcome table and the update table (Markdown), each column with its window (the end:
     the last `window` steps)."""
     end = last(window)
-    out = ["| algorithm | eval reward: warm start → final policy | beat warm start (seeds) "
-           f"| train reward: step 0 → {end} | greedy accuracy: step 0 → {end} "
-           f"| length (tokens): step 0 → {end} | entropy: step 0 → {end} | KL to ref.: {end} |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| algorithm | eval reward: warm start → final policy | beat warm start (seeds) "
+        f"| train reward: step 0 → {end} | greedy accuracy: step 0 → {end} "
+        f"| length (tokens): step 0 → {end} | entropy: step 0 → {end} | KL to ref.: {end} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for a, row in rows.items():
         v = row["values"]
-        out.append(f"| {a} | {_fmt(_mean(v['eval_start']), 3)} → {cell(v['eval_end'])} "
-                   f"| {int(sum(v['beat']))}/{len(row['seeds'])} | {_span(row, 'reward')} | {_span(row, 'accuracy')} "
-                   f"| {_span(row, 'length', 2)} | {_span(row, 'entropy')} | {cell(v['kl_ref_end'])} |")
-    out += ["", "Update diagnostics, each a mean over every update of the run:", "",
-            "| algorithm | clip fraction | clipped high | clipped low | ppo_kl | gradient norm "
-            "| steps with the gradient clipped | kept (share of responses trained on) | entropy coefficient |",
-            "|---|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {a} | {_fmt(_mean(v['eval_start']), 3)} → {cell(v['eval_end'])} "
+            f"| {int(sum(v['beat']))}/{len(row['seeds'])} | {_span(row, 'reward')} | {_span(row, 'accuracy')} "
+            f"| {_span(row, 'length', 2)} | {_span(row, 'entropy')} | {cell(v['kl_ref_end'])} |"
+        )
+    out += [
+        "",
+        "Update diagnostics, each a mean over every update of the run:",
+        "",
+        "| algorithm | clip fraction | clipped high | clipped low | ppo_kl | gradient norm "
+        "| steps with the gradient clipped | kept (share of responses trained on) | entropy coefficient |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for a, row in rows.items():
         v = row["values"]
-        out.append(f"| {a} | {cell(v['clip_frac'])} | {cell(v['clip_frac_high'], 4)} | {cell(v['clip_frac_low'], 4)} "
-                   f"| {cell(v['ppo_kl'], 4)} | {cell(v['grad_norm'], 2)} | {cell(v['grad_clipped'], 2)} "
-                   f"| {cell(v['kept'], 2)} | {cell(v['entropy_coef'], 4)} |")
+        out.append(
+            f"| {a} | {cell(v['clip_frac'])} | {cell(v['clip_frac_high'], 4)} | {cell(v['clip_frac_low'], 4)} "
+            f"| {cell(v['ppo_kl'], 4)} | {cell(v['grad_norm'], 2)} | {cell(v['grad_clipped'], 2)} "
+            f"| {cell(v['kept'], 2)} | {cell(v['entropy_coef'], 4)} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -160,32 +188,44 @@ def read_clipping(label: str, row: dict, algorithm=None) -> str:
     low, high = getattr(algorithm, "clip_low", None), getattr(algorithm, "clip_high", None)
     family = type(algorithm).__name__
     if math.isnan(clip):
-        verdict = ("no clip fraction was recorded (the loss has no hard clip, e.g. SAPO's soft gate, or no update "
-                   "was made), so the rules do not apply")
+        verdict = (
+            "no clip fraction was recorded (the loss has no hard clip, e.g. SAPO's soft gate, or no update "
+            "was made), so the rules do not apply"
+        )
     elif family == "CISPO":
-        verdict = ("CISPO clips the importance weight, not the gradient: a clipped token still trains with the capped "
-                   "weight, so the rules for PPO's clip do not apply")
+        verdict = (
+            "CISPO clips the importance weight, not the gradient: a clipped token still trains with the capped "
+            "weight, so the rules for PPO's clip do not apply"
+        )
     elif level in ("sequence", "sequence_token") and low is not None and high is not None and low + high < NARROW_BAND:
-        verdict = (f"high by design, not a sign of batch reuse: the band is {low:g}/{high:g} on a length-normalised "
-                   "sequence ratio, so after the first optimizer step of a batch many responses sit outside it; the "
-                   "article's thresholds assume a token band near 0.2 and do not apply")
+        verdict = (
+            f"high by design, not a sign of batch reuse: the band is {low:g}/{high:g} on a length-normalised "
+            "sequence ratio, so after the first optimizer step of a batch many responses sit outside it; the "
+            "article's thresholds assume a token band near 0.2 and do not apply"
+        )
     else:
         if clip >= HIGH_CLIP and kl >= HIGH_PPO_KL:
-            verdict = "high clip fraction with high ppo_kl: the steps are large (learning rate, epochs or advantage scale)"
+            verdict = (
+                "high clip fraction with high ppo_kl: the steps are large (learning rate, epochs or advantage scale)"
+            )
         elif clip >= HIGH_CLIP:
-            verdict = ("high clip fraction with low ppo_kl: the batch is reused a lot, ratios reach the clip edge while "
-                       "the distribution as a whole moves little")
+            verdict = (
+                "high clip fraction with low ppo_kl: the batch is reused a lot, ratios reach the clip edge while "
+                "the distribution as a whole moves little"
+            )
         elif clip < LOW_CLIP:
             verdict = "clip fraction near zero: the steps are small, clipping hardly acts"
         else:
             verdict = "moderate clip fraction: clipping acts on a minority of tokens, the usual regime"
         if level == "sequence_product":
             verdict += " (its ratio is a whole response's: a clipped response clips all its tokens)"
-    return (f"- **{label}**: clip fraction {_fmt(clip, 3)} (high {_fmt(_mean(v['clip_frac_high']), 4)}, "
-            f"low {_fmt(_mean(v['clip_frac_low']), 4)}), ppo_kl {_fmt(kl, 4)}: {verdict}. Gradient norm "
-            f"{_fmt(_mean(v['grad_norm']), 2)}, clipped on {_fmt(100 * _mean(v['grad_clipped']), 0)}% of the optimizer "
-            f"steps; KL to the reference at the end {_fmt(_mean(v['kl_ref_end']), 3)}; entropy "
-            f"{_span(row, 'entropy')}.")
+    return (
+        f"- **{label}**: clip fraction {_fmt(clip, 3)} (high {_fmt(_mean(v['clip_frac_high']), 4)}, "
+        f"low {_fmt(_mean(v['clip_frac_low']), 4)}), ppo_kl {_fmt(kl, 4)}: {verdict}. Gradient norm "
+        f"{_fmt(_mean(v['grad_norm']), 2)}, clipped on {_fmt(100 * _mean(v['grad_clipped']), 0)}% of the optimizer "
+        f"steps; KL to the reference at the end {_fmt(_mean(v['kl_ref_end']), 3)}; entropy "
+        f"{_span(row, 'entropy')}."
+    )
 
 
 def read_kept(rows: dict[str, dict], base: dict) -> list[str]:
@@ -195,13 +235,18 @@ def read_kept(rows: dict[str, dict], base: dict) -> list[str]:
         kept = _mean(row["values"]["kept"])
         if kept < 1:
             groups = _mean(row["values"]["groups"])
-            refill = (f"the lab refilled it with up to {rounds} extra rounds of fresh prompts per step" if rounds else
-                      "the lab did not refill it (--max-refill-rounds 0)")
-            lines.append(f"- **{label}** trained on {kept:.0%} of the sampled responses on average "
-                         f"(per seed: {', '.join(_fmt(k, 2) for k in row['values']['kept'])}), a batch of "
-                         f"{_fmt(groups, 1)} of {size} groups: dynamic sampling drops the groups whose rewards are all "
-                         f"equal and {refill}" + (", so its updates saw fewer responses than the others'." if groups < size
-                                                  else "."))
+            refill = (
+                f"the lab refilled it with up to {rounds} extra rounds of fresh prompts per step"
+                if rounds
+                else "the lab did not refill it (--max-refill-rounds 0)"
+            )
+            lines.append(
+                f"- **{label}** trained on {kept:.0%} of the sampled responses on average "
+                f"(per seed: {', '.join(_fmt(k, 2) for k in row['values']['kept'])}), a batch of "
+                f"{_fmt(groups, 1)} of {size} groups: dynamic sampling drops the groups whose rewards are all "
+                f"equal and {refill}"
+                + (", so its updates saw fewer responses than the others'." if groups < size else ".")
+            )
     return lines
 
 
@@ -212,19 +257,34 @@ def mismatch_table(rows: dict[str, dict], base: dict) -> list[str]:
 
     if not mismatched(base):
         return []
-    sampler = ", ".join(filter(None, [f"sampler temperature {base['sampler_temperature']:g} (loss: {base['temperature']:g})"
-                                      if base.get("sampler_temperature") is not None else "",
-                                      f"relative weight noise {base['sampler_noise']:g}" if base["sampler_noise"] else ""]))
-    out = ["", f"Simulated sampler mismatch ({sampler}), rollout correction `{base.get('rollout_correction', 'default')}`; "
-               "means over every update:", "",
-           "| algorithm | rollout_kl (k1) | rollout_k3_kl | IS weight mean (min, max) | IS weight ESS "
-           "| bounded share | rejected share |", "|---|---|---|---|---|---|---|"]
+    sampler = ", ".join(
+        filter(
+            None,
+            [
+                f"sampler temperature {base['sampler_temperature']:g} (loss: {base['temperature']:g})"
+                if base.get("sampler_temperature") is not None
+                else "",
+                f"relative weight noise {base['sampler_noise']:g}" if base["sampler_noise"] else "",
+            ],
+        )
+    )
+    out = [
+        "",
+        f"Simulated sampler mismatch ({sampler}), rollout correction `{base.get('rollout_correction', 'default')}`; "
+        "means over every update:",
+        "",
+        "| algorithm | rollout_kl (k1) | rollout_k3_kl | IS weight mean (min, max) | IS weight ESS "
+        "| bounded share | rejected share |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for a, row in rows.items():
         v = row["values"]
-        out.append(f"| {a} | {cell(v['rollout_kl'], 5)} | {cell(v['rollout_k3_kl'], 5)} "
-                   f"| {_fmt(_mean(v['rollout_is_weight_mean']), 3)} ({_fmt(_mean(v['rollout_is_weight_min']), 3)}, "
-                   f"{_fmt(_mean(v['rollout_is_weight_max']), 3)}) | {cell(v['rollout_is_ess'], 4)} "
-                   f"| {cell(v['rollout_is_bounded_frac'], 3)} | {cell(v['rollout_rejected_frac'], 3)} |")
+        out.append(
+            f"| {a} | {cell(v['rollout_kl'], 5)} | {cell(v['rollout_k3_kl'], 5)} "
+            f"| {_fmt(_mean(v['rollout_is_weight_mean']), 3)} ({_fmt(_mean(v['rollout_is_weight_min']), 3)}, "
+            f"{_fmt(_mean(v['rollout_is_weight_max']), 3)}) | {cell(v['rollout_is_ess'], 4)} "
+            f"| {cell(v['rollout_is_bounded_frac'], 3)} | {cell(v['rollout_rejected_frac'], 3)} |"
+        )
     return out
 
 
@@ -237,32 +297,43 @@ def read_length(rows: dict[str, dict]) -> str:
     s0, s1, g0, g1 = _mean(s["length_start"]), _mean(s["length_end"]), _mean(g["length_start"]), _mean(g["length_end"])
     ds, dg = s1 - s0, g1 - g0
     lengthened = ds > 0.5 and min(s["length_end"]) > max(g["length_end"])
-    text = (f"sample_grpo's responses went from {s0:.2f} to {s1:.2f} tokens ({ds:+.2f}), grpo's from {g0:.2f} to "
-            f"{g1:.2f} ({dg:+.2f}); at the end the seeds span {min(s['length_end']):.2f}-{max(s['length_end']):.2f} "
-            f"for sample_grpo and {min(g['length_end']):.2f}-{max(g['length_end']):.2f} for grpo. ")
+    text = (
+        f"sample_grpo's responses went from {s0:.2f} to {s1:.2f} tokens ({ds:+.2f}), grpo's from {g0:.2f} to "
+        f"{g1:.2f} ({dg:+.2f}); at the end the seeds span {min(s['length_end']):.2f}-{max(s['length_end']):.2f} "
+        f"for sample_grpo and {min(g['length_end']):.2f}-{max(g['length_end']):.2f} for grpo. "
+    )
     pad, direct = _mean(s["reward_scratchpad_start"]), _mean(s["reward_direct_start"])
-    text += (f"At the start, {_mean(s['scratchpad_start']):.0%} of the responses wrote a scratchpad; those earned "
-             f"{pad:.3f} on average and the direct answers {direct:.3f}, so the reward itself favoured "
-             f"{'long' if pad > direct else 'short'} responses. At the end {_mean(s['scratchpad_end']):.0%} "
-             f"(sample_grpo) and {_mean(g['scratchpad_end']):.0%} (grpo) wrote one. ")
+    text += (
+        f"At the start, {_mean(s['scratchpad_start']):.0%} of the responses wrote a scratchpad; those earned "
+        f"{pad:.3f} on average and the direct answers {direct:.3f}, so the reward itself favoured "
+        f"{'long' if pad > direct else 'short'} responses. At the end {_mean(s['scratchpad_end']):.0%} "
+        f"(sample_grpo) and {_mean(g['scratchpad_end']):.0%} (grpo) wrote one. "
+    )
     if lengthened and dg <= 0.5:
         text += "The article's effect appeared: the sample-level loss lengthened responses, token-level GRPO kept them short."
     elif lengthened:
-        text += ("The sample-level loss ended longer than token-level GRPO, but GRPO's responses grew too, so only "
-                 "half of the article's effect appeared.")
+        text += (
+            "The sample-level loss ended longer than token-level GRPO, but GRPO's responses grew too, so only "
+            "half of the article's effect appeared."
+        )
     else:
-        text += ("The article's effect did not appear at this scale: the sample-level loss did not end with clearly "
-                 "(every seed) longer responses than token-level GRPO.")
+        text += (
+            "The article's effect did not appear at this scale: the sample-level loss did not end with clearly "
+            "(every seed) longer responses than token-level GRPO."
+        )
     return text
 
 
 def unfinished(runs: list[dict]) -> list[str]:
     """One line per run that did not finish, saying why."""
     steps = lambda r: f"after {r['steps_done']} of {r['steps']} steps"  # noqa: E731
-    reasons = {"failed": lambda r: f"failed {steps(r)}: {r['error']} (traceback in `errors.log`)",
-               "interrupted": lambda r: f"interrupted {steps(r)}" + (" (its steps are in `metrics.jsonl`)"
-                                                                        if r["steps_done"] else ""),
-               "not started": lambda r: "not started"}
+    reasons = {
+        "failed": lambda r: f"failed {steps(r)}: {r['error']} (traceback in `errors.log`)",
+        "interrupted": lambda r: (
+            f"interrupted {steps(r)}" + (" (its steps are in `metrics.jsonl`)" if r["steps_done"] else "")
+        ),
+        "not started": lambda r: "not started",
+    }
     return [f"- {r['algorithm']}, seed {r['seed']}: {reasons[r['status']](r)}" for r in runs if r["status"] in reasons]
 
 
@@ -283,28 +354,41 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path], t
         f"pgloss {config['versions']['pgloss']}, torch {config['versions']['torch']}, git "
         f"{config['versions']['git'] or 'unknown'}"
         + (f", on {config['versions']['machine']}" if config["versions"].get("machine") else "")
-        + (f"; warm starts {config['warm_start']}" if config.get("warm_start") else "") + ". Full config: `config.json`.",
+        + (f"; warm starts {config['warm_start']}" if config.get("warm_start") else "")
+        + ". Full config: `config.json`.",
         "",
     ]
     if lost:
         status = "was interrupted" if config.get("status") == "interrupted" else "did not finish every run"
-        lines += [f"**This {title} {status}: {len(finished)} of {len(runs)} runs "
-                  "finished.** The tables and "
-                  "plots show the finished runs only.", "", *lost, ""]
+        lines += [
+            f"**This {title} {status}: {len(finished)} of {len(runs)} runs "
+            "finished.** The tables and "
+            "plots show the finished runs only.",
+            "",
+            *lost,
+            "",
+        ]
     lines += [
         f"Task `{base['task']}`, {base['steps']} RL steps of {base['prompts_per_step']} prompts x {base['group_size']} "
         f"completions, {base['epochs']} epochs x {base['minibatches']} minibatches per batch, seeds {config['seeds']}.",
         "",
         "Windows: *warm start* and *step 0* are the warm-start policy before any update; *"
-        f"{last(window)}* is " + ("the final policy's rollout; " if window == 1 else f"the mean of the last {window} "
-                                  f"steps (the final policy's rollout and the {window - 1} before it); ") +
-        "the *update diagnostics* are means over every update of the run. *Eval reward* is the sampled reward on "
+        f"{last(window)}* is "
+        + (
+            "the final policy's rollout; "
+            if window == 1
+            else f"the mean of the last {window} steps (the final policy's rollout and the {window - 1} before it); "
+        )
+        + "the *update diagnostics* are means over every update of the run. *Eval reward* is the sampled reward on "
         f"{base['eval_prompts']} fixed held-out prompts x {base['group_size']} samples, drawn with the same random "
         "numbers for the warm-start policy and the final one: a seed beats its warm start when it rises. *Train "
         "reward* is the sampled reward of each step's fresh prompts; greedy accuracy is on the held-out prompts. "
         "Lengths count response tokens, the end token included. Each cell is the mean over seeds, then "
-        + ("each seed's value in parentheses." if max((len(r["seeds"]) for r in rows.values()), default=0) <= SEEDS_LISTED else
-           "± the half-width of its 95% Student-t interval over the seeds (mean ± t·sd/√n)."),
+        + (
+            "each seed's value in parentheses."
+            if max((len(r["seeds"]) for r in rows.values()), default=0) <= SEEDS_LISTED
+            else "± the half-width of its 95% Student-t interval over the seeds (mean ± t·sd/√n)."
+        ),
         "",
         "## Summary",
         "",
@@ -330,7 +414,12 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path], t
             read_length(rows),
             "",
         ]
-    lines += ["## Samples", "", "See `samples.md` for completions at the start and at the end of every finished run.", ""]
+    lines += [
+        "## Samples",
+        "",
+        "See `samples.md` for completions at the start and at the end of every finished run.",
+        "",
+    ]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

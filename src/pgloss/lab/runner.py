@@ -36,7 +36,7 @@ def _worker(jobs, items) -> None:
         i, fn, args = job
         try:
             items.put({"job": i, "result": fn(*args)})
-        except Exception as err:  # noqa: BLE001 (raised again in the main process)
+        except Exception as err:
             import traceback
 
             items.put({"job": i, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
@@ -88,7 +88,7 @@ class Held:
                 signal.signal(s, handler)
             self._previous = None
 
-    def __enter__(self) -> "Held":
+    def __enter__(self) -> Held:
         self.hold()
         return self
 
@@ -103,12 +103,14 @@ def require_extras() -> None:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
+        import matplotlib.pyplot
         import safetensors.torch  # noqa: F401 (the trained policy's file)
         import tqdm  # noqa: F401
     except ImportError as err:
-        raise ValueError(f"this command needs matplotlib, tqdm and safetensors ({err}); install them with "
-                         "pip install -e '.[lab]' in a clone of pgloss") from None
+        raise ValueError(
+            f"this command needs matplotlib, tqdm and safetensors ({err}); install them with "
+            "pip install -e '.[lab]' in a clone of pgloss"
+        ) from None
 
 
 class Runner:
@@ -127,8 +129,9 @@ class Runner:
 
             ctx = mp.get_context("spawn")
             self.jobs, self.items = ctx.Queue(), ctx.Queue()
-            self.processes = [ctx.Process(target=_worker, args=(self.jobs, self.items), daemon=True)
-                              for _ in range(workers)]
+            self.processes = [
+                ctx.Process(target=_worker, args=(self.jobs, self.items), daemon=True) for _ in range(workers)
+            ]
             for process in self.processes:
                 process.start()
 
@@ -157,8 +160,10 @@ class Runner:
                 item = self.items.get(timeout=0.2)
             except queue_module.Empty:
                 if any(p.exitcode is not None for p in self.processes):  # a worker exits only when closed
-                    raise RuntimeError(f"a worker process died with {len(pending)} jobs left (exit codes "
-                                       f"{[p.exitcode for p in self.processes]})") from None
+                    raise RuntimeError(
+                        f"a worker process died with {len(pending)} jobs left (exit codes "
+                        f"{[p.exitcode for p in self.processes]})"
+                    ) from None
                 continue
             if "job" not in item:
                 self.sink(item)

@@ -37,13 +37,19 @@ class Rollout:
         """[N, R] response token ids."""
         return self.tokens[:, self.prompt_len :]
 
-    def select(self, index: Tensor) -> "Rollout":
+    def select(self, index: Tensor) -> Rollout:
         """The rows `index` (a bool mask or ids) of this rollout."""
-        return Rollout(self.tokens[index], self.valid[index], self.prompt_len, self.mask[index],
-                       self.finished[index], self.group_ids[index])
+        return Rollout(
+            self.tokens[index],
+            self.valid[index],
+            self.prompt_len,
+            self.mask[index],
+            self.finished[index],
+            self.group_ids[index],
+        )
 
     @staticmethod
-    def cat(parts: list["Rollout"]) -> "Rollout":
+    def cat(parts: list[Rollout]) -> Rollout:
         """The rows of `parts` in order, prompts re-padded on the left and responses on the right
         to the widest of them (``pad_responses`` does the same for ``[N, R]`` tensors)."""
         width = max(r.prompt_len for r in parts)
@@ -52,9 +58,14 @@ class Rollout:
         def pad(r: Rollout, x: Tensor, value) -> Tensor:
             return torch.nn.functional.pad(x, (width - r.prompt_len, length - r.mask.shape[1]), value=value)
 
-        return Rollout(torch.cat([pad(r, r.tokens, PAD) for r in parts]), torch.cat([pad(r, r.valid, False) for r in parts]),
-                       width, pad_responses([r.mask for r in parts], False), torch.cat([r.finished for r in parts]),
-                       torch.cat([r.group_ids for r in parts]))
+        return Rollout(
+            torch.cat([pad(r, r.tokens, PAD) for r in parts]),
+            torch.cat([pad(r, r.valid, False) for r in parts]),
+            width,
+            pad_responses([r.mask for r in parts], False),
+            torch.cat([r.finished for r in parts]),
+            torch.cat([r.group_ids for r in parts]),
+        )
 
 
 def pad_responses(parts: list[Tensor], value=0.0) -> Tensor:
@@ -73,8 +84,7 @@ def left_pad(prompts: list[list[int]], device: torch.device | str = "cpu") -> tu
     return tokens, tokens != PAD
 
 
-def teacher_forced(prompts: list[list[int]], responses: list[list[int]],
-                   device: torch.device | str = "cpu") -> Rollout:
+def teacher_forced(prompts: list[list[int]], responses: list[list[int]], device: torch.device | str = "cpu") -> Rollout:
     """A rollout holding given responses (an end token is appended to each): the warm
     start's demonstrations, or a fixed batch in tests. Row i is its own group."""
     prompt_tokens, prompt_valid = left_pad(prompts, device)
@@ -85,13 +95,26 @@ def teacher_forced(prompts: list[list[int]], responses: list[list[int]],
     resp = resp.to(device)
     mask = resp != PAD
     n = len(prompts)
-    return Rollout(torch.cat([prompt_tokens, resp], 1), torch.cat([prompt_valid, mask], 1), prompt_tokens.shape[1],
-                   mask, torch.ones(n, dtype=torch.bool, device=device), torch.arange(n, device=device))
+    return Rollout(
+        torch.cat([prompt_tokens, resp], 1),
+        torch.cat([prompt_valid, mask], 1),
+        prompt_tokens.shape[1],
+        mask,
+        torch.ones(n, dtype=torch.bool, device=device),
+        torch.arange(n, device=device),
+    )
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: int, temperature: float,
-           generator: torch.Generator | None = None) -> Rollout:
+def sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> Rollout:
     """Sample `group_size` completions of each prompt, at most `max_new_tokens` tokens each
     (temperature 0: greedy decoding).
 

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 
-
-
 @dataclass(frozen=True)
 class Spec:
     """One algorithm of a run: its pgloss name and the hyperparameters set on the command line."""
@@ -31,7 +29,7 @@ class Spec:
             return self.name
         return self.name + ":" + ",".join(f"{k}={_show(v)}" for k, v in self.args)
 
-    def with_args(self, args: dict[str, Any]) -> "Spec":
+    def with_args(self, args: dict[str, Any]) -> Spec:
         """This spec with `args` added; its own settings win over `args`."""
         own = dict(self.args)
         merged = {**{k: v for k, v in args.items() if k not in own}, **own}
@@ -52,8 +50,10 @@ class Spec:
         except (TypeError, ValueError) as err:
             raise type(err)(f"{self.label}: {err}") from None
         if algorithm.uses_full_kl:  # it needs the reference's logits at every position, which the lab does not keep
-            raise ValueError(f"{self.label}: the lab computes the KL term from sampled tokens; kl_estimator='full' "
-                             f"is not available here (use k1, k2, k3 or a '+' form)")
+            raise ValueError(
+                f"{self.label}: the lab computes the KL term from sampled tokens; kl_estimator='full' "
+                f"is not available here (use k1, k2, k3 or a '+' form)"
+            )
         return algorithm
 
 
@@ -131,21 +131,39 @@ def parse_algorithms(items: list[str], every: list[str] | None = None, loss_args
     return specs
 
 
-GRAMMAR = ("pgloss algorithm names, space- or comma-separated, 'all' for every name; NAME:KEY=VALUE[,KEY=VALUE] "
-           "sets that algorithm's loss hyperparameters, so 'dapo dapo:clip_high=0.3' compares two settings of one loss")
+GRAMMAR = (
+    "pgloss algorithm names, space- or comma-separated, 'all' for every name; NAME:KEY=VALUE[,KEY=VALUE] "
+    "sets that algorithm's loss hyperparameters, so 'dapo dapo:clip_high=0.3' compares two settings of one loss"
+)
 
 
 def add_algorithms_argument(parser, default: tuple[str, ...], *flags: str, one: bool = False) -> None:
     """``--algorithms`` (and `flags`), the one grammar of every command that takes algorithms
     (`parse_algorithms` reads it); `one`: the command takes exactly one."""
-    what = "one algorithm, NAME or NAME:KEY=VALUE[,KEY=VALUE] (the grammar of --algorithms elsewhere)" if one else GRAMMAR
-    parser.add_argument("--algorithms", *flags, dest="algorithms", nargs="+", default=list(default), metavar="SPEC",
-                        help=f"{what} (default: {' '.join(default)})")
+    what = (
+        "one algorithm, NAME or NAME:KEY=VALUE[,KEY=VALUE] (the grammar of --algorithms elsewhere)" if one else GRAMMAR
+    )
+    parser.add_argument(
+        "--algorithms",
+        *flags,
+        dest="algorithms",
+        nargs="+",
+        default=list(default),
+        metavar="SPEC",
+        help=f"{what} (default: {' '.join(default)})",
+    )
 
 
-CORRECTION_KEYS = {"mode": "weight_mode", "lower": "lower", "upper": "upper", "off_policy_mask": "off_policy_mask",
-                   "bypass": "bypass", "batch_normalize": "batch_normalize", "weight_kl": "weight_kl",
-                   "max_log_ratio": "max_log_ratio"}
+CORRECTION_KEYS = {
+    "mode": "weight_mode",
+    "lower": "lower",
+    "upper": "upper",
+    "off_policy_mask": "off_policy_mask",
+    "bypass": "bypass",
+    "batch_normalize": "batch_normalize",
+    "weight_kl": "weight_kl",
+    "max_log_ratio": "max_log_ratio",
+}
 
 
 def parse_rollout_correction(text: str):
@@ -164,7 +182,9 @@ def parse_rollout_correction(text: str):
     if level == "default" and not rest:
         return None
     if level not in (*WEIGHT_LEVELS, "none"):
-        raise ValueError(f"{where}: the level must be default, none or one of {', '.join(WEIGHT_LEVELS)}, got {level!r}")
+        raise ValueError(
+            f"{where}: the level must be default, none or one of {', '.join(WEIGHT_LEVELS)}, got {level!r}"
+        )
     kwargs: dict[str, Any] = {"weight_level": None if level == "none" else level}
     rejection = []
     for piece in (p for p in rest.replace(":", ",").split(",") if p.strip()):
@@ -174,8 +194,10 @@ def parse_rollout_correction(text: str):
         elif key in CORRECTION_KEYS:
             kwargs[CORRECTION_KEYS[key]] = value
         else:
-            raise ValueError(f"{where}: unknown key {key!r}; valid keys: {', '.join(CORRECTION_KEYS)} or a rejection "
-                             f"rule <level>_<k> ({', '.join(REJECTION_OPTIONS)})")
+            raise ValueError(
+                f"{where}: unknown key {key!r}; valid keys: {', '.join(CORRECTION_KEYS)} or a rejection "
+                f"rule <level>_<k> ({', '.join(REJECTION_OPTIONS)})"
+            )
     try:
         kwargs["rejection"] = tuple(Rejection(option, upper=bound) for option, bound in rejection)
         return RolloutCorrection(**kwargs)

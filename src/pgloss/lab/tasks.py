@@ -54,8 +54,7 @@ def taught(problem: Problem, text: str) -> list[bool]:
     all of them, less its commas (where the scratchpad goes on) where ``problem.teach_continue`` is False
     and less its answer (the characters after the last ``|``) where ``problem.teach_answer`` is False."""
     bar = text.rindex("|")
-    return [(problem.teach_continue or ch != ",") and (problem.teach_answer or i <= bar)
-            for i, ch in enumerate(text)]
+    return [(problem.teach_continue or ch != ",") and (problem.teach_answer or i <= bar) for i, ch in enumerate(text)]
 
 
 def reward(response: str, problem: Problem) -> float:
@@ -211,16 +210,20 @@ class LadderTask:
     operations = ("+1", "*3")
     """The two maps of a digit a chain's steps apply (modulo 10); ``+0`` pads the prompt."""
 
-    def __init__(self, min_terms: int = 2, max_terms: int = 16, stop_prob: float = 0.5,
-                 work_prob: float = 0.35) -> None:
+    def __init__(
+        self, min_terms: int = 2, max_terms: int = 16, stop_prob: float = 0.5, work_prob: float = 0.35
+    ) -> None:
         if not 2 <= min_terms <= max_terms:
             raise ValueError(f"min_terms, max_terms: need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
         if not 0 < stop_prob <= 1:
-            raise ValueError(f"stop_prob: need 0 < stop_prob <= 1 (the chance to stop after each written step), "
-                             f"got {stop_prob!r}")
+            raise ValueError(
+                f"stop_prob: need 0 < stop_prob <= 1 (the chance to stop after each written step), got {stop_prob!r}"
+            )
         if not 0 <= work_prob <= 1:
-            raise ValueError(f"work_prob: need 0 <= work_prob <= 1 (the share of demonstrations showing the whole "
-                             f"scratchpad for its work alone), got {work_prob!r}")
+            raise ValueError(
+                f"work_prob: need 0 <= work_prob <= 1 (the share of demonstrations showing the whole "
+                f"scratchpad for its work alone), got {work_prob!r}"
+            )
         self.min_terms, self.max_terms, self.stop_prob, self.work_prob = min_terms, max_terms, stop_prob, work_prob
 
     @staticmethod

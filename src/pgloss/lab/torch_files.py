@@ -27,6 +27,8 @@ def load_tensors(file: str | Path, what: str) -> Any:
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
         culprit = f"a pickled {found.group(1)}" if found else "a pickled object other than tensors"
-        raise ValueError(f"{what}: {file} holds {culprit}, and pgloss reads torch files with "
-                         "torch.load(weights_only=True), which runs no code from them: save only tensors, numbers, "
-                         "strings and their dicts, lists and tuples") from None
+        raise ValueError(
+            f"{what}: {file} holds {culprit}, and pgloss reads torch files with "
+            "torch.load(weights_only=True), which runs no code from them: save only tensors, numbers, "
+            "strings and their dicts, lists and tuples"
+        ) from None

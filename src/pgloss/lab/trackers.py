@@ -16,8 +16,10 @@ import os
 from pathlib import Path
 
 CHOICES = ("tensorboard", "wandb", "none")
-INSTALL = {"tensorboard": "pip install tensorboard (torch's SummaryWriter writes its files with it)",
-           "wandb": "pip install wandb"}
+INSTALL = {
+    "tensorboard": "pip install tensorboard (torch's SummaryWriter writes its files with it)",
+    "wandb": "pip install wandb",
+}
 
 
 def check(names: list[str] | None) -> list[str]:
@@ -44,13 +46,18 @@ def check(names: list[str] | None) -> list[str]:
 def hparams(base: dict, algorithm: str, seed: int) -> dict:
     """A run's settings as hyperparameters: numbers, booleans and strings (None as ``"none"``)."""
     values = {**base, "algorithm": algorithm, "seed": seed}
-    return {k: "none" if v is None else v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
-            for k, v in values.items()}
+    return {
+        k: "none" if v is None else v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
+        for k, v in values.items()
+    }
 
 
 def _numbers(record: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items() if k not in ("algorithm", "seed", "step")
-            and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in ("algorithm", "seed", "step") and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    }
 
 
 class Trackers:
@@ -77,9 +84,15 @@ class Trackers:
             import wandb
 
             (self.out / "wandb").mkdir(parents=True, exist_ok=True)
-            writers["wandb"] = wandb.init(project=os.environ.get("WANDB_PROJECT", "pgloss"), name=name,
-                                          group=self.out.name, dir=str(self.out), config=settings,
-                                          mode=os.environ.get("WANDB_MODE", "offline"), reinit="create_new")
+            writers["wandb"] = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "pgloss"),
+                name=name,
+                group=self.out.name,
+                dir=str(self.out),
+                config=settings,
+                mode=os.environ.get("WANDB_MODE", "offline"),
+                reinit="create_new",
+            )
         return writers
 
     def log(self, record: dict) -> None:

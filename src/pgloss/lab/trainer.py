@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 import pgloss
+
 from ..advantages.group import dynamic_sampling_keep, group_advantages
 from ..core.metrics import Stat
 from ..kl.estimators import kl_estimate
@@ -58,16 +59,50 @@ from .tasks import Problem, demonstration, make_task, reward, taught
 from .tokenizer import Tokenizer
 
 # the rollout correction's metrics, recorded when the loss sees rollout log-probs (a simulated mismatch)
-ROLLOUT_METRICS = ("rollout_kl", "rollout_k3_kl", "rollout_chi2_token", "rollout_ppl_ratio", "rollout_is_weight_mean",
-                   "rollout_is_weight_min", "rollout_is_weight_max", "rollout_is_ess", "rollout_is_bounded_frac",
-                   "rollout_rejected_frac")
+ROLLOUT_METRICS = (
+    "rollout_kl",
+    "rollout_k3_kl",
+    "rollout_chi2_token",
+    "rollout_ppl_ratio",
+    "rollout_is_weight_mean",
+    "rollout_is_weight_min",
+    "rollout_is_weight_max",
+    "rollout_is_ess",
+    "rollout_is_bounded_frac",
+    "rollout_rejected_frac",
+)
 # the loss's metric behind each update diagnostic; an algorithm without one (SAPO has no clipping) logs None
-LOSS_METRICS = {"clip_frac": "pg_clipfrac", "clip_frac_high": "pg_clipfrac_high", "clip_frac_low": "pg_clipfrac_low",
-                "ppo_kl": "ppo_kl"}
+LOSS_METRICS = {
+    "clip_frac": "pg_clipfrac",
+    "clip_frac_high": "pg_clipfrac_high",
+    "clip_frac_low": "pg_clipfrac_low",
+    "ppo_kl": "ppo_kl",
+}
 UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss", "entropy_coef", *ROLLOUT_METRICS)
-METRICS = ("reward", "accuracy", "length", "entropy", "kl_ref", "kl_teacher", "clip_frac", "clip_frac_high", "clip_frac_low",
-           "ppo_kl", "grad_norm", "grad_clipped", "entropy_coef", "scratchpad", "reward_scratchpad", "reward_direct", "kept", "loss",
-           "eval_reward", "sampled_groups", "groups", *ROLLOUT_METRICS)
+METRICS = (
+    "reward",
+    "accuracy",
+    "length",
+    "entropy",
+    "kl_ref",
+    "kl_teacher",
+    "clip_frac",
+    "clip_frac_high",
+    "clip_frac_low",
+    "ppo_kl",
+    "grad_norm",
+    "grad_clipped",
+    "entropy_coef",
+    "scratchpad",
+    "reward_scratchpad",
+    "reward_direct",
+    "kept",
+    "loss",
+    "eval_reward",
+    "sampled_groups",
+    "groups",
+    *ROLLOUT_METRICS,
+)
 """Every metric a lab run records per step, in the order of the history file."""
 
 
@@ -89,30 +124,48 @@ class Batch:
     teacher_log_prob: Tensor | None = None
     """[N, R] log-probabilities of the teacher (on-policy distillation); None: the reference is the teacher."""
 
-    def select(self, index: Tensor) -> "Batch":
+    def select(self, index: Tensor) -> Batch:
         pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return Batch(self.rollout.select(index), self.old_log_prob[index], self.ref_log_prob[index],
-                     self.advantages[index], self.scores[index], pick(self.rollout_log_prob),
-                     pick(self.teacher_log_prob))
+        return Batch(
+            self.rollout.select(index),
+            self.old_log_prob[index],
+            self.ref_log_prob[index],
+            self.advantages[index],
+            self.scores[index],
+            pick(self.rollout_log_prob),
+            pick(self.teacher_log_prob),
+        )
 
     def inputs(self, algorithm) -> dict[str, Tensor | None]:
         """The optional inputs of `algorithm`'s call from this batch: those it `needs`, and the sampler's
         log-probs. The teacher (on-policy distillation) is the reference when the run has none of its own."""
         teacher = self.ref_log_prob if self.teacher_log_prob is None else self.teacher_log_prob
-        available = dict(ref_log_prob=self.ref_log_prob, group_ids=self.rollout.group_ids, scores=self.scores,
-                         teacher_log_prob=teacher)
+        available = dict(
+            ref_log_prob=self.ref_log_prob,
+            group_ids=self.rollout.group_ids,
+            scores=self.scores,
+            teacher_log_prob=teacher,
+        )
         return {key: value for key, value in available.items() if key in algorithm.needs} | {
-            "rollout_log_prob": self.rollout_log_prob}
+            "rollout_log_prob": self.rollout_log_prob
+        }
 
     @staticmethod
-    def cat(parts: list["Batch"]) -> "Batch":
+    def cat(parts: list[Batch]) -> Batch:
         """The rows of `parts` in order (responses right-padded to the longest)."""
+
         def padded(name: str) -> Tensor | None:
             return None if getattr(parts[0], name) is None else pad_responses([getattr(b, name) for b in parts])
 
-        return Batch(Rollout.cat([b.rollout for b in parts]), padded("old_log_prob"), padded("ref_log_prob"),
-                     torch.cat([b.advantages for b in parts]), torch.cat([b.scores for b in parts]),
-                     padded("rollout_log_prob"), padded("teacher_log_prob"))
+        return Batch(
+            Rollout.cat([b.rollout for b in parts]),
+            padded("old_log_prob"),
+            padded("ref_log_prob"),
+            torch.cat([b.advantages for b in parts]),
+            torch.cat([b.scores for b in parts]),
+            padded("rollout_log_prob"),
+            padded("teacher_log_prob"),
+        )
 
 
 def make_algorithm(cfg: LabConfig):
@@ -125,15 +178,19 @@ def make_algorithm(cfg: LabConfig):
     return spec.build(cfg.max_new_tokens, parse_rollout_correction(cfg.rollout_correction))
 
 
-def make_entropy_control(cfg: LabConfig, algorithm) -> "pgloss.AdaptiveEntropy | None":
+def make_entropy_control(cfg: LabConfig, algorithm) -> pgloss.AdaptiveEntropy | None:
     """The run's entropy controller: with ``cfg.target_entropy``, a `pgloss.AdaptiveEntropy` that starts
     from `algorithm`'s entropy coefficient and moves it by ``entropy_coef_delta`` per optimizer step
     toward keeping the entropy at the target (applied only while the entropy is at or below it); None
     (the algorithm's fixed coefficient) without one."""
     if cfg.target_entropy is None:
         return None
-    return pgloss.AdaptiveEntropy(coef=min(algorithm.entropy_coef, cfg.entropy_coef_max), target=cfg.target_entropy,
-                                  delta=cfg.entropy_coef_delta, coef_max=cfg.entropy_coef_max)
+    return pgloss.AdaptiveEntropy(
+        coef=min(algorithm.entropy_coef, cfg.entropy_coef_max),
+        target=cfg.target_entropy,
+        delta=cfg.entropy_coef_delta,
+        coef_max=cfg.entropy_coef_max,
+    )
 
 
 def make_sampler(policy, cfg: LabConfig, step: int):
@@ -155,8 +212,13 @@ def build(cfg: LabConfig):
     tokenizer, task = Tokenizer(), make_task(cfg.task)
     torch.manual_seed(cfg.seed)
     longest_prompt = 2 * max(getattr(task, "max_terms", 2), 2) + 1
-    model_cfg = ModelConfig(tokenizer.vocab_size, block_size=longest_prompt + 1 + cfg.max_new_tokens,
-                            d_model=cfg.d_model, n_layer=cfg.n_layer, n_head=cfg.n_head)
+    model_cfg = ModelConfig(
+        tokenizer.vocab_size,
+        block_size=longest_prompt + 1 + cfg.max_new_tokens,
+        d_model=cfg.d_model,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+    )
     return tokenizer, task, TinyGPT(model_cfg).to(cfg.device)
 
 
@@ -171,8 +233,9 @@ def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig, on_st
     for step in range(cfg.warm_steps):
         problems = [task.sample(rng) for _ in range(cfg.warm_batch)]
         answers = [demonstration(p, rng.random() < cfg.scratchpad_prob) for p in problems]
-        batch = teacher_forced([tokenizer.encode(p.prompt) for p in problems],
-                               [tokenizer.encode(a) for a in answers], cfg.device)
+        batch = teacher_forced(
+            [tokenizer.encode(p.prompt) for p in problems], [tokenizer.encode(a) for a in answers], cfg.device
+        )
         for group in optimizer.param_groups:  # cosine decay to zero
             group["lr"] = cfg.warm_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.warm_steps))
         log_prob, _ = response_log_probs(model, batch, temperature=1.0)
@@ -192,15 +255,28 @@ def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig, on_st
 def score(rollout: Rollout, problems: list[Problem], tokenizer: Tokenizer, group_size: int) -> tuple[Tensor, list[str]]:
     """Rewards ``[N]`` (0 for a response cut off before its end token) and the response texts."""
     texts = [tokenizer.decode(row) for row in rollout.responses.tolist()]
-    rewards = [reward(t, problems[i // group_size]) if done else 0.0
-               for i, (t, done) in enumerate(zip(texts, rollout.finished.tolist()))]
+    rewards = [
+        reward(t, problems[i // group_size]) if done else 0.0
+        for i, (t, done) in enumerate(zip(texts, rollout.finished.tolist()))
+    ]
     return torch.tensor(rewards, device=rollout.tokens.device), texts
 
 
 @torch.no_grad()
-def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, generator: torch.Generator,
-            rank: int = 0, world: int = 1, sampler=None, offset: int = 0,
-            teacher=None) -> tuple[Batch, dict[str, Tensor], list[str]]:
+def collect(
+    policy,
+    reference,
+    algorithm,
+    problems,
+    tokenizer,
+    cfg: LabConfig,
+    generator: torch.Generator,
+    rank: int = 0,
+    world: int = 1,
+    sampler=None,
+    offset: int = 0,
+    teacher=None,
+) -> tuple[Batch, dict[str, Tensor], list[str]]:
     """Sample, score and prepare one round of a step's batch. This rank holds the round's prompts
     ``rank, rank + world, ...``; group ids are those global prompt indices plus `offset` (distinct
     over a step's refill rounds). `sampler` (the policy when None) samples at ``sampler_temperature``;
@@ -209,10 +285,22 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
     sampler = policy if sampler is None else sampler
     temperature = cfg.temperature if cfg.sampler_temperature is None else cfg.sampler_temperature
     prompts = [tokenizer.encode(p.prompt) for p in problems]
-    rollout = sample(sampler, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                     temperature=temperature, generator=generator)
-    rollout = Rollout(rollout.tokens, rollout.valid, rollout.prompt_len, rollout.mask, rollout.finished,
-                      rollout.group_ids * world + rank + offset)
+    rollout = sample(
+        sampler,
+        prompts,
+        group_size=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+    )
+    rollout = Rollout(
+        rollout.tokens,
+        rollout.valid,
+        rollout.prompt_len,
+        rollout.mask,
+        rollout.finished,
+        rollout.group_ids * world + rank + offset,
+    )
     rewards, texts = score(rollout, problems, tokenizer, cfg.group_size)
     old_log_prob, entropy = response_log_probs(policy, rollout, temperature=cfg.temperature)
     ref_log_prob, _ = response_log_probs(reference, rollout, temperature=cfg.temperature)
@@ -222,8 +310,9 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
         rollout_log_prob = response_log_probs(sampler, rollout, temperature=temperature)[0]
     elif algorithm.rollout_use == "correction":  # the sampler is the policy: weight 1, no mismatch
         rollout_log_prob = old_log_prob
-    advantages = cfg.reward_coef * group_advantages(rewards, rollout.group_ids,
-                                                    scale=pgloss.recipe(algorithm.name).scale_rewards)
+    advantages = cfg.reward_coef * group_advantages(
+        rewards, rollout.group_ids, scale=pgloss.recipe(algorithm.name).scale_rewards
+    )
     batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards, rollout_log_prob, teacher_log_prob)
     mask = rollout.mask.float()
     tokens = mask.sum()
@@ -233,8 +322,10 @@ def collect(policy, reference, algorithm, problems, tokenizer, cfg: LabConfig, g
         "length": tokens / mask.shape[0],
         "entropy": (entropy * mask).sum() / tokens,
         "kl_ref": (kl_estimate(old_log_prob, ref_log_prob, "k3") * mask).sum() / tokens,
-        "kl_teacher": (kl_estimate(old_log_prob, ref_log_prob if teacher_log_prob is None else teacher_log_prob, "k3")
-                       * mask).sum() / tokens,
+        "kl_teacher": (
+            kl_estimate(old_log_prob, ref_log_prob if teacher_log_prob is None else teacher_log_prob, "k3") * mask
+        ).sum()
+        / tokens,
         "scratchpad": scratch.float().mean(),
         "reward_scratchpad": rewards[scratch].mean(),  # NaN (None in the record) when no response has one
         "reward_direct": rewards[~scratch].mean(),
@@ -270,14 +361,28 @@ def refill(batch: Batch, draw, n_groups: int, max_rounds: int) -> tuple[Batch, d
     ids = new_id[batch.rollout.group_ids.cpu()].to(batch.rollout.group_ids.device)
     batch = batch.select((ids >= 0).nonzero().squeeze(1))
     r = batch.rollout
-    batch = dataclasses.replace(batch, rollout=Rollout(r.tokens, r.valid, r.prompt_len, r.mask, r.finished, ids[ids >= 0]))
+    batch = dataclasses.replace(
+        batch, rollout=Rollout(r.tokens, r.valid, r.prompt_len, r.mask, r.finished, ids[ids >= 0])
+    )
     sampled = len(parts) * n_groups
-    return batch, {"sampled_groups": torch.tensor(float(sampled)), "groups": torch.tensor(float(len(chosen))),
-                   "kept": torch.tensor(len(chosen) / sampled)}
+    return batch, {
+        "sampled_groups": torch.tensor(float(sampled)),
+        "groups": torch.tensor(float(len(chosen))),
+        "kept": torch.tensor(len(chosen) / sampled),
+    }
 
 
-def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups: int,
-           generator: torch.Generator, scheduler=None, entropy_control=None) -> dict[str, Tensor]:
+def update(
+    policy,
+    optimizer,
+    algorithm,
+    batch: Batch,
+    cfg: LabConfig,
+    n_groups: int,
+    generator: torch.Generator,
+    scheduler=None,
+    entropy_control=None,
+) -> dict[str, Tensor]:
     """``epochs`` x ``minibatches`` optimizer steps on one batch; returns each step's diagnostics averaged over the
     steps (the loss's: `pgloss.StepMetrics` over the step's micro-batches and ranks): ``UPDATE_METRICS``, NaN for one
     the algorithm lacks, the ``ROLLOUT_METRICS`` only when the loss saw rollout log-probs, ``entropy_coef`` applied.
@@ -299,12 +404,17 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
     for _ in range(cfg.epochs):
         order = torch.randperm(n_groups, generator=generator).to(batch.advantages.device)
         for chunk in order.tensor_split(cfg.minibatches):
-            micros = [batch.select(torch.isin(batch.rollout.group_ids, part).nonzero().squeeze(1))
-                      for part in chunk.tensor_split(cfg.micro_batches)]
+            micros = [
+                batch.select(torch.isin(batch.rollout.group_ids, part).nonzero().squeeze(1))
+                for part in chunk.tensor_split(cfg.micro_batches)
+            ]
             normalizer = algorithm.step_normalizer(  # it counts the groups and scores when the loss needs them
-                [m.rollout.mask for m in micros], old_log_probs=[m.old_log_prob for m in micros],
+                [m.rollout.mask for m in micros],
+                old_log_probs=[m.old_log_prob for m in micros],
                 rollout_log_probs=None if batch.rollout_log_prob is None else [m.rollout_log_prob for m in micros],
-                group_ids=[m.rollout.group_ids for m in micros], scores=[m.scores for m in micros])
+                group_ids=[m.rollout.group_ids for m in micros],
+                scores=[m.scores for m in micros],
+            )
             if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
                 continue
             optimizer.zero_grad(set_to_none=True)
@@ -317,9 +427,15 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                 log_prob, entropy = response_log_probs(policy, micro.rollout, temperature=cfg.temperature)
                 if entropy_control is not None:
                     entropy_control.observe(entropy, micro.rollout.mask)
-                out = loss_fn(log_prob=log_prob, old_log_prob=micro.old_log_prob, advantages=micro.advantages,
-                                mask=micro.rollout.mask, entropy=entropy, normalizer=normalizer,
-                                **micro.inputs(loss_fn))
+                out = loss_fn(
+                    log_prob=log_prob,
+                    old_log_prob=micro.old_log_prob,
+                    advantages=micro.advantages,
+                    mask=micro.rollout.mask,
+                    entropy=entropy,
+                    normalizer=normalizer,
+                    **micro.inputs(loss_fn),
+                )
                 out.loss.backward()
                 step_metrics.add(out)
                 step_metrics.add({"loss": Stat.loss(out.loss)})
@@ -336,8 +452,11 @@ def update(policy, optimizer, algorithm, batch: Batch, cfg: LabConfig, n_groups:
                 entropy_control.step(device=batch.advantages.device)
             if scheduler is not None:
                 scheduler.step()
-    return {k: torch.stack(v).nanmean() if v else torch.tensor(float("nan"))  # a metric over no token is NaN
-            for k, v in values.items() if v or k not in ROLLOUT_METRICS}
+    return {
+        k: torch.stack(v).nanmean() if v else torch.tensor(float("nan"))  # a metric over no token is NaN
+        for k, v in values.items()
+        if v or k not in ROLLOUT_METRICS
+    }
 
 
 def eval_problems(task, cfg: LabConfig) -> list[Problem]:
@@ -349,8 +468,13 @@ def eval_problems(task, cfg: LabConfig) -> list[Problem]:
 @torch.no_grad()
 def greedy_accuracy(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) -> Tensor:
     """Share of `problems` answered right by greedy decoding."""
-    rollout = sample(policy, [tokenizer.encode(p.prompt) for p in problems], group_size=1,
-                     max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+    rollout = sample(
+        policy,
+        [tokenizer.encode(p.prompt) for p in problems],
+        group_size=1,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=0.0,
+    )
     return score(rollout, problems, tokenizer, 1)[0].mean()
 
 
@@ -358,39 +482,62 @@ def greedy_accuracy(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: 
 def sampled_reward(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) -> Tensor:
     """Mean reward of ``group_size`` sampled completions of each of `problems`, drawn with a
     fixed generator, so that the start and the end of a run are measured alike."""
-    rollout = sample(policy, [tokenizer.encode(p.prompt) for p in problems], group_size=cfg.group_size,
-                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                     generator=torch.Generator(cfg.device).manual_seed(cfg.seed + 1))
+    rollout = sample(
+        policy,
+        [tokenizer.encode(p.prompt) for p in problems],
+        group_size=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        generator=torch.Generator(cfg.device).manual_seed(cfg.seed + 1),
+    )
     return score(rollout, problems, tokenizer, cfg.group_size)[0].mean()
 
 
 @torch.no_grad()
 def show(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) -> list[tuple[str, str, float]]:
     """One sampled completion per problem, with a fixed generator: (prompt, response, reward)."""
-    rollout = sample(policy, [tokenizer.encode(p.prompt) for p in problems], group_size=1,
-                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                     generator=torch.Generator(cfg.device).manual_seed(cfg.seed))
+    rollout = sample(
+        policy,
+        [tokenizer.encode(p.prompt) for p in problems],
+        group_size=1,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        generator=torch.Generator(cfg.device).manual_seed(cfg.seed),
+    )
     rewards, texts = score(rollout, problems, tokenizer, 1)
-    return [(p.prompt, t + ("" if done else " ..."), r) for p, t, done, r in
-            zip(problems, texts, rollout.finished.tolist(), rewards.tolist())]
+    return [
+        (p.prompt, t + ("" if done else " ..."), r)
+        for p, t, done, r in zip(problems, texts, rollout.finished.tolist(), rewards.tolist())
+    ]
 
 
 def teacher_model(cfg: LabConfig, teacher_cfg: LabConfig, state: dict) -> TinyGPT:
     """The teacher of a run of `cfg`: a model of `teacher_cfg`'s width, depth and heads (on `cfg`'s task and
     positions) holding `state`, frozen, built without moving the run's random numbers."""
-    shape = dataclasses.replace(cfg, d_model=teacher_cfg.d_model, n_layer=teacher_cfg.n_layer, n_head=teacher_cfg.n_head)
+    shape = dataclasses.replace(
+        cfg, d_model=teacher_cfg.d_model, n_layer=teacher_cfg.n_layer, n_head=teacher_cfg.n_head
+    )
     with torch.random.fork_rng():
         teacher = build(shape)[2]
     try:
         teacher.load_state_dict(state)
     except RuntimeError as error:  # another width, depth or vocabulary
-        raise ValueError(f"teacher_state does not fit the teacher's model ({shape.d_model} wide, {shape.n_layer} "
-                         f"layers; pass teacher_cfg for another shape): {str(error).splitlines()[0]}") from None
+        raise ValueError(
+            f"teacher_state does not fit the teacher's model ({shape.d_model} wide, {shape.n_layer} "
+            f"layers; pass teacher_cfg for another shape): {str(error).splitlines()[0]}"
+        ) from None
     return teacher.requires_grad_(False)
 
 
-def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollout=None,
-          teacher_state: dict | None = None, teacher_cfg: LabConfig | None = None, checkpoint=None) -> dict:
+def train(
+    cfg: LabConfig,
+    warm_state: dict | None = None,
+    on_step=None,
+    on_rollout=None,
+    teacher_state: dict | None = None,
+    teacher_cfg: LabConfig | None = None,
+    checkpoint=None,
+) -> dict:
     """Run ``cfg.steps`` RL steps; returns {"metrics": [per-step dicts], "samples": {...}, "state": the
     final policy's state dict (a teacher for another run, `teacher_state`)}.
 
@@ -450,18 +597,35 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
         mine = problems[rank::world]
         sampler = make_sampler(policy, cfg, step)
-        batch, stats, texts = collect(policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world, sampler,
-                                      teacher=teacher)
+        batch, stats, texts = collect(
+            policy, reference, algorithm, mine, tokenizer, cfg, generator, rank, world, sampler, teacher=teacher
+        )
         if on_rollout is not None:
             on_rollout(step, mine, texts)
         n_groups = cfg.prompts_per_step
-        stats |= {"sampled_groups": torch.tensor(float(n_groups)), "groups": torch.tensor(float(n_groups)),
-                  "kept": torch.tensor(1.0)}
+        stats |= {
+            "sampled_groups": torch.tensor(float(n_groups)),
+            "groups": torch.tensor(float(n_groups)),
+            "kept": torch.tensor(1.0),
+        }
         if pgloss.recipe(algorithm.name).dynamic_sampling:
+
             def draw(round_: int) -> Batch:
                 fresh = [task.sample(refill_rng) for _ in range(cfg.prompts_per_step)][rank::world]
-                return collect(policy, reference, algorithm, fresh, tokenizer, cfg, generator, rank, world, sampler,
-                               offset=round_ * cfg.prompts_per_step, teacher=teacher)[0]
+                return collect(
+                    policy,
+                    reference,
+                    algorithm,
+                    fresh,
+                    tokenizer,
+                    cfg,
+                    generator,
+                    rank,
+                    world,
+                    sampler,
+                    offset=round_ * cfg.prompts_per_step,
+                    teacher=teacher,
+                )[0]
 
             batch, counts = refill(batch, draw, cfg.prompts_per_step, cfg.max_refill_rounds)
             stats.update(counts)
@@ -473,18 +637,37 @@ def train(cfg: LabConfig, warm_state: dict | None = None, on_step=None, on_rollo
         if step < cfg.steps:
             stats.update(update(policy, optimizer, algorithm, batch, cfg, n_groups, shuffle, warmup, entropy_control))
         values = dist.mean(torch.stack([stats.get(k, torch.tensor(float("nan"))).float().cpu() for k in METRICS]))
-        record = {"algorithm": cfg.algorithm, "seed": cfg.seed, "step": step,
-                  **{k: None if math.isnan(v) else v for k, v in zip(METRICS, values.tolist())}}
+        record = {
+            "algorithm": cfg.algorithm,
+            "seed": cfg.seed,
+            "step": step,
+            **{k: None if math.isnan(v) else v for k, v in zip(METRICS, values.tolist())},
+        }
         metrics.append(record)
         if on_step is not None:
             on_step(record)
         if checkpoint is not None:
-            checkpoints.save(checkpoint, {
-                "config": dataclasses.asdict(cfg), "step": step, "metrics": metrics, "samples": samples,
-                "policy": policy.state_dict(), "reference": reference.state_dict(),
-                "optimizer": optimizer.state_dict(), "scheduler": warmup.state_dict(),
-                "prompt_rng": prompt_rng.getstate(), "refill_rng": refill_rng.getstate(),
-                "generator": generator.get_state(), "shuffle": shuffle.get_state(), "torch_rng": torch.get_rng_state(),
-                "entropy_control": None if entropy_control is None else entropy_control.state_dict()})
-    return {"metrics": metrics, "samples": samples,
-            "state": {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}}
+            checkpoints.save(
+                checkpoint,
+                {
+                    "config": dataclasses.asdict(cfg),
+                    "step": step,
+                    "metrics": metrics,
+                    "samples": samples,
+                    "policy": policy.state_dict(),
+                    "reference": reference.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": warmup.state_dict(),
+                    "prompt_rng": prompt_rng.getstate(),
+                    "refill_rng": refill_rng.getstate(),
+                    "generator": generator.get_state(),
+                    "shuffle": shuffle.get_state(),
+                    "torch_rng": torch.get_rng_state(),
+                    "entropy_control": None if entropy_control is None else entropy_control.state_dict(),
+                },
+            )
+    return {
+        "metrics": metrics,
+        "samples": samples,
+        "state": {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()},
+    }

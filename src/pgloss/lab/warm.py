@@ -23,8 +23,20 @@ import os
 import time
 from pathlib import Path
 
-FIELDS = ("task", "seed", "max_new_tokens", "warm_steps", "warm_batch", "warm_lr", "scratchpad_prob", "d_model",
-          "n_layer", "n_head", "device", "threads")
+FIELDS = (
+    "task",
+    "seed",
+    "max_new_tokens",
+    "warm_steps",
+    "warm_batch",
+    "warm_lr",
+    "scratchpad_prob",
+    "d_model",
+    "n_layer",
+    "n_head",
+    "device",
+    "threads",
+)
 """The LabConfig fields the warm start reads (max_new_tokens sizes the model's positions)."""
 CODE = ("model.py", "tokenizer.py", "tasks.py", "sampling.py", "trainer.py")
 """The lab's modules whose code computes the warm start."""
@@ -46,8 +58,9 @@ def cache_dir(text: str | None) -> Path | None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ValueError(f"--warm-cache {path}: cannot create the directory ({err.strerror}); "
-                         "give another or none") from None
+        raise ValueError(
+            f"--warm-cache {path}: cannot create the directory ({err.strerror}); give another or none"
+        ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"--warm-cache {path}: the directory is not writable; give another or none")
     return path
@@ -59,8 +72,9 @@ def key(cfg) -> str:
 
     here = Path(__file__).parent
     code = hashlib.sha256(b"".join((here / name).read_bytes() for name in CODE)).hexdigest()
-    text = json.dumps({"fields": {f: getattr(cfg, f) for f in FIELDS}, "torch": torch.__version__, "code": code},
-                      sort_keys=True)
+    text = json.dumps(
+        {"fields": {f: getattr(cfg, f) for f in FIELDS}, "torch": torch.__version__, "code": code}, sort_keys=True
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -125,7 +139,7 @@ def trained(cfg, cache: Path | None, on_steps=None) -> dict:
             return load_tensors(file, "warm-start cache")
         except ValueError:  # a file holding more than tensors was not written here: refused, not replaced
             raise
-        except Exception:  # noqa: BLE001 (a damaged cache file is trained again)
+        except Exception:
             pass
     torch.set_num_threads(cfg.threads)
     tokenizer, task, model = trainer.build(cfg)
@@ -171,8 +185,12 @@ def main() -> None:
     configs = [LabConfig(seed=s) for s in SHIPPED_SEEDS]
     with mp.get_context("spawn").Pool(2) as pool:
         seeds = dict(zip((str(c.seed) for c in configs), pool.map(_ship_one, configs)))
-    written = {"settings": settings(configs[0]), "seeds": seeds, "torch": torch.__version__,
-               "trained_on": f"{machine()}, one torch thread"}
+    written = {
+        "settings": settings(configs[0]),
+        "seeds": seeds,
+        "torch": torch.__version__,
+        "trained_on": f"{machine()}, one torch thread",
+    }
     (SHIPPED / "manifest.json").write_text(json.dumps(written, indent=1) + "\n")
 
 

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
 from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 
 
@@ -71,8 +71,11 @@ def ce_gppo_loss(
     low = negative & (ratio.detach() < 1.0 - clip_low)
     high = positive & (ratio.detach() > 1.0 + clip_high)
     straight = torch.exp(log_ratio - log_ratio.detach())  # not ratio / sg[ratio]: 0/0 where exp underflows
-    loss = torch.where(low, -beta_low * (1.0 - clip_low) * straight * advantages,
-                       torch.where(high, -beta_high * (1.0 + clip_high) * straight * advantages, -ratio * advantages))
+    loss = torch.where(
+        low,
+        -beta_low * (1.0 - clip_low) * straight * advantages,
+        torch.where(high, -beta_high * (1.0 + clip_high) * straight * advantages, -ratio * advantages),
+    )
     dual = torch.zeros_like(low)
     if dual_clip is not None:
         bound = -dual_clip * advantages
@@ -100,18 +103,29 @@ class CEGPPO(Algorithm):
         super().__post_init__()
         check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
         check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
-        check(self.gppo_beta_low >= 0 and self.gppo_beta_high >= 0,
-               f"gppo_beta_low and gppo_beta_high must be >= 0, got {self.gppo_beta_low}, {self.gppo_beta_high}")
+        check(
+            self.gppo_beta_low >= 0 and self.gppo_beta_high >= 0,
+            f"gppo_beta_low and gppo_beta_high must be >= 0, got {self.gppo_beta_low}, {self.gppo_beta_high}",
+        )
         if self.dual_clip is not None:
             check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
-        out = ce_gppo_loss(token_log_ratio.clamp(-self.max_log_ratio, self.max_log_ratio), batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
-                           beta_low=self.gppo_beta_low, beta_high=self.gppo_beta_high, dual_clip=self.dual_clip)
-        metrics = clip_metrics(out.clipped_high, out.clipped_low, batch.mask,
-                               None if self.dual_clip is None else out.clipped_dual)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
+        out = ce_gppo_loss(
+            token_log_ratio.clamp(-self.max_log_ratio, self.max_log_ratio),
+            batch.advantages,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            beta_low=self.gppo_beta_low,
+            beta_high=self.gppo_beta_high,
+            dual_clip=self.dual_clip,
+        )
+        metrics = clip_metrics(
+            out.clipped_high, out.clipped_low, batch.mask, None if self.dual_clip is None else out.clipped_dual
+        )
         metrics |= ratio_metrics(ratio, token_log_ratio, batch.mask)
         return PolicyTerms(out.loss, metrics)

@@ -78,11 +78,12 @@ class CHORD(ClippedPolicy):
         check(0.0 <= self.chord_mu <= 1.0, f"chord_mu must lie in [0, 1], got {self.chord_mu}")
         check(self.sft_weight in SFT_WEIGHTS, f"sft_weight must be one of {SFT_WEIGHTS}, got {self.sft_weight!r}")
         check(0.0 < self.sft_cutoff_prob <= 1.0, f"sft_cutoff_prob must lie in (0, 1], got {self.sft_cutoff_prob}")
-        check(self.sft_cutoff_prob == 1.0 or self.sft_weight == "phi",
-              f"sft_cutoff_prob applies to sft_weight='phi' only (Trinity's SFTPhiLossFn), got "
-              f"sft_weight={self.sft_weight!r}")
-        self.check_budget(aggregation(self.sft_agg_mode, field="sft_loss_agg_mode"),
-                          field="sft_loss_agg_mode")
+        check(
+            self.sft_cutoff_prob == 1.0 or self.sft_weight == "phi",
+            f"sft_cutoff_prob applies to sft_weight='phi' only (Trinity's SFTPhiLossFn), got "
+            f"sft_weight={self.sft_weight!r}",
+        )
+        self.check_budget(aggregation(self.sft_agg_mode, field="sft_loss_agg_mode"), field="sft_loss_agg_mode")
 
     @property
     def sft_agg_mode(self) -> str:
@@ -116,12 +117,15 @@ class CHORD(ClippedPolicy):
         if batch.expert is None and normalizer.expert is None:
             return rows
         if batch.expert is not None and normalizer.expert is None:
-            raise ValueError(f"{self.name} with expert rows needs a Normalizer that counted them apart: "
-                             "Algorithm.step_normalizer(..., expert=...) or Normalizer.count(..., expert=...)")
+            raise ValueError(
+                f"{self.name} with expert rows needs a Normalizer that counted them apart: "
+                "Algorithm.step_normalizer(..., expert=...) or Normalizer.count(..., expert=...)"
+            )
         expert = self._expert_rows(batch)
         constants = dict(norm_constant=self.norm_constant, group_ids=batch.group_ids, delta_l_alpha=self.delta_l_alpha)
-        usual = row_weights(batch.mask & ~expert[:, None], self.loss_agg_mode,
-                            normalizer.complement(normalizer.expert), **constants)
+        usual = row_weights(
+            batch.mask & ~expert[:, None], self.loss_agg_mode, normalizer.complement(normalizer.expert), **constants
+        )
         demo = row_weights(batch.mask & expert[:, None], self.sft_agg_mode, normalizer.expert, **constants)
         return torch.where(expert, demo, usual)
 
@@ -133,5 +137,6 @@ class CHORD(ClippedPolicy):
         clipped = super().gradient_factor(batch)
         if clipped.factor is None:
             return clipped
-        return dataclasses.replace(clipped, factor=(1.0 - self.chord_mu) * clipped.factor,
-                                   reason=clipped.reason + ", times 1 − μ")
+        return dataclasses.replace(
+            clipped, factor=(1.0 - self.chord_mu) * clipped.factor, reason=clipped.reason + ", times 1 − μ"
+        )

@@ -25,12 +25,11 @@ import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
 from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
-
 
 CISPO_CONVENTIONS = ("relative", "absolute")
 
@@ -71,15 +70,20 @@ class CISPO(Algorithm):
         if self.clip_low is not None:
             check(self.clip_low >= 0, f"clip_low must be >= 0 or None, got {self.clip_low}")
         check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
-        check(self.cispo_convention in CISPO_CONVENTIONS,
-               f"cispo_convention must be one of {CISPO_CONVENTIONS}, got {self.cispo_convention!r}")
+        check(
+            self.cispo_convention in CISPO_CONVENTIONS,
+            f"cispo_convention must be one of {CISPO_CONVENTIONS}, got {self.cispo_convention!r}",
+        )
         if self.cispo_convention == "absolute":
-            check(self.clip_low is None, f"cispo_convention='absolute' has no lower bound; got clip_low={self.clip_low}")
+            check(
+                self.clip_low is None, f"cispo_convention='absolute' has no lower bound; got clip_low={self.clip_low}"
+            )
             check(self.clip_high > 0, f"cispo_convention='absolute' needs a cap clip_high > 0, got {self.clip_high}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
-                                 level="token", max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         weight = cispo_weight(ratio, clip_low=self.clip_low, clip_high=self.clip_high, convention=self.cispo_convention)
         high = ratio.detach() > cispo_cap(self.clip_high, self.cispo_convention)
         low = torch.zeros_like(high) if self.clip_low is None else ratio.detach() < 1.0 - self.clip_low
@@ -89,7 +93,8 @@ class CISPO(Algorithm):
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         """f = r̂ (`cispo_weight`), the detached weight."""
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
-                                 level="token", max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         weight = cispo_weight(ratio, clip_low=self.clip_low, clip_high=self.clip_high, convention=self.cispo_convention)
         return GradientFactor(weight, "CISPO: f = clip(r), a detached weight")

@@ -50,10 +50,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch, check_mask, check_tensor, per_micro_batch
 from ..core.distributed import is_distributed
-from ..core.metrics import clip_metrics, token_mean, ratio_metrics
+from ..core.metrics import clip_metrics, ratio_metrics, token_mean
+from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from ..correction.token_masks import gather_values
 from .closed_form import GradientFactor
@@ -84,8 +84,9 @@ def first_ranked(keys: Tensor, count: Tensor | int, *, descending: bool) -> Tens
     return (rank < count).view(keys.shape)
 
 
-def draw_keys(shape: torch.Size | tuple[int, ...], device: torch.device,
-              generator: torch.Generator | None = None) -> Tensor:
+def draw_keys(
+    shape: torch.Size | tuple[int, ...], device: torch.device, generator: torch.Generator | None = None
+) -> Tensor:
     """U[0, 1) keys, float64, one per position: from `generator` on its own device (then moved,
     without waiting), or from the global generator of `device`."""
     if generator is None:
@@ -145,8 +146,9 @@ def clip_cov_loss(
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     by_clip = (clipped > unclipped) & mask
     if selection is None:
-        candidates = _clip_cov_candidates(token_covariance(log_prob, advantages, mask), by_clip, mask,
-                                          cov_lb=cov_lb, cov_ub=cov_ub)
+        candidates = _clip_cov_candidates(
+            token_covariance(log_prob, advantages, mask), by_clip, mask, cov_lb=cov_lb, cov_ub=cov_ub
+        )
         picked = clip_cov_selection(candidates, count=selection_size(cov_ratio, mask), generator=generator)
     else:
         picked = selection & mask
@@ -210,9 +212,12 @@ class _StepTokens:
         flags = torch.zeros(self.count, dtype=torch.bool, device=chosen.device).index_fill(0, chosen, True)
         out, start = [], 0
         for mask, index in zip(self.masks, self.index):
-            part = flags[start:start + len(index)].to(mask.device)
-            out.append(torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
-                       .index_fill(0, index[part], True).view_as(mask))
+            part = flags[start : start + len(index)].to(mask.device)
+            out.append(
+                torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+                .index_fill(0, index[part], True)
+                .view_as(mask)
+            )
             start += len(index)
         return out
 
@@ -227,7 +232,7 @@ def step_covariance(
     advantages: Tensor | Sequence[Tensor],
     masks: Tensor | Sequence[Tensor],
     *,
-    process_group: "dist.ProcessGroup | None" = None,
+    process_group: dist.ProcessGroup | None = None,
     reduce: bool = True,
 ) -> list[Tensor]:
     """cov_t = (A_t - mean A)(log π_t - mean log π) with the means over the step's valid tokens (every
@@ -235,16 +240,24 @@ def step_covariance(
     one detached `[B, T]` tensor per micro-batch. `advantages` `[B]` or `[B, T]` per micro-batch."""
     ms = [check_mask(m, m.shape, m.device) for m in per_micro_batch("masks", masks)]
     lps = [check_tensor("log_probs", lp, ndim=(2,)).detach() for lp in per_micro_batch("log_probs", log_probs, len(ms))]
-    advs = [check_tensor("advantages", a, ndim=(1, 2)).detach() for a in per_micro_batch("advantages", advantages, len(ms))]
+    advs = [
+        check_tensor("advantages", a, ndim=(1, 2)).detach() for a in per_micro_batch("advantages", advantages, len(ms))
+    ]
     advs = [a[:, None].expand_as(m) if a.ndim == 1 else a for a, m in zip(advs, ms)]
     for k, (lp, a, m) in enumerate(zip(lps, advs, ms)):
         if lp.shape != m.shape or a.shape != m.shape:
-            raise ValueError(f"micro-batch {k}: log_probs, advantages and masks must share one [B, T] shape, got "
-                             f"{tuple(lp.shape)}, {tuple(a.shape)}, {tuple(m.shape)}")
+            raise ValueError(
+                f"micro-batch {k}: log_probs, advantages and masks must share one [B, T] shape, got "
+                f"{tuple(lp.shape)}, {tuple(a.shape)}, {tuple(m.shape)}"
+            )
     dtype = torch.float64 if lps[0].dtype == torch.float64 else torch.float32
-    sums = torch.stack([sum(torch.where(m, a, 0.0).sum() for a, m in zip(advs, ms)),
-                        sum(torch.where(m, lp, 0.0).sum() for lp, m in zip(lps, ms)),
-                        sum(m.sum() for m in ms)]).to(torch.float64)
+    sums = torch.stack(
+        [
+            sum(torch.where(m, a, 0.0).sum() for a, m in zip(advs, ms)),
+            sum(torch.where(m, lp, 0.0).sum() for lp, m in zip(lps, ms)),
+            sum(m.sum() for m in ms),
+        ]
+    ).to(torch.float64)
     if is_distributed(reduce):
         dist.all_reduce(sums, group=process_group)
     count = sums[2].clamp(min=1)
@@ -252,9 +265,11 @@ def step_covariance(
     return [torch.where(m, (a.to(dtype) - mean_a) * (lp.to(dtype) - mean_lp), 0.0) for a, lp, m in zip(advs, lps, ms)]
 
 
-SPLIT_SELECTION = ("its token selection is drawn among a call's own tokens, a slice of each sequence; take the "
-                   "step's with step_selection(..., process_group=<every rank holding the step's tokens>) and give "
-                   "each call its part, dataclasses.replace(algorithm, selection=part)")
+SPLIT_SELECTION = (
+    "its token selection is drawn among a call's own tokens, a slice of each sequence; take the "
+    "step's with step_selection(..., process_group=<every rank holding the step's tokens>) and give "
+    "each call its part, dataclasses.replace(algorithm, selection=part)"
+)
 """Why Clip-Cov and KL-Cov without a `selection` refuse sequences split across ranks (`sequence_split_refusal`)."""
 
 
@@ -262,9 +277,11 @@ def _check_selection(selection: object, mask: Tensor) -> Tensor | None:
     if selection is None:
         return None
     if not isinstance(selection, Tensor) or selection.dtype != torch.bool or selection.shape != mask.shape:
-        raise ValueError(f"selection must be a bool tensor of the call's shape {tuple(mask.shape)} (this call's part of "
-                         f"step_selection), got {getattr(selection, 'dtype', type(selection).__name__)} "
-                         f"{tuple(getattr(selection, 'shape', ()))}")
+        raise ValueError(
+            f"selection must be a bool tensor of the call's shape {tuple(mask.shape)} (this call's part of "
+            f"step_selection), got {getattr(selection, 'dtype', type(selection).__name__)} "
+            f"{tuple(getattr(selection, 'shape', ()))}"
+        )
     return selection.to(mask.device)
 
 
@@ -300,8 +317,10 @@ class ClipCov(Algorithm):
         check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
         check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
         check(self.clip_cov_ratio > 0, f"clip_cov_ratio must be > 0, got {self.clip_cov_ratio}")
-        check(self.clip_cov_lb < self.clip_cov_ub,
-               f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}")
+        check(
+            self.clip_cov_lb < self.clip_cov_ub,
+            f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}",
+        )
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
 
@@ -315,7 +334,7 @@ class ClipCov(Algorithm):
         advantages: Tensor | Sequence[Tensor],
         masks: Tensor | Sequence[Tensor],
         *,
-        process_group: "dist.ProcessGroup | None" = None,
+        process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
     ) -> list[Tensor]:
         """The step's detached tokens, one bool `[B, T]` map per micro-batch: the candidates of the whole
@@ -333,11 +352,18 @@ class ClipCov(Algorithm):
         ms = [check_mask(m, m.shape, m.device) for m in per_micro_batch("masks", masks)]
         olds = per_micro_batch("old_log_probs", old_log_probs, len(ms))
         lps = per_micro_batch("log_probs", log_probs, len(ms))
-        advs = [a[:, None].expand_as(m) if a.ndim == 1 else a for a, m in zip(per_micro_batch("advantages", advantages), ms)]
+        advs = [
+            a[:, None].expand_as(m) if a.ndim == 1 else a for a, m in zip(per_micro_batch("advantages", advantages), ms)
+        ]
         candidates = []
         for cov, lp, old, adv, m in zip(covs, lps, olds, advs, ms):
-            ratio = importance_ratio(lp.detach().to(cov.dtype), old.detach().to(cov.dtype), m, level="token",
-                                     max_log_ratio=self.max_log_ratio)
+            ratio = importance_ratio(
+                lp.detach().to(cov.dtype),
+                old.detach().to(cov.dtype),
+                m,
+                level="token",
+                max_log_ratio=self.max_log_ratio,
+            )
             adv = adv.detach().to(cov.dtype)
             by_clip = (-adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high) > -adv * ratio) & m
             candidates.append(_clip_cov_candidates(cov, by_clip, m, cov_lb=self.clip_cov_lb, cov_ub=self.clip_cov_ub))
@@ -347,25 +373,38 @@ class ClipCov(Algorithm):
             dist.all_reduce(valid, group=process_group)
         k = max(int(self.clip_cov_ratio * int(valid)), 1)
         # every rank draws the keys of every rank's positions (the same generator state), and keeps its own
-        sizes = gather_values(torch.tensor([sum(m.numel() for m in ms)], device=ms[0].device),
-                              process_group=process_group, reduce=reduce)
+        sizes = gather_values(
+            torch.tensor([sum(m.numel() for m in ms)], device=ms[0].device), process_group=process_group, reduce=reduce
+        )
         rank = dist.get_rank(process_group) if is_distributed(reduce) else 0
-        keys = draw_keys((int(sizes.sum()),), ms[0].device, self.generator)[int(sizes[:rank].sum()):]
-        parts = list(keys[:int(sizes[rank])].split([m.numel() for m in ms]))
-        values = gather_values(tokens.values([part.view(m.shape) for part, m in zip(parts, ms)]),
-                               process_group=process_group, reduce=reduce)
+        keys = draw_keys((int(sizes.sum()),), ms[0].device, self.generator)[int(sizes[:rank].sum()) :]
+        parts = list(keys[: int(sizes[rank])].split([m.numel() for m in ms]))
+        values = gather_values(
+            tokens.values([part.view(m.shape) for part, m in zip(parts, ms)]),
+            process_group=process_group,
+            reduce=reduce,
+        )
         return tokens.scatter(tokens.local(values.argsort(stable=True)[:k]).to(ms[0].device))
 
     def _loss(self, batch: TokenBatch, ratio: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return clip_cov_loss(
-            ratio, batch.log_prob, batch.advantages, batch.mask, clip_low=self.clip_low, clip_high=self.clip_high,
-            cov_ratio=self.clip_cov_ratio, cov_lb=self.clip_cov_lb, cov_ub=self.clip_cov_ub, generator=self.generator,
+            ratio,
+            batch.log_prob,
+            batch.advantages,
+            batch.mask,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            cov_ratio=self.clip_cov_ratio,
+            cov_lb=self.clip_cov_lb,
+            cov_ub=self.clip_cov_ub,
+            generator=self.generator,
             selection=_check_selection(self.selection, batch.mask),
         )
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         loss, picked, by_clip = self._loss(batch, ratio)
         positive = batch.advantages > 0
         metrics = clip_metrics(by_clip & positive, by_clip & ~positive, batch.mask)
@@ -375,13 +414,15 @@ class ClipCov(Algorithm):
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         """f = r·b(r)·(1 - picked): PPO's factor, 0 on the detached tokens (the call's draw)."""
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         _, picked, _ = self._loss(batch, ratio)
         inside = (log_ratio(batch.log_prob, batch.old_log_prob).abs() <= self.max_log_ratio).to(ratio.dtype)
         b = clip_factor(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high)
-        return GradientFactor(torch.where(picked, 0.0, ratio * b * inside),
-                              "Clip-Cov: f = r·b(r), 0 on the detached tokens")
+        return GradientFactor(
+            torch.where(picked, 0.0, ratio * b * inside), "Clip-Cov: f = r·b(r), 0 on the detached tokens"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -416,7 +457,7 @@ class KLCov(Algorithm):
         advantages: Tensor | Sequence[Tensor],
         masks: Tensor | Sequence[Tensor],
         *,
-        process_group: "dist.ProcessGroup | None" = None,
+        process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
     ) -> list[Tensor]:
         """The step's penalised tokens, one bool `[B, T]` map per micro-batch: the k = max(⌊ratio·N⌋, 1)
@@ -435,11 +476,19 @@ class KLCov(Algorithm):
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
-        loss, top = kl_cov_loss(ratio, batch.log_prob, delta, batch.advantages, batch.mask,
-                                cov_ratio=self.kl_cov_ratio, kl_coef=self.ppo_kl_coef,
-                                selection=_check_selection(self.selection, batch.mask))
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
+        loss, top = kl_cov_loss(
+            ratio,
+            batch.log_prob,
+            delta,
+            batch.advantages,
+            batch.mask,
+            cov_ratio=self.kl_cov_ratio,
+            kl_coef=self.ppo_kl_coef,
+            selection=_check_selection(self.selection, batch.mask),
+        )
         metrics = ratio_metrics(ratio, delta, batch.mask)
         metrics["kl_cov_fraction"] = token_mean(top.to(ratio.dtype), batch.mask)
         metrics["ppo_kl_abs"] = token_mean(delta.abs(), batch.mask)

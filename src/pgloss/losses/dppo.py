@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
 from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
@@ -58,7 +58,9 @@ def dppo_valid(
             return torch.where(positive, p - p_old <= clip_high, p - p_old >= -clip_low)
         if divergence == "kl":
             binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
-            return torch.where(positive, (binary_kl <= clip_high) | (p <= p_old), (binary_kl <= clip_low) | (p >= p_old))
+            return torch.where(
+                positive, (binary_kl <= clip_high) | (p <= p_old), (binary_kl <= clip_low) | (p >= p_old)
+            )
     raise ValueError(f"divergence must be one of {DPPO_DIVERGENCES}, got {divergence!r}")
 
 
@@ -87,32 +89,52 @@ class DPPO(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.divergence in DPPO_DIVERGENCES,
-               f"divergence must be one of {DPPO_DIVERGENCES}, got {self.divergence!r}")
+        check(
+            self.divergence in DPPO_DIVERGENCES,
+            f"divergence must be one of {DPPO_DIVERGENCES}, got {self.divergence!r}",
+        )
         check(self.clip_low >= 0, f"clip_low must be >= 0, got {self.clip_low}")
         check(self.clip_high >= 0, f"clip_high must be >= 0, got {self.clip_high}")
         check(self.truncation > 0, f"truncation must be > 0, got {self.truncation}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
-        valid = dppo_valid(batch.log_prob, batch.old_log_prob, batch.advantages, divergence=self.divergence,
-                           clip_low=self.clip_low, clip_high=self.clip_high)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
+        valid = dppo_valid(
+            batch.log_prob,
+            batch.old_log_prob,
+            batch.advantages,
+            divergence=self.divergence,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+        )
         # Outside the region: pushed up too far (Â > 0: "high") or down too far ("low"); as verl,
         # pg_clipfrac_lower is the share of valid tokens whose weight the truncation c capped.
         positive = batch.advantages > 0
-        metrics = clip_metrics(~valid & positive, ~valid & ~positive, batch.mask,
-                               valid & (ratio.detach() > self.truncation))
+        metrics = clip_metrics(
+            ~valid & positive, ~valid & ~positive, batch.mask, valid & (ratio.detach() > self.truncation)
+        )
         metrics |= ratio_metrics(ratio, delta, batch.mask)
-        return PolicyTerms(dppo_loss(batch.log_prob, ratio, batch.advantages, valid, truncation=self.truncation),
-                           metrics)
+        return PolicyTerms(
+            dppo_loss(batch.log_prob, ratio, batch.advantages, valid, truncation=self.truncation), metrics
+        )
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         """f = sg[min(r, c)]·sg[valid] (`dppo_weight`)."""
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
-        valid = dppo_valid(batch.log_prob, batch.old_log_prob, batch.advantages, divergence=self.divergence,
-                           clip_low=self.clip_low, clip_high=self.clip_high)
-        return GradientFactor(dppo_weight(ratio, valid, truncation=self.truncation),
-                              "DPPO: f = sg[min(r, c)]·sg[valid], a detached weight")
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
+        valid = dppo_valid(
+            batch.log_prob,
+            batch.old_log_prob,
+            batch.advantages,
+            divergence=self.divergence,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+        )
+        return GradientFactor(
+            dppo_weight(ratio, valid, truncation=self.truncation),
+            "DPPO: f = sg[min(r, c)]·sg[valid], a detached weight",
+        )

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
 from ..core.metrics import ratio_metrics
+from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 
 
@@ -47,7 +47,10 @@ class DRO(Algorithm):
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
-        return PolicyTerms(dro_loss(batch.log_prob, delta, batch.advantages, beta=self.dro_beta),
-                           ratio_metrics(ratio, delta, batch.mask))
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
+        return PolicyTerms(
+            dro_loss(batch.log_prob, delta, batch.advantages, beta=self.dro_beta),
+            ratio_metrics(ratio, delta, batch.mask),
+        )

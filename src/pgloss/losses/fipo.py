@@ -20,20 +20,19 @@ Future-KL and its weight stay finite for any finite log-probabilities.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch
 from ..core.metrics import token_mean
+from ..core.output import PolicyTerms, check
 from ..core.ratios import log_ratio
 from ..core.sequence_parallel import SequenceParallel, along_sequence
 from .closed_form import GradientFactor
 from .ppo import ClippedPolicy
-from ..core.output import PolicyTerms, check
 
 _BLOCK = 128
 _SAFETY_RANGE = 0.2  # ms-swift's fixed safety interval [0.8, 1.0], used when the weight is not clipped
@@ -134,19 +133,31 @@ class FIPO(ClippedPolicy):
         super().__post_init__()
         check(self.fipo_decay_rate > 0, f"fipo_decay_rate must be > 0, got {self.fipo_decay_rate}")
         if self.fipo_clip_range is not None:
-            check(0 < self.fipo_clip_range < 1, f"fipo_clip_range must lie in (0, 1), or be None for no clipping "
-                                                  f"(ms-swift's 0), got {self.fipo_clip_range}")
+            check(
+                0 < self.fipo_clip_range < 1,
+                f"fipo_clip_range must lie in (0, 1), or be None for no clipping "
+                f"(ms-swift's 0), got {self.fipo_clip_range}",
+            )
         if self.fipo_safety_threshold is not None:
-            check(self.fipo_safety_threshold > 0, f"fipo_safety_threshold must be > 0, got {self.fipo_safety_threshold}")
+            check(
+                self.fipo_safety_threshold > 0, f"fipo_safety_threshold must be > 0, got {self.fipo_safety_threshold}"
+            )
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         terms = super().policy_terms(batch)
         token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
         weight, future = fipo_influence(
-            token_log_ratio, self.ratio(batch), batch.advantages, batch.mask,
-            decay_rate=self.fipo_decay_rate, clip_range=self.fipo_clip_range,
-            clip_high_only=self.fipo_clip_high_only, safety_threshold=self.fipo_safety_threshold, delta=self.delta,
-            max_log_ratio=self.max_log_ratio, sequence_parallel=batch.sequence_parallel,
+            token_log_ratio,
+            self.ratio(batch),
+            batch.advantages,
+            batch.mask,
+            decay_rate=self.fipo_decay_rate,
+            clip_range=self.fipo_clip_range,
+            clip_high_only=self.fipo_clip_high_only,
+            safety_threshold=self.fipo_safety_threshold,
+            delta=self.delta,
+            max_log_ratio=self.max_log_ratio,
+            sequence_parallel=batch.sequence_parallel,
         )
         metrics = terms.metrics | {
             "fipo_weight_mean": token_mean(weight, batch.mask),
@@ -159,9 +170,16 @@ class FIPO(ClippedPolicy):
         clipped = super().gradient_factor(batch)
         token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
         influence, _ = fipo_influence(
-            token_log_ratio, self.ratio(batch), batch.advantages, batch.mask,
-            decay_rate=self.fipo_decay_rate, clip_range=self.fipo_clip_range,
-            clip_high_only=self.fipo_clip_high_only, safety_threshold=self.fipo_safety_threshold, delta=self.delta,
-            max_log_ratio=self.max_log_ratio, sequence_parallel=batch.sequence_parallel,
+            token_log_ratio,
+            self.ratio(batch),
+            batch.advantages,
+            batch.mask,
+            decay_rate=self.fipo_decay_rate,
+            clip_range=self.fipo_clip_range,
+            clip_high_only=self.fipo_clip_high_only,
+            safety_threshold=self.fipo_safety_threshold,
+            delta=self.delta,
+            max_log_ratio=self.max_log_ratio,
+            sequence_parallel=batch.sequence_parallel,
         )
         return GradientFactor(influence * clipped.factor, "FIPO: f = sg[influence]·r·b(r)")

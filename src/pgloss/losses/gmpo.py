@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
 from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.output import PolicyTerms, check
 from ..core.ratios import log_ratio
 from ..core.sequence_parallel import SequenceParallel, row_mean
 
@@ -68,8 +68,9 @@ def gmpo_loss(
     """
     starred = gmpo_clipped_log_ratio(token_log_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
     m = mask.to(token_log_ratio.dtype)
-    seq_log_ratio, seq_advantage = row_mean(torch.stack([starred * m, advantages * m]), m, sequence_parallel,
-                                            keepdim=True)
+    seq_log_ratio, seq_advantage = row_mean(
+        torch.stack([starred * m, advantages * m]), m, sequence_parallel, keepdim=True
+    )
     ratio = torch.exp(seq_log_ratio.clamp(-max_log_ratio, max_log_ratio))
     clipped = (starred != token_log_ratio).detach() & (advantages != 0) & mask
     return (-seq_advantage * ratio).expand_as(token_log_ratio), ratio, clipped
@@ -96,9 +97,15 @@ class GMPO(Algorithm):
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        per_token, ratio, clipped = gmpo_loss(delta, batch.advantages, batch.mask, clip_low=self.clip_low,
-                                              clip_high=self.clip_high, max_log_ratio=self.max_log_ratio,
-                                              sequence_parallel=batch.sequence_parallel)
+        per_token, ratio, clipped = gmpo_loss(
+            delta,
+            batch.advantages,
+            batch.mask,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            max_log_ratio=self.max_log_ratio,
+            sequence_parallel=batch.sequence_parallel,
+        )
         metrics = clip_metrics(clipped & (batch.advantages > 0), clipped & (batch.advantages < 0), batch.mask)
         metrics |= ratio_metrics(ratio, delta, batch.mask)
         return PolicyTerms(per_token, metrics)

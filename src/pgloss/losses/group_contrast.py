@@ -41,6 +41,7 @@ class GroupContrast(Algorithm):
             raise ValueError(f"{self.name} contrasts the completions of a prompt and needs group_ids=[B] in the call")
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
         per_row = self.group_loss(delta, batch)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         return PolicyTerms(per_row[:, None].expand_as(delta), ratio_metrics(ratio, delta, batch.mask))

@@ -37,8 +37,14 @@ from ..core.ratios import sequence_log_ratio
 from .group_contrast import GroupContrast
 
 
-def gvpo_group_loss(implicit_reward: Tensor, seq_advantages: Tensor, valid_rows: Tensor, group_ids: Tensor,
-                    *, center_advantages: bool = True) -> Tensor:
+def gvpo_group_loss(
+    implicit_reward: Tensor,
+    seq_advantages: Tensor,
+    valid_rows: Tensor,
+    group_ids: Tensor,
+    *,
+    center_advantages: bool = True,
+) -> Tensor:
     """L_{g(i)} for every row i, `[B]` (0 for empty rows).
 
     Args:
@@ -74,8 +80,13 @@ class GVPO(GroupContrast):
         check(self.gvpo_beta > 0, f"gvpo_beta must be > 0, got {self.gvpo_beta}")
 
     def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
-        implicit = self.gvpo_beta * sequence_log_ratio(delta, batch.mask, length_normalized=False,
-                                                       sequence_parallel=batch.sequence_parallel).squeeze(-1)
-        return gvpo_group_loss(implicit, batch.row_advantages, batch.valid_rows, batch.group_ids,
-                               center_advantages=self.gvpo_center_advantages)
-
+        implicit = self.gvpo_beta * sequence_log_ratio(
+            delta, batch.mask, length_normalized=False, sequence_parallel=batch.sequence_parallel
+        ).squeeze(-1)
+        return gvpo_group_loss(
+            implicit,
+            batch.row_advantages,
+            batch.valid_rows,
+            batch.group_ids,
+            center_advantages=self.gvpo_center_advantages,
+        )

@@ -40,7 +40,7 @@ from torch import Tensor
 from ..advantages.returns import discounted_returns
 from ..base import Algorithm
 from ..core.batch import TokenBatch
-from ..core.metrics import token_mean, ratio_metrics
+from ..core.metrics import ratio_metrics, token_mean
 from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from ..core.sequence_parallel import along_sequence
@@ -93,13 +93,19 @@ class OPD(Algorithm):
         check(self.opd_coef > 0, f"opd_coef must be > 0, got {self.opd_coef}")
         check(self.opd_position_gamma >= 0, f"opd_position_gamma must be >= 0, got {self.opd_position_gamma}")
         check(self.opd_position_eps > 0, f"opd_position_eps must be > 0, got {self.opd_position_eps}")
-        check(self.opd_surrogate in OPD_SURROGATES,
-              f"opd_surrogate must be one of {OPD_SURROGATES}, got {self.opd_surrogate!r}")
-        check(self.opd_advantage_policy in OPD_ADVANTAGE_POLICIES,
-              f"opd_advantage_policy must be one of {OPD_ADVANTAGE_POLICIES}, got {self.opd_advantage_policy!r}")
+        check(
+            self.opd_surrogate in OPD_SURROGATES,
+            f"opd_surrogate must be one of {OPD_SURROGATES}, got {self.opd_surrogate!r}",
+        )
+        check(
+            self.opd_advantage_policy in OPD_ADVANTAGE_POLICIES,
+            f"opd_advantage_policy must be one of {OPD_ADVANTAGE_POLICIES}, got {self.opd_advantage_policy!r}",
+        )
         check(0 <= self.opd_discount <= 1, f"opd_discount must lie in [0, 1], got {self.opd_discount}")
-        check(self.opd_trust_region is None or self.opd_trust_region > 0,
-              f"opd_trust_region must be > 0 or None, got {self.opd_trust_region}")
+        check(
+            self.opd_trust_region is None or self.opd_trust_region > 0,
+            f"opd_trust_region must be > 0 or None, got {self.opd_trust_region}",
+        )
 
     def advantages(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
         """(A, a, w), each `[B, T]` and detached."""
@@ -109,20 +115,24 @@ class OPD(Algorithm):
         a = distillation_advantage(batch.teacher_log_prob, student, batch.mask)
         # w and the discount read a whole row in order (under a sequence group: gathered, `along_sequence`)
         split = batch.sequence_parallel if self.opd_position_gamma != 0 else None  # γ = 0: w = 1, no collective
-        w = along_sequence(lambda rows: position_weights(rows, gamma=self.opd_position_gamma, eps=self.opd_position_eps),
-                           a, split)
+        w = along_sequence(
+            lambda rows: position_weights(rows, gamma=self.opd_position_gamma, eps=self.opd_position_eps), a, split
+        )
         teacher = self.opd_coef * w * a
         if self.opd_discount > 0:
             teacher = along_sequence(
                 lambda rows: discounted_returns(rows[0], rows[1] != 0, gamma=self.opd_discount),
-                torch.stack([teacher, batch.mask.to(teacher.dtype)]), batch.sequence_parallel)
+                torch.stack([teacher, batch.mask.to(teacher.dtype)]),
+                batch.sequence_parallel,
+            )
         return batch.advantages + teacher, a, w
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         advantages, a, w = self.advantages(batch)
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         surrogate = ratio if self.opd_surrogate == "ratio" else batch.log_prob
         per_token = -surrogate * advantages
         metrics = ratio_metrics(ratio, delta, batch.mask)

@@ -49,12 +49,14 @@ class OPMD(Algorithm):
         check(self.opmd_tau >= 0, f"opmd_tau must be >= 0, got {self.opmd_tau}")
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         metrics = ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
         return PolicyTerms(opmd_loss(batch.log_prob, batch.advantages, tau=self.opmd_tau), metrics)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         """f = 1/(1 + τ): REINFORCE scaled."""
-        return GradientFactor(torch.full_like(batch.log_prob, 1.0 / (1.0 + self.opmd_tau)),
-                              "OPMD: f = 1/(1 + τ), REINFORCE scaled")
+        return GradientFactor(
+            torch.full_like(batch.log_prob, 1.0 / (1.0 + self.opmd_tau)), "OPMD: f = 1/(1 + τ), REINFORCE scaled"
+        )

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
 from ..core.metrics import clip_metrics, ratio_metrics
+from ..core.output import PolicyTerms, check
 from ..core.ratios import RATIO_LEVELS, importance_ratio, log_ratio, sequence_log_ratio
 from ..core.slope import with_slope
 from .closed_form import GradientFactor
@@ -87,8 +87,15 @@ def clipped_surrogate(
     )
 
 
-def clip_factor(ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float,
-                dual_clip: float | None = None, delta: float | None = None) -> Tensor:
+def clip_factor(
+    ratio: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    delta: float | None = None,
+) -> Tensor:
     """b(r) = ∂ℓ_clip/∂r ÷ (-Â) of the clipped surrogate (`clipped_surrogate`), `[B, T]`: 1 on the
     active unclipped branch, 0 on an active clip, dual clip or δ cap, ½ where autograd splits a tie
     of max(-Â·r, -Â·clip(r)) (the two-branch form's gradient, which the tests check it against)."""
@@ -98,8 +105,11 @@ def clip_factor(ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high
     low, high = 1.0 - clip_low, 1.0 + clip_high
     d_clipped = ((ratio >= low) & (ratio <= high)).to(ratio.dtype)
     loss_unclipped, loss_clipped = -advantages * unclipped, -advantages * ratio.clamp(low, high)
-    b = torch.where(loss_unclipped > loss_clipped, d_unclipped,
-                    torch.where(loss_clipped > loss_unclipped, d_clipped, 0.5 * (d_unclipped + d_clipped)))
+    b = torch.where(
+        loss_unclipped > loss_clipped,
+        d_unclipped,
+        torch.where(loss_clipped > loss_unclipped, d_clipped, 0.5 * (d_unclipped + d_clipped)),
+    )
     if dual_clip is not None:
         loss = torch.maximum(loss_unclipped, loss_clipped)
         bound = -advantages * dual_clip
@@ -142,12 +152,21 @@ class ClippedPolicy(Algorithm):
         if self.dual_clip is not None:
             check(self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}")
         if self.delta is not None:
-            check(self.delta > 1 + self.clip_high, f"delta must be > 1 + clip_high = {1 + self.clip_high}, got {self.delta}")
+            check(
+                self.delta > 1 + self.clip_high,
+                f"delta must be > 1 + clip_high = {1 + self.clip_high}, got {self.delta}",
+            )
 
     def ratio(self, batch: TokenBatch, token_log_ratio: Tensor | None = None) -> Tensor:
-        return importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level=self.ratio_level,
-                                max_log_ratio=self.max_log_ratio, token_log_ratio=token_log_ratio,
-                                sequence_parallel=batch.sequence_parallel)
+        return importance_ratio(
+            batch.log_prob,
+            batch.old_log_prob,
+            batch.mask,
+            level=self.ratio_level,
+            max_log_ratio=self.max_log_ratio,
+            token_log_ratio=token_log_ratio,
+            sequence_parallel=batch.sequence_parallel,
+        )
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         token_level = self.ratio_level == "token"
@@ -156,16 +175,27 @@ class ClippedPolicy(Algorithm):
         # (`with_slope`) and the backward pass is one multiply; sequence ratios go through autograd.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not token_level):
             ratio = self.ratio(batch, token_log_ratio if token_level else None)  # no gradient to carry: reused
-            surrogate = clipped_surrogate(ratio, batch.advantages, clip_low=self.clip_low, clip_high=self.clip_high,
-                                          dual_clip=self.dual_clip, delta=self.delta)
+            surrogate = clipped_surrogate(
+                ratio,
+                batch.advantages,
+                clip_low=self.clip_low,
+                clip_high=self.clip_high,
+                dual_clip=self.dual_clip,
+                delta=self.delta,
+            )
         loss = surrogate.loss
         if token_level:
             # ∂ℓ_t/∂log π_t = -Â·r where no bound holds r (then ℓ = -Â·r exactly), else 0.
             free = (surrogate.factor == ratio) & (token_log_ratio.abs() <= self.max_log_ratio)
             loss = with_slope(loss, batch.log_prob, torch.where(free, loss, 0.0))
         count = batch.mask.sum()
-        metrics = clip_metrics(surrogate.clipped_high, surrogate.clipped_low, batch.mask,
-                               None if self.dual_clip is None and self.delta is None else surrogate.clipped_dual, count)
+        metrics = clip_metrics(
+            surrogate.clipped_high,
+            surrogate.clipped_low,
+            batch.mask,
+            None if self.dual_clip is None and self.delta is None else surrogate.clipped_dual,
+            count,
+        )
         metrics |= ratio_metrics(ratio, token_log_ratio, batch.mask, count)
         return PolicyTerms(loss, metrics)
 
@@ -188,12 +218,14 @@ class ClippedPolicy(Algorithm):
         if level == "token":
             ratio = importance_ratio(batch.log_prob, batch.old_log_prob, m, level="token", max_log_ratio=limit)
             inside = (token_log_ratio.abs() <= limit).to(ratio.dtype)
-            return GradientFactor(ratio * clip_factor(ratio, batch.advantages, **clip) * inside,
-                                  "token ratio: f = r·b(r)")
+            return GradientFactor(
+                ratio * clip_factor(ratio, batch.advantages, **clip) * inside, "token ratio: f = r·b(r)"
+            )
         constant = (batch.advantages == batch.advantages[:, :1]) | ~m
         if not bool(constant.all()):
-            return GradientFactor(None, f"ratio_level={level!r} with advantages that vary within a sequence: "
-                                        "no per-token closed form")
+            return GradientFactor(
+                None, f"ratio_level={level!r} with advantages that vary within a sequence: no per-token closed form"
+            )
         product = level == "sequence_product"
         seq_log = sequence_log_ratio(token_log_ratio, m, length_normalized=not product)
         ratio = torch.exp(seq_log.clamp(-limit, limit))
@@ -201,6 +233,7 @@ class ClippedPolicy(Algorithm):
         factor = ratio * clip_factor(ratio, batch.advantages, **clip) * inside
         shared = level in ("sequence", "sequence_product")  # sequence_token: the token's own gradient
         if product:
-            return GradientFactor(factor * m.sum(dim=-1, keepdim=True),
-                                  "whole-sequence ratio: f = |y_i|·ρ_i·b(ρ_i)", per_sequence=shared)
+            return GradientFactor(
+                factor * m.sum(dim=-1, keepdim=True), "whole-sequence ratio: f = |y_i|·ρ_i·b(ρ_i)", per_sequence=shared
+            )
         return GradientFactor(factor, "sequence ratio: f = s_i·b(s_i)", per_sequence=shared)

@@ -29,14 +29,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.output import check
 from ..core.batch import TokenBatch
+from ..core.output import check
 from ..core.ratios import sequence_log_ratio
 from .group_contrast import GroupContrast
 
 
-def real_group_loss(seq_log_ratio: Tensor, seq_advantages: Tensor, valid_rows: Tensor, group_ids: Tensor,
-                    *, tau: float) -> Tensor:
+def real_group_loss(
+    seq_log_ratio: Tensor, seq_advantages: Tensor, valid_rows: Tensor, group_ids: Tensor, *, tau: float
+) -> Tensor:
     """L_{g(i)} for every row i, `[B]` (0 for a group without both signs, and for empty rows).
 
     Args:
@@ -71,7 +72,7 @@ class REAL(GroupContrast):
         check(self.real_tau > 0, f"real_tau must be > 0, got {self.real_tau}")
 
     def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
-        seq = sequence_log_ratio(delta, batch.mask, length_normalized=True,
-                                 sequence_parallel=batch.sequence_parallel).squeeze(-1)
+        seq = sequence_log_ratio(
+            delta, batch.mask, length_normalized=True, sequence_parallel=batch.sequence_parallel
+        ).squeeze(-1)
         return real_group_loss(seq, batch.row_advantages, batch.valid_rows, batch.group_ids, tau=self.real_tau)
-

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..base import Algorithm
 from ..core.batch import TokenBatch
-from ..core.metrics import clip_metrics, token_mean, ratio_metrics
+from ..core.metrics import clip_metrics, ratio_metrics, token_mean
 from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
@@ -46,8 +46,16 @@ REC_CLIP_MODES = ("one-side", "two-side", "ring", "none")
 REC_WEIGHTS = ("none", "importance_sampling", "sequence_importance_sampling", "advantage")
 
 
-def rec_keep(ratio: Tensor, advantages: Tensor, *, mode: str, clip_low: float, clip_high: float,
-             ring_low: float, ring_high: float) -> Tensor:
+def rec_keep(
+    ratio: Tensor,
+    advantages: Tensor,
+    *,
+    mode: str,
+    clip_low: float,
+    clip_high: float,
+    ring_low: float,
+    ring_high: float,
+) -> Tensor:
     """M_t, bool `[B, T]`: the tokens REC keeps (module docstring). `ratio` is r (read detached)."""
     r = ratio.detach()
     inside = (r >= 1.0 - clip_low) & (r <= 1.0 + clip_high)
@@ -106,20 +114,36 @@ class REC(Algorithm):
         check(self.clip_high > 0, f"clip_high must be > 0, got {self.clip_high}")
         check(0 < self.ring_low <= 1, f"ring_low must be in (0, 1], got {self.ring_low}")
         check(self.ring_high > 0, f"ring_high must be > 0, got {self.ring_high}")
-        check(self.rec_clip_mode in REC_CLIP_MODES,
-              f"rec_clip_mode must be one of {REC_CLIP_MODES}, got {self.rec_clip_mode!r}")
+        check(
+            self.rec_clip_mode in REC_CLIP_MODES,
+            f"rec_clip_mode must be one of {REC_CLIP_MODES}, got {self.rec_clip_mode!r}",
+        )
         check(self.rec_weight in REC_WEIGHTS, f"rec_weight must be one of {REC_WEIGHTS}, got {self.rec_weight!r}")
         check(self.rec_temp > 0, f"rec_temp must be > 0, got {self.rec_temp}")
 
     def _parts(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         sequence = None  # the sequence ratio is read by its weight alone (under a sequence group: a collective)
         if self.rec_weight == "sequence_importance_sampling":
-            sequence = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="sequence",
-                                        max_log_ratio=self.max_log_ratio, sequence_parallel=batch.sequence_parallel)
-        keep = rec_keep(ratio, batch.advantages, mode=self.rec_clip_mode, clip_low=self.clip_low,
-                        clip_high=self.clip_high, ring_low=self.ring_low, ring_high=self.ring_high)
+            sequence = importance_ratio(
+                batch.log_prob,
+                batch.old_log_prob,
+                batch.mask,
+                level="sequence",
+                max_log_ratio=self.max_log_ratio,
+                sequence_parallel=batch.sequence_parallel,
+            )
+        keep = rec_keep(
+            ratio,
+            batch.advantages,
+            mode=self.rec_clip_mode,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            ring_low=self.ring_low,
+            ring_high=self.ring_high,
+        )
         weight = rec_weight(ratio, sequence, batch.advantages, weight=self.rec_weight, temp=self.rec_temp)
         return ratio, keep, weight
 

@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
-from ..core.metrics import token_mean, ratio_metrics
+from ..core.metrics import ratio_metrics, token_mean
+from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
@@ -73,8 +73,9 @@ class GPG(Algorithm):
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         return PolicyTerms(reinforce_loss(batch.log_prob, batch.advantages), ratio_metrics(ratio, delta, batch.mask))
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
@@ -93,9 +94,11 @@ class TISPG(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(0 <= self.tis_lower_bound <= self.tis_upper_bound and self.tis_upper_bound > 0,
-               f"tis bounds must satisfy 0 <= tis_lower_bound <= tis_upper_bound, tis_upper_bound > 0; got "
-               f"{self.tis_lower_bound}, {self.tis_upper_bound}")
+        check(
+            0 <= self.tis_lower_bound <= self.tis_upper_bound and self.tis_upper_bound > 0,
+            f"tis bounds must satisfy 0 <= tis_lower_bound <= tis_upper_bound, tis_upper_bound > 0; got "
+            f"{self.tis_lower_bound}, {self.tis_upper_bound}",
+        )
 
     def weights(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
         """The detached per-token weight of -Â·log π_θ (`truncated_weight`)."""
@@ -103,13 +106,13 @@ class TISPG(Algorithm):
 
     def per_token(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
         """ℓ_{i,t} (`tis_pg_loss`)."""
-        return tis_pg_loss(batch.log_prob, ratio, batch.advantages, low=self.tis_lower_bound,
-                           high=self.tis_upper_bound)
+        return tis_pg_loss(batch.log_prob, ratio, batch.advantages, low=self.tis_lower_bound, high=self.tis_upper_bound)
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         weight = self.weights(batch, ratio)
         metrics = ratio_metrics(ratio, delta, batch.mask)
         metrics["is_weight_mean"] = token_mean(weight, batch.mask)
@@ -118,8 +121,9 @@ class TISPG(Algorithm):
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         """f = the detached weight (`weights`)."""
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         return GradientFactor(self.weights(batch, ratio), f"{type(self).__name__}: f = the detached truncated weight")
 
 
@@ -143,5 +147,11 @@ class TOPR(TISPG):
 
     def per_token(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
         """ℓ_{i,t} (`topr_loss`)."""
-        return topr_loss(batch.log_prob, ratio, batch.advantages, self._positive(batch), low=self.tis_lower_bound,
-                         high=self.tis_upper_bound)
+        return topr_loss(
+            batch.log_prob,
+            ratio,
+            batch.advantages,
+            self._positive(batch),
+            low=self.tis_lower_bound,
+            high=self.tis_upper_bound,
+        )

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
-from ..core.metrics import token_mean, ratio_metrics
+from ..core.metrics import ratio_metrics, token_mean
+from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from .closed_form import GradientFactor
 
@@ -56,11 +56,15 @@ class SAPO(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.tau_pos > 0 and self.tau_neg > 0, f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
+        check(
+            self.tau_pos > 0 and self.tau_neg > 0,
+            f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}",
+        )
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
-                                 level="token", max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         loss, gate = sapo_loss(ratio, batch.advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
         metrics = ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
         metrics["sapo_gate_mean"] = token_mean(gate, batch.mask)
@@ -69,8 +73,9 @@ class SAPO(Algorithm):
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         """f = f_τ'(r)·r = 4σ(1-σ)·r where |log r| ≤ max_log_ratio (0 beyond, where r is clamped)."""
         token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask,
-                                 level="token", max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         slope = sapo_slope(ratio, batch.advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
         inside = (token_log_ratio.abs() <= self.max_log_ratio).to(ratio.dtype)
         return GradientFactor(slope * ratio * inside, "SAPO: f = 4σ(1-σ)·r, the soft gate's slope")

@@ -53,8 +53,9 @@ class SPPO(Algorithm):
 
     def _band(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         return delta, ratio, sppo_band(ratio, epsilon=self.sppo_epsilon)
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
@@ -68,5 +69,3 @@ class SPPO(Algorithm):
         """f = 1 inside the band, 0 outside."""
         _, _, inside = self._band(batch)
         return GradientFactor(inside.to(batch.log_prob.dtype), "sPPO: f = 1[1/(1+ε) ≤ r ≤ 1+ε]")
-
-

@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.output import PolicyTerms, check
 from ..core.batch import TokenBatch
-from ..core.metrics import token_mean, ratio_metrics
+from ..core.metrics import ratio_metrics, token_mean
+from ..core.output import PolicyTerms, check
 from ..core.ratios import importance_ratio, log_ratio
 from ..core.sequence_parallel import SequenceParallel, row_sum
 from .closed_form import GradientFactor
@@ -93,8 +93,9 @@ def vespo_phi(
 VESPO_ROLLOUT_MODES = ("raw", "truncate", "mask")
 
 
-def rollout_log_weight(rollout_log_ratio: Tensor, *, mode: str, clip_min: float | None = None,
-                       clip_max: float | None = None) -> Tensor:
+def rollout_log_weight(
+    rollout_log_ratio: Tensor, *, mode: str, clip_min: float | None = None, clip_max: float | None = None
+) -> Tensor:
     """The per-token log-weight VESPO folds into S_i, from log ρ_t = log(π_old/π_rollout), `[B, T]`:
     log ρ_t ("raw"), log clip(ρ_t, clip_min, clip_max) ("truncate") or log ρ_t inside the bounds and
     log 1e-8 outside ("mask"); a bound that is None is absent."""
@@ -150,37 +151,57 @@ class VESPO(Algorithm):
         super().__post_init__()
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        check(self.vespo_rollout_mode in VESPO_ROLLOUT_MODES,
-               f"vespo_rollout_mode must be one of {VESPO_ROLLOUT_MODES}, got {self.vespo_rollout_mode!r}")
+        check(
+            self.vespo_rollout_mode in VESPO_ROLLOUT_MODES,
+            f"vespo_rollout_mode must be one of {VESPO_ROLLOUT_MODES}, got {self.vespo_rollout_mode!r}",
+        )
         low, high = self.vespo_rollout_clip_min, self.vespo_rollout_clip_max
         if self.vespo_rollout_mode == "raw":
-            check(low is None and high is None,
-                   f"vespo_rollout_mode='raw' folds the unbounded ratio and takes no bounds; got "
-                   f"vespo_rollout_clip_min={low}, vespo_rollout_clip_max={high} (use 'truncate' or 'mask')")
+            check(
+                low is None and high is None,
+                f"vespo_rollout_mode='raw' folds the unbounded ratio and takes no bounds; got "
+                f"vespo_rollout_clip_min={low}, vespo_rollout_clip_max={high} (use 'truncate' or 'mask')",
+            )
         else:
-            check(low is not None or high is not None,
-                   f"vespo_rollout_mode={self.vespo_rollout_mode!r} needs vespo_rollout_clip_min or "
-                   f"vespo_rollout_clip_max (TRL's default cap is 3.0)")
+            check(
+                low is not None or high is not None,
+                f"vespo_rollout_mode={self.vespo_rollout_mode!r} needs vespo_rollout_clip_min or "
+                f"vespo_rollout_clip_max (TRL's default cap is 3.0)",
+            )
             check(low is None or low > 0, f"vespo_rollout_clip_min must be > 0 or None, got {low}")
             check(high is None or high > 0, f"vespo_rollout_clip_max must be > 0 or None, got {high}")
-            check(low is None or high is None or low <= high,
-                   f"vespo_rollout_clip_min must be <= vespo_rollout_clip_max, got {low} and {high}")
+            check(
+                low is None or high is None or low <= high,
+                f"vespo_rollout_clip_min must be <= vespo_rollout_clip_max, got {low} and {high}",
+            )
 
     def phi(self, batch: TokenBatch) -> Tensor:
         """sg[φ(w_i)], `[B, T]`, with the rollout log-weight folded into w_i when the call has rollout log-probs."""
         rollout = None
         if batch.rollout_log_prob is not None:
-            rollout = rollout_log_weight(batch.old_log_prob - batch.rollout_log_prob, mode=self.vespo_rollout_mode,
-                                         clip_min=self.vespo_rollout_clip_min, clip_max=self.vespo_rollout_clip_max)
-        return vespo_phi(log_ratio(batch.log_prob, batch.old_log_prob), batch.advantages, batch.mask,
-                         k_pos=self.vespo_k_pos, lambda_pos=self.vespo_lambda_pos, k_neg=self.vespo_k_neg,
-                         lambda_neg=self.vespo_lambda_neg, rollout_log_ratio=rollout,
-                         sequence_parallel=batch.sequence_parallel)
+            rollout = rollout_log_weight(
+                batch.old_log_prob - batch.rollout_log_prob,
+                mode=self.vespo_rollout_mode,
+                clip_min=self.vespo_rollout_clip_min,
+                clip_max=self.vespo_rollout_clip_max,
+            )
+        return vespo_phi(
+            log_ratio(batch.log_prob, batch.old_log_prob),
+            batch.advantages,
+            batch.mask,
+            k_pos=self.vespo_k_pos,
+            lambda_pos=self.vespo_lambda_pos,
+            k_neg=self.vespo_k_neg,
+            lambda_neg=self.vespo_lambda_neg,
+            rollout_log_ratio=rollout,
+            sequence_parallel=batch.sequence_parallel,
+        )
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         phi = self.phi(batch)
-        ratio = importance_ratio(batch.log_prob, batch.old_log_prob, batch.mask, level="token",
-                                 max_log_ratio=self.max_log_ratio)
+        ratio = importance_ratio(
+            batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
+        )
         metrics = ratio_metrics(ratio, log_ratio(batch.log_prob, batch.old_log_prob), batch.mask)
         metrics["vespo_phi_mean"] = token_mean(phi, batch.mask)
         return PolicyTerms(vespo_loss(batch.log_prob, phi, batch.advantages), metrics)

@@ -38,12 +38,12 @@ from typing import Any
 
 from ..algorithms import NAMED, Algorithm, configured, get
 from ..controllers import AdaptiveEntropy
+from ..core.trainer_names import FIELDS, refuse_misspelt
+from ..correction.rollout import RolloutCorrection
 from ..losses.cispo import CISPO
 from ..losses.ppo import ClippedPolicy
 from ..losses.sapo import SAPO
 from ..losses.vespo import VESPO
-from ..correction.rollout import RolloutCorrection
-from ..core.trainer_names import FIELDS, refuse_misspelt
 
 __all__ = ["LOSS_TYPES", "GRPOOptions", "adaptive_entropy", "from_trl", "rollout_correction", "trainer_algorithm"]
 
@@ -54,10 +54,21 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "lusp
 
 _VESPO = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 _VLLM_IS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
-_LOSS_OPTIONS = ("epsilon", "epsilon_high", "delta", "importance_sampling_level", "sapo_temperature_pos",
-                 "sapo_temperature_neg", *_VESPO)
-_ROLLOUT_OPTIONS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
-                    "vllm_importance_sampling_clip_max", "off_policy_mask_threshold")
+_LOSS_OPTIONS = (
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "importance_sampling_level",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    *_VESPO,
+)
+_ROLLOUT_OPTIONS = (
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
+    "off_policy_mask_threshold",
+)
 _IS_LEVELS = {"token": "token", "sequence": "sequence_product"}
 
 
@@ -154,24 +165,33 @@ def _loss_fields(config: Any, family: type[Algorithm], *, only_set: bool) -> tup
         for option in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if chosen(option):
                 fields[_ours(option)] = getattr(config, option)
-        used |= {"sapo_temperature_pos", "sapo_temperature_neg"} | ({"importance_sampling_level"} if not sequence else set())
+        used |= {"sapo_temperature_pos", "sapo_temperature_neg"} | (
+            {"importance_sampling_level"} if not sequence else set()
+        )
     elif issubclass(family, VESPO):  # TRL's VESPO reads no ratio level: its weight is its own
         fields |= {option: getattr(config, option) for option in _VESPO if chosen(option)}
         used |= {*_VESPO, "importance_sampling_level"}
         if config.use_vllm and config.vllm_importance_sampling_correction and any(chosen(o) for o in _VLLM_IS):
             # TRL folds its bounded ratio into VESPO's weight (token_truncate or token_mask, the modes it allows)
             if not config.vllm_importance_sampling_mode.startswith("token_"):
-                raise ValueError(f"VESPO folds a per-token ratio: vllm_importance_sampling_mode must be 'token_truncate' "
-                                 f"or 'token_mask' (TRL refuses the others too), got "
-                                 f"{config.vllm_importance_sampling_mode!r}")
-            fields |= dict(vespo_rollout_mode=config.vllm_importance_sampling_mode.removeprefix("token_"),
-                           vespo_rollout_clip_min=config.vllm_importance_sampling_clip_min,
-                           vespo_rollout_clip_max=config.vllm_importance_sampling_clip_max)
+                raise ValueError(
+                    f"VESPO folds a per-token ratio: vllm_importance_sampling_mode must be 'token_truncate' "
+                    f"or 'token_mask' (TRL refuses the others too), got "
+                    f"{config.vllm_importance_sampling_mode!r}"
+                )
+            fields |= dict(
+                vespo_rollout_mode=config.vllm_importance_sampling_mode.removeprefix("token_"),
+                vespo_rollout_clip_min=config.vllm_importance_sampling_clip_min,
+                vespo_rollout_clip_max=config.vllm_importance_sampling_clip_max,
+            )
     # A set option this family has no meaning for: refused when asked for (only_set), or when TRL's own
     # loss reads it and pgloss's cannot (a sequence ratio for cispo and sapo).
     candidates = _LOSS_OPTIONS if only_set else ("importance_sampling_level",)
-    unused = [option for option in candidates if option not in used and (_is_set(config, option) or (
-        option == "importance_sampling_level" and sequence))]
+    unused = [
+        option
+        for option in candidates
+        if option not in used and (_is_set(config, option) or (option == "importance_sampling_level" and sequence))
+    ]
     return fields, unused
 
 
@@ -200,8 +220,10 @@ def rollout_correction(config: Any) -> RolloutCorrection | None:
     if weighted:
         level, _, how = str(config.vllm_importance_sampling_mode).partition("_")
         if level not in _IS_LEVELS or how not in ("truncate", "mask"):
-            raise ValueError(f"vllm_importance_sampling_mode={config.vllm_importance_sampling_mode!r} is not one of "
-                             "TRL's token_truncate, token_mask, sequence_truncate, sequence_mask")
+            raise ValueError(
+                f"vllm_importance_sampling_mode={config.vllm_importance_sampling_mode!r} is not one of "
+                "TRL's token_truncate, token_mask, sequence_truncate, sequence_mask"
+            )
         lower, upper = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
         if how == "mask" and lower is None and upper is None:
             how = "truncate"  # no band: nothing is masked, the weight is the plain ratio
@@ -216,11 +238,17 @@ def _build(name: str, fields: dict[str, Any], config: Any, options: list[str]) -
     family = NAMED[name][0]
     level = fields.get("ratio_level")
     mode = configured(name, **fields)["loss_agg_mode"]  # the mode get() builds with, as it resolves it
-    if (level == "sequence" and issubclass(family, ClippedPolicy)
-            and family.fixed_agg_mode is ClippedPolicy.fixed_agg_mode and mode != "seq-mean-token-mean"):
-        raise ValueError(f"importance_sampling_level='sequence' with the {name} loss: TRL sums the sequence ratio's "
-                         f"loss over tokens (it warns so), pgloss's sequence ratio is GSPO's, one vote per sequence "
-                         f"(seq-mean-token-mean); use loss_type='grpo' (or algorithm='gspo'), as TRL's warning advises")
+    if (
+        level == "sequence"
+        and issubclass(family, ClippedPolicy)
+        and family.fixed_agg_mode is ClippedPolicy.fixed_agg_mode
+        and mode != "seq-mean-token-mean"
+    ):
+        raise ValueError(
+            f"importance_sampling_level='sequence' with the {name} loss: TRL sums the sequence ratio's "
+            f"loss over tokens (it warns so), pgloss's sequence ratio is GSPO's, one vote per sequence "
+            f"(seq-mean-token-mean); use loss_type='grpo' (or algorithm='gspo'), as TRL's warning advises"
+        )
     try:
         return get(name, generation_budget=float(config.max_completion_length), **fields)
     except (TypeError, ValueError) as error:
@@ -244,39 +272,49 @@ def from_trl(config: Any, *, entropy_mask_applied: bool = False, entropy_control
     config = grpo_options(config)
     problems = _unexpressible(config, entropy_controlled)
     if config.top_entropy_quantile < 1 and not entropy_mask_applied:
-        problems.append(f"top_entropy_quantile={config.top_entropy_quantile} is a token mask, not a field of the "
-                        "loss: apply pgloss.token_masks.top_entropy_mask to the masks before counting the step "
-                        "(PGLossGRPOTrainer does) and call from_trl(config, entropy_mask_applied=True)")
+        problems.append(
+            f"top_entropy_quantile={config.top_entropy_quantile} is a token mask, not a field of the "
+            "loss: apply pgloss.token_masks.top_entropy_mask to the masks before counting the step "
+            "(PGLossGRPOTrainer does) and call from_trl(config, entropy_mask_applied=True)"
+        )
     name = config.loss_type
     if name not in LOSS_TYPES:
         raise ValueError(f"loss_type={name!r} is not one of TRL 1.16's {LOSS_TYPES}")
     fields, unused = _loss_fields(config, NAMED[name][0], only_set=False)
-    problems += [f"{_show(config, [option])} with loss_type={name!r} (pgloss's {name} has no such ratio level)"
-                 for option in unused]
+    problems += [
+        f"{_show(config, [option])} with loss_type={name!r} (pgloss's {name} has no such ratio level)"
+        for option in unused
+    ]
     fields |= _kl_fields(config)
     if fields["kl_correction"] is not None and config.importance_sampling_level == "sequence":
-        problems.append("use_bias_correction_kl=True with importance_sampling_level='sequence' (TRL multiplies k3 "
-                        "by the sequence ratio; pgloss's ratio_weighted KL uses the token ratio): set "
-                        "use_bias_correction_kl=False")
+        problems.append(
+            "use_bias_correction_kl=True with importance_sampling_level='sequence' (TRL multiplies k3 "
+            "by the sequence ratio; pgloss's ratio_weighted KL uses the token ratio): set "
+            "use_bias_correction_kl=False"
+        )
     if problems:
         raise ValueError("pgloss cannot express these TRL options: " + "; ".join(problems))
     fields |= dict(entropy_coef=config.entropy_coef)
     if NAMED[name][0].takes_rollout_correction():
         fields["rollout_correction"] = rollout_correction(config)
     elif config.off_policy_mask_threshold is not None:
-        raise ValueError(f"pgloss cannot express these TRL options: off_policy_mask_threshold with loss_type={name!r} "
-                         f"({name} folds the rollout log-probs into its own weight and takes no rollout correction)")
+        raise ValueError(
+            f"pgloss cannot express these TRL options: off_policy_mask_threshold with loss_type={name!r} "
+            f"({name} folds the rollout log-probs into its own weight and takes no rollout correction)"
+        )
     return _build(name, fields, config, [option for option in ("loss_type", *_LOSS_OPTIONS) if _is_set(config, option)])
 
 
 def _unexpressible(config: Any, entropy_controlled: bool) -> list[str]:
     problems = []
     if config.use_adaptive_entropy and not entropy_controlled:
-        problems.append("use_adaptive_entropy=True (the entropy coefficient moves between steps from the measured "
-                        "entropy; one Algorithm's entropy_coef is fixed): step "
-                        "pgloss.trainer_options.trl.adaptive_entropy(config) once per optimizer step, take each "
-                        "step's algorithm from its .algorithm(...) and call from_trl(config, entropy_controlled=True) "
-                        "(PGLossGRPOTrainer does), or set use_adaptive_entropy=False and a fixed entropy_coef")
+        problems.append(
+            "use_adaptive_entropy=True (the entropy coefficient moves between steps from the measured "
+            "entropy; one Algorithm's entropy_coef is fixed): step "
+            "pgloss.trainer_options.trl.adaptive_entropy(config) once per optimizer step, take each "
+            "step's algorithm from its .algorithm(...) and call from_trl(config, entropy_controlled=True) "
+            "(PGLossGRPOTrainer does), or set use_adaptive_entropy=False and a fixed entropy_coef"
+        )
     return problems
 
 
@@ -287,12 +325,19 @@ def adaptive_entropy(config: Any) -> AdaptiveEntropy | None:
     if not config.use_adaptive_entropy:
         return None
     try:
-        return AdaptiveEntropy(config.entropy_coef, target=config.entropy_target, delta=config.entropy_coef_delta,
-                               coef_min=config.entropy_coef_min, coef_max=config.entropy_coef_max)
+        return AdaptiveEntropy(
+            config.entropy_coef,
+            target=config.entropy_target,
+            delta=config.entropy_coef_delta,
+            coef_min=config.entropy_coef_min,
+            coef_max=config.entropy_coef_max,
+        )
     except (TypeError, ValueError) as error:
-        raise ValueError(f"use_adaptive_entropy with entropy_target={config.entropy_target}, entropy_coef_delta="
-                         f"{config.entropy_coef_delta}, entropy_coef_min={config.entropy_coef_min}, entropy_coef_max="
-                         f"{config.entropy_coef_max}: {error}") from error
+        raise ValueError(
+            f"use_adaptive_entropy with entropy_target={config.entropy_target}, entropy_coef_delta="
+            f"{config.entropy_coef_delta}, entropy_coef_min={config.entropy_coef_min}, entropy_coef_max="
+            f"{config.entropy_coef_max}: {error}"
+        ) from error
 
 
 def trainer_algorithm(config: Any, algorithm: str | Algorithm | None) -> Algorithm:
@@ -317,12 +362,17 @@ def trainer_algorithm(config: Any, algorithm: str | Algorithm | None) -> Algorit
         if algorithm not in NAMED:
             get(algorithm)  # the registry's own error, listing the names
         if _is_set(config, "loss_type") and config.loss_type != algorithm:
-            problems.append(f"loss_type={config.loss_type!r} with algorithm={algorithm!r} (the loss is the algorithm's): "
-                            f"pass algorithm={config.loss_type!r}, or algorithm=None to take it from loss_type, or leave "
-                            "loss_type at its default")
+            problems.append(
+                f"loss_type={config.loss_type!r} with algorithm={algorithm!r} (the loss is the algorithm's): "
+                f"pass algorithm={config.loss_type!r}, or algorithm=None to take it from loss_type, or leave "
+                "loss_type at its default"
+            )
         fields, unused = _loss_fields(config, NAMED[algorithm][0], only_set=True)
-        problems += [f"{_show(config, [option])} (pgloss's {algorithm} has no field of that meaning: leave it at its "
-                     "default, or pass algorithm=None to take the loss from loss_type)" for option in unused]
+        problems += [
+            f"{_show(config, [option])} (pgloss's {algorithm} has no field of that meaning: leave it at its "
+            "default, or pass algorithm=None to take the loss from loss_type)"
+            for option in unused
+        ]
         if _is_set(config, "beta"):
             fields |= _kl_fields(config)
         if config.entropy_coef != 0:
@@ -343,28 +393,36 @@ def _conflicts(config: Any, algorithm: Algorithm) -> list[str]:
     """TRL options set away from their defaults to values the given Algorithm does not have."""
     conflicts = []
     if _is_set(config, "loss_type") and config.loss_type != algorithm.name:
-        conflicts.append(f"loss_type={config.loss_type!r} (the loss is the algorithm's, {algorithm.name}): leave "
-                         "loss_type at its default, or pass algorithm=None to take the loss from loss_type")
+        conflicts.append(
+            f"loss_type={config.loss_type!r} (the loss is the algorithm's, {algorithm.name}): leave "
+            "loss_type at its default, or pass algorithm=None to take the loss from loss_type"
+        )
     fields, unused = _loss_fields(config, type(algorithm), only_set=True)
     if _is_set(config, "beta"):
         fields |= _kl_fields(config)
     if config.entropy_coef != 0:
         fields["entropy_coef"] = config.entropy_coef
-    conflicts += [f"{_show(config, [option])} ({type(algorithm).__name__} has no field of that meaning: leave it at "
-                  "its default)" for option in unused]
+    conflicts += [
+        f"{_show(config, [option])} ({type(algorithm).__name__} has no field of that meaning: leave it at its default)"
+        for option in unused
+    ]
     for field, value in fields.items():
         if getattr(algorithm, field) != value:
-            conflicts.append(f"a TRL option meaning {field}={value!r} (the algorithm has {field}="
-                             f"{getattr(algorithm, field)!r}: set it on the algorithm, dataclasses.replace(algorithm, "
-                             f"{field}={value!r}), or leave the TRL option at its default)")
+            conflicts.append(
+                f"a TRL option meaning {field}={value!r} (the algorithm has {field}="
+                f"{getattr(algorithm, field)!r}: set it on the algorithm, dataclasses.replace(algorithm, "
+                f"{field}={value!r}), or leave the TRL option at its default)"
+            )
     return conflicts
 
 
 def _with_rollout_correction(config: Any, algorithm: Algorithm) -> Algorithm:
     if algorithm.rollout_use == "own weight":  # VESPO folds the rollout log-probs into its own weight
         if config.off_policy_mask_threshold is not None:
-            raise ValueError(f"PGLossGRPOTrainer cannot honour: off_policy_mask_threshold with {algorithm.name}, which "
-                             "takes no rollout correction")
+            raise ValueError(
+                f"PGLossGRPOTrainer cannot honour: off_policy_mask_threshold with {algorithm.name}, which "
+                "takes no rollout correction"
+            )
         return algorithm
     theirs = rollout_correction(config)
     if theirs is None or algorithm.rollout_correction == theirs:
@@ -373,10 +431,16 @@ def _with_rollout_correction(config: Any, algorithm: Algorithm) -> Algorithm:
         return dataclasses.replace(algorithm, rollout_correction=theirs)
     asked = [option for option in _ROLLOUT_OPTIONS if _is_set(config, option)]
     if asked:
-        raise ValueError(f"PGLossGRPOTrainer cannot honour: {_show(config, asked)} beside the algorithm's own "
-                         f"rollout_correction={algorithm.rollout_correction} (two corrections of one sampler): keep the "
-                         "algorithm's with vllm_importance_sampling_correction=False and those options at their "
-                         "defaults, or TRL's with dataclasses.replace(algorithm, rollout_correction=None)")
-    _log.warning("%s carries its own rollout_correction (%s), used instead of TRL's default vLLM importance sampling "
-                 "(%s).", algorithm.name, algorithm.rollout_correction, _show(config, _ROLLOUT_OPTIONS[:3]))
+        raise ValueError(
+            f"PGLossGRPOTrainer cannot honour: {_show(config, asked)} beside the algorithm's own "
+            f"rollout_correction={algorithm.rollout_correction} (two corrections of one sampler): keep the "
+            "algorithm's with vllm_importance_sampling_correction=False and those options at their "
+            "defaults, or TRL's with dataclasses.replace(algorithm, rollout_correction=None)"
+        )
+    _log.warning(
+        "%s carries its own rollout_correction (%s), used instead of TRL's default vLLM importance sampling (%s).",
+        algorithm.name,
+        algorithm.rollout_correction,
+        _show(config, _ROLLOUT_OPTIONS[:3]),
+    )
     return algorithm

@@ -30,11 +30,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..algorithms import NAMED, Algorithm, get, names
-from ..correction.rollout import Rejection, RolloutCorrection
 from ..core.aggregate import needs_budget
 from ..core.trainer_names import VALUES, closest, refuse_misspelt, translate_value
+from ..correction.rollout import Rejection, RolloutCorrection
 
-__all__ = ["LOSS_MODES", "PREFIX", "VARIANTS", "algorithm_from_verl", "config_get", "from_verl", "rollout_correction_from_verl"]
+__all__ = [
+    "LOSS_MODES",
+    "PREFIX",
+    "VARIANTS",
+    "algorithm_from_verl",
+    "config_get",
+    "from_verl",
+    "rollout_correction_from_verl",
+]
 
 PREFIX = "pgloss_"
 """pgloss's losses are verl loss_modes `pgloss_<name>`."""
@@ -71,13 +79,29 @@ ACTOR_FIELDS: dict[str, tuple[str, ...]] = {
 POLICY_LOSS_FIELDS = ("dro_beta", "ppo_kl_coef", "kl_cov_ratio", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")
 """verl `PolicyLossConfig` fields that have a pgloss field of the same name and meaning."""
 
-VERL_FALLBACKS = {"ppo_kl_coef": 1.0, "kl_cov_ratio": 2e-4, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0,
-                  "clip_cov_ub": 5.0}
+VERL_FALLBACKS = {
+    "ppo_kl_coef": 1.0,
+    "kl_cov_ratio": 2e-4,
+    "clip_cov_ratio": 2e-4,
+    "clip_cov_lb": 1.0,
+    "clip_cov_ub": 5.0,
+}
 """What verl's loss uses when the policy_loss field is None (`dro_beta` has none: verl refuses)."""
 
-READ_KEYS = {"actor": (*ACTOR_FIELDS, "clip_ratio", "loss_agg_mode", "loss_scale_factor", "use_kl_loss", "kl_loss_coef",
-                       "kl_loss_type", "entropy_coeff", "policy_loss"),
-             "policy_loss": ("loss_mode", "rollout_correction", *POLICY_LOSS_FIELDS)}
+READ_KEYS = {
+    "actor": (
+        *ACTOR_FIELDS,
+        "clip_ratio",
+        "loss_agg_mode",
+        "loss_scale_factor",
+        "use_kl_loss",
+        "kl_loss_coef",
+        "kl_loss_type",
+        "entropy_coeff",
+        "policy_loss",
+    ),
+    "policy_loss": ("loss_mode", "rollout_correction", *POLICY_LOSS_FIELDS),
+}
 """The keys of verl's actor config and of its `policy_loss` that pgloss reads: a dict's key a typo away from one
 of them is refused (`trainer_names.misspelt`), not ignored."""
 
@@ -129,8 +153,9 @@ def _rejections(options: Any, thresholds: Any) -> tuple[Rejection, ...]:
     if len(specs) == 1:
         specs = specs * len(names_)
     if len(specs) != len(names_):
-        raise ValueError(f"rollout_correction.rollout_rs_threshold needs one value or one per option of "
-                         f"{names_}, got {thresholds!r}")
+        raise ValueError(
+            f"rollout_correction.rollout_rs_threshold needs one value or one per option of {names_}, got {thresholds!r}"
+        )
     out = []
     for option, spec in zip(names_, specs):
         lower, upper = _ratio_bounds(f"rollout_rs_threshold of {option}", spec, ratio=option.endswith("k1"))
@@ -159,24 +184,28 @@ def rollout_correction_from_verl(config: Any, *, bypass: bool | None = None) -> 
     weight: dict[str, Any] = dict(weight_level=None)
     if level is not None and threshold is not None:
         lower, upper = _ratio_bounds("rollout_correction.rollout_is_threshold", threshold, ratio=True)
-        weight = dict(weight_level=levels[level], upper=upper, lower=lower,
-                      weight_mode="truncate" if lower is None else "mask")
+        weight = dict(
+            weight_level=levels[level], upper=upper, lower=lower, weight_mode="truncate" if lower is None else "mask"
+        )
     normalize = bool(config_get(config, "rollout_is_batch_normalize", False)) and weight["weight_level"] is not None
     if normalize and bypass:
-        raise ValueError("rollout_correction.rollout_is_batch_normalize with bypass_mode has no pgloss equivalent: "
-                         "the weight then depends on π_θ, and verl normalises it per micro-batch, so the step "
-                         "depends on how it is cut")
+        raise ValueError(
+            "rollout_correction.rollout_is_batch_normalize with bypass_mode has no pgloss equivalent: "
+            "the weight then depends on π_θ, and verl normalises it per micro-batch, so the step "
+            "depends on how it is cut"
+        )
     rejection = _rejections(config_get(config, "rollout_rs", None), config_get(config, "rollout_rs_threshold", None))
     if weight["weight_level"] is None and not rejection and not bypass:
         return None
-    return RolloutCorrection(**weight, rejection=rejection, bypass=bypass, batch_normalize=normalize,
-                             max_log_ratio=20.0)
+    return RolloutCorrection(
+        **weight, rejection=rejection, bypass=bypass, batch_normalize=normalize, max_log_ratio=20.0
+    )
 
 
 def _named(mode: str) -> tuple[str | None, Algorithm | None]:
     """(pgloss name, registered variant) for a verl loss_mode, or a refusal."""
     if mode.startswith(PREFIX):
-        key = mode[len(PREFIX):]
+        key = mode[len(PREFIX) :]
         if key in VARIANTS:
             return None, VARIANTS[key]
         if key in names():
@@ -248,8 +277,13 @@ def algorithm_from_verl(
     if family is None:
         raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(names())}")
     own = {f.name for f in dataclasses.fields(family)}
-    label = (f"policy_loss.loss_mode={mode!r}" if verl_native else f"{PREFIX}{name}" if name is not None
-             else f"the variant {algorithm.name!r}")
+    label = (
+        f"policy_loss.loss_mode={mode!r}"
+        if verl_native
+        else f"{PREFIX}{name}"
+        if name is not None
+        else f"the variant {algorithm.name!r}"
+    )
 
     values: dict[str, Any] = {}
     agg = loss_agg_mode if loss_agg_mode is not None else config_get(config, "loss_agg_mode", "token-mean")
@@ -273,8 +307,9 @@ def algorithm_from_verl(
         if value is None and field in VERL_FALLBACKS and not registered:
             value = VERL_FALLBACKS[field]
         if value is None and not registered:
-            raise ValueError(f"{label} needs policy_loss.{field} > 0 (verl refuses it unset; pgloss uses no default "
-                             "in verl's place)")
+            raise ValueError(
+                f"{label} needs policy_loss.{field} > 0 (verl refuses it unset; pgloss uses no default in verl's place)"
+            )
         if value is not None:
             values[field] = _float(f"policy_loss.{field}", value)
 
@@ -283,31 +318,43 @@ def algorithm_from_verl(
         if scale is not None:
             values["norm_constant"] = _float("loss_scale_factor", scale)
         elif not (base_is_variant and algorithm.norm_constant is not None):
-            raise ValueError(f"{label}: loss_agg_mode {values['loss_agg_mode']!r} needs actor.loss_scale_factor (the "
-                             "generation budget, e.g. data.max_response_length); verl would divide by each "
-                             "micro-batch's padded width, which pgloss never does")
+            raise ValueError(
+                f"{label}: loss_agg_mode {values['loss_agg_mode']!r} needs actor.loss_scale_factor (the "
+                "generation budget, e.g. data.max_response_length); verl would divide by each "
+                "micro-batch's padded width, which pgloss never does"
+            )
 
     forced = FORCED_MODES.get(mode) if verl_native else None
     extra = not policy_only and (config_get(config, "use_kl_loss", False) or config_get(config, "entropy_coeff", 0.0))
     if forced is not None and extra and agg != forced:
-        raise ValueError(f"{label}: verl aggregates this policy term {forced!r} but its KL and entropy terms with "
-                         f"loss_agg_mode={agg!r}; a pgloss algorithm aggregates every term one way: set "
-                         f"loss_agg_mode={forced!r}")
+        raise ValueError(
+            f"{label}: verl aggregates this policy term {forced!r} but its KL and entropy terms with "
+            f"loss_agg_mode={agg!r}; a pgloss algorithm aggregates every term one way: set "
+            f"loss_agg_mode={forced!r}"
+        )
     if policy_only:
         values |= dict(kl_coef=0.0, entropy_coef=0.0)
     else:
         if config_get(config, "use_kl_loss", False):
             kind = config_get(config, "kl_loss_type", "low_var_kl")
-            verl_kinds = (*VALUES["kl_estimator"], *(k + plus for k in ("k1", "k2", "k3", "abs") for plus in ("", "+")),
-                          "full")
+            verl_kinds = (
+                *VALUES["kl_estimator"],
+                *(k + plus for k in ("k1", "k2", "k3", "abs") for plus in ("", "+")),
+                "full",
+            )
             if kind not in verl_kinds:
-                raise ValueError(f"kl_loss_type={kind!r} is not one of verl's KL types {verl_kinds}"
-                                 f"{closest(kind, verl_kinds)}")
+                raise ValueError(
+                    f"kl_loss_type={kind!r} is not one of verl's KL types {verl_kinds}{closest(kind, verl_kinds)}"
+                )
             estimator = translate_value("kl_estimator", kind)
             if estimator == "full":
-                raise ValueError("kl_loss_type 'full' is not implemented by verl 0.9.1 (NotImplementedError); for the "
-                                 "exact KL use pgloss's kl_estimator='full' with full_kl")
-            values |= dict(kl_coef=_float("kl_loss_coef", config_get(config, "kl_loss_coef", 0.001)), kl_estimator=estimator)
+                raise ValueError(
+                    "kl_loss_type 'full' is not implemented by verl 0.9.1 (NotImplementedError); for the "
+                    "exact KL use pgloss's kl_estimator='full' with full_kl"
+                )
+            values |= dict(
+                kl_coef=_float("kl_loss_coef", config_get(config, "kl_loss_coef", 0.001)), kl_estimator=estimator
+            )
         else:
             values["kl_coef"] = 0.0
         values["entropy_coef"] = _float("entropy_coeff", config_get(config, "entropy_coeff", 0.0))

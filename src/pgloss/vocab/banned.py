@@ -22,10 +22,10 @@ Under a soft-cap c a −inf bias is the finite logit c · tanh(−∞) = −c, n
 
 from __future__ import annotations
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
-BANNED_LOGIT = -(2.0 ** 64)
+BANNED_LOGIT = -(2.0**64)
 LOG_PROB_FLOOR = -1e4
 
 

@@ -26,8 +26,17 @@ class HeadChunks:
     dtype, handed out as a `kernels.RawTile` for a kernel to apply the head to, and the gradient it gets back
     is already ∂L/∂(x Wᵀ + b)."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, kind: HeadKind, chunk_size: int,
-                 dtype: torch.dtype, width: int | None = None, kernel: bool = False) -> None:
+    def __init__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        kind: HeadKind,
+        chunk_size: int,
+        dtype: torch.dtype,
+        width: int | None = None,
+        kernel: bool = False,
+    ) -> None:
         self.weight, self.bias, self.kind, self.kernel = weight, bias, kind, kernel
         rows = min(hidden.shape[0], chunk_size)
         width = weight.shape[0] if width is None else min(width, weight.shape[0])
@@ -56,8 +65,17 @@ class HeadChunks:
             slope = self.slope[: m * k].view(m, k)
         return clamp_banned_(self.kind.transform_(z, bias, temperature, slope))
 
-    def apply_grad(self, grad: Tensor, x: Tensor, grad_hidden: Tensor | None, grad_weight: Tensor | None,
-                   grad_bias: Tensor | None, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
+    def apply_grad(
+        self,
+        grad: Tensor,
+        x: Tensor,
+        grad_hidden: Tensor | None,
+        grad_weight: Tensor | None,
+        grad_bias: Tensor | None,
+        first: bool,
+        cols: slice | None = None,
+        first_col: bool = True,
+    ) -> None:
         """The tile's ∂L/∂logits (before τ) through the head's kind to ∂L/∂r = G, then
         grad_hidden ← G W[cols] for this tile's rows (+= after the first column tile);
         grad_weight[cols] ← Gᵀ x and grad_bias[cols] ← Σ_rows G (first row chunk), or += after.
@@ -160,9 +178,18 @@ class HeadRows:
 
     arity = 3
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int, dtype: torch.dtype,
-                 width: int | None = None, kind: HeadKind = PLAIN, kernel: bool = False,
-                 valid: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        chunk_size: int,
+        dtype: torch.dtype,
+        width: int | None = None,
+        kind: HeadKind = PLAIN,
+        kernel: bool = False,
+        valid: Tensor | None = None,
+    ) -> None:
         self.hidden, self.weight, self.bias, self.dtype, self.vocab = hidden, weight, bias, dtype, weight.shape[0]
         self.valid, self._rows, self._x = valid, None, None
         self.head = HeadChunks(hidden, weight, bias, kind, chunk_size, dtype, width, kernel)
@@ -179,32 +206,46 @@ class HeadRows:
             self._rows, self._x = rows, torch.where(self.valid[rows, None], self.hidden[rows], 0.0)
         return self._x
 
-    def chunk(self, rows: slice, temperature: float, for_grad: bool = False,
-              cols: slice | None = None) -> Tensor | RawTile:
+    def chunk(
+        self, rows: slice, temperature: float, for_grad: bool = False, cols: slice | None = None
+    ) -> Tensor | RawTile:
         return self.head.logits(self.x_rows(rows), temperature, cols)
 
     def begin_backward(self, needs: tuple[bool, ...]) -> None:
         rows = self.hidden.shape[0]
         over_tiles, over_chunks = (summed and self.weight.dtype != self.dtype for summed in self.sums)
         if needs[0]:
-            self.grad_hidden = torch.empty(self.hidden.shape, dtype=self.dtype if over_tiles else self.hidden.dtype,
-                                           device=self.hidden.device)
+            self.grad_hidden = torch.empty(
+                self.hidden.shape, dtype=self.dtype if over_tiles else self.hidden.dtype, device=self.hidden.device
+            )
         if needs[1]:
-            self.grad_weight = head_grad_buffer(self.weight, self.dtype if over_chunks else self.weight.dtype, rows=rows)
+            self.grad_weight = head_grad_buffer(
+                self.weight, self.dtype if over_chunks else self.weight.dtype, rows=rows
+            )
         if len(needs) > 2 and needs[2]:
             self.grad_bias = head_grad_buffer(self.bias, self.dtype, rows=rows)
         self.head.keep_slope = True
 
     def send(self, rows: slice, grad: Tensor, first: bool, cols: slice | None = None, first_col: bool = True) -> None:
-        self.head.apply_grad(grad, self.x_rows(rows), None if self.grad_hidden is None else self.grad_hidden[rows],
-                             self.grad_weight, self.grad_bias, first, cols, first_col)
+        self.head.apply_grad(
+            grad,
+            self.x_rows(rows),
+            None if self.grad_hidden is None else self.grad_hidden[rows],
+            self.grad_weight,
+            self.grad_bias,
+            first,
+            cols,
+            first_col,
+        )
 
     def gradients(self) -> tuple[Tensor | None, ...]:
         grad_hidden = self.grad_hidden
         if grad_hidden is not None and self.valid is not None:
             grad_hidden = torch.where(self.valid[:, None], grad_hidden, 0.0)
-        return tuple(None if g is None else g.to(p.dtype) for g, p in
-                     ((grad_hidden, self.hidden), (self.grad_weight, self.weight), (self.grad_bias, self.bias)))
+        return tuple(
+            None if g is None else g.to(p.dtype)
+            for g, p in ((grad_hidden, self.hidden), (self.grad_weight, self.weight), (self.grad_bias, self.bias))
+        )
 
 
 def source_class(kind) -> type:
@@ -233,8 +274,9 @@ def _columns(vocab: int, vocab_block: int):
         yield slice(start, min(start + vocab_block, vocab)), start == 0
 
 
-def forward_rows(statistic, sources: list, rows: slice, temperature: float, vocab_block: int,
-                 values: list[Tensor]) -> list[Tensor] | None:
+def forward_rows(
+    statistic, sources: list, rows: slice, temperature: float, vocab_block: int, values: list[Tensor]
+) -> list[Tensor] | None:
     """The statistic's per-token values for one chunk of tokens, into `values[...][rows]`.
 
     Untiled (`vocab_block` >= V): one [chunk, V] block per source, returned (a caller may reuse it
@@ -253,19 +295,31 @@ def forward_rows(statistic, sources: list, rows: slice, temperature: float, voca
     return None
 
 
-def backward_rows(statistic, sources: list, rows: slice, temperature: float, vocab_block: int,
-                  values: list[Tensor], grads, first: bool, zs: list[Tensor] | None = None) -> None:
+def backward_rows(
+    statistic,
+    sources: list,
+    rows: slice,
+    temperature: float,
+    vocab_block: int,
+    values: list[Tensor],
+    grads,
+    first: bool,
+    zs: list[Tensor] | None = None,
+) -> None:
     """One chunk's ∂L/∂z sent back to the first source, tile by tile (recomputing each tile's logits),
     or from the forward's whole-vocabulary blocks `zs` when given."""
     vocab = sources[0].vocab
     if vocab_block >= vocab:
         if zs is None:
-            zs = [sources[0].chunk(rows, temperature, for_grad=True)] + [s.chunk(rows, temperature) for s in sources[1:]]
+            zs = [sources[0].chunk(rows, temperature, for_grad=True)] + [
+                s.chunk(rows, temperature) for s in sources[1:]
+            ]
         sources[0].send(rows, statistic.grad(zs, rows, values, grads, temperature), first=first)
         return
     for cols, first_col in _columns(vocab, vocab_block):
-        zs = ([sources[0].chunk(rows, temperature, for_grad=True, cols=cols)]
-              + [s.chunk(rows, temperature, cols=cols) for s in sources[1:]])
+        zs = [sources[0].chunk(rows, temperature, for_grad=True, cols=cols)] + [
+            s.chunk(rows, temperature, cols=cols) for s in sources[1:]
+        ]
         grad = statistic.tile_grad(zs, rows, cols, values, grads, temperature)
         sources[0].send(rows, grad, first=first, cols=cols, first_col=first_col)
 
@@ -313,15 +367,23 @@ class ChunkLoop(torch.autograd.Function):
         valid, *saved = ctx.saved_tensors
         n_inputs = sum(source_class(k).arity for k in kinds)
         tensors, values = saved[:n_inputs], saved[n_inputs:]
-        needs = ctx.needs_input_grad[5:5 + ctx.arity]
+        needs = ctx.needs_input_grad[5 : 5 + ctx.arity]
         nothing = (None,) * (5 + n_inputs)
         if all(g is None for g in grads) or not any(needs):
             return nothing
         sources = _sources(kinds, tensors, chunk_size, vocab_block, values[0].dtype, ctx.kernel, valid)
         sources[0].begin_backward(needs)
         for start in range(0, tensors[0].shape[0], chunk_size):
-            backward_rows(statistic, sources, slice(start, start + chunk_size), temperature, vocab_block, values,
-                          grads, first=start == 0)
+            backward_rows(
+                statistic,
+                sources,
+                slice(start, start + chunk_size),
+                temperature,
+                vocab_block,
+                values,
+                grads,
+                first=start == 0,
+            )
         return (None,) * 5 + sources[0].gradients() + (None,) * (n_inputs - ctx.arity)
 
 
@@ -330,7 +392,7 @@ def _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel: bool = Fals
     for kind in kinds:
         cls = source_class(kind)
         extra = (kind, kernel, valid) if cls is HeadRows else ()
-        sources.append(cls(*tensors[at:at + cls.arity], chunk_size, dtype, vocab_block, *extra))
+        sources.append(cls(*tensors[at : at + cls.arity], chunk_size, dtype, vocab_block, *extra))
         at += cls.arity
     return sources
 
@@ -360,9 +422,17 @@ def _positive_int(name: str, value) -> int | None:
     return value
 
 
-def plan_tiles(tokens: int, vocab: int, *, chunk_size: int | None = None, vocab_block: int | None = None,
-               memory_budget: int | None = None, buffers: int = 1, itemsize: int = 4,
-               kernel: bool = False) -> tuple[int, int]:
+def plan_tiles(
+    tokens: int,
+    vocab: int,
+    *,
+    chunk_size: int | None = None,
+    vocab_block: int | None = None,
+    memory_budget: int | None = None,
+    buffers: int = 1,
+    itemsize: int = 4,
+    kernel: bool = False,
+) -> tuple[int, int]:
     """(tokens per chunk, vocabulary columns per tile) for a loop over `tokens` x `vocab` logits.
 
     Explicit `chunk_size` / `vocab_block` are taken as they are (None: about 2²⁷ / V tokens, the
@@ -388,8 +458,9 @@ def plan_tiles(tokens: int, vocab: int, *, chunk_size: int | None = None, vocab_
     per_value = itemsize * (buffers if kernel else buffers + 2)
     elements = CHUNK_ELEMENTS * buffers if memory_budget is None else memory_budget // per_value
     if elements < 1:
-        raise ValueError(f"memory_budget must hold at least one value per buffer ({per_value} bytes), "
-                         f"got {memory_budget}")
+        raise ValueError(
+            f"memory_budget must hold at least one value per buffer ({per_value} bytes), got {memory_budget}"
+        )
     vocab = max(1, vocab)
     if kernel:
         rows = min(max(1, tokens), KERNEL_ROWS, elements)

@@ -58,9 +58,9 @@ from ..core.output import LossOutput
 from . import kernels
 from .banned import BANNED_LOGIT
 from .chunks import ChunkLoop
-from .head import HeadOptions, as_head
 from .entropy import _blocks, check_temperature
 from .full_kl import FullKL, KernelFullKL, check_logit_pair, head_pair, pair_tiles
+from .head import HeadOptions, as_head
 
 __all__ = ["divergence_from_logits", "divergence_from_hidden"]
 
@@ -69,8 +69,10 @@ def check_beta(beta: object) -> float:
     """β as a float in [0, 1]: TypeError for a non-number, ValueError outside the interval."""
     beta = check_number("beta", beta)
     if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1] (0: forward KL(teacher‖student), 1: reverse KL(student‖teacher), "
-                         f"between: the generalised JSD), got {beta}")
+        raise ValueError(
+            f"beta must be in [0, 1] (0: forward KL(teacher‖student), 1: reverse KL(student‖teacher), "
+            f"between: the generalised JSD), got {beta}"
+        )
     return beta
 
 
@@ -100,8 +102,9 @@ class ForwardKL(FullKL):
             p.sub_(q).mul_(scale[block])
         return z
 
-    def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
-                  temperature: float) -> Tensor:
+    def tile_grad(
+        self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
+    ) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse
 
 
@@ -164,8 +167,15 @@ class GeneralisedJSD:
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # JSD, lse_S, lse_T, KL(p_S‖m)
 
-    def _store(self, rows: slice, values: list[Tensor], lse: Tensor, lse_teacher: Tensor, kl_teacher: Tensor,
-               kl_student: Tensor) -> None:
+    def _store(
+        self,
+        rows: slice,
+        values: list[Tensor],
+        lse: Tensor,
+        lse_teacher: Tensor,
+        kl_teacher: Tensor,
+        kl_student: Tensor,
+    ) -> None:
         jsd, lse_out, lse_teacher_out, kl_student_out = values
         jsd[rows] = self.beta * kl_teacher + (1.0 - self.beta) * kl_student
         lse_out[rows], lse_teacher_out[rows], kl_student_out[rows] = lse, lse_teacher, kl_student
@@ -203,8 +213,9 @@ class GeneralisedJSD:
             log_p.exp_().mul_(shift).mul_(scale[block])
         return z
 
-    def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
-                  temperature: float) -> Tensor:
+    def tile_grad(
+        self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
+    ) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse and KL(p_S‖m)
 
 
@@ -231,16 +242,24 @@ class KernelJSD(GeneralisedJSD):
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         _, lse, lse_teacher, kl_student = (v[rows] for v in values)
-        return kernels.pair_backward(*zs, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD,
-                                     beta=self.beta)
+        return kernels.pair_backward(
+            *zs, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD, beta=self.beta
+        )
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)
 
 
-def _divergence(beta: float, kinds: tuple, temperature: float, tiles: tuple[int, int], vocab: int,
-                student: tuple[Tensor | None, ...], teacher: tuple[Tensor | None, ...],
-                valid: Tensor | None = None) -> Tensor:
+def _divergence(
+    beta: float,
+    kinds: tuple,
+    temperature: float,
+    tiles: tuple[int, int],
+    vocab: int,
+    student: tuple[Tensor | None, ...],
+    teacher: tuple[Tensor | None, ...],
+    valid: Tensor | None = None,
+) -> Tensor:
     """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached; hidden states read only
     at `valid` rows (None: all)."""
     teacher = _detached(teacher)
@@ -250,8 +269,9 @@ def _divergence(beta: float, kinds: tuple, temperature: float, tiles: tuple[int,
         statistic = ForwardKL()
     elif tiles[1] < vocab:  # vocabulary tiles: the two log-normalisers first
         with torch.no_grad():
-            normalisers = ChunkLoop.apply(Normalisers(), kinds, temperature, tiles, valid, *_detached(student),
-                                          *teacher)
+            normalisers = ChunkLoop.apply(
+                Normalisers(), kinds, temperature, tiles, valid, *_detached(student), *teacher
+            )
         statistic = GeneralisedJSD(beta, normalisers)
     else:
         statistic = GeneralisedJSD(beta)
@@ -262,8 +282,9 @@ def _detached(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
     return tuple(None if t is None else t.detach() for t in tensors)
 
 
-def _output(per_token: Tensor, mask: Tensor, loss_agg_mode: str, normalizer: Normalizer | None,
-            norm_constant: float | None) -> LossOutput:
+def _output(
+    per_token: Tensor, mask: Tensor, loss_agg_mode: str, normalizer: Normalizer | None, norm_constant: float | None
+) -> LossOutput:
     per_token = torch.where(mask, per_token, 0.0)
     loss = aggregate(per_token, mask, loss_agg_mode, normalizer=normalizer, norm_constant=norm_constant)
     count = mask.sum()
@@ -316,10 +337,24 @@ def divergence_from_logits(
     mask = check_mask(mask, student_logits.shape[:2], student_logits.device, "student_logits")
     beta, temperature = check_beta(beta), check_temperature(temperature)
     batch, length, vocab = student_logits.shape
-    tiles = pair_tiles(batch * length, vocab, student_logits.dtype, head=False, chunk_size=chunk_size,
-                       vocab_block=vocab_block, memory_budget=memory_budget)
-    per_token = _divergence(beta, ("logits", "logits"), temperature, tiles, vocab,
-                            (student_logits.reshape(-1, vocab),), (teacher_logits.reshape(-1, vocab),))
+    tiles = pair_tiles(
+        batch * length,
+        vocab,
+        student_logits.dtype,
+        head=False,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+    )
+    per_token = _divergence(
+        beta,
+        ("logits", "logits"),
+        temperature,
+        tiles,
+        vocab,
+        (student_logits.reshape(-1, vocab),),
+        (teacher_logits.reshape(-1, vocab),),
+    )
     return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
 
 
@@ -384,9 +419,18 @@ def divergence_from_hidden(
     """
     check_tensor("mask", mask, ndim=(2,), floating=False)  # required here (None would mean every position)
     kinds, tiles, student, teacher, mask = head_pair(
-        hidden, weight, teacher_hidden, teacher_weight, "teacher", head=as_head(head, bias, logit_scale, softcap),
+        hidden,
+        weight,
+        teacher_hidden,
+        teacher_weight,
+        "teacher",
+        head=as_head(head, bias, logit_scale, softcap),
         other_head=as_head(teacher_head, teacher_bias, teacher_logit_scale, teacher_softcap, prefix="teacher_"),
-        mask=mask, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+        mask=mask,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+    )
     beta, temperature = check_beta(beta), check_temperature(temperature)
     per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher, mask.reshape(-1))
     return _output(per_token.view(hidden.shape[:2]), mask, loss_agg_mode, normalizer, norm_constant)

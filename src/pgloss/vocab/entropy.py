@@ -24,7 +24,6 @@ Methods for Deep Reinforcement Learning" (2016), https://arxiv.org/abs/1602.0178
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 
@@ -78,8 +77,14 @@ def check_targets(targets: Tensor, shape: torch.Size, vocab_size: int, valid: Te
         bad = (targets < 0) | (targets >= vocab_size)
         return bad if valid is None else bad & valid.to(bad.device)
 
-    check_values(targets, outside, lambda at: f"targets must be token ids in [0, {vocab_size}) at valid positions, "
-                                              f"got {int(targets[tuple(at)])} at {tuple(at.tolist())}")
+    check_values(
+        targets,
+        outside,
+        lambda at: (
+            f"targets must be token ids in [0, {vocab_size}) at valid positions, "
+            f"got {int(targets[tuple(at)])} at {tuple(at.tolist())}"
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -242,15 +247,19 @@ class LogProbEntropy:
         """lse, H, ∂L/∂log π(y) (0 where log π(y) was floored: `banned.floored_grad`) and ∂L/∂H of `rows`."""
         log_prob, entropy, lse = values
         grad_log_prob, grad_entropy = grads
-        return (lse[rows], entropy[rows], floored_grad(log_prob[rows], None if grad_log_prob is None else
-                                                       grad_log_prob[rows]),
-                None if grad_entropy is None else grad_entropy[rows])
+        return (
+            lse[rows],
+            entropy[rows],
+            floored_grad(log_prob[rows], None if grad_log_prob is None else grad_log_prob[rows]),
+            None if grad_entropy is None else grad_entropy[rows],
+        )
 
     def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         return chunk_grad_logits(zs[0], self.targets[rows], *self.upstream(rows, values, grads), temperature)
 
-    def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
-                  temperature: float) -> Tensor:
+    def tile_grad(
+        self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
+    ) -> Tensor:
         local, hit = tile_target(self.targets[rows], cols)
         return chunk_grad_logits(zs[0], local, *self.upstream(rows, values, grads), temperature, hit)
 
@@ -271,8 +280,9 @@ class KernelLogProbEntropy(LogProbEntropy):
         return self.tile_grad(zs, rows, slice(0, zs[0].r.shape[1]), values, grads, temperature)
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        return kernels.log_prob_entropy_backward(zs[0], self.targets[rows], cols.start,
-                                                 *self.upstream(rows, values, grads))
+        return kernels.log_prob_entropy_backward(
+            zs[0], self.targets[rows], cols.start, *self.upstream(rows, values, grads)
+        )
 
 
 def log_prob_and_entropy(
@@ -320,10 +330,17 @@ def log_prob_and_entropy(
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
-    tiles = plan_tiles(logits.numel() // vocab, vocab, chunk_size=chunk_size, vocab_block=vocab_block,
-                       memory_budget=memory_budget, itemsize=8 if logits.dtype == torch.float64 else 4)
-    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(targets.reshape(-1).long()), ("logits",), temperature,
-                                        tiles, None, logits.reshape(-1, vocab))
+    tiles = plan_tiles(
+        logits.numel() // vocab,
+        vocab,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+        itemsize=8 if logits.dtype == torch.float64 else 4,
+    )
+    log_prob, entropy = ChunkLoop.apply(
+        LogProbEntropy(targets.reshape(-1).long()), ("logits",), temperature, tiles, None, logits.reshape(-1, vocab)
+    )
     return log_prob.view(lead), entropy.view(lead)
 
 
@@ -338,6 +355,6 @@ def sum_pi_squared(logits: Tensor, *, temperature: float = 1.0, chunk_size: int 
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):
-        z = flat[start:start + chunk_size].to(dtype) / temperature
-        out[start:start + chunk_size] = torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+        z = flat[start : start + chunk_size].to(dtype) / temperature
+        out[start : start + chunk_size] = torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
     return out.reshape(logits.shape[:-1])

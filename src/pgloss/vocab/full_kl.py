@@ -31,8 +31,8 @@ from torch import Tensor
 from ..core.batch import check_mask, compute_dtype
 from . import kernels
 from .chunks import ChunkLoop, plan_tiles
-from .head import Head, HeadKind, HeadOptions, as_head
 from .entropy import _blocks, check_temperature, online_max
+from .head import Head, HeadKind, HeadOptions, as_head
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
 
@@ -51,8 +51,9 @@ def chunk_full_kl(z: Tensor, z_ref: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return kl, lse, lse_ref
 
 
-def chunk_full_kl_grad(z: Tensor, z_ref: Tensor, lse: Tensor, lse_ref: Tensor, kl: Tensor, grad_kl: Tensor,
-                       temperature: float) -> Tensor:
+def chunk_full_kl_grad(
+    z: Tensor, z_ref: Tensor, lse: Tensor, lse_ref: Tensor, kl: Tensor, grad_kl: Tensor, temperature: float
+) -> Tensor:
     """∂L/∂logits [n, V] = (g/τ)·π·(log π - log ρ - KL), written into `z` (and `z_ref` used as scratch)."""
     scale = (grad_kl / temperature).unsqueeze(-1)
     for rows, _ in _blocks(z, 0):
@@ -126,8 +127,9 @@ class FullKL:
         kl, lse, lse_ref = values
         return chunk_full_kl_grad(*zs, lse[rows], lse_ref[rows], kl[rows], grads[0][rows], temperature)
 
-    def tile_grad(self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads,
-                  temperature: float) -> Tensor:
+    def tile_grad(
+        self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
+    ) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given lse, lse_ref and KL
 
 
@@ -187,35 +189,70 @@ def check_head_pair(hidden: object, weight: object, other_hidden: object, other_
         if w.device != x.device:
             raise ValueError(f"{name} is on {w.device} but its hidden states are on {x.device}")
     if other_hidden.shape[:2] != hidden.shape[:2]:
-        raise ValueError(f"{other}_hidden must have shape [{hidden.shape[0]}, {hidden.shape[1]}, H'], "
-                         f"got {tuple(other_hidden.shape)}")
+        raise ValueError(
+            f"{other}_hidden must have shape [{hidden.shape[0]}, {hidden.shape[1]}, H'], "
+            f"got {tuple(other_hidden.shape)}"
+        )
     if other_weight.shape[0] != weight.shape[0] or weight.shape[0] < 1:
-        raise ValueError(f"weight and {other}_weight must share a vocabulary V >= 1, got {weight.shape[0]} and "
-                         f"{other_weight.shape[0]}")
+        raise ValueError(
+            f"weight and {other}_weight must share a vocabulary V >= 1, got {weight.shape[0]} and "
+            f"{other_weight.shape[0]}"
+        )
     if compute_dtype(other_weight.dtype) != compute_dtype(weight.dtype):
-        raise TypeError(f"{other}_weight computes in {compute_dtype(other_weight.dtype)} but weight in "
-                        f"{compute_dtype(weight.dtype)}")
+        raise TypeError(
+            f"{other}_weight computes in {compute_dtype(other_weight.dtype)} but weight in "
+            f"{compute_dtype(weight.dtype)}"
+        )
 
 
-def pair_tiles(tokens: int, vocab: int, dtype: torch.dtype, *, head: bool, chunk_size: int | None,
-               vocab_block: int | None, memory_budget: int | None, softcap: bool = False,
-               kernel: bool = False) -> tuple[int, int]:
+def pair_tiles(
+    tokens: int,
+    vocab: int,
+    dtype: torch.dtype,
+    *,
+    head: bool,
+    chunk_size: int | None,
+    vocab_block: int | None,
+    memory_budget: int | None,
+    softcap: bool = False,
+    kernel: bool = False,
+) -> tuple[int, int]:
     """`chunks.plan_tiles` for a loop over two sources (the trained model and a frozen one) whose first
     input has `dtype`: given logits, or an LM head (`head`), whose half-precision parameters add a
     matmul buffer per source; a soft-capped trained head (`softcap`) adds its slope's buffer. On the kernel
     route (`kernel`) the two heads' raw tiles in `dtype` are the buffers."""
     if kernel:
-        return plan_tiles(tokens, vocab, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget,
-                          buffers=2, itemsize=torch.finfo(dtype).bits // 8, kernel=True)
+        return plan_tiles(
+            tokens,
+            vocab,
+            chunk_size=chunk_size,
+            vocab_block=vocab_block,
+            memory_budget=memory_budget,
+            buffers=2,
+            itemsize=torch.finfo(dtype).bits // 8,
+            kernel=True,
+        )
     compute = compute_dtype(dtype)
     buffers = 2 * (2 if head and dtype != compute else 1) + int(softcap)
-    return plan_tiles(tokens, vocab, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget,
-                      buffers=buffers, itemsize=torch.finfo(compute).bits // 8)
+    return plan_tiles(
+        tokens,
+        vocab,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+        buffers=buffers,
+        itemsize=torch.finfo(compute).bits // 8,
+    )
 
 
 def full_kl_from_logits(
-    logits: Tensor, ref_logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None,
-    vocab_block: int | None = None, memory_budget: int | None = None,
+    logits: Tensor,
+    ref_logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    vocab_block: int | None = None,
+    memory_budget: int | None = None,
 ) -> Tensor:
     """KL(π‖π_ref) = Σᵥ πᵥ (log πᵥ - log π_ref,ᵥ) at every position, chunked; gradient to `logits` only.
 
@@ -231,8 +268,16 @@ def full_kl_from_logits(
     Returns:
         [...] the exact KL per position, float32 (float64 for float64 logits).
     """
-    return pair_from_logits(FullKL(), logits, ref_logits, "ref", temperature=temperature, chunk_size=chunk_size,
-                            vocab_block=vocab_block, memory_budget=memory_budget)
+    return pair_from_logits(
+        FullKL(),
+        logits,
+        ref_logits,
+        "ref",
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+    )
 
 
 def full_kl_from_hidden(
@@ -283,11 +328,21 @@ def full_kl_from_hidden(
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block (a
             soft-capped policy adds one buffer, its slope).
     """
-    return pair_from_hidden(FullKL(), hidden, weight, ref_hidden, ref_weight, "ref",
-                            head=as_head(head, bias, logit_scale, softcap),
-                            other_head=as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_"),
-                            temperature=temperature, mask=mask, chunk_size=chunk_size, vocab_block=vocab_block,
-                            memory_budget=memory_budget)
+    return pair_from_hidden(
+        FullKL(),
+        hidden,
+        weight,
+        ref_hidden,
+        ref_weight,
+        "ref",
+        head=as_head(head, bias, logit_scale, softcap),
+        other_head=as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_"),
+        temperature=temperature,
+        mask=mask,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,23 +352,56 @@ def full_kl_from_hidden(
 # ---------------------------------------------------------------------------------------
 
 
-def pair_from_logits(statistic, logits: Tensor, other_logits: Tensor, other: str, *, temperature: float,
-                     chunk_size: int | None, vocab_block: int | None, memory_budget: int | None) -> Tensor:
+def pair_from_logits(
+    statistic,
+    logits: Tensor,
+    other_logits: Tensor,
+    other: str,
+    *,
+    temperature: float,
+    chunk_size: int | None,
+    vocab_block: int | None,
+    memory_budget: int | None,
+) -> Tensor:
     """`statistic` per position of `logits` [..., V] against `{other}_logits` of the same shape."""
     check_logit_pair(logits, other_logits, names=("logits", f"{other}_logits"))
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
-    tiles = pair_tiles(logits.numel() // vocab, vocab, logits.dtype, head=False, chunk_size=chunk_size,
-                       vocab_block=vocab_block, memory_budget=memory_budget)
-    values = ChunkLoop.apply(statistic, ("logits", "logits"), temperature, tiles, None,
-                             logits.reshape(-1, vocab), other_logits.detach().reshape(-1, vocab))
+    tiles = pair_tiles(
+        logits.numel() // vocab,
+        vocab,
+        logits.dtype,
+        head=False,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+    )
+    values = ChunkLoop.apply(
+        statistic,
+        ("logits", "logits"),
+        temperature,
+        tiles,
+        None,
+        logits.reshape(-1, vocab),
+        other_logits.detach().reshape(-1, vocab),
+    )
     return values.view(logits.shape[:-1])
 
 
-def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor, other: str, *,
-              head: Head, other_head: Head, mask: Tensor | None, chunk_size: int | None, vocab_block: int | None,
-              memory_budget: int | None) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple,
-                                                  Tensor | None]:
+def head_pair(
+    hidden: Tensor,
+    weight: Tensor,
+    other_hidden: Tensor,
+    other_weight: Tensor,
+    other: str,
+    *,
+    head: Head,
+    other_head: Head,
+    mask: Tensor | None,
+    chunk_size: int | None,
+    vocab_block: int | None,
+    memory_budget: int | None,
+) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple, Tensor | None]:
     """The two heads of a loop (each as its call spelled it, `head.as_head`), checked (`check_head_pair`, then
     each head's options by `head.Head.check` against its weight, the other's named `{other}_weight`): their
     kinds, the tiles (`pair_tiles`), each model's loop inputs (hidden states as [N, H] rows, weight, bias), the
@@ -323,23 +411,57 @@ def head_pair(hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight
     kinds = (head.check(weight), other_head.check(other_weight, f"{other}_weight"))
     bias, other_bias = head.bias, other_head.bias
     tokens = hidden.shape[0] * hidden.shape[1]
-    tiles = pair_tiles(tokens, weight.shape[0], weight.dtype, head=True, chunk_size=chunk_size,
-                       vocab_block=vocab_block, memory_budget=memory_budget, softcap=kinds[0].softcap is not None,
-                       kernel=kernels.route(FullKL, kinds, weight) == "kernel")
+    tiles = pair_tiles(
+        tokens,
+        weight.shape[0],
+        weight.dtype,
+        head=True,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+        softcap=kinds[0].softcap is not None,
+        kernel=kernels.route(FullKL, kinds, weight) == "kernel",
+    )
     first = (hidden.reshape(tokens, hidden.shape[-1]), weight, bias)
-    second = (other_hidden.detach().reshape(tokens, other_hidden.shape[-1]), other_weight.detach(),
-              None if other_bias is None else other_bias.detach())
+    second = (
+        other_hidden.detach().reshape(tokens, other_hidden.shape[-1]),
+        other_weight.detach(),
+        None if other_bias is None else other_bias.detach(),
+    )
     return kinds, tiles, first, second, valid
 
 
-def pair_from_hidden(statistic, hidden: Tensor, weight: Tensor, other_hidden: Tensor, other_weight: Tensor,
-                     other: str, *, head: Head, other_head: Head, temperature: float, mask: Tensor | None,
-                     chunk_size: int | None, vocab_block: int | None, memory_budget: int | None) -> Tensor:
+def pair_from_hidden(
+    statistic,
+    hidden: Tensor,
+    weight: Tensor,
+    other_hidden: Tensor,
+    other_weight: Tensor,
+    other: str,
+    *,
+    head: Head,
+    other_head: Head,
+    temperature: float,
+    mask: Tensor | None,
+    chunk_size: int | None,
+    vocab_block: int | None,
+    memory_budget: int | None,
+) -> Tensor:
     """`statistic` per position [B, T] of the head (`weight` and `head`) on `hidden` against the other model's
     head on `{other}_hidden` (`head_pair`); 0 where `mask` (None: every position) is not."""
     kinds, tiles, first, second, valid = head_pair(
-        hidden, weight, other_hidden, other_weight, other, head=head, other_head=other_head, mask=mask,
-        chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+        hidden,
+        weight,
+        other_hidden,
+        other_weight,
+        other,
+        head=head,
+        other_head=other_head,
+        mask=mask,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+    )
     temperature = check_temperature(temperature)
     rows = None if valid is None else valid.reshape(-1)
     values = ChunkLoop.apply(statistic, kinds, temperature, tiles, rows, *first, *second).view(hidden.shape[:2])

@@ -44,14 +44,14 @@ import torch
 from torch import Tensor
 
 from ..core.aggregate import Normalizer
+from ..core.batch import check_mask, compute_dtype
 from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.output import LossOutput
-from ..core.batch import check_mask, compute_dtype
 from ..kl.corrections import FULL
 from .chunks import ChunkLoop, HeadRows, backward_rows, forward_rows, plan_tiles
+from .entropy import LogProbEntropy, check_targets, check_temperature
 from .head import Head, HeadKind, HeadOptions, as_head, head_given
 from .kernels import route
-from .entropy import LogProbEntropy, check_targets, check_temperature
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
 
@@ -142,14 +142,31 @@ def log_prob_and_entropy_from_hidden(
         (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
         hidden, weight and bias (whichever requires grad).
     """
-    return _log_prob_and_entropy(hidden, weight, targets, as_head(head, bias, logit_scale, softcap),
-                                 temperature=temperature, mask=mask, chunk_size=chunk_size, vocab_block=vocab_block,
-                                 memory_budget=memory_budget)
+    return _log_prob_and_entropy(
+        hidden,
+        weight,
+        targets,
+        as_head(head, bias, logit_scale, softcap),
+        temperature=temperature,
+        mask=mask,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+    )
 
 
-def _log_prob_and_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, head: Head, *, temperature: float,
-                          mask: Tensor | None, chunk_size: int | None, vocab_block: int | None,
-                          memory_budget: int | None) -> tuple[Tensor, Tensor]:
+def _log_prob_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    head: Head,
+    *,
+    temperature: float,
+    mask: Tensor | None,
+    chunk_size: int | None,
+    vocab_block: int | None,
+    memory_budget: int | None,
+) -> tuple[Tensor, Tensor]:
     """`log_prob_and_entropy_from_hidden` for a head already taken from the call's spelling (`head.as_head`)."""
     weight = full_head(weight)
     head = head.with_bias(full_head(head.bias))
@@ -159,8 +176,16 @@ def _log_prob_and_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, head:
     batch, length, size = hidden.shape
     tiles = head_tiles(batch * length, weight, chunk_size, vocab_block, memory_budget, kind)
     rows = None if valid is None else valid.reshape(-1)
-    log_prob, entropy = ChunkLoop.apply(LogProbEntropy(valid_targets(targets, valid).reshape(-1)), (kind,),
-                                        temperature, tiles, rows, hidden.reshape(batch * length, size), weight, bias)
+    log_prob, entropy = ChunkLoop.apply(
+        LogProbEntropy(valid_targets(targets, valid).reshape(-1)),
+        (kind,),
+        temperature,
+        tiles,
+        rows,
+        hidden.reshape(batch * length, size),
+        weight,
+        bias,
+    )
     log_prob, entropy = log_prob.view(batch, length), entropy.view(batch, length)
     if valid is None:
         return log_prob, entropy
@@ -174,18 +199,38 @@ def valid_targets(targets: Tensor, valid: Tensor | None) -> Tensor:
     return torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device)).long()
 
 
-def head_tiles(tokens: int, weight: Tensor, chunk_size: int | None, vocab_block: int | None,
-               memory_budget: int | None, kind: HeadKind) -> tuple[int, int]:
+def head_tiles(
+    tokens: int,
+    weight: Tensor,
+    chunk_size: int | None,
+    vocab_block: int | None,
+    memory_budget: int | None,
+    kind: HeadKind,
+) -> tuple[int, int]:
     """`plan_tiles` for one LM head like `weight`: on the torch route a logits buffer in the compute dtype, one
     more for the matmul's output in a half-precision head's own dtype, and one for a soft-cap's slope; on the
     kernel route the matmul's output alone."""
     if route(LogProbEntropy, (kind,), weight) == "kernel":
-        return plan_tiles(tokens, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
-                          memory_budget=memory_budget, itemsize=weight.element_size(), kernel=True)
+        return plan_tiles(
+            tokens,
+            weight.shape[0],
+            chunk_size=chunk_size,
+            vocab_block=vocab_block,
+            memory_budget=memory_budget,
+            itemsize=weight.element_size(),
+            kernel=True,
+        )
     dtype = compute_dtype(weight.dtype)
     buffers = (1 if weight.dtype == dtype else 2) + int(kind.softcap is not None)
-    return plan_tiles(tokens, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block,
-                      memory_budget=memory_budget, buffers=buffers, itemsize=torch.finfo(dtype).bits // 8)
+    return plan_tiles(
+        tokens,
+        weight.shape[0],
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        memory_budget=memory_budget,
+        buffers=buffers,
+        itemsize=torch.finfo(dtype).bits // 8,
+    )
 
 
 class _AttachGradients(torch.autograd.Function):
@@ -215,8 +260,9 @@ def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
     return None if value is None else value[rows]
 
 
-def _loss_one_pass(algorithm, hidden, weight, bias, kind, targets, temperature, chunk_rows, vocab_block, normalizer,
-                   batch):
+def _loss_one_pass(
+    algorithm, hidden, weight, bias, kind, targets, temperature, chunk_rows, vocab_block, normalizer, batch
+):
     """Row chunks of whole sequences: each chunk's loss, with the step's `normalizer`, is its exact
     share of the batch loss (split invariance), so its ∂L/∂log π and ∂L/∂H are known as soon as its
     logits are, and G W, Gᵀ x follow without recomputing them: 6NHV flops instead of 8NHV. With
@@ -232,8 +278,17 @@ def _loss_one_pass(algorithm, hidden, weight, bias, kind, targets, temperature, 
     kernel = route(statistic, (kind,), weight) == "kernel"
     if kernel:  # its Triton twin, on the head's raw tiles
         statistic = statistic.kernel()
-    source = HeadRows(x_all, weight.detach(), None if bias is None else bias.detach(), chunk_rows * length, dtype,
-                      vocab_block, kind, kernel, valid=batch["mask"].reshape(-1))
+    source = HeadRows(
+        x_all,
+        weight.detach(),
+        None if bias is None else bias.detach(),
+        chunk_rows * length,
+        dtype,
+        vocab_block,
+        kind,
+        kernel,
+        valid=batch["mask"].reshape(-1),
+    )
     source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
     values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
@@ -246,8 +301,12 @@ def _loss_one_pass(algorithm, hidden, weight, bias, kind, targets, temperature, 
         with torch.enable_grad():
             lp_leaf = values[0][tokens].view(shape).detach().requires_grad_()
             ent_leaf = values[1][tokens].view(shape).detach().requires_grad_(with_entropy)
-            out = algorithm(log_prob=lp_leaf, entropy=ent_leaf, normalizer=normalizer,
-                            **{key: _rows(value, rows) for key, value in batch.items()})
+            out = algorithm(
+                log_prob=lp_leaf,
+                entropy=ent_leaf,
+                normalizer=normalizer,
+                **{key: _rows(value, rows) for key, value in batch.items()},
+            )
             chunk_grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
         for whole, part in zip(grads, chunk_grads):
             whole[tokens] = part.reshape(-1)
@@ -330,8 +389,10 @@ def loss_from_hidden(
             vocab_block; the chunk and tile are chosen from it (`pgloss.vocab.chunks.plan_tiles`).
     """
     check_names(inputs, PASSED_INPUTS)
-    head, ref = as_head(head, bias, logit_scale, softcap), as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap,
-                                                                   prefix="ref_")
+    head, ref = (
+        as_head(head, bias, logit_scale, softcap),
+        as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_"),
+    )
     weight = full_head(weight)
     head = head.with_bias(full_head(head.bias))
     valid = _check_inputs(hidden, weight, targets, mask)
@@ -348,8 +409,12 @@ def loss_from_hidden(
         return value.to(dtype) if floating else value
 
     # The mask as bool, checked once here rather than again by every chunk's call.
-    batch = dict(old_log_prob=cast(old_log_prob), advantages=advantages, mask=valid,
-                 **{name: cast(value) for name, value in inputs.items() if value is not None})
+    batch = dict(
+        old_log_prob=cast(old_log_prob),
+        advantages=advantages,
+        mask=valid,
+        **{name: cast(value) for name, value in inputs.items() if value is not None},
+    )
     exact_kl = algorithm.kl_estimator == FULL and (algorithm.kl_coef != 0 or ref_hidden is not None)
     if exact_kl:
         if ref_hidden is None or ref_weight is None:
@@ -357,22 +422,45 @@ def loss_from_hidden(
         from .full_kl import FullKL, pair_from_hidden
 
         batch["full_kl"] = pair_from_hidden(
-            FullKL(), hidden, weight, ref_hidden, full_head(ref_weight), "ref", head=head,
-            other_head=ref.with_bias(full_head(ref.bias)), temperature=temperature, mask=valid, **sizes)
-    elif (ref_hidden is not None or ref_weight is not None
-          or head_given(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_")):
-        raise ValueError(f"ref_hidden and ref_weight (and the reference head: ref_head, or ref_bias, ref_logit_scale, "
-                         f"ref_softcap) are for kl_estimator='full'; {algorithm.name} has "
-                         f"kl_estimator={algorithm.kl_estimator!r} (pass ref_log_prob)")
+            FullKL(),
+            hidden,
+            weight,
+            ref_hidden,
+            full_head(ref_weight),
+            "ref",
+            head=head,
+            other_head=ref.with_bias(full_head(ref.bias)),
+            temperature=temperature,
+            mask=valid,
+            **sizes,
+        )
+    elif (
+        ref_hidden is not None
+        or ref_weight is not None
+        or head_given(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_")
+    ):
+        raise ValueError(
+            f"ref_hidden and ref_weight (and the reference head: ref_head, or ref_bias, ref_logit_scale, "
+            f"ref_softcap) are for kl_estimator='full'; {algorithm.name} has "
+            f"kl_estimator={algorithm.kl_estimator!r} (pass ref_log_prob)"
+        )
     length = hidden.shape[1]
     params = (hidden, weight) if bias is None else (hidden, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     if not needs_grad or length == 0 or length > chunk_size or algorithm.couples_rows or exact_kl:
         # Sequences longer than a chunk, row-coupled losses and the exact KL: log π and H by token chunks, one
         # call for the batch, logits recomputed in backward.
-        log_prob, entropy = _log_prob_and_entropy(hidden, weight, safe_targets, head, temperature=temperature,
-                                                  mask=valid, chunk_size=chunk_size, vocab_block=vocab_block,
-                                                  memory_budget=None)
+        log_prob, entropy = _log_prob_and_entropy(
+            hidden,
+            weight,
+            safe_targets,
+            head,
+            temperature=temperature,
+            mask=valid,
+            chunk_size=chunk_size,
+            vocab_block=vocab_block,
+            memory_budget=None,
+        )
         return algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
 
     step = normalizer
@@ -380,8 +468,18 @@ def loss_from_hidden(
         step = algorithm.whole_step_normalizer(valid, batch["old_log_prob"], **inputs)
     with torch.no_grad():
         log_prob, entropy, *grads = _loss_one_pass(
-            algorithm, hidden, weight, bias, kind, safe_targets, temperature, chunk_size // length, vocab_block, step,
-            batch)
+            algorithm,
+            hidden,
+            weight,
+            bias,
+            kind,
+            safe_targets,
+            temperature,
+            chunk_size // length,
+            vocab_block,
+            step,
+            batch,
+        )
         out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=step, **batch)
     loss = _AttachGradients.apply(out.loss, hidden, weight, bias, *grads)
     return dataclasses.replace(out, loss=loss)

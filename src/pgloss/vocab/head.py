@@ -102,8 +102,10 @@ class Head:
             if not isinstance(bias, Tensor):
                 raise TypeError(f"{prefix}bias must be a Tensor or None, got {type(bias).__name__}")
             if bias.shape != weight.shape[:1]:
-                raise ValueError(f"{prefix}bias must have shape [V] = [{weight.shape[0]}] (the rows of "
-                                 f"{weight_name}), got {tuple(bias.shape)}")
+                raise ValueError(
+                    f"{prefix}bias must have shape [V] = [{weight.shape[0]}] (the rows of "
+                    f"{weight_name}), got {tuple(bias.shape)}"
+                )
             if bias.dtype != weight.dtype:
                 raise TypeError(f"{prefix}bias has dtype {bias.dtype} but {weight_name} has {weight.dtype}")
             if bias.device != weight.device:
@@ -119,12 +121,20 @@ def _spelled(bias: object, logit_scale: object, softcap: object, prefix: str) ->
     """The keywords of a head given other than at their defaults (no tensor value is read; a logit scale that
     is no number is refused by name)."""
     plain_scale = check_number(f"{prefix}logit_scale", logit_scale) == 1.0
-    return [name for name, given in (("bias", bias is not None), ("logit_scale", not plain_scale),
-                                     ("softcap", softcap is not None)) if given]
+    return [
+        name
+        for name, given in (
+            ("bias", bias is not None),
+            ("logit_scale", not plain_scale),
+            ("softcap", softcap is not None),
+        )
+        if given
+    ]
 
 
-def as_head(head: object, bias: object = None, logit_scale: object = 1.0, softcap: object = None, *,
-            prefix: str = "") -> Head:
+def as_head(
+    head: object, bias: object = None, logit_scale: object = 1.0, softcap: object = None, *, prefix: str = ""
+) -> Head:
     """The one converter of a head's spelling: the record `{prefix}head` (a `HeadOptions`), or its keywords
     `{prefix}bias`, `{prefix}logit_scale`, `{prefix}softcap`, as a `Head` whose errors name what the caller
     wrote. Both at once (a keyword other than its default beside the record) is refused, naming them."""
@@ -135,8 +145,10 @@ def as_head(head: object, bias: object = None, logit_scale: object = 1.0, softca
     spelled = _spelled(bias, logit_scale, softcap, prefix)
     if spelled:
         keywords = ", ".join(f"{prefix}{name}" for name in spelled)
-        raise ValueError(f"{prefix}head and {keywords} both describe the head: pass {prefix}head=HeadOptions(...) "
-                         f"alone, or the keywords {prefix}bias, {prefix}logit_scale, {prefix}softcap alone")
+        raise ValueError(
+            f"{prefix}head and {keywords} both describe the head: pass {prefix}head=HeadOptions(...) "
+            f"alone, or the keywords {prefix}bias, {prefix}logit_scale, {prefix}softcap alone"
+        )
     return Head(head, f"{prefix}head.")
 
 

@@ -49,7 +49,7 @@ TRITON = importlib.util.find_spec("triton") is not None  # read once: compiled c
 
 
 def route(statistic, kinds, weight: Tensor) -> str:
-    """"kernel" or "torch" for a loop of `statistic` (or its class) over sources of `kinds` (a `head.HeadKind`
+    """ "kernel" or "torch" for a loop of `statistic` (or its class) over sources of `kinds` (a `head.HeadKind`
     each, or "logits"), the trained model's source defined by `weight` (its LM head; its logits for a logits
     source): its device and dtype. The kernel route needs LM-head sources, a statistic with a kernel twin (its
     `kernel` method) and a float32 or half-precision head."""
@@ -57,17 +57,21 @@ def route(statistic, kinds, weight: Tensor) -> str:
     if chosen == "torch":
         return "torch"
     device, dtype = weight.device, weight.dtype
-    possible = (all(kind != "logits" for kind in kinds) and hasattr(statistic, "kernel") and dtype in KERNEL_DTYPES)
+    possible = all(kind != "logits" for kind in kinds) and hasattr(statistic, "kernel") and dtype in KERNEL_DTYPES
     if chosen == "auto":
         return "kernel" if possible and device.type == "cuda" and TRITON else "torch"
     if not possible:
-        raise ValueError(f"the kernel route runs LM-head sources in float32, bfloat16 or float16 with a statistic "
-                         f"that has a kernel twin; got {type(statistic).__name__} on {kinds} in {dtype}")
+        raise ValueError(
+            f"the kernel route runs LM-head sources in float32, bfloat16 or float16 with a statistic "
+            f"that has a kernel twin; got {type(statistic).__name__} on {kinds} in {dtype}"
+        )
     if not TRITON:
         raise RuntimeError("the kernel route needs Triton (pip install triton)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"the kernel route on {device.type} tensors runs only in Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before triton is imported")
+        raise RuntimeError(
+            f"the kernel route on {device.type} tensors runs only in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before triton is imported"
+        )
     return "kernel"
 
 
@@ -85,8 +89,14 @@ class RawTile:
         """The kernels' per-head arguments: the tile, its row stride, its bias and the bias's stride (a view of
         any stride, 0 for an expanded one: read where it lies, never copied), scale and soft-cap."""
         kind, bias = self.kind, self.bias
-        return (self.r, self.r.stride(0), self.r if bias is None else bias, 0 if bias is None else bias.stride(0),
-                kind.scale, 1.0 if kind.softcap is None else kind.softcap)
+        return (
+            self.r,
+            self.r.stride(0),
+            self.r if bias is None else bias,
+            0 if bias is None else bias.stride(0),
+            kind.scale,
+            1.0 if kind.softcap is None else kind.softcap,
+        )
 
     def flags(self) -> tuple[bool, bool]:
         """HAS_BIAS, SOFTCAP of the kernels for this head."""
@@ -103,16 +113,18 @@ def _kernels():
 # there (65,535 on y and z, the limit an unchunked loss of 65,536 tokens met in Liger-Kernel #1294). Every
 # offset of a row (in the tile, the targets, the running state) is 64-bit, so a tile past 2³¹ elements does
 # not wrap (Cut Cross-Entropy #39); a column within a row is 32-bit, hence at most `MAX_WIDTH` columns a tile.
-GRID_X = 2 ** 31 - 1
+GRID_X = 2**31 - 1
 WIDEST_BLOCK = 2048
-MAX_WIDTH = 2 ** 31 - WIDEST_BLOCK  # the last block's columns, start + [0, BLOCK), stay below 2³¹
+MAX_WIDTH = 2**31 - WIDEST_BLOCK  # the last block's columns, start + [0, BLOCK), stay below 2³¹
 
 
 def grid(rows: int) -> tuple[int]:
     """The launch grid of a tile of `rows` rows: one program per row on the x axis."""
     if rows > GRID_X:
-        raise ValueError(f"chunk_size gives a chunk of {rows} rows, one program each on the grid's x axis, at most "
-                         f"{GRID_X} (CUDA's limit): pass a smaller chunk_size")
+        raise ValueError(
+            f"chunk_size gives a chunk of {rows} rows, one program each on the grid's x axis, at most "
+            f"{GRID_X} (CUDA's limit): pass a smaller chunk_size"
+        )
     return (rows,)
 
 
@@ -120,8 +132,10 @@ def launch_shape(width: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of a kernel over rows of `width` columns: the columns each program takes at a time (the
     width's power of two, 16 to 2048) and its warps."""
     if width > MAX_WIDTH:
-        raise ValueError(f"vocab_block gives a tile of {width} columns, whose 32-bit column offsets allow at most "
-                         f"{MAX_WIDTH} columns: pass a smaller vocab_block")
+        raise ValueError(
+            f"vocab_block gives a tile of {width} columns, whose 32-bit column offsets allow at most "
+            f"{MAX_WIDTH} columns: pass a smaller vocab_block"
+        )
     block = min(WIDEST_BLOCK, max(16, 1 << (width - 1).bit_length()))
     return block, 8 if block >= 1024 else 4
 
@@ -138,33 +152,66 @@ def start_state(tile: RawTile, maxima: int, sums: int) -> list[Tensor]:
     """A running state of the forward kernels for the tile's rows: `maxima` at −inf, then `sums` zeros,
     float32 [rows] each (filled on the device: no value crosses from the host)."""
     rows, device = tile.r.shape[0], tile.r.device
-    return ([torch.full((rows,), -torch.inf, dtype=torch.float32, device=device) for _ in range(maxima)]
-            + [torch.zeros(rows, dtype=torch.float32, device=device) for _ in range(sums)])
+    return [torch.full((rows,), -torch.inf, dtype=torch.float32, device=device) for _ in range(maxima)] + [
+        torch.zeros(rows, dtype=torch.float32, device=device) for _ in range(sums)
+    ]
 
 
 def log_prob_entropy_forward(tile: RawTile, targets: Tensor, col0: int, state: list[Tensor]) -> None:
     """State (m, s, a, z_y) [rows] updated in place by one tile (`entropy.LogProbEntropy`)."""
     has_bias, softcap = tile.flags()
-    _launch(_kernels().log_prob_entropy_forward, tile, *tile.args(), targets, targets.stride(0), *state,
-            tile.r.shape[1], col0, 1.0 / tile.temperature, HAS_BIAS=has_bias, SOFTCAP=softcap)
+    _launch(
+        _kernels().log_prob_entropy_forward,
+        tile,
+        *tile.args(),
+        targets,
+        targets.stride(0),
+        *state,
+        tile.r.shape[1],
+        col0,
+        1.0 / tile.temperature,
+        HAS_BIAS=has_bias,
+        SOFTCAP=softcap,
+    )
 
 
-def log_prob_entropy_backward(tile: RawTile, targets: Tensor, col0: int, lse: Tensor, entropy: Tensor,
-                              grad_log_prob: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
+def log_prob_entropy_backward(
+    tile: RawTile,
+    targets: Tensor,
+    col0: int,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_log_prob: Tensor | None,
+    grad_entropy: Tensor | None,
+) -> Tensor:
     """∂L/∂r over the tile (returned), from the rows' lse, H and the loss's ∂L/∂log π(y), ∂L/∂H."""
     has_bias, softcap = tile.flags()
-    _launch(_kernels().log_prob_entropy_backward, tile, *tile.args(), targets, targets.stride(0), lse, entropy,
-            lse if grad_log_prob is None else grad_log_prob.contiguous(),
-            lse if grad_entropy is None else grad_entropy.contiguous(),
-            tile.r.shape[1], col0, 1.0 / tile.temperature, HAS_BIAS=has_bias, SOFTCAP=softcap,
-            HAS_GLP=grad_log_prob is not None, HAS_GENT=grad_entropy is not None)
+    _launch(
+        _kernels().log_prob_entropy_backward,
+        tile,
+        *tile.args(),
+        targets,
+        targets.stride(0),
+        lse,
+        entropy,
+        lse if grad_log_prob is None else grad_log_prob.contiguous(),
+        lse if grad_entropy is None else grad_entropy.contiguous(),
+        tile.r.shape[1],
+        col0,
+        1.0 / tile.temperature,
+        HAS_BIAS=has_bias,
+        SOFTCAP=softcap,
+        HAS_GLP=grad_log_prob is not None,
+        HAS_GENT=grad_entropy is not None,
+    )
     return tile.r
 
 
 def _pair(tile: RawTile, other: RawTile) -> tuple[tuple, dict]:
     (has_bias, softcap), (has_bias2, softcap2) = tile.flags(), other.flags()
-    return (*tile.args(), *other.args()), dict(HAS_BIAS=has_bias, SOFTCAP=softcap, HAS_BIAS2=has_bias2,
-                                               SOFTCAP2=softcap2)
+    return (*tile.args(), *other.args()), dict(
+        HAS_BIAS=has_bias, SOFTCAP=softcap, HAS_BIAS2=has_bias2, SOFTCAP2=softcap2
+    )
 
 
 def pair_forward(tile: RawTile, other: RawTile, state: list[Tensor]) -> None:
@@ -177,20 +224,51 @@ def pair_forward(tile: RawTile, other: RawTile, state: list[Tensor]) -> None:
 REVERSE_KL, FORWARD_KL, JSD = 0, 1, 2
 
 
-def pair_backward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, shift: Tensor, grad: Tensor, *,
-                  mode: int, beta: float = 1.0) -> Tensor:
+def pair_backward(
+    tile: RawTile,
+    other: RawTile,
+    lse: Tensor,
+    lse_other: Tensor,
+    shift: Tensor,
+    grad: Tensor,
+    *,
+    mode: int,
+    beta: float = 1.0,
+) -> Tensor:
     """∂L/∂r of the first head over its tile (returned): KL(π‖ρ)'s (`REVERSE_KL`, `shift` = KL), KL(ρ‖π)'s
     (`FORWARD_KL`) or JSD(β)'s (`JSD`, `shift` = KL(π‖m))."""
     args, flags = _pair(tile, other)
     mixture = (math.log1p(-beta), math.log(beta), 1.0 - beta) if mode == JSD else (0.0, 0.0, 1.0)
-    _launch(_kernels().pair_backward, tile, *args, lse, lse_other, shift, grad.contiguous(), tile.r.shape[1],
-            1.0 / tile.temperature, *mixture, MODE=mode, **flags)
+    _launch(
+        _kernels().pair_backward,
+        tile,
+        *args,
+        lse,
+        lse_other,
+        shift,
+        grad.contiguous(),
+        tile.r.shape[1],
+        1.0 / tile.temperature,
+        *mixture,
+        MODE=mode,
+        **flags,
+    )
     return tile.r
 
 
-def jsd_forward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, sums: list[Tensor],
-                beta: float) -> None:
+def jsd_forward(tile: RawTile, other: RawTile, lse: Tensor, lse_other: Tensor, sums: list[Tensor], beta: float) -> None:
     """The JSD(β) sums (KL(p_T‖m), KL(p_S‖m)) [rows] increased in place by one tile of each head."""
     args, flags = _pair(tile, other)
-    _launch(_kernels().jsd_forward, tile, *args, lse, lse_other, *sums, tile.r.shape[1], 1.0 / tile.temperature,
-            math.log1p(-beta), math.log(beta), **flags)
+    _launch(
+        _kernels().jsd_forward,
+        tile,
+        *args,
+        lse,
+        lse_other,
+        *sums,
+        tile.r.shape[1],
+        1.0 / tile.temperature,
+        math.log1p(-beta),
+        math.log(beta),
+        **flags,
+    )

@@ -63,8 +63,7 @@ def _head(r, b, scale, softcap, inv_t, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _tile_logits(R, B, bias_stride, cols, inside, scale, softcap, inv_t, HAS_BIAS: tl.constexpr,
-                 SOFTCAP: tl.constexpr):
+def _tile_logits(R, B, bias_stride, cols, inside, scale, softcap, inv_t, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     """A head's tempered logits and slope on the columns `cols` of its tile row R; its bias read at
     B + cols · bias_stride, in 64 bits (a view of any stride, 0 for an expanded one)."""
     r = tl.load(R + cols, mask=inside, other=0.0).to(tl.float32)
@@ -75,8 +74,25 @@ def _tile_logits(R, B, bias_stride, cols, inside, scale, softcap, inv_t, HAS_BIA
 
 
 @triton.jit
-def _pair_logits(R, B, bias_stride, scale, softcap, R2, B2, bias_stride2, scale2, softcap2, cols, inside, inv_t,
-                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS2: tl.constexpr, SOFTCAP2: tl.constexpr):
+def _pair_logits(
+    R,
+    B,
+    bias_stride,
+    scale,
+    softcap,
+    R2,
+    B2,
+    bias_stride2,
+    scale2,
+    softcap2,
+    cols,
+    inside,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_BIAS2: tl.constexpr,
+    SOFTCAP2: tl.constexpr,
+):
     """Both heads' tempered logits on the block `cols` of their tiles, and the first head's slope."""
     z, slope = _tile_logits(R, B, bias_stride, cols, inside, scale, softcap, inv_t, HAS_BIAS, SOFTCAP)
     z2, _ = _tile_logits(R2, B2, bias_stride2, cols, inside, scale2, softcap2, inv_t, HAS_BIAS2, SOFTCAP2)
@@ -95,8 +111,26 @@ def _online(m, s, z, inside):
 
 
 @triton.jit
-def log_prob_entropy_forward(R, stride, B, bias_stride, scale, softcap, TARGETS, target_stride, M, S, A, ZY, width,
-                             col0, inv_t, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+def log_prob_entropy_forward(
+    R,
+    stride,
+    B,
+    bias_stride,
+    scale,
+    softcap,
+    TARGETS,
+    target_stride,
+    M,
+    S,
+    A,
+    ZY,
+    width,
+    col0,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """`entropy.LogProbEntropy.tile_forward`: per row, m (max), s = Σ e^{z−m}, a = Σ e^{z−m} (z − m) and the
     target's logit z_y (kept from an earlier tile when the target is outside this one)."""
     row = tl.program_id(0).to(tl.int64)
@@ -121,9 +155,28 @@ def log_prob_entropy_forward(R, stride, B, bias_stride, scale, softcap, TARGETS,
 
 
 @triton.jit
-def log_prob_entropy_backward(R, stride, B, bias_stride, scale, softcap, TARGETS, target_stride, LSE, ENT, GLP, GENT,
-                              width, col0, inv_t, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-                              HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr):
+def log_prob_entropy_backward(
+    R,
+    stride,
+    B,
+    bias_stride,
+    scale,
+    softcap,
+    TARGETS,
+    target_stride,
+    LSE,
+    ENT,
+    GLP,
+    GENT,
+    width,
+    col0,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """`entropy.chunk_grad_logits` times the head's slope, over R: ∂L/∂r =
     slope · (1/τ) [g_lp (1[v = y] − π) − g_H π (log π + H)]."""
     row = tl.program_id(0).to(tl.int64)
@@ -146,9 +199,32 @@ def log_prob_entropy_backward(R, stride, B, bias_stride, scale, softcap, TARGETS
 
 
 @triton.jit
-def pair_forward(R, stride, B, bias_stride, scale, softcap, R2, stride2, B2, bias_stride2, scale2, softcap2,
-                 M, M2, S, S2, D, width, inv_t, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-                 HAS_BIAS2: tl.constexpr, SOFTCAP2: tl.constexpr, BLOCK: tl.constexpr):
+def pair_forward(
+    R,
+    stride,
+    B,
+    bias_stride,
+    scale,
+    softcap,
+    R2,
+    stride2,
+    B2,
+    bias_stride2,
+    scale2,
+    softcap2,
+    M,
+    M2,
+    S,
+    S2,
+    D,
+    width,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_BIAS2: tl.constexpr,
+    SOFTCAP2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """`full_kl.FullKL.tile_forward` for two heads' tiles (π from R, ρ from R2): per row the maxima m, m₂,
     s = Σ e^{z−m}, s₂ = Σ e^{z₂−m₂} and D = Σ e^{z−m} ((z − m) − (z₂ − m₂))."""
     row = tl.program_id(0).to(tl.int64)
@@ -158,8 +234,25 @@ def pair_forward(R, stride, B, bias_stride, scale, softcap, R2, stride2, B2, bia
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < width
-        z, _, z2 = _pair_logits(R, B, bias_stride, scale, softcap, R2, B2, bias_stride2, scale2, softcap2, cols,
-                                inside, inv_t, HAS_BIAS, SOFTCAP, HAS_BIAS2, SOFTCAP2)
+        z, _, z2 = _pair_logits(
+            R,
+            B,
+            bias_stride,
+            scale,
+            softcap,
+            R2,
+            B2,
+            bias_stride2,
+            scale2,
+            softcap2,
+            cols,
+            inside,
+            inv_t,
+            HAS_BIAS,
+            SOFTCAP,
+            HAS_BIAS2,
+            SOFTCAP2,
+        )
         new, step, alpha, d, e = _online(m, s, z, inside)
         new2, step2, alpha2, d2, e2 = _online(m2, s2, z2, inside)
         dsum = alpha * (dsum + s * (step - step2)) + tl.sum(e * (d - d2), 0)
@@ -182,9 +275,33 @@ def _log_mixture(log_p, log_q, log_keep, log_beta):
 
 
 @triton.jit
-def jsd_forward(R, stride, B, bias_stride, scale, softcap, R2, stride2, B2, bias_stride2, scale2, softcap2,
-                LSE, LSE2, KL_T, KL_S, width, inv_t, log_keep, log_beta, HAS_BIAS: tl.constexpr,
-                SOFTCAP: tl.constexpr, HAS_BIAS2: tl.constexpr, SOFTCAP2: tl.constexpr, BLOCK: tl.constexpr):
+def jsd_forward(
+    R,
+    stride,
+    B,
+    bias_stride,
+    scale,
+    softcap,
+    R2,
+    stride2,
+    B2,
+    bias_stride2,
+    scale2,
+    softcap2,
+    LSE,
+    LSE2,
+    KL_T,
+    KL_S,
+    width,
+    inv_t,
+    log_keep,
+    log_beta,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_BIAS2: tl.constexpr,
+    SOFTCAP2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """`divergence.jsd_sums` given both log-normalisers, added to the running sums: per row
     Σ p_T (log p_T − log m) into KL_T and Σ p_S (log p_S − log m) into KL_S (the student from R)."""
     row = tl.program_id(0).to(tl.int64)
@@ -195,8 +312,25 @@ def jsd_forward(R, stride, B, bias_stride, scale, softcap, R2, stride2, B2, bias
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < width
-        z, _, z2 = _pair_logits(R, B, bias_stride, scale, softcap, R2, B2, bias_stride2, scale2, softcap2, cols,
-                                inside, inv_t, HAS_BIAS, SOFTCAP, HAS_BIAS2, SOFTCAP2)
+        z, _, z2 = _pair_logits(
+            R,
+            B,
+            bias_stride,
+            scale,
+            softcap,
+            R2,
+            B2,
+            bias_stride2,
+            scale2,
+            softcap2,
+            cols,
+            inside,
+            inv_t,
+            HAS_BIAS,
+            SOFTCAP,
+            HAS_BIAS2,
+            SOFTCAP2,
+        )
         log_p, log_q = z - lse, z2 - lse2
         log_m = _log_mixture(log_p, log_q, log_keep, log_beta)
         kl_s += tl.sum(tl.where(inside, tl.exp(log_p) * (log_p - log_m), 0.0), 0)
@@ -206,16 +340,41 @@ def jsd_forward(R, stride, B, bias_stride, scale, softcap, R2, stride2, B2, bias
 
 
 @triton.jit
-def pair_backward(R, stride, B, bias_stride, scale, softcap, R2, stride2, B2, bias_stride2, scale2, softcap2,
-                  LSE, LSE2, SHIFT, G, width, inv_t, log_keep, log_beta, keep, MODE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_BIAS2: tl.constexpr, SOFTCAP2: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def pair_backward(
+    R,
+    stride,
+    B,
+    bias_stride,
+    scale,
+    softcap,
+    R2,
+    stride2,
+    B2,
+    bias_stride2,
+    scale2,
+    softcap2,
+    LSE,
+    LSE2,
+    SHIFT,
+    G,
+    width,
+    inv_t,
+    log_keep,
+    log_beta,
+    keep,
+    MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_BIAS2: tl.constexpr,
+    SOFTCAP2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """∂L/∂r of the first head (π, from R) against the second (ρ, from R2) over R, times the head's slope:
 
-        MODE 0, KL(π‖ρ):   (g/τ) π (log π − log ρ − KL)                  SHIFT = KL (`full_kl.chunk_full_kl_grad`)
-        MODE 1, KL(ρ‖π):   (g/τ) (π − ρ), ρ left out where π bans a token   (`divergence.ForwardKL.grad`)
-        MODE 2, JSD(β):    (g/τ)(1 − β) π (log π − log m − KL(π‖m))      SHIFT = KL(π‖m), `keep` = 1 − β
-                           (`divergence.GeneralisedJSD.grad`)"""
+    MODE 0, KL(π‖ρ):   (g/τ) π (log π − log ρ − KL)                  SHIFT = KL (`full_kl.chunk_full_kl_grad`)
+    MODE 1, KL(ρ‖π):   (g/τ) (π − ρ), ρ left out where π bans a token   (`divergence.ForwardKL.grad`)
+    MODE 2, JSD(β):    (g/τ)(1 − β) π (log π − log m − KL(π‖m))      SHIFT = KL(π‖m), `keep` = 1 − β
+                       (`divergence.GeneralisedJSD.grad`)"""
     row = tl.program_id(0).to(tl.int64)
     R += row * stride
     R2 += row * stride2
@@ -224,8 +383,25 @@ def pair_backward(R, stride, B, bias_stride, scale, softcap, R2, stride2, B2, bi
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < width
-        z, slope, z2 = _pair_logits(R, B, bias_stride, scale, softcap, R2, B2, bias_stride2, scale2, softcap2,
-                                    cols, inside, inv_t, HAS_BIAS, SOFTCAP, HAS_BIAS2, SOFTCAP2)
+        z, slope, z2 = _pair_logits(
+            R,
+            B,
+            bias_stride,
+            scale,
+            softcap,
+            R2,
+            B2,
+            bias_stride2,
+            scale2,
+            softcap2,
+            cols,
+            inside,
+            inv_t,
+            HAS_BIAS,
+            SOFTCAP,
+            HAS_BIAS2,
+            SOFTCAP2,
+        )
         log_p, log_q = z - lse, z2 - lse2
         if MODE == 1:  # the teacher's π_T left out where the student bans the token (`banned.py`)
             grad = g * (tl.exp(log_p) - tl.where(z > _BANNED, tl.exp(log_q), 0.0))

@@ -14,13 +14,16 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from .standins import MODELS, build_models  # noqa: E402
+from .standins import MODELS, build_models
 
 HERE = Path(__file__).parent
-_QWEN_VOCABULARY = ("test_train_with_mask_truncated_completions", "test_train_with_mask_truncated_completions_all_masked")
+_QWEN_VOCABULARY = (
+    "test_train_with_mask_truncated_completions",
+    "test_train_with_mask_truncated_completions_all_masked",
+)
 _ID = re.compile(r"trl-internal-testing/([\w.\-]+)")
 
 _EITHER = "fails with TRL's own GRPOTrainer too: the tests are TRL's main at 1.10.0.dev0, the trainer is 1.16 (README)"
@@ -29,13 +32,20 @@ EXPECTED_FAILURES = {
     # test (node name without the class): (reason, fails with TRL's own trainer too)
     "test_generate_prefers_rollout_func": (_EITHER, True),
     "test_entropy_bonus_flows_gradients": (_EITHER, True),
-    **{f"test_warning_raised_sequence_level_with_token_summed_loss[{loss}]":
-       (_REFUSED + "importance_sampling_level='sequence' with a token-summed loss", False)
-       for loss in ("bnpo", "dr_grpo", "dapo", "cispo")},
+    **{
+        f"test_warning_raised_sequence_level_with_token_summed_loss[{loss}]": (
+            _REFUSED + "importance_sampling_level='sequence' with a token-summed loss",
+            False,
+        )
+        for loss in ("bnpo", "dr_grpo", "dapo", "cispo")
+    },
     "test_train_sequence_importance_sampling": (_REFUSED + "importance_sampling_level='sequence' with dapo", False),
     "test_prepare_input_called_with_correct_data": (_REFUSED + "an optimizer step spanning two generations", False),
-    "test_entropy_bonus_scale[luspo]": ("docs/reference.md, 'Conformance with TRL': LUSPO's entropy bonus is "
-                                        "aggregated like its loss (x16 here), TRL's is a token mean", False),
+    "test_entropy_bonus_scale[luspo]": (
+        "docs/reference.md, 'Conformance with TRL': LUSPO's entropy bonus is "
+        "aggregated like its loss (x16 here), TRL's is a token mean",
+        False,
+    ),
 }
 """The tests that fail, each on a difference written in docs/reference.md (README: the results table)."""
 
@@ -81,10 +91,15 @@ def _reason(item) -> str | None:
         return "slow GPU tests"
     name = item.originalname if hasattr(item, "originalname") else item.name
     if name in _QWEN_VOCABULARY:
-        return ("relies on Qwen2.5's 151k-token vocabulary (generate mocked with its ids 151643/151645, or EOS "
-                "practically never sampled); the stand-in tokenizer has 259 tokens")
-    for word, why in (("vllm", "needs vLLM (a GPU server)"), ("liger", "needs Liger kernels"),
-                      ("peft", "needs peft (not installed with pgloss)")):
+        return (
+            "relies on Qwen2.5's 151k-token vocabulary (generate mocked with its ids 151643/151645, or EOS "
+            "practically never sampled); the stand-in tokenizer has 259 tokens"
+        )
+    for word, why in (
+        ("vllm", "needs vLLM (a GPU server)"),
+        ("liger", "needs Liger kernels"),
+        ("peft", "needs peft (not installed with pgloss)"),
+    ):
         if word in item.name.lower():
             return why
     callspec = getattr(item, "callspec", None)
@@ -92,12 +107,14 @@ def _reason(item) -> str | None:
         # Liger's kernels need a GPU, and applying them patches transformers' classes for every later test
         return "needs Liger kernels (installed for the conformance tests; they patch transformers' modules)"
     source = inspect.getsource(item.function)
-    body = source[source.index("def " + name):] if ("def " + name) in source else source
+    body = source[source.index("def " + name) :] if ("def " + name) in source else source
     params = getattr(item, "callspec", None)
-    named = _ID.findall(body) + [m for v in (params.params.values() if params else ()) if isinstance(v, str)
-                                 for m in _ID.findall(v)]
-    missing = sorted({n for n in named if n not in MODELS and not n.startswith("zen")} |
-                     {n for n in named if n.startswith("zen-")})
+    named = _ID.findall(body) + [
+        m for v in (params.params.values() if params else ()) if isinstance(v, str) for m in _ID.findall(v)
+    ]
+    missing = sorted(
+        {n for n in named if n not in MODELS and not n.startswith("zen")} | {n for n in named if n.startswith("zen-")}
+    )
     if missing:
         return f"Hub resources without a stand-in here: {', '.join(missing)}"
     return None

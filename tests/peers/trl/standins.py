@@ -24,12 +24,25 @@ else:
 __all__ = ["GRPOTrainer", "MODELS", "build_models", "load_dataset"]
 
 _PROMPTS = [  # the beginnings of the Zen of Python's lines, as the zen dataset's prompts
-    "Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than",
-    "Sparse is better", "Readability", "Special cases aren't special", "Although practicality beats",
-    "Errors should never", "Unless explicitly", "In the face of ambiguity, refuse",
-    "There should be one-- and preferably", "Although that way may not be", "Now is better than",
-    "Although never is often better than", "If the implementation is hard to explain,",
-    "If the implementation is easy to explain,", "Namespaces are one honking great idea",
+    "Beautiful is better than",
+    "Explicit is",
+    "Simple is better",
+    "Complex",
+    "Flat is better than",
+    "Sparse is better",
+    "Readability",
+    "Special cases aren't special",
+    "Although practicality beats",
+    "Errors should never",
+    "Unless explicitly",
+    "In the face of ambiguity, refuse",
+    "There should be one-- and preferably",
+    "Although that way may not be",
+    "Now is better than",
+    "Although never is often better than",
+    "If the implementation is hard to explain,",
+    "If the implementation is easy to explain,",
+    "Namespaces are one honking great idea",
 ]
 _SPLITS = {"train": _PROMPTS[:17], "test": _PROMPTS[17:]}
 
@@ -51,8 +64,10 @@ def load_dataset(path: str, name: str | None = None, *, split: str | None = None
     return dataset.to_iterable_dataset() if streaming else dataset
 
 
-_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 MODELS = {  # Hub id -> (transformers class, extra config)
     "tiny-Qwen2ForCausalLM-2.5": ("Qwen2ForCausalLM", {}),
@@ -67,8 +82,8 @@ MODELS = {  # Hub id -> (transformers class, extra config)
 
 def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {char: i for i, char in enumerate(sorted(ByteLevel.alphabet()))}
@@ -76,8 +91,9 @@ def _tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        additional_special_tokens=specials[1:])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=specials[1:]
+    )
     tokenizer.chat_template = _CHAT
     return tokenizer
 
@@ -93,11 +109,21 @@ def build_models(root: str) -> str:
         if os.path.exists(os.path.join(path, "config.json")):
             continue
         cls = getattr(transformers, cls_name)
-        config = cls.config_class(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                                  max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False,
-                                  **extra)
+        config = cls.config_class(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=4,
+            max_position_embeddings=256,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+            tie_word_embeddings=False,
+            **extra,
+        )
         torch.manual_seed(0)
         model = cls(config)
         if hasattr(model, "generation_config") and model.can_generate():

@@ -36,13 +36,11 @@ from transformers import (
 )
 from transformers.testing_utils import backend_empty_cache, torch_device
 from transformers.utils import is_peft_available
-
 from trl import GRPOConfig
+from trl.import_utils import is_liger_kernel_available
 
 # pgloss: the trainer under test (TRL's GRPOTrainer or PGLossGRPOTrainer) and the Hub datasets' stand-ins
 from .standins import GRPOTrainer, load_dataset
-from trl.import_utils import is_liger_kernel_available
-
 from .testing_utils import (
     TrlTestCase,
     is_ampere_or_newer,
@@ -55,7 +53,6 @@ from .testing_utils import (
     require_vision,
     require_vllm,
 )
-
 
 if is_peft_available():
     import peft
@@ -632,9 +629,7 @@ class TestGRPOTrainer(TrlTestCase):
         train_dataset = load_dataset("trl-internal-testing/zen", "standard_prompt_only", split="train")
 
         streaming = "iterable" in eval_dataset_type
-        eval_split = load_dataset(
-            "trl-internal-testing/zen", "standard_prompt_only", split="test", streaming=streaming
-        )
+        eval_split = load_dataset("trl-internal-testing/zen", "standard_prompt_only", split="test", streaming=streaming)
         if eval_dataset_type in ("dataset", "iterable_dataset"):
             eval_dataset = eval_split
         elif eval_dataset_type in ("dataset_dict", "iterable_dataset_dict"):

@@ -31,7 +31,6 @@ from transformers.utils import (
     is_torch_xla_available,
     is_vision_available,
 )
-
 from trl.import_utils import (
     is_harbor_available,
     is_jmespath_available,

@@ -24,16 +24,25 @@ else:
 
 SWAPPED = os.environ.get("PGLOSS_PEERS", "swapped") != "original"
 
-PADDED_WIDTH = ("seq-mean-token-sum-norm without loss_scale_factor: verl divides by the padded width, pgloss "
-                "refuses (ValueError) and never falls back to it (docs/reference.md, 'Dr.GRPO's divisor')")
-POSITIVE_LOG_PROBS = ("verl's sample data are torch.randn log-probabilities, positive at valid positions; pgloss "
-                      "refuses a positive log-prob on CPU tensors (docs/reference.md, 'Bad input')")
+PADDED_WIDTH = (
+    "seq-mean-token-sum-norm without loss_scale_factor: verl divides by the padded width, pgloss "
+    "refuses (ValueError) and never falls back to it (docs/reference.md, 'Dr.GRPO's divisor')"
+)
+POSITIVE_LOG_PROBS = (
+    "verl's sample data are torch.randn log-probabilities, positive at valid positions; pgloss "
+    "refuses a positive log-prob on CPU tensors (docs/reference.md, 'Bad input')"
+)
 DOCUMENTED = {
     # node id (within this folder) -> the difference, as docs/reference.md writes it
-    **{f"test_value_loss_normalization_on_cpu.py::test_value_loss_microbatch_invariant_all_modes[{n}-"
-       "seq-mean-token-sum-norm]": PADDED_WIDTH for n in (1, 2, 4)},
-    **{f"test_rollout_corr_integration.py::TestRolloutISIntegration::{test}": POSITIVE_LOG_PROBS
-       for test in ("test_policy_loss_with_rollout_is", "test_metrics_only_mode")},
+    **{
+        f"test_value_loss_normalization_on_cpu.py::test_value_loss_microbatch_invariant_all_modes[{n}-"
+        "seq-mean-token-sum-norm]": PADDED_WIDTH
+        for n in (1, 2, 4)
+    },
+    **{
+        f"test_rollout_corr_integration.py::TestRolloutISIntegration::{test}": POSITIVE_LOG_PROBS
+        for test in ("test_policy_loss_with_rollout_is", "test_metrics_only_mode")
+    },
 }
 
 

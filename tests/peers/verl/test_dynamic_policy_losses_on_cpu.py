@@ -16,7 +16,6 @@
 
 import pytest
 import torch
-
 from verl.trainer.ppo.core_algos import (
     compute_policy_loss_dro,
 )

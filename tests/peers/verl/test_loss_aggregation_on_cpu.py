@@ -16,7 +16,6 @@
 
 import pytest
 import torch
-
 from verl.trainer.ppo.core_algos import agg_loss
 
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import compute_policy_loss_dro, compute_policy_loss_vanilla
 

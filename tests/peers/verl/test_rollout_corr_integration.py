@@ -15,7 +15,6 @@
 
 import pytest
 import torch
-
 from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
 from verl.trainer.ppo.rollout_corr_helper import (

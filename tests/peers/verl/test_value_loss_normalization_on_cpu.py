@@ -25,7 +25,6 @@ No GPU/model needed.
 
 import pytest
 import torch
-
 from verl.trainer.ppo.core_algos import compute_value_loss
 from verl.utils.metric import AggregationType, Metric, reduce_metrics
 from verl.utils.py_functional import append_to_dict
