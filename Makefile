@@ -11,7 +11,7 @@ INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"  # the trl extra's, for the GPU wheels below
 VERL_PIN := "verl>=0.9.1,<0.10"
 
-.PHONY: setup test peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
+.PHONY: setup test lint peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,12 @@ test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER)
 	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} \
 	PGLOSS_OPENRLHF_SRC=$${PGLOSS_OPENRLHF_SRC:-$(SOURCES)/openrlhf/openrlhf-$(OPENRLHF_VERSION).data/purelib} \
 	$(PY) -m pytest -n 2 --durations=15 tests
+
+# The code's own checks (pyproject.toml configures them); `make test` runs them too (tests/test_lint.py).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/mypy
 
 # The trainers' own loss tests (tests/peers/): swapped to pgloss (as in `make test`), then unmodified.
 peers: $(STAMP) $(INTEGRATIONS)
