@@ -66,6 +66,8 @@ LOSS_COLUMNS = {
 
 def cmd_losses(args: argparse.Namespace) -> int:
     """Compute every algorithm's loss on one synthetic batch and print the loss with its metrics."""
+    import torch
+
     from .lab.grads import synthetic_batch
 
     if args.batch < 2 or args.batch % 2:
@@ -100,12 +102,12 @@ def cmd_losses(args: argparse.Namespace) -> int:
             scores=data["scores"],
             teacher_log_prob=data["teacher_log_prob"],
         )
-        out.loss.backward()
+        (grad,) = torch.autograd.grad(out.loss, log_prob)
         values = {"loss": out.loss.detach(), **out.metrics}
         if not algorithm.uses_reference:  # measured, but no term of this loss
             values.pop("kl", None)
         cells = "".join(f"{float(values[k]):>12.4f}" if k in values else f"{'-':>12}" for k in keys)
-        print(f"{name:<14}{cells}   {float(log_prob.grad.norm()):.4f}")
+        print(f"{name:<14}{cells}   {float(grad.norm()):.4f}")
     print("\ncolumns ('-': the loss has no such quantity):")
     width = max(map(len, LOSS_COLUMNS))
     for key, text in LOSS_COLUMNS.items():

@@ -264,7 +264,7 @@ def test_growth_is_the_least_squares_slope_per_100_steps():
     # a loop of the textbook formula: slope = Σ(x - x̄)(y - ȳ) / Σ(x - x̄)²
     xs, ys = [r["step"] for r in records], [r["length"] for r in records]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     assert growth(records, "length") == pytest.approx(100 * slope)
     assert growth([{"step": s, "length": 3.0 - 0.02 * s} for s in range(5)], "length") == pytest.approx(-2.0)
     assert math.isnan(growth([{"step": 0, "length": 3.0}, {"step": 1, "length": None}], "length"))

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from pgloss.advantages.group import group_advantages
+from pgloss.lab.batch import Batch
 from pgloss.lab.config import LabConfig
 from pgloss.lab.sampling import Rollout, response_log_probs, teacher_forced
 from pgloss.lab.tasks import SumTask, demonstration, reward
 from pgloss.lab.tokenizer import Tokenizer
-from pgloss.lab.trainer import Batch, build
+from pgloss.lab.trainer import build
 
 TINY = dict(d_model=32, n_layer=1, n_head=2, max_new_tokens=20)
 

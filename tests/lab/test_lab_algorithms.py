@@ -9,7 +9,8 @@ from lab_helpers import TINY, fixed_batch, tiny_policy
 
 import pgloss
 from pgloss.lab.config import LabConfig
-from pgloss.lab.trainer import build, make_algorithm, train, update, warm_start
+from pgloss.lab.trainer import build, make_algorithm, train, warm_start
+from pgloss.lab.update import update
 
 LOOP = dict(steps=2, warm_steps=3, prompts_per_step=4, group_size=4, eval_prompts=4, samples=1, **TINY)
 
@@ -40,7 +41,7 @@ def test_every_algorithm_updates_the_policy(name):
     )
     assert math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["ppo_kl"]))
     assert float(metrics["grad_norm"]) > 0 and 0 <= float(metrics["grad_clipped"]) <= 1
-    assert max(float((p.detach() - s).abs().max()) for p, s in zip(policy.parameters(), start)) > 1e-4
+    assert max(float((p.detach() - s).abs().max()) for p, s in zip(policy.parameters(), start, strict=True)) > 1e-4
     reports_clip = (
         "pg_clipfrac"
         in algorithm(

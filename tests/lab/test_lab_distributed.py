@@ -6,7 +6,8 @@ from conftest import run_ranks
 from lab_helpers import TINY, fixed_batch, tiny_policy
 
 from pgloss.lab.config import LabConfig
-from pgloss.lab.trainer import LOSS_METRICS, make_algorithm, update
+from pgloss.lab.trainer import make_algorithm
+from pgloss.lab.update import LOSS_METRICS, update
 
 ALGORITHMS = ("grpo", "dapo", "dr_grpo")
 N_PROMPTS = 6
@@ -34,9 +35,9 @@ def test_two_processes_match_one():
     for name in ALGORITHMS:
         one, metrics = step(name)
         start = [p.detach() for p in tiny_policy().parameters()]
-        moved = max(float((a - s).abs().max()) for a, s in zip(one, start))
+        moved = max(float((a - s).abs().max()) for a, s in zip(one, start, strict=True))
         assert moved > 1e-3, name  # the step did something
-        for a, b in zip(one, ranks[0][name][0]):
+        for a, b in zip(one, ranks[0][name][0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert metrics["clip_frac"] > 0 and metrics["ppo_kl"] != 0, name  # the second optimizer step clipped
         for rank in (0, 1):  # each step's metrics are over its tokens on every rank (pgloss.StepMetrics)

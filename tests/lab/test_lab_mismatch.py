@@ -50,7 +50,7 @@ def test_the_perturbed_sampler_is_seeded_by_step_and_leaves_the_policy_alone():
     assert torch.equal(wa, next(b.parameters())) and not torch.equal(wa, wc)
     rel = ((wa - w) / w)[w != 0].detach()
     assert 0.08 < float(rel.std()) < 0.12  # relative noise of scale 0.1
-    assert all(torch.equal(p, q) for p, q in zip(before, policy.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(before, policy.parameters(), strict=True))
     assert make_sampler(policy, LabConfig(**TINY), 3) is policy
 
 

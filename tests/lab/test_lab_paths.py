@@ -11,7 +11,7 @@ from properties.steps import CORRECTIONS  # the same corrections as every other 
 import pgloss
 from pgloss.lab.config import LabConfig
 from pgloss.lab.sampling import response_log_probs
-from pgloss.lab.trainer import update
+from pgloss.lab.update import update
 
 N_PROMPTS = 6
 
@@ -75,6 +75,6 @@ def test_the_labs_update_takes_the_step_of_one_call(name, kind):
         **batch.inputs(algorithm),
     )
     reference = torch.autograd.grad(out.loss, recorder.params, allow_unused=True)
-    for got, want in zip(recorder.grads, reference):
+    for got, want in zip(recorder.grads, reference, strict=True):
         want = torch.zeros_like(got) if want is None else want
         torch.testing.assert_close(got, want, rtol=2e-4, atol=1e-6)

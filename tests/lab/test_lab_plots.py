@@ -41,7 +41,7 @@ def _drawn(tmp_path, monkeypatch, names):
     figures = {}
     monkeypatch.setattr(plt, "close", lambda fig: figures.setdefault(len(figures), fig))
     paths = plots.plot_all(_records(names), tmp_path, max_grad_norm=1.0)
-    return dict(zip([p.stem for p in paths[1:]] + ["curves"], figures.values()))
+    return dict(zip([p.stem for p in paths[1:]] + ["curves"], figures.values(), strict=True))
 
 
 def test_every_algorithm_stays_readable(tmp_path, monkeypatch):

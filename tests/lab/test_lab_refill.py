@@ -9,8 +9,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lab_helpers import TINY, fixed_batch, same_run, tiny_policy
 
+from pgloss.lab.batch import Batch, refill
 from pgloss.lab.config import LabConfig
-from pgloss.lab.trainer import Batch, refill, train
+from pgloss.lab.trainer import train
 
 
 def with_scores(batch: Batch, equal_groups: set[int], offset: int) -> Batch:
@@ -125,3 +126,14 @@ def test_a_dapo_run_is_deterministic_and_respects_the_bound():
         assert r["sampled_groups"] == 12 and r["groups"] == 0 and r["kept"] == 0
     grpo = train(dataclasses.replace(cfg, algorithm="grpo"))["metrics"]
     assert all(r["sampled_groups"] == r["groups"] == 4 and r["kept"] == 1 for r in grpo)
+
+
+def test_cat_keeps_optional_log_probs_and_refuses_parts_that_differ(base):
+    sampler = base.old_log_prob - 0.5  # a stand-in for a mismatched sampler's log-probs
+    with_sampler = dataclasses.replace(base, rollout_log_prob=sampler)
+    both = Batch.cat([with_sampler, with_sampler])
+    assert both.rollout_log_prob is not None and torch.equal(both.rollout_log_prob, torch.cat([sampler, sampler]))
+    assert Batch.cat([base, base]).rollout_log_prob is None and Batch.cat([base, base]).teacher_log_prob is None
+    for parts in ([with_sampler, base], [base, with_sampler]):  # the second was silently dropped
+        with pytest.raises(ValueError, match="rollout_log_prob is None in some parts only"):
+            Batch.cat(parts)

@@ -34,7 +34,7 @@ def test_sample_groups_masks_and_determinism():
     r = sample(m, prompts, generator=torch.Generator().manual_seed(0), **kw)
     assert r.tokens.shape[0] == 6 and r.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
     assert r.prompt_len == 1 + 6 and r.mask.shape[1] <= 6
-    for row, mask, done in zip(r.responses, r.mask, r.finished):
+    for row, mask, done in zip(r.responses, r.mask, r.finished, strict=True):
         n = int(mask.sum())
         assert mask[:n].all() and not mask[n:].any()  # response tokens are a prefix
         assert (row[n:] == PAD).all()

@@ -34,7 +34,7 @@ def test_chain_problem_is_evaluated_left_to_right_mod_10():
         text = p.prompt[:-1]
         value = int(text[0])
         expected = []
-        for op, d in zip(text[1::2], text[2::2]):
+        for op, d in zip(text[1::2], text[2::2], strict=True):
             value = eval(f"{value}{op}{d}") % 10
             expected.append(str(value))
         assert 3 <= len(text) // 2 + 1 <= 6 and list(p.steps) == expected and p.answer == expected[-1]
@@ -80,7 +80,7 @@ def _ladder_running(prompt: str) -> list[int]:
     """The running values of a ladder prompt, from the definition: left to right, modulo 10."""
     text = prompt[:-1]
     value, running = int(text[0]), []
-    for op, d in zip(text[1::2], text[2::2]):
+    for op, d in zip(text[1::2], text[2::2], strict=True):
         value = (value + int(d)) % 10 if op == "+" else (value * int(d)) % 10
         running.append(value)
     return running
@@ -105,7 +105,7 @@ def test_ladder_problem_is_a_chain_of_two_maps_with_its_running_values():
         running = _ladder_running(p.prompt)
         assert len(p.prompt) == 2 * task.max_terms and p.prompt.endswith("=")  # one length for every chain
         n = _ladder_terms(p.prompt)
-        ops = [op + d for op, d in zip(text[1::2], text[2::2])]
+        ops = [op + d for op, d in zip(text[1::2], text[2::2], strict=True)]
         assert set(ops[: n - 1]) <= {"+1", "*3"} and set(ops[n - 1 :]) <= {"+0"}  # +0 only as the padding
         assert p.answer == str(running[-1]) == str(running[n - 2])  # the padding keeps the value
         assert list(p.steps) == [str(v) for v in running[: len(p.steps)]]  # a prefix, into the padding too
@@ -163,12 +163,12 @@ def test_ladder_a_policy_that_writes_k_steps_answers_the_chains_of_up_to_k_plus_
     for k in range(task.max_terms):
         right = [reward(solver(p, k), p) == 1.0 for p in problems]
         short = [_ladder_terms(p.prompt) <= k + 1 for p in problems]
-        assert all(r for r, s in zip(right, short) if s)  # every chain of at most k + 1 terms
-        beyond = [r for r, s in zip(right, short) if not s]
+        assert all(r for r, s in zip(right, short, strict=True) if s)  # every chain of at most k + 1 terms
+        beyond = [r for r, s in zip(right, short, strict=True) if not s]
         if beyond:
             assert sum(beyond) / len(beyond) < 0.15  # and about 1 in 10 of the longer ones
         means.append(sum(right) / len(right))
-    assert all(b > a + 0.04 for a, b in zip(means, means[1:]))  # each further step solves more
+    assert all(b > a + 0.04 for a, b in itertools.pairwise(means))  # each further step solves more
     assert means[0] < 0.15 and means[-1] == 1.0
     # more work is a longer response: k >= 1 steps take 2k + 1 characters, none takes 2
     assert [len(solver(problems[0], k)) for k in range(4)] == [2, 3, 5, 7]

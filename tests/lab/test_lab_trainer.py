@@ -7,7 +7,8 @@ import torch
 from lab_helpers import TINY, fixed_batch, same_run, tiny_policy
 
 from pgloss.lab.config import LabConfig
-from pgloss.lab.trainer import make_algorithm, train, update
+from pgloss.lab.trainer import make_algorithm, train
+from pgloss.lab.update import update
 
 
 def loss_of(policy, algorithm, batch):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pgloss.lab import trainer
+from pgloss.lab.batch import Batch, collect, refill, score
 from pgloss.lab.config import LabConfig
-from pgloss.lab.trainer import Batch, build, collect, make_algorithm, refill, train, warm_start
+from pgloss.lab.trainer import build, make_algorithm, train, warm_start
 
 
 def tiny(**overrides):
@@ -100,7 +101,7 @@ def test_a_wider_deeper_teacher_is_built_from_its_own_config_without_moving_the_
     cfg, wide = tiny(), tiny(d_model=48, n_layer=2)
     student, big = models(cfg)[2], models(wide)[2]
     own = trainer.teacher_model(cfg, wide, big.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(own.state_dict().values(), big.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(own.state_dict().values(), big.state_dict().values(), strict=True))
     assert not any(p.requires_grad for p in own.parameters())
     distilled = train(cfg, warm_state=student.state_dict(), teacher_state=big.state_dict(), teacher_cfg=wide)
     assert all(r["kl_teacher"] > 0 for r in distilled["metrics"])
@@ -130,10 +131,8 @@ def test_dapos_refill_keeps_the_teachers_log_probs():
 
 def test_reward_coef_weighs_the_task_advantages_and_a_run_returns_its_final_policy(monkeypatch):
     cfg = tiny()
-    score = trainer.score  # rewards that differ within each group (this small a policy gets none right)
-    monkeypatch.setattr(
-        trainer,
-        "score",
+    monkeypatch.setattr(  # rewards that differ within each group (this small a policy gets none right)
+        "pgloss.lab.batch.score",
         lambda rollout, *args: (torch.arange(len(rollout.tokens)).remainder(3).float(), score(rollout, *args)[1]),
     )
     tokenizer, task, policy, teacher = models(cfg)

@@ -108,8 +108,8 @@ def interval_curve(ax, runs: dict, label: str, key: str, smooth: int, **style) -
     ax.plot(steps, mean, label=f"{label} (n={len(seeds)})", lw=1.4, **style)
     ax.fill_between(
         steps,
-        [max(0.0, m - h) for m, h in zip(mean, half)],
-        [m + h for m, h in zip(mean, half)],
+        [max(0.0, m - h) for m, h in zip(mean, half, strict=True)],
+        [m + h for m, h in zip(mean, half, strict=True)],
         color=style.get("color"),
         alpha=0.15,
         lw=0,

@@ -7,7 +7,7 @@ complete runs kept. Ctrl-C and SIGTERM stop it alike: the report of the complete
 comes once the training is over waits for the report.
 
 ``pgloss report RUN_DIR`` writes the report and plots of any run again from what it saved: a
-``train`` or ``compare`` folder (``lab.commands.rebuild``) or an experiment's (``rebuild_experiment``).
+``train`` or ``compare`` folder (``lab.finish.rebuild``) or an experiment's (``rebuild_experiment``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 UNCOMPARED = ("workers", "status", "command")  # experiment.json entries that do not make another experiment
 
@@ -69,20 +70,37 @@ def _save(out: Path, experiment, status: str, command: str) -> None:
     )
 
 
+class ExperimentModule(Protocol):
+    """What an experiment's module (``experiments/length.py``, ``experiments/distill.py``) offers a `Plan`."""
+
+    def check(self, experiment: Any, /) -> None:
+        """Refuse (ValueError/TypeError) an experiment the lab cannot run, before any work."""
+
+    def run(self, experiment: Any, out: Path, /) -> float:
+        """Train every run of `experiment` not yet complete in `out`; the seconds taken."""
+
+
+class WriteReport(Protocol):
+    """A plan's report: writes report.md (and its plots) of `runs` into `out`, returns its path."""
+
+    def __call__(
+        self, runs: dict[tuple[str, int], list[dict]], out: Path, *, command: str, seconds: float | None
+    ) -> Path: ...
+
+
 @dataclass(frozen=True)
 class Plan:
     """One invocation of an experiment, before any work: what to run, where, and how to report it."""
 
-    experiment: object
-    module: object
-    """The experiment's module: ``check(experiment)``, ``run(experiment, out)``."""
+    experiment: Any
+    """The experiment's settings (a ``LengthExperiment`` or a ``DistillExperiment``), read by `module`."""
+    module: ExperimentModule
     default_out: str
     own: tuple[str, ...]
     """The files and folders it writes into --out (what --overwrite sets aside)."""
     command: list[str]
     """The command line that reproduces it, without --out."""
-    report: object
-    """``report(runs, out, command=..., seconds=...)`` writes report.md and returns its path."""
+    report: WriteReport
     total: int
     """The runs it makes when complete."""
 
@@ -136,7 +154,7 @@ def _length_plan(experiment, command: list[str], default_out: str) -> Plan:
     design = length.EXPERIMENTS[experiment.task]
     window = max(1, min(10, (experiment.steps + 1) // 4))
 
-    def report(runs, out, *, command, seconds):
+    def report(runs: dict[tuple[str, int], list[dict]], out: Path, *, command: str, seconds: float | None) -> Path:
         names = list(experiment.algorithms) + sorted({a for a, _ in runs} - set(experiment.algorithms))
         return write_report(runs, names, out, command=command, seconds=seconds, window=window, design=design)
 
@@ -175,7 +193,7 @@ def _distill_plan(experiment, command: list[str], default_out: str) -> Plan:
 
     window = max(1, min(5, (experiment.steps + 1) // 4))
 
-    def report(runs, out, *, command, seconds):
+    def report(runs: dict[tuple[str, int], list[dict]], out: Path, *, command: str, seconds: float | None) -> Path:
         labels = list(experiment.students) + sorted({a for a, _ in runs} - set(experiment.students) - {distill.TEACHER})
         caveat = scale_caveat({k: v for k, v in runs.items() if k[0] != distill.TEACHER}, distill.DESIGN)
         teacher = (
@@ -216,7 +234,8 @@ def _saved_plan(out: Path) -> tuple[Plan, str]:
         else ("length", length.LengthExperiment, _length_plan)
     )
     fields = {f.name for f in dataclasses.fields(cls)}
-    experiment = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields}
+    experiment = cls(**values)  # JSON's values, checked by the experiment's own check before any work
     command = saved.get("command") or f"pgloss experiment {kind} --out {out} (the settings of experiment.json)"
     return build(experiment, [], str(out)), command
 
@@ -239,7 +258,7 @@ def rebuild_experiment(out: Path) -> Path:
 
 def cmd_report(args) -> int:
     """``pgloss report RUN_DIR``: the report and plots of a train, compare or experiment folder, again."""
-    from ..lab.commands import rebuild
+    from ..lab.finish import rebuild
     from ..lab.runner import Held, require_extras
 
     out = Path(args.run_dir)

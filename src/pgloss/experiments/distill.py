@@ -126,11 +126,11 @@ def _warm(experiment: DistillExperiment, seed: int, cache: str) -> None:
         warm_state(cfg, cache)
 
 
-def _teacher(experiment: DistillExperiment, seed: int, out: str) -> None:
-    """Train the teacher of `seed` (its run into runs/, its state into teachers/)."""
+def _teacher(experiment: DistillExperiment, seed: int, folder: str) -> None:
+    """Train the teacher of `seed` in the experiment's `folder` (its run into runs/, its state into teachers/)."""
     import torch
 
-    out = Path(out)
+    out = Path(folder)
     result = write_run(
         experiment.lab_config(TEACHER, seed), str(run_path(out, TEACHER, seed)), str(out / "warm"), label=TEACHER
     )
@@ -139,10 +139,11 @@ def _teacher(experiment: DistillExperiment, seed: int, out: str) -> None:
     path.with_suffix(".tmp").replace(path)  # a complete file or none
 
 
-def _student(experiment: DistillExperiment, label: str, seed: int, out: str) -> None:
+def _student(experiment: DistillExperiment, label: str, seed: int, folder: str) -> None:
+    """Train the student `label` of `seed` in the experiment's `folder` from that seed's teacher."""
     from ..lab.torch_files import load_tensors
 
-    out = Path(out)
+    out = Path(folder)
     write_run(
         experiment.lab_config(label, seed),
         str(run_path(out, label, seed)),

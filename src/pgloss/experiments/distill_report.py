@@ -121,7 +121,7 @@ def plot(runs: dict, labels: list[str], out: Path, window: int) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(12.6, 3.8))
     for label in labels:
         color, ls, _ = style[label]
-        for ax, key in zip(axes, ("reward", "kl_teacher")):
+        for ax, key in zip(axes, ("reward", "kl_teacher"), strict=True):
             interval_curve(ax, runs, label, key, SMOOTH, color=color, ls=ls)
     seeds = sorted(s for (name, s) in runs if name == TEACHER)
     if seeds:
@@ -174,7 +174,7 @@ def write_report(
     ]
     for row in rows:
 
-        def arrow(key, digits=3, early=True):
+        def arrow(key, digits=3, early=True, row=row):
             start, mid, end = row[key]
             return " → ".join(fmt(v, digits) for v in ((start, mid, end) if early else (start, end)))
 
@@ -206,9 +206,9 @@ def write_report(
     ]
     for claim in CLAIMS:
         whole = verdict(claim, runs, window, measure=run_mean)
-        if whole is None:
-            continue
         end = verdict(claim, runs, window)
+        if whole is None or end is None:  # None alike: no seed ran both
+            continue
         if caveat:
             whole, end = (
                 {**x, "verdict": f"(would read: {x['verdict']}; not a result at this scale)"} for x in (whole, end)

@@ -223,7 +223,7 @@ def measure(problems, texts: list[str], algorithm, group_size: int, max_new_toke
     rewards = torch.tensor(
         [
             reward(t, problems[i // group_size]) if done else 0.0
-            for i, (t, done) in enumerate(zip(texts, finished.tolist()))
+            for i, (t, done) in enumerate(zip(texts, finished.tolist(), strict=True))
         ],
         dtype=torch.float64,
     )
@@ -258,7 +258,7 @@ def lab_batch(problems, texts: list[str], group_size: int, max_new_tokens: int) 
     rewards = torch.tensor(
         [
             reward(t, problems[i // group_size]) if n < max_new_tokens else 0.0
-            for i, (t, n) in enumerate(zip(texts, lengths.tolist()))
+            for i, (t, n) in enumerate(zip(texts, lengths.tolist(), strict=True))
         ],
         dtype=torch.float64,
     )

@@ -7,13 +7,14 @@ cell: the run's mean over its last `window` steps); the claims are paired compar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
 from .claims import Claim, fmt, growth, interval, interval_curve, nanmean, run_mean, scale_caveat, verdict, window_mean
 from .length import LENGTH_BINS, LengthExperiment
 
-CLAIMS = (
+CLAIMS: tuple[Claim, ...] = (
     Claim(
         "OpenR1 in practice (6): sample-level vs token-level loss (2025-06-04)",
         "the sample-level loss lengthens responses more than GRPO's per-sequence token mean",
@@ -169,7 +170,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
         ),
     ):
         fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 2.2, 3.6), squeeze=False)
-        for ax, (key, title) in zip(axes[0], panels):
+        for ax, (key, title) in zip(axes[0], panels, strict=True):
             curves(ax, key, title)
         axes[0][-1].legend(**legend)
         fig.tight_layout()
@@ -179,7 +180,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(12.6, 3.6), sharey=True)
     centers = list(range(len(LENGTH_BINS)))
-    labels = [f"{lo}-{hi - 1}" for lo, hi in zip(LENGTH_BINS, LENGTH_BINS[1:])] + [f"{LENGTH_BINS[-1]}+"]
+    labels = [f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(LENGTH_BINS)] + [f"{LENGTH_BINS[-1]}+"]
     for ax, key, title in ((axes[0], "grad_pos", "Â > 0"), (axes[1], "grad_neg", "Â < 0")):
         positive = False
         for k, a in enumerate(algorithms):
@@ -192,7 +193,7 @@ def plot(runs: dict, algorithms: list[str], out: Path) -> list[Path]:
             ax.errorbar(
                 [c + shift for c in centers],
                 [m for m, _ in stats],
-                yerr=[[min(h, m) if m == m else 0.0 for (m, _), h in zip(stats, half)], half],
+                yerr=[[min(h, m) if m == m else 0.0 for (m, _), h in zip(stats, half, strict=True)], half],
                 fmt=style[a][2],
                 ls=style[a][1],
                 ms=3,
@@ -238,7 +239,7 @@ def write_report(
     ]
     for row in rows:
 
-        def arrow(key, digits=2):
+        def arrow(key, digits=2, row=row):
             start, end = row[key]
             return f"{fmt(start, digits)} → {fmt(end, digits)}"
 
@@ -263,10 +264,10 @@ def write_report(
     ]
     for claim in CLAIMS:
         v = verdict(claim, runs, window)
-        if v is None:
-            continue
         whole = verdict(claim, runs, window, measure=run_mean)
         rate = verdict(claim, runs, window, measure=growth)
+        if v is None or whole is None or rate is None:  # None alike: no seed ran both algorithms
+            continue
         side = ">" if claim.sign > 0 else "<"
         if caveat:  # a verdict of a check run is shown as what it would read, not as a finding
             v, whole, rate = (

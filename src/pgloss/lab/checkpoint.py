@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..controllers import AdaptiveEntropy
 
 FOLDER = "checkpoints"
 
@@ -74,3 +82,64 @@ def step(file: Path) -> int:
     """The last step the checkpoint in `file` finished (-1 when there is none)."""
     state = load(file)
     return -1 if state is None else state["step"]
+
+
+@dataclass(frozen=True)
+class Live:
+    """The objects of a running ``trainer.train`` whose state a checkpoint holds: `state` reads them after a
+    step, `restore` puts a checkpoint's back into them (the run's settings, records and samples aside)."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module
+    """The frozen warm start (the KL's reference)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    """The learning-rate warmup."""
+    prompt_rng: random.Random
+    """Draws each step's prompts."""
+    refill_rng: random.Random
+    """Draws DAPO's refill prompts."""
+    generator: torch.Generator
+    """Samples the completions."""
+    shuffle: torch.Generator
+    """Cuts the batch into minibatches."""
+    entropy_control: AdaptiveEntropy | None
+    """The entropy controller of ``--target-entropy`` (None: a fixed coefficient)."""
+
+    def state(self, cfg: Any, step: int, metrics: list[dict], samples: dict) -> dict:
+        """The checkpoint after `step` of a run of `cfg` (a LabConfig), with its records and samples so far;
+        torch's global random state too."""
+        import torch
+
+        return {
+            "config": dataclasses.asdict(cfg),
+            "step": step,
+            "metrics": metrics,
+            "samples": samples,
+            "policy": self.policy.state_dict(),
+            "reference": self.reference.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "prompt_rng": self.prompt_rng.getstate(),
+            "refill_rng": self.refill_rng.getstate(),
+            "generator": self.generator.get_state(),
+            "shuffle": self.shuffle.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "entropy_control": None if self.entropy_control is None else self.entropy_control.state_dict(),
+        }
+
+    def restore(self, saved: dict) -> None:
+        """Every state of the checkpoint `saved` (`state`'s) back in these objects and in torch's global
+        random state, as they were after its step (the reference is built from ``saved["reference"]`` before)."""
+        import torch
+
+        self.policy.load_state_dict(saved["policy"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.prompt_rng.setstate(saved["prompt_rng"])
+        self.refill_rng.setstate(saved["refill_rng"])
+        self.generator.set_state(saved["generator"])
+        self.shuffle.set_state(saved["shuffle"])
+        torch.set_rng_state(saved["torch_rng"])
+        if self.entropy_control is not None:
+            self.entropy_control.load_state_dict(saved["entropy_control"])

@@ -12,19 +12,18 @@ show one progress bar (``lab/progress.py``), write ``metrics.jsonl`` as the runs
 runs when one fails (exit status 1, its traceback in ``errors.log``), and on Ctrl-C or SIGTERM stop
 within seconds, writing the report and plots of the runs that finished (exit status 130). Once the
 training is over, a signal no longer stops anything: the report is written in full first
-(``runner.Held``). ``pgloss report RUN_DIR`` writes the report and plots again from what a run saved
-(``rebuild``).
+(``runner.Held``; ``lab/finish.py`` writes it). ``pgloss report RUN_DIR`` writes the report and plots
+again from what a run saved (``finish.rebuild``).
 
 Every run saves a checkpoint after each step (``lab/checkpoint.py``, in ``OUT/checkpoints``);
 ``--resume --out OUT`` continues an interrupted run (or comparison) from there, each run from its last
 finished step, and gives the metrics and policy of a run never stopped. It refuses other settings than
-the run's, naming them (``resume_folder``).
+the run's, naming them (``lab/resume.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shlex
 import sys
@@ -33,10 +32,12 @@ import traceback
 from pathlib import Path
 
 from . import warm
-from .config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args, mismatched
+from .config import DEFAULT_ALGORITHMS, LabConfig, add_config_arguments, config_from_args
+from .finish import conclude, outcome, write_config
 from .outputs import claim_directory
 from .progress import Progress, step_costs
 from .provenance import versions
+from .resume import kept_records, resume_folder
 from .runner import RL, WARM, Held, Runner, Sink, emit, require_extras, timed_steps
 from .spec import add_algorithms_argument, parse_algorithms
 
@@ -117,212 +118,8 @@ def prepare_out(out: str | None, default: str, overwrite: bool) -> Path:
     return claim_directory(out, default, overwrite, own)
 
 
-def _settings(config: dict) -> dict:
-    """What makes a run itself, as config.json holds it: every LabConfig field, the algorithms and seeds."""
-    return json.loads(json.dumps({**config["base"], "algorithms": config["algorithms"], "seeds": config["seeds"]}))
-
-
-def resume_folder(args, command: str, config: dict) -> dict:
-    """``--resume``: the config.json of the run in ``--out`` that `config` (this command's) continues,
-    marked as resumed by this command line. ValueError when there is no --out, no unfinished run of
-    `command` there, or one of other settings (each named with its flag and both values)."""
-    from .checkpoint import differences
-
-    if args.out is None:
-        raise ValueError(f"--resume: give --out, the folder of the interrupted pgloss {command} run to continue")
-    if args.overwrite:
-        raise ValueError("--resume continues the run in --out and --overwrite replaces it: give one of them")
-    out = Path(args.out)
-    try:
-        saved = json.loads((out / "config.json").read_text())
-        _settings(saved)
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"--resume: {out} holds no pgloss {command} run to continue ({err})") from None
-    if not saved.get("command", "").startswith(f"pgloss {command}"):
-        raise ValueError(f"--resume: {out} holds a run of {saved.get('command')!r}, not of pgloss {command}")
-    if saved.get("status") == "finished":
-        raise ValueError(
-            f"--resume: the run in {out} is finished, nothing to continue (pgloss report {out} writes its report again)"
-        )
-    differ = differences(_settings(saved), _settings(config), name=lambda k: "--" + k.replace("_", "-"))
-    if differ:
-        raise ValueError(
-            f"--resume: the run in {out} has other settings ({'; '.join(differ)}); give the same "
-            "settings, or a new --out"
-        )
-    return {
-        **saved,
-        "status": "running",
-        "versions": config["versions"],
-        "resumed": [*saved.get("resumed", []), config["command"]],
-        **({"workers": config["workers"]} if "workers" in config else {}),
-    }
-
-
-def kept_records(out: Path, runs: list[LabConfig]) -> tuple[list[dict], set[tuple]]:
-    """The records of each run's checkpoint in `out` (those a resumed run keeps) and the (algorithm, seed)
-    of the runs that have one. ValueError when a checkpoint belongs to other settings."""
-    from . import checkpoint
-
-    kept, resumable = [], set()
-    for cfg in runs:
-        saved = checkpoint.load(checkpoint.path(out, cfg.algorithm, cfg.seed), cfg)
-        if saved is not None:
-            kept += saved["metrics"]
-            resumable.add((cfg.algorithm, cfg.seed))
-    return kept, resumable
-
-
-def _write_config(out: Path, config: dict) -> None:
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-TITLES = {"compare": "comparison", "train": "training run"}
-
-
-def finish(out: Path, runs: list[dict], config: dict, command: str = "compare", rebuilt: bool = False) -> Path:
-    """config.json (with each run's status), samples.md, errors.log, report.md, then the PNG plots of the
-    finished runs; returns the report. The report comes before the plots, the slow part, so that a
-    process killed while drawing them still leaves it (``pgloss report`` draws them again). `rebuilt`:
-    report.md and the plots only (``rebuild``: config.json, samples.md and errors.log stay as the run left them)."""
-    from .plots import plot_all, plot_names
-    from .report import write_report, write_samples
-
-    finished = [r for r in runs if r["status"] == "finished"]
-    if not rebuilt:
-        config["runs"] = [{k: r[k] for k in ("algorithm", "seed", "status", "steps_done", "error")} for r in runs]
-        _write_config(out, config)
-        write_samples(out, {(r["algorithm"], r["seed"]): r["samples"] for r in finished if r["samples"]})
-    failed = [r for r in runs if r["status"] == "failed" and r.get("traceback") and not rebuilt]
-    if failed:
-        (out / "errors.log").write_text(
-            "".join(f"== {r['algorithm']}, seed {r['seed']}\n{r['traceback']}\n" for r in failed)
-        )
-    mismatch = mismatched(config["base"])
-    plots = [out / f"{name}.png" for name in plot_names(mismatch)] if finished else []
-    report = write_report(out, runs, config, plots, title=TITLES[command])
-    if finished:
-        plot_all(
-            [m for r in finished for m in r["metrics"]],
-            out,
-            max_grad_norm=config["base"]["max_grad_norm"],
-            mismatch=mismatch,
-        )
-    return report
-
-
-def _saved_runs(out: Path, config: dict) -> list[dict]:
-    """The runs of a train or compare folder as `finish` takes them, from config.json and metrics.jsonl: a
-    run whose last step (``steps``) is in metrics.jsonl is finished; a failed run stays failed (its
-    error in config.json); one with some steps was interrupted; one with none did not start."""
-    records: dict[tuple, list[dict]] = {}
-    path = out / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-            records.setdefault((record["algorithm"], record["seed"]), []).append(record)
-    steps = config["base"]["steps"]
-    saved = {(r["algorithm"], r["seed"]): r for r in config.get("runs", [])}
-    runs = []
-    for key in dict.fromkeys([*((a, s) for a in config["algorithms"] for s in config["seeds"]), *records]):
-        metrics = sorted({r["step"]: r for r in records.get(key, [])}.values(), key=lambda r: r["step"])
-        status, error = saved.get(key, {}).get("status"), saved.get(key, {}).get("error")
-        if status != "failed":
-            status = (
-                "finished" if metrics and metrics[-1]["step"] == steps else "interrupted" if metrics else "not started"
-            )
-        runs.append(
-            {
-                "algorithm": key[0],
-                "seed": key[1],
-                "status": status,
-                "error": error,
-                "samples": {},
-                "steps_done": min(len(metrics), steps),
-                "metrics": metrics,
-            }
-        )
-    return runs
-
-
-def rebuild(out: Path) -> Path:
-    """Write report.md and the plots of the ``train`` or ``compare`` run in `out` again from its
-    config.json and metrics.jsonl (a run stopped before its report, or one reported by an older pgloss);
-    an earlier report.md and plots are kept in ``out/replaced`` first. Returns the report's path;
-    ValueError when `out` holds no such run."""
-    from .outputs import set_aside
-    from .plots import plot_names
-
-    try:
-        config = json.loads((out / "config.json").read_text())
-        command = "train" if config["command"].startswith("pgloss train") else "compare"
-        config["base"], config["algorithms"], config["seeds"]
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"{out}: no config.json of a pgloss train or compare run there ({err})") from None
-    set_aside(out, ["report.md", *(f"{name}.png" for name in plot_names(mismatch=True))], why="pgloss report")
-    return finish(out, _saved_runs(out, config), config, command, rebuilt=True)
-
-
-def _outcome(cfg: LabConfig, result: dict | None, sink: Sink) -> dict:
-    """A run's status (finished, failed, interrupted, not started) with what it produced; ``steps_done``
-    counts the steps whose record was written (at most ``cfg.steps``: the last record measures the final policy).
-    A run whose result was lost to a signal after its last record was written is finished (without samples)."""
-    if result is None:
-        records = sorted(sink.records.get((cfg.algorithm, cfg.seed), []), key=lambda r: r["step"])
-        if records and records[-1]["step"] == cfg.steps:
-            return {
-                "algorithm": cfg.algorithm,
-                "seed": cfg.seed,
-                "status": "finished",
-                "steps_done": cfg.steps,
-                "error": None,
-                "metrics": records,
-                "samples": {},
-            }
-        steps = min(sink.steps_done(cfg.algorithm, cfg.seed), cfg.steps)
-        started = steps or (cfg.algorithm, cfg.seed) in sink.started
-        return {
-            "algorithm": cfg.algorithm,
-            "seed": cfg.seed,
-            "status": "interrupted" if started else "not started",
-            "steps_done": steps,
-            "error": None,
-            "metrics": [],
-            "samples": {},
-        }
-    status = "failed" if "error" in result else "finished"
-    return {
-        "algorithm": cfg.algorithm,
-        "seed": cfg.seed,
-        "status": status,
-        "steps_done": min(len(result["metrics"]), cfg.steps),
-        "error": result.get("error"),
-        "traceback": result.get("traceback"),
-        "metrics": result["metrics"],
-        "samples": result.get("samples", {}),
-    }
-
-
 def _command_line() -> str:
     return "pgloss " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-
-
-def _summary_line(
-    command: str, runs: list[dict], report: Path, seconds: float, interrupted: bool, signalled: bool = False
-) -> str:
-    """The command's last line; `signalled`: a signal came after every run ended (the report is complete)."""
-    done = sum(r["status"] == "finished" for r in runs)
-    failed = [f"{r['algorithm']} seed {r['seed']}" for r in runs if r["status"] == "failed"]
-    text = f"pgloss {command}: " + ("interrupted; " if interrupted else "")
-    text += f"{done} of {len(runs)} runs finished in {seconds:.0f} s; report: {report}"
-    if failed:
-        text += f"; failed: {', '.join(failed)} (see errors.log)"
-    if signalled:
-        text += "; a signal came after the last run ended: the report was written in full first"
-    return text
 
 
 def cmd_compare(args) -> int:
@@ -355,7 +152,8 @@ def cmd_compare(args) -> int:
             "warm_start": warm.origin([dataclasses.replace(base, seed=s) for s in seeds]),
             "status": "running",
         }
-        kept, resumable = None, set()
+        kept: list[dict] | None = None
+        resumable: set[tuple[str, int]] = set()
         if args.resume:
             config = resume_folder(args, "compare", config)
             out = Path(args.out)
@@ -365,18 +163,21 @@ def cmd_compare(args) -> int:
     except (ValueError, TypeError) as err:
         print(f"pgloss compare: {err}", file=sys.stderr)
         return 2
-    _write_config(out, config)
+    write_config(out, config)
     starts = [
         dataclasses.replace(base, seed=s) for s in seeds if any((cfg.algorithm, s) not in resumable for cfg in runs)
     ]  # a seed with a run to start
     cold = sum(not warm.cached(cfg, cache) for cfg in starts)
     logs = trackers.Trackers(report_to, out, dataclasses.asdict(base), resumed=args.resume) if report_to else None
     sink = Sink(out / "metrics.jsonl", progress("compare", cold, base, len(runs), workers, len(kept or ())), kept, logs)
-    runner, states, results, interrupted, held = None, {}, {}, False, Held()
+    runner, interrupted, held = None, False, Held()
+    states: dict[int, dict] = {}  # by seed: its warm start (a state or an error)
+    results: dict[int, dict] = {}  # by index in runs: what the run returned
     try:
         runner = Runner(workers, sink)
-        runner.map(warm_state, [(cfg, cache) for cfg in starts], states)
-        states = {cfg.seed: states[i] for i, cfg in enumerate(starts)}
+        started: dict[int, dict] = {}  # by index in starts
+        runner.map(warm_state, [(cfg, cache) for cfg in starts], started)
+        states = {cfg.seed: started[i] for i, cfg in enumerate(starts)}
         runner.map(
             run,
             [
@@ -400,34 +201,15 @@ def cmd_compare(args) -> int:
         if runner is not None:
             runner.close(terminate=interrupted)
         sink.close()
-    return _conclude(
+    return conclude(
         "compare",
         out,
-        [_outcome(cfg, results.get(i), sink) for i, cfg in enumerate(runs)],
+        [outcome(cfg, results.get(i), sink) for i, cfg in enumerate(runs)],
         config,
         start,
         interrupted,
         held,
     )
-
-
-def _conclude(
-    command: str, out: Path, runs: list[dict], config: dict, start: float, interrupted: bool, held: Held
-) -> int:
-    """Write the files of what finished and print one line, signals held until then; the exit status
-    (0, 1 failed, 130 after a signal). The status in config.json is "finished" when every run ended
-    (finished or failed), even if a signal came after the last one, else "interrupted"."""
-    with held:
-        config["seconds"] = round(time.time() - start, 1)
-        ended = all(r["status"] in ("finished", "failed") for r in runs)
-        config["status"] = "finished" if ended else "interrupted"
-        report = finish(out, runs, config, command)
-        signalled = interrupted or bool(held.received)
-        line = _summary_line(command, runs, report, config["seconds"], not ended, signalled and ended)
-        print(line, file=sys.stderr if signalled else sys.stdout)
-    if signalled:
-        return 130
-    return 1 if any(r["status"] != "finished" for r in runs) else 0
 
 
 def cmd_train(args) -> int:
@@ -459,7 +241,8 @@ def cmd_train(args) -> int:
             "warm_start": warm.origin([cfg]),
             "status": "running",
         }
-        kept, out, saved = None, None, None
+        kept, saved = None, None
+        out: Path | None = None  # the run's folder, on rank 0 only (the rank that writes files)
         if args.resume and world > 1:
             raise ValueError(
                 "--resume: a run under torchrun keeps no checkpoint (each rank samples with its own "
@@ -476,8 +259,8 @@ def cmd_train(args) -> int:
         print(f"pgloss train: {err}", file=sys.stderr)
         return 2
     sink = Sink(None)
-    if rank == 0:
-        _write_config(out, config)
+    if out is not None:  # rank 0
+        write_config(out, config)
         cold = int(saved is None and not warm.cached(cfg, cache))
         logs = trackers.Trackers(report_to, out, dataclasses.asdict(cfg), resumed=args.resume) if report_to else None
         sink = Sink(
@@ -504,9 +287,9 @@ def cmd_train(args) -> int:
             cfg,
             state,
             on_step=on_step,
-            checkpoint=checkpoint.path(out, cfg.algorithm, cfg.seed) if world == 1 else None,
+            checkpoint=checkpoint.path(out, cfg.algorithm, cfg.seed) if out is not None and world == 1 else None,
         )
-        if rank == 0:
+        if out is not None:  # rank 0
             policy.save(result["state"], cfg, policy.path(out, cfg.algorithm, cfg.seed, single=True))
     except KeyboardInterrupt:
         held.hold()
@@ -517,8 +300,8 @@ def cmd_train(args) -> int:
         held.hold()
         sink.close()
     status = 0
-    if rank == 0:
-        status = _conclude("train", out, [_outcome(cfg, result, sink)], config, start, interrupted, held)
+    if out is not None:  # rank 0
+        status = conclude("train", out, [outcome(cfg, result, sink)], config, start, interrupted, held)
     held.release()
     dist.cleanup()
     return status

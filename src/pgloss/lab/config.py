@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -200,12 +201,19 @@ def check_device(device: str) -> None:
 
 def field_docs(cls=LabConfig) -> dict[str, str]:
     """Each field's docstring (the string literal on the line after it), by field name."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    (node,) = ast.parse(inspect.getsource(cls)).body
+    if not isinstance(node, ast.ClassDef):
+        raise TypeError(f"field_docs: {cls!r} is not a class")
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = nxt.value.value
+    for field, doc in itertools.pairwise(node.body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field.target.id] = doc.value.value
     return docs
 
 

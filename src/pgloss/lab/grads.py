@@ -102,7 +102,9 @@ def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float
         # a fixed divisor is the padded width unless given
         algorithm = spec.build(norm_constant or mask.shape[1], kl_coef=0.0)
         extra = {k: batch[k] for k in algorithm.needs if k in EXTRA_KEYS and k in batch}
-        result = inspect(algorithm, batch["log_prob"], batch["old_log_prob"], batch["advantages"], mask, **extra)
+        result = inspect(
+            algorithm, batch["log_prob"], batch["old_log_prob"], batch["advantages"], mask, normalizer=None, **extra
+        )  # no normalizer: the batch is the whole step
         grad = result.policy_grad * n
         closed = None if result.closed_form is None else result.closed_form * n
         table[spec.label] = {
@@ -227,8 +229,7 @@ def summary(table: dict[str, dict]) -> list[str]:
         valid = lengths > 0
         low, high = torch.quantile(lengths[valid], torch.tensor([1 / 3, 2 / 3], dtype=torch.float64))
         cells = []
-        for select in (lambda x: x <= low, lambda x: x >= high):
-            rows = valid & select(lengths)
+        for rows in (valid & (lengths <= low), valid & (lengths >= high)):
             per_token = entry["total"][rows].abs() / lengths[rows]
             cells.append((float(per_token.mean()), float(entry["total"][rows].abs().mean())))
         lines.append(f"{name:<12} {cells[0][0]:>12.4f} {cells[1][0]:>11.4f} {cells[0][1]:>14.3f} {cells[1][1]:>13.3f}")

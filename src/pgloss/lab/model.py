@@ -100,7 +100,7 @@ class TinyGPT(nn.Module):
     def _run(self, tokens, positions, attn, cache):
         x = self.tok(tokens) + self.pos(positions)
         new_cache = []
-        for block, past in zip(self.blocks, cache):
+        for block, past in zip(self.blocks, cache, strict=True):
             x, kv = block(x, attn, past)
             new_cache.append(kv)
         return self.head(self.ln_f(x)), new_cache

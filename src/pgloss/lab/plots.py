@@ -154,7 +154,7 @@ def plot_all(
                 line(ax, algorithm, data[metric][algorithm], label=algorithm, own_style=own_style)
             if metric == "reward" and algorithm in evals:
                 ax.plot(
-                    *zip(*evals[algorithm]),
+                    *zip(*evals[algorithm], strict=True),
                     ls="none",
                     marker=style[algorithm][2],
                     ms=6,
@@ -196,7 +196,7 @@ def plot_all(
             rows = -(-len(algorithms) // cols)
             height = 2.3 * rows + 1.0
             fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, height), sharex=True, sharey=True, squeeze=False)
-            for ax, algorithm in zip(axes.flat, algorithms):
+            for ax, algorithm in zip(axes.flat, algorithms, strict=False):  # the grid's last row may have spare panels
                 draw(ax, metric, [algorithm], grey=[a for a in algorithms if a != algorithm], split=True)
                 empty = metric == "clip_frac" and not any(v is not None for s in data[metric][algorithm] for v in s)
                 ax.set_title(algorithm + (" (no clipping)" if empty else ""), fontsize=9)
@@ -231,7 +231,7 @@ def plot_all(
             f"the {FEW} of {len(algorithms)} algorithms with the highest\nfinal eval reward (markers); "
             "the others grey.\nEach one alone: the panel's own PNG"
         )
-    for ax, metric in zip(axes.flat, panels):
+    for ax, metric in zip(axes.flat, panels, strict=False):  # the grid's last row may have spare panels
         draw(ax, metric, shown, grey=[a for a in algorithms if a not in shown])
         ax.set_xlabel("RL step")
         ax.set_ylabel(panels[metric][1])

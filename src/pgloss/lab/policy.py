@@ -90,10 +90,10 @@ def batch(where: str | Path, prompts: int = 8, seed: int = 0) -> dict:
     import torch
 
     from ..advantages.group import group_advantages
+    from .batch import score
     from .sampling import response_log_probs, sample
     from .tasks import make_task
     from .tokenizer import Tokenizer
-    from .trainer import score
 
     cfg, model = load(where)
     tokenizer, task, rng = Tokenizer(), make_task(cfg.task), random.Random(f"grads-{seed}")

@@ -430,7 +430,7 @@ def write_samples(out: Path, samples: dict) -> Path:
     lines = ["# Sample completions", ""]
     for (algorithm, seed), run in samples.items():
         lines += [f"## {algorithm}, seed {seed}", "", "| prompt | start (reward) | end (reward) |", "|---|---|---|"]
-        for (prompt, start, r0), (_, end, r1) in zip(run["start"], run["end"]):
+        for (prompt, start, r0), (_, end, r1) in zip(run["start"], run["end"], strict=True):
             lines.append(f"| `{prompt}` | `{start}` ({r0:g}) | `{end}` ({r1:g}) |")
         lines.append("")
     path = out / "samples.md"

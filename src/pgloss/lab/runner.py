@@ -20,7 +20,13 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multiprocessing import Queue
+    from multiprocessing.process import BaseProcess
 
 WARM, RL = "warm start", "RL"  # the phases of the progress bar
 _EMIT = None  # where a job's items go: the main process's sink, or a queue's put in a worker
@@ -122,16 +128,17 @@ class Runner:
     task queue's lock) never stops. Here the main process only writes the job queue and only reads
     the item queue, so it waits on no lock a worker holds, and it stops the workers by killing them."""
 
-    def __init__(self, workers: int, sink) -> None:
-        self.sink, self.processes, self.jobs, self.items = sink, [], None, None
+    def __init__(self, workers: int, sink: Callable[[dict], None]) -> None:
+        self.sink = sink
+        self.processes: list[BaseProcess] = []
+        self.queues: tuple[Queue, Queue] | None = None
+        """The job queue (this process writes it) and the item queue (it reads it); None: jobs run here."""
         if workers > 1:
             import multiprocessing as mp
 
             ctx = mp.get_context("spawn")
-            self.jobs, self.items = ctx.Queue(), ctx.Queue()
-            self.processes = [
-                ctx.Process(target=_worker, args=(self.jobs, self.items), daemon=True) for _ in range(workers)
-            ]
+            self.queues = ctx.Queue(), ctx.Queue()
+            self.processes = [ctx.Process(target=_worker, args=self.queues, daemon=True) for _ in range(workers)]
             for process in self.processes:
                 process.start()
 
@@ -140,7 +147,7 @@ class Runner:
         KeyboardInterrupt, `done` holds the jobs that finished. An exception of a job is raised here
         (RuntimeError with its traceback, from a worker); RuntimeError when a worker died."""
         global _EMIT
-        if not self.processes:
+        if self.queues is None:
             _EMIT = self.sink
             try:
                 for i, job in enumerate(jobs):
@@ -152,12 +159,13 @@ class Runner:
             return
         import queue as queue_module
 
+        job_queue, items = self.queues
         for i, job in enumerate(jobs):
-            self.jobs.put((i, fn, job))
+            job_queue.put((i, fn, job))
         pending = set(range(len(jobs)))
         while pending:
             try:
-                item = self.items.get(timeout=0.2)
+                item = items.get(timeout=0.2)
             except queue_module.Empty:
                 if any(p.exitcode is not None for p in self.processes):  # a worker exits only when closed
                     raise RuntimeError(
@@ -177,13 +185,15 @@ class Runner:
 
     def close(self, terminate: bool = False) -> None:
         """Let the workers finish (or, after an interruption, kill them) and release the queues."""
+        if self.queues is None:
+            return
         for _ in self.processes if not terminate else ():
-            self.jobs.put(None)
+            self.queues[0].put(None)
         for process in self.processes:
             if terminate:
                 process.kill()
             process.join()
-        for queue in (self.jobs, self.items) if self.processes else ():
+        for queue in self.queues:
             queue.cancel_join_thread()
             queue.close()
 
@@ -211,7 +221,9 @@ class Sink:
     records are appended."""
 
     def __init__(self, path: Path | None, progress=None, kept: list[dict] | None = None, trackers=None) -> None:
-        self.progress, self.written, self.started, self.trackers = progress, set(), set(), trackers
+        self.progress, self.trackers = progress, trackers
+        self.written: set[tuple[str, int, int]] = set()  # (algorithm, seed, step) of every record written
+        self.started: set[tuple[str, int]] = set()  # (algorithm, seed) of the runs that started
         self.records: dict[tuple, list[dict]] = {}  # (algorithm, seed) -> its records, in the order written
         self.file = None
         if path is not None and kept is not None:  # whole or not at all: the checkpoints still hold these records

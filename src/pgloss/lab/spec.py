@@ -11,6 +11,7 @@ hyperparameters.
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +36,11 @@ class Spec:
         merged = {**{k: v for k, v in args.items() if k not in own}, **own}
         return Spec(self.name, tuple(merged.items()))
 
-    def build(self, max_new_tokens: int, rollout_correction=None, **fixed):
+    def build(self, max_new_tokens: float, rollout_correction=None, **fixed):
         """The pgloss algorithm, with `rollout_correction` (a ``RolloutCorrection`` or None) and the
         hyperparameters `fixed` over the spec's own (``pgloss grads`` fixes ``kl_coef=0``). A sum-norm
         aggregation (Dr.GRPO) without a given ``norm_constant`` divides by the response budget,
-        `max_new_tokens`. Raises ValueError/TypeError like ``pgloss.get``."""
+        `max_new_tokens` (``pgloss grads`` passes its ``--norm-constant`` there, any positive number). Raises ValueError/TypeError like ``pgloss.get``."""
         import pgloss
 
         kwargs = {**dict(self.args), **fixed}  # checked by the family's own check_fields, named with the label
@@ -98,7 +99,7 @@ def parse_spec(text: str) -> Spec:
     return Spec(name.strip(), tuple(args.items()))
 
 
-def parse_algorithms(items: list[str], every: list[str] | None = None, loss_args: list[str] = ()) -> list[Spec]:
+def parse_algorithms(items: list[str], every: list[str] | None = None, loss_args: Sequence[str] = ()) -> list[Spec]:
     """The specs of ``--algorithms`` (space- or comma-separated; ``all`` is every name in `every`),
     each with the ``--loss-arg`` settings added. A comma-separated ``key=value`` continues the
     previous spec's settings: ``dapo:clip_high=0.3,clip_low=0.1``. Duplicate labels are refused.

@@ -123,10 +123,10 @@ class ChainTask:
         digits = [rng.randrange(10) for _ in range(n)]
         ops = [rng.choice("+*") for _ in range(n - 1)]
         value, running = digits[0], []
-        for op, d in zip(ops, digits[1:]):
+        for op, d in zip(ops, digits[1:], strict=True):
             value = (value + d if op == "+" else value * d) % 10
             running.append(str(value))
-        prompt = str(digits[0]) + "".join(op + str(d) for op, d in zip(ops, digits[1:])) + "="
+        prompt = str(digits[0]) + "".join(op + str(d) for op, d in zip(ops, digits[1:], strict=True)) + "="
         return Problem(prompt, running[-1], tuple(running))
 
     @property

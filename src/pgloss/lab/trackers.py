@@ -76,8 +76,9 @@ class Trackers:
             from torch.utils.tensorboard.summary import hparams as hparams_summary
 
             writer = SummaryWriter(str(self.out / "tensorboard" / name), purge_step=0 if self.resumed else None)
+            events = writer._get_file_writer()  # torch's own accessor of the run's event file (add_hparams uses it)
             for summary in hparams_summary(settings, {}):
-                writer.file_writer.add_summary(summary)
+                events.add_summary(summary)
             writer.add_text("config", "```\n" + json.dumps(settings, indent=2) + "\n```")
             writers["tensorboard"] = writer
         if "wandb" in self.names:

@@ -5,20 +5,18 @@ Read top to bottom:
 1. ``build``: tokenizer, task and a seeded tiny transformer.
 2. ``warm_start``: a short supervised phase on demonstrations (with and without scratchpad),
    so that RL starts above zero reward.
-3. ``collect``: G completions per prompt at the sampling temperature; rewards; group
-   advantages (scaled by the group std unless the name's `pgloss.recipe` says not to); old, reference and
-   entropy values under no_grad. A simulated mismatched sampler (``sampler_temperature``,
-   ``sampler_noise``) samples instead of the policy; its log-probs become ``rollout_log_prob``.
-   DAPO's dynamic sampling then refills the batch (``refill``).
-4. ``update``: ``epochs`` passes over the batch, each cut into ``minibatches`` optimizer steps
-   of whole groups, each step made of ``micro_batches`` combined by one ``pgloss.Normalizer``
-   (counted over the step's micro-batches and all ranks). Ratios move away from one after the
-   first optimizer step, so clipping matters.
+3. ``collect`` (``lab/batch.py``): G completions per prompt at the sampling temperature; rewards; group
+   advantages; old, reference and entropy values under no_grad. A simulated mismatched sampler
+   (``make_sampler``: ``sampler_temperature``, ``sampler_noise``) samples instead of the policy; its
+   log-probs become ``rollout_log_prob``. DAPO's dynamic sampling then refills the batch (``refill``).
+4. ``update`` (``lab/update.py``): ``epochs`` passes over the batch, each cut into ``minibatches``
+   optimizer steps of whole groups, each step made of ``micro_batches`` combined by one ``pgloss.Normalizer``.
 5. ``train``: the loop, yielding one dict of numbers per step (the diagnostics that "an article
    on the components of PG losses in verl's conventions" tells you to watch: reward, greedy
    accuracy, response length, entropy, KL to the reference, clip fraction with its high/low
    split, ppo_kl, gradient norm and the share of clipped gradients). Every diagnostic is a
-   tensor until the single ``tolist`` of the step.
+   tensor until the single ``tolist`` of the step. After each step the run's checkpoint is saved
+   (``lab/checkpoint.py``), from which it continues exactly.
 
 On-policy distillation (``opd``, ``iw_opd``) reads the teacher's log-probs of the sampled tokens: those
 of ``train(..., teacher_state=...)``'s teacher (a lab policy's state dict, e.g. one trained by GRPO, of
@@ -39,46 +37,23 @@ import copy
 import dataclasses
 import math
 import random
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 import pgloss
 
-from ..advantages.group import dynamic_sampling_keep, group_advantages
-from ..core.metrics import Stat
-from ..kl.estimators import kl_estimate
 from . import checkpoint as checkpoints
 from . import distributed as dist
+from .batch import Batch, collect, refill, score
 from .config import LabConfig
 from .model import ModelConfig, TinyGPT
-from .sampling import Rollout, pad_responses, response_log_probs, sample, teacher_forced
+from .sampling import response_log_probs, sample, teacher_forced
 from .spec import parse_rollout_correction, parse_spec
-from .tasks import Problem, demonstration, make_task, reward, taught
+from .tasks import Problem, demonstration, make_task, taught
 from .tokenizer import Tokenizer
+from .update import ROLLOUT_METRICS, update
 
-# the rollout correction's metrics, recorded when the loss sees rollout log-probs (a simulated mismatch)
-ROLLOUT_METRICS = (
-    "rollout_kl",
-    "rollout_k3_kl",
-    "rollout_chi2_token",
-    "rollout_ppl_ratio",
-    "rollout_is_weight_mean",
-    "rollout_is_weight_min",
-    "rollout_is_weight_max",
-    "rollout_is_ess",
-    "rollout_is_bounded_frac",
-    "rollout_rejected_frac",
-)
-# the loss's metric behind each update diagnostic; an algorithm without one (SAPO has no clipping) logs None
-LOSS_METRICS = {
-    "clip_frac": "pg_clipfrac",
-    "clip_frac_high": "pg_clipfrac_high",
-    "clip_frac_low": "pg_clipfrac_low",
-    "ppo_kl": "ppo_kl",
-}
-UPDATE_METRICS = (*LOSS_METRICS, "grad_norm", "grad_clipped", "loss", "entropy_coef", *ROLLOUT_METRICS)
 METRICS = (
     "reward",
     "accuracy",
@@ -104,68 +79,6 @@ METRICS = (
     *ROLLOUT_METRICS,
 )
 """Every metric a lab run records per step, in the order of the history file."""
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One step's training data, on this rank."""
-
-    rollout: Rollout
-    old_log_prob: Tensor
-    """[N, R] log-probabilities of the sampling policy."""
-    ref_log_prob: Tensor
-    """[N, R] log-probabilities of the frozen reference (the warm-start model)."""
-    advantages: Tensor
-    """[N] group-relative advantages."""
-    scores: Tensor
-    """[N] the raw rewards (TOPR splits on their sign)."""
-    rollout_log_prob: Tensor | None = None
-    """[N, R] log-probabilities of the sampler, when it is not the policy (or a correction is set)."""
-    teacher_log_prob: Tensor | None = None
-    """[N, R] log-probabilities of the teacher (on-policy distillation); None: the reference is the teacher."""
-
-    def select(self, index: Tensor) -> Batch:
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return Batch(
-            self.rollout.select(index),
-            self.old_log_prob[index],
-            self.ref_log_prob[index],
-            self.advantages[index],
-            self.scores[index],
-            pick(self.rollout_log_prob),
-            pick(self.teacher_log_prob),
-        )
-
-    def inputs(self, algorithm) -> dict[str, Tensor | None]:
-        """The optional inputs of `algorithm`'s call from this batch: those it `needs`, and the sampler's
-        log-probs. The teacher (on-policy distillation) is the reference when the run has none of its own."""
-        teacher = self.ref_log_prob if self.teacher_log_prob is None else self.teacher_log_prob
-        available = dict(
-            ref_log_prob=self.ref_log_prob,
-            group_ids=self.rollout.group_ids,
-            scores=self.scores,
-            teacher_log_prob=teacher,
-        )
-        return {key: value for key, value in available.items() if key in algorithm.needs} | {
-            "rollout_log_prob": self.rollout_log_prob
-        }
-
-    @staticmethod
-    def cat(parts: list[Batch]) -> Batch:
-        """The rows of `parts` in order (responses right-padded to the longest)."""
-
-        def padded(name: str) -> Tensor | None:
-            return None if getattr(parts[0], name) is None else pad_responses([getattr(b, name) for b in parts])
-
-        return Batch(
-            Rollout.cat([b.rollout for b in parts]),
-            padded("old_log_prob"),
-            padded("ref_log_prob"),
-            torch.cat([b.advantages for b in parts]),
-            torch.cat([b.scores for b in parts]),
-            padded("rollout_log_prob"),
-            padded("teacher_log_prob"),
-        )
 
 
 def make_algorithm(cfg: LabConfig):
@@ -240,7 +153,7 @@ def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig, on_st
             group["lr"] = cfg.warm_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.warm_steps))
         log_prob, _ = response_log_probs(model, batch, temperature=1.0)
         weights = torch.zeros(batch.mask.shape, dtype=torch.bool)
-        for i, (p, a) in enumerate(zip(problems, answers)):
+        for i, (p, a) in enumerate(zip(problems, answers, strict=True)):
             weights[i, : len(a) + 1] = torch.tensor(taught(p, a) + [True])  # the end token is always taught
         weights = weights.to(cfg.device)
         loss = -(log_prob * weights).sum() / weights.sum()
@@ -250,213 +163,6 @@ def warm_start(model: TinyGPT, task, tokenizer: Tokenizer, cfg: LabConfig, on_st
         if on_step is not None:
             on_step(step)
     return float(loss.detach())
-
-
-def score(rollout: Rollout, problems: list[Problem], tokenizer: Tokenizer, group_size: int) -> tuple[Tensor, list[str]]:
-    """Rewards ``[N]`` (0 for a response cut off before its end token) and the response texts."""
-    texts = [tokenizer.decode(row) for row in rollout.responses.tolist()]
-    rewards = [
-        reward(t, problems[i // group_size]) if done else 0.0
-        for i, (t, done) in enumerate(zip(texts, rollout.finished.tolist()))
-    ]
-    return torch.tensor(rewards, device=rollout.tokens.device), texts
-
-
-@torch.no_grad()
-def collect(
-    policy,
-    reference,
-    algorithm,
-    problems,
-    tokenizer,
-    cfg: LabConfig,
-    generator: torch.Generator,
-    rank: int = 0,
-    world: int = 1,
-    sampler=None,
-    offset: int = 0,
-    teacher=None,
-) -> tuple[Batch, dict[str, Tensor], list[str]]:
-    """Sample, score and prepare one round of a step's batch. This rank holds the round's prompts
-    ``rank, rank + world, ...``; group ids are those global prompt indices plus `offset` (distinct
-    over a step's refill rounds). `sampler` (the policy when None) samples at ``sampler_temperature``;
-    the batch carries its log-probs when it is not the policy or a rollout correction is set, and the
-    `teacher`'s when there is one (``kl_teacher``: the reverse KL to it, k3, per token)."""
-    sampler = policy if sampler is None else sampler
-    temperature = cfg.temperature if cfg.sampler_temperature is None else cfg.sampler_temperature
-    prompts = [tokenizer.encode(p.prompt) for p in problems]
-    rollout = sample(
-        sampler,
-        prompts,
-        group_size=cfg.group_size,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=temperature,
-        generator=generator,
-    )
-    rollout = Rollout(
-        rollout.tokens,
-        rollout.valid,
-        rollout.prompt_len,
-        rollout.mask,
-        rollout.finished,
-        rollout.group_ids * world + rank + offset,
-    )
-    rewards, texts = score(rollout, problems, tokenizer, cfg.group_size)
-    old_log_prob, entropy = response_log_probs(policy, rollout, temperature=cfg.temperature)
-    ref_log_prob, _ = response_log_probs(reference, rollout, temperature=cfg.temperature)
-    teacher_log_prob = None if teacher is None else response_log_probs(teacher, rollout, temperature=cfg.temperature)[0]
-    rollout_log_prob = None
-    if sampler is not policy or temperature != cfg.temperature:
-        rollout_log_prob = response_log_probs(sampler, rollout, temperature=temperature)[0]
-    elif algorithm.rollout_use == "correction":  # the sampler is the policy: weight 1, no mismatch
-        rollout_log_prob = old_log_prob
-    advantages = cfg.reward_coef * group_advantages(
-        rewards, rollout.group_ids, scale=pgloss.recipe(algorithm.name).scale_rewards
-    )
-    batch = Batch(rollout, old_log_prob, ref_log_prob, advantages, rewards, rollout_log_prob, teacher_log_prob)
-    mask = rollout.mask.float()
-    tokens = mask.sum()
-    scratch = rollout.responses[:, 0] != tokenizer.stoi["|"]  # the response writes a scratchpad
-    stats = {
-        "reward": rewards.mean(),
-        "length": tokens / mask.shape[0],
-        "entropy": (entropy * mask).sum() / tokens,
-        "kl_ref": (kl_estimate(old_log_prob, ref_log_prob, "k3") * mask).sum() / tokens,
-        "kl_teacher": (
-            kl_estimate(old_log_prob, ref_log_prob if teacher_log_prob is None else teacher_log_prob, "k3") * mask
-        ).sum()
-        / tokens,
-        "scratchpad": scratch.float().mean(),
-        "reward_scratchpad": rewards[scratch].mean(),  # NaN (None in the record) when no response has one
-        "reward_direct": rewards[~scratch].mean(),
-    }
-    return batch, stats, texts
-
-
-def refill(batch: Batch, draw, n_groups: int, max_rounds: int) -> tuple[Batch, dict[str, Tensor]]:
-    """DAPO's dynamic sampling with refill (Yu et al. 2025, Algorithm 1): drop the groups whose rewards
-    are all equal and, while fewer than `n_groups` groups remain, call ``draw(round)`` for a fresh
-    round of `n_groups` prompts (group ids offset by ``round * n_groups``), at most `max_rounds` times.
-
-    The kept groups are counted over all ranks, so every rank makes the same rounds; the batch keeps
-    the first `n_groups` of them in global id order, renumbered ``0 .. K-1`` (K <= n_groups) on every
-    rank alike. Stats: ``sampled_groups`` (all rounds), ``groups`` (K) and ``kept`` (K / sampled)."""
-    parts = [batch.select(dynamic_sampling_keep(batch.scores, batch.rollout.group_ids))]
-
-    def kept_ids() -> Tensor:  # global ids of the kept groups, identical on every rank
-        flags = torch.zeros(len(parts) * n_groups)
-        for part in parts:
-            flags[part.rollout.group_ids.cpu()] = 1.0
-        return dist.total(flags).nonzero().squeeze(1)
-
-    kept = kept_ids()
-    while len(kept) < n_groups and len(parts) <= max_rounds:
-        fresh = draw(len(parts))
-        parts.append(fresh.select(dynamic_sampling_keep(fresh.scores, fresh.rollout.group_ids)))
-        kept = kept_ids()
-    chosen = kept[:n_groups]
-    new_id = torch.full((len(parts) * n_groups,), -1, dtype=torch.long)
-    new_id[chosen] = torch.arange(len(chosen))
-    batch = Batch.cat(parts)
-    ids = new_id[batch.rollout.group_ids.cpu()].to(batch.rollout.group_ids.device)
-    batch = batch.select((ids >= 0).nonzero().squeeze(1))
-    r = batch.rollout
-    batch = dataclasses.replace(
-        batch, rollout=Rollout(r.tokens, r.valid, r.prompt_len, r.mask, r.finished, ids[ids >= 0])
-    )
-    sampled = len(parts) * n_groups
-    return batch, {
-        "sampled_groups": torch.tensor(float(sampled)),
-        "groups": torch.tensor(float(len(chosen))),
-        "kept": torch.tensor(len(chosen) / sampled),
-    }
-
-
-def update(
-    policy,
-    optimizer,
-    algorithm,
-    batch: Batch,
-    cfg: LabConfig,
-    n_groups: int,
-    generator: torch.Generator,
-    scheduler=None,
-    entropy_control=None,
-) -> dict[str, Tensor]:
-    """``epochs`` x ``minibatches`` optimizer steps on one batch; returns each step's diagnostics averaged over the
-    steps (the loss's: `pgloss.StepMetrics` over the step's micro-batches and ranks): ``UPDATE_METRICS``, NaN for one
-    the algorithm lacks, the ``ROLLOUT_METRICS`` only when the loss saw rollout log-probs, ``entropy_coef`` applied.
-
-    With `entropy_control` (`make_entropy_control`), each optimizer step's loss is the algorithm with the
-    controller's applied coefficient, the controller sees the step's entropy under the loss's mask and
-    steps once after the optimizer (all ranks together).
-
-    Minibatches, and the micro-batches inside them, are cut from a permutation of the global group
-    ids (the same on every rank), so one process and several processes make the same optimizer
-    steps and a call always holds whole groups (which losses that couple a group's rows need).
-    ``grad_clipped`` is the share of optimizer steps whose gradient norm exceeded ``max_grad_norm``.
-    """
-    values: dict[str, list[Tensor]] = {k: [] for k in UPDATE_METRICS}
-
-    def add(name: str, value: Tensor) -> None:  # one value per optimizer step; the update's is their mean
-        values[name].append(value.detach().float().cpu())
-
-    for _ in range(cfg.epochs):
-        order = torch.randperm(n_groups, generator=generator).to(batch.advantages.device)
-        for chunk in order.tensor_split(cfg.minibatches):
-            micros = [
-                batch.select(torch.isin(batch.rollout.group_ids, part).nonzero().squeeze(1))
-                for part in chunk.tensor_split(cfg.micro_batches)
-            ]
-            normalizer = algorithm.step_normalizer(  # it counts the groups and scores when the loss needs them
-                [m.rollout.mask for m in micros],
-                old_log_probs=[m.old_log_prob for m in micros],
-                rollout_log_probs=None if batch.rollout_log_prob is None else [m.rollout_log_prob for m in micros],
-                group_ids=[m.rollout.group_ids for m in micros],
-                scores=[m.scores for m in micros],
-            )
-            if float(normalizer.tokens) == 0:  # e.g. DAPO dropped every group of this minibatch
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            step_metrics = pgloss.StepMetrics()  # compute() is a collective: every rank, with or without calls
-            loss_fn = algorithm if entropy_control is None else entropy_control.algorithm(algorithm)
-            add("entropy_coef", torch.tensor(float(loss_fn.entropy_coef)))
-            for micro in micros:
-                if micro.advantages.numel() == 0:
-                    continue
-                log_prob, entropy = response_log_probs(policy, micro.rollout, temperature=cfg.temperature)
-                if entropy_control is not None:
-                    entropy_control.observe(entropy, micro.rollout.mask)
-                out = loss_fn(
-                    log_prob=log_prob,
-                    old_log_prob=micro.old_log_prob,
-                    advantages=micro.advantages,
-                    mask=micro.rollout.mask,
-                    entropy=entropy,
-                    normalizer=normalizer,
-                    **micro.inputs(loss_fn),
-                )
-                out.loss.backward()
-                step_metrics.add(out)
-                step_metrics.add({"loss": Stat.loss(out.loss)})
-            step_values = step_metrics.compute()
-            for name, key in (*LOSS_METRICS.items(), *((k, k) for k in ROLLOUT_METRICS), ("loss", "loss")):
-                if key in step_values:
-                    add(name, step_values[key])
-            dist.average_gradients(policy)
-            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-            add("grad_norm", norm)
-            add("grad_clipped", norm > cfg.max_grad_norm)
-            optimizer.step()
-            if entropy_control is not None:
-                entropy_control.step(device=batch.advantages.device)
-            if scheduler is not None:
-                scheduler.step()
-    return {
-        k: torch.stack(v).nanmean() if v else torch.tensor(float("nan"))  # a metric over no token is NaN
-        for k, v in values.items()
-        if v or k not in ROLLOUT_METRICS
-    }
 
 
 def eval_problems(task, cfg: LabConfig) -> list[Problem]:
@@ -507,7 +213,7 @@ def show(policy, problems: list[Problem], tokenizer: Tokenizer, cfg: LabConfig) 
     rewards, texts = score(rollout, problems, tokenizer, 1)
     return [
         (p.prompt, t + ("" if done else " ..."), r)
-        for p, t, done, r in zip(problems, texts, rollout.finished.tolist(), rewards.tolist())
+        for p, t, done, r in zip(problems, texts, rollout.finished.tolist(), rewards.tolist(), strict=True)
     ]
 
 
@@ -580,18 +286,14 @@ def train(
     generator = torch.Generator(cfg.device).manual_seed(cfg.seed * 1009 + rank)
     shuffle = torch.Generator().manual_seed(cfg.seed)
     refill_rng = random.Random(f"refill-{cfg.seed}")  # refill prompts leave the step prompts of other algorithms alike
-    samples, metrics, first = {}, [], 0
+    live = checkpoints.Live(
+        policy, reference, optimizer, warmup, prompt_rng, refill_rng, generator, shuffle, entropy_control
+    )
+    samples: dict = {}
+    metrics: list[dict] = []
+    first = 0
     if saved is not None:  # continue after the checkpoint's step, every state as it was then
-        policy.load_state_dict(saved["policy"])
-        optimizer.load_state_dict(saved["optimizer"])
-        warmup.load_state_dict(saved["scheduler"])
-        prompt_rng.setstate(saved["prompt_rng"])
-        refill_rng.setstate(saved["refill_rng"])
-        generator.set_state(saved["generator"])
-        shuffle.set_state(saved["shuffle"])
-        torch.set_rng_state(saved["torch_rng"])
-        if entropy_control is not None:
-            entropy_control.load_state_dict(saved["entropy_control"])
+        live.restore(saved)
         samples, metrics, first = saved["samples"], saved["metrics"], saved["step"] + 1
     for step in range(first, cfg.steps + 1):  # the last pass only measures the final policy
         problems = [task.sample(prompt_rng) for _ in range(cfg.prompts_per_step)]
@@ -610,7 +312,7 @@ def train(
         }
         if pgloss.recipe(algorithm.name).dynamic_sampling:
 
-            def draw(round_: int) -> Batch:
+            def draw(round_: int, sampler=sampler) -> Batch:  # this step's sampler
                 fresh = [task.sample(refill_rng) for _ in range(cfg.prompts_per_step)][rank::world]
                 return collect(
                     policy,
@@ -641,31 +343,13 @@ def train(
             "algorithm": cfg.algorithm,
             "seed": cfg.seed,
             "step": step,
-            **{k: None if math.isnan(v) else v for k, v in zip(METRICS, values.tolist())},
+            **{k: None if math.isnan(v) else v for k, v in zip(METRICS, values.tolist(), strict=True)},
         }
         metrics.append(record)
         if on_step is not None:
             on_step(record)
         if checkpoint is not None:
-            checkpoints.save(
-                checkpoint,
-                {
-                    "config": dataclasses.asdict(cfg),
-                    "step": step,
-                    "metrics": metrics,
-                    "samples": samples,
-                    "policy": policy.state_dict(),
-                    "reference": reference.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": warmup.state_dict(),
-                    "prompt_rng": prompt_rng.getstate(),
-                    "refill_rng": refill_rng.getstate(),
-                    "generator": generator.get_state(),
-                    "shuffle": shuffle.get_state(),
-                    "torch_rng": torch.get_rng_state(),
-                    "entropy_control": None if entropy_control is None else entropy_control.state_dict(),
-                },
-            )
+            checkpoints.save(checkpoint, live.state(cfg, step, metrics, samples))
     return {
         "metrics": metrics,
         "samples": samples,

@@ -184,7 +184,7 @@ def main() -> None:
 
     configs = [LabConfig(seed=s) for s in SHIPPED_SEEDS]
     with mp.get_context("spawn").Pool(2) as pool:
-        seeds = dict(zip((str(c.seed) for c in configs), pool.map(_ship_one, configs)))
+        seeds = dict(zip((str(c.seed) for c in configs), pool.map(_ship_one, configs), strict=True))
     written = {
         "settings": settings(configs[0]),
         "seeds": seeds,
