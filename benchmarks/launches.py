@@ -17,8 +17,9 @@ log-prob check is an assert on the device), which is what a CUDA call launches.
 Both libraries get the same batch as `benchmarks/plain.py` (uneven lengths, per-token advantages,
 float32, the step's counts given); verl's loss is dual-clip PPO always (`clip_ratio_c` = 3), so its
 row is compared with pgloss's `dual_clip_ppo`, and pgloss's `ppo` (GRPO's loss without its KL
-term) is counted beside it. The CPU time of one forward and backward with the metrics read
-(interleaved runs, the median) is measured in the same run, with its ratio to verl's.
+term) is counted beside it. The time of one forward and backward with the metrics read (interleaved
+runs, the median; CPU by default, `--device cuda` on a GPU) is measured in the same run, with its
+ratio to verl's.
 
     python benchmarks/launches.py --batch 64 --length 4096 --repeats 15 --threads 1
     python benchmarks/launches.py --ops      # each operation, in order, for every row
@@ -40,6 +41,7 @@ import pgloss
 from pgloss.core.checks import as_on_accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device import add_device_argument, describe, resolve_device
 from peers import VerlActorConfig, installed, verl_policy_loss
 from plain import make_batch, timed
 
@@ -136,17 +138,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--names", default="dual_clip_ppo,ppo", help="pgloss names, comma-separated")
     parser.add_argument("--ops", action="store_true", help="print each row's operations in order")
     parser.add_argument("--seed", type=int, default=0)
+    add_device_argument(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
     if not installed("verl"):
         raise SystemExit("verl is not installed: `make test` installs verl 0.9.1 into .venv (its files are read)")
-    data = make_batch(args.batch, args.length, args.seed)
+    data = make_batch(args.batch, args.length, args.seed, device)
     print(
-        f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}; B={args.batch}, T={args.length}, "
+        f"{describe(device)}; B={args.batch}, T={args.length}, "
         f"{int(data['mask'].sum())} valid tokens, float32; launches: aten operations but views and allocations; "
         f"time: forward + backward + metrics read, median of {args.repeats} interleaved runs"
     )
