@@ -293,3 +293,32 @@ def test_step_comparison_prints_a_difference_as_a_finding(monkeypatch):
         step.compare(row, [base])
     assert close["grad_norm_vs_trl"] == pytest.approx(0.005) and "note" not in close
     assert far["grad_norm_vs_trl"] == pytest.approx(0.1) and far["note"].startswith("FINDING: grad_norm 2.2 differs")
+
+
+# -- benchmarks/launches.py: the plain loss's kernel launches, counted on the CPU ------------------------------------
+
+LAUNCH_BUDGET = {"token-mean": 75, "seq-mean-token-mean": 79}
+"""pgloss dual_clip_ppo's launches (forward + backward) at torch 2.13, as BENCHMARKS.md records them: a change that
+adds one to the plain call fails here (raise the budget only with the reason written there)."""
+
+
+@pytest.mark.skipif(not installed("verl"), reason="verl's loss is read from its installed files")
+def test_the_plain_call_launches_fewer_kernels_than_verl_and_within_its_budget():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "launches.py"), "--batch", "4", "--length", "64", "--repeats", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {}
+    for line in done.stdout.splitlines():
+        words = line.split()
+        if words and words[0] in LAUNCH_BUDGET:
+            forward, backward, total = (int(w) for w in words[-5:-2])
+            assert forward + backward == total
+            rows[words[0], " ".join(words[1:-5])] = total
+    for mode, budget in LAUNCH_BUDGET.items():
+        assert rows[mode, "pgloss dual_clip_ppo"] <= budget, (mode, rows)
+        assert rows[mode, "pgloss dual_clip_ppo"] < rows[mode, "verl"], (mode, rows)
+        assert rows[mode, "pgloss ppo"] <= budget, (mode, rows)

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from pgloss.core.metrics import clip_metrics, masked_extremes, masked_fraction, masked_mean, ratio_metrics
+from pgloss.core.metrics import (
+    clip_metrics,
+    masked_extremes,
+    masked_fraction,
+    masked_fractions,
+    masked_mean,
+    ratio_metrics,
+)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -22,6 +29,22 @@ def test_masked_statistics_equal_those_of_the_valid_values(seed):
         assert (low.item(), high.item()) == (valid.min().item(), valid.max().item())
     flags = torch.rand(6, 9, generator=gen) > 0.3
     assert masked_fraction(flags, mask).item() == pytest.approx(flags[mask].double().mean().item())
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_stacked_fractions_are_each_flags_own_fraction(empty):
+    """`masked_fractions` (one count for several flags, as `clip_metrics` takes them) gives each flag's
+    `masked_fraction` exactly, a `[B, 1]` flag broadcast over its row's tokens, NaN over no valid token."""
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.zeros(5, 7, dtype=torch.bool) if empty else torch.rand(5, 7, generator=gen) > 0.4
+    flags = (torch.rand(5, 7, generator=gen) > 0.5, torch.rand(5, 1, generator=gen) > 0.5, mask.clone())
+    shares = masked_fractions(flags, mask)
+    assert shares.shape == (3,)
+    for share, flag in zip(shares, flags, strict=True):
+        expected = (flag.expand_as(mask)[mask].sum() / mask.sum()).item()
+        assert share.item() == expected or (math.isnan(expected) and math.isnan(share.item()))
+        own = masked_fraction(flag, mask).item()
+        assert share.item() == own or (empty and math.isnan(own) and math.isnan(share.item()))
 
 
 def test_sequence_values_broadcast_over_their_tokens():

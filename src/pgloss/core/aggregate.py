@@ -487,8 +487,9 @@ def token_weights(
 
 def weighted_sum(masked_values: Tensor, rows: Tensor, world_size: int = 1) -> Tensor:
     """Σ_i c_i Σ_t ℓ_{i,t} · world_size for `[B, T]` values already 0 at masked positions and
-    `rows` = `row_weights(...)`: one pass over the tokens, in the values' dtype."""
-    return (masked_values.sum(dim=-1) * rows.to(masked_values.dtype)).sum() * world_size
+    `rows` = `row_weights(...)`: one pass over the tokens, in the values' dtype (no multiply by one rank)."""
+    total = (masked_values.sum(dim=-1) * rows.to(masked_values.dtype)).sum()
+    return total if world_size == 1 else total * world_size
 
 
 def aggregate(

@@ -146,8 +146,16 @@ class TokenBatch:
         log_prob = check_tensor("log_prob", log_prob, ndim=(2,))
         shape, device, dtype = log_prob.shape, log_prob.device, log_prob.dtype
         bool_mask = check_mask(mask, shape, device)
-        valid_rows = bool_mask.any(dim=1)
         cdtype = compute_dtype(dtype)
+        # One 0-d zero for every masked fill (each `where(mask, x, 0.0)` would fill its own on the device).
+        zero = torch.zeros((), dtype=cdtype, device=device)
+        rows: list[Tensor] = []
+
+        def valid_rows() -> Tensor:
+            """The rows with a valid token, counted once and only when a row input needs them."""
+            if not rows:
+                rows.append(bool_mask.any(dim=1))
+            return rows[0]
 
         def token(name: str, value: Tensor, *, is_log_prob: bool) -> Tensor:
             # log-probabilities share log_prob's dtype and are at most 0
@@ -160,7 +168,7 @@ class TokenBatch:
                     f"{name} has dtype {value.dtype} but log_prob has {dtype}; cast the log-probabilities to one dtype"
                 )
             check_finite(name, value, bool_mask)
-            value = torch.where(bool_mask, value.to(cdtype), 0.0)
+            value = torch.where(bool_mask, value.to(cdtype), zero)
             if is_log_prob:
                 check_log_prob(name, value)  # zeroed at masked positions
             return value
@@ -181,7 +189,7 @@ class TokenBatch:
                 raise ValueError(f"{spec.name} must have shape [{shape[0]}], got {tuple(value.shape)}")
             check_device(spec.name, value, device)
             check_finite(spec.name, value, bool_mask)
-            return torch.where(kept_rows(valid_rows, value, sequence_parallel), value.to(cdtype), 0.0)
+            return torch.where(kept_rows(valid_rows(), value, sequence_parallel), value.to(cdtype), zero)
 
         def optional(spec: OptionalInput, value: Tensor) -> Tensor:
             value = token(spec.name, value, is_log_prob=spec.log_prob) if spec.per == "token" else row(spec, value)
@@ -197,7 +205,9 @@ class TokenBatch:
             advantages = seq_advantages[:, None].expand(shape)
         advantages = token("advantages", advantages, is_log_prob=False).detach()
         if seq_advantages is not None:
-            seq_advantages = torch.where(kept_rows(valid_rows, seq_advantages, sequence_parallel), seq_advantages, 0.0)
+            seq_advantages = torch.where(
+                kept_rows(valid_rows(), seq_advantages, sequence_parallel), seq_advantages, zero
+            )
 
         return cls(
             log_prob=token("log_prob", log_prob, is_log_prob=True),

@@ -12,7 +12,7 @@ and ranks; a metric cannot be made without saying how it reduces.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,19 +73,29 @@ class Stat:
 
 
 def masked_mean(values: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
-    """Σ m·x / Σ m, detached; NaN when nothing is valid. `count` = mask.sum() when known. Each term
-    is divided before the sum, so a mean of finite values is finite (a float32 sum of log-ratios
-    near its largest value would overflow)."""
+    """Σ m·x / Σ m, detached, in the values' dtype; NaN when nothing is valid. `count` = mask.sum() when
+    known. Each term is divided before the sum, so a mean of finite values is finite (a float32 sum of
+    log-ratios near its largest value would overflow)."""
     values = values.detach().expand_as(mask)
+    if values.numel() == 0:  # the sum of nothing is 0, not NaN: the one case that needs its own answer
+        return values.new_full((), torch.nan)
     count = mask.sum() if count is None else count
-    total = torch.where(mask, values, 0.0).div_(count).sum()
-    return torch.where(count > 0, total, torch.nan).to(values.dtype)
+    # Over no valid position every term is 0/0, so the sum is NaN already: no guard on `count` to launch.
+    return torch.where(mask, values, 0.0).div_(count).sum()
 
 
 def masked_fraction(flags: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
     """Share of valid tokens where the bool `flags` hold; NaN when nothing is valid."""
     count = mask.sum() if count is None else count
     return (flags & mask).sum() / count
+
+
+def masked_fractions(flags: Sequence[Tensor], mask: Tensor, count: Tensor | None = None) -> Tensor:
+    """`masked_fraction` of each of the bool `flags`, `[len(flags)]`: the flags stacked, one `&`, one
+    count and one division for all of them (the same integer counts, so the same values)."""
+    count = mask.sum() if count is None else count
+    *stacked, mask = torch.broadcast_tensors(*flags, mask)
+    return (torch.stack(stacked) & mask).sum(dim=tuple(range(1, mask.ndim + 1))) / count
 
 
 def masked_extremes(values: Tensor, mask: Tensor, count: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -99,8 +109,9 @@ def masked_extremes(values: Tensor, mask: Tensor, count: Tensor | None = None) -
         return nan, nan
     low = torch.where(mask, values, torch.inf).amin()
     high = torch.where(mask, values, -torch.inf).amax()
-    none = ~mask.any() if count is None else count == 0
-    return torch.where(none, torch.nan, low), torch.where(none, torch.nan, high)
+    some = mask.any() if count is None else count > 0
+    both = torch.where(some, torch.stack((low, high)), torch.nan)  # one guard for the two
+    return both[0], both[1]
 
 
 def token_mean(values: Tensor, mask: Tensor, count: Tensor | None = None) -> Stat:
@@ -159,13 +170,14 @@ def clip_metrics(
     """pg_clipfrac (either bound), its high / low split and, for dual clip, pg_clipfrac_lower;
     `count` = mask.sum() when known."""
     count = mask.sum() if count is None else count
-    high = masked_fraction(clipped_high, mask, count)
-    low = masked_fraction(clipped_low, mask, count)
+    flags = (clipped_high, clipped_low) + (() if clipped_dual is None else (clipped_dual,))
+    shares = masked_fractions(flags, mask, count)
+    high, low = shares[0], shares[1]
     out = {
         "pg_clipfrac": Stat.mean(high + low, count),
         "pg_clipfrac_high": Stat.mean(high, count),
         "pg_clipfrac_low": Stat.mean(low, count),
     }
     if clipped_dual is not None:
-        out["pg_clipfrac_lower"] = token_fraction(clipped_dual, mask, count)
+        out["pg_clipfrac_lower"] = Stat.mean(shares[2], count)
     return out

@@ -56,10 +56,11 @@ def clipped_surrogate(
 ) -> ClippedSurrogate:
     """PPO's clipped surrogate loss per token; see the module docstring for the formulas.
 
-    Computed in its one-clamp form: for A > 0, max(-A·r, -A·clip(r)) = -A·min(r, 1+ε_high); for
+    Computed in its clamp form: for A > 0, max(-A·r, -A·clip(r)) = -A·min(r, 1+ε_high); for
     A < 0 it is -A·max(r, 1-ε_low), and the dual clip (or δ cap, or both: the smaller) bounds
-    that factor at c. So ℓ = -A·clamp(r, lo, hi) with per-token bounds chosen by the sign of A,
-    which is one pass instead of two branches and a max, and the same value and gradient.
+    that factor at c. So ℓ = -A·clamp(r, lo, hi) with the bounds chosen by the sign of A (A = 0
+    takes A < 0's), which is two clamps and a choice instead of two branches and a max, and the
+    same value and gradient.
 
     Args:
         ratio: importance ratio r, `[B, T]` or `[B, 1]`.
@@ -72,12 +73,12 @@ def clipped_surrogate(
     positive, negative = advantages > 0, advantages < 0
     caps = [c for c in (dual_clip, delta) if c is not None]
     cap = min(caps) if caps else torch.inf  # A < 0: the factor max(r, 1-ε_low) is at most c
-    # Bounds in the ratio's dtype (two Python numbers would make them float32): one operand is a 0-d
-    # fill of that dtype on the ratio's device, never `new_tensor(c)`, a copy from the host (a sync).
-    low = torch.where(positive, ratio.new_full((), -torch.inf), 1.0 - clip_low)
-    high = torch.where(positive, ratio.new_full((), 1.0 + clip_high), cap)
-    factor = torch.clamp(ratio, low, high)
-    r = ratio.detach().expand_as(advantages)
+    # Two clamps with Python bounds (compared in the ratio's dtype) and a choice by the sign of A: three
+    # launches, where per-token bound tensors took seven. A `[B, 1]` ratio is expanded first, so that
+    # autograd sums its gradient over the tokens once, as the broadcasting clamp did.
+    expanded = ratio.expand_as(advantages)
+    factor = torch.where(positive, expanded.clamp(max=1.0 + clip_high), expanded.clamp(1.0 - clip_low, cap))
+    r = expanded.detach()
     return ClippedSurrogate(
         loss=-advantages * factor,
         factor=factor,
