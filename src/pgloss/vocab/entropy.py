@@ -232,7 +232,7 @@ class LogProbEntropy:
     def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
         log_prob, entropy, shift, log_s = values
         log_prob[rows], entropy[rows], shift[rows] = chunk_log_prob_entropy(zs[0], self.targets[rows])
-        log_s[rows] = 0.0
+        log_s[rows].zero_()
 
     def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
         z = zs[0]
