@@ -209,3 +209,28 @@ def test_the_whole_vocabulary_lse_is_read_at_an_unbanned_target_to_the_bit():
     at_target = z.gather(-1, targets[:, None]) - log_pi.gather(-1, targets[:, None])
     assert torch.equal(lse[:-1], at_target[:-1, 0])
     assert lse[-1] == z[-1].max() - log_pi[-1].max() and torch.isfinite(lse[-1])
+
+
+def test_the_whole_vocabulary_gradient_is_formed_from_lse_at_the_target_to_the_bit():
+    """∂ Σ w log π(y) / ∂z = w (1[v = y] − π) with π = e^{z − lse}, lse read at the target, bit for bit: the formula
+    the lab's runs were measured with, kept on the whole-vocabulary torch route (the tiled and kernel routes keep the
+    max and log s apart instead: tests/properties/test_regressions_2026.py)."""
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(64, 1000, generator=gen) * 3
+    targets = torch.randint(0, 1000, (64,), generator=gen)
+    w = torch.randn(64, generator=gen)
+    x = z.clone().requires_grad_()
+    log_prob, _ = log_prob_and_entropy(x, targets)
+    (log_prob * w).sum().backward()
+    log_pi = torch.log_softmax(z, dim=-1)
+    lse = z.gather(-1, targets[:, None]) - log_pi.gather(-1, targets[:, None])
+    expected = torch.exp(z - lse) * -w[:, None]
+    expected.scatter_add_(-1, targets[:, None], w[:, None])
+    assert torch.equal(x.grad, expected)
+
+
+def test_a_chunk_gradient_without_any_upstream_gradient_is_refused():
+    with pytest.raises(ValueError, match="grad_log_prob or grad_entropy"):
+        pgloss.vocab.entropy.chunk_grad_logits(
+            torch.zeros(2, V), torch.zeros(2, dtype=torch.long), *torch.zeros(3, 2), None, None, 1.0
+        )

@@ -1,8 +1,7 @@
-"""The logits of a chunk of tokens from hidden states and an LM head (described by `head.py`: `HeadOptions`,
-`as_head`, `Head.check` into a `HeadKind`), never more than one [chunk, V] buffer per model, and the chunk's
-gradient sent back to the hidden states and the head; the one loop every vocabulary computation runs
-(`ChunkLoop`) and its tiles (`plan_tiles`). Shared by the fused loss (`fused.py`), the exact KL from hidden
-states (`full_kl.py`) and the student-teacher divergences (`divergence.py`)."""
+"""The one loop every vocabulary computation runs (`ChunkLoop`), its sources (given logits, `LogitRows`; hidden
+states and an LM head described by `head.py`, `HeadRows`, whose matmuls are `head_chunks.py`'s), never more than one
+[chunk, V] buffer per model, and its tiles (`plan_tiles`). Shared by the fused loss (`fused.py`), the exact KL from
+hidden states (`full_kl.py`) and the student-teacher divergences (`divergence.py`)."""
 
 from __future__ import annotations
 
@@ -12,118 +11,8 @@ from torch import Tensor
 from ..core.batch import compute_dtype
 from .banned import clamp_banned_
 from .head import PLAIN, HeadKind, HeadOptions  # noqa: F401 (HeadOptions: still importable from here)
+from .head_chunks import HeadChunks, head_grad_buffer
 from .kernels import RawTile, route
-
-
-class HeadChunks:
-    """A reusable buffer for a tile of tempered logits z = head(x W[cols]ᵀ + b[cols]) / τ from hidden states x
-    and a head (W, b, `kind`: `HeadKind`), clamped from below at `banned.BANNED_LOGIT` (a −inf logit is a banned
-    token), `width` vocabulary columns at most (the whole vocabulary by default), and the tile's gradient applied
-    back to x, W and b (`apply_grad`). One per model in a loop. The buffers are flat, so that a short last tile
-    is a contiguous [rows, k] view.
-
-    On the kernel route (`kernel=True`, `kernels.py`) the tile is the matmul's output x W[cols]ᵀ in the head's
-    dtype, handed out as a `kernels.RawTile` for a kernel to apply the head to, and the gradient it gets back
-    is already ∂L/∂(x Wᵀ + b)."""
-
-    def __init__(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        kind: HeadKind,
-        chunk_size: int,
-        dtype: torch.dtype,
-        width: int | None = None,
-        kernel: bool = False,
-    ) -> None:
-        self.weight, self.bias, self.kind, self.kernel = weight, bias, kind, kernel
-        rows = min(hidden.shape[0], chunk_size)
-        width = weight.shape[0] if width is None else min(width, weight.shape[0])
-        self.z = weight.new_empty(rows * width, dtype=weight.dtype if kernel else dtype)
-        # Low-precision parameters: the matmul writes in their dtype, the softmax runs in float32.
-        self.raw = None if kernel or weight.dtype == dtype else weight.new_empty(rows * width)
-        # A soft-capped head that is differentiated keeps its tile's slope (`HeadKind.transform_`).
-        self.slope = None
-        self.keep_slope = False
-
-    def logits(self, x: Tensor, temperature: float, cols: slice | None = None) -> Tensor | RawTile:
-        w = self.weight if cols is None else self.weight[cols]
-        m, k = x.shape[0], w.shape[0]
-        z = self.z[: m * k].view(m, k)
-        bias = self.bias if self.bias is None or cols is None else self.bias[cols]
-        if self.kernel:
-            return RawTile(torch.mm(x, w.t(), out=z), bias, self.kind, temperature)
-        if self.raw is None:
-            torch.mm(x, w.t(), out=z)
-        else:
-            z.copy_(torch.mm(x, w.t(), out=self.raw[: m * k].view(m, k)))
-        slope = None
-        if self.keep_slope and self.kind.softcap is not None:
-            if self.slope is None:
-                self.slope = torch.empty_like(self.z)
-            slope = self.slope[: m * k].view(m, k)
-        return clamp_banned_(self.kind.transform_(z, bias, temperature, slope))
-
-    def apply_grad(
-        self,
-        grad: Tensor,
-        x: Tensor,
-        grad_hidden: Tensor | None,
-        grad_weight: Tensor | None,
-        grad_bias: Tensor | None,
-        first: bool,
-        cols: slice | None = None,
-        first_col: bool = True,
-    ) -> None:
-        """The tile's ∂L/∂logits (before τ) through the head's kind to ∂L/∂r = G, then
-        grad_hidden ← G W[cols] for this tile's rows (+= after the first column tile);
-        grad_weight[cols] ← Gᵀ x and grad_bias[cols] ← Σ_rows G (first row chunk), or += after.
-
-        `grad_weight` and `grad_bias` are in the compute dtype: in place for float32/64 parameters, float32
-        accumulators for half-precision ones (whose matmuls run in their own dtype)."""
-        weight = self.weight
-        if cols is not None:
-            weight = weight[cols]
-            grad_weight = None if grad_weight is None else grad_weight[cols]
-            grad_bias = None if grad_bias is None else grad_bias[cols]
-        if not self.kernel:  # the kernel's gradient has the head's slope in it
-            grad = self.kind.grad_(grad, None if self.slope is None else self.slope[: grad.numel()].view(grad.shape))
-        if grad_bias is not None:
-            if first:
-                torch.sum(grad, dim=0, dtype=grad_bias.dtype, out=grad_bias)
-            else:
-                grad_bias.add_(grad.sum(dim=0, dtype=grad_bias.dtype))
-        if self.raw is not None:
-            grad = self.raw[: grad.numel()].view(grad.shape).copy_(grad)
-        if grad_hidden is not None:
-            matmul_into(grad_hidden, grad, weight, first_col)
-        if grad_weight is not None:
-            matmul_into(grad_weight, grad.t(), x, first)
-
-
-# torch >= 2.8 multiplies half-precision matrices into a float32 output on CUDA (addmm's out_dtype).
-FLOAT32_PRODUCTS = "dtype_out" in torch.ops.aten.addmm.overloads()
-
-
-def matmul_into(out: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
-    """`out` ← a b (`first`), else `out` += a b. A float32 `out` for half-precision `a`, `b` is an accumulator over
-    tiles: on CUDA cuBLAS writes the products in float32 (`out_dtype`), so no tile's product is rounded to half
-    precision before the sum; elsewhere each product is formed in the inputs' dtype, then added."""
-    if out.dtype == a.dtype:
-        torch.mm(a, b, out=out) if first else out.addmm_(a, b)
-    elif out.is_cuda and FLOAT32_PRODUCTS:
-        torch.addmm(out, a, b, beta=0.0 if first else 1.0, out_dtype=out.dtype, out=out)
-    elif first:
-        out.copy_(torch.mm(a, b))
-    else:
-        out.add_(torch.mm(a, b))
-
-
-def head_grad_buffer(param: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
-    """∂L/∂W's (or ∂L/∂b's) buffer: left unfilled for the first chunk to write, zeros when there is no chunk."""
-    return (torch.empty if rows else torch.zeros)(param.shape, dtype=dtype, device=param.device)
-
 
 # ---------------------------------------------------------------------------------------
 # The one chunk loop. A *source* gives a chunk's tempered logits z [rows, V] and takes the
@@ -142,7 +31,9 @@ class LogitRows:
     arity = 1
 
     def __init__(self, logits: Tensor, chunk_size: int, dtype: torch.dtype, width: int | None = None) -> None:
-        self.logits, self.dtype, self.chunk_size, self.grad, self.z = logits, dtype, chunk_size, None, None
+        self.logits, self.dtype, self.chunk_size = logits, dtype, chunk_size
+        self.grad: Tensor | None = None  # ∂L/∂logits, from `begin_backward`
+        self.z: Tensor | None = None  # the tile buffer, allocated on first use
         self.vocab = logits.shape[1]
         self.width = self.vocab if width is None else min(width, self.vocab)
 
@@ -191,9 +82,13 @@ class HeadRows:
         valid: Tensor | None = None,
     ) -> None:
         self.hidden, self.weight, self.bias, self.dtype, self.vocab = hidden, weight, bias, dtype, weight.shape[0]
-        self.valid, self._rows, self._x = valid, None, None
+        self.valid = valid
+        self._rows: slice | None = None  # the chunk whose hidden states `_x` holds (`x_rows`)
+        self._x: Tensor | None = None
         self.head = HeadChunks(hidden, weight, bias, kind, chunk_size, dtype, width, kernel)
-        self.grad_hidden = self.grad_weight = self.grad_bias = None
+        self.grad_hidden: Tensor | None = None
+        self.grad_weight: Tensor | None = None
+        self.grad_bias: Tensor | None = None
         # Whether ∂L/∂x sums over vocabulary tiles and ∂L/∂W over token chunks: a half-precision head's sums
         # then run in float32 accumulators (`matmul_into`); a single term is written in the head's dtype.
         self.sums = (width is not None and width < self.vocab, chunk_size < hidden.shape[0])
@@ -202,7 +97,7 @@ class HeadRows:
         """The hidden states of `rows`, zero where not `valid` (formed once per chunk, kept for its tiles)."""
         if self.valid is None:
             return self.hidden[rows]
-        if self._rows != rows:
+        if self._x is None or self._rows != rows:
             self._rows, self._x = rows, torch.where(self.valid[rows, None], self.hidden[rows], 0.0)
         return self._x
 
@@ -222,7 +117,7 @@ class HeadRows:
             self.grad_weight = head_grad_buffer(
                 self.weight, self.dtype if over_chunks else self.weight.dtype, rows=rows
             )
-        if len(needs) > 2 and needs[2]:
+        if len(needs) > 2 and needs[2] and self.bias is not None:
             self.grad_bias = head_grad_buffer(self.bias, self.dtype, rows=rows)
         self.head.keep_slope = True
 
@@ -242,13 +137,12 @@ class HeadRows:
         grad_hidden = self.grad_hidden
         if grad_hidden is not None and self.valid is not None:
             grad_hidden = torch.where(self.valid[:, None], grad_hidden, 0.0)
-        return tuple(
-            None if g is None else g.to(p.dtype)
-            for g, p in ((grad_hidden, self.hidden), (self.grad_weight, self.weight), (self.grad_bias, self.bias))
-        )
+        grads = (grad_hidden, self.grad_weight, self.grad_bias)
+        params = (self.hidden, self.weight, self.bias)  # a gradient only for a given parameter
+        return tuple(None if g is None or p is None else g.to(p.dtype) for g, p in zip(grads, params, strict=True))
 
 
-def source_class(kind) -> type:
+def source_class(kind) -> type[LogitRows] | type[HeadRows]:
     """The source of a `ChunkLoop` kind: given logits ("logits") or an LM head (a `HeadKind`)."""
     return HeadRows if isinstance(kind, HeadKind) else LogitRows
 
@@ -387,13 +281,18 @@ class ChunkLoop(torch.autograd.Function):
         return (None,) * 5 + sources[0].gradients() + (None,) * (n_inputs - ctx.arity)
 
 
-def _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel: bool = False, valid: Tensor | None = None) -> list:
-    sources, at = [], 0
+def _sources(
+    kinds, tensors, chunk_size, vocab_block, dtype, kernel: bool = False, valid: Tensor | None = None
+) -> list[LogitRows | HeadRows]:
+    sources: list[LogitRows | HeadRows] = []
+    at = 0
     for kind in kinds:
-        cls = source_class(kind)
-        extra = (kind, kernel, valid) if cls is HeadRows else ()
-        sources.append(cls(*tensors[at : at + cls.arity], chunk_size, dtype, vocab_block, *extra))
-        at += cls.arity
+        if isinstance(kind, HeadKind):
+            hidden, weight, bias = tensors[at : at + HeadRows.arity]
+            sources.append(HeadRows(hidden, weight, bias, chunk_size, dtype, vocab_block, kind, kernel, valid))
+        else:
+            sources.append(LogitRows(tensors[at], chunk_size, dtype, vocab_block))
+        at += source_class(kind).arity
     return sources
 
 

@@ -12,9 +12,10 @@ and the gradients with respect to z (the backward pass below uses them):
     ∂ H / ∂zᵥ        = −πᵥ (log πᵥ + H)
 
 so ∂/∂logits = (1/τ) ∂/∂z. The math runs in float32 (float64 stays float64) one chunk of
-tokens at a time: the forward pass keeps only the per-token lse, and the backward pass
-recomputes the softmax of each chunk from the saved logits, so no second [N, V] tensor
-(log-softmax, softmax or their gradients) is ever held besides the logits gradient itself.
+tokens at a time: the forward pass keeps two floats per token (a shift c and log s, with
+log π = (z − c) − log s: `LogProbEntropy`), and the backward pass recomputes the softmax of
+each chunk from the saved logits, so no second [N, V] tensor (log-softmax, softmax or their
+gradients) is ever held besides the logits gradient itself.
 The per-chunk helpers are shared with the fused hidden-state path (`pgloss.vocab.fused`).
 
 Temperature-scaled sampling and its log-probabilities: Ackley, Hinton & Sejnowski (1985);
@@ -46,10 +47,10 @@ def default_chunk_size(vocab_size: int) -> int:
 
 def check_temperature(temperature: float) -> float:
     """τ as a float; TypeError for a non-number, ValueError unless 0 < τ < ∞."""
-    temperature = check_number("temperature", temperature)
-    if temperature <= 0:
+    value = check_number("temperature", temperature)
+    if value is None or value <= 0:  # None only where check_number is told `optional`
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    return temperature
+    return value
 
 
 def check_chunk_size(chunk_size: int | None, vocab_size: int) -> int:
@@ -130,7 +131,8 @@ def chunk_log_prob_entropy(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, 
 def chunk_grad_logits(
     z: Tensor,
     targets: Tensor,
-    lse: Tensor,
+    shift: Tensor,
+    log_s: Tensor,
     entropy: Tensor,
     grad_log_prob: Tensor | None,
     grad_entropy: Tensor | None,
@@ -141,23 +143,29 @@ def chunk_grad_logits(
 
         ∂L/∂logitsᵥ = (1/τ) [ g_logp (1[v = y] − πᵥ) − g_H πᵥ (log πᵥ + H) ]
 
-    The result is written into `z` (the recomputed tempered logits) and returned. On a tile of the
-    vocabulary `targets` are the tile's column indices and `hit` says which rows' target is in it.
+    with log πᵥ = (zᵥ − shift) − log_s (`LogProbEntropy`'s saved pair: the two are never added, so log π
+    keeps float32's precision at any magnitude of z). The result is written into `z` (the recomputed tempered
+    logits) and returned. On a tile of the vocabulary `targets` are the tile's column indices and `hit` says
+    which rows' target is in it.
     """
-    g_lp = None if grad_log_prob is None else (grad_log_prob / temperature).unsqueeze(-1)
-    neg_g_lp = None if g_lp is None else -g_lp
-    g_hit = g_lp if hit is None or g_lp is None else torch.where(hit.unsqueeze(-1), g_lp, 0.0)
+    if grad_log_prob is None and grad_entropy is None:
+        raise ValueError("chunk_grad_logits needs grad_log_prob or grad_entropy, got None for both")
+    neg_g_lp = g_hit = None  # −g_logp / τ, and g_logp / τ where the target is in the tile
+    if grad_log_prob is not None:
+        g_lp = (grad_log_prob / temperature).unsqueeze(-1)
+        neg_g_lp = -g_lp
+        g_hit = g_lp if hit is None else torch.where(hit.unsqueeze(-1), g_lp, 0.0)
     g_h = None if grad_entropy is None else (grad_entropy / -temperature).unsqueeze(-1)
     for rows, (p,) in _blocks(z):
-        log_pi = z[rows].sub_(lse[rows].unsqueeze(-1))
+        log_pi = z[rows].sub_(shift[rows].unsqueeze(-1)).sub_(log_s[rows].unsqueeze(-1))
         torch.exp(log_pi, out=p)
         if g_h is not None:
             grad = log_pi.add_(entropy[rows].unsqueeze(-1)).mul_(p).mul_(g_h[rows])  # −g_H π (log π + H)
-            if g_lp is not None:
+            if neg_g_lp is not None:
                 grad.addcmul_(p, neg_g_lp[rows])
-        else:
+        elif neg_g_lp is not None:
             grad = torch.mul(p, neg_g_lp[rows], out=log_pi)
-        if g_lp is not None:
+        if g_hit is not None:
             grad.scatter_add_(-1, targets[rows].unsqueeze(-1), g_hit[rows])
     return z
 
@@ -192,16 +200,25 @@ def tile_exp_sums(z: Tensor, shift: Tensor, *others: Tensor) -> list[Tensor]:
 
 
 class LogProbEntropy:
-    """Statistic of `chunks.ChunkLoop`: (log π(y), H) per token of one source, saving lse.
+    """Statistic of `chunks.ChunkLoop`: (log π(y), H) per token of one source, saving for backward a pair
+    (shift c, log s) per token such that log πᵥ = (zᵥ − c) − log s.
 
     Per tile of the vocabulary (online max m, as in Milakov & Gimelshein 2018,
     https://arxiv.org/abs/1805.02867), each row keeps s = Σᵥ e^{zᵥ−m}, a = Σᵥ e^{zᵥ−m}(zᵥ − m) and
     z_y; a new max m' rescales them: s ← e^{m−m'} s, a ← e^{m−m'} (a + (m − m') s). At the end
 
-        lse = m + log s,   log π(y) = z_y − lse,   H = log s − a / s
+        log π(y) = (z_y − m) − log s,   H = log s − a / s,   saved: c = m and log s
 
-    (−a/s and log s are both ≥ 0: no cancellation, as in −Σ π log π). A target on a banned token (a −inf logit)
-    gets log π(y) = `banned.LOG_PROB_FLOOR` and no gradient through it (`banned.py`)."""
+    (−a/s and log s are both ≥ 0: no cancellation, as in −Σ π log π). m and log s are kept apart, never summed
+    into lse = m + log s: at |z| = 10⁴ lse rounded to float32 is off by up to 4.9e-4 (half its ulp), an error
+    every log π and π = e^{log π} formed from it would carry, where z_y − m is exact for logits within a factor
+    of two of the max (Sterbenz) and log s ∈ [0, log V] is exact to float32's relative precision.
+
+    The whole-vocabulary torch route (`forward`, `chunk_log_prob_entropy`) saves c = lse read at the target and
+    log s = 0 instead: π = e^{z − lse} there is the formula the lab's runs, and so the README's tables, were
+    measured with (its float32 gradient at |z| = 10⁴ is off by up to 4.9e-4 relative; the log-probability is not,
+    `torch.log_softmax` keeps m and log s apart). A target on a banned token (a −inf logit) gets log π(y) =
+    `banned.LOG_PROB_FLOOR` and no gradient through it (`banned.py`)."""
 
     def __init__(self, targets: Tensor) -> None:
         self.targets = targets
@@ -210,11 +227,12 @@ class LogProbEntropy:
         return KernelLogProbEntropy(self.targets)
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-        return [torch.empty(n, dtype=dtype, device=device) for _ in range(3)]  # log π(y), H, lse
+        return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # log π(y), H, shift c, log s
 
     def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
-        log_prob, entropy, lse = values
-        log_prob[rows], entropy[rows], lse[rows] = chunk_log_prob_entropy(zs[0], self.targets[rows])
+        log_prob, entropy, shift, log_s = values
+        log_prob[rows], entropy[rows], shift[rows] = chunk_log_prob_entropy(zs[0], self.targets[rows])
+        log_s[rows].zero_()
 
     def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
         z = zs[0]
@@ -232,23 +250,27 @@ class LogProbEntropy:
         return new, s, a, torch.where(hit, z_y, y)
 
     def tile_finish(self, state, rows: slice, values: list[Tensor]) -> None:
-        log_prob, entropy, lse = values
+        log_prob, entropy, shift, log_s = values
         m, s, a, z_y = state
-        log_s = torch.log(s)
-        lse[rows] = m + log_s
-        log_prob[rows] = log_prob_floor(z_y - lse[rows], z_y)
-        entropy[rows] = log_s - a / s
+        log_s[rows] = torch.log(s)
+        shift[rows] = m
+        log_prob[rows] = log_prob_floor((z_y - m) - log_s[rows], z_y)
+        entropy[rows] = log_s[rows] - a / s
 
     def outputs(self, values: list[Tensor]) -> tuple[Tensor, Tensor]:
         return values[0], values[1]
 
     @staticmethod
-    def upstream(rows: slice, values: list[Tensor], grads) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        """lse, H, ∂L/∂log π(y) (0 where log π(y) was floored: `banned.floored_grad`) and ∂L/∂H of `rows`."""
-        log_prob, entropy, lse = values
+    def upstream(
+        rows: slice, values: list[Tensor], grads
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+        """The shift c, log s, H, ∂L/∂log π(y) (0 where log π(y) was floored: `banned.floored_grad`) and ∂L/∂H of
+        `rows`."""
+        log_prob, entropy, shift, log_s = values
         grad_log_prob, grad_entropy = grads
         return (
-            lse[rows],
+            shift[rows],
+            log_s[rows],
             entropy[rows],
             floored_grad(log_prob[rows], None if grad_log_prob is None else grad_log_prob[rows]),
             None if grad_entropy is None else grad_entropy[rows],
@@ -300,7 +322,7 @@ def log_prob_and_entropy(
 
         log π(y) = z_y − lse(z),        H(π) = lse(z) − Σᵥ πᵥ zᵥ
 
-    Both outputs carry gradients to `logits`. Only the logits and one float per token are
+    Both outputs carry gradients to `logits`. Only the logits and a few floats per token are
     saved for backward; the softmax is recomputed per chunk, so memory beyond the logits and
     their gradient is O(chunk_size · V).
 

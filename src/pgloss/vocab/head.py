@@ -1,6 +1,6 @@
 """What an LM head does after its matmul, described once for every caller: its options (`HeadOptions`: bias, logit
 scale, soft-cap), given as one record or as keywords and turned into one by `as_head`, checked by `Head.check` into
-the `HeadKind` that a loop (`chunks.HeadChunks`) and a kernel (`kernels.RawTile`) read."""
+the `HeadKind` that a loop (`head_chunks.HeadChunks`) and a kernel (`kernels.RawTile`) read."""
 
 from __future__ import annotations
 

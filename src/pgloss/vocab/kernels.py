@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .head import HeadKind
+
 __all__ = ["use", "route", "RawTile"]
 
 ROUTES = ("auto", "torch", "kernel")
@@ -82,7 +84,7 @@ class RawTile:
 
     r: Tensor
     bias: Tensor | None
-    kind: object
+    kind: HeadKind
     temperature: float
 
     def args(self) -> tuple:
@@ -179,12 +181,14 @@ def log_prob_entropy_backward(
     tile: RawTile,
     targets: Tensor,
     col0: int,
-    lse: Tensor,
+    shift: Tensor,
+    log_s: Tensor,
     entropy: Tensor,
     grad_log_prob: Tensor | None,
     grad_entropy: Tensor | None,
 ) -> Tensor:
-    """∂L/∂r over the tile (returned), from the rows' lse, H and the loss's ∂L/∂log π(y), ∂L/∂H."""
+    """∂L/∂r over the tile (returned), from the rows' shift c and log s (log π = (z − c) − log s), H and the
+    loss's ∂L/∂log π(y), ∂L/∂H."""
     has_bias, softcap = tile.flags()
     _launch(
         _kernels().log_prob_entropy_backward,
@@ -192,10 +196,11 @@ def log_prob_entropy_backward(
         *tile.args(),
         targets,
         targets.stride(0),
-        lse,
+        shift,
+        log_s,
         entropy,
-        lse if grad_log_prob is None else grad_log_prob.contiguous(),
-        lse if grad_entropy is None else grad_entropy.contiguous(),
+        shift if grad_log_prob is None else grad_log_prob.contiguous(),
+        shift if grad_entropy is None else grad_entropy.contiguous(),
         tile.r.shape[1],
         col0,
         1.0 / tile.temperature,

@@ -164,7 +164,8 @@ def log_prob_entropy_backward(
     softcap,
     TARGETS,
     target_stride,
-    LSE,
+    SHIFT,
+    LOG_S,
     ENT,
     GLP,
     GENT,
@@ -178,10 +179,11 @@ def log_prob_entropy_backward(
     BLOCK: tl.constexpr,
 ):
     """`entropy.chunk_grad_logits` times the head's slope, over R: ∂L/∂r =
-    slope · (1/τ) [g_lp (1[v = y] − π) − g_H π (log π + H)]."""
+    slope · (1/τ) [g_lp (1[v = y] − π) − g_H π (log π + H)], log π = (z − c) − log s from the row's shift c (the
+    max m) and log s, never summed into lse (`entropy.LogProbEntropy`)."""
     row = tl.program_id(0).to(tl.int64)
     R += row * stride
-    lse, ent = tl.load(LSE + row), tl.load(ENT + row)
+    shift, log_s, ent = tl.load(SHIFT + row), tl.load(LOG_S + row), tl.load(ENT + row)
     g_lp, g_h = 0.0, 0.0
     if HAS_GLP:
         g_lp = tl.load(GLP + row) * inv_t
@@ -192,7 +194,7 @@ def log_prob_entropy_backward(
         cols = start + tl.arange(0, BLOCK)
         inside = cols < width
         z, slope = _tile_logits(R, B, bias_stride, cols, inside, scale, softcap, inv_t, HAS_BIAS, SOFTCAP)
-        log_p = z - lse
+        log_p = (z - shift) - log_s
         p = tl.exp(log_p)
         g = tl.where(cols == y, g_lp, 0.0) - g_lp * p - g_h * p * (log_p + ent)
         tl.store(R + cols, (g * slope).to(R.dtype.element_ty), mask=inside)
