@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterator
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 from typing import Any
 
 import torch
 
-from .case import LENGTH, ROWS, Case, batch, relative
+from .case import LENGTH, ROWS, Case, batch, flat_grad, relative
 
 TRAINER = "TRL"
 _B, _T = ROWS, LENGTH
@@ -93,7 +93,7 @@ def _trainer(config: Any, log_prob: torch.Tensor, entropy: torch.Tensor) -> Any:
         get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
         get_gamma_weights=GRPOTrainer.get_gamma_weights,
     )
-    stub.get_high_entropy_mask = lambda e, m, t: GRPOTrainer.get_high_entropy_mask(stub, e, m, t)
+    stub.get_high_entropy_mask = MethodType(GRPOTrainer.get_high_entropy_mask, stub)  # bound to the stand-in
     return stub
 
 
@@ -155,10 +155,7 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
                 rollout_log_prob=rollout,
             ).loss
         loss.backward()
-        none = torch.zeros(_B * _T, dtype=torch.float64)
-        grads.append(
-            (loss.detach(), torch.cat([g.flatten() if g is not None else none for g in (log_prob.grad, entropy.grad)]))
-        )
+        grads.append((loss.detach(), torch.cat([flat_grad(log_prob), flat_grad(entropy)])))
     (theirs, grad_theirs), (mine, grad_mine) = grads
     return relative(mine, theirs), relative(grad_mine, grad_theirs)
 

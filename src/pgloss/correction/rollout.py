@@ -100,7 +100,7 @@ class Rejection:
                 raise ValueError(f"{self.option} bounds are ratios and must be > 0, got lower={lower}, upper={upper}")
             if lower is None and upper is not None:
                 lower = 1.0 / upper
-            if upper is not None and lower > upper:
+            if upper is not None and lower is not None and lower > upper:
                 raise ValueError(f"{self.option} needs lower <= upper, got lower={lower}, upper={upper}")
         else:
             if upper is None or upper < 0:
@@ -136,6 +136,7 @@ class Rejection:
             if self.lower is not None:
                 keep = keep & (stat >= math.log(self.lower))
         else:
+            assert self.upper is not None  # __post_init__: k2 and k3 require an upper bound
             keep = stat <= self.upper
         return keep.expand(mask.shape)
 
@@ -347,11 +348,11 @@ class RolloutCorrection:
         """The step's counts over the masks after the KL-based rejection (`count_rejected=True`, or
         bypass mode: over the original masks), with the step's weight mean when `batch_normalize`.
         A collective under torch.distributed, like `Normalizer.count` (and `sequence_parallel` as there)."""
-        masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs))
+        masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs), strict=True)
         counted = (
             masks
             if count_rejected or self.bypass or not self.rejection
-            else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(masks, olds, rollouts)]
+            else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(masks, olds, rollouts, strict=True)]
         )
         base = Normalizer.count(
             counted,
@@ -389,7 +390,8 @@ class RolloutCorrection:
         `weight_mean`: the step's mean weight (`step_weight_mean`, carried by the step's normalizer),
         required by `batch_normalize`. `sequence_parallel`: the sequence group of split rows (the step's
         normalizer's): every sequence statistic is then over the whole sequence."""
-        if rollout_log_prob is None and self.needs_rollout:
+        rollout = None if rollout_log_prob is None else rollout_log_prob.detach()
+        if rollout is None and self.needs_rollout:
             raise ValueError("this rollout correction needs rollout_log_prob (the inference engine's log-probs)")
         if weight_mean is not None and not self.batch_normalize:
             raise ValueError("weight_mean was given but batch_normalize is False")
@@ -398,8 +400,8 @@ class RolloutCorrection:
                 "batch_normalize needs the step's mean weight: count the step with "
                 "algorithm.step_normalizer(...) and pass that normalizer"
             )
-        rollout = None if rollout_log_prob is None else rollout_log_prob.detach()
-        old = rollout if self.bypass else old_log_prob.detach()
+        # without rollout log-probs: neither bypass nor a weight (needs_rollout, refused above)
+        old = rollout if self.bypass and rollout is not None else old_log_prob.detach()
         train = log_prob.detach() if self.bypass else old
         effective = mask
         metrics: dict[str, Stat] = {}
@@ -419,10 +421,10 @@ class RolloutCorrection:
             metrics["rollout_opsm_frac"] = token_fraction(~opsm, mask, count)
             effective = effective & opsm
         weight = None
-        if self.weight_level is not None:
+        if self.weight_level is not None and rollout is not None:
             weight, out = self._bound(self._raw_weight(train, rollout, mask, sequence_parallel))
             metrics["rollout_is_bounded_frac"] = token_fraction(out, effective)
-            if self.batch_normalize:
+            if weight_mean is not None:  # batch_normalize (checked above)
                 weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
             metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
@@ -444,7 +446,7 @@ def _micro_batches(
     olds = per_micro_batch(old_name, old_log_probs, len(masks))
     rollouts = per_micro_batch(rollout_name, rollout_log_probs, len(masks))
     out = []
-    for k, (mask, old, rollout) in enumerate(zip(masks, olds, rollouts)):
+    for k, (mask, old, rollout) in enumerate(zip(masks, olds, rollouts, strict=True)):
         at = "" if len(masks) == 1 else f"[{k}]"
         mask = check_tensor(f"{mask_name}{at}", mask, ndim=(2,), floating=False)
         mask = check_mask(mask, mask.shape, mask.device)
