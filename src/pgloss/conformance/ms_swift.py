@@ -176,7 +176,8 @@ def algorithm(args: SimpleNamespace) -> tuple[Any, bool]:
 
     import pgloss
 
-    from ..correction.rollout import Rejection, RolloutCorrection
+    from ..correction.rejection import Rejection
+    from ..correction.rollout import RolloutCorrection
     from ..trainer_options.trl import LOSS_TYPES
 
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high

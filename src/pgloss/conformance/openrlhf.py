@@ -101,7 +101,8 @@ def algorithm(options: dict[str, Any]) -> tuple[Any, bool]:
     """The pgloss algorithm for OpenRLHF's `options` (PolicyLoss's arguments and kl_coef, kl_estimator,
     unbiased_gradient, entropy_coef), and whether its rollout rejection is counted on the original masks."""
     import pgloss
-    from pgloss.correction.rollout import Rejection, RolloutCorrection
+    from pgloss.correction.rejection import Rejection
+    from pgloss.correction.rollout import RolloutCorrection
 
     gspo = options.get("policy_loss_type", "ppo") == "gspo"
     level = options.get("is_correction_level", "off")

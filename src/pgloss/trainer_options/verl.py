@@ -32,7 +32,8 @@ from typing import Any
 from ..algorithms import NAMED, Algorithm, get, names
 from ..core.aggregate import needs_budget
 from ..core.trainer_names import VALUES, closest, refuse_misspelt, translate_value
-from ..correction.rollout import Rejection, RolloutCorrection
+from ..correction.rejection import Rejection
+from ..correction.rollout import RolloutCorrection
 
 __all__ = [
     "LOSS_MODES",
