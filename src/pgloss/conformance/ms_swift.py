@@ -128,7 +128,7 @@ class _Accelerator:
     num_processes = 1
 
     @staticmethod
-    def gather_for_metrics(x):
+    def gather_for_metrics(x: torch.Tensor) -> torch.Tensor:
         return x
 
 

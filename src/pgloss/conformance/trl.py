@@ -34,7 +34,9 @@ def available() -> str | None:
     return None
 
 
-def _trl_is_ratio(old, sampling, mask, mode: str, low: float | None, high: float | None):
+def _trl_is_ratio(
+    old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str, low: float | None, high: float | None
+) -> torch.Tensor:
     """TRL 1.16's vLLM importance-sampling ratio (trl/trainer/grpo_trainer.py, _generate_and_score_completions)."""
     diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
     ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
@@ -49,17 +51,17 @@ class _Accelerator:
     sync_gradients = True
 
     @staticmethod
-    def gather(x):
+    def gather(x: torch.Tensor) -> torch.Tensor:
         return x
 
     gather_for_metrics = gather
 
     @staticmethod
-    def reduce(x, reduction="sum"):
+    def reduce(x: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         return x
 
     @staticmethod
-    def pad_across_processes(x, dim=0, pad_index=0):
+    def pad_across_processes(x: torch.Tensor, dim: int = 0, pad_index: int = 0) -> torch.Tensor:
         return x
 
 

@@ -120,7 +120,7 @@ def _masked_moments(values: Tensor, mask: Tensor, process_group, reduce: bool) -
     return count, mean, (sq / count).sqrt()
 
 
-def _discriminator_inputs(log_prob, entropy, mask):
+def _discriminator_inputs(log_prob: Tensor, entropy: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     log_prob = check_tensor("log_prob", log_prob, ndim=(2,))
     entropy = check_tensor("entropy", entropy, ndim=(2,))
     if entropy.shape != log_prob.shape:

@@ -315,7 +315,7 @@ class PGLossMixin(TRLInputs):
 
     def _pgloss_fused(
         self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor, algorithm: Algorithm
-    ):
+    ) -> LossOutput:
         present = [key for key in MULTIMODAL if inputs.get(key) is not None]
         if present:
             raise ValueError(f"fused=True supports text-only models; these inputs need fused=False: {present}")
