@@ -48,7 +48,8 @@ from .core.checks import detect_anomaly
 from .core.sequence_parallel import SequenceParallel  # sequences split over a sequence/context group
 from .core.step_metrics import StepMetrics  # a step's metrics over micro-batches and ranks
 from .correction import m2po, rollout, token_masks
-from .correction.rollout import Rejection, RolloutCorrection
+from .correction.rejection import Rejection
+from .correction.rollout import RolloutCorrection
 from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 from .trainer_options.trl import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
 from .trainer_options.verl import from_verl  # verl's actor config as an Algorithm (imports no verl)

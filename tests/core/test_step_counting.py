@@ -7,7 +7,8 @@ from conftest import log_probs
 from properties.micro_batches import cut, split_call
 
 import pgloss
-from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 
 
 def batch(seed=0, rows=8, width=12):

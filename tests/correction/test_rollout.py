@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import log_probs, make_batch
 
-from pgloss.correction.rollout import REJECTION_OPTIONS, Rejection, RolloutCorrection
+from pgloss.correction.rejection import REJECTION_OPTIONS, Rejection
+from pgloss.correction.rollout import RolloutCorrection
 
 
 def mismatched(seed=0, spread=0.4):

@@ -14,7 +14,8 @@ from conftest import log_probs, make_batch
 from properties.micro_batches import cut, split_call
 
 import pgloss
-from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 
 F64 = torch.float64
 

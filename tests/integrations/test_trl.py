@@ -148,6 +148,13 @@ def test_bad_arguments():
         PGLossGRPOTrainer(model="unused", reward_funcs=trl_tiny.digits, args=config, fused="yes")
 
 
+def test_no_model_and_no_args_is_refused_by_name():
+    """Without args the adapter names its default config after the model: a missing model is a TypeError naming
+    model=, as GRPOTrainer's own (was an AttributeError on None.config)."""
+    with pytest.raises(TypeError, match="needs model="):
+        PGLossGRPOTrainer(reward_funcs=trl_tiny.digits)
+
+
 def test_without_args_builds_trls_default_config(tmp_path, model_dir, monkeypatch):
     """GRPOTrainer(model, reward_funcs, train_dataset) builds GRPOConfig("<model>-GRPO"); so does ours,
     and the loss is the one that config asks for (TRL's dapo: ε = 0.2 on both sides)."""
@@ -206,7 +213,7 @@ def test_scores_are_the_raw_rewards_and_group_ids_the_prompts(window):
         torch.testing.assert_close(batch["scores"], torch.tensor(trl_tiny.digits(texts), dtype=batch["scores"].dtype))
         prompts = window.processing_class.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
         by_id = {}
-        for group, prompt in zip(batch["group_ids"].tolist(), prompts):
+        for group, prompt in zip(batch["group_ids"].tolist(), prompts, strict=True):
             assert by_id.setdefault(group, prompt) == prompt
 
 
@@ -224,7 +231,7 @@ def window_grads(trainer, compute):
 
 
 def summed(shares, weights=(1.0, 1.0)):
-    return {k: sum(w * s[k] for w, s in zip(weights, shares)) for k in shares[0]}
+    return {k: sum(w * s[k] for w, s in zip(weights, shares, strict=True)) for k in shares[0]}
 
 
 def trl_loss(trainer, loss_type, **settings):
@@ -278,7 +285,7 @@ def with_inputs(trainer, **extra):
                     batch[key] = make(batch)
 
         def __exit__(self, *exc):
-            for batch, saved in zip(trainer._buffered_inputs, self.saved):
+            for batch, saved in zip(trainer._buffered_inputs, self.saved, strict=True):
                 batch.clear()
                 batch.update(saved)
 
@@ -401,7 +408,7 @@ def test_adaptive_entropy_follows_trls_controller(window):
     batches = window._buffered_inputs
     masks = [b["completion_mask"].float() for b in batches]
     entropy = []
-    for b, m in zip(batches, masks):
+    for b, m in zip(batches, masks, strict=True):
         ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
         attention = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
         with torch.no_grad():
@@ -410,7 +417,7 @@ def test_adaptive_entropy_follows_trls_controller(window):
                     window.model, ids, attention, m.shape[1], compute_entropy=True
                 )[1]
             )
-    level = float(sum((e * m).sum() for e, m in zip(entropy, masks)) / sum(m.sum() for m in masks))
+    level = float(sum((e * m).sum() for e, m in zip(entropy, masks, strict=True)) / sum(m.sum() for m in masks))
     targets = [level + d for d in (0.5, 0.5, 0.5, -0.5, -0.5, -0.5)]
     settings = dict(entropy_coef=0.004, entropy_coef_delta=0.003, entropy_coef_min=0.001, entropy_coef_max=0.008)
     saved = {k: getattr(window.args, k) for k in (*settings, "entropy_target", "use_adaptive_entropy")}
@@ -465,7 +472,7 @@ def test_adaptive_entropy_follows_trls_controller(window):
         for key, value in saved_state.items():
             setattr(window, key, value)
     assert [round(c, 12) for _, c, _ in theirs] == [0.007, 0.008, 0.008, 0.005, 0.002, 0.001]
-    for (a, c, h), (a2, c2, h2) in zip(theirs, mine):
+    for (a, c, h), (a2, c2, h2) in zip(theirs, mine, strict=True):
         assert a2 == pytest.approx(a, abs=1e-15) and c2 == pytest.approx(c, abs=1e-15)
         assert h2 == pytest.approx(h, rel=1e-6)  # TRL sums the float32 entropies in float32, pgloss in float64
     assert [round(a, 12) for a, _, _ in mine] == [0.0, 0.007, 0.008, 0.0, 0.0, 0.0]  # the gate: off, on, off

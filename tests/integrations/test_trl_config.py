@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import pgloss
-from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 
 pytest.importorskip("trl")
 

@@ -85,7 +85,7 @@ def completions(trainer):
     for batch in trainer._buffered_inputs:
         mask, ids = batch["completion_mask"].bool(), batch["completion_ids"]
         kept += int(mask.sum())
-        for row, row_ids in zip(mask, ids):
+        for row, row_ids in zip(mask, ids, strict=True):
             if not row.any() and int(row_ids[-1]) not in (0, 1):  # no end (eos 1) nor padding (0) at the budget
                 truncated += 1
                 truncated_tokens += row_ids.shape[0]
@@ -160,10 +160,10 @@ def test_non_finite_values_under_the_mask_change_nothing(window):
     assert completions(window)[1] > 0  # completions left with no token
     generator = torch.Generator().manual_seed(1)
     clean = []
+    noisy = lambda old, scale: old + scale * torch.randn(old.shape, generator=generator)  # noqa: E731
     for batch in window._buffered_inputs:
         old = batch["old_per_token_logps"]
-        noise = lambda scale: scale * torch.randn(old.shape, generator=generator)  # noqa: E731
-        clean.append(dict(batch, ref_per_token_logps=old + noise(0.2), sampling_per_token_logps=old + noise(0.3)))
+        clean.append(dict(batch, ref_per_token_logps=noisy(old, 0.2), sampling_per_token_logps=noisy(old, 0.3)))
     correction = pgloss.RolloutCorrection(upper=2.0, rejection=(pgloss.Rejection("token_k3", upper=0.1),))
     algorithm = pgloss.get("grpo", rollout_correction=correction)
     expected_grads, expected_metrics = logged_step(window, algorithm, clean)

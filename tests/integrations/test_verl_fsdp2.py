@@ -9,6 +9,7 @@ mini-batch in one process. Clip-Cov and KL-Cov select tokens per call: their ref
 per-micro-batch calls in one process. TOPR and REAL need inputs verl does not pass (test_verl.py).
 """
 
+import functools
 import os
 
 import pytest
@@ -90,7 +91,7 @@ def worker(rank: int, port: int, results) -> None:
             config = config_of(name)
             model.zero_grad(set_to_none=True)
             micro_batches(
-                lambda rows: loss(config, model, batch, rows, dp_size=WORLD, batch_num_tokens=int(tokens)), parts
+                functools.partial(loss, config, model, batch, dp_size=WORLD, batch_num_tokens=int(tokens)), parts
             )
             out[name] = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
         results[rank] = out
@@ -126,5 +127,5 @@ def test_every_shard_gets_the_gradient_of_one_verl_call(ranks, name):
                 torch.chunk(full, WORLD)[rank],
                 rtol=1e-9,
                 atol=1e-12,
-                msg=lambda m: f"{name}, rank {rank}, {key}: {m}",
+                msg=lambda m, rank=rank, key=key: f"{name}, rank {rank}, {key}: {m}",
             )

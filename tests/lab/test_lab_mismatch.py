@@ -4,7 +4,8 @@ import pytest
 import torch
 from lab_helpers import TINY, tiny_policy
 
-from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 from pgloss.lab.config import LabConfig
 from pgloss.lab.spec import parse_rollout_correction
 from pgloss.lab.trainer import make_sampler, train

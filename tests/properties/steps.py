@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import pgloss
-from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 
 # verl's rollout_rs="token_k1,seq_mean_k3,seq_max_k2" with rollout_rs_threshold="1.5,0.03,0.3": a sequence rule
 # after a token rule, each reading the original mask (on `data()` the chain keeps 26 of 32 tokens; a sequence

@@ -17,7 +17,9 @@ from pgloss.advantages import dynamic_sampling_keep, gae, group_advantages, over
 from pgloss.core.aggregate import MAX_GROUPS
 from pgloss.core.checks import as_on_accelerator
 from pgloss.correction.m2po import m2po_cutoff, m2po_mask
-from pgloss.correction.rollout import Rejection, RolloutCorrection, mismatch_metrics
+from pgloss.correction.mismatch import mismatch_metrics
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 from pgloss.correction.token_masks import entropy_threshold, top_entropy_mask
 from pgloss.vocab.entropy import sum_pi_squared
 

@@ -25,7 +25,8 @@ from properties.call_inputs import LEAVES, ROW_INPUTS, ROWS, TOKEN_INPUTS, WIDTH
 import pgloss
 from pgloss.core.aggregate import AGGREGATIONS
 from pgloss.core.inputs import OPTIONAL_INPUTS
-from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 from pgloss.kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS
 
 POISONS = (math.nan, math.inf, -math.inf)

@@ -11,7 +11,8 @@ from properties.call_inputs import ARGUMENTS, LEAVES, ROWS, WIDTH, call_with_gra
 
 import pgloss
 from pgloss.core.aggregate import AGGREGATIONS
-from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 
 LAYOUTS = ("contiguous", "column-major", "strided slice", "transposed slice", "broadcast row", "broadcast column")
 CORRECTION = RolloutCorrection(upper=1.5, batch_normalize=True, rejection=(Rejection("seq_mean_k3", upper=0.5),))

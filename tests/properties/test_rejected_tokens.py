@@ -12,7 +12,8 @@ import torch
 from properties.call_inputs import ROWS, WIDTH, call_with_gradients, finite_inputs
 
 import pgloss
-from pgloss.correction.rollout import Rejection, RolloutCorrection
+from pgloss.correction.rejection import Rejection
+from pgloss.correction.rollout import RolloutCorrection
 
 REJECTION = RolloutCorrection(weight_level=None, rejection=(Rejection("token_k3", upper=0.01),))
 TERMS = dict(kl_coef=0.1, entropy_coef=0.05, positive_nll_coef=0.1)

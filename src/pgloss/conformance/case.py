@@ -1,5 +1,5 @@
 """One conformance case: pgloss against a trainer's own loss function on one random batch, and the
-batch the trainer modules share (`batch`) with the error they measure (`relative`)."""
+batch the trainer modules share (`batch`) with the error they measure (`relative`, on `flat_grad`s)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def batch(seed: int, *, empty_row: bool = False, rows: int = ROWS, length: int =
         advantages=torch.randn(rows, generator=g, dtype=torch.float64),
         entropy=torch.rand(rows, length, generator=g, dtype=torch.float64) * 2,
     )
+
+
+def flat_grad(leaf: torch.Tensor) -> torch.Tensor:
+    """∂loss/∂`leaf` after `backward()`, flattened: zeros where the loss does not reach `leaf` (no `.grad`)."""
+    return torch.zeros(leaf.numel(), dtype=leaf.dtype) if leaf.grad is None else leaf.grad.flatten()
 
 
 def relative(mine: torch.Tensor, theirs: torch.Tensor) -> float:

@@ -19,15 +19,16 @@ computes it (`trl._trl_is_ratio`); pgloss gets the rollout log-probs and the sam
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 
-from .case import LENGTH, Case, batch, relative
+from .case import LENGTH, Case, batch, flat_grad, relative
 from .trl import _trl_is_ratio
 
 __all__ = ["TRAINER", "available", "cases", "compare", "compare_fused"]
@@ -147,7 +148,7 @@ def compare(
             ).loss
         loss.backward()
         losses.append(loss.detach())
-        grads.append(log_prob.grad.flatten())
+        grads.append(flat_grad(log_prob))
     return relative(losses[1], losses[0]), relative(grads[1], grads[0])
 
 
@@ -200,7 +201,7 @@ def compare_fused(
             )
         loss.backward()
         losses.append(loss.detach().double())
-        grads.append(torch.cat([h.grad.flatten(), w.grad.flatten()]))
+        grads.append(torch.cat([flat_grad(h), flat_grad(w)]))
     return relative(losses[1], losses[0]), relative(grads[1], grads[0])
 
 
@@ -288,7 +289,7 @@ def cases() -> Iterator[Case]:
         extra: dict[str, Any],
         reason: str | None,
         tolerance: float,
-        run,
+        run: Callable[[], tuple[float, float]],
     ) -> Case:
         setting = _setting(options, vllm, extra)
         try:
@@ -310,9 +311,9 @@ def cases() -> Iterator[Case]:
 
     function = "LigerFusedLinearGRPOFunction.ppo_loss_fn"
     for seed, (options, vllm) in enumerate(_AGREE):
-        yield one(function, options, vllm, {}, None, TOLERANCE, lambda: compare(options, vllm, seed=seed))
+        yield one(function, options, vllm, {}, None, TOLERANCE, functools.partial(compare, options, vllm, seed=seed))
     for options, vllm, extra, reason in _DOCUMENTED:
-        yield one(function, options, vllm, extra, reason, TOLERANCE, lambda: compare(options, vllm, **extra))
+        yield one(function, options, vllm, extra, reason, TOLERANCE, functools.partial(compare, options, vllm, **extra))
     for seed, options in enumerate(_FUSED):
         yield one(
             "LigerFusedLinearGRPOLoss (from hidden states)",
@@ -321,5 +322,5 @@ def cases() -> Iterator[Case]:
             {},
             None,
             FUSED_TOLERANCE,
-            lambda: compare_fused(options, seed=seed),
+            functools.partial(compare_fused, options, seed=seed),
         )

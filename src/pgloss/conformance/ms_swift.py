@@ -32,13 +32,15 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from types import MethodType, SimpleNamespace
 from typing import Any
 
 import torch
 
-from .case import LENGTH, ROWS, Case, batch, relative
-from .sources import load, locate
+from ..losses.ppo import ClippedPolicy
+from .case import LENGTH, ROWS, Case, batch, flat_grad, relative
+from .sources import load, locate_all
 
 __all__ = ["TRAINER", "available", "cases", "compare"]
 
@@ -64,11 +66,9 @@ _METHODS = (
 _REF = "docs/reference.md, 'Conformance with ms-swift'"
 
 
-def _files() -> tuple | str:
+def _files() -> tuple[Path, ...] | str:
     install = f"pip install --no-deps {PIN}: pgloss reads its loss from its files"
-    found = [locate("ms-swift", name, VARIABLE, install) for name in (TRAINER_FILE, ARGS_FILE)]
-    why = [f for f in found if isinstance(f, str)]
-    return why[0] if why else tuple(found)
+    return locate_all("ms-swift", (TRAINER_FILE, ARGS_FILE), VARIABLE, install)
 
 
 def available() -> str | None:
@@ -96,7 +96,10 @@ def _code() -> tuple[dict, dict]:
     """(GRPOTrainer's methods, the arguments' defaults), executed from ms-swift's files."""
     from trl.trainer.grpo_trainer import nanmax, nanmin
 
-    trainer_file, args_file = _files()
+    files = _files()
+    if isinstance(files, str):
+        raise LookupError(files)
+    trainer_file, args_file = files
     arguments = load(
         args_file,
         ("VllmArguments", "RolloutTrainerArgumentsMixin", "GRPOArgumentsMixin"),
@@ -125,7 +128,7 @@ class _Accelerator:
     num_processes = 1
 
     @staticmethod
-    def gather_for_metrics(x):
+    def gather_for_metrics(x: torch.Tensor) -> torch.Tensor:
         return x
 
 
@@ -173,7 +176,8 @@ def algorithm(args: SimpleNamespace) -> tuple[Any, bool]:
 
     import pgloss
 
-    from ..correction.rollout import Rejection, RolloutCorrection
+    from ..correction.rejection import Rejection
+    from ..correction.rollout import RolloutCorrection
     from ..trainer_options.trl import LOSS_TYPES
 
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -197,7 +201,11 @@ def algorithm(args: SimpleNamespace) -> tuple[Any, bool]:
             max_completion_length=args.max_completion_length,
         )
         ours = pgloss.from_trl(config)
-        if level == "sequence_token":
+        if level == "sequence_token":  # ms-swift's GSPO-token: the ratio level of the clipped-ratio family
+            if not isinstance(ours, ClippedPolicy):
+                raise TypeError(
+                    f"importance_sampling_level='sequence_token' needs a clipped-ratio loss, got {ours.name}"
+                )
             ours = dataclasses.replace(ours, ratio_level="sequence_token")
     elif args.loss_type == "fipo":
         ours = pgloss.get(
@@ -291,7 +299,7 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
             ).loss
         loss.backward()
         losses.append(loss.detach())
-        grads.append(log_prob.grad.flatten())
+        grads.append(flat_grad(log_prob))
     return relative(losses[1], losses[0]), relative(grads[1], grads[0])
 
 

@@ -32,12 +32,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from .case import Case, batch, relative
-from .sources import load, locate
+from .case import Case, batch, flat_grad, relative
+from .sources import load, locate_all
 
 __all__ = ["TRAINER", "available", "cases", "compare"]
 
@@ -51,18 +52,10 @@ KL_TOLERANCE = 1e-6
 _REF = "docs/reference.md, 'Conformance with OpenRLHF'"
 
 
-def _files() -> tuple | str:
-    found = [
-        locate(
-            "openrlhf",
-            name,
-            VARIABLE,
-            f"pip install --no-deps {PIN}: pgloss reads its loss files, which need only torch",
-        )
-        for name in FILES
-    ]
-    why = [f for f in found if isinstance(f, str)]
-    return why[0] if why else tuple(found)
+def _files() -> tuple[Path, ...] | str:
+    return locate_all(
+        "openrlhf", FILES, VARIABLE, f"pip install --no-deps {PIN}: pgloss reads its loss files, which need only torch"
+    )
 
 
 def available() -> str | None:
@@ -80,7 +73,10 @@ def available() -> str | None:
 @functools.cache
 def _namespace() -> dict:
     """OpenRLHF's loss functions, executed from its files."""
-    loss_file, utils_file = _files()
+    files = _files()
+    if isinstance(files, str):
+        raise LookupError(files)
+    loss_file, utils_file = files
     namespace = dict(
         torch=torch, nn=torch.nn, F=torch.nn.functional, dist=torch.distributed, Optional=Optional, Tuple=tuple
     )
@@ -105,7 +101,8 @@ def algorithm(options: dict[str, Any]) -> tuple[Any, bool]:
     """The pgloss algorithm for OpenRLHF's `options` (PolicyLoss's arguments and kl_coef, kl_estimator,
     unbiased_gradient, entropy_coef), and whether its rollout rejection is counted on the original masks."""
     import pgloss
-    from pgloss.correction.rollout import Rejection, RolloutCorrection
+    from pgloss.correction.rejection import Rejection
+    from pgloss.correction.rollout import RolloutCorrection
 
     gspo = options.get("policy_loss_type", "ppo") == "gspo"
     level = options.get("is_correction_level", "off")
@@ -191,9 +188,8 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
                 normalizer=normalizer,
             ).loss
         loss.backward()
-        none = torch.zeros(log_prob.numel(), dtype=torch.float64)
         losses.append(loss.detach())
-        grads.append(torch.cat([g.flatten() if g is not None else none for g in (log_prob.grad, entropy.grad)]))
+        grads.append(torch.cat([flat_grad(log_prob), flat_grad(entropy)]))
     return relative(losses[1], losses[0]), relative(grads[1], grads[0])
 
 

@@ -14,6 +14,7 @@ import pkgutil
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 
 from .case import AGREE, DIFFERS, DOCUMENTED, Case
 
@@ -30,7 +31,7 @@ MODULES = tuple(
 `sources`): `--trainer` takes only these, so a trainer without one is named as such."""
 
 
-def _load(name: str, *, builtin: bool):
+def _load(name: str, *, builtin: bool) -> ModuleType | None:
     """The module `pgloss.conformance.<name>` (builtin) or `name` (a user's), or None when absent."""
     path = f"{__package__}.{name}" if builtin else name
     try:

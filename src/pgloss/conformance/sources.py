@@ -16,7 +16,7 @@ import os
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-__all__ = ["locate", "load"]
+__all__ = ["locate", "locate_all", "load"]
 
 
 def locate(dist: str, relative: str, variable: str, install: str) -> Path | str:
@@ -32,6 +32,13 @@ def locate(dist: str, relative: str, variable: str, install: str) -> Path | str:
         return f"{dist} is not installed ({install}; or set {variable} to the root of its source)"
     path = Path(str(found.locate_file(relative)))
     return path if path.is_file() else f"{dist} {found.version} has no {relative}"
+
+
+def locate_all(dist: str, relatives: tuple[str, ...], variable: str, install: str) -> tuple[Path, ...] | str:
+    """The files `relatives` of the trainer (`locate`, in order), or why the first missing one cannot be found."""
+    found = [locate(dist, relative, variable, install) for relative in relatives]
+    why = [f for f in found if isinstance(f, str)]
+    return why[0] if why else tuple(f for f in found if isinstance(f, Path))
 
 
 def load(path: Path, names: tuple[str, ...], namespace: dict, *, within: str | None = None) -> dict:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterator
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 from typing import Any
 
 import torch
 
-from .case import LENGTH, ROWS, Case, batch, relative
+from .case import LENGTH, ROWS, Case, batch, flat_grad, relative
 
 TRAINER = "TRL"
 _B, _T = ROWS, LENGTH
@@ -34,7 +34,9 @@ def available() -> str | None:
     return None
 
 
-def _trl_is_ratio(old, sampling, mask, mode: str, low: float | None, high: float | None):
+def _trl_is_ratio(
+    old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str, low: float | None, high: float | None
+) -> torch.Tensor:
     """TRL 1.16's vLLM importance-sampling ratio (trl/trainer/grpo_trainer.py, _generate_and_score_completions)."""
     diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
     ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
@@ -49,17 +51,17 @@ class _Accelerator:
     sync_gradients = True
 
     @staticmethod
-    def gather(x):
+    def gather(x: torch.Tensor) -> torch.Tensor:
         return x
 
     gather_for_metrics = gather
 
     @staticmethod
-    def reduce(x, reduction="sum"):
+    def reduce(x: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         return x
 
     @staticmethod
-    def pad_across_processes(x, dim=0, pad_index=0):
+    def pad_across_processes(x: torch.Tensor, dim: int = 0, pad_index: int = 0) -> torch.Tensor:
         return x
 
 
@@ -93,7 +95,7 @@ def _trainer(config: Any, log_prob: torch.Tensor, entropy: torch.Tensor) -> Any:
         get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
         get_gamma_weights=GRPOTrainer.get_gamma_weights,
     )
-    stub.get_high_entropy_mask = lambda e, m, t: GRPOTrainer.get_high_entropy_mask(stub, e, m, t)
+    stub.get_high_entropy_mask = MethodType(GRPOTrainer.get_high_entropy_mask, stub)  # bound to the stand-in
     return stub
 
 
@@ -155,10 +157,7 @@ def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) 
                 rollout_log_prob=rollout,
             ).loss
         loss.backward()
-        none = torch.zeros(_B * _T, dtype=torch.float64)
-        grads.append(
-            (loss.detach(), torch.cat([g.flatten() if g is not None else none for g in (log_prob.grad, entropy.grad)]))
-        )
+        grads.append((loss.detach(), torch.cat([flat_grad(log_prob), flat_grad(entropy)])))
     (theirs, grad_theirs), (mine, grad_mine) = grads
     return relative(mine, theirs), relative(grad_mine, grad_theirs)
 

@@ -21,7 +21,7 @@ from ..core.aggregate import AGG_MODES
 from ..core.trainer_names import translate_value
 from ..kl.corrections import kl_term
 from ..trainer_options.verl import LOSS_MODES, from_verl
-from .case import Case
+from .case import Case, flat_grad
 
 __all__ = ["TRAINER", "available", "cases"]
 
@@ -154,7 +154,7 @@ def _policy_case(mode: str, agg: str, seed: int, *, name: str | None = None, emp
         log_prob=ours_leaf, old_log_prob=batch["old"], advantages=batch["advantages"], mask=batch["mask"]
     ).loss
     ours.backward()
-    loss_error, grad_error = _errors(ours.detach(), theirs.detach(), ours_leaf.grad, theirs_leaf.grad)
+    loss_error, grad_error = _errors(ours.detach(), theirs.detach(), flat_grad(ours_leaf), flat_grad(theirs_leaf))
     fields = ", ".join(f"{k}={v}" for k, v in FIELDS[mode].items())
     setting = f"loss_agg_mode={agg}" + (f", {fields}" if fields else "") + (", an empty row" if empty_row else "")
     return Case(
@@ -174,16 +174,17 @@ def _kl_case(kind: str, seed: int) -> Case:
 
     batch = _batch(seed)
     mask = batch["mask"]
-    estimator = translate_value("kl_estimator", kind)
+    estimator = str(translate_value("kl_estimator", kind))  # a str for a str
     theirs_leaf = batch["log_prob"].clone().requires_grad_()
-    theirs = core_algos.kl_penalty(theirs_leaf, batch["ref"], kind)
-    theirs = (theirs * mask).sum() / mask.sum()
+    # verl annotates torch.FloatTensor, the legacy type name, which a float64 tensor satisfies at runtime
+    per_token = core_algos.kl_penalty(theirs_leaf, batch["ref"], kind)  # type: ignore[arg-type]
+    theirs = (per_token * mask).sum() / mask.sum()
     theirs.backward()
     ours_leaf = batch["log_prob"].clone().requires_grad_()
     ours = kl_term(ours_leaf, batch["ref"], batch["old"], estimator=estimator)
     ours = torch.where(mask, ours, 0.0).sum() / mask.sum()
     ours.backward()
-    loss_error, grad_error = _errors(ours.detach(), theirs.detach(), ours_leaf.grad, theirs_leaf.grad)
+    loss_error, grad_error = _errors(ours.detach(), theirs.detach(), flat_grad(ours_leaf), flat_grad(theirs_leaf))
     return Case(
         TRAINER, "kl_penalty", f"kl_estimator={estimator}", f"kl_penalty={kind}", loss_error, grad_error, TOLERANCE
     )

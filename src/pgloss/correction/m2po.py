@@ -68,7 +68,7 @@ def m2po_cutoff(
     behaves = per_micro_batch("behave_log_probs", behave_log_probs, len(ms))
     proxes = per_micro_batch("prox_log_probs", prox_log_probs, len(ms))
     values = []
-    for k, (behave, prox, mask) in enumerate(zip(behaves, proxes, ms)):
+    for k, (behave, prox, mask) in enumerate(zip(behaves, proxes, ms, strict=True)):
         m2 = second_moment(behave, prox, mask)
         mask = check_mask(mask, m2.shape, m2.device, "behave_log_prob")
         # A NaN m2 would sort first and shift the cut; the sort reads the host anyway.
@@ -80,8 +80,8 @@ def m2po_cutoff(
     ordered = torch.sort(m2, descending=True).values
     tail_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(len(ordered), 0, -1, dtype=m2.dtype, device=m2.device)
     below = tail_mean < threshold
-    k = torch.where(below.any(), below.to(torch.uint8).argmax(), len(ordered) - 1)
-    return ordered[k]
+    cut = torch.where(below.any(), below.to(torch.uint8).argmax(), len(ordered) - 1)
+    return ordered[cut]
 
 
 def m2po_mask(behave_log_prob: Tensor, prox_log_prob: Tensor, mask: Tensor, cutoff: Tensor | float) -> Tensor:

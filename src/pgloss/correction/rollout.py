@@ -20,15 +20,8 @@ then, with bounds [lower, upper] (either may be None: unbounded),
 detached. The sequence weight is a separate choice from GSPO's sequence ratio: a product of
 ratios collapses or explodes on long sequences, the geometric mean does not.
 
-KL-based rejection (verl `rollout_rs`), chainable (AND, each rule's statistic over the original mask,
-as verl), with k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ per token, at token level or as a
-sequence's sum, mean or max: a `Rejection` keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
-exp(statistic) (a ratio π_rollout/π_train, lower defaulting to 1/upper), for k2 and k3 on the
-statistic (upper only). Off-policy sequence masking (the DeepSeek-V3.2 technical report; TRL
-`off_policy_mask_threshold`, ms-swift `off_policy_sequence_mask_delta`) drops sequence i when
-Â_i < 0 and (1/|y_i|) Σ_t (log π_behave - sg log π_θ) > δ, π_behave = π_rollout (π_old without one).
-
-Rejected tokens leave the effective mask: the loss's numerator and every metric. The normaliser
+Rejected tokens (the KL-based rejection and the off-policy sequence mask: `pgloss.correction.rejection`)
+leave the effective mask: the loss's numerator and every metric. The normaliser
 counts what the caller counted. Rejections known before the step (the KL rules in decoupled mode,
 on π_old and π_rollout) can leave it too: without a `Normalizer` the call counts the mask after
 them (verl: the response mask is multiplied), and so does a step's `Normalizer` counted on
@@ -49,7 +42,6 @@ step's weight mean; pass it to every micro-batch's loss call.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,84 +52,18 @@ from torch import Tensor
 from ..core.aggregate import Normalizer
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
 from ..core.checks import check_log_prob, check_number
-from ..core.metrics import Stat, effective_sample_size, masked_mean, token_extremes, token_fraction, token_mean
+from ..core.metrics import Stat, effective_sample_size, token_extremes, token_fraction, token_mean
 from ..core.sequence_parallel import (
     SequenceParallel,
     data_parallel_group,
     row_lengths,
-    row_max,
-    row_mean,
-    row_sum,
     row_total_and_length,
 )
+from .mismatch import mismatch_metrics
+from .rejection import Rejection, off_policy_sequence_mask
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
 WEIGHT_MODES = ("truncate", "mask")
-KL_STATISTICS = ("k1", "k2", "k3")
-REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
-REJECTION_OPTIONS = tuple(f"{level}_{k}" for level in REJECTION_LEVELS for k in KL_STATISTICS)
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """One KL-based rejection rule: `option` is `<level>_<k>` with level token, seq_sum, seq_mean or
-    seq_max and k k1, k2 or k3 (verl's `rollout_rs` names). For k1, keep lower ≤ exp(stat) ≤ upper
-    (either bound may be None, lower defaults to 1/upper); for k2 and k3, keep stat ≤ upper."""
-
-    option: str
-    upper: float | None
-    lower: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.option not in REJECTION_OPTIONS:
-            raise ValueError(f"Rejection option must be one of {REJECTION_OPTIONS}, got {self.option!r}")
-        upper = check_number("Rejection upper", self.upper, optional=True)
-        lower = check_number("Rejection lower", self.lower, optional=True)
-        if self.option.endswith("k1"):
-            if upper is None and lower is None:
-                raise ValueError(f"{self.option} needs a ratio bound: upper, lower or both")
-            if upper is not None and upper <= 0 or lower is not None and lower <= 0:
-                raise ValueError(f"{self.option} bounds are ratios and must be > 0, got lower={lower}, upper={upper}")
-            if lower is None and upper is not None:
-                lower = 1.0 / upper
-            if upper is not None and lower > upper:
-                raise ValueError(f"{self.option} needs lower <= upper, got lower={lower}, upper={upper}")
-        else:
-            if upper is None or upper < 0:
-                raise ValueError(f"{self.option} needs upper >= 0 (a KL bound), got {upper!r}")
-            if lower is not None:
-                raise ValueError(f"{self.option} takes only an upper bound (k2 and k3 are >= 0), got lower={lower}")
-        object.__setattr__(self, "upper", upper)
-        object.__setattr__(self, "lower", lower)
-
-    def keep(self, log_rho: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None) -> Tensor:
-        """Bool `[B, T]`: the tokens this rule keeps (whole rows for the sequence levels, their statistic over
-        the whole sequence under a `sequence_parallel` group)."""
-        level, k = self.option.rsplit("_", 1)
-        if k == "k1":
-            stat = -log_rho
-        elif k == "k2":
-            stat = 0.5 * log_rho.square()
-        else:
-            stat = torch.expm1(log_rho) - log_rho
-        stat = torch.where(mask, stat, 0.0)
-        if level == "seq_sum":
-            stat = row_sum(stat, sequence_parallel, keepdim=True)
-        elif level == "seq_mean":
-            stat = row_mean(stat, mask, sequence_parallel, keepdim=True)
-        elif level == "seq_max":
-            stat = row_max(torch.where(mask, stat, -torch.inf), sequence_parallel, keepdim=True).clamp(
-                min=-torch.finfo(stat.dtype).max
-            )
-        if k == "k1":  # bounds on the ratio, compared in log space
-            keep = torch.ones_like(stat, dtype=torch.bool)
-            if self.upper is not None:
-                keep = keep & (stat <= math.log(self.upper))
-            if self.lower is not None:
-                keep = keep & (stat >= math.log(self.lower))
-        else:
-            keep = stat <= self.upper
-        return keep.expand(mask.shape)
 
 
 @dataclass(frozen=True)
@@ -347,11 +273,11 @@ class RolloutCorrection:
         """The step's counts over the masks after the KL-based rejection (`count_rejected=True`, or
         bypass mode: over the original masks), with the step's weight mean when `batch_normalize`.
         A collective under torch.distributed, like `Normalizer.count` (and `sequence_parallel` as there)."""
-        masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs))
+        masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs), strict=True)
         counted = (
             masks
             if count_rejected or self.bypass or not self.rejection
-            else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(masks, olds, rollouts)]
+            else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(masks, olds, rollouts, strict=True)]
         )
         base = Normalizer.count(
             counted,
@@ -389,7 +315,8 @@ class RolloutCorrection:
         `weight_mean`: the step's mean weight (`step_weight_mean`, carried by the step's normalizer),
         required by `batch_normalize`. `sequence_parallel`: the sequence group of split rows (the step's
         normalizer's): every sequence statistic is then over the whole sequence."""
-        if rollout_log_prob is None and self.needs_rollout:
+        rollout = None if rollout_log_prob is None else rollout_log_prob.detach()
+        if rollout is None and self.needs_rollout:
             raise ValueError("this rollout correction needs rollout_log_prob (the inference engine's log-probs)")
         if weight_mean is not None and not self.batch_normalize:
             raise ValueError("weight_mean was given but batch_normalize is False")
@@ -398,8 +325,8 @@ class RolloutCorrection:
                 "batch_normalize needs the step's mean weight: count the step with "
                 "algorithm.step_normalizer(...) and pass that normalizer"
             )
-        rollout = None if rollout_log_prob is None else rollout_log_prob.detach()
-        old = rollout if self.bypass else old_log_prob.detach()
+        # without rollout log-probs: neither bypass nor a weight (needs_rollout, refused above)
+        old = rollout if self.bypass and rollout is not None else old_log_prob.detach()
         train = log_prob.detach() if self.bypass else old
         effective = mask
         metrics: dict[str, Stat] = {}
@@ -419,10 +346,10 @@ class RolloutCorrection:
             metrics["rollout_opsm_frac"] = token_fraction(~opsm, mask, count)
             effective = effective & opsm
         weight = None
-        if self.weight_level is not None:
+        if self.weight_level is not None and rollout is not None:
             weight, out = self._bound(self._raw_weight(train, rollout, mask, sequence_parallel))
             metrics["rollout_is_bounded_frac"] = token_fraction(out, effective)
-            if self.batch_normalize:
+            if weight_mean is not None:  # batch_normalize (checked above)
                 weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
             metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
@@ -444,7 +371,7 @@ def _micro_batches(
     olds = per_micro_batch(old_name, old_log_probs, len(masks))
     rollouts = per_micro_batch(rollout_name, rollout_log_probs, len(masks))
     out = []
-    for k, (mask, old, rollout) in enumerate(zip(masks, olds, rollouts)):
+    for k, (mask, old, rollout) in enumerate(zip(masks, olds, rollouts, strict=True)):
         at = "" if len(masks) == 1 else f"[{k}]"
         mask = check_tensor(f"{mask_name}{at}", mask, ndim=(2,), floating=False)
         mask = check_mask(mask, mask.shape, mask.device)
@@ -467,22 +394,6 @@ def _row_max(values: Tensor) -> Tensor:
     return values.amax(dim=-1, keepdim=True)
 
 
-def off_policy_sequence_mask(
-    log_prob: Tensor,
-    behave_log_prob: Tensor,
-    seq_advantages: Tensor,
-    mask: Tensor,
-    *,
-    delta: float,
-    sequence_parallel: SequenceParallel | None = None,
-) -> Tensor:
-    """DeepSeek-V3.2's off-policy sequence mask, bool `[B, T]`: False on the rows with Â_i < 0 and
-    (1/|y_i|) Σ_t m (log π_behave - sg log π_θ) > δ (over the whole sequence under `sequence_parallel`)."""
-    gap = row_mean(torch.where(mask, behave_log_prob.detach() - log_prob.detach(), 0.0), mask, sequence_parallel)
-    drop = (seq_advantages < 0) & (gap > delta)
-    return mask & ~drop[:, None]
-
-
 def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Stat]:
     """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over valid tokens,
     or over non-empty sequences for a per-sequence weight. NaN over nothing."""
@@ -496,36 +407,4 @@ def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[
         "rollout_is_weight_mean": token_mean(weight, mask, count),
         "rollout_is_weight_max": high,
         "rollout_is_ess": effective_sample_size(weight, mask, count),
-    }
-
-
-def mismatch_metrics(
-    train: Tensor, rollout: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None
-) -> dict[str, Stat]:
-    """The train/rollout mismatch over valid tokens (verl's `compute_offpolicy_metrics`):
-
-        rollout_kl        mean_t (log π_rollout - log π_train)          k1 of KL(π_rollout‖π_train)
-        rollout_k3_kl     mean_t (ρ - 1 - log ρ)
-        rollout_chi2_token  mean_t ρ² - 1;   rollout_chi2_seq  mean_i (Π_t ρ)² - 1 (log clamped at ±20)
-        rollout_ppl_ratio mean_i PPL_train,i / PPL_rollout,i = mean_i exp(mean_t (log π_rollout - log π_train))
-                          (the exponent clamped at ±20, as the others: finite for any finite input)
-
-    The token means are over the call's tokens; the sequence ones over its rows with a token here, each
-    row's Σ_t and mean_t over the whole sequence under `sequence_parallel` (one all-reduce).
-    """
-    train, rollout = train.detach(), rollout.detach()
-    count = mask.sum()
-    log_rho = torch.where(mask, train - rollout, 0.0)
-    safe = log_rho.clamp(-20.0, 20.0)
-    rows = mask.any(dim=-1)
-    n_rows = rows.sum()
-    seq_sum, length = row_total_and_length(log_rho, mask, sequence_parallel)
-    seq_mean = seq_sum / length.clamp(min=1)
-    row_mean = lambda v: torch.where(rows, v, 0.0).sum() / n_rows  # noqa: E731
-    return {  # means over the tokens (count) or the non-empty rows (n_rows); m - 1 combines as m does
-        "rollout_kl": Stat.mean(-masked_mean(log_rho, mask, count), count),
-        "rollout_k3_kl": Stat.mean(masked_mean(torch.expm1(safe) - safe, mask, count), count),
-        "rollout_chi2_token": Stat.mean(masked_mean(torch.exp(2 * safe), mask, count) - 1.0, count),
-        "rollout_chi2_seq": Stat.mean(row_mean(torch.exp(2 * seq_sum.clamp(-20.0, 20.0))) - 1.0, n_rows),
-        "rollout_ppl_ratio": Stat.mean(row_mean(torch.exp(-seq_mean.clamp(-20.0, 20.0))), n_rows),
     }

@@ -48,7 +48,7 @@ def entropy_threshold(
     ms = per_micro_batch("masks", masks)
     ents = per_micro_batch("entropies", entropies, len(ms))
     values = []
-    for k, (ent, mask) in enumerate(zip(ents, ms)):
+    for k, (ent, mask) in enumerate(zip(ents, ms, strict=True)):
         ent = check_tensor(f"entropies[{k}]", ent, ndim=(2,))
         mask = check_mask(mask, ent.shape, ent.device, f"entropies[{k}]")
         # One NaN would make the quantile NaN and the mask keep nothing; the quantile reads the host anyway.
@@ -73,7 +73,7 @@ def gather_values(local: Tensor, *, process_group: dist.ProcessGroup | None = No
     padded = torch.cat([local, local.new_zeros(longest - local.numel())])
     gathered = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded, group=process_group)
-    return torch.cat([g[: int(s)] for g, s in zip(gathered, sizes)])
+    return torch.cat([g[: int(s)] for g, s in zip(gathered, sizes, strict=True)])
 
 
 def top_entropy_mask(entropy: Tensor, mask: Tensor, threshold: Tensor | float) -> Tensor:
@@ -120,7 +120,7 @@ def _masked_moments(values: Tensor, mask: Tensor, process_group, reduce: bool) -
     return count, mean, (sq / count).sqrt()
 
 
-def _discriminator_inputs(log_prob, entropy, mask):
+def _discriminator_inputs(log_prob: Tensor, entropy: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     log_prob = check_tensor("log_prob", log_prob, ndim=(2,))
     entropy = check_tensor("entropy", entropy, ndim=(2,))
     if entropy.shape != log_prob.shape:

@@ -62,9 +62,9 @@ import pgloss
 from ..algorithms import Algorithm
 from ..core.aggregate import Normalizer
 from ..core.output import LossOutput
-from ..correction.token_masks import entropy_threshold, top_entropy_mask
 from ..trainer_options.trl import adaptive_entropy, trainer_algorithm
 from .lm_head import head_options
+from .trl_inputs import MULTIMODAL, TRLInputs, schedule_refusals
 
 __all__ = ["SUPPORTED", "PGLossGRPOTrainer", "PGLossMixin"]
 
@@ -76,6 +76,7 @@ _log = logging.getLogger(__name__)
 try:
     import trl
     from packaging.specifiers import SpecifierSet
+    from transformers import PreTrainedModel
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import _ForwardRedirection
     from trl.trainer.utils import get_config_model_id, maybe_gather_lm_head_ctx
@@ -85,43 +86,12 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
 if trl.__version__ not in SpecifierSet(",".join(SUPPORTED)):
     raise ImportError(f"pgloss.integrations.trl supports trl {','.join(SUPPORTED)}, found trl {trl.__version__}")
 
-# Inputs TRL forwards to a vision-language model; the non-fused path passes them on unchanged.
-_MULTIMODAL = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
-
 
 _PASSED = frozenset({"ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores"})
 """The optional inputs (core/inputs.py) the adapter gives the loss from GRPOTrainer's batch."""
 
 
-def _refusals(args: Any) -> list[str]:
-    """The GRPOConfig options about the trainer's schedule whose effect the adapter cannot reproduce
-    (the loss options are `pgloss.trainer_options.trl`'s)."""
-    refused = []
-    every = args.steps_per_generation * args.num_iterations
-    if every % args.gradient_accumulation_steps:
-        refused.append(
-            f"steps_per_generation={args.steps_per_generation} with num_iterations={args.num_iterations} "
-            f"and gradient_accumulation_steps={args.gradient_accumulation_steps} (an optimizer step would "
-            "span two generations; make steps_per_generation·num_iterations a multiple of it)"
-        )
-    parallel = getattr(args, "parallelism_config", None)
-    if parallel is not None and (getattr(parallel, "cp_size", 1) > 1 or getattr(parallel, "sp_size", 1) > 1):
-        refused.append("parallelism_config with cp_size or sp_size > 1 (tokens would be counted once per shard)")
-    return refused
-
-
-class PGLossMixin:
+class PGLossMixin(TRLInputs):
     """Replaces GRPOTrainer's loss by a pgloss `Algorithm`; put it before the trainer class in the bases.
 
     Args (keyword, besides the trainer's own):
@@ -147,6 +117,8 @@ class PGLossMixin:
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         if config is None:  # what GRPOTrainer does without args
             model = kwargs.get("model", args[0] if args else None)
+            if model is None:
+                raise TypeError("PGLossGRPOTrainer needs model= (a model id or a transformers PreTrainedModel)")
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             config = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         if not isinstance(config, GRPOConfig):
@@ -154,7 +126,7 @@ class PGLossMixin:
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         algorithm = trainer_algorithm(config, algorithm)
-        refused = _refusals(config)
+        refused = schedule_refusals(config)
         missing = sorted(algorithm.needs - _PASSED)
         if missing:  # e.g. on-policy distillation's teacher_log_prob: GRPOTrainer has no teacher
             refused.append(
@@ -213,127 +185,13 @@ class PGLossMixin:
                 algorithm.name,
             )
 
-    # -- inputs ---------------------------------------------------------------------------------
-
-    def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Tensor:
-        rewards_per_func = super()._calculate_rewards(*args, **kwargs)
-        self._pgloss_rewards_per_func = rewards_per_func  # [rows over every process, reward functions]
-        return rewards_per_func
-
-    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-        self._pgloss_rewards_per_func = None
-        out = super()._generate_and_score_completions(inputs)
-        # Rows of one prompt are consecutive in the generation batch gathered over processes, and
-        # each process holds an equal slice of it: the global row index // G is the prompt.
-        rows = out["completion_ids"].shape[0]
-        size = self.num_generations if self.model.training else self.num_generations_eval
-        first = self.accelerator.process_index * rows
-        out["group_ids"] = (first + torch.arange(rows, device=out["completion_ids"].device)) // size
-        if self._pgloss_rewards_per_func is not None:  # the raw reward TRL logs as `reward`, this process's rows
-            weights = self.reward_weights.to(self._pgloss_rewards_per_func.device)
-            out["scores"] = (self._pgloss_rewards_per_func * weights).nansum(dim=1)[first : first + rows]
-        return out
-
-    @staticmethod
-    def _pgloss_mask(inputs: dict[str, Any]) -> Tensor:
-        mask = inputs["completion_mask"]
-        return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
-
-    def _pgloss_forward(self, inputs: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """The current log-probs and entropies of a micro-batch, without gradient (the model does not
-        change within an optimizer step, so these are the values its loss call sees)."""
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        with torch.no_grad():
-            log_prob, entropy, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                ids,
-                attention,
-                inputs["completion_ids"].size(1),
-                compute_entropy=True,
-                **{key: inputs.get(key) for key in _MULTIMODAL},
-            )
-        return log_prob.float(), entropy.float()
-
-    def _pgloss_uses_rollout(self, inputs: dict[str, Any]) -> bool:
-        """Whether the loss gets vLLM's log-probs: for the algorithm's rollout correction (TRL's vLLM
-        importance sampling and off-policy mask), or for a family that folds them in itself (VESPO)."""
-        if inputs.get("sampling_per_token_logps") is None:
-            return False
-        # The algorithm says what they do (`rollout_use`); TRL applies no weight unless asked, so they are
-        # not passed where the algorithm would apply its implicit truncated IS.
-        use = self.algorithm.rollout_use
-        return use == "correction" or (
-            use == "own weight" and self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
-    def _pgloss_old_and_rollout(
-        self, inputs: dict[str, Any], log_prob: Tensor | None
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """(old log-probs, rollout log-probs or None), float32. Old: TRL's, else the detached current
-        ones (`log_prob`, or a no-grad pass when not given). Rollout: NaN where vLLM could not score
-        becomes the old log-prob (weight 1, as TRL's nan_to_num)."""
-        old = inputs.get("old_per_token_logps")
-        rollout = inputs.get("sampling_per_token_logps") if self._pgloss_uses_rollout(inputs) else None
-        if old is None and (log_prob is not None or rollout is not None):
-            old = log_prob.detach() if log_prob is not None else self._pgloss_forward(inputs)[0]
-        old = None if old is None else old.float()
-        if rollout is not None:
-            rollout = torch.where(torch.isnan(rollout), old, rollout.float())
-        return old, rollout
-
-    def _pgloss_masks(self, batches: list[dict[str, Any]]) -> list[Tensor]:
-        """The loss masks of a step's micro-batches: completion · tool mask, and with
-        `top_entropy_quantile` < 1 the top-entropy mask over the step's tokens (`pgloss.correction.token_masks`;
-        TRL takes the quantile per micro-batch, gathered over processes: a collective here too)."""
-        masks = [self._pgloss_mask(batch) for batch in batches]
-        if self._pgloss_top is None:
-            return masks
-        entropies = [self._pgloss_forward(batch)[1] for batch in batches]
-        threshold = entropy_threshold(entropies, masks, top=self._pgloss_top)
-        return [top_entropy_mask(e, m, threshold) for e, m in zip(entropies, masks)]
-
-    def _pgloss_count(self, batches: list[dict[str, Any]], masks: list[Tensor], *, reduce: bool = True) -> Normalizer:
-        """The algorithm's counts of these micro-batches (a step), over every process (`reduce`)."""
-        olds, rollouts = zip(*(self._pgloss_old_and_rollout(batch, None) for batch in batches))
-        with_rollout = all(r is not None for r in rollouts)
-        groups = [batch["group_ids"] for batch in batches] if "group_ids" in self.algorithm.needs else None
-        scores = [batch["scores"] for batch in batches] if "scores" in self.algorithm.needs else None
-        return self.algorithm.step_normalizer(
-            masks,
-            old_log_probs=list(olds) if with_rollout else None,
-            rollout_log_probs=list(rollouts) if with_rollout else None,
-            group_ids=groups,
-            scores=scores,
-            reduce=reduce,
-        )
-
-    def _pgloss_step(self) -> tuple[Normalizer, Tensor]:
-        """This optimizer step's normalizer, counted once per step over its micro-batches on every
-        process, and this micro-batch's mask. A collective: every process reaches it at the same
-        micro-step (TRL's schedule is lock-step)."""
-        step = self.state.global_step
-        if self._pgloss_window is None or self._pgloss_window[0] != step:
-            size = self.current_gradient_accumulation_steps
-            per_generation, every = self.args.steps_per_generation, self.args.steps_per_generation * self.num_iterations
-            if any((self._step + j) % every == 0 for j in range(1, size)):
-                raise ValueError(
-                    f"optimizer step {step} spans two generations (steps_per_generation={per_generation}, "
-                    f"num_iterations={self.num_iterations}, gradient_accumulation_steps={size})"
-                )
-            window = [self._buffered_inputs[(self._step + j) % per_generation] for j in range(size)]
-            masks = self._pgloss_masks(window)
-            self._pgloss_window = (step, self._step, self._pgloss_count(window, masks), masks)
-        _, first, normalizer, masks = self._pgloss_window
-        return normalizer, masks[self._step - first]
-
     def _pgloss_arguments(self, inputs: dict[str, Any], log_prob: Tensor | None, mask: Tensor) -> dict[str, Any]:
         """Everything but the current log-probs: TRL's inputs under pgloss's names, in float32."""
         old, rollout = self._pgloss_old_and_rollout(inputs, log_prob)
         if old is None:
             raise ValueError("on-policy inputs need the current log-probs for old_log_prob")
         ref = inputs.get("ref_per_token_logps") if "ref_log_prob" in self.algorithm.needs else None
-        extra = {key: inputs[key] for key in ("group_ids", "scores") if key in self.algorithm.needs}
+        extra: dict[str, Tensor] = {key: inputs[key] for key in ("group_ids", "scores") if key in self.algorithm.needs}
         return dict(
             old_log_prob=old,
             advantages=inputs["advantages"],
@@ -395,7 +253,7 @@ class PGLossMixin:
                 inputs["completion_ids"].size(1),
                 compute_entropy=True,
                 compute_aux_loss=self.aux_loss_enabled,
-                **{key: inputs.get(key) for key in _MULTIMODAL},
+                **{key: inputs.get(key) for key in MULTIMODAL},
             )
             log_prob = log_prob.float()
             entropy = None if entropy is None else entropy.float()
@@ -441,10 +299,15 @@ class PGLossMixin:
 
     # -- the fused path -------------------------------------------------------------------------
 
-    def _pgloss_head_owner(self, unwrapped: torch.nn.Module) -> torch.nn.Module:
+    def _pgloss_head_owner(self, unwrapped: torch.nn.Module) -> PreTrainedModel:
+        """The transformers model whose backbone and LM head the fused path calls (under PEFT, its base model)."""
         from accelerate.utils import is_peft_model
 
-        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+        # PEFT is optional and untyped here: mypy reads PeftModel.get_base_model through nn.Module.__getattr__
+        owner = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped  # type: ignore[operator]
+        if not isinstance(owner, PreTrainedModel):
+            raise TypeError(f"fused=True needs a transformers PreTrainedModel, got {type(owner).__name__}")
+        return owner
 
     def _check_fused_head(self) -> None:
         """Refuse, at construction, a head whose options `lm_head.head_options` cannot read."""
@@ -452,8 +315,8 @@ class PGLossMixin:
 
     def _pgloss_fused(
         self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor, algorithm: Algorithm
-    ):
-        present = [key for key in _MULTIMODAL if inputs.get(key) is not None]
+    ) -> LossOutput:
+        present = [key for key in MULTIMODAL if inputs.get(key) is not None]
         if present:
             raise ValueError(f"fused=True supports text-only models; these inputs need fused=False: {present}")
         unwrapped = self.accelerator.unwrap_model(model)

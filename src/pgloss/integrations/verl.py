@@ -114,7 +114,7 @@ def _normalizer(mask: Tensor, mode: str, info: dict[str, Any]) -> Normalizer | N
             f"loss_agg_mode {mode!r} divides by the step's {count}, which verl's global_batch_info does "
             f"not carry (it holds {', '.join(GLOBAL_COUNTS.values())})"
         )
-    key = GLOBAL_COUNTS.get(count)
+    key = None if count is None else GLOBAL_COUNTS.get(count)
     if key is not None and info.get(key) is None and world > 1:
         raise ValueError(f"loss_agg_mode {mode!r} with dp_size={world} needs global_batch_info[{key!r}]")
     local = Normalizer.count(mask, reduce=False)

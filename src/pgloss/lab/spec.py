@@ -174,7 +174,8 @@ def parse_rollout_correction(text: str):
     off_policy_mask, bypass, batch_normalize, weight_kl, max_log_ratio, or a rejection rule
     ``<level>_<k>=BOUND`` (e.g. ``seq_mean_k3=0.01``; for k1 the bound is the ratio's upper one).
     ``none:KEY=VALUE`` keeps the masks without a weight. ValueError/TypeError naming the option."""
-    from ..correction.rollout import REJECTION_OPTIONS, WEIGHT_LEVELS, Rejection, RolloutCorrection
+    from ..correction.rejection import REJECTION_OPTIONS, Rejection
+    from ..correction.rollout import WEIGHT_LEVELS, RolloutCorrection
 
     where = f"--rollout-correction {text!r}"
     if not isinstance(text, str):

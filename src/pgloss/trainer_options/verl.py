@@ -32,7 +32,8 @@ from typing import Any
 from ..algorithms import NAMED, Algorithm, get, names
 from ..core.aggregate import needs_budget
 from ..core.trainer_names import VALUES, closest, refuse_misspelt, translate_value
-from ..correction.rollout import Rejection, RolloutCorrection
+from ..correction.rejection import Rejection
+from ..correction.rollout import RolloutCorrection
 
 __all__ = [
     "LOSS_MODES",
@@ -157,7 +158,7 @@ def _rejections(options: Any, thresholds: Any) -> tuple[Rejection, ...]:
             f"rollout_correction.rollout_rs_threshold needs one value or one per option of {names_}, got {thresholds!r}"
         )
     out = []
-    for option, spec in zip(names_, specs):
+    for option, spec in zip(names_, specs, strict=True):
         lower, upper = _ratio_bounds(f"rollout_rs_threshold of {option}", spec, ratio=option.endswith("k1"))
         out.append(Rejection(option, upper=upper, lower=lower))
     return tuple(out)
@@ -216,20 +217,20 @@ def _named(mode: str) -> tuple[str | None, Algorithm | None]:
     raise ValueError(f"policy_loss.loss_mode {mode!r} has no pgloss equivalent; pgloss computes: {', '.join(known)}")
 
 
-def _default(family: type[Algorithm], name: str | None, algorithm: Algorithm | None, field: str) -> Any:
+def _default(family: type[Algorithm], base: Algorithm | str, field: str) -> Any:
     """The value of `field` before verl's config: the variant's, else the name's default, else the family's."""
-    if algorithm is not None:
-        return getattr(algorithm, field)
+    if isinstance(base, Algorithm):
+        return getattr(base, field)
     defaults = {f.name: f.default for f in dataclasses.fields(family)}
-    return NAMED[name][1].get(field, defaults.get(field))
+    return NAMED[base][1].get(field, defaults.get(field))
 
 
-def _own_value(name: str | None, algorithm: Algorithm | None, field: str) -> bool:
+def _own_value(base: Algorithm | str, field: str) -> bool:
     """Whether the algorithm verl runs brings its own value of `field`, to stand where verl's field is
     unset: a variant (`register(name, algorithm)`) always does, a name does when it was registered with
     one (`pgloss.register("my_dro", DRO, dro_beta=0.3)`). A family's default is not one: verl refuses
     its own dro without dro_beta, and pgloss_dro does the same."""
-    return algorithm is not None or name in NAMED and field in NAMED[name][1]
+    return isinstance(base, Algorithm) or field in NAMED[base][1]
 
 
 def algorithm_from_verl(
@@ -272,17 +273,21 @@ def algorithm_from_verl(
             name = "dual_clip_ppo" if loss_type == "ppo_clip" else "gpg"
         else:
             name, algorithm = _named(mode)
-    base_is_variant = algorithm is not None
-    family = type(algorithm) if algorithm is not None else NAMED[name][0] if name in NAMED else None
-    if family is None:
+    # What verl runs: a variant (its own values stand where verl's field is unset) or a registered name
+    base: Algorithm | str
+    if algorithm is not None:
+        base, family = algorithm, type(algorithm)
+    elif name is not None and name in NAMED:
+        base, family = name, NAMED[name][0]
+    else:
         raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(names())}")
     own = {f.name for f in dataclasses.fields(family)}
     label = (
         f"policy_loss.loss_mode={mode!r}"
         if verl_native
-        else f"{PREFIX}{name}"
-        if name is not None
-        else f"the variant {algorithm.name!r}"
+        else f"the variant {base.name!r}"
+        if isinstance(base, Algorithm)
+        else f"{PREFIX}{base}"
     )
 
     values: dict[str, Any] = {}
@@ -295,15 +300,15 @@ def algorithm_from_verl(
         if verl_name in ("clip_ratio_low", "clip_ratio_high") and value is None:
             value = clip
         for field in ours:
-            if field in own and (value is not None or field in ACTOR_FALLBACKS and not base_is_variant):
+            if field in own and (value is not None or field in ACTOR_FALLBACKS and not isinstance(base, Algorithm)):
                 values[field] = _float(verl_name, ACTOR_FALLBACKS[field] if value is None else value)
-    if "dual_clip" in values and _default(family, name, algorithm, "dual_clip") is None:
+    if "dual_clip" in values and _default(family, base, "dual_clip") is None:
         del values["dual_clip"]  # verl always sets clip_ratio_c; it applies to losses with a dual clip only
     for field in POLICY_LOSS_FIELDS:
         if field not in own:
             continue
         value = config_get(policy, field, None)
-        registered = _own_value(name, algorithm, field)
+        registered = _own_value(base, field)
         if value is None and field in VERL_FALLBACKS and not registered:
             value = VERL_FALLBACKS[field]
         if value is None and not registered:
@@ -317,7 +322,7 @@ def algorithm_from_verl(
     if needs_budget(values["loss_agg_mode"]):  # the mode divides by the generation budget (AGGREGATIONS)
         if scale is not None:
             values["norm_constant"] = _float("loss_scale_factor", scale)
-        elif not (base_is_variant and algorithm.norm_constant is not None):
+        elif not (isinstance(base, Algorithm) and base.norm_constant is not None):
             raise ValueError(
                 f"{label}: loss_agg_mode {values['loss_agg_mode']!r} needs actor.loss_scale_factor (the "
                 "generation budget, e.g. data.max_response_length); verl would divide by each "
@@ -361,9 +366,9 @@ def algorithm_from_verl(
     if correction_config is not None:
         values["rollout_correction"] = rollout_correction_from_verl(correction_config, bypass=mode == "bypass_mode")
     try:
-        if base_is_variant:
-            return dataclasses.replace(algorithm, **values)
-        return get(name, **values)
+        if isinstance(base, Algorithm):
+            return dataclasses.replace(base, **values)
+        return get(base, **values)
     except ValueError as error:  # the algorithm's own check, named in verl's words
         raise ValueError(f"{label} with verl's config: {error}") from None
 
