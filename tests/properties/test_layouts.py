@@ -157,7 +157,12 @@ def assert_same(call, views: dict, copies: dict, route: str, dtype: torch.dtype)
 
 def log_prob_and_entropy(args, tiles):
     lp, ent = log_prob_and_entropy_from_hidden(
-        args["hidden"], args["weight"], args["targets"], bias=args["bias"], mask=args["mask"], softcap=3.0, **tiles
+        args["hidden"],
+        args["weight"],
+        args["targets"],
+        head=pgloss.HeadOptions(bias=args["bias"], softcap=3.0),
+        mask=args["mask"],
+        **tiles,
     )
     return [lp, ent]
 
@@ -169,7 +174,7 @@ def loss(args, tiles, algorithm="grpo"):
         args["hidden"],
         args["weight"],
         args["targets"],
-        bias=args["bias"],
+        head=pgloss.HeadOptions(bias=args["bias"]),
         old_log_prob=args["old_log_prob"],
         advantages=args["advantages"],
         mask=args["mask"],
@@ -184,13 +189,13 @@ def from_hidden_exact_kl(args, tiles):
         args["hidden"],
         args["weight"],
         args["targets"],
-        bias=args["bias"],
+        head=pgloss.HeadOptions(bias=args["bias"]),
         old_log_prob=args["old_log_prob"],
         advantages=args["advantages"],
         mask=args["mask"],
         ref_hidden=args["other_hidden"],
         ref_weight=args["other_weight"],
-        ref_bias=args["other_bias"],
+        ref_head=pgloss.HeadOptions(bias=args["other_bias"]),
         **tiles,
     )
     return [out.loss, *out.metrics.values()]
@@ -203,8 +208,8 @@ def full_kl(args, tiles):
             args["weight"],
             args["other_hidden"],
             args["other_weight"],
-            bias=args["bias"],
-            ref_bias=args["other_bias"],
+            head=pgloss.HeadOptions(bias=args["bias"]),
+            ref_head=pgloss.HeadOptions(bias=args["other_bias"]),
             mask=args["mask"],
             **tiles,
         )
@@ -219,9 +224,8 @@ def divergence(args, tiles, beta=0.5):
         args["other_weight"],
         args["mask"],
         beta=beta,
-        bias=args["bias"],
-        teacher_bias=args["other_bias"],
-        teacher_softcap=2.0,
+        head=pgloss.HeadOptions(bias=args["bias"]),
+        teacher_head=pgloss.HeadOptions(bias=args["other_bias"], softcap=2.0),
         **tiles,
     )
     return [out.loss, out.per_token]
