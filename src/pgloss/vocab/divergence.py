@@ -46,6 +46,7 @@ the N x V logits; backward recomputes each tile.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -117,7 +118,8 @@ class KernelForwardKL(KernelFullKL):
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse_teacher, lse = (v[rows] for v in values)
-        return kernels.pair_backward(*zs, lse, lse_teacher, kl, grads[0][rows], mode=kernels.FORWARD_KL)
+        tile, teacher = zs
+        return kernels.pair_backward(tile, teacher, lse, lse_teacher, kl, grads[0][rows], mode=kernels.FORWARD_KL)
 
 
 class Normalisers(FullKL):
@@ -186,15 +188,20 @@ class GeneralisedJSD:
         lse, lse_teacher = torch.logsumexp(z, dim=-1), torch.logsumexp(z_teacher, dim=-1)
         self._store(rows, values, lse, lse_teacher, *jsd_sums(z, z_teacher, lse, lse_teacher, self.beta))
 
-    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
+    def given_normalisers(self, rows: slice) -> tuple[Tensor, Tensor]:
+        """The first pass's (lse_S, lse_T) of `rows`: over vocabulary tiles they must be given."""
         if self.normalisers is None:
             raise RuntimeError("GeneralisedJSD over vocabulary tiles needs the log-normalisers of a first pass")
-        lse, lse_teacher = (x[rows] for x in self.normalisers)
-        sums = jsd_sums(*zs, lse, lse_teacher, self.beta)
+        lse, lse_teacher = self.normalisers
+        return lse[rows], lse_teacher[rows]
+
+    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
+        z, z_teacher = zs
+        sums = jsd_sums(z, z_teacher, *self.given_normalisers(rows), self.beta)
         return sums if state is None else (state[0] + sums[0], state[1] + sums[1])
 
     def tile_finish(self, state, rows: slice, values: list[Tensor]) -> None:
-        self._store(rows, values, *(x[rows] for x in self.normalisers), *state)
+        self._store(rows, values, *self.given_normalisers(rows), *state)
 
     def outputs(self, values: list[Tensor]) -> Tensor:
         return values[0]
@@ -227,24 +234,25 @@ class KernelJSD(GeneralisedJSD):
 
     def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
         state = kernels.start_state(zs[0], maxima=2, sums=3)
-        kernels.pair_forward(*zs, state)
+        tile, teacher = zs
+        kernels.pair_forward(tile, teacher, state)
         m, m_teacher, s, s_teacher, _ = state
         lse, lse_teacher = m + torch.log(s), m_teacher + torch.log(s_teacher)
         sums = kernels.start_state(zs[0], maxima=0, sums=2)
-        kernels.jsd_forward(*zs, lse, lse_teacher, sums, self.beta)
+        kernels.jsd_forward(tile, teacher, lse, lse_teacher, sums, self.beta)
         self._store(rows, values, lse, lse_teacher, *sums)
 
     def tile_forward(self, zs: list, rows: slice, cols: slice, state):
-        if self.normalisers is None:
-            raise RuntimeError("GeneralisedJSD over vocabulary tiles needs the log-normalisers of a first pass")
-        state = kernels.start_state(zs[0], maxima=0, sums=2) if state is None else state
-        kernels.jsd_forward(*zs, *(x[rows] for x in self.normalisers), state, self.beta)
+        tile, teacher = zs
+        state = kernels.start_state(tile, maxima=0, sums=2) if state is None else state
+        kernels.jsd_forward(tile, teacher, *self.given_normalisers(rows), state, self.beta)
         return state
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         _, lse, lse_teacher, kl_student = (v[rows] for v in values)
+        tile, teacher = zs
         return kernels.pair_backward(
-            *zs, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD, beta=self.beta
+            tile, teacher, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD, beta=self.beta
         )
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
@@ -264,6 +272,7 @@ def _divergence(
     """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached; hidden states read only
     at `valid` rows (None: all)."""
     teacher = _detached(teacher)
+    statistic: FullKL | GeneralisedJSD
     if beta == 1.0:
         statistic = FullKL()
     elif beta == 0.0:
@@ -420,7 +429,7 @@ def divergence_from_hidden(
         requires grad), none to the teacher's inputs.
     """
     check_tensor("mask", mask, ndim=(2,), floating=False)  # required here (None would mean every position)
-    kinds, tiles, student, teacher, mask = head_pair(
+    kinds, tiles, student, teacher, valid = head_pair(
         FullKL,  # every statistic of `_divergence` has a kernel twin: the heads choose the route
         hidden,
         weight,
@@ -434,6 +443,7 @@ def divergence_from_hidden(
         vocab_block=vocab_block,
         memory_budget=memory_budget,
     )
+    valid = cast(Tensor, valid)  # the mask as head_pair checked it: a mask given, never None
     beta, temperature = check_beta(beta), check_temperature(temperature)
-    per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher, mask.reshape(-1))
-    return _output(per_token.view(hidden.shape[:2]), mask, loss_agg_mode, normalizer, norm_constant)
+    per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher, valid.reshape(-1))
+    return _output(per_token.view(hidden.shape[:2]), valid, loss_agg_mode, normalizer, norm_constant)

@@ -119,12 +119,13 @@ class FullKL:
         lse[rows] = m + log_s
         lse_ref[rows] = m_ref + log_s_ref
 
-    def outputs(self, values: list[Tensor]) -> Tensor:
+    def outputs(self, values: list[Tensor]) -> Tensor | tuple[Tensor, ...]:
         return values[0]
 
     def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse, lse_ref = values
-        return chunk_full_kl_grad(*zs, lse[rows], lse_ref[rows], kl[rows], grads[0][rows], temperature)
+        z, z_ref = zs
+        return chunk_full_kl_grad(z, z_ref, lse[rows], lse_ref[rows], kl[rows], grads[0][rows], temperature)
 
     def tile_grad(
         self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
@@ -141,12 +142,14 @@ class KernelFullKL(FullKL):
 
     def tile_forward(self, zs: list, rows: slice, cols: slice, state):
         state = kernels.start_state(zs[0], maxima=2, sums=3) if state is None else state
-        kernels.pair_forward(*zs, state)
+        tile, other = zs
+        kernels.pair_forward(tile, other, state)
         return state
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse, lse_other = (v[rows] for v in values)
-        return kernels.pair_backward(*zs, lse, lse_other, kl, grads[0][rows], mode=kernels.REVERSE_KL)
+        tile, other = zs
+        return kernels.pair_backward(tile, other, lse, lse_other, kl, grads[0][rows], mode=kernels.REVERSE_KL)
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)

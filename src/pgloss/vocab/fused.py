@@ -35,6 +35,7 @@ https://arxiv.org/abs/2411.09009).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -51,6 +52,14 @@ from .kernels import route
 from .one_pass import AttachGradients, FusedAlgorithm, loss_one_pass
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
+
+
+@overload
+def full_head(weight: Tensor) -> Tensor: ...
+@overload
+def full_head(weight: None) -> None: ...
+@overload
+def full_head(weight: Tensor | None) -> Tensor | None: ...
 
 
 def full_head(weight: Tensor | None) -> Tensor | None:
@@ -70,7 +79,13 @@ def full_head(weight: Tensor | None) -> Tensor | None:
     return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
 
 
-def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None = None) -> Tensor | None:
+@overload
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor) -> Tensor: ...
+@overload
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None) -> Tensor | None: ...
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None) -> Tensor | None:
     """Types, shapes, dtypes and devices; token ids in [0, V) where `mask` is valid (everywhere
     when None). Returns the mask as bool (None without a mask)."""
     for name, value, rank in (("hidden", hidden, 3), ("weight", weight, 2)):
@@ -318,8 +333,8 @@ def loss_from_hidden(
         floating = isinstance(value, Tensor) and value.dtype.is_floating_point
         return value.to(dtype) if floating and value is not None else value
 
-    # The mask as bool, checked once here rather than again by every chunk's call.
-    batch = dict(
+    # The mask as bool, checked once here rather than again by every chunk's call. Any: the call's inputs by name.
+    batch: dict[str, Any] = dict(
         old_log_prob=cast(old_log_prob),
         advantages=advantages,
         mask=valid,

@@ -53,6 +53,8 @@ class HeadKind:
     def grad_(self, grad: Tensor, slope: Tensor | None) -> Tensor:
         """∂L/∂logits (before τ) of a tile → ∂L/∂r, in place: × s (1 − tanh²), or × s without a soft-cap."""
         if self.softcap is not None:
+            if slope is None:
+                raise ValueError("a soft-capped head's gradient needs the slope its transform_ wrote")
             grad.mul_(slope)
         elif self.scale != 1.0:
             grad.mul_(self.scale)

@@ -128,7 +128,7 @@ def loss_one_pass(
     source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
     values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
-    grads = (torch.empty_like(values[0]), torch.empty_like(values[1]) if with_entropy else None)
+    grad_log_prob, grad_entropy = torch.empty_like(values[0]), torch.empty_like(values[1]) if with_entropy else None
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
         tokens = slice(start * length, (start + chunk_rows) * length)
@@ -137,15 +137,13 @@ def loss_one_pass(
         with torch.enable_grad():
             lp_leaf = values[0][tokens].view(shape).detach().requires_grad_()
             ent_leaf = values[1][tokens].view(shape).detach().requires_grad_(with_entropy)
-            out = algorithm(
-                log_prob=lp_leaf,
-                entropy=ent_leaf,
-                normalizer=normalizer,
-                **{key: _rows(value, rows) for key, value in batch.items()},
-            )
+            chunk: dict[str, Any] = {key: _rows(value, rows) for key, value in batch.items()}
+            out = algorithm(log_prob=lp_leaf, entropy=ent_leaf, normalizer=normalizer, **chunk)
             chunk_grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
-        for whole, part in zip(grads, chunk_grads, strict=False):  # no entropy gradient without the bonus
-            whole[tokens] = part.reshape(-1)
+        grad_log_prob[tokens] = chunk_grads[0].reshape(-1)
+        if grad_entropy is not None:  # no entropy gradient without the bonus
+            grad_entropy[tokens] = chunk_grads[1].reshape(-1)
+        grads = (grad_log_prob, grad_entropy)
         backward_rows(statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs)
     grad_hidden, grad_weight, grad_bias = source.gradients()
     grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
