@@ -70,10 +70,12 @@ def laid_out(values: torch.Tensor, layout: Layout) -> torch.Tensor:
     order = layout.order
     inner = values.permute(order)
     steps = [layout.steps[d] for d in order]
-    padded = [n * s + layout.extra[d] for n, s, d in zip(inner.shape, steps, order)]
+    padded = [n * s + layout.extra[d] for n, s, d in zip(inner.shape, steps, order, strict=True)]
     fill = math.nan if values.is_floating_point() else 0
     storage = torch.full((layout.offset + math.prod(padded),), fill, dtype=values.dtype, device=values.device)
-    view = storage[layout.offset :].view(padded)[tuple(slice(0, n * s, s) for n, s in zip(inner.shape, steps))]
+    view = storage[layout.offset :].view(padded)[
+        tuple(slice(0, n * s, s) for n, s in zip(inner.shape, steps, strict=True))
+    ]
     view.copy_(inner)
     return view.permute(sorted(range(len(order)), key=order.__getitem__))
 
@@ -81,7 +83,7 @@ def laid_out(values: torch.Tensor, layout: Layout) -> torch.Tensor:
 def argument(draw, make, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the view, its contiguous copy) of values `make(shape)` in a drawn layout."""
     layout = draw(layouts(len(shape)))
-    base = make(tuple(1 if e else n for n, e in zip(shape, layout.expanded)))
+    base = make(tuple(1 if e else n for n, e in zip(shape, layout.expanded, strict=True)))
     view = laid_out(base, layout).expand(shape)
     return view, view.contiguous()
 

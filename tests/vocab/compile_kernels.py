@@ -90,7 +90,7 @@ def signature(kernel, flags: dict, head: str) -> dict:
 def flag_combinations(kernel):
     names = [parameter.name for parameter in kernel.params if parameter.is_constexpr]
     for values in itertools.product(*(FLAG_VALUES.get(name, (False, True)) for name in names)):
-        yield dict(zip(names, values))
+        yield dict(zip(names, values, strict=True))
 
 
 def source(kernel, flags: dict, head: str) -> ASTSource:

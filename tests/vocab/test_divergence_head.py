@@ -92,7 +92,7 @@ def loop_reference(x, opts, beta):
             values[i, t] = loops.divergence(student, teacher, beta, TAU)
             slope = loops.head_slope(h_row, weight, **student_head)
             up = float(x["upstream"][i, t])
-            g_raw = [up * g * s for g, s in zip(loops.divergence_grad(student, teacher, beta, TAU), slope)]
+            g_raw = [up * g * s for g, s in zip(loops.divergence_grad(student, teacher, beta, TAU), slope, strict=True)]
             g_hidden[i, t] = torch.tensor(
                 [sum(g_raw[v] * weight[v][k] for v in range(V)) for k in range(H)], dtype=torch.float64
             )
@@ -169,7 +169,7 @@ def test_defaults_leave_the_plain_head_bit_for_bit(beta, tiles, dtype):
         (out.per_token * x["upstream"].float()).sum().backward()
         results.append((out.per_token, out.loss, hidden.grad, weight.grad))
     for result in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], result))
+        assert all(torch.equal(a, b) for a, b in zip(results[0], result, strict=True))
     assert zero.grad.dtype == dtype and torch.isfinite(zero.grad.float()).all() and zero.grad.abs().max() > 0
 
 
@@ -194,8 +194,9 @@ def all_on(bias, teacher_bias):
 @pytest.mark.parametrize("vocab_block", [None, 4])
 def test_gradcheck_with_every_option(beta, vocab_block):
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask = small(4)
-    fn = lambda h, w, b: (
-        divergence_from_hidden(
+
+    def fn(h, w, b):
+        return divergence_from_hidden(
             h,
             w,
             teacher_hidden,
@@ -207,7 +208,7 @@ def test_gradcheck_with_every_option(beta, vocab_block):
             vocab_block=vocab_block,
             **all_on(b, teacher_bias),
         ).per_token
-    )
+
     assert torch.autograd.gradcheck(fn, (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()))
 
 
@@ -243,7 +244,7 @@ def test_memory_budget_and_no_n_by_v_tensor_saved(beta):
             )
         out.loss.backward()
         results.append((out.per_token, hidden.grad, weight.grad, bias.grad))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
     assert saved and all(math.prod(s) < B * T * V for s in saved), saved
 
@@ -275,8 +276,9 @@ def test_meta_tensors(beta, vocab_block):
 def test_compiles_whole_forward_and_backward(beta):
     """torch.compile(fullgraph=True) with every option over vocabulary tiles, with the eager loss and gradients."""
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask = (t.float() for t in small(7))
-    call = lambda h, w, b: (
-        divergence_from_hidden(
+
+    def call(h, w, b):
+        return divergence_from_hidden(
             h,
             w,
             teacher_hidden,
@@ -287,7 +289,7 @@ def test_compiles_whole_forward_and_backward(beta):
             vocab_block=4,
             **all_on(b, teacher_bias),
         ).loss
-    )
+
     assert_compiles_like_eager(call, [hidden, weight, bias])
 
 

@@ -116,7 +116,7 @@ def test_full_kl_tiled_from_logits_and_from_hidden(tiles, temperature):
     want = full_kl_from_logits(hidden @ weight.t(), ref_hidden @ ref_weight.t(), temperature=temperature)
     want_grads = torch.autograd.grad((upstream * want).sum(), (hidden, weight))
     torch.testing.assert_close(kl, want, rtol=0, atol=1e-13)
-    for got, expected in zip(grads, want_grads):
+    for got, expected in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
@@ -127,10 +127,10 @@ def test_from_hidden_tiles_in_bfloat16_match_whole_rows():
     targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
     out = [log_prob_and_entropy_from_hidden(hidden, weight, targets, chunk_size=4, vocab_block=vb) for vb in (10, None)]
     grads = [torch.autograd.grad((lp - 0.3 * h).sum(), (hidden, weight)) for lp, h in out]
-    for a, b in zip(out[0], out[1]):
+    for a, b in zip(out[0], out[1], strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
-    for a, b in zip(grads[0], grads[1]):
+    for a, b in zip(grads[0], grads[1], strict=True):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
@@ -164,7 +164,7 @@ def test_loss_from_hidden_tiled_equals_whole_rows_float32(name, route):
         )
         out.loss.backward()
         results.append((out.loss, h.grad, w.grad))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -193,7 +193,7 @@ def test_exact_kl_loss_from_hidden_in_tiles(tiles):
     ).loss
     want_grads = torch.autograd.grad(want, (hidden, weight))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    for a, b in zip(grads, want_grads):
+    for a, b in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 

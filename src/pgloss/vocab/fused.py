@@ -368,8 +368,8 @@ def loss_from_hidden(
     length = hidden.shape[1]
     params = (hidden, weight) if bias is None else (hidden, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-    # On-policy with rollout log-probs and no step counts given, the call counts its step on log π_old = log π
-    # (a rollout correction's rejections), known only once the pass is done.
+    # On-policy with rollout log-probs and no step counts given, the counts may read log π_old = log π (a rollout
+    # correction's rejections), known only once log π is: the one pass needs them before its first chunk.
     counted_on_log_prob = normalizer is None and old_log_prob is None and inputs.get("rollout_log_prob") is not None
     if (
         not needs_grad
@@ -379,8 +379,8 @@ def loss_from_hidden(
         or exact_kl
         or counted_on_log_prob
     ):
-        # Sequences longer than a chunk, row-coupled losses and the exact KL: log π and H by token chunks, one
-        # call for the batch, logits recomputed in backward.
+        # Sequences longer than a chunk, row-coupled losses, the exact KL and those counts: log π and H by token
+        # chunks, one call for the batch, logits recomputed in backward.
         log_prob, entropy = _log_prob_and_entropy(
             hidden,
             weight,
