@@ -8,7 +8,7 @@ step (identical, not timed). This script times the middle part, `trainer.compute
   trl      GRPOTrainer._compute_loss with loss_type="dapo" (TRL 1.16: its chunked log-prob head)
   pgloss   PGLossGRPOTrainer(algorithm="dapo"): TRL's chunked head for log π, then pgloss's loss
   fused    PGLossGRPOTrainer(algorithm="dapo", fused=True): the backbone, then algorithm.from_hidden
-           on the hidden states and the LM head (plus, on-policy, one no-grad pass for log π_old)
+           on the hidden states and the LM head (on-policy, log π_old is the detached log π of that pass)
 
 The window is synthetic (random prompts and completions of uneven lengths), off-policy
 (old = log π + noise), so no generation runs. The model is a random Qwen2 saved to a temporary

@@ -311,10 +311,10 @@ class Algorithm:
         if reason is not None:
             raise ValueError(f"{self.name} cannot be computed over sequences split across ranks: {reason}")
 
-    def whole_step_normalizer(self, mask: Tensor, old_log_prob: Tensor, **inputs: Tensor | None) -> Normalizer:
+    def whole_step_normalizer(self, mask: Tensor, old_log_prob: Tensor | None, **inputs: Tensor | None) -> Normalizer:
         """The counts of a call that is the whole step (no `normalizer` given): this batch alone, on this
         process, by `step_normalizer`'s rule, from the call's optional inputs. The call and `from_hidden`
-        read it."""
+        read it (`old_log_prob` None: on-policy, allowed where the counts do not read it)."""
         return self.step_normalizer(
             mask,
             old_log_probs=old_log_prob,
@@ -404,7 +404,7 @@ class Algorithm:
     def __call__(
         self,
         log_prob: Tensor,
-        old_log_prob: Tensor,
+        old_log_prob: Tensor | None,
         advantages: Tensor,
         mask: Tensor,
         *,
@@ -412,6 +412,10 @@ class Algorithm:
         **inputs: Tensor | None,
     ) -> LossOutput:
         """The loss of one (micro-)batch. Token tensors `[B, T]`, `advantages` `[B]` or `[B, T]`.
+
+        `old_log_prob=None` is on-policy (one gradient step per batch): log π_old is `log_prob` detached, the
+        ratio exactly 1 and the gradient that of the on-policy loss (`TokenBatch.prepare`); `from_hidden` takes
+        it the same way, from the log π of its own pass.
 
         Pass the step's `Normalizer` when the step has several micro-batches or ranks; without it
         this batch is the whole step (counted locally, even under torch.distributed).

@@ -70,10 +70,12 @@ def laid_out(values: torch.Tensor, layout: Layout) -> torch.Tensor:
     order = layout.order
     inner = values.permute(order)
     steps = [layout.steps[d] for d in order]
-    padded = [n * s + layout.extra[d] for n, s, d in zip(inner.shape, steps, order)]
+    padded = [n * s + layout.extra[d] for n, s, d in zip(inner.shape, steps, order, strict=True)]
     fill = math.nan if values.is_floating_point() else 0
     storage = torch.full((layout.offset + math.prod(padded),), fill, dtype=values.dtype, device=values.device)
-    view = storage[layout.offset :].view(padded)[tuple(slice(0, n * s, s) for n, s in zip(inner.shape, steps))]
+    view = storage[layout.offset :].view(padded)[
+        tuple(slice(0, n * s, s) for n, s in zip(inner.shape, steps, strict=True))
+    ]
     view.copy_(inner)
     return view.permute(sorted(range(len(order)), key=order.__getitem__))
 
@@ -81,7 +83,7 @@ def laid_out(values: torch.Tensor, layout: Layout) -> torch.Tensor:
 def argument(draw, make, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the view, its contiguous copy) of values `make(shape)` in a drawn layout."""
     layout = draw(layouts(len(shape)))
-    base = make(tuple(1 if e else n for n, e in zip(shape, layout.expanded)))
+    base = make(tuple(1 if e else n for n, e in zip(shape, layout.expanded, strict=True)))
     view = laid_out(base, layout).expand(shape)
     return view, view.contiguous()
 
@@ -157,7 +159,12 @@ def assert_same(call, views: dict, copies: dict, route: str, dtype: torch.dtype)
 
 def log_prob_and_entropy(args, tiles):
     lp, ent = log_prob_and_entropy_from_hidden(
-        args["hidden"], args["weight"], args["targets"], bias=args["bias"], mask=args["mask"], softcap=3.0, **tiles
+        args["hidden"],
+        args["weight"],
+        args["targets"],
+        head=pgloss.HeadOptions(bias=args["bias"], softcap=3.0),
+        mask=args["mask"],
+        **tiles,
     )
     return [lp, ent]
 
@@ -169,7 +176,7 @@ def loss(args, tiles, algorithm="grpo"):
         args["hidden"],
         args["weight"],
         args["targets"],
-        bias=args["bias"],
+        head=pgloss.HeadOptions(bias=args["bias"]),
         old_log_prob=args["old_log_prob"],
         advantages=args["advantages"],
         mask=args["mask"],
@@ -184,13 +191,13 @@ def from_hidden_exact_kl(args, tiles):
         args["hidden"],
         args["weight"],
         args["targets"],
-        bias=args["bias"],
+        head=pgloss.HeadOptions(bias=args["bias"]),
         old_log_prob=args["old_log_prob"],
         advantages=args["advantages"],
         mask=args["mask"],
         ref_hidden=args["other_hidden"],
         ref_weight=args["other_weight"],
-        ref_bias=args["other_bias"],
+        ref_head=pgloss.HeadOptions(bias=args["other_bias"]),
         **tiles,
     )
     return [out.loss, *out.metrics.values()]
@@ -203,8 +210,8 @@ def full_kl(args, tiles):
             args["weight"],
             args["other_hidden"],
             args["other_weight"],
-            bias=args["bias"],
-            ref_bias=args["other_bias"],
+            head=pgloss.HeadOptions(bias=args["bias"]),
+            ref_head=pgloss.HeadOptions(bias=args["other_bias"]),
             mask=args["mask"],
             **tiles,
         )
@@ -219,9 +226,8 @@ def divergence(args, tiles, beta=0.5):
         args["other_weight"],
         args["mask"],
         beta=beta,
-        bias=args["bias"],
-        teacher_bias=args["other_bias"],
-        teacher_softcap=2.0,
+        head=pgloss.HeadOptions(bias=args["bias"]),
+        teacher_head=pgloss.HeadOptions(bias=args["other_bias"], softcap=2.0),
         **tiles,
     )
     return [out.loss, out.per_token]

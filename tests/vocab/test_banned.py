@@ -46,7 +46,13 @@ def run(route, x, targets, tiles, **head):
     h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
     with kernels.use(route):
         lp, ent = log_prob_and_entropy_from_hidden(
-            h, w, targets, bias=b, temperature=0.7, chunk_size=tiles[0], vocab_block=tiles[1], **head
+            h,
+            w,
+            targets,
+            head=pgloss.HeadOptions(bias=b, **head),
+            temperature=0.7,
+            chunk_size=tiles[0],
+            vocab_block=tiles[1],
         )
         (lp * x["upstream"] + ent * x["upstream2"]).sum().backward()
     return [lp, ent, h.grad, w.grad, b.grad]
@@ -142,15 +148,20 @@ def divergence(route, x, other_bias, beta):
             x["ref_weight"],
             mask,
             beta=beta,
-            bias=x["bias"],
-            teacher_bias=other_bias,
+            head=pgloss.HeadOptions(bias=x["bias"]),
+            teacher_head=pgloss.HeadOptions(bias=other_bias),
             vocab_block=10,
         )
         (out.per_token * x["upstream"]).sum().backward()
         extra = (
             [
                 full_kl_from_hidden(
-                    x["hidden"], x["weight"], x["ref_hidden"], x["ref_weight"], bias=x["bias"], ref_bias=other_bias
+                    x["hidden"],
+                    x["weight"],
+                    x["ref_hidden"],
+                    x["ref_weight"],
+                    head=pgloss.HeadOptions(bias=x["bias"]),
+                    ref_head=pgloss.HeadOptions(bias=other_bias),
                 )
             ]
             if beta == 1.0
@@ -195,7 +206,7 @@ def test_a_loss_whose_padding_sits_on_a_banned_token(route, chunk_size):
                 h,
                 w,
                 x["targets"].masked_fill(~mask, pad),
-                bias=x["bias"],
+                head=pgloss.HeadOptions(bias=x["bias"]),
                 old_log_prob=old,
                 advantages=torch.tensor([1.0, -0.5], device=DEVICE),
                 mask=mask,

@@ -110,8 +110,9 @@ def small(seed):
 def test_gradcheck_from_logits(beta, vocab_block):
     hidden, weight, teacher_hidden, teacher_weight, mask = small(2)
     teacher = teacher_hidden @ teacher_weight.t()
-    fn = lambda s: (
-        divergence_from_logits(
+
+    def fn(s):
+        return divergence_from_logits(
             s,
             teacher,
             mask,
@@ -120,7 +121,7 @@ def test_gradcheck_from_logits(beta, vocab_block):
             chunk_size=4,
             vocab_block=vocab_block,
         ).per_token
-    )
+
     assert torch.autograd.gradcheck(fn, ((hidden @ weight.t()).requires_grad_(),))
 
 
@@ -128,8 +129,9 @@ def test_gradcheck_from_logits(beta, vocab_block):
 @pytest.mark.parametrize("vocab_block", [None, 4])
 def test_gradcheck_from_hidden(beta, vocab_block):
     hidden, weight, teacher_hidden, teacher_weight, mask = small(3)
-    fn = lambda h, w: (
-        divergence_from_hidden(
+
+    def fn(h, w):
+        return divergence_from_hidden(
             h,
             w,
             teacher_hidden,
@@ -139,7 +141,7 @@ def test_gradcheck_from_hidden(beta, vocab_block):
             chunk_size=4,
             vocab_block=vocab_block,
         ).loss
-    )
+
     assert torch.autograd.gradcheck(fn, (hidden.requires_grad_(), weight.requires_grad_()))
 
 
@@ -447,8 +449,9 @@ def test_compiles_whole_forward_and_backward(beta):
     hidden, weight, teacher_hidden, teacher_weight = (
         t.float() for t in (hidden, weight, teacher_hidden, teacher_weight)
     )
-    call = lambda h, w: (
-        divergence_from_hidden(
+
+    def call(h, w):
+        return divergence_from_hidden(
             h,
             w,
             teacher_hidden,
@@ -458,7 +461,7 @@ def test_compiles_whole_forward_and_backward(beta):
             chunk_size=4,
             vocab_block=4,
         ).loss
-    )
+
     torch._dynamo.reset()
     compiled = torch.compile(call, fullgraph=True, backend="inductor")
     (h1, w1), (h2, w2) = [(hidden.clone().requires_grad_(), weight.clone().requires_grad_()) for _ in range(2)]

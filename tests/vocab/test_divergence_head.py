@@ -16,8 +16,9 @@ import math
 import loops
 import pytest
 import torch
-from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, with_biases
+from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, records, with_biases
 
+import pgloss
 from pgloss.vocab.divergence import divergence_from_hidden
 
 B, T, H, H_T, V = 3, 5, 8, 6, 37
@@ -55,7 +56,8 @@ OPTIONS = {
 
 
 def options(name, x, bias=None):
-    """The keyword arguments of option set `name`, biases filled in (the student's by `bias` when given)."""
+    """The options of set `name`, biases filled in (the student's by `bias` when given), written flat (`records`
+    turns them into the call's `head=` and `teacher_head=`)."""
     return with_biases(OPTIONS[name], x, bias)
 
 
@@ -90,7 +92,7 @@ def loop_reference(x, opts, beta):
             values[i, t] = loops.divergence(student, teacher, beta, TAU)
             slope = loops.head_slope(h_row, weight, **student_head)
             up = float(x["upstream"][i, t])
-            g_raw = [up * g * s for g, s in zip(loops.divergence_grad(student, teacher, beta, TAU), slope)]
+            g_raw = [up * g * s for g, s in zip(loops.divergence_grad(student, teacher, beta, TAU), slope, strict=True)]
             g_hidden[i, t] = torch.tensor(
                 [sum(g_raw[v] * weight[v][k] for v in range(V)) for k in range(H)], dtype=torch.float64
             )
@@ -118,7 +120,7 @@ def test_matches_the_loop(beta, name, tiles):
         temperature=TAU,
         chunk_size=tiles[0],
         vocab_block=tiles[1],
-        **opts,
+        **records(opts),
     )
     (out.per_token * x["upstream"]).sum().backward()
     values, g_hidden, g_weight, g_bias = loop_reference(x, opts, beta)
@@ -140,7 +142,7 @@ def test_options_change_the_divergence():
     plain = divergence_from_hidden(*args, beta=0.3, temperature=TAU).per_token
     for name in OPTIONS:
         if name != "none":
-            moved = divergence_from_hidden(*args, beta=0.3, temperature=TAU, **options(name, x)).per_token
+            moved = divergence_from_hidden(*args, beta=0.3, temperature=TAU, **records(options(name, x))).per_token
             assert (moved - plain)[MASK].abs().min() > 1e-4, name
 
 
@@ -156,20 +158,18 @@ def test_defaults_leave_the_plain_head_bit_for_bit(beta, tiles, dtype):
     results = []
     for extra in (
         {},
-        dict(
-            bias=None, teacher_bias=None, logit_scale=1.0, teacher_logit_scale=1.0, softcap=None, teacher_softcap=None
-        ),
+        dict(head=pgloss.HeadOptions(None, 1.0, None), teacher_head=pgloss.HeadOptions(None, 1.0, None)),
         "zero bias",
     ):
         hidden, weight, _ = leaves(x)
         if extra == "zero bias":
             zero = torch.zeros(V, dtype=dtype, requires_grad=True)
-            extra = dict(bias=zero, teacher_bias=torch.zeros(V, dtype=dtype))
+            extra = dict(head=pgloss.HeadOptions(zero), teacher_head=pgloss.HeadOptions(torch.zeros(V, dtype=dtype)))
         out = divergence_from_hidden(hidden, weight, *args, **sizes, **extra)
         (out.per_token * x["upstream"].float()).sum().backward()
         results.append((out.per_token, out.loss, hidden.grad, weight.grad))
     for result in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], result))
+        assert all(torch.equal(a, b) for a, b in zip(results[0], result, strict=True))
     assert zero.grad.dtype == dtype and torch.isfinite(zero.grad.float()).all() and zero.grad.abs().max() > 0
 
 
@@ -180,15 +180,23 @@ def small(seed):
     return r(2, 3, 4), r(11, 4), r(11), r(2, 3, 3), r(11, 3), r(11), torch.tensor([[True, True, False], [True] * 3])
 
 
-ALL_ON = dict(logit_scale=1.3, teacher_logit_scale=0.7, softcap=1.5, teacher_softcap=2.0)
+STUDENT_ON, TEACHER_ON = dict(logit_scale=1.3, softcap=1.5), dict(logit_scale=0.7, softcap=2.0)
+
+
+def all_on(bias, teacher_bias):
+    """Every option of both heads, with these biases."""
+    return dict(
+        head=pgloss.HeadOptions(bias, **STUDENT_ON), teacher_head=pgloss.HeadOptions(teacher_bias, **TEACHER_ON)
+    )
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("vocab_block", [None, 4])
 def test_gradcheck_with_every_option(beta, vocab_block):
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask = small(4)
-    fn = lambda h, w, b: (
-        divergence_from_hidden(
+
+    def fn(h, w, b):
+        return divergence_from_hidden(
             h,
             w,
             teacher_hidden,
@@ -196,13 +204,11 @@ def test_gradcheck_with_every_option(beta, vocab_block):
             mask,
             beta=beta,
             temperature=TAU,
-            bias=b,
-            teacher_bias=teacher_bias,
             chunk_size=4,
             vocab_block=vocab_block,
-            **ALL_ON,
+            **all_on(b, teacher_bias),
         ).per_token
-    )
+
     assert torch.autograd.gradcheck(fn, (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()))
 
 
@@ -211,7 +217,7 @@ def test_the_teacher_gets_no_gradient():
     teacher = [t.requires_grad_() for t in (teacher_hidden, teacher_weight, teacher_bias)]
     bias.requires_grad_()
     out = divergence_from_hidden(
-        hidden, weight, *teacher[:2], mask, beta=0.3, bias=bias, teacher_bias=teacher[2], vocab_block=4, **ALL_ON
+        hidden, weight, *teacher[:2], mask, beta=0.3, vocab_block=4, **all_on(bias, teacher[2])
     )
     out.loss.backward()
     assert all(t.grad is None for t in teacher) and bias.grad.abs().max() > 0
@@ -233,12 +239,12 @@ def test_memory_budget_and_no_n_by_v_tensor_saved(beta):
                 x["teacher_weight"],
                 MASK,
                 beta=beta,
-                **options("all", x, bias),
+                **records(options("all", x, bias)),
                 **sizes,
             )
         out.loss.backward()
         results.append((out.per_token, hidden.grad, weight.grad, bias.grad))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
     assert saved and all(math.prod(s) < B * T * V for s in saved), saved
 
@@ -256,11 +262,9 @@ def test_meta_tensors(beta, vocab_block):
         meta(V, H_T),
         MASK.to("meta"),
         beta=beta,
-        bias=bias,
-        teacher_bias=meta(V),
         chunk_size=4,
         vocab_block=vocab_block,
-        **ALL_ON,
+        **all_on(bias, meta(V)),
     )
     assert out.per_token.shape == (B, T) and out.per_token.device.type == "meta" and out.loss.shape == ()
     out.loss.backward()
@@ -272,21 +276,20 @@ def test_meta_tensors(beta, vocab_block):
 def test_compiles_whole_forward_and_backward(beta):
     """torch.compile(fullgraph=True) with every option over vocabulary tiles, with the eager loss and gradients."""
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask = (t.float() for t in small(7))
-    call = lambda h, w, b: (
-        divergence_from_hidden(
+
+    def call(h, w, b):
+        return divergence_from_hidden(
             h,
             w,
             teacher_hidden,
             teacher_weight,
             mask,
             beta=beta,
-            bias=b,
-            teacher_bias=teacher_bias,
             chunk_size=4,
             vocab_block=4,
-            **ALL_ON,
+            **all_on(b, teacher_bias),
         ).loss
-    )
+
     assert_compiles_like_eager(call, [hidden, weight, bias])
 
 
@@ -308,7 +311,7 @@ def test_bfloat16_heads_with_a_bias(beta):
         temperature=TAU,
         chunk_size=4,
         vocab_block=10,
-        **opts,
+        **records(opts),
     )
     out.loss.backward()
     assert out.per_token.dtype == torch.float32 and bias.grad.dtype == weight.grad.dtype == torch.bfloat16
@@ -322,7 +325,7 @@ def test_bfloat16_heads_with_a_bias(beta):
         MASK,
         beta=beta,
         temperature=TAU,
-        **options("all", exact, b),
+        **records(options("all", exact, b)),
     )
     expected.loss.backward()
     # measured: values within 0.135% relative, the bias's gradient within 0.29% of its largest entry
@@ -371,7 +374,7 @@ def test_parity_with_trl_chunked_divergence(dtype, name, beta, temperature, smal
         temperature=temperature,
         chunk_size=4,
         vocab_block=10 if small_tiles else None,
-        **opts,
+        **records(opts),
     ).per_token
     (ours * x["upstream"]).sum().backward()
     theirs, _ = cd.ChunkedDivergenceFunction.apply(

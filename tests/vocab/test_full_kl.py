@@ -21,7 +21,10 @@ def plain(logits, ref_logits, temperature=1.0):
 
 def make(seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).to(dtype)
+
+    def r(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=gen, dtype=torch.float64)).to(dtype)
+
     return dict(
         hidden=r(B, T, H),
         weight=r(V, H, scale=0.7),
@@ -43,7 +46,7 @@ def test_one_position_matches_the_loop():
         torch.randn(2, V, generator=gen, dtype=torch.float64),
     )
     kl = full_kl_from_logits(logits, ref, temperature=0.7)
-    expected = [loops.full_kl(a, b, 0.7) for a, b in zip(logits.tolist(), ref.tolist())]
+    expected = [loops.full_kl(a, b, 0.7) for a, b in zip(logits.tolist(), ref.tolist(), strict=True)]
     torch.testing.assert_close(kl, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-14)
     assert (kl > 0).all()
     torch.testing.assert_close(
@@ -85,7 +88,10 @@ def test_from_hidden_value_and_gradients(temperature, chunk_size, small_blocks):
 
 def test_gradcheck_from_hidden():
     x = make(seed=3)
-    fn = lambda h, w: full_kl_from_hidden(h, w, x["ref_hidden"], x["ref_weight"], chunk_size=4)
+
+    def fn(h, w):
+        return full_kl_from_hidden(h, w, x["ref_hidden"], x["ref_weight"], chunk_size=4)
+
     assert torch.autograd.gradcheck(fn, (x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()))
 
 

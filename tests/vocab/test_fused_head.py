@@ -9,7 +9,7 @@ and the recompute routes, and the exact KL to a reference head), `full_kl_from_h
 
 import pytest
 import torch
-from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, with_biases
+from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, records, with_biases
 
 import pgloss
 from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
@@ -54,7 +54,8 @@ def make(seed=0, dtype=torch.float64):
 
 
 def options(name, x, bias=None, ref=False):
-    """The keyword arguments of option set `name` (and the reference's, `ref`), biases filled in."""
+    """The options of set `name` (and the reference's, `ref`), biases filled in, written flat (`records` turns
+    them into the calls' `head=` and `ref_head=`)."""
     return with_biases(dict(OPTIONS[name], **(REF if ref else {})), x, bias)
 
 
@@ -107,7 +108,7 @@ def test_log_prob_and_entropy_match_the_materialised_logits(name, tiles):
     (h1, w1, b1), (h2, w2, b2) = leaves(x), leaves(x)
     opts1, opts2 = options(name, x, b1), options(name, x, b2)
     lp, ent = log_prob_and_entropy_from_hidden(
-        h1, w1, x["targets"], temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **opts1
+        h1, w1, x["targets"], temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **records(opts1)
     )
     (lp * x["upstream"] + ent * x["upstream2"]).sum().backward()
     lp_ref, ent_ref = pgloss.log_prob_and_entropy(policy_logits(h2, w2, opts2), x["targets"], temperature=TAU)
@@ -167,7 +168,15 @@ def test_loss_matches_the_materialised_logits(loss, name, route):
     chunk_size, vocab_block = ROUTES[route]
     targets = x["targets"].masked_fill(~MASK, -100)
     out = algorithm.from_hidden(
-        h1, w1, targets, temperature=TAU, chunk_size=chunk_size, vocab_block=vocab_block, **inputs, **opts1, **extra
+        h1,
+        w1,
+        targets,
+        temperature=TAU,
+        chunk_size=chunk_size,
+        vocab_block=vocab_block,
+        **inputs,
+        **records(opts1),
+        **extra,
     )
     out.loss.backward()
     expected = materialised_loss(algorithm, inputs, h2, w2, x, opts2)
@@ -195,17 +204,21 @@ def test_the_reference_head_gets_no_gradient_and_a_frozen_bias_none():
         weight,
         x["targets"],
         **inputs,
-        bias=bias,
-        softcap=2.0,
+        head=pgloss.HeadOptions(bias=bias, softcap=2.0),
         ref_hidden=reference[0],
         ref_weight=reference[1],
-        ref_bias=reference[2],
-        ref_softcap=1.5,
+        ref_head=pgloss.HeadOptions(bias=reference[2], softcap=1.5),
     )
     out.loss.backward()
     assert all(t.grad is None for t in reference) and bias.grad is None and weight.grad.abs().max() > 0
     hidden, weight, bias = leaves(x)
-    kl = full_kl_from_hidden(hidden, weight, *reference[:2], bias=bias, ref_bias=reference[2], softcap=2.0)
+    kl = full_kl_from_hidden(
+        hidden,
+        weight,
+        *reference[:2],
+        head=pgloss.HeadOptions(bias=bias, softcap=2.0),
+        ref_head=pgloss.HeadOptions(bias=reference[2]),
+    )
     kl.sum().backward()
     assert all(t.grad is None for t in reference) and bias.grad.abs().max() > 0
 
@@ -226,7 +239,7 @@ def test_only_the_bias_trains(route):
         chunk_size=chunk_size,
         vocab_block=vocab_block,
         **inputs,
-        **options("all", x, b1),
+        **records(options("all", x, b1)),
     )
     out.loss.backward()
     materialised_loss(algorithm, inputs, h2, w2, x, options("all", x, b2)).loss.backward()
@@ -245,7 +258,14 @@ def test_full_kl_matches_the_materialised_logits(name, tiles):
     (h1, w1, b1), (h2, w2, b2) = leaves(x), leaves(x)
     opts1, opts2 = options(name, x, b1, ref=True), options(name, x, b2, ref=True)
     kl = full_kl_from_hidden(
-        h1, w1, x["ref_hidden"], x["ref_weight"], temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **opts1
+        h1,
+        w1,
+        x["ref_hidden"],
+        x["ref_weight"],
+        temperature=TAU,
+        chunk_size=tiles[0],
+        vocab_block=tiles[1],
+        **records(opts1),
     )
     (kl * x["upstream"]).sum().backward()
     expected = full_kl_from_logits(policy_logits(h2, w2, opts2), ref_logits(x, opts2), temperature=TAU)
@@ -273,7 +293,7 @@ def default_variants(dtype, ref=False):
 def assert_all_equal(results):
     for result in results[1:]:
         assert len(result) == len(results[0])
-        assert all(torch.equal(a, b) for a, b in zip(results[0], result))
+        assert all(torch.equal(a, b) for a, b in zip(results[0], result, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -287,10 +307,12 @@ def test_defaults_leave_log_prob_entropy_and_full_kl_bit_for_bit(tiles, dtype):
         for extra in variants:
             hidden, weight, _ = leaves(x)
             if function == "log_prob":
-                lp, ent = log_prob_and_entropy_from_hidden(hidden, weight, x["targets"], **sizes, **extra)
+                lp, ent = log_prob_and_entropy_from_hidden(hidden, weight, x["targets"], **sizes, **records(extra))
                 values = [lp, ent]
             else:
-                values = [full_kl_from_hidden(hidden, weight, x["ref_hidden"], x["ref_weight"], **sizes, **extra)]
+                values = [
+                    full_kl_from_hidden(hidden, weight, x["ref_hidden"], x["ref_weight"], **sizes, **records(extra))
+                ]
             sum((v * x["upstream"].float()).sum() for v in values).backward()
             results.append([*values, hidden.grad, weight.grad])
         assert_all_equal(results)
@@ -321,7 +343,7 @@ def test_defaults_leave_the_loss_bit_for_bit(loss, route, dtype):
             vocab_block=vocab_block,
             **inputs,
             **extra,
-            **options_,
+            **records(options_),
         )
         out.loss.backward()
         results.append([out.loss, out.per_token, *out.metrics.values(), hidden.grad, weight.grad])
@@ -354,31 +376,31 @@ def small(seed):
 def test_gradcheck_with_every_option(vocab_block):
     s = small(7)
     sizes = dict(temperature=TAU, chunk_size=4, vocab_block=vocab_block)
-    ref = dict(ref_bias=s["ref_bias"], ref_logit_scale=0.7, ref_softcap=2.0)
+    ref = dict(ref_head=pgloss.HeadOptions(bias=s["ref_bias"], logit_scale=0.7, softcap=2.0))
     args = [s[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
     both = lambda h, w, b: log_prob_and_entropy_from_hidden(  # noqa: E731
-        h, w, s["targets"], bias=b, **ALL_ON, **sizes
+        h, w, s["targets"], head=pgloss.HeadOptions(bias=b, **ALL_ON), **sizes
     )
     kl = lambda h, w, b: full_kl_from_hidden(  # noqa: E731
-        h, w, s["ref_hidden"], s["ref_weight"], bias=b, **ALL_ON, **ref, **sizes
+        h, w, s["ref_hidden"], s["ref_weight"], head=pgloss.HeadOptions(bias=b, **ALL_ON), **ref, **sizes
     )
     algorithm = pgloss.get("grpo", kl_estimator="full", kl_coef=0.3, entropy_coef=0.1)
-    loss = lambda h, w, b: (
-        algorithm.from_hidden(
+
+    def loss(h, w, b):
+        return algorithm.from_hidden(
             h,
             w,
             s["targets"],
             old_log_prob=s["old"],
             advantages=s["advantages"],
             mask=s["mask"],
-            bias=b,
-            **ALL_ON,
+            head=pgloss.HeadOptions(bias=b, **ALL_ON),
             ref_hidden=s["ref_hidden"],
             ref_weight=s["ref_weight"],
             **ref,
             **dict(sizes, chunk_size=2),
         ).loss
-    )
+
     for function in (both, kl, loss):
         assert torch.autograd.gradcheck(function, args)
 
@@ -391,9 +413,10 @@ def test_meta_tensors(route):
     targets, mask = torch.empty(B, T, dtype=torch.long, device="meta"), MASK.to("meta")
     chunk_size, vocab_block = ROUTES[route]
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block)
-    ref = dict(ref_bias=meta(V), ref_logit_scale=0.7, ref_softcap=2.0)
-    lp, ent = log_prob_and_entropy_from_hidden(hidden, weight, targets, bias=bias, **ALL_ON, **sizes)
-    kl = full_kl_from_hidden(hidden, weight, meta(B, T, H_REF), meta(V, H_REF), bias=bias, **ALL_ON, **ref, **sizes)
+    ref = dict(ref_head=pgloss.HeadOptions(bias=meta(V), logit_scale=0.7, softcap=2.0))
+    head = pgloss.HeadOptions(bias=bias, **ALL_ON)
+    lp, ent = log_prob_and_entropy_from_hidden(hidden, weight, targets, head=head, **sizes)
+    kl = full_kl_from_hidden(hidden, weight, meta(B, T, H_REF), meta(V, H_REF), head=head, **ref, **sizes)
     (lp.sum() + ent.sum() + kl.sum()).backward()
     for algorithm, extra in (
         (pgloss.get("grpo", entropy_coef=0.01), dict(ref_log_prob=meta(B, T))),
@@ -409,8 +432,7 @@ def test_meta_tensors(route):
             old_log_prob=meta(B, T),
             advantages=meta(B),
             mask=mask,
-            bias=bias,
-            **ALL_ON,
+            head=head,
             **sizes,
             **extra,
         )
@@ -426,25 +448,23 @@ def test_compiles_whole_forward_and_backward():
     (The one-pass route calls torch.autograd.grad inside the forward, which dynamo does not trace by default.)"""
     s = {k: v.float() if v.is_floating_point() else v for k, v in small(8).items()}
     algorithm = pgloss.get("grpo", kl_estimator="full", kl_coef=0.3, entropy_coef=0.1)
-    call = lambda h, w, b: (
-        algorithm.from_hidden(
+
+    def call(h, w, b):
+        return algorithm.from_hidden(
             h,
             w,
             s["targets"],
             old_log_prob=s["old"],
             advantages=s["advantages"],
             mask=s["mask"],
-            bias=b,
-            **ALL_ON,
+            head=pgloss.HeadOptions(bias=b, **ALL_ON),
             ref_hidden=s["ref_hidden"],
             ref_weight=s["ref_weight"],
-            ref_bias=s["ref_bias"],
-            ref_logit_scale=0.7,
-            ref_softcap=2.0,
+            ref_head=pgloss.HeadOptions(bias=s["ref_bias"], logit_scale=0.7, softcap=2.0),
             chunk_size=4,
             vocab_block=4,
         ).loss
-    )
+
     assert_compiles_like_eager(call, [s[k] for k in ("hidden", "weight", "bias")])
 
 
@@ -467,7 +487,7 @@ def test_bfloat16_head_with_a_bias(route):
         chunk_size=chunk_size,
         vocab_block=vocab_block,
         **inputs,
-        **options("all", x, bias),
+        **records(options("all", x, bias)),
     )
     out.loss.backward()
     assert bias.grad.dtype == weight.grad.dtype == torch.bfloat16
@@ -501,19 +521,10 @@ def test_bad_options_name_the_argument():
         lambda **kw: full.from_hidden(x["hidden"], x["weight"], x["targets"], **inputs, **ref_head, **kw),
     ):
         assert_refuses_bad_head(call, x["ref_bias"], prefix="ref_")
-    # A reference head's options without the exact KL are refused, not ignored.
-    for extra in (
-        dict(ref_bias=x["ref_bias"]),
-        dict(ref_logit_scale=2.0),
-        dict(ref_softcap=30.0),
-        dict(ref_head=pgloss.HeadOptions()),
-    ):
+    # A reference head without the exact KL is refused, not ignored.
+    for extra in (dict(ref_head=pgloss.HeadOptions()), dict(ref_head=pgloss.HeadOptions(softcap=30.0))):
         with pytest.raises(
             ValueError,
-            match=r"ref_hidden and ref_weight \(and the reference head: ref_head, or "
-            r"ref_bias, ref_logit_scale, ref_softcap\) are for kl_estimator='full'; "
-            r"grpo has kl_estimator='k3'",
+            match=r"ref_hidden, ref_weight and ref_head are for kl_estimator='full'; grpo has kl_estimator='k3'",
         ):
             calls["loss"](**extra)
-    with pytest.raises(TypeError, match="ref_logit_scale must be a real number"):
-        calls["loss"](ref_logit_scale="1")

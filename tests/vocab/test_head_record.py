@@ -1,14 +1,14 @@
-"""An LM head's options as one record, `pgloss.HeadOptions` (`head=`, `ref_head=`, `teacher_head=`), or as the
-keywords the docs still accept (`bias=`, `logit_scale=`, `softcap=`, `ref_...`, `teacher_...`): the two spellings
-give bit-identical values and gradients in every call from hidden states, both at once is refused naming the
-arguments, and every such call takes the record and turns a spelling into it at one place (`head.as_head`)."""
+"""An LM head's options as one record, `pgloss.HeadOptions` (`head=`, `ref_head=`, `teacher_head=`), the one
+spelling every call from hidden states takes: the record reaches the call's values and gradients, the keywords
+that once spelled it out (`bias=`, `logit_scale=`, `softcap=`, `ref_...`, `teacher_...`) are refused with the
+fix, and every such call turns its records into heads at one place (`head.as_head`)."""
 
 import dataclasses
 import inspect
-import re
 
 import pytest
 import torch
+from vocab.head_checks import assert_refuses_removed_keywords
 
 import pgloss
 from pgloss.vocab import divergence, full_kl, fused, head
@@ -40,7 +40,7 @@ def grpo_inputs(x):
     """grpo with the exact KL to the reference head and an entropy bonus; old log-probs near the current ones."""
     with torch.no_grad():
         current, _ = pgloss.log_prob_and_entropy_from_hidden(
-            x["hidden"], x["weight"], x["targets"], temperature=TAU, bias=x["bias"], **STUDENT
+            x["hidden"], x["weight"], x["targets"], temperature=TAU, head=pgloss.HeadOptions(x["bias"], **STUDENT)
         )
     old = (current + 0.3 * x["noise"]).masked_fill(~MASK, float("nan"))
     return dict(old_log_prob=old, advantages=x["advantages"], mask=MASK)
@@ -108,55 +108,33 @@ CALLS = {
 }
 
 
-def spellings(x, bias, other):
-    """The same heads as keywords and as records: (keywords, records)."""
-    keywords = dict(bias=bias, **STUDENT)
+def heads(x, bias, other):
+    """The call's head records: the trained model's with `bias`, and the other model's (prefix `other`)."""
     records = dict(head=pgloss.HeadOptions(bias, **STUDENT))
     if other is not None:
-        keywords |= {f"{other}bias": x["other_bias"], **{f"{other}{k}": v for k, v in OTHER.items()}}
         records[f"{other}head"] = pgloss.HeadOptions(x["other_bias"], **OTHER)
-    return keywords, records
+    return records
 
 
 @pytest.mark.parametrize("name", CALLS)
-def test_the_record_and_the_keywords_give_bit_identical_values_and_gradients(name):
+def test_the_record_reaches_the_values_and_the_bias_its_gradient(name):
     other, call = CALLS[name]
     x = make()
-    results = []
-    for spelling in range(2):
-        h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
-        value = call(x, h, w, spellings(x, b, other)[spelling])
-        value.backward()
-        results.append([value.detach(), h.grad, w.grad, b.grad])
-    for keyword, record in zip(*results):
-        assert torch.equal(keyword, record)
-    assert results[0][3].abs().sum() > 0  # the bias took part
+    h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    value = call(x, h, w, heads(x, b, other))
+    value.backward()
+    assert b.grad.abs().sum() > 0  # the bias took part
     # the options matter: the plain heads give another value
-    h, w = x["hidden"], x["weight"]
-    assert not torch.equal(call(x, h, w, {}), results[0][0])
+    assert not torch.equal(call(x, x["hidden"], x["weight"], {}), value.detach())
 
 
 @pytest.mark.parametrize("name", CALLS)
-def test_a_record_beside_its_keywords_is_refused_naming_them(name):
+def test_the_removed_keywords_are_refused_with_the_record_that_replaces_them(name):
     other, call = CALLS[name]
     x = make()
     h, w = x["hidden"], x["weight"]
     for prefix in ("",) + ((other,) if other else ()):
-        record = {f"{prefix}head": pgloss.HeadOptions(x[f"{prefix and 'other_'}bias"])}
-        for keywords, named in (
-            (dict(softcap=2.0), "softcap"),
-            (dict(logit_scale=0.5, bias=x["bias"]), "bias, {p}logit_scale"),
-        ):
-            spelled = {f"{prefix}{k}": v for k, v in keywords.items()}
-            message = (
-                f"{prefix}head and {prefix}{named.format(p=prefix)} both describe the head: pass "
-                f"{prefix}head=HeadOptions(...) alone, or the keywords {prefix}bias, {prefix}logit_scale, "
-                f"{prefix}softcap alone"
-            )
-            with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-                call(x, h, w, record | spelled)
-        # a keyword left at its default beside the record is no second description
-        call(x, h, w, record | {f"{prefix}bias": None, f"{prefix}logit_scale": 1.0, f"{prefix}softcap": None})
+        assert_refuses_removed_keywords(lambda **kw: call(x, h, w, kw), x["bias"], prefix)
         with pytest.raises(TypeError, match=f"^{prefix}head must be a pgloss.HeadOptions or None, got dict"):
             call(x, h, w, {f"{prefix}head": dict(softcap=2.0)})
 
@@ -169,24 +147,22 @@ PUBLIC = {  # each public call from hidden states: the prefixes of the heads it 
 }
 
 
-def test_every_call_from_hidden_takes_the_record_and_converts_at_one_place():
+def test_every_call_from_hidden_takes_the_record_alone_and_converts_at_one_place():
     from_hidden = {getattr(pgloss, name) for name in pgloss.__all__ if name.endswith("_from_hidden")}
     assert from_hidden == set(PUBLIC)  # a new call from hidden states is listed here, and so checked
     assert "return loss_from_hidden(self, hidden, weight, targets, **kwargs)" in inspect.getsource(
         pgloss.Algorithm.from_hidden
     )  # Algorithm.from_hidden is loss_from_hidden
     options = [f.name for f in dataclasses.fields(pgloss.HeadOptions)]
-    assert options == ["bias", "logit_scale", "softcap"]
+    assert options == list(head.REMOVED_KEYWORDS) == ["bias", "logit_scale", "softcap"]
     for function, prefixes in PUBLIC.items():
         parameters = inspect.signature(function).parameters
         source = inspect.getsource(function)
+        assert f"@refuses_head_keywords({', '.join(repr(p) for p in prefixes)})" in source.replace('"', "'")
         for prefix in prefixes:
-            # the record, and each of its fields as a keyword with the record's default
-            assert parameters[f"{prefix}head"].default is None
-            for option in options:
-                assert parameters[f"{prefix}{option}"].default == getattr(head.PLAIN_HEAD, option)
-            # the spelling becomes one Head at the entry, by the converter
-            assert f"as_head({prefix}head, {prefix}bias, {prefix}logit_scale, {prefix}softcap" in source
+            assert parameters[f"{prefix}head"].default is None  # the record alone
+            assert not any(f"{prefix}{option}" in parameters for option in options)
+            assert f"as_head({prefix}head" in source  # the record becomes one Head at the entry
     # no other module of the package reads a head's options one by one
     for module in (fused, full_kl, divergence):
         source = inspect.getsource(module)

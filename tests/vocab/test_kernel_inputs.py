@@ -8,6 +8,7 @@ import torch
 from vocab import plain_head
 from vocab.plain_head import ROUTES, largest_error, scale_of
 
+import pgloss
 from pgloss.vocab import kernels
 from pgloss.vocab.divergence import divergence_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden
@@ -66,7 +67,13 @@ def test_a_strided_or_expanded_bias_is_read_where_it_lies(route, layout, tiles):
     h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
     with kernels.use(route):
         lp, ent = log_prob_and_entropy_from_hidden(
-            h, w, x["targets"], bias=bias, temperature=0.7, chunk_size=tiles[0], vocab_block=tiles[1]
+            h,
+            w,
+            x["targets"],
+            head=pgloss.HeadOptions(bias=bias),
+            temperature=0.7,
+            chunk_size=tiles[0],
+            vocab_block=tiles[1],
         )
         (lp * x["upstream"] + ent * x["upstream2"]).sum().backward()
     h2, w2 = (x[k].double().cpu().requires_grad_() for k in ("hidden", "weight"))
@@ -90,7 +97,12 @@ def test_the_other_heads_bias_is_read_where_it_lies(route, beta):
     with kernels.use(route):
         if beta == 1.0:
             value = full_kl_from_hidden(
-                h, x["weight"], x["ref_hidden"], x["ref_weight"], ref_bias=other_bias, vocab_block=10
+                h,
+                x["weight"],
+                x["ref_hidden"],
+                x["ref_weight"],
+                ref_head=pgloss.HeadOptions(bias=other_bias),
+                vocab_block=10,
             )
         else:
             value = divergence_from_hidden(
@@ -100,7 +112,7 @@ def test_the_other_heads_bias_is_read_where_it_lies(route, beta):
                 x["ref_weight"],
                 mask,
                 beta=beta,
-                teacher_bias=other_bias,
+                teacher_head=pgloss.HeadOptions(bias=other_bias),
                 vocab_block=10,
             ).per_token
         (value * x["upstream"]).sum().backward()
@@ -150,7 +162,7 @@ def softcap_errors(route, softcap):
     targets = torch.randint(0, V, (B, T), generator=gen).to(DEVICE)
     w = weight.clone().requires_grad_()
     with kernels.use(route):
-        lp, ent = log_prob_and_entropy_from_hidden(hidden, w, targets, softcap=softcap)
+        lp, ent = log_prob_and_entropy_from_hidden(hidden, w, targets, head=pgloss.HeadOptions(softcap=softcap))
         (lp + ent).sum().backward()
     w2 = weight.double().cpu().requires_grad_()
     lp2, ent2 = plain_head.log_prob_entropy(plain_head.logits(hidden.cpu(), w2, softcap=softcap), targets.cpu())

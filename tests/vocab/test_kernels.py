@@ -12,6 +12,7 @@ import pytest
 import torch
 from properties.host_sync import no_host_sync
 from vocab import test_fused, test_fused_head
+from vocab.head_checks import records
 from vocab.test_fused_head import MASK, OPTIONS, ROUTES, TAU, TILES, losses, make, materialised_loss, options
 
 import pgloss
@@ -95,7 +96,7 @@ def test_log_prob_and_entropy_with_every_head_option(name, tiles):
     opts1, opts2 = options(name, x32, b1), options(name, x, b2)
     with kernels.use("kernel"):
         lp, ent = log_prob_and_entropy_from_hidden(
-            h1, w1, x32["targets"], temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **opts1
+            h1, w1, x32["targets"], temperature=TAU, chunk_size=tiles[0], vocab_block=tiles[1], **records(opts1)
         )
         (lp * x32["upstream"] + ent.sum()).sum().backward()
     lp_ref, ent_ref = pgloss.log_prob_and_entropy(
@@ -129,7 +130,7 @@ def test_loss_with_head_options_on_both_routes(loss, name, route):
             chunk_size=chunk_size,
             vocab_block=vocab_block,
             **inputs32,
-            **opts1,
+            **records(opts1),
             **extra,
         )
         out.loss.backward()
@@ -152,7 +153,7 @@ def test_divergences_with_both_heads_options(beta, tiles):
     x32 = on_device(x)
     (h1, w1, b1), (h2, w2, b2) = kernel_leaves(x32), test_fused_head.leaves(x)
     student = dict(logit_scale=0.8, softcap=3.0)
-    teacher = dict(teacher_logit_scale=1.25, teacher_softcap=2.0)
+    teacher = dict(logit_scale=1.25, softcap=2.0)
     with kernels.use("kernel"):
         out = divergence_from_hidden(
             h1,
@@ -162,12 +163,10 @@ def test_divergences_with_both_heads_options(beta, tiles):
             MASK.to(DEVICE),
             beta=beta,
             temperature=TAU,
-            bias=b1,
-            teacher_bias=x32["ref_bias"],
+            head=pgloss.HeadOptions(bias=b1, **student),
+            teacher_head=pgloss.HeadOptions(bias=x32["ref_bias"], **teacher),
             chunk_size=tiles[0],
             vocab_block=tiles[1],
-            **student,
-            **teacher,
         )
         (out.per_token * x32["upstream"]).sum().backward()
     logits = test_fused_head.head_logits(h2, w2, b2, **student)
@@ -183,13 +182,10 @@ def test_divergences_with_both_heads_options(beta, tiles):
                 x32["ref_hidden"],
                 x32["ref_weight"],
                 temperature=TAU,
-                bias=x32["bias"],
-                ref_bias=x32["ref_bias"],
+                head=pgloss.HeadOptions(bias=x32["bias"], **student),
+                ref_head=pgloss.HeadOptions(bias=x32["ref_bias"], **teacher),
                 chunk_size=tiles[0],
                 vocab_block=tiles[1],
-                ref_logit_scale=1.25,
-                ref_softcap=2.0,
-                **student,
             )
         assert_near([torch.where(MASK.to(DEVICE), kl, 0.0)], [expected.per_token])
 
@@ -224,7 +220,7 @@ def test_bfloat16_heads_match_the_torch_route(route):
                 chunk_size=chunk_size,
                 vocab_block=vocab_block,
                 **inputs32,
-                **options("all", x16, b),
+                **records(options("all", x16, b)),
             )
             out.loss.backward()
         assert h.grad.dtype == w.grad.dtype == b.grad.dtype == torch.bfloat16

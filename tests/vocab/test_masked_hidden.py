@@ -57,7 +57,7 @@ def loss_call(name, chunk_size):
             h,
             w,
             x["targets"].masked_fill(~MASK, -100),
-            bias=b,
+            head=pgloss.HeadOptions(bias=b),
             mask=MASK,
             old_log_prob=torch.full((B, T), -3.0, device=DEVICE),
             advantages=torch.tensor([1.0, -0.5, 0.3], device=DEVICE),
@@ -75,15 +75,19 @@ def per_token_call(which):
     def call(x, h, w, b):
         if which == "log π and H":
             lp, ent = log_prob_and_entropy_from_hidden(
-                h, w, x["targets"].masked_fill(~MASK, -100), bias=b, mask=MASK, vocab_block=10
+                h, w, x["targets"].masked_fill(~MASK, -100), head=pgloss.HeadOptions(bias=b), mask=MASK, vocab_block=10
             )
             values = [lp, ent]
             (lp * x["upstream"] + ent).sum().backward()
         elif which == "exact KL":
-            values = [full_kl_from_hidden(h, w, x["ref_hidden"], x["ref_weight"], bias=b, mask=MASK, vocab_block=10)]
+            head = pgloss.HeadOptions(bias=b)
+            values = [full_kl_from_hidden(h, w, x["ref_hidden"], x["ref_weight"], head=head, mask=MASK, vocab_block=10)]
             (values[0] * x["upstream"]).sum().backward()
         else:
-            out = divergence_from_hidden(h, w, x["ref_hidden"], x["ref_weight"], MASK, beta=0.5, bias=b, vocab_block=10)
+            head = pgloss.HeadOptions(bias=b)
+            out = divergence_from_hidden(
+                h, w, x["ref_hidden"], x["ref_weight"], MASK, beta=0.5, head=head, vocab_block=10
+            )
             values = [out.loss, *out.metrics.values()]
             out.loss.backward()
         return values

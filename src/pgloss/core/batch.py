@@ -128,7 +128,7 @@ class TokenBatch:
     def prepare(
         cls,
         log_prob: Tensor,
-        old_log_prob: Tensor,
+        old_log_prob: Tensor | None,
         advantages: Tensor,
         mask: Tensor,
         *,
@@ -136,6 +136,9 @@ class TokenBatch:
         **inputs: Tensor | None,
     ) -> TokenBatch:
         """Check, upcast and mask the call's tensors; `inputs` are optional inputs (core/inputs.py).
+
+        `old_log_prob` None is on-policy: log π_old is `log_prob` detached (the ratio exactly 1, the gradient
+        the on-policy loss's), the one rule of every path (the call, `from_hidden`, `inspect`).
 
         Row inputs (`advantages` `[B]`, `scores`) are 0 on the rows without a valid token. Under a sequence
         group a row may have no token on this rank and some on another, where its value counts: there they
@@ -209,9 +212,11 @@ class TokenBatch:
                 kept_rows(valid_rows(), seq_advantages, sequence_parallel), seq_advantages, zero
             )
 
+        log_prob = token("log_prob", log_prob, is_log_prob=True)
+        old = log_prob if old_log_prob is None else token("old_log_prob", old_log_prob, is_log_prob=True)
         return cls(
-            log_prob=token("log_prob", log_prob, is_log_prob=True),
-            old_log_prob=token("old_log_prob", old_log_prob, is_log_prob=True).detach(),
+            log_prob=log_prob,
+            old_log_prob=old.detach(),
             advantages=advantages,
             mask=bool_mask,
             seq_advantages=seq_advantages,

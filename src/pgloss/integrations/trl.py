@@ -186,10 +186,9 @@ class PGLossMixin(TRLInputs):
             )
 
     def _pgloss_arguments(self, inputs: dict[str, Any], log_prob: Tensor | None, mask: Tensor) -> dict[str, Any]:
-        """Everything but the current log-probs: TRL's inputs under pgloss's names, in float32."""
+        """Everything but the current log-probs: TRL's inputs under pgloss's names, in float32. On-policy without
+        `log_prob` (the fused path) old_log_prob is None: the loss takes its own log π, detached."""
         old, rollout = self._pgloss_old_and_rollout(inputs, log_prob)
-        if old is None:
-            raise ValueError("on-policy inputs need the current log-probs for old_log_prob")
         ref = inputs.get("ref_per_token_logps") if "ref_log_prob" in self.algorithm.needs else None
         extra: dict[str, Tensor] = {key: inputs[key] for key in ("group_ids", "scores") if key in self.algorithm.needs}
         return dict(
@@ -351,8 +350,11 @@ class PGLossMixin(TRLInputs):
         params = [p for p in (weight, bias) if isinstance(p, torch.nn.Parameter)]
         with maybe_gather_lm_head_ctx(*params) if params else nullcontext():
             self._pgloss_check_zero3(weight, length)
+            # On-policy (no old_per_token_logps) the loss takes log π_old as the detached log π of its own pass
+            # (old_log_prob=None). With vLLM's log-probs, those it could not score take log π_old before the
+            # loss (`_pgloss_old_and_rollout`): one no-grad pass over the head gives it.
             log_prob = None
-            if inputs.get("old_per_token_logps") is None:  # on-policy: log π_old is the detached log π
+            if inputs.get("old_per_token_logps") is None and self._pgloss_uses_rollout(inputs):
                 with torch.no_grad():
                     log_prob, _ = pgloss.log_prob_and_entropy_from_hidden(
                         hidden,

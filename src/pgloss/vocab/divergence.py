@@ -46,6 +46,7 @@ the N x V logits; backward recomputes each tile.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -59,8 +60,9 @@ from . import kernels
 from .banned import BANNED_LOGIT
 from .chunks import ChunkLoop
 from .entropy import _blocks, check_temperature
-from .full_kl import FullKL, KernelFullKL, check_logit_pair, head_pair, pair_tiles
-from .head import HeadOptions, as_head
+from .full_kl import FullKL, KernelFullKL
+from .head import HeadOptions, as_head, refuses_head_keywords
+from .pair import check_logit_pair, head_pair, pair_tiles
 
 __all__ = ["divergence_from_logits", "divergence_from_hidden"]
 
@@ -116,7 +118,8 @@ class KernelForwardKL(KernelFullKL):
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse_teacher, lse = (v[rows] for v in values)
-        return kernels.pair_backward(*zs, lse, lse_teacher, kl, grads[0][rows], mode=kernels.FORWARD_KL)
+        tile, teacher = zs
+        return kernels.pair_backward(tile, teacher, lse, lse_teacher, kl, grads[0][rows], mode=kernels.FORWARD_KL)
 
 
 class Normalisers(FullKL):
@@ -185,15 +188,20 @@ class GeneralisedJSD:
         lse, lse_teacher = torch.logsumexp(z, dim=-1), torch.logsumexp(z_teacher, dim=-1)
         self._store(rows, values, lse, lse_teacher, *jsd_sums(z, z_teacher, lse, lse_teacher, self.beta))
 
-    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
+    def given_normalisers(self, rows: slice) -> tuple[Tensor, Tensor]:
+        """The first pass's (lse_S, lse_T) of `rows`: over vocabulary tiles they must be given."""
         if self.normalisers is None:
             raise RuntimeError("GeneralisedJSD over vocabulary tiles needs the log-normalisers of a first pass")
-        lse, lse_teacher = (x[rows] for x in self.normalisers)
-        sums = jsd_sums(*zs, lse, lse_teacher, self.beta)
+        lse, lse_teacher = self.normalisers
+        return lse[rows], lse_teacher[rows]
+
+    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
+        z, z_teacher = zs
+        sums = jsd_sums(z, z_teacher, *self.given_normalisers(rows), self.beta)
         return sums if state is None else (state[0] + sums[0], state[1] + sums[1])
 
     def tile_finish(self, state, rows: slice, values: list[Tensor]) -> None:
-        self._store(rows, values, *(x[rows] for x in self.normalisers), *state)
+        self._store(rows, values, *self.given_normalisers(rows), *state)
 
     def outputs(self, values: list[Tensor]) -> Tensor:
         return values[0]
@@ -226,24 +234,25 @@ class KernelJSD(GeneralisedJSD):
 
     def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
         state = kernels.start_state(zs[0], maxima=2, sums=3)
-        kernels.pair_forward(*zs, state)
+        tile, teacher = zs
+        kernels.pair_forward(tile, teacher, state)
         m, m_teacher, s, s_teacher, _ = state
         lse, lse_teacher = m + torch.log(s), m_teacher + torch.log(s_teacher)
         sums = kernels.start_state(zs[0], maxima=0, sums=2)
-        kernels.jsd_forward(*zs, lse, lse_teacher, sums, self.beta)
+        kernels.jsd_forward(tile, teacher, lse, lse_teacher, sums, self.beta)
         self._store(rows, values, lse, lse_teacher, *sums)
 
     def tile_forward(self, zs: list, rows: slice, cols: slice, state):
-        if self.normalisers is None:
-            raise RuntimeError("GeneralisedJSD over vocabulary tiles needs the log-normalisers of a first pass")
-        state = kernels.start_state(zs[0], maxima=0, sums=2) if state is None else state
-        kernels.jsd_forward(*zs, *(x[rows] for x in self.normalisers), state, self.beta)
+        tile, teacher = zs
+        state = kernels.start_state(tile, maxima=0, sums=2) if state is None else state
+        kernels.jsd_forward(tile, teacher, *self.given_normalisers(rows), state, self.beta)
         return state
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         _, lse, lse_teacher, kl_student = (v[rows] for v in values)
+        tile, teacher = zs
         return kernels.pair_backward(
-            *zs, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD, beta=self.beta
+            tile, teacher, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD, beta=self.beta
         )
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
@@ -263,6 +272,7 @@ def _divergence(
     """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached; hidden states read only
     at `valid` rows (None: all)."""
     teacher = _detached(teacher)
+    statistic: FullKL | GeneralisedJSD
     if beta == 1.0:
         statistic = FullKL()
     elif beta == 0.0:
@@ -324,7 +334,9 @@ def divergence_from_logits(
         normalizer: the step's counts (`Normalizer.count` over every micro-batch's mask); None: this call
             is the whole step.
         norm_constant: C of the budget modes (`seq-mean-token-sum-norm`, `delta-l-norm`).
-        chunk_size, vocab_block, memory_budget: the tiles of the loop (`chunks.plan_tiles`).
+        chunk_size: positions per chunk (`chunks.plan_tiles`); None picks about 2²⁷ / V.
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary).
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
 
     Returns:
         `LossOutput`: `per_token` [B, T] (0 at masked positions; float32, float64 for float64 logits) with
@@ -358,6 +370,7 @@ def divergence_from_logits(
     return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
 
 
+@refuses_head_keywords("", "teacher_")
 def divergence_from_hidden(
     hidden: Tensor,
     weight: Tensor,
@@ -369,12 +382,6 @@ def divergence_from_hidden(
     temperature: float = 1.0,
     head: HeadOptions | None = None,
     teacher_head: HeadOptions | None = None,
-    bias: Tensor | None = None,
-    teacher_bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    teacher_logit_scale: float = 1.0,
-    softcap: float | None = None,
-    teacher_softcap: float | None = None,
     loss_agg_mode: str = "token-mean",
     normalizer: Normalizer | None = None,
     norm_constant: float | None = None,
@@ -398,16 +405,20 @@ def divergence_from_hidden(
         weight: [V, H] student output projection, the dtype and device of `hidden`.
         teacher_hidden: [B, T, H'] teacher hidden states (H' may differ from H); never differentiated.
         teacher_weight: [V, H'] teacher output projection, the dtype of `teacher_hidden`; never differentiated.
-        mask, beta, temperature, loss_agg_mode, normalizer, norm_constant: as `divergence_from_logits`; neither
-            model's hidden states are read at masked positions (NaN and inf allowed: `chunks.HeadRows`).
-        head, teacher_head: each model's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None:
-            the plain head); a bias has the dtype and device of its weight (a half-precision bias is added to
-            the float32 logits). `pgloss.integrations.lm_head.head_options(model)` reads them from a model.
-        bias, teacher_bias, logit_scale, teacher_logit_scale, softcap, teacher_softcap: the same options as
-            keywords, still accepted (not beside the record of the same model): [V] biases or None; s > 0
-            multiplying each model's logits (Cohere's `logit_scale`; Granite's `logits_scaling` is 1/s), before
-            the soft-cap; c > 0 of each model's soft-cap c · tanh(logits / c) (Gemma's
-            `final_logit_softcapping`), or None (none).
+        mask: [B, T] bool or 0/1, the positions that count; neither model's hidden states are read elsewhere
+            (NaN and inf allowed: `chunks.HeadRows`).
+        beta: β in [0, 1], the weight of the teacher's side (as `divergence_from_logits`).
+        temperature: τ > 0, dividing both models' logits.
+        head: the student head's bias b ([V], the dtype and device of `weight`; a half-precision bias is added to
+            the float32 logits), logit scale s > 0 (Cohere's `logit_scale`; Granite's `logits_scaling` is 1/s)
+            and soft-cap c > 0 of c · tanh(logits / c) (Gemma's `final_logit_softcapping`), a
+            `pgloss.HeadOptions` (None: the plain head). `pgloss.integrations.lm_head.head_options(model)`
+            reads them from a model.
+        teacher_head: the teacher head's options, as `head`; its bias has the dtype and device of
+            `teacher_weight`.
+        loss_agg_mode: how `per_token` becomes `loss`, as `divergence_from_logits`.
+        normalizer: the step's counts, as `divergence_from_logits`.
+        norm_constant: C of the budget modes, as `divergence_from_logits`.
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
         vocab_block: vocabulary columns per tile (None: the whole vocabulary).
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block (a
@@ -418,19 +429,21 @@ def divergence_from_hidden(
         requires grad), none to the teacher's inputs.
     """
     check_tensor("mask", mask, ndim=(2,), floating=False)  # required here (None would mean every position)
-    kinds, tiles, student, teacher, mask = head_pair(
+    kinds, tiles, student, teacher, valid = head_pair(
+        FullKL,  # every statistic of `_divergence` has a kernel twin: the heads choose the route
         hidden,
         weight,
         teacher_hidden,
         teacher_weight,
         "teacher",
-        head=as_head(head, bias, logit_scale, softcap),
-        other_head=as_head(teacher_head, teacher_bias, teacher_logit_scale, teacher_softcap, prefix="teacher_"),
+        head=as_head(head),
+        other_head=as_head(teacher_head, prefix="teacher_"),
         mask=mask,
         chunk_size=chunk_size,
         vocab_block=vocab_block,
         memory_budget=memory_budget,
     )
+    valid = cast(Tensor, valid)  # the mask as head_pair checked it: a mask given, never None
     beta, temperature = check_beta(beta), check_temperature(temperature)
-    per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher, mask.reshape(-1))
-    return _output(per_token.view(hidden.shape[:2]), mask, loss_agg_mode, normalizer, norm_constant)
+    per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher, valid.reshape(-1))
+    return _output(per_token.view(hidden.shape[:2]), valid, loss_agg_mode, normalizer, norm_constant)

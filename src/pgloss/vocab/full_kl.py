@@ -28,11 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core.batch import check_mask, compute_dtype
 from . import kernels
-from .chunks import ChunkLoop, plan_tiles
-from .entropy import _blocks, check_temperature, online_max
-from .head import Head, HeadKind, HeadOptions, as_head
+from .entropy import _blocks, online_max
+from .head import HeadOptions, as_head, refuses_head_keywords
+from .pair import pair_from_hidden, pair_from_logits
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
 
@@ -120,12 +119,13 @@ class FullKL:
         lse[rows] = m + log_s
         lse_ref[rows] = m_ref + log_s_ref
 
-    def outputs(self, values: list[Tensor]) -> Tensor:
+    def outputs(self, values: list[Tensor]) -> Tensor | tuple[Tensor, ...]:
         return values[0]
 
     def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse, lse_ref = values
-        return chunk_full_kl_grad(*zs, lse[rows], lse_ref[rows], kl[rows], grads[0][rows], temperature)
+        z, z_ref = zs
+        return chunk_full_kl_grad(z, z_ref, lse[rows], lse_ref[rows], kl[rows], grads[0][rows], temperature)
 
     def tile_grad(
         self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
@@ -142,107 +142,17 @@ class KernelFullKL(FullKL):
 
     def tile_forward(self, zs: list, rows: slice, cols: slice, state):
         state = kernels.start_state(zs[0], maxima=2, sums=3) if state is None else state
-        kernels.pair_forward(*zs, state)
+        tile, other = zs
+        kernels.pair_forward(tile, other, state)
         return state
 
     def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         kl, lse, lse_other = (v[rows] for v in values)
-        return kernels.pair_backward(*zs, lse, lse_other, kl, grads[0][rows], mode=kernels.REVERSE_KL)
+        tile, other = zs
+        return kernels.pair_backward(tile, other, lse, lse_other, kl, grads[0][rows], mode=kernels.REVERSE_KL)
 
     def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
         return self.grad(zs, rows, values, grads, temperature)
-
-
-def _check_pair(name: str, value: object, ref_name: str, ref: object, rank: int | None) -> None:
-    for label, tensor in ((name, value), (ref_name, ref)):
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{label} must be a Tensor, got {type(tensor).__name__}")
-        if not tensor.dtype.is_floating_point:
-            raise TypeError(f"{label} must be a floating tensor, got dtype {tensor.dtype}")
-        if rank is not None and tensor.dim() != rank:
-            raise ValueError(f"{label} must have {rank} dimensions, got shape {tuple(tensor.shape)}")
-    if value.device != ref.device:
-        raise ValueError(f"{ref_name} is on {ref.device} but {name} is on {value.device}")
-
-
-def check_logit_pair(logits: object, other: object, *, names: tuple[str, str]) -> None:
-    """Two floating `[..., V]` logit tensors of one shape on one device (V >= 1), named `names` in errors."""
-    name, other_name = names
-    _check_pair(name, logits, other_name, other, None)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
-    if other.shape != logits.shape:
-        raise ValueError(f"{other_name} must have the shape of {name} {tuple(logits.shape)}, got {tuple(other.shape)}")
-
-
-def check_head_pair(hidden: object, weight: object, other_hidden: object, other_weight: object, *, other: str) -> None:
-    """The `[B, T, H]` hidden states and `[V, H]` head of the trained model and of another one
-    (`{other}_hidden` `[B, T, H']`, `{other}_weight` `[V, H']`: the reference, the teacher): ranks, widths,
-    dtypes and devices agree, one vocabulary, one compute dtype. Errors name the argument."""
-    _check_pair("hidden", hidden, f"{other}_hidden", other_hidden, 3)
-    _check_pair("weight", weight, f"{other}_weight", other_weight, 2)
-    for name, x, w in (("weight", hidden, weight), (f"{other}_weight", other_hidden, other_weight)):
-        if w.shape[1] != x.shape[-1]:
-            raise ValueError(f"{name} must have shape [V, {x.shape[-1]}], got {tuple(w.shape)}")
-        if w.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {w.dtype} but its hidden states have {x.dtype}")
-        if w.device != x.device:
-            raise ValueError(f"{name} is on {w.device} but its hidden states are on {x.device}")
-    if other_hidden.shape[:2] != hidden.shape[:2]:
-        raise ValueError(
-            f"{other}_hidden must have shape [{hidden.shape[0]}, {hidden.shape[1]}, H'], "
-            f"got {tuple(other_hidden.shape)}"
-        )
-    if other_weight.shape[0] != weight.shape[0] or weight.shape[0] < 1:
-        raise ValueError(
-            f"weight and {other}_weight must share a vocabulary V >= 1, got {weight.shape[0]} and "
-            f"{other_weight.shape[0]}"
-        )
-    if compute_dtype(other_weight.dtype) != compute_dtype(weight.dtype):
-        raise TypeError(
-            f"{other}_weight computes in {compute_dtype(other_weight.dtype)} but weight in "
-            f"{compute_dtype(weight.dtype)}"
-        )
-
-
-def pair_tiles(
-    tokens: int,
-    vocab: int,
-    dtype: torch.dtype,
-    *,
-    head: bool,
-    chunk_size: int | None,
-    vocab_block: int | None,
-    memory_budget: int | None,
-    softcap: bool = False,
-    kernel: bool = False,
-) -> tuple[int, int]:
-    """`chunks.plan_tiles` for a loop over two sources (the trained model and a frozen one) whose first
-    input has `dtype`: given logits, or an LM head (`head`), whose half-precision parameters add a
-    matmul buffer per source; a soft-capped trained head (`softcap`) adds its slope's buffer. On the kernel
-    route (`kernel`) the two heads' raw tiles in `dtype` are the buffers."""
-    if kernel:
-        return plan_tiles(
-            tokens,
-            vocab,
-            chunk_size=chunk_size,
-            vocab_block=vocab_block,
-            memory_budget=memory_budget,
-            buffers=2,
-            itemsize=torch.finfo(dtype).bits // 8,
-            kernel=True,
-        )
-    compute = compute_dtype(dtype)
-    buffers = 2 * (2 if head and dtype != compute else 1) + int(softcap)
-    return plan_tiles(
-        tokens,
-        vocab,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-        buffers=buffers,
-        itemsize=torch.finfo(compute).bits // 8,
-    )
 
 
 def full_kl_from_logits(
@@ -280,6 +190,7 @@ def full_kl_from_logits(
     )
 
 
+@refuses_head_keywords("", "ref_")
 def full_kl_from_hidden(
     hidden: Tensor,
     weight: Tensor,
@@ -289,12 +200,6 @@ def full_kl_from_hidden(
     temperature: float = 1.0,
     head: HeadOptions | None = None,
     ref_head: HeadOptions | None = None,
-    bias: Tensor | None = None,
-    ref_bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    ref_logit_scale: float = 1.0,
-    softcap: float | None = None,
-    ref_softcap: float | None = None,
     mask: Tensor | None = None,
     chunk_size: int | None = None,
     vocab_block: int | None = None,
@@ -316,11 +221,9 @@ def full_kl_from_hidden(
         ref_hidden: [B, T, H'] reference hidden states (H' may differ from H).
         ref_weight: [V, H'] reference output projection, the dtype of `ref_hidden`.
         temperature: τ > 0.
-        head, ref_head: each model's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None: the
-            plain head); a bias has the dtype and device of its weight.
-        bias, ref_bias, logit_scale, ref_logit_scale, softcap, ref_softcap: the same options as keywords,
-            still accepted (not beside the record of the same model): [V] biases or None; s > 0 multiplying
-            each model's logits, before the soft-cap; c > 0 of each model's soft-cap, or None (none).
+        head: the policy head's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None: the plain
+            head); its bias has the dtype and device of `weight`.
+        ref_head: the reference head's options, as `head`; its bias has the dtype and device of `ref_weight`.
         mask: [B, T] bool or 0/1, the positions that count (None: all). Elsewhere neither model's hidden states
             are read (NaN and inf allowed: `chunks.HeadRows`), and the KL is 0 with no gradient.
         chunk_size: positions per chunk; None picks about 2²⁷ / V.
@@ -335,134 +238,11 @@ def full_kl_from_hidden(
         ref_hidden,
         ref_weight,
         "ref",
-        head=as_head(head, bias, logit_scale, softcap),
-        other_head=as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_"),
+        head=as_head(head),
+        other_head=as_head(ref_head, prefix="ref_"),
         temperature=temperature,
         mask=mask,
         chunk_size=chunk_size,
         vocab_block=vocab_block,
         memory_budget=memory_budget,
     )
-
-
-# ---------------------------------------------------------------------------------------
-# A statistic of two models' distributions (this KL, `divergence.py`'s), from logits or from
-# hidden states and heads: the checks, the tile plan and one run of the loop. The second model is
-# never differentiated.
-# ---------------------------------------------------------------------------------------
-
-
-def pair_from_logits(
-    statistic,
-    logits: Tensor,
-    other_logits: Tensor,
-    other: str,
-    *,
-    temperature: float,
-    chunk_size: int | None,
-    vocab_block: int | None,
-    memory_budget: int | None,
-) -> Tensor:
-    """`statistic` per position of `logits` [..., V] against `{other}_logits` of the same shape."""
-    check_logit_pair(logits, other_logits, names=("logits", f"{other}_logits"))
-    temperature = check_temperature(temperature)
-    vocab = logits.shape[-1]
-    tiles = pair_tiles(
-        logits.numel() // vocab,
-        vocab,
-        logits.dtype,
-        head=False,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-    )
-    values = ChunkLoop.apply(
-        statistic,
-        ("logits", "logits"),
-        temperature,
-        tiles,
-        None,
-        logits.reshape(-1, vocab),
-        other_logits.detach().reshape(-1, vocab),
-    )
-    return values.view(logits.shape[:-1])
-
-
-def head_pair(
-    hidden: Tensor,
-    weight: Tensor,
-    other_hidden: Tensor,
-    other_weight: Tensor,
-    other: str,
-    *,
-    head: Head,
-    other_head: Head,
-    mask: Tensor | None,
-    chunk_size: int | None,
-    vocab_block: int | None,
-    memory_budget: int | None,
-) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple, Tensor | None]:
-    """The two heads of a loop (each as its call spelled it, `head.as_head`), checked (`check_head_pair`, then
-    each head's options by `head.Head.check` against its weight, the other's named `{other}_weight`): their
-    kinds, the tiles (`pair_tiles`), each model's loop inputs (hidden states as [N, H] rows, weight, bias), the
-    other's detached, and the mask checked (`core.batch.check_mask`; None for None)."""
-    check_head_pair(hidden, weight, other_hidden, other_weight, other=other)
-    valid = None if mask is None else check_mask(mask, hidden.shape[:2], hidden.device, "hidden")
-    kinds = (head.check(weight), other_head.check(other_weight, f"{other}_weight"))
-    bias, other_bias = head.bias, other_head.bias
-    tokens = hidden.shape[0] * hidden.shape[1]
-    tiles = pair_tiles(
-        tokens,
-        weight.shape[0],
-        weight.dtype,
-        head=True,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-        softcap=kinds[0].softcap is not None,
-        kernel=kernels.route(FullKL, kinds, weight) == "kernel",
-    )
-    first = (hidden.reshape(tokens, hidden.shape[-1]), weight, bias)
-    second = (
-        other_hidden.detach().reshape(tokens, other_hidden.shape[-1]),
-        other_weight.detach(),
-        None if other_bias is None else other_bias.detach(),
-    )
-    return kinds, tiles, first, second, valid
-
-
-def pair_from_hidden(
-    statistic,
-    hidden: Tensor,
-    weight: Tensor,
-    other_hidden: Tensor,
-    other_weight: Tensor,
-    other: str,
-    *,
-    head: Head,
-    other_head: Head,
-    temperature: float,
-    mask: Tensor | None,
-    chunk_size: int | None,
-    vocab_block: int | None,
-    memory_budget: int | None,
-) -> Tensor:
-    """`statistic` per position [B, T] of the head (`weight` and `head`) on `hidden` against the other model's
-    head on `{other}_hidden` (`head_pair`); 0 where `mask` (None: every position) is not."""
-    kinds, tiles, first, second, valid = head_pair(
-        hidden,
-        weight,
-        other_hidden,
-        other_weight,
-        other,
-        head=head,
-        other_head=other_head,
-        mask=mask,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-    )
-    temperature = check_temperature(temperature)
-    rows = None if valid is None else valid.reshape(-1)
-    values = ChunkLoop.apply(statistic, kinds, temperature, tiles, rows, *first, *second).view(hidden.shape[:2])
-    return values if valid is None else torch.where(valid, values, 0.0)

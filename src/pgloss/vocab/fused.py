@@ -17,12 +17,9 @@ and chunk by chunk over the N = B·T tokens
 `loss_from_hidden` takes one of two paths; both give the loss of `algorithm(log_prob=log π,
 entropy=H, ...)` on the full logits, for every algorithm and `Normalizer`:
 
-- one pass (whole sequences fit in a chunk, T ≤ chunk_size): chunks of whole rows. Every
-  aggregation weight depends only on the mask and the step's global counts, and every
-  sequence-level coupling (GSPO's ratio, FIPO's future KL) stays inside a row, so a row chunk's
-  loss under the step's `Normalizer` is its exact share of the batch loss (the split invariance
-  of `pgloss.core.aggregate`). Its ∂L/∂log π and ∂L/∂H are therefore known as soon as its logits
-  are, and G W and Gᵀ x are formed in the forward pass: three N·H·V matmuls, the 6NHV floor.
+- one pass (whole sequences fit in a chunk, T ≤ chunk_size): chunks of whole rows, each row chunk's
+  loss under the step's `Normalizer` its exact share of the batch loss, so G W and Gᵀ x are formed in
+  the forward pass: three N·H·V matmuls, the 6NHV floor (`one_pass.py`).
 - recompute (longer sequences, chunks of tokens): `chunks.ChunkLoop` with a head source; forward
   keeps only the per-token lse; backward recomputes each chunk's logits: four matmuls, 8NHV.
 
@@ -38,7 +35,7 @@ https://arxiv.org/abs/2411.09009).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -48,12 +45,21 @@ from ..core.batch import check_mask, compute_dtype
 from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.output import LossOutput
 from ..kl.corrections import FULL
-from .chunks import ChunkLoop, HeadRows, backward_rows, forward_rows, plan_tiles
+from .chunks import ChunkLoop, plan_tiles
 from .entropy import LogProbEntropy, check_targets, check_temperature
-from .head import Head, HeadKind, HeadOptions, as_head, head_given
+from .head import Head, HeadKind, HeadOptions, as_head, refuses_head_keywords
 from .kernels import route
+from .one_pass import AttachGradients, FusedAlgorithm, loss_one_pass
 
 __all__ = ["loss_from_hidden", "log_prob_and_entropy_from_hidden", "full_head"]
+
+
+@overload
+def full_head(weight: Tensor) -> Tensor: ...
+@overload
+def full_head(weight: None) -> None: ...
+@overload
+def full_head(weight: Tensor | None) -> Tensor | None: ...
 
 
 def full_head(weight: Tensor | None) -> Tensor | None:
@@ -73,7 +79,13 @@ def full_head(weight: Tensor | None) -> Tensor | None:
     return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
 
 
-def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None = None) -> Tensor | None:
+@overload
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor) -> Tensor: ...
+@overload
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None) -> Tensor | None: ...
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None) -> Tensor | None:
     """Types, shapes, dtypes and devices; token ids in [0, V) where `mask` is valid (everywhere
     when None). Returns the mask as bool (None without a mask)."""
     for name, value, rank in (("hidden", hidden, 3), ("weight", weight, 2)):
@@ -98,6 +110,7 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor 
     return valid
 
 
+@refuses_head_keywords("")
 def log_prob_and_entropy_from_hidden(
     hidden: Tensor,
     weight: Tensor,
@@ -105,9 +118,6 @@ def log_prob_and_entropy_from_hidden(
     *,
     temperature: float = 1.0,
     head: HeadOptions | None = None,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
     mask: Tensor | None = None,
     chunk_size: int | None = None,
     vocab_block: int | None = None,
@@ -124,12 +134,10 @@ def log_prob_and_entropy_from_hidden(
         weight: [V, H] output projection of the same dtype and device.
         targets: [B, T] integer token ids in [0, V) (at valid positions, with a `mask`).
         temperature: τ > 0.
-        head: the head's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None: the plain head x Wᵀ);
+        head: the head's bias b ([V] of the weight's dtype and device, or None), logit scale s > 0 (Cohere's
+            `logit_scale`; Granite's `logits_scaling` is 1/s) and soft-cap c > 0 of c · tanh(logits / c) (Gemma's
+            `final_logit_softcapping`, or None), a `pgloss.HeadOptions` (None: the plain head x Wᵀ);
             `pgloss.integrations.lm_head.head_options(model)` reads them from a transformers model.
-        bias, logit_scale, softcap: the same options as keywords, still accepted (not beside `head`):
-            bias [V] of the weight's dtype and device, or None; s > 0 multiplying the logits (Cohere's
-            `logit_scale`; Granite's `logits_scaling` is 1/s); c > 0 of the soft-cap c · tanh(logits / c)
-            (Gemma's `final_logit_softcapping`), or None.
         mask: [B, T] bool or 0/1, the positions that count (None: all). Elsewhere hidden states and targets are
             never read (NaN, inf and -100 allowed: `chunks.HeadRows`), log π and H are 0 and pass no gradient.
         chunk_size: tokens per chunk; None picks about 2²⁷ / V.
@@ -146,7 +154,7 @@ def log_prob_and_entropy_from_hidden(
         hidden,
         weight,
         targets,
-        as_head(head, bias, logit_scale, softcap),
+        as_head(head),
         temperature=temperature,
         mask=mask,
         chunk_size=chunk_size,
@@ -167,7 +175,7 @@ def _log_prob_and_entropy(
     vocab_block: int | None,
     memory_budget: int | None,
 ) -> tuple[Tensor, Tensor]:
-    """`log_prob_and_entropy_from_hidden` for a head already taken from the call's spelling (`head.as_head`)."""
+    """`log_prob_and_entropy_from_hidden` for a head already taken from the call's record (`head.as_head`)."""
     weight = full_head(weight)
     head = head.with_bias(full_head(head.bias))
     valid = _check_inputs(hidden, weight, targets, mask)
@@ -233,110 +241,26 @@ def head_tiles(
     )
 
 
-class _AttachGradients(torch.autograd.Function):
-    """The loss value, with ∂L/∂hidden, ∂L/∂weight and ∂L/∂bias already computed in the forward pass."""
-
-    @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
-        ctx.grads = [grad_hidden, grad_weight, grad_bias]
-        return loss.detach().clone()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        if ctx.grads is None:
-            raise RuntimeError("the fused loss's gradients were already handed out; backward runs once")
-        grads, ctx.grads = ctx.grads, None  # handed to autograd without a copy, scaled in place by ∂(caller)/∂loss
-        scale = grad_loss.to(next(g for g in grads if g is not None).dtype)
-        return (None, *(None if g is None else g.mul_(scale) for g in grads), None, None, None)
-
-
 PASSED_INPUTS = {name: spec for name, spec in OPTIONAL_INPUTS.items() if name not in ("entropy", "full_kl")}
 """The optional inputs `from_hidden` passes to the loss as given; it computes the entropy and the exact KL."""
 
 
-def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
-    """`value[rows]` (the sequences of one chunk), or None."""
-    return None if value is None else value[rows]
-
-
-def _loss_one_pass(
-    algorithm, hidden, weight, bias, kind, targets, temperature, chunk_rows, vocab_block, normalizer, batch
-):
-    """Row chunks of whole sequences: each chunk's loss, with the step's `normalizer`, is its exact
-    share of the batch loss (split invariance), so its ∂L/∂log π and ∂L/∂H are known as soon as its
-    logits are, and G W, Gᵀ x follow without recomputing them: 6NHV flops instead of 8NHV. With
-    vocabulary tiles (`vocab_block` < V) no chunk's logits outlive their tile, and each tile is
-    recomputed for the gradient (8NHV).
-
-    Returns the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or None).
-    """
-    n_rows, length, size = hidden.shape
-    dtype = compute_dtype(weight.dtype)
-    x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
-    statistic = LogProbEntropy(y_all)
-    kernel = route(statistic, (kind,), weight) == "kernel"
-    if kernel:  # its Triton twin, on the head's raw tiles
-        statistic = statistic.kernel()
-    source = HeadRows(
-        x_all,
-        weight.detach(),
-        None if bias is None else bias.detach(),
-        chunk_rows * length,
-        dtype,
-        vocab_block,
-        kind,
-        kernel,
-        valid=batch["mask"].reshape(-1),
-    )
-    source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
-    values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
-    with_entropy = algorithm.entropy_coef != 0
-    grads = (torch.empty_like(values[0]), torch.empty_like(values[1]) if with_entropy else None)
-    for start in range(0, n_rows, chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        tokens = slice(start * length, (start + chunk_rows) * length)
-        zs = forward_rows(statistic, [source], tokens, temperature, vocab_block, values)
-        shape = (min(n_rows, start + chunk_rows) - start, length)
-        with torch.enable_grad():
-            lp_leaf = values[0][tokens].view(shape).detach().requires_grad_()
-            ent_leaf = values[1][tokens].view(shape).detach().requires_grad_(with_entropy)
-            out = algorithm(
-                log_prob=lp_leaf,
-                entropy=ent_leaf,
-                normalizer=normalizer,
-                **{key: _rows(value, rows) for key, value in batch.items()},
-            )
-            chunk_grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
-        for whole, part in zip(grads, chunk_grads):
-            whole[tokens] = part.reshape(-1)
-        backward_rows(statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs)
-    grad_hidden, grad_weight, grad_bias = source.gradients()
-    grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
-    return values[0].view(n_rows, length), values[1].view(n_rows, length), grad_hidden, grad_weight, grad_bias
-
-
+@refuses_head_keywords("", "ref_")
 def loss_from_hidden(
-    algorithm: Callable[..., LossOutput],  # a pgloss.Algorithm, handed in by its from_hidden: vocab/ sits below base.py
+    algorithm: FusedAlgorithm,  # a pgloss.Algorithm, handed in by its from_hidden: vocab/ sits below base.py
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
     *,
-    old_log_prob: Tensor,
+    old_log_prob: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
     temperature: float = 1.0,
     normalizer: Normalizer | None = None,
     head: HeadOptions | None = None,
-    bias: Tensor | None = None,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
     ref_hidden: Tensor | None = None,
     ref_weight: Tensor | None = None,
     ref_head: HeadOptions | None = None,
-    ref_bias: Tensor | None = None,
-    ref_logit_scale: float = 1.0,
-    ref_softcap: float | None = None,
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
@@ -351,11 +275,15 @@ def loss_from_hidden(
     gets a gradient only when `algorithm.entropy_coef` ≠ 0; otherwise it feeds the metric only.
 
     When whole sequences fit in a chunk (T ≤ chunk_size) and a gradient is wanted, the gradients
-    are computed during this call (6NHV flops) and handed out by `loss.backward()`, scaled by the
-    caller's ∂/∂loss; backward then runs once, and `per_token` carries no gradient. Otherwise
+    are computed during this call (6NHV flops, `one_pass.loss_one_pass`) and handed out by `loss.backward()`,
+    scaled by the caller's ∂/∂loss; backward then runs once, and `per_token` carries no gradient. Otherwise
     the logits are recomputed in backward (8NHV flops). Row-coupled algorithms
     (`algorithm.couples_rows`: Clip-Cov, KL-Cov, REAL) and the exact KL always take that route, so
     that one call sees the whole batch.
+
+    On-policy (`old_log_prob=None`), log π_old is the detached log π of this same pass, as the plain call
+    takes it (`pgloss.Algorithm.__call__`): the ratio is exactly 1 and the gradient that of the on-policy loss,
+    without a second pass over the head to compute log π_old first.
 
     Args:
         algorithm: a `pgloss.Algorithm`, e.g. `pgloss.get("grpo")`.
@@ -364,22 +292,20 @@ def loss_from_hidden(
         weight: [V, H] output projection (the LM head), same dtype and device as `hidden`; an
             FSDP2-sharded head (DTensor) is gathered once for the call (`full_head`).
         targets: [B, T] integer token ids; values at masked positions are ignored (e.g. -100).
-        old_log_prob, advantages, mask, normalizer, **inputs: as for `algorithm(...)`, the optional
-            inputs but `entropy` and `full_kl` (computed here); floating tensors are cast to the
-            compute dtype (float32, or float64 for float64 parameters).
+        old_log_prob: [B, T] log π_old(y) of the policy that sampled the batch, as for `algorithm(...)`; None:
+            on-policy, the detached log π computed here (the same values and gradient as passing it).
+        advantages: [B] or [B, T], as for `algorithm(...)`.
+        mask: [B, T] bool or 0/1, the tokens that count, as for `algorithm(...)`.
+        temperature: τ > 0, the sampling temperature.
+        normalizer: the step's counts, as for `algorithm(...)` (None: this call is the whole step).
         head: the LM head's bias b, logit scale s and soft-cap c, a `pgloss.HeadOptions` (None: the plain
             head); its bias has the weight's dtype and device and is gathered like it.
             `pgloss.integrations.lm_head.head_options(model)` reads them from a transformers model.
-        bias, logit_scale, softcap: the same options as keywords, still accepted (not beside `head`): the
-            [V] bias or None; s > 0 multiplying the logits before the soft-cap (Cohere's `logit_scale`;
-            Granite's `logits_scaling` is 1/s); c > 0 of the soft-cap (Gemma's `final_logit_softcapping`),
-            or None.
-        ref_hidden, ref_weight: [B, T, H'] and [V, H'], the reference model's final hidden states and
-            LM head, for kl_estimator="full": the exact KL(π‖π_ref) per token is computed from them
-            chunk by chunk (`pgloss.vocab.full_kl.full_kl_from_hidden`) and passed as `full_kl`.
-        ref_head: the reference head's options, as `head` (never differentiated); only with ref_hidden
-            and ref_weight. ref_bias, ref_logit_scale, ref_softcap: the same as keywords.
-        temperature: τ > 0, the sampling temperature.
+        ref_hidden: [B, T, H'], the reference model's final hidden states, for kl_estimator="full": the exact
+            KL(π‖π_ref) per token is computed from them chunk by chunk
+            (`pgloss.vocab.full_kl.full_kl_from_hidden`) and passed as `full_kl`.
+        ref_weight: [V, H'], the reference model's LM head, with `ref_hidden`.
+        ref_head: the reference head's options, as `head` (never differentiated); only with `ref_hidden`.
         chunk_size: tokens per chunk (rounded down to whole sequences on the one-pass path);
             None picks about 2²⁷ / V (≈ 512 MiB of float32 logits per chunk).
         vocab_block: vocabulary columns per tile (None: the whole vocabulary). Below V, each chunk's
@@ -387,16 +313,15 @@ def loss_from_hidden(
             each tile's logits are recomputed for the gradient (8NHV flops on either route).
         memory_budget: bytes for the loop's logits buffers, exclusive with chunk_size and
             vocab_block; the chunk and tile are chosen from it (`pgloss.vocab.chunks.plan_tiles`).
+        **inputs: the optional inputs of `algorithm(...)` but `entropy` and `full_kl` (computed here);
+            floating tensors are cast to the compute dtype (float32, or float64 for float64 parameters).
     """
     check_names(inputs, PASSED_INPUTS)
-    head, ref = (
-        as_head(head, bias, logit_scale, softcap),
-        as_head(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_"),
-    )
+    policy, ref = as_head(head), as_head(ref_head, prefix="ref_")
     weight = full_head(weight)
-    head = head.with_bias(full_head(head.bias))
+    policy = policy.with_bias(full_head(policy.bias))
     valid = _check_inputs(hidden, weight, targets, mask)
-    kind, bias = head.check(weight), head.bias
+    kind, bias = policy.check(weight), policy.bias
     temperature = check_temperature(temperature)
     tokens = hidden.shape[0] * hidden.shape[1]
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
@@ -406,10 +331,10 @@ def loss_from_hidden(
 
     def cast(value: Tensor | None) -> Tensor | None:
         floating = isinstance(value, Tensor) and value.dtype.is_floating_point
-        return value.to(dtype) if floating else value
+        return value.to(dtype) if floating and value is not None else value
 
-    # The mask as bool, checked once here rather than again by every chunk's call.
-    batch = dict(
+    # The mask as bool, checked once here rather than again by every chunk's call. Any: the call's inputs by name.
+    batch: dict[str, Any] = dict(
         old_log_prob=cast(old_log_prob),
         advantages=advantages,
         mask=valid,
@@ -419,7 +344,8 @@ def loss_from_hidden(
     if exact_kl:
         if ref_hidden is None or ref_weight is None:
             raise ValueError(f"{algorithm.name} has kl_estimator='full' and needs ref_hidden and ref_weight")
-        from .full_kl import FullKL, pair_from_hidden
+        from .full_kl import FullKL
+        from .pair import pair_from_hidden
 
         batch["full_kl"] = pair_from_hidden(
             FullKL(),
@@ -428,33 +354,38 @@ def loss_from_hidden(
             ref_hidden,
             full_head(ref_weight),
             "ref",
-            head=head,
+            head=policy,
             other_head=ref.with_bias(full_head(ref.bias)),
             temperature=temperature,
             mask=valid,
             **sizes,
         )
-    elif (
-        ref_hidden is not None
-        or ref_weight is not None
-        or head_given(ref_head, ref_bias, ref_logit_scale, ref_softcap, prefix="ref_")
-    ):
+    elif ref_hidden is not None or ref_weight is not None or ref_head is not None:
         raise ValueError(
-            f"ref_hidden and ref_weight (and the reference head: ref_head, or ref_bias, ref_logit_scale, "
-            f"ref_softcap) are for kl_estimator='full'; {algorithm.name} has "
+            f"ref_hidden, ref_weight and ref_head are for kl_estimator='full'; {algorithm.name} has "
             f"kl_estimator={algorithm.kl_estimator!r} (pass ref_log_prob)"
         )
     length = hidden.shape[1]
     params = (hidden, weight) if bias is None else (hidden, weight, bias)
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-    if not needs_grad or length == 0 or length > chunk_size or algorithm.couples_rows or exact_kl:
-        # Sequences longer than a chunk, row-coupled losses and the exact KL: log π and H by token chunks, one
-        # call for the batch, logits recomputed in backward.
+    # On-policy with rollout log-probs and no step counts given, the counts may read log π_old = log π (a rollout
+    # correction's rejections), known only once log π is: the one pass needs them before its first chunk.
+    counted_on_log_prob = normalizer is None and old_log_prob is None and inputs.get("rollout_log_prob") is not None
+    if (
+        not needs_grad
+        or length == 0
+        or length > chunk_size
+        or algorithm.couples_rows
+        or exact_kl
+        or counted_on_log_prob
+    ):
+        # Sequences longer than a chunk, row-coupled losses, the exact KL and those counts: log π and H by token
+        # chunks, one call for the batch, logits recomputed in backward.
         log_prob, entropy = _log_prob_and_entropy(
             hidden,
             weight,
             safe_targets,
-            head,
+            policy,
             temperature=temperature,
             mask=valid,
             chunk_size=chunk_size,
@@ -467,7 +398,7 @@ def loss_from_hidden(
     if step is None:  # this batch is the whole step: counted once for every chunk, as the call counts it
         step = algorithm.whole_step_normalizer(valid, batch["old_log_prob"], **inputs)
     with torch.no_grad():
-        log_prob, entropy, *grads = _loss_one_pass(
+        log_prob, entropy, *grads = loss_one_pass(
             algorithm,
             hidden,
             weight,
@@ -481,5 +412,5 @@ def loss_from_hidden(
             batch,
         )
         out = algorithm(log_prob=log_prob, entropy=entropy, normalizer=step, **batch)
-    loss = _AttachGradients.apply(out.loss, hidden, weight, bias, *grads)
+    loss = AttachGradients.apply(out.loss, hidden, weight, bias, *grads)
     return dataclasses.replace(out, loss=loss)

@@ -1,16 +1,23 @@
 """What an LM head does after its matmul, described once for every caller: its options (`HeadOptions`: bias, logit
-scale, soft-cap), given as one record or as keywords and turned into one by `as_head`, checked by `Head.check` into
-the `HeadKind` that a loop (`head_chunks.HeadChunks`) and a kernel (`kernels.RawTile`) read."""
+scale, soft-cap), given as one record (`as_head`), checked by `Head.check` into the `HeadKind` that a loop
+(`head_chunks.HeadChunks`) and a kernel (`kernels.RawTile`) read. The keywords that once spelled the record out are
+refused with the fix (`refuses_head_keywords`)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
 from ..core.checks import check_number
 from ..core.output import check
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,8 @@ class HeadKind:
     def grad_(self, grad: Tensor, slope: Tensor | None) -> Tensor:
         """∂L/∂logits (before τ) of a tile → ∂L/∂r, in place: × s (1 − tanh²), or × s without a soft-cap."""
         if self.softcap is not None:
+            if slope is None:
+                raise ValueError("a soft-capped head's gradient needs the slope its transform_ wrote")
             grad.mul_(slope)
         elif self.scale != 1.0:
             grad.mul_(self.scale)
@@ -65,9 +74,8 @@ class HeadOptions:
     Gemma's `final_logit_softcapping` is c, Cohere's `logit_scale` is s, Granite's `logits_scaling` is 1/s
     (`pgloss.integrations.lm_head.head_options` reads them from a transformers model). The calls from hidden
     states take one per model: `head=` (the trained model's), `ref_head=` (the reference's, for the exact KL),
-    `teacher_head=` (the teacher's, for a divergence); their keywords `bias=`, `logit_scale=`, `softcap=` (and
-    `ref_...`, `teacher_...`) are the same record spelled out, turned into one by `as_head`. The bias has the
-    weight's dtype and device; the values are checked by the call that receives the record."""
+    `teacher_head=` (the teacher's, for a divergence). The bias has the weight's dtype and device; the values are
+    checked by the call that receives the record."""
 
     bias: Tensor | None = None
     logit_scale: float = 1.0
@@ -80,7 +88,7 @@ PLAIN_HEAD = HeadOptions()
 @dataclass(frozen=True, eq=False)
 class Head:
     """A head's options as one call received them (`as_head`): the record and the prefix its errors name its
-    parts by ("ref_" for the keywords `ref_bias`, ...; "ref_head." for the record `ref_head`)."""
+    parts by ("ref_head." for the record `ref_head`)."""
 
     options: HeadOptions
     names: str = ""
@@ -117,41 +125,39 @@ class Head:
         return HeadKind(scale, softcap)
 
 
-def _spelled(bias: object, logit_scale: object, softcap: object, prefix: str) -> list[str]:
-    """The keywords of a head given other than at their defaults (no tensor value is read; a logit scale that
-    is no number is refused by name)."""
-    plain_scale = check_number(f"{prefix}logit_scale", logit_scale) == 1.0
-    return [
-        name
-        for name, given in (
-            ("bias", bias is not None),
-            ("logit_scale", not plain_scale),
-            ("softcap", softcap is not None),
-        )
-        if given
-    ]
+REMOVED_KEYWORDS = ("bias", "logit_scale", "softcap")
+"""The head's options once also taken as keywords (`bias=`, `ref_softcap=`, ...), now only in its record."""
 
 
-def as_head(
-    head: object, bias: object = None, logit_scale: object = 1.0, softcap: object = None, *, prefix: str = ""
-) -> Head:
-    """The one converter of a head's spelling: the record `{prefix}head` (a `HeadOptions`), or its keywords
-    `{prefix}bias`, `{prefix}logit_scale`, `{prefix}softcap`, as a `Head` whose errors name what the caller
-    wrote. Both at once (a keyword other than its default beside the record) is refused, naming them."""
+def refuses_head_keywords(*prefixes: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A call from hidden states that refuses, with the fix, the keywords that once spelled out its heads' options:
+    `{prefix}bias`, `{prefix}logit_scale`, `{prefix}softcap` for each of `prefixes` ("" the trained model's, "ref_",
+    "teacher_"). TypeError: pass `{prefix}head=pgloss.HeadOptions(...)` with them instead."""
+
+    def decorate(call: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(call)  # the same signature for inspect and help()
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            for prefix in prefixes:
+                given = [name for name in REMOVED_KEYWORDS if f"{prefix}{name}" in kwargs]
+                if given:
+                    keywords = ", ".join(f"{prefix}{name}=" for name in given)
+                    fields = ", ".join(f"{name}=..." for name in given)
+                    raise TypeError(
+                        f"{call.__name__}() takes the head's options in one record: {keywords} are no longer "
+                        f"keywords; pass {prefix}head=pgloss.HeadOptions({fields})"
+                    )
+            return call(*args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+def as_head(head: object, *, prefix: str = "") -> Head:
+    """The record `{prefix}head` (a `HeadOptions`, or None for the plain head) as a `Head` whose errors name its
+    parts as the caller wrote them (`{prefix}head.bias`, ...)."""
     if head is None:
-        return Head(HeadOptions(bias, logit_scale, softcap), prefix)  # type: ignore[arg-type]
+        head = PLAIN_HEAD
     if not isinstance(head, HeadOptions):
         raise TypeError(f"{prefix}head must be a pgloss.HeadOptions or None, got {type(head).__name__}")
-    spelled = _spelled(bias, logit_scale, softcap, prefix)
-    if spelled:
-        keywords = ", ".join(f"{prefix}{name}" for name in spelled)
-        raise ValueError(
-            f"{prefix}head and {keywords} both describe the head: pass {prefix}head=HeadOptions(...) "
-            f"alone, or the keywords {prefix}bias, {prefix}logit_scale, {prefix}softcap alone"
-        )
     return Head(head, f"{prefix}head.")
-
-
-def head_given(head: object, bias: object, logit_scale: object, softcap: object, *, prefix: str = "") -> bool:
-    """Whether a head was described at all: by its record, or by a keyword other than its default."""
-    return head is not None or bool(_spelled(bias, logit_scale, softcap, prefix))

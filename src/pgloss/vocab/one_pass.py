@@ -1,0 +1,150 @@
+"""The one-pass route of `fused.loss_from_hidden`: the loss's gradients formed while its logits are at hand.
+
+When whole sequences fit in a chunk (T ≤ chunk_size), chunks of whole rows are walked once. Every aggregation
+weight depends only on the mask and the step's global counts, and every sequence-level coupling (GSPO's ratio,
+FIPO's future KL) stays inside a row, so a row chunk's loss under the step's `Normalizer` is its exact share of
+the batch loss (the split invariance of `pgloss.core.aggregate`). Its ∂L/∂log π and ∂L/∂H are therefore known as
+soon as its logits are, and with G = ∂L/∂(W x + b) of the chunk
+
+    ∂L/∂x = G W,        ∂L/∂W = Σ_chunks Gᵀ x,        ∂L/∂b = Σ_chunks Σ_rows G
+
+are formed in the forward pass: three N·H·V matmuls, the 6NHV floor (8NHV with vocabulary tiles, each tile
+recomputed for the gradient). `AttachGradients` hands them to autograd when the caller's `loss.backward()` runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ..core.aggregate import Normalizer
+from ..core.batch import compute_dtype
+from ..core.output import LossOutput
+from .chunks import HeadRows, backward_rows, forward_rows
+from .entropy import LogProbEntropy
+from .head import HeadKind
+from .kernels import route
+
+__all__ = ["FusedAlgorithm", "AttachGradients", "loss_one_pass"]
+
+
+class FusedAlgorithm(Protocol):
+    """What the fused path reads of a `pgloss.Algorithm` (vocab/ sits below base.py, which hands itself in)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kl_coef(self) -> float: ...
+
+    @property
+    def kl_estimator(self) -> str: ...
+
+    @property
+    def entropy_coef(self) -> float: ...
+
+    @property
+    def couples_rows(self) -> bool: ...
+
+    def whole_step_normalizer(
+        self, mask: Tensor, old_log_prob: Tensor | None, **inputs: Tensor | None
+    ) -> Normalizer: ...
+
+    def __call__(
+        self,
+        log_prob: Tensor,
+        old_log_prob: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        normalizer: Normalizer | None = None,
+        **inputs: Tensor | None,
+    ) -> LossOutput: ...
+
+
+class AttachGradients(torch.autograd.Function):
+    """The loss value, with ∂L/∂hidden, ∂L/∂weight and ∂L/∂bias already computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+        ctx.grads = [grad_hidden, grad_weight, grad_bias]
+        return loss.detach().clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        if ctx.grads is None:
+            raise RuntimeError("the fused loss's gradients were already handed out; backward runs once")
+        grads, ctx.grads = ctx.grads, None  # handed to autograd without a copy, scaled in place by ∂(caller)/∂loss
+        scale = grad_loss.to(next(g for g in grads if g is not None).dtype)
+        return (None, *(None if g is None else g.mul_(scale) for g in grads), None, None, None)
+
+
+def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
+    """`value[rows]` (the sequences of one chunk), or None."""
+    return None if value is None else value[rows]
+
+
+def loss_one_pass(
+    algorithm: FusedAlgorithm,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    kind: HeadKind,
+    targets: Tensor,
+    temperature: float,
+    chunk_rows: int,
+    vocab_block: int,
+    normalizer: Normalizer,
+    batch: dict[str, Any],
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """`algorithm`'s loss over row chunks of `chunk_rows` whole sequences, each chunk's call given the step's
+    `normalizer` and its rows of `batch` (the call's other inputs; `old_log_prob` None: on-policy, each chunk's
+    log π_old its own detached log π). With vocabulary tiles (`vocab_block` < V) no chunk's logits outlive
+    their tile, and each tile is recomputed for the gradient (8NHV).
+
+    Returns the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or None).
+    """
+    n_rows, length, size = hidden.shape
+    dtype = compute_dtype(weight.dtype)
+    x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
+    statistic = LogProbEntropy(y_all)
+    kernel = route(statistic, (kind,), weight) == "kernel"
+    if kernel:  # its Triton twin, on the head's raw tiles
+        statistic = statistic.kernel()
+    source = HeadRows(
+        x_all,
+        weight.detach(),
+        None if bias is None else bias.detach(),
+        chunk_rows * length,
+        dtype,
+        vocab_block,
+        kind,
+        kernel,
+        valid=batch["mask"].reshape(-1),
+    )
+    source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
+    values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
+    with_entropy = algorithm.entropy_coef != 0
+    grad_log_prob, grad_entropy = torch.empty_like(values[0]), torch.empty_like(values[1]) if with_entropy else None
+    for start in range(0, n_rows, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        tokens = slice(start * length, (start + chunk_rows) * length)
+        zs = forward_rows(statistic, [source], tokens, temperature, vocab_block, values)
+        shape = (min(n_rows, start + chunk_rows) - start, length)
+        with torch.enable_grad():
+            lp_leaf = values[0][tokens].view(shape).detach().requires_grad_()
+            ent_leaf = values[1][tokens].view(shape).detach().requires_grad_(with_entropy)
+            chunk: dict[str, Any] = {key: _rows(value, rows) for key, value in batch.items()}
+            out = algorithm(log_prob=lp_leaf, entropy=ent_leaf, normalizer=normalizer, **chunk)
+            chunk_grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
+        grad_log_prob[tokens] = chunk_grads[0].reshape(-1)
+        if grad_entropy is not None:  # no entropy gradient without the bonus
+            grad_entropy[tokens] = chunk_grads[1].reshape(-1)
+        grads = (grad_log_prob, grad_entropy)
+        backward_rows(statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs)
+    grad_hidden, grad_weight, grad_bias = source.gradients()
+    grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
+    return values[0].view(n_rows, length), values[1].view(n_rows, length), grad_hidden, grad_weight, grad_bias
