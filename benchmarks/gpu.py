@@ -233,7 +233,7 @@ class Report:
         )
         cells = [
             str(row[key]).ljust(width) if spec is None else cell(row.get(key), spec, width)
-            for key, (_, width, spec) in zip(keys, self.COLUMNS)
+            for key, (_, width, spec) in zip(keys, self.COLUMNS, strict=True)
         ]
         print("| " + " | ".join(cells) + " | " + row.get("note", ""), flush=True)
 
@@ -350,7 +350,9 @@ def run_plain(case: Case, args, report: Report, clock: Clock) -> None:
         return run_variant(str(script), argv, mode, allowed)
 
     verl_missing = blocked("plain", "verl", args.device)
-    for mode, out in zip(PLAIN_MODES, in_groups([lambda mode=mode: call(mode) for mode in PLAIN_MODES], args.jobs)):
+    for mode, out in zip(
+        PLAIN_MODES, in_groups([lambda mode=mode: call(mode) for mode in PLAIN_MODES], args.jobs), strict=True
+    ):
         shape = f"{case.label} {mode}"
         report.section(case.section, shape, "verl", "verl's loss")
         ms = out.get("ms", {})

@@ -152,7 +152,7 @@ def loss_and_grads(
         )
     total = torch.zeros((), dtype=torch.float64)
     whole = algorithm
-    for part, call in zip(parts, local):
+    for part, call in zip(parts, local, strict=True):
         h, y = cut(hidden[rows][part]), cut(targets[rows][part])
         if getattr(whole, "selection", None) is not None:  # Clip-Cov's, KL-Cov's: the step's, cut like a token
             algorithm = dataclasses.replace(whole, selection=cut(whole.selection[rows][part]))
@@ -412,7 +412,11 @@ def check(results, expected):
             assert got, config
             for label, value in got.items():
                 torch.testing.assert_close(
-                    value, expected[label], rtol=1e-9, atol=1e-12, msg=lambda m: f"{label}, {config}, rank {rank}: {m}"
+                    value,
+                    expected[label],
+                    rtol=1e-9,
+                    atol=1e-12,
+                    msg=lambda m, where=f"{label}, {config}, rank {rank}": f"{where}: {m}",
                 )
 
 
