@@ -245,7 +245,6 @@ def run_all(cases, split, rows, parts, process_group):
 def two_ranks(rank, world):
     """One sequence group of 2 (pure sequence parallelism), micro-batches of whole groups; and what a call
     reduces over the group (`collectives`), the refusal by name, KL-Cov's step selection."""
-    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread per rank only contends for the cores
     parts = [slice(0, 2), slice(2, 8)]
     return {
         "sp2 contiguous": run_all(all_cases(), SequenceParallel(), slice(None), parts, None),
@@ -367,7 +366,6 @@ def four_ranks(rank, world):
     one sequence group of 4 ranks, load-balanced (each rank holds 2 of 8 chunks): every name."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
     dp = mesh.get_local_rank("dp")
     mesh_split = SequenceParallel(group=mesh.get_group("sp"))
