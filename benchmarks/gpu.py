@@ -5,8 +5,9 @@ Sections (each variant in its own process, run by the benchmark that owns it):
   hidden      the loss from hidden states (benchmarks/fused.py), GRPO, on N = 4096, H = 896, V = 151936
               and N = 16384, H = 3584, V = 152064 (T = 256) in bfloat16: the float64 reference, the matmul
               floor, materialised logits (naive), pgloss fused (the route the library picks: its Triton
-              kernels on CUDA), the same on the torch route (fused-torch) and tiled,
-              TRL's ChunkedLogProbFunction, torch's linear_cross_entropy, Cut Cross-Entropy and Liger
+              kernels on CUDA), the same on the torch route (fused-torch; on a CPU, skipped: the fused
+              row's route) and tiled, TRL's ChunkedLogProbFunction, torch's linear_cross_entropy, Cut
+              Cross-Entropy and Liger
   plain       the loss from log-probabilities (benchmarks/plain.py), dual-clip PPO on B = 64 x T = 4096
               in float32, token-mean and seq-mean-token-mean: verl's compute_policy_loss_vanilla (read
               from its files: ray is not needed), pgloss eager and pgloss under torch.compile
@@ -110,6 +111,9 @@ NEEDS = {
 """(section, variant) -> the peer (peers.PEERS) it measures."""
 TRITON = {"liger", "cce"}
 """The peers whose kernels are Triton's."""
+SAME_ON_CPU = {("hidden", "fused-torch"): "fused"}
+"""(section, variant) -> the row that already measures it on a CPU: the library's own route there is the torch
+route (pgloss.vocab.kernels.route), so a second process would time the same computation."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -233,7 +237,7 @@ class Report:
         )
         cells = [
             str(row[key]).ljust(width) if spec is None else cell(row.get(key), spec, width)
-            for key, (_, width, spec) in zip(keys, self.COLUMNS)
+            for key, (_, width, spec) in zip(keys, self.COLUMNS, strict=True)
         ]
         print("| " + " | ".join(cells) + " | " + row.get("note", ""), flush=True)
 
@@ -249,8 +253,11 @@ class Clock:
 
 
 def blocked(section: str, variant: str, device: str) -> tuple[str, str] | None:
-    """(status, note) for a row that cannot run here: its peer (or Triton under it) not installed, or
-    a CUDA-only peer on a CPU run; None when it can run."""
+    """(status, note) for a row that cannot run here: its peer (or Triton under it) not installed, a
+    CUDA-only peer on a CPU run, or a row that on a CPU measures what another row does; None when it can run."""
+    same = SAME_ON_CPU.get((section, variant))
+    if same is not None and device != "cuda":
+        return "skipped", f"on a CPU the library's route is the torch route: the {same} row measures it"
     name = NEEDS.get((section, variant))
     if name is None:
         return None
@@ -350,7 +357,9 @@ def run_plain(case: Case, args, report: Report, clock: Clock) -> None:
         return run_variant(str(script), argv, mode, allowed)
 
     verl_missing = blocked("plain", "verl", args.device)
-    for mode, out in zip(PLAIN_MODES, in_groups([lambda mode=mode: call(mode) for mode in PLAIN_MODES], args.jobs)):
+    for mode, out in zip(
+        PLAIN_MODES, in_groups([lambda mode=mode: call(mode) for mode in PLAIN_MODES], args.jobs), strict=True
+    ):
         shape = f"{case.label} {mode}"
         report.section(case.section, shape, "verl", "verl's loss")
         ms = out.get("ms", {})

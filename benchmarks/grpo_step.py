@@ -211,7 +211,7 @@ class Report:
         self.write(row)
         cells = [
             str(row.get(key, "")).ljust(width) if spec is None else cell(row.get(key), spec, width)
-            for key, (_, width, spec) in zip(self.KEYS, self.COLUMNS)
+            for key, (_, width, spec) in zip(self.KEYS, self.COLUMNS, strict=True)
         ]
         print("| " + " | ".join(cells) + " | " + row.get("note", ""), flush=True)
         if row["status"] == "failed" and row.get("error"):  # the traceback's end, for a log cut short

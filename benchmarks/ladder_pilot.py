@@ -38,7 +38,7 @@ def step_accuracy(model, task, tokenizer, chains: int = 512, seed: int = 123) ->
     problems = [task.sample(rng) for _ in range(chains)]
     work = [task.max_terms - 1 - p.prompt.count("+0") for p in problems]  # the chain's own steps
     running = [_running(task, p.prompt) for p in problems]
-    texts = [",".join(map(str, r)) + "|" + p.answer for r, p in zip(running, problems)]
+    texts = [",".join(map(str, r)) + "|" + p.answer for r, p in zip(running, problems, strict=True)]
     batch = teacher_forced([tokenizer.encode(p.prompt) for p in problems], [tokenizer.encode(t) for t in texts])
     device = next(model.parameters()).device
     with torch.no_grad():

@@ -71,7 +71,8 @@ def batch():
 
 def run_ranks(worker, world: int = 2) -> dict:
     """`worker(rank, world)` in `world` spawned processes joined in one gloo process group (set up and
-    torn down here); {rank: what the worker returned}. `worker` is a module-level function."""
+    torn down here), each with one intra-op thread; {rank: what the worker returned}. `worker` is a
+    module-level function."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
@@ -86,6 +87,9 @@ def _rank_main(rank: int, world: int, port: int, results, worker) -> None:
 
     import torch.distributed as dist
 
+    # The ranks' tensors are tiny and the ranks share the machine's cores: a second intra-op thread per rank
+    # only spins against the others (the FSDP2 test's ranks took twice the CPU time with torch's default).
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -28,7 +28,7 @@ def numeric_fields(alg):
 @pytest.mark.parametrize("name", NAMES)
 def test_every_numeric_hyperparameter_must_be_a_finite_real(name):
     alg = algorithm(name)
-    for field, value in numeric_fields(alg):
+    for field, _ in numeric_fields(alg):
         with pytest.raises(TypeError, match=rf"{field} must be a real number.*got '0.2' \(str\)"):
             algorithm(name, **{field: "0.2"})
         with pytest.raises(TypeError, match=rf"{field} must be a real number.*got True \(bool\)"):
@@ -124,7 +124,7 @@ def test_gae_ignores_non_finite_values_at_masked_positions():
     poisoned_r, poisoned_v = rewards.clone(), values.clone()
     poisoned_r[~mask], poisoned_v[~mask] = math.nan, math.inf
     dirty = gae(poisoned_r, poisoned_v, mask, gamma=0.99, lam=0.95)
-    for a, b in zip(clean, dirty):
+    for a, b in zip(clean, dirty, strict=True):
         assert torch.equal(a, b)
 
 

@@ -51,7 +51,7 @@ def test_matches_loop(config, seed):
     steps = entropies(seed)
     expected = loops.adaptive_entropy([[((h * m).sum().item(), m.sum().item()) for h, m in s] for s in steps], **config)
     controller = AdaptiveEntropy(**config)
-    for (applied, coef, entropy), step in zip(expected, steps):
+    for (applied, coef, entropy), step in zip(expected, steps, strict=True):
         assert controller.applied == applied
         for h, m in step:
             controller.observe(h, m)
@@ -165,7 +165,7 @@ def test_matches_trl_over_steps(config, micro):
     steps = entropies(3, micro=micro)
     theirs = trl_sequence(config, steps, micro)
     controller = AdaptiveEntropy(**config)
-    for (applied, coef, last), step in zip(theirs, steps):
+    for (applied, coef, last), step in zip(theirs, steps, strict=True):
         for a in applied:
             assert a == pytest.approx(controller.applied, abs=1e-15)
         for h, m in step[:micro]:

@@ -12,6 +12,8 @@ Clip-Cov and KL-Cov select their tokens within each call, so no split of the bat
 loss: their reference is the same per-call selections in one process, summed under the step's counts.
 """
 
+import functools
+
 import pytest
 import torch
 from conftest import run_ranks
@@ -128,7 +130,10 @@ def worker(rank: int, world: int) -> dict:
                 algorithm = build(name)
                 model.zero_grad(set_to_none=True)
                 normalizer = step_normalizer(algorithm, inputs, parts)
-                micro_batches(lambda p: micro_loss(algorithm, model, path, ids, targets, inputs, p, normalizer), parts)
+                micro_batches(
+                    functools.partial(micro_loss, algorithm, model, path, ids, targets, inputs, normalizer=normalizer),
+                    parts,
+                )
                 out[(head, path, name)] = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
     return out
 
@@ -170,5 +175,5 @@ def test_every_shard_gets_the_gradient_of_one_call(ranks, name):
                     shard,
                     rtol=1e-9,
                     atol=1e-12,
-                    msg=lambda m: f"{name}, {path}, {head}, rank {rank}/{world}, {key}: {m}",
+                    msg=lambda m, where=f"{name}, {path}, {head}, rank {rank}/{world}, {key}": f"{where}: {m}",
                 )

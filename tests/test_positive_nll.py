@@ -220,7 +220,10 @@ def _nemo_config(mu):
 
 def _nemo_call(fn, data, lp, rows, tokens, part=slice(None)):
     """NeMo-RL's inputs carry one leading position that its loss drops ([:, 1:])."""
-    pad = lambda x: torch.cat([torch.zeros_like(x[:, :1]), x], dim=1)
+
+    def pad(x):
+        return torch.cat([torch.zeros_like(x[:, :1]), x], dim=1)
+
     mask = data["mask"][part].double()
     adv = data["advantages"][part][:, None].expand_as(mask)
     batch = dict(

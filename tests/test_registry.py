@@ -167,7 +167,10 @@ def test_token_sum_is_the_plain_sum():
     alg = pgloss.get("gpg", loss_agg_mode="token-sum")
     out = alg(data["log_prob"], data["old_log_prob"], data["advantages"], data["mask"])
     expected = loops.aggregate(
-        [[-a * p for a, p in zip(ra, rp)] for ra, rp in zip(data["advantages"].tolist(), data["log_prob"].tolist())],
+        [
+            [-a * p for a, p in zip(ra, rp, strict=True)]
+            for ra, rp in zip(data["advantages"].tolist(), data["log_prob"].tolist(), strict=True)
+        ],
         data["mask"].tolist(),
         "token-sum",
     )

@@ -129,7 +129,7 @@ def test_role_baseline_matches_loop_over_steps(update):
         expected, final = loops.rae_sequential(plain, 0.8, 3)
     else:
         expected, final = loops.rae_per_step(plain, 0.8, 3, per_trace=update == "trace")
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         close(g, e)
     close(rae.baseline, final)
     assert rae.baseline[2] == 0  # an absent key keeps its baseline
@@ -331,7 +331,7 @@ def test_maxrl_with_empty_rows_matches_loop(convention):
     expected = loops.maxrl_adv(
         scores.tolist(), ids.tolist(), eps=1e-6 if skyrl else 0.0, skyrl=skyrl, rows=None if skyrl else rows
     )
-    expected = [e if r else 0.0 for e, r in zip(expected, rows)]
+    expected = [e if r else 0.0 for e, r in zip(expected, rows, strict=True)]
     close(est.maxrl_advantages(scores, ids, convention=convention, mask=mask), expected)
 
 
@@ -366,7 +366,7 @@ def test_rloo_and_grpo_with_empty_rows_match_loop():
             )
             if scale != "group" and conv.singleton == "raw":  # verl has no batch / none scaling: μ = 0 only
                 expected[12] = scores[12].item()
-            expected = [e if r else 0.0 for e, r in zip(expected, rows)]
+            expected = [e if r else 0.0 for e, r in zip(expected, rows, strict=True)]
             close(est.grpo_advantages(scores, ids, convention=name, scale=scale, mask=mask), expected)
     one = torch.tensor([1.0, 0.0, 0.0], **F64), torch.zeros(3, dtype=torch.long), torch.tensor([True, True, False])
     close(est.grpo_advantages(*one[:2], mask=one[2]), [0.5 / (0.5**0.5 + 1e-6), -0.5 / (0.5**0.5 + 1e-6), 0.0])
@@ -395,13 +395,13 @@ def test_role_baseline_with_empty_rows_matches_loop(update):
     rows = [m.any(-1).tolist() for m in masks]
     assert not all(all(r) for r in rows)
     rae = est.RoleBaseline(3, decay=0.8, update=update)
-    got = [rae(r, k, mask=m) for (r, k), m in zip(steps, masks)]
+    got = [rae(r, k, mask=m) for (r, k), m in zip(steps, masks, strict=True)]
     plain = [(r.tolist(), k.tolist()) for r, k in steps]
     if update == "sequential":
         expected, final = loops.rae_sequential(plain, 0.8, 3, rows=rows)
     else:
         expected, final = loops.rae_per_step(plain, 0.8, 3, per_trace=update == "trace", rows=rows)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         close(g, e)
     close(rae.baseline, final)
 

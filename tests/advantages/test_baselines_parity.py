@@ -131,7 +131,7 @@ def test_rae_matches_prime_rl_sequential():
         n = 5 + 3 * step
         keys = torch.randint(0, 2, (n,), generator=gen)
         rewards = torch.randn(n, generator=gen, **F64)
-        traces = [trace(r, agent=("first", "second")[k]) for r, k in zip(rewards.tolist(), keys.tolist())]
+        traces = [trace(r, agent=("first", "second")[k]) for r, k in zip(rewards.tolist(), keys.tolist(), strict=True)]
         asyncio.run(algo.score_group([SimpleNamespace(traces=traces)]))
         torch.testing.assert_close(ours(rewards, keys), torch.tensor(read(traces), **F64), rtol=0, atol=1e-14)
     torch.testing.assert_close(

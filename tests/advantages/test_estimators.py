@@ -85,8 +85,8 @@ def test_remax_is_return_minus_greedy_reward():
     close(
         adv,
         [
-            [g - b if m else 0.0 for g, m in zip(row, mrow)]
-            for row, mrow, b in zip(expected, mask.tolist(), baseline.tolist())
+            [g - b if m else 0.0 for g, m in zip(row, mrow, strict=True)]
+            for row, mrow, b in zip(expected, mask.tolist(), baseline.tolist(), strict=True)
         ],
     )
 

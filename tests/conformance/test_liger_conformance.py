@@ -4,7 +4,7 @@ documented, and a changed Liger is reported."""
 import functools
 
 import pytest
-from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
+from conformance.trainer_fixtures import trainer_cases, trainer_installed  # noqa: F401 (the fixtures)
 
 from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import liger as conformance

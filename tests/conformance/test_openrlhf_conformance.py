@@ -1,8 +1,7 @@
 """The OpenRLHF part of `pgloss conformance` on OpenRLHF 0.11.2's loss files: every case agrees or differs as
 documented, and a changed OpenRLHF is reported."""
 
-
-from conformance.trainer_fixtures import cases, installed  # noqa: F401 (the fixtures)
+from conformance.trainer_fixtures import trainer_cases, trainer_installed  # noqa: F401 (the fixtures)
 
 from pgloss.conformance import AGREE, DIFFERS, DOCUMENTED
 from pgloss.conformance import openrlhf as conformance

@@ -78,7 +78,7 @@ def split_metrics(parts) -> dict:
             expert=cut(inputs["expert"], parts),
         )
         step = pgloss.StepMetrics()
-        for part, selection in zip(parts, selections(algorithm, log_prob, inputs, parts)):
+        for part, selection in zip(parts, selections(algorithm, log_prob, inputs, parts), strict=True):
             call_algorithm = algorithm if selection is None else dataclasses.replace(algorithm, selection=selection)
             step.add(call(call_algorithm, log_prob, inputs, part, normalizer))
         out[(name, kind)] = step.as_floats()

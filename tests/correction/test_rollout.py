@@ -49,7 +49,9 @@ def test_weights_match_loop(level, mode, lower, upper):
     torch.testing.assert_close(out.weight, torch.tensor(weight, dtype=torch.float64), rtol=1e-12, atol=1e-14)
     assert out.weight.requires_grad is False
     mask = data["mask"]
-    share = sum(f for row, m in zip(flags, mask.tolist()) for f, v in zip(row, m) if v) / int(mask.sum())
+    share = sum(f for row, m in zip(flags, mask.tolist(), strict=True) for f, v in zip(row, m, strict=True) if v) / int(
+        mask.sum()
+    )
     assert float(out.metrics["rollout_is_bounded_frac"].value) == pytest.approx(share)
     assert share > 0  # the bounds bind: the case tests them
     assert torch.equal(out.mask, mask)
@@ -283,7 +285,7 @@ def test_normalizer_counts_kept_tokens_and_carries_the_weight_mean():
         [data["rollout_log_prob"][p] for p in parts],
     )
     norm = corr.normalizer(*args)
-    kept = [corr.keep_mask(*a) for a in zip(*args)]
+    kept = [corr.keep_mask(*a) for a in zip(*args, strict=True)]
     expected = pgloss.Normalizer.count(kept)
     assert isinstance(norm, pgloss.Normalizer)
     assert float(norm.tokens) == float(expected.tokens) < float(data["mask"].sum())

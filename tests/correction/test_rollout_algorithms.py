@@ -65,7 +65,7 @@ def test_dapo_with_each_weight_level_and_rejection_matches_loop(level):
     lists = [d[k].tolist() for k in ("old_log_prob", "rollout_log_prob", "mask")]
     weight, _ = lp2.rollout_weights(*lists, level=level, mode="mask", lower=0.7, upper=1.4)
     keep = lp2.kl_rejection_keep(*lists, "token_k2", 0.08)
-    keep = [[k and m for k, m in zip(kr, mr)] for kr, mr in zip(keep, lists[2])]
+    keep = [[k and m for k, m in zip(kr, mr, strict=True)] for kr, mr in zip(keep, lists[2], strict=True)]
     counted = sum(map(sum, keep))
     assert 0 < counted < int(d["mask"].sum())
     assert float(out.loss) == pytest.approx(expected_dapo(d, weight=weight, keep=keep, counted=counted), rel=1e-12)

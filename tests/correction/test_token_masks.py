@@ -21,7 +21,12 @@ def data():
 @pytest.mark.parametrize("top", [0.2, 0.5, 1.0])
 def test_threshold_is_the_loop_quantile_over_the_whole_step(top):
     d = data()
-    valid = [e for row, m in zip(d["entropy"].tolist(), d["mask"].tolist()) for e, k in zip(row, m) if k]
+    valid = [
+        e
+        for row, m in zip(d["entropy"].tolist(), d["mask"].tolist(), strict=True)
+        for e, k in zip(row, m, strict=True)
+        if k
+    ]
     expected = loops.quantile(valid, 1 - top)
     whole = entropy_threshold(d["entropy"], d["mask"], top=top)
     split = entropy_threshold([d["entropy"][p] for p in PARTS], [d["mask"][p] for p in PARTS], top=top)
@@ -95,7 +100,7 @@ def on_rank(rank):  # inside a gloo process of properties/test_two_ranks_step_st
         p, m = rows_and_mask
         return alg(log_prob[p], d["old_log_prob"][p], d["advantages"][p], m, normalizer=normalizer)
 
-    micro_batches(micro_batch, zip(parts, masks))
+    micro_batches(micro_batch, zip(parts, masks, strict=True))
     grad = log_prob.grad.clone()
     torch.distributed.all_reduce(grad)
     return threshold, grad / 2

@@ -29,7 +29,10 @@ def value_and_grad(fn, lp):
 def test_straight_through_has_the_estimator_value_and_the_k2_gradient(estimator):
     lp, ref, _ = inputs()
     value, grad = value_and_grad(lambda x: straight_through(kl_estimate(x, ref, estimator), x, ref), lp)
-    expected = [[loops.kl(a, b, estimator) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), ref.tolist())]
+    expected = [
+        [loops.kl(a, b, estimator) for a, b in zip(ra, rb, strict=True)]
+        for ra, rb in zip(lp.tolist(), ref.tolist(), strict=True)
+    ]
     torch.testing.assert_close(value, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, lp - ref, rtol=1e-12, atol=1e-14)  # ∇½d² = d·∇log π
 
@@ -85,7 +88,10 @@ def test_kl_term_composes_the_estimator_and_the_correction(estimator, correction
     base = estimator.rstrip("+")
     d, r = lp - ref, torch.exp(lp - old)
     k = torch.tensor(
-        [[loops.kl(a, b, base) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), ref.tolist())],
+        [
+            [loops.kl(a, b, base) for a, b in zip(ra, rb, strict=True)]
+            for ra, rb in zip(lp.tolist(), ref.tolist(), strict=True)
+        ],
         dtype=torch.float64,
     )
     own = {"k1": torch.ones_like(d), "k3": 1 - torch.exp(-d), "abs": torch.sign(d)}[base]  # ∂k/∂log π

@@ -16,7 +16,10 @@ def test_estimators_match_loop(estimator):
     lp = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
     ref = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
     expected = torch.tensor(
-        [[loops.kl(a, b, estimator) for a, b in zip(ra, rb)] for ra, rb in zip(lp.tolist(), ref.tolist())],
+        [
+            [loops.kl(a, b, estimator) for a, b in zip(ra, rb, strict=True)]
+            for ra, rb in zip(lp.tolist(), ref.tolist(), strict=True)
+        ],
         dtype=torch.float64,
     )
     torch.testing.assert_close(kl_estimate(lp, ref, estimator), expected, rtol=1e-12, atol=1e-14)

@@ -13,7 +13,7 @@ import math
 def gae(rewards, values, mask, *, gamma, lam):
     """A_t = δ_t + γλ A_{t+1} over the valid positions only, δ_t = r_t + γ V_next - V_t."""
     advantages = []
-    for r_row, v_row, m_row in zip(rewards, values, mask):
+    for r_row, v_row, m_row in zip(rewards, values, mask, strict=True):
         valid = [t for t, m in enumerate(m_row) if m]
         adv = [0.0] * len(r_row)
         last, next_v = 0.0, 0.0
@@ -80,7 +80,7 @@ def rloo(scores, ids, rows=None):
 
 def returns(rewards, mask, gamma):
     out = []
-    for row, m in zip(rewards, mask):
+    for row, m in zip(rewards, mask, strict=True):
         g, r = 0.0, [0.0] * len(row)
         for t in reversed(range(len(row))):
             if m[t]:
@@ -91,11 +91,14 @@ def returns(rewards, mask, gamma):
 
 
 def whiten(values, mask, *, bessel=True, openrlhf=False):
-    xs = [v for row, m in zip(values, mask) for v, k in zip(row, m) if k]
+    xs = [v for row, m in zip(values, mask, strict=True) for v, k in zip(row, m, strict=True) if k]
     mean = sum(xs) / len(xs)
     var = sum((x - mean) ** 2 for x in xs) / (len(xs) - (0 if openrlhf else 1))
     scale = 1 / math.sqrt(max(var, 1e-8)) if openrlhf else 1 / math.sqrt(var + 1e-8)
-    return [[(v - mean) * scale if k else 0.0 for v, k in zip(row, m)] for row, m in zip(values, mask)]
+    return [
+        [(v - mean) * scale if k else 0.0 for v, k in zip(row, m, strict=True)]
+        for row, m in zip(values, mask, strict=True)
+    ]
 
 
 def opo(scores, ids, lengths):
@@ -243,7 +246,7 @@ def rae_sequential(steps, decay, num_keys, rows=None):
     out = []
     for step, (rewards, keys) in enumerate(steps):
         adv = []
-        for i, (r, k) in enumerate(zip(rewards, keys)):
+        for i, (r, k) in enumerate(zip(rewards, keys, strict=True)):
             if rows is not None and not rows[step][i]:
                 adv.append(0.0)
                 continue
@@ -260,9 +263,9 @@ def rae_per_step(steps, decay, num_keys, *, per_trace=True, rows=None):
     out = []
     for step, (rewards, keys) in enumerate(steps):
         counted = [True] * len(rewards) if rows is None else rows[step]
-        out.append([r - b[k] if ok else 0.0 for r, k, ok in zip(rewards, keys, counted)])
+        out.append([r - b[k] if ok else 0.0 for r, k, ok in zip(rewards, keys, counted, strict=True)])
         for k in range(num_keys):
-            mine = [r for r, kk, ok in zip(rewards, keys, counted) if kk == k and ok]
+            mine = [r for r, kk, ok in zip(rewards, keys, counted, strict=True) if kk == k and ok]
             if mine:
                 keep = decay ** len(mine) if per_trace else decay
                 b[k] = keep * b[k] + (1 - keep) * sum(mine) / len(mine)
@@ -270,14 +273,17 @@ def rae_per_step(steps, decay, num_keys, *, per_trace=True, rows=None):
 
 
 def _valid_moments(values, mask):
-    xs = [v for row, m in zip(values, mask) for v, k in zip(row, m) if k]
+    xs = [v for row, m in zip(values, mask, strict=True) for v, k in zip(row, m, strict=True) if k]
     mean = sum(xs) / len(xs)
     return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
 
 
 def clipb_mask(log_prob, entropy, adv, mask, mu):
     """Keep unless Â < 0 and S - mean(S) < -μ σ(S), S = p (H + log p) over the valid tokens."""
-    S = [[math.exp(lp) * (h + lp) for lp, h in zip(lr, hr)] for lr, hr in zip(log_prob, entropy)]
+    S = [
+        [math.exp(lp) * (h + lp) for lp, h in zip(lr, hr, strict=True)]
+        for lr, hr in zip(log_prob, entropy, strict=True)
+    ]
     mean, std = _valid_moments(S, mask)
     return [
         [

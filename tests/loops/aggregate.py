@@ -15,7 +15,7 @@ def aggregate(values, mask, mode: str, *, norm_constant=None, group_ids=None, de
     """The loss_agg_modes written as the sums of their definitions."""
     lens = lengths(mask)
     rows = [i for i, n in enumerate(lens) if n > 0]
-    row_sum = [sum(v for v, m in zip(values[i], mask[i]) if m) for i in range(len(mask))]
+    row_sum = [sum(v for v, m in zip(values[i], mask[i], strict=True) if m) for i in range(len(mask))]
     if mode == "token-sum":
         return sum(row_sum)
     if mode == "token-mean":

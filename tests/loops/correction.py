@@ -10,7 +10,7 @@ import math
 
 
 def _valid(row, mask_row):
-    return [v for v, m in zip(row, mask_row) if m]
+    return [v for v, m in zip(row, mask_row, strict=True) if m]
 
 
 # -- rollout correction ------------------------------------------------------------------------
@@ -94,15 +94,15 @@ def opsm_keep(log_prob, behave, seq_adv, mask, delta):
     """DeepSeek-V3.2 off-policy sequence mask: drop A<0 rows with mean(behave - logp) > δ."""
     out = []
     for i in range(len(mask)):
-        gaps = [b - l for b, l, m in zip(behave[i], log_prob[i], mask[i]) if m]
+        gaps = [b - lp for b, lp, m in zip(behave[i], log_prob[i], mask[i], strict=True) if m]
         gap = sum(gaps) / max(len(gaps), 1)
         out.append(not (seq_adv[i] < 0 and gap > delta))
     return out
 
 
 def mismatch(train, rollout, mask):
-    toks = [(a - b) for i in range(len(mask)) for a, b, m in zip(train[i], rollout[i], mask[i]) if m]
-    rows = [[a - b for a, b, m in zip(train[i], rollout[i], mask[i]) if m] for i in range(len(mask))]
+    toks = [(a - b) for i in range(len(mask)) for a, b, m in zip(train[i], rollout[i], mask[i], strict=True) if m]
+    rows = [[a - b for a, b, m in zip(train[i], rollout[i], mask[i], strict=True) if m] for i in range(len(mask))]
     rows = [r for r in rows if r]
     return {
         "rollout_kl": sum(-x for x in toks) / len(toks),
@@ -131,7 +131,7 @@ def m2po_keep(behave, prox, mask, threshold):
     items = [
         ((b - p) ** 2, i, t)
         for i in range(len(mask))
-        for t, (b, p, m) in enumerate(zip(behave[i], prox[i], mask[i]))
+        for t, (b, p, m) in enumerate(zip(behave[i], prox[i], mask[i], strict=True))
         if m
     ]
     items.sort(key=lambda x: -x[0])

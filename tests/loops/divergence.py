@@ -20,7 +20,7 @@ def _softmax(row, temperature):
 
 def _kl(p, q):
     """Σ_v p_v log(p_v / q_v), with 0 log 0 = 0."""
-    return sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0)
+    return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True) if a > 0)
 
 
 def divergence(student_row, teacher_row, beta, temperature=1.0):
@@ -30,7 +30,7 @@ def divergence(student_row, teacher_row, beta, temperature=1.0):
         return _kl(p, q)
     if beta == 1:
         return _kl(q, p)
-    m = [beta * a + (1 - beta) * b for a, b in zip(p, q)]
+    m = [beta * a + (1 - beta) * b for a, b in zip(p, q, strict=True)]
     return beta * _kl(p, m) + (1 - beta) * _kl(q, m)
 
 
@@ -40,20 +40,20 @@ def divergence_grad(student_row, teacher_row, beta, temperature=1.0):
     g = −p/q (β = 0), log(q/p) + 1 (β = 1), (1 − β) log(q/m) (0 < β < 1: the terms of m cancel)."""
     q, p = _softmax(student_row, temperature), _softmax(teacher_row, temperature)
     if beta == 0:
-        g = [-a / b for a, b in zip(p, q)]
+        g = [-a / b for a, b in zip(p, q, strict=True)]
     elif beta == 1:
-        g = [math.log(b / a) + 1 for a, b in zip(p, q)]
+        g = [math.log(b / a) + 1 for a, b in zip(p, q, strict=True)]
     else:
-        g = [(1 - beta) * math.log(b / (beta * a + (1 - beta) * b)) for a, b in zip(p, q)]
-    mean = sum(b * x for b, x in zip(q, g))
-    return [b * (x - mean) / temperature for b, x in zip(q, g)]
+        g = [(1 - beta) * math.log(b / (beta * a + (1 - beta) * b)) for a, b in zip(p, q, strict=True)]
+    mean = sum(b * x for b, x in zip(q, g, strict=True))
+    return [b * (x - mean) / temperature for b, x in zip(q, g, strict=True)]
 
 
 def head_logits(hidden_row, weight_rows, bias=None, scale=1.0, softcap=None):
     """An LM head's logits at one position before the temperature: c·tanh(s·(Wx + b)/c), s·(Wx + b)
     without a soft-cap c (TRL 1.16's order: bias, scale, soft-cap)."""
     raw = [
-        sum(w * x for w, x in zip(row, hidden_row)) + (0.0 if bias is None else bias[v])
+        sum(w * x for w, x in zip(row, hidden_row, strict=True)) + (0.0 if bias is None else bias[v])
         for v, row in enumerate(weight_rows)
     ]
     if softcap is None:

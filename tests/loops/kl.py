@@ -32,4 +32,4 @@ def full_kl(logits_row, ref_row, temperature=1.0):
         return [x - lse for x in z]
 
     lp, lr = log_softmax(logits_row), log_softmax(ref_row)
-    return sum(math.exp(a) * (a - b) for a, b in zip(lp, lr))
+    return sum(math.exp(a) * (a - b) for a, b in zip(lp, lr, strict=True))

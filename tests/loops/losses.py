@@ -27,7 +27,7 @@ def ppo_token(r: float, a: float, *, clip_low: float, clip_high: float, dual_cli
 
 
 def seq_log_ratio(lp_row, old_row, mask_row, *, normalized: bool) -> float:
-    total = sum(a - b for a, b, m in zip(lp_row, old_row, mask_row) if m)
+    total = sum(a - b for a, b, m in zip(lp_row, old_row, mask_row, strict=True) if m)
     n = sum(1 for m in mask_row if m)
     return total / max(n, 1) if normalized else total
 
@@ -344,7 +344,10 @@ def rec(lp, old, adv, mask, *, mode, weight, eps_low=0.2, eps_high=0.2, ring_low
 
 def opmd(lp, adv, *, tau=1.0):
     """-A·log π/(1 + τ) per token (Trinity opmd_policy_loss.py)."""
-    return [[-a * x / (1 + tau) for x, a in zip(lp_row, adv_row)] for lp_row, adv_row in zip(lp, adv)]
+    return [
+        [-a * x / (1 + tau) for x, a in zip(lp_row, adv_row, strict=True)]
+        for lp_row, adv_row in zip(lp, adv, strict=True)
+    ]
 
 
 def sppo(lp, old, adv, *, epsilon=0.3):

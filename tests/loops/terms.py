@@ -11,9 +11,9 @@ def positive_nll(log_prob, mask, scores) -> float:
     L_NLL = -(1 / Σ_{o_i∈T} |o_i|) Σ_{o_i∈T} Σ_t log π(a_t|s_t), T the correct answers (reward > 0, as
     NeMo-RL's `ClippedPGLossFn`); 0 when T holds no token."""
     total, count = 0.0, 0
-    for row, row_mask, score in zip(log_prob, mask, scores):
+    for row, row_mask, score in zip(log_prob, mask, scores, strict=True):
         if score > 0:
-            for value, valid in zip(row, row_mask):
+            for value, valid in zip(row, row_mask, strict=True):
                 if valid:
                     total -= value
                     count += 1
@@ -88,6 +88,6 @@ def chord_loss(
     rows = range(len(mask))
     on = [[v and not expert[i] for v in mask[i]] for i in rows]
     off = [[v and expert[i] for v in mask[i]] for i in rows]
-    pg = [[ppo(lp, old, advantages[i]) for lp, old in zip(log_prob[i], old_log_prob[i])] for i in rows]
+    pg = [[ppo(lp, old, advantages[i]) for lp, old in zip(log_prob[i], old_log_prob[i], strict=True)] for i in rows]
     demo = [[sft(lp) for lp in log_prob[i]] for i in rows]
     return (1 - mu) * aggregate(pg, on, mode) + mu * aggregate(demo, off, sft_mode or mode)

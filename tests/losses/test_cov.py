@@ -60,9 +60,12 @@ def test_clip_cov_matches_loop_with_the_same_draw(seed):
 
 def test_clip_cov_generator_makes_a_step_reproducible_and_none_uses_the_global_one():
     _, lp, old, adv, mask = inputs(0)
-    run = lambda gen: clip_cov_loss(
-        ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=0.05, cov_lb=0.05, cov_ub=5.0, generator=gen
-    )[1]
+
+    def run(gen):
+        return clip_cov_loss(
+            ratio(lp, old), lp, adv, mask, **CLIP, cov_ratio=0.05, cov_lb=0.05, cov_ub=5.0, generator=gen
+        )[1]
+
     first, again = run(torch.Generator().manual_seed(7)), run(torch.Generator().manual_seed(7))
     assert torch.equal(first, again)
     draws = {tuple(run(torch.Generator().manual_seed(s)).nonzero().flatten().tolist()) for s in range(8)}
@@ -135,7 +138,6 @@ def test_the_log_ratio_clamp_acts_only_beyond_20(name):
     r and overflows float32 at log r > 88.7). max_log_ratio=1e4 reproduces the unclamped value."""
     data, lp, old, adv, mask = inputs(0)
     overrides = dict(clip_cov_ratio=0.1, clip_cov_lb=0.05) if name == "clip_cov" else dict(kl_cov_ratio=0.1)
-    args = (old, adv, mask)
     for shift, clamped in ((19.5, False), (25.0, True)):
         x, o = lp.clone(), old.clone()
         o[0, 0] = x[0, 0] - shift  # log r = shift, every log-prob <= 0

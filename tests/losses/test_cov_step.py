@@ -44,7 +44,7 @@ def run(alg, d, parts, picks):
         call, p = call_and_rows
         return call(x[p], d["old_log_prob"][p], d["advantages"][p], d["mask"][p], normalizer=normalizer)
 
-    return micro_batches(micro_batch, zip(calls, parts)), x.grad
+    return micro_batches(micro_batch, zip(calls, parts, strict=True)), x.grad
 
 
 @pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])

@@ -16,7 +16,10 @@ def test_matches_loop_and_gradcheck():
     torch.testing.assert_close(
         loss, torch.tensor(loops.dro(*loops.lists(data), beta=0.3), dtype=torch.float64), rtol=1e-12, atol=1e-14
     )
-    fn = lambda x: torch.where(mask, dro_loss(x, x - old, adv, beta=0.3), 0.0).sum()
+
+    def fn(x):
+        return torch.where(mask, dro_loss(x, x - old, adv, beta=0.3), 0.0).sum()
+
     assert torch.autograd.gradcheck(fn, (lp.clone().requires_grad_(),))
     x = lp.clone().requires_grad_()
     fn(x).backward()  # ∂/∂log π = -A + β·δ

@@ -48,15 +48,21 @@ def reference_loss(alg, data):
     """The loss from tests/loops/losses.py, aggregated by tests/loops/aggregate.py."""
     lp, old, adv, mask = loops.lists(data)
     name = alg.name
-    agg = lambda values: loops.aggregate(
-        values, mask, alg.loss_agg_mode, norm_constant=alg.norm_constant, group_ids=data["group_ids"].tolist()
-    )
+
+    def agg(values):
+        return loops.aggregate(
+            values, mask, alg.loss_agg_mode, norm_constant=alg.norm_constant, group_ids=data["group_ids"].tolist()
+        )
+
     if name == "gmpo":
         return agg(loops.gmpo(lp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high))
     if name == "clip_cov":
         seed = alg.generator.initial_seed()
         keys = torch.rand(data["mask"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        draw = lambda cells: sorted(cells, key=lambda c: float(keys[c]))  # the candidates of smallest key
+
+        def draw(cells):  # the candidates of smallest key
+            return sorted(cells, key=lambda c: float(keys[c]))
+
         return agg(
             loops.clip_cov(
                 lp,

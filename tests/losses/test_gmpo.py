@@ -34,9 +34,10 @@ def test_matches_loop(per_token_adv, clip):
 def test_gradient_is_gradcheck_exact_and_zero_on_clipped_tokens():
     data = make_batch(seed=4, spread=0.5)
     delta, adv, mask = tensors(data)
-    fn = lambda d: torch.where(
-        mask, gmpo_loss(d, adv, mask, clip_low=0.2, clip_high=0.2, max_log_ratio=20.0)[0], 0.0
-    ).sum()
+
+    def fn(d):
+        return torch.where(mask, gmpo_loss(d, adv, mask, clip_low=0.2, clip_high=0.2, max_log_ratio=20.0)[0], 0.0).sum()
+
     assert torch.autograd.gradcheck(fn, (delta.clone().requires_grad_(),))
     d = delta.clone().requires_grad_()
     loss, ratio, clipped = gmpo_loss(d, adv, mask, clip_low=0.2, clip_high=0.2, max_log_ratio=20.0)

@@ -87,7 +87,7 @@ def test_micro_batches_of_whole_groups_equal_the_whole_batch(cuts):
         )
 
     whole_loss, whole_grad = run([slice(0, 9)])
-    loss, grad = run(parts_of(b - a for a, b in zip([0] + cuts, cuts + [9])))
+    loss, grad = run(parts_of(b - a for a, b in zip([0] + cuts, cuts + [9], strict=True)))
     assert loss.item() == pytest.approx(whole_loss.item(), rel=1e-12)
     torch.testing.assert_close(grad, whole_grad, rtol=1e-12, atol=1e-14)
 

@@ -87,7 +87,9 @@ def test_prime_rl_conventions_match_loop(gamma, trust_region):
     alg = pgloss.get("opd", opd_coef=0.7, opd_position_gamma=gamma, **dict(PRIME_RL, opd_trust_region=trust_region))
     out = call(alg, data)
     assert out.loss.item() == pytest.approx(loops.aggregate(values, mask, "token-mean"), rel=1e-12, abs=1e-14)
-    dropped = sum(v == 0.0 and m for row, mrow in zip(values, mask) for v, m in zip(row, mrow))
+    dropped = sum(
+        v == 0.0 and m for row, mrow in zip(values, mask, strict=True) for v, m in zip(row, mrow, strict=True)
+    )
     assert (dropped > 0) == (trust_region is not None)  # the case drops tokens: the rule is exercised
     if trust_region is not None:
         assert out.metrics["opd_trust_region_frac"].item() == pytest.approx(dropped / sum(map(sum, mask)))

@@ -189,7 +189,7 @@ def small_policy(seed):
 
     def score(ids):
         logits = [last[ids[t - 1]] + prefix[ids[:t]].mean(0) for t in range(1, len(ids))]
-        return [0.0] + [torch.log_softmax(z, -1)[i].item() for z, i in zip(logits, ids[1:])]
+        return [0.0] + [torch.log_softmax(z, -1)[i].item() for z, i in zip(logits, ids[1:], strict=True)]
 
     return score
 

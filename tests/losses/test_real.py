@@ -96,7 +96,7 @@ def test_micro_batches_of_whole_groups_equal_the_whole_batch(cuts, seed):
     data = real_data(seed)
     alg = pgloss.get("real", kl_coef=0.1)
     whole_loss, whole_grad = split_run(alg, data, [slice(0, 9)])
-    loss, grad = split_run(alg, data, parts_of(b - a for a, b in zip([0] + cuts, cuts + [9])))
+    loss, grad = split_run(alg, data, parts_of(b - a for a, b in zip([0] + cuts, cuts + [9], strict=True)))
     torch.testing.assert_close(loss, whole_loss, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, whole_grad, rtol=1e-12, atol=1e-14)
 

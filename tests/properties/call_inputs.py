@@ -75,5 +75,6 @@ def call_with_gradients(algorithm, values, *, step, view=None):
     out = algorithm(normalizer=normalizer, **given)
     grads = torch.autograd.grad(out.loss, list(leaves.values()), allow_unused=True)
     return out, {
-        name: torch.zeros_like(leaf) if grad is None else grad for (name, leaf), grad in zip(leaves.items(), grads)
+        name: torch.zeros_like(leaf) if grad is None else grad
+        for (name, leaf), grad in zip(leaves.items(), grads, strict=True)
     }

@@ -18,7 +18,7 @@ from torch import Tensor
 def parts_of(sizes: Iterable[int]) -> list[slice]:
     """Consecutive row slices holding `sizes` rows each: [2, 4, 3] -> rows 0:2, 2:6, 6:9."""
     bounds = [0, *itertools.accumulate(sizes)]
-    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def cut(value: Tensor, parts: Iterable[Any]) -> list[Tensor]:

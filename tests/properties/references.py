@@ -31,7 +31,9 @@ def step_loss_loop(name, algorithm, lp0, old, adv, mask):
                 lambda_neg=algorithm.vespo_lambda_neg,
             )
         )
-        coefficient = [[v / x for v, x in zip(rv, rx)] for rv, rx in zip(term, lp0)]  # log-probs are < 0
+        coefficient = [
+            [v / x for v, x in zip(rv, rx, strict=True)] for rv, rx in zip(term, lp0, strict=True)
+        ]  # log-probs are < 0
     elif name == "fipo":
         frozen = loops.fipo_weights(
             lp0,
@@ -49,7 +51,7 @@ def step_loss_loop(name, algorithm, lp0, old, adv, mask):
 
     def loss(lp):
         if name in DETACHED_WEIGHT:
-            values = [[c * x for c, x in zip(rc, rx)] for rc, rx in zip(coefficient, lp)]
+            values = [[c * x for c, x in zip(rc, rx, strict=True)] for rc, rx in zip(coefficient, lp, strict=True)]
         else:
             values = loops.clipped_policy_per_token(
                 lp,
@@ -62,7 +64,7 @@ def step_loss_loop(name, algorithm, lp0, old, adv, mask):
                 delta=algorithm.delta,
             )
         if name == "fipo":  # sg[f]·ℓ_clip
-            values = [[w * v for w, v in zip(fr, vr)] for fr, vr in zip(frozen, values)]
+            values = [[w * v for w, v in zip(fr, vr, strict=True)] for fr, vr in zip(frozen, values, strict=True)]
         return loops.aggregate(values, mask, algorithm.loss_agg_mode)
 
     return loss

@@ -348,14 +348,17 @@ def test_probabilities_passed_for_log_probabilities_are_refused(key):
     data["rollout_log_prob"] = data["old_log_prob"].clone()
     row, column = data["mask"].nonzero()[3].tolist()
     alg = pgloss.get("grpo")
-    call = lambda d: alg(
-        d["log_prob"],
-        d["old_log_prob"],
-        d["advantages"],
-        d["mask"],
-        ref_log_prob=d["ref_log_prob"],
-        rollout_log_prob=d["rollout_log_prob"],
-    )
+
+    def call(d):
+        return alg(
+            d["log_prob"],
+            d["old_log_prob"],
+            d["advantages"],
+            d["mask"],
+            ref_log_prob=d["ref_log_prob"],
+            rollout_log_prob=d["rollout_log_prob"],
+        )
+
     probabilities = dict(data, **{key: data[key].exp()})  # every valid value positive: the first is named
     first = tuple(data["mask"].nonzero()[0].tolist())
     with pytest.raises(
@@ -389,15 +392,18 @@ def test_a_positive_log_prob_is_refused_on_every_device_without_a_host_sync(key)
     row, column = data["mask"].nonzero()[3].tolist()
     alg = pgloss.get("opd", kl_coef=0.1, rollout_correction=RolloutCorrection(upper=2.0))
     data["rollout_log_prob"] = data["old_log_prob"].clone()
-    call = lambda d: alg(
-        d["log_prob"],
-        d["old_log_prob"],
-        d["advantages"],
-        d["mask"],
-        ref_log_prob=d["ref_log_prob"],
-        rollout_log_prob=d["rollout_log_prob"],
-        teacher_log_prob=d["teacher_log_prob"],
-    )
+
+    def call(d):
+        return alg(
+            d["log_prob"],
+            d["old_log_prob"],
+            d["advantages"],
+            d["mask"],
+            ref_log_prob=d["ref_log_prob"],
+            rollout_log_prob=d["rollout_log_prob"],
+            teacher_log_prob=d["teacher_log_prob"],
+        )
+
     one = dict(data, **{key: data[key].clone()})
     one[key][row, column] = 0.25
     with pytest.raises(ValueError, match=rf"{key} must hold log-probabilities \(<= 0\), got 0.25 at a valid position"):

@@ -3,6 +3,8 @@ registered. Beside these: tests/properties/test_paths.py (one call = micro-batch
 inspect, with each kind of rollout correction), test_no_host_sync.py (meta tensors, torch.compile)
 and test_robustness.py (extreme log-ratios, empty and all-masked batches)."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -95,7 +97,7 @@ def rank_gradients(rank: int, world: int) -> dict:
             old_log_probs=cut(inputs["old_log_prob"], parts),
             group_ids=cut(data()[3]["group_ids"], parts),
         )
-        micro_batches(lambda p: run(algorithm, log_prob, inputs, p, normalizer), parts)
+        micro_batches(functools.partial(run, algorithm, log_prob, inputs, normalizer=normalizer), parts)
         total = log_prob.grad.clone()
         dist.all_reduce(total)
         out[name] = total / dist.get_world_size()  # DDP's gradient average

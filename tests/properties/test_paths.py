@@ -98,7 +98,7 @@ def test_hidden_state_paths_agree(name, kind, tiles):
 
     torch.manual_seed(0)
     fused = algorithm.from_hidden(hidden, weight, targets, **inputs, **sizes).loss
-    for got, want in zip(torch.autograd.grad(fused, (hidden, weight)), reference):
+    for got, want in zip(torch.autograd.grad(fused, (hidden, weight)), reference, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
     if splits(algorithm):
@@ -112,5 +112,5 @@ def test_hidden_state_paths_agree(name, kind, tiles):
             )
 
         micro_batches(part, PARTS)
-        for got, want in zip((h.grad, w.grad), reference):
+        for got, want in zip((h.grad, w.grad), reference, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

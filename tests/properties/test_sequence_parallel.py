@@ -152,7 +152,7 @@ def loss_and_grads(
         )
     total = torch.zeros((), dtype=torch.float64)
     whole = algorithm
-    for part, call in zip(parts, local):
+    for part, call in zip(parts, local, strict=True):
         h, y = cut(hidden[rows][part]), cut(targets[rows][part])
         if getattr(whole, "selection", None) is not None:  # Clip-Cov's, KL-Cov's: the step's, cut like a token
             algorithm = dataclasses.replace(whole, selection=cut(whole.selection[rows][part]))
@@ -245,7 +245,6 @@ def run_all(cases, split, rows, parts, process_group):
 def two_ranks(rank, world):
     """One sequence group of 2 (pure sequence parallelism), micro-batches of whole groups; and what a call
     reduces over the group (`collectives`), the refusal by name, KL-Cov's step selection."""
-    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread per rank only contends for the cores
     parts = [slice(0, 2), slice(2, 8)]
     return {
         "sp2 contiguous": run_all(all_cases(), SequenceParallel(), slice(None), parts, None),
@@ -367,7 +366,6 @@ def four_ranks(rank, world):
     one sequence group of 4 ranks, load-balanced (each rank holds 2 of 8 chunks): every name."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
     dp = mesh.get_local_rank("dp")
     mesh_split = SequenceParallel(group=mesh.get_group("sp"))
@@ -412,7 +410,11 @@ def check(results, expected):
             assert got, config
             for label, value in got.items():
                 torch.testing.assert_close(
-                    value, expected[label], rtol=1e-9, atol=1e-12, msg=lambda m: f"{label}, {config}, rank {rank}: {m}"
+                    value,
+                    expected[label],
+                    rtol=1e-9,
+                    atol=1e-12,
+                    msg=lambda m, where=f"{label}, {config}, rank {rank}": f"{where}: {m}",
                 )
 
 

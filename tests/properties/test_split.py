@@ -78,7 +78,7 @@ def test_any_split_of_any_algorithm_is_invariant(seed, cuts, mode, name):
     """Random algorithm, mode, batch and cut points: the summed micro-batch gradient never moves."""
     data = make_batch(batch=9, length=6, seed=seed, per_token_adv=True)
     bounds = sorted(set(c for c in cuts if c < 9))
-    sizes = [b - a for a, b in zip([0] + bounds, bounds + [9])]
+    sizes = [b - a for a, b in zip([0] + bounds, bounds + [9], strict=True)]
     fixed = algorithm(name).fixed_agg_mode
     alg = algorithm(name, loss_agg_mode=fixed or mode, norm_constant=6.0, kl_coef=0.1)
     whole_loss, whole_grad = run(alg, data, [9])

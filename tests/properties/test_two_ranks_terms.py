@@ -90,5 +90,5 @@ def test_two_gloo_ranks_match_one_process():
     one = controller_run([slice(0, 9)])
     assert [c for c, _ in one] == pytest.approx([0.014, 0.010, 0.014])  # the coefficient moved both ways
     for rank in (0, 1):
-        for (c, h), (c1, h1) in zip(results[rank]["adaptive_entropy"], one):
+        for (c, h), (c1, h1) in zip(results[rank]["adaptive_entropy"], one, strict=True):
             assert c == pytest.approx(c1, abs=1e-15) and h == pytest.approx(h1, rel=1e-14)
