@@ -35,6 +35,7 @@ https://arxiv.org/abs/2411.09009).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, overload
 
 import torch
@@ -72,6 +73,9 @@ def full_head(weight: Tensor | None) -> Tensor | None:
     share, so backward reduce-scatters it (a mean over the data-parallel ranks, which the
     `Normalizer`'s `world_size` factor turns into the global loss's gradient).
     """
+    # No tensor is a DTensor before its module is loaded: importing it here would cost every process 0.75 CPU s.
+    if "torch.distributed.tensor" not in sys.modules:
+        return weight
     from torch.distributed.tensor import DTensor, Partial
 
     if not isinstance(weight, DTensor):
