@@ -18,8 +18,10 @@ import pytest
 import torch
 
 import pgloss
+from pgloss.algorithm_fields import ROLLOUT_USES
 from pgloss.core import aggregate as agg
-from pgloss.core.aggregate import AGGREGATIONS, Aggregation, Normalizer, row_weights
+from pgloss.core.aggregate import AGGREGATIONS, Aggregation, row_weights
+from pgloss.core.normalizer import Normalizer
 from pgloss.trainer_options import trl as trl_config
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
@@ -169,7 +171,7 @@ def test_rollout_use_is_what_the_call_does(name):
     correction, or truncated IS at `rollout_is_cap` when only rollout log-probs are given."""
     for algorithm in _configured(name):
         use = algorithm.rollout_use
-        assert use in pgloss.base.ROLLOUT_USES
+        assert use in ROLLOUT_USES
         assert (use == "own weight") == algorithm.consumes_rollout_log_prob
         assert algorithm.correction(False) is (algorithm.rollout_correction if use == "correction" else None)
         given = algorithm.correction(True)

@@ -43,8 +43,9 @@ from .algorithms import (
 )
 from .controllers import AdaptiveEntropy, MuSchedule  # TRL's adaptive entropy coefficient: state across steps
 from .core import checks
-from .core.aggregate import AGG_MODES, Normalizer, aggregate
+from .core.aggregate import AGG_MODES, aggregate
 from .core.checks import detect_anomaly
+from .core.normalizer import Normalizer
 from .core.sequence_parallel import SequenceParallel  # sequences split over a sequence/context group
 from .core.step_metrics import StepMetrics  # a step's metrics over micro-batches and ranks
 from .correction import m2po, rollout, token_masks

@@ -21,12 +21,13 @@ from .core.trainer_names import closest, field_hint
 from .losses.ce_gppo import CEGPPO
 from .losses.chord import CHORD
 from .losses.cispo import CISPO
-from .losses.cov import ClipCov, KLCov
+from .losses.clip_cov import ClipCov
 from .losses.dppo import DPPO
 from .losses.dro import DRO
 from .losses.fipo import FIPO
 from .losses.gmpo import GMPO
 from .losses.gvpo import GVPO
+from .losses.kl_cov import KLCov
 from .losses.luspo import LUSPO
 from .losses.opd import OPD
 from .losses.opmd import OPMD

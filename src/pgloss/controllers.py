@@ -49,6 +49,7 @@ from torch import Tensor
 from .base import Algorithm
 from .core.checks import check_fields, check_number
 from .core.distributed import is_distributed
+from .losses.chord import CHORD
 
 __all__ = ["AdaptiveEntropy", "MuSchedule"]
 
@@ -189,7 +190,7 @@ class MuSchedule:
         return (self.peak - self.valley) * cosine + self.valley
 
     def algorithm(self, base: Algorithm, step: int) -> Algorithm:
-        """`base` (a CHORD-like family, with a `chord_mu` field) with chord_mu = μ(step)."""
-        if not hasattr(base, "chord_mu"):
+        """`base` (CHORD, or a family built on it: the field `chord_mu`) with chord_mu = μ(step)."""
+        if not isinstance(base, CHORD):
             raise TypeError(f"{type(base).__name__} has no chord_mu: MuSchedule steers CHORD (pgloss.get('chord'))")
         return dataclasses.replace(base, chord_mu=self(step))

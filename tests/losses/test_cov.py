@@ -1,4 +1,5 @@
-"""Clip-Cov and KL-Cov (losses/cov.py) against the plain loops, their draws and gradients."""
+"""Clip-Cov and KL-Cov (losses/clip_cov.py, losses/kl_cov.py; their covariance in losses/cov.py) against the
+plain loops, their draws and gradients."""
 
 import math
 
@@ -8,7 +9,9 @@ import torch
 from conftest import make_batch
 
 import pgloss
-from pgloss.losses.cov import clip_cov_loss, kl_cov_loss, selection_size, token_covariance
+from pgloss.losses.clip_cov import clip_cov_loss
+from pgloss.losses.cov import selection_size, token_covariance
+from pgloss.losses.kl_cov import kl_cov_loss
 
 CLIP = dict(clip_low=0.2, clip_high=0.2)
 
@@ -161,7 +164,7 @@ def test_the_log_ratio_clamp_acts_only_beyond_20(name):
 def test_the_key_draw_is_uniform_without_replacement():
     """k of n candidates by their U[0, 1) keys: each is picked with probability k/n, never twice, and
     the draw needs no host read (k may be a tensor)."""
-    from pgloss.losses.cov import clip_cov_selection
+    from pgloss.losses.clip_cov import clip_cov_selection
 
     candidates = torch.tensor([[True, False, True, True], [False, True, False, True]])
     gen = torch.Generator().manual_seed(5)

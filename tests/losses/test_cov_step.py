@@ -1,5 +1,5 @@
-"""Clip-Cov and KL-Cov select over the whole step (losses/cov.py `step_selection`): the selection of
-one call on the whole batch, and with it every split into micro-batches and ranks gives the whole
+"""Clip-Cov and KL-Cov select over the whole step (`step_selection`, losses/clip_cov.py and losses/kl_cov.py):
+the selection of one call on the whole batch, and with it every split into micro-batches and ranks gives the whole
 batch's loss and gradient. Without it each micro-batch selects among its own tokens, as verl."""
 
 import dataclasses

@@ -5,7 +5,8 @@ import torch
 from conftest import algorithm, make_batch
 
 import pgloss
-from pgloss.core.aggregate import Normalizer, token_weights
+from pgloss.core.aggregate import token_weights
+from pgloss.core.normalizer import Normalizer
 
 # Losses whose value is a smooth function of log_prob (away from measure-zero kinks): gradcheck applies.
 DIFFERENTIABLE = ["ppo", "dual_clip_ppo", "grpo", "sample_grpo", "gspo", "dapo", "bnpo", "dr_grpo", "sapo"]

@@ -57,3 +57,15 @@ def test_bad_values_are_refused_by_name():
     ):
         with pytest.raises(ValueError, match=field):
             pgloss.get("rec_ring", **{field: value})
+
+
+def test_the_sequence_weight_without_its_ratio_is_refused_by_name():
+    """`rec_weight` with the sequence weight reads `sequence_ratio`: None is refused by name (was an AttributeError)."""
+    from pgloss.losses.rec import rec_weight
+
+    ratio = torch.full((2, 3), 1.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="pass sequence_ratio"):
+        rec_weight(ratio, None, torch.zeros(2, 3), weight="sequence_importance_sampling", temp=1.0)
+    sequence = torch.tensor([[2.0], [0.5]], dtype=torch.float64)
+    weight = rec_weight(ratio, sequence, torch.zeros(2, 3), weight="sequence_importance_sampling", temp=1.0)
+    assert torch.equal(weight, torch.tensor([[2.0] * 3, [0.5] * 3], dtype=torch.float64))

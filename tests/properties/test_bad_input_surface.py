@@ -14,8 +14,8 @@ from host_sync import no_host_sync
 import pgloss
 from pgloss import advantages as est
 from pgloss.advantages import dynamic_sampling_keep, gae, group_advantages, overlong_penalty
-from pgloss.core.aggregate import MAX_GROUPS
 from pgloss.core.checks import as_on_accelerator
+from pgloss.core.normalizer import MAX_GROUPS
 from pgloss.correction.m2po import m2po_cutoff, m2po_mask
 from pgloss.correction.mismatch import mismatch_metrics
 from pgloss.correction.rejection import Rejection

@@ -27,7 +27,8 @@ from properties.micro_batches import cut, micro_batches
 
 import pgloss
 import pgloss.vocab.entropy
-from pgloss.core.aggregate import Normalizer, aggregate
+from pgloss.core.aggregate import aggregate
+from pgloss.core.normalizer import Normalizer
 from pgloss.vocab.divergence import divergence_from_hidden, divergence_from_logits
 from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
 

@@ -33,227 +33,22 @@ Each mode is one row of `AGGREGATIONS` (an `Aggregation`: what it divides by, th
 is one row.
 
 Every mode is a weighted sum Σ w_{i,t} ℓ_{i,t} whose weights depend only on the mask and the
-global counts, so a micro-batch's loss is its exact share of the step's loss: summing micro-batch
-losses gives the whole-batch loss, and so does summing gradients. A sequence (and, for the group
-mode, its count n_g) is never split, since the counts are global.
+global counts (the step's `Normalizer`, `pgloss.core.normalizer`), so a micro-batch's loss is its exact
+share of the step's loss: summing micro-batch losses gives the whole-batch loss, and so does summing
+gradients. A sequence (and, for the group mode, its count n_g) is never split, since the counts are global.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from .batch import per_micro_batch
-from .checks import check_values, host_reads, is_integer
-from .sequence_parallel import SequenceParallel, check_sequence_parallel, data_parallel_group, row_lengths
-
-MAX_GROUPS = 1 << 20
-"""Group ids index a dense float64 count array (8 MiB at this bound)."""
-
-
-@dataclass(frozen=True)
-class Normalizer:
-    """The token, sequence, length and group counts of one optimizer step, global over ranks.
-
-    `length_counts[L]` is the number of the step's sequences with L valid tokens (L >= 1; index 0
-    holds 0), the statistic of `delta-l-norm`; a Normalizer built by hand without it refuses that mode.
-    `rewarded_tokens` (counted when `scores` are given) is the number of valid tokens of the step's
-    sequences whose reward is > 0, the divisor of the positive-example NLL term (`rewarded_row_weights`).
-    `expert` (counted when `expert` flags are given) holds the same counts over the step's expert rows
-    alone (CHORD's SFT rows); `complement(self.expert)` are the other rows' counts.
-
-    Build it once per optimizer step with `Normalizer.count` over all of the step's micro-batch
-    masks, and pass it to every micro-batch's loss call. When the counts were all-reduced over a
-    data-parallel group of `world_size` ranks, each rank's loss is multiplied by `world_size`, so
-    that the gradient average of DDP and FSDP yields the gradient of the global loss.
-    """
-
-    tokens: Tensor
-    sequences: Tensor
-    group_tokens: Tensor | None = None
-    world_size: int = 1
-    length_counts: Tensor | None = None
-    rewarded_tokens: Tensor | None = None
-    expert: Normalizer | None = None
-    sequence_parallel: SequenceParallel | None = None
-    """The sequence group the step's sequences are split over (`pgloss.core.sequence_parallel`): every call
-    that takes this Normalizer then computes over whole sequences. None: each call holds whole rows."""
-
-    def complement(self, part: Normalizer | None) -> Normalizer:
-        """The counts of the step's rows outside `part` (a sub-count of the same rows, e.g. `self.expert`):
-        every count minus `part`'s; `self` when `part` is None."""
-        if part is None:
-            return self
-        minus = lambda mine, theirs: None if mine is None or theirs is None else mine - theirs  # noqa: E731
-        return Normalizer(
-            tokens=self.tokens - part.tokens,
-            sequences=self.sequences - part.sequences,
-            group_tokens=minus(self.group_tokens, part.group_tokens),
-            world_size=self.world_size,
-            length_counts=minus(self.length_counts, part.length_counts),
-            rewarded_tokens=minus(self.rewarded_tokens, part.rewarded_tokens),
-            sequence_parallel=self.sequence_parallel,
-        )
-
-    @property
-    def groups(self) -> Tensor:
-        """Number of groups with at least one valid token."""
-        if self.group_tokens is None:
-            raise ValueError("this Normalizer was counted without group_ids")
-        return (self.group_tokens > 0).sum()
-
-    @classmethod
-    def count(
-        cls,
-        masks: Tensor | Sequence[Tensor],
-        *,
-        group_ids: Tensor | Sequence[Tensor] | None = None,
-        scores: Tensor | Sequence[Tensor] | None = None,
-        expert: Tensor | Sequence[Tensor] | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        reduce: bool = True,
-        sequence_parallel: SequenceParallel | None = None,
-    ) -> Normalizer:
-        """Count valid tokens, non-empty sequences, sequences per length and (with `group_ids`)
-        tokens per group.
-
-        Under torch.distributed this is a collective: every rank of `process_group` must call it
-        at every optimizer step, in the same order, even a rank whose micro-batches are empty. The
-        length counts span the widest mask of the step (a MAX over the ranks' widths, then one SUM
-        of the counts).
-
-        Args:
-            masks: the `[B, T]` mask of each micro-batch of the step (or one mask).
-            group_ids: the `[B]` integer group (prompt) id of each row, one tensor per micro-batch.
-                Ids are global: the same prompt has the same id on every rank. They number the
-                step's groups from 0 (below `MAX_GROUPS`): the counts are a dense array.
-            scores: the `[B]` sequence rewards of each micro-batch: counts the tokens of the rewarded
-                (reward > 0) sequences, for the positive-example NLL term (`positive_nll_coef`).
-            expert: the `[B]` bool flags of the expert (off-policy demonstration) rows of each micro-batch:
-                the same counts over them alone, in `expert` (CHORD; one more collective of the counts).
-            process_group: the data-parallel group (None: the default group).
-            reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
-            sequence_parallel: the sequence group when the masks are slices of longer sequences
-                (`pgloss.SequenceParallel`): each row's length is summed over it first (one all-reduce),
-                `process_group` is then the data-parallel group beside it, and `world_size` counts both.
-        """
-        mask_list = per_micro_batch("masks", masks)
-        for k, mask in enumerate(mask_list):
-            if not isinstance(mask, Tensor) or mask.ndim != 2:
-                raise ValueError(f"masks[{k}] must be a [B, T] tensor, got {getattr(mask, 'shape', type(mask))}")
-        device = mask_list[0].device
-        sequence_parallel = check_sequence_parallel(sequence_parallel)
-        process_group, distributed = data_parallel_group(process_group, reduce, sequence_parallel)
-        lengths = [(m != 0).sum(dim=-1).to(torch.float64) for m in mask_list]
-        if sequence_parallel is not None:  # each row's whole length: one all-reduce for the step's rows
-            lengths = list(sequence_parallel.all_reduce(torch.cat(lengths)).split([len(n) for n in lengths]))
-        width = max(m.shape[-1] for m in mask_list)  # static: the shapes, never the values
-        if distributed:
-            widest = torch.tensor(width, device=device)
-            dist.all_reduce(widest, op=dist.ReduceOp.MAX, group=process_group)
-            width = int(widest)
-        if sequence_parallel is not None:
-            width *= sequence_parallel.size  # a whole sequence's positions
-        per_length = torch.zeros(width + 1, dtype=torch.float64, device=device)
-        for length in lengths:
-            per_length.index_add_(0, length.to(device).long(), (length > 0).to(torch.float64))
-
-        def per_row(name: str, values: Tensor | Sequence[Tensor]) -> list[Tensor]:
-            """`values` of each micro-batch, checked to be `[B]` like its mask's rows."""
-            value_list = per_micro_batch(name, values, len(mask_list))
-            for k, (value, length) in enumerate(zip(value_list, lengths)):
-                if not isinstance(value, Tensor) or value.shape != length.shape:
-                    raise ValueError(
-                        f"{name}[{k}] must be a tensor of shape {tuple(length.shape)}, got "
-                        f"{tuple(getattr(value, 'shape', ())) or type(value).__name__}"
-                    )
-            return value_list
-
-        rewarded = torch.zeros((), dtype=torch.float64, device=device)
-        if scores is not None:
-            for score, length in zip(per_row("scores", scores), lengths):
-                rewarded = rewarded + torch.where(score.to(device) > 0, length.to(device), 0.0).sum()
-        counts = torch.cat(
-            [
-                torch.stack(
-                    [
-                        sum(length.sum() for length in lengths),
-                        sum((length > 0).sum() for length in lengths).to(torch.float64),
-                        rewarded,
-                    ]
-                ),
-                per_length,
-            ]
-        )
-        if distributed:
-            dist.all_reduce(counts, group=process_group)
-        group_tokens = None
-        if group_ids is not None:
-            id_list = per_micro_batch("group_ids", group_ids, len(mask_list))
-            for k, (ids, length) in enumerate(zip(id_list, lengths)):
-                if not isinstance(ids, Tensor) or ids.shape != length.shape or not is_integer(ids):
-                    raise ValueError(
-                        f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "
-                        f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
-                    )
-                # The counts are a dense array indexed by id: ids number the step's groups, not a data set.
-                check_values(
-                    ids,
-                    lambda ids=ids: ids < 0,
-                    lambda at, ids=ids, k=k: (
-                        f"group_ids[{k}] must be non-negative, got {int(ids[at])} at row {int(at)}"
-                    ),
-                )
-                check_values(
-                    ids,
-                    lambda ids=ids: ids >= MAX_GROUPS,
-                    lambda at, ids=ids, k=k: (
-                        f"group_ids[{k}] must number the step's groups from 0 (below "
-                        f"{MAX_GROUPS}), got id {int(ids[at])} at row {int(at)}; renumber "
-                        f"them, e.g. by prompt position within the step"
-                    ),
-                )
-            if distributed or all(host_reads(ids) for ids in id_list):
-                # max id + 1 entries: read on the host, free on the CPU (and a collective is a sync point anyway)
-                size = torch.tensor(max(int(ids.max()) + 1 if ids.numel() else 0 for ids in id_list), device=device)
-                if distributed:
-                    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=process_group)
-                size = int(size)
-            else:  # ids the host cannot read without a sync (an accelerator, torch.compile): the static bound
-                size = MAX_GROUPS
-            group_tokens = torch.zeros(size, dtype=torch.float64, device=device)
-            for ids, length in zip(id_list, lengths):
-                group_tokens.index_add_(0, ids.to(device).long(), length)
-            if distributed:
-                dist.all_reduce(group_tokens, group=process_group)
-        world_size = dist.get_world_size(process_group) if distributed else 1
-        if sequence_parallel is not None:
-            world_size *= sequence_parallel.size
-        expert_counts = None
-        if expert is not None:
-            flag_list = per_row("expert", expert)
-            expert_counts = cls.count(
-                [m * (f != 0).to(m.device)[:, None] for m, f in zip(mask_list, flag_list)],
-                group_ids=group_ids,
-                scores=scores,
-                process_group=process_group,
-                reduce=reduce,
-                sequence_parallel=sequence_parallel,
-            )
-        return cls(
-            tokens=counts[0],
-            sequences=counts[1],
-            group_tokens=group_tokens,
-            world_size=world_size,
-            length_counts=counts[3:],
-            rewarded_tokens=counts[2] if scores is not None else None,
-            expert=expert_counts,
-            sequence_parallel=sequence_parallel,
-        )
+from .checks import check_values, host_reads
+from .normalizer import Normalizer
+from .sequence_parallel import row_lengths
 
 
 def row_weights(
@@ -303,9 +98,10 @@ def _seq_mean_token_sum_norm_rows(mask: Tensor, normalizer: Normalizer, *, norm_
 
 
 def _group_mean_token_mean_rows(mask: Tensor, normalizer: Normalizer, *, group_ids: Tensor, **_: object) -> Tensor:
-    if normalizer.group_tokens is None:
+    group_tokens = normalizer.group_tokens
+    if group_tokens is None:
         raise ValueError("loss_agg_mode 'group-mean-token-mean' needs a Normalizer counted with group_ids")
-    groups = len(normalizer.group_tokens)
+    groups = len(group_tokens)
     check_values(
         group_ids,
         lambda: (group_ids < 0) | (group_ids >= groups),
@@ -317,16 +113,13 @@ def _group_mean_token_mean_rows(mask: Tensor, normalizer: Normalizer, *, group_i
     ids = group_ids.to(mask.device).long()
     check_values(
         mask,
-        lambda: (
-            torch.zeros_like(normalizer.group_tokens).index_add_(0, ids, mask.sum(dim=-1, dtype=torch.float64))
-            > normalizer.group_tokens
-        ),
+        lambda: torch.zeros_like(group_tokens).index_add_(0, ids, mask.sum(dim=-1, dtype=torch.float64)) > group_tokens,
         lambda at: (
-            f"the normalizer counted {int(normalizer.group_tokens[at])} tokens in group {int(at)} "
+            f"the normalizer counted {int(group_tokens[at])} tokens in group {int(at)} "
             f"but this call holds more; count the step's Normalizer on every micro-batch's mask"
         ),
     )
-    per_row = normalizer.group_tokens[ids].clamp(min=1)
+    per_row = group_tokens[ids].clamp(min=1)
     return 1.0 / (per_row * normalizer.groups.clamp(min=1))
 
 
@@ -432,7 +225,8 @@ def rewarded_row_weights(mask: Tensor, rewarded: Tensor, normalizer: Normalizer)
     """c_i = [rewarded_i] / N_rew: the token mean over the step's rewarded sequences (`[B]` bool
     `rewarded`), N_rew = `normalizer.rewarded_tokens` (clamped at 1: a step without a rewarded token
     gives 0). The aggregation of VAPO's positive-example NLL (arXiv 2504.05118, eq. 10); `[B]`, float64."""
-    if normalizer.rewarded_tokens is None:
+    rewarded_tokens = normalizer.rewarded_tokens
+    if rewarded_tokens is None:
         raise ValueError(
             "the positive-example NLL term needs a Normalizer counted with scores "
             "(Algorithm.step_normalizer(..., scores=...) or Normalizer.count(..., scores=...))"
@@ -440,14 +234,14 @@ def rewarded_row_weights(mask: Tensor, rewarded: Tensor, normalizer: Normalizer)
     held = torch.where(rewarded, mask.sum(dim=-1, dtype=torch.float64), 0.0).sum()
     check_values(
         mask,
-        lambda: held > normalizer.rewarded_tokens,
+        lambda: held > rewarded_tokens,
         lambda _: (
-            f"the normalizer counted {int(normalizer.rewarded_tokens)} tokens of rewarded sequences "
+            f"the normalizer counted {int(rewarded_tokens)} tokens of rewarded sequences "
             f"but this call holds {int(held)}; count the step's Normalizer on every micro-batch's "
             f"mask and scores"
         ),
     )
-    return rewarded.to(torch.float64) / normalizer.rewarded_tokens.clamp(min=1).to(mask.device)
+    return rewarded.to(torch.float64) / rewarded_tokens.clamp(min=1).to(mask.device)
 
 
 def check_counts(mask: Tensor, normalizer: Normalizer) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -116,7 +117,7 @@ class TokenBatch:
         rows = mask.any(dim=-1)
         fields = {"log_prob": "token", "old_log_prob": "token", "advantages": "token", "seq_advantages": "row"}
         fields |= {name: spec.per for name, spec in OPTIONAL_INPUTS.items() if spec.kind == "real"}
-        zeroed = {}
+        zeroed: dict[str, Any] = {}  # Any: `replace` checks **kwargs against every field; these are the real inputs
         for name, per in fields.items():
             value = getattr(self, name)
             if value is not None:

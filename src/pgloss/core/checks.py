@@ -33,7 +33,7 @@ import math
 import numbers
 import typing
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -91,12 +91,12 @@ def is_integer(tensor: Tensor) -> bool:
 def check_values(tensor: Tensor, bad: Callable[[], Tensor], message: Callable[[Tensor], str]) -> None:
     """Raise ValueError(message(first bad index)) when `bad()` (a bool tensor shaped like the values)
     has a True element. Runs when `host_reads(tensor)`: for CPU tensors always, for accelerator
-    tensors (a host sync) only inside `detect_anomaly()`. A 0-d `bad()` gives an empty index."""
+    tensors (a host sync) only inside `detect_anomaly()`. A 0-d `bad()` gives an empty index (shape [0])."""
     if not host_reads(tensor):
         return
     flags = bad()
     if bool(flags.any()):
-        raise ValueError(message(flags.nonzero()[0] if flags.ndim else None))
+        raise ValueError(message(flags.nonzero()[0]))
 
 
 def check_log_prob(name: str, value: Tensor, mask: Tensor | None = None) -> None:
@@ -180,6 +180,12 @@ def check_valid_finite(name: str, values: Tensor, mask: Tensor) -> None:
 # ---- hyperparameters: checked by name, always (no tensors involved) ----
 
 
+@typing.overload
+def check_number(name: str, value: Any, *, optional: Literal[False] = False) -> float: ...
+@typing.overload
+def check_number(name: str, value: Any, *, optional: bool) -> float | None: ...
+
+
 def check_number(name: str, value: Any, *, optional: bool = False) -> float | None:
     """`value` as a float: TypeError unless a real number (bool excluded; None when `optional`),
     ValueError unless finite."""
@@ -213,10 +219,11 @@ def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
     return out
 
 
-def check_fields(config: Any) -> None:
+def check_fields(config: object) -> None:
     """Check every float, int, bool and str field of the frozen dataclass `config` by its annotation,
     naming the field, and store numbers as float or int (a numpy float becomes a float)."""
-    for name, (kind, optional) in _field_types(type(config)).items():
+    cls: type = type(config)  # as `type`: mypy reads `type[object]` against Hashable as an unbound __hash__
+    for name, (kind, optional) in _field_types(cls).items():
         value = getattr(config, name)
         if value is None and optional:
             continue

@@ -63,7 +63,7 @@ OPTIONAL_INPUTS: dict[str, OptionalInput] = {
 """Every optional input of `Algorithm.__call__`, in the order of its signature."""
 
 
-def check_names(inputs: Mapping[str, object], allowed: dict[str, OptionalInput] = OPTIONAL_INPUTS) -> None:
+def check_names(inputs: Mapping[str, object], allowed: Mapping[str, OptionalInput] = OPTIONAL_INPUTS) -> None:
     """TypeError naming an argument that is not an optional input, with the closest name."""
     for name in inputs:
         if name not in allowed:

@@ -10,7 +10,7 @@ numbers of tokens: TRL #6380). How each metric combines is said where it is made
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -72,10 +72,11 @@ class StepMetrics:
         self.process_group, self.reduce, self.dtype, self.capacity = process_group, reduce, dtype, capacity
         self.device = None if device is None else torch.device(device)
         self._calls: list[dict[str, Stat]] = []
-        self._kinds: dict[str, tuple[str, int, object]] = {}
+        self._kinds: dict[str, tuple[str, int, Callable[..., Tensor] | None]] = {}
 
     def add(self, output: LossOutput | Mapping[str, Stat]) -> None:
         """Add one call's metrics: its `LossOutput` (or a mapping of `Stat`s). No host sync."""
+        stats: Mapping[str, Stat]
         if isinstance(output, LossOutput):
             bare = sorted(set(output.metrics) - set(output.stats))
             if bare:
@@ -129,7 +130,7 @@ class StepMetrics:
                 "the ranks added different metric names to StepMetrics: every rank must add the "
                 "outputs of the same algorithm called with the same inputs"
             )
-        return dict(zip(values, numbers[1:]))
+        return dict(zip(values, numbers[1:], strict=True))
 
     # -- the reduction ---------------------------------------------------------------------------
 
@@ -165,14 +166,14 @@ class StepMetrics:
         if layout:  # the layout's fingerprint as two 16-bit halves (exact in float32), its max and -min
             crc = zlib.crc32(repr([(name, *self._kinds[name][:2]) for name in layout]).encode())
             high, low = crc >> 16, crc & 0xFFFF
-            for at, value in zip(range(-4, 0), (high, low, -high, -low)):
+            for at, value in zip(range(-4, 0), (high, low, -high, -low), strict=True):
                 peaks[at].fill_(value)  # a fill: `peaks[at] = value` would copy a host tensor to the device
         all_reduce(summed, self.process_group, self.reduce)
         all_reduce(peaks, self.process_group, self.reduce, op=dist.ReduceOp.MAX)
         agree = ((peaks[-4] == -peaks[-2]) & (peaks[-3] == -peaks[-1])) | (peaks[-4] == -torch.inf)  # or none added
         ranks = world_size(self.process_group, self.reduce)
         values, at_sum, at_max = {}, 0, 0
-        for name, s, e in zip(layout, sums, extremes):
+        for name, s, e in zip(layout, sums, extremes, strict=True):
             part_sums, at_sum = summed[at_sum : at_sum + len(s)], at_sum + len(s)
             peak, at_max = peaks[at_max : at_max + len(e)], at_max + len(e)
             values[name] = self._finish(name, part_sums, peak, ranks)
@@ -183,16 +184,20 @@ class StepMetrics:
         extreme; Σ x for a loss term) and in the MAX buffer (the max, or -min)."""
         reduce, n_parts, _ = self._kinds[name]
         stats = [call[name] for call in self._calls if name in call]
-        to = dict(device=device, dtype=self.dtype)
-        none = torch.zeros(0, **to)
+        dtype = self.dtype
+        none = torch.zeros(0, device=device, dtype=dtype)
         if reduce == LOSS:
-            return torch.stack([s.value.to(**to) for s in stats]).sum().reshape(1), none
-        weight = torch.stack([s.weight.to(**to) for s in stats])  # [calls]
+            return torch.stack([s.value.to(device, dtype) for s in stats]).sum().reshape(1), none
+        weights = []
+        for s in stats:
+            assert s.weight is not None  # add() refuses a mean or an extreme without its weight
+            weights.append(s.weight.to(device, dtype))
+        weight = torch.stack(weights)  # [calls]
         if reduce == MEAN:
-            parts = torch.stack([torch.stack([p.to(**to) for p in (s.parts or (s.value,))]) for s in stats])
+            parts = torch.stack([torch.stack([p.to(device, dtype) for p in (s.parts or (s.value,))]) for s in stats])
             weighted = torch.where(weight[:, None] > 0, weight[:, None] * parts, 0.0).sum(dim=0)
             return torch.cat([weighted, weight.sum().reshape(1)]), none
-        value = torch.stack([s.value.to(**to) for s in stats])
+        value = torch.stack([s.value.to(device, dtype) for s in stats])
         if reduce == MIN:
             value = -value  # the minimum is the negated maximum of the negatives
         peak = torch.where(weight > 0, value, -torch.inf).amax().reshape(1)

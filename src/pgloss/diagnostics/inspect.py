@@ -20,7 +20,7 @@ defines beside its per-token function (`gradient_factor`, `losses/closed_form.py
     TIS-PG, TOPR                                   f = sg[clip(r, lo, hi)] (TOPR: 1 where the score > 0)
     SAPO                                           f = 4·σ(τ(r-1))·(1 - σ(τ(r-1))) · r
     FIPO                                           f = sg[influence] · r · b(r)
-    Clip-Cov                                       f = r · b(r) · (1 - picked)    losses/cov.py
+    Clip-Cov                                       f = r · b(r) · (1 - picked)    losses/clip_cov.py
     DPPO                                           f = sg[min(r, c)] · sg[valid]  losses/dppo.py
     VESPO                                          f = sg[φ(w_i)]                 losses/vespo.py
 
@@ -47,16 +47,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..base import Algorithm
-from ..core.aggregate import Normalizer
 from ..core.batch import TokenBatch
 from ..core.inputs import check_names
+from ..core.normalizer import Normalizer
 from ..losses.closed_form import GradientFactor
 
 __all__ = ["TokenGradients", "inspect", "token_gradients"]
@@ -135,7 +135,10 @@ def inspect(
             policy_only, log_prob, old_log_prob, advantages, mask, normalizer=normalizer, **policy_inputs
         )
         rewind()
-        batch = TokenBatch.prepare(log_prob.detach(), old_log_prob, advantages, mask, **policy_inputs)
+        split = None if normalizer is None else normalizer.sequence_parallel  # as the call prepares its batch
+        batch = TokenBatch.prepare(
+            log_prob.detach(), old_log_prob, advantages, mask, sequence_parallel=split, **policy_inputs
+        )
         batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
         tis = None if corrected is None else corrected.weight
         rows = algorithm.policy_row_weights(
@@ -169,7 +172,7 @@ def _closed_form(algorithm: Algorithm, batch: TokenBatch) -> GradientFactor:
 
 
 @contextlib.contextmanager
-def _replayed_draws(algorithm: Algorithm) -> Iterator:
+def _replayed_draws(algorithm: Algorithm) -> Iterator[Callable[[], None]]:
     """Yield `rewind()`, which puts every generator a loss call may draw from (the algorithm's own
     `torch.Generator` fields, torch's global CPU generator and, once CUDA is in use, each GPU's) back
     to its state on entry; on exit they are left in that state, so the diagnostic's draws are the next
@@ -184,7 +187,7 @@ def _replayed_draws(algorithm: Algorithm) -> Iterator:
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def rewind() -> None:
-        for generator, state in zip(generators, states):
+        for generator, state in zip(generators, states, strict=True):
             generator.set_state(state)
         torch.set_rng_state(global_state)
         if cuda_states is not None:

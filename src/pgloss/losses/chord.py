@@ -36,9 +36,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..core.aggregate import Normalizer, aggregation, row_weights
+from ..core.aggregate import aggregation, row_weights
 from ..core.batch import TokenBatch
 from ..core.metrics import token_mean
+from ..core.normalizer import Normalizer
 from ..core.output import PolicyTerms, check
 from .closed_form import GradientFactor
 from .ppo import ClippedPolicy
@@ -114,19 +115,28 @@ class CHORD(ClippedPolicy):
     def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
         """c_i over the on-policy rows with their counts, over the expert rows with theirs (μ and 1 − μ are
         in the per-token term); the call's `rows` when neither the call nor the step has expert rows."""
-        if batch.expert is None and normalizer.expert is None:
-            return rows
-        if batch.expert is not None and normalizer.expert is None:
+        step_expert = normalizer.expert
+        if step_expert is None:
+            if batch.expert is None:
+                return rows
             raise ValueError(
                 f"{self.name} with expert rows needs a Normalizer that counted them apart: "
                 "Algorithm.step_normalizer(..., expert=...) or Normalizer.count(..., expert=...)"
             )
         expert = self._expert_rows(batch)
-        constants = dict(norm_constant=self.norm_constant, group_ids=batch.group_ids, delta_l_alpha=self.delta_l_alpha)
-        usual = row_weights(
-            batch.mask & ~expert[:, None], self.loss_agg_mode, normalizer.complement(normalizer.expert), **constants
-        )
-        demo = row_weights(batch.mask & expert[:, None], self.sft_agg_mode, normalizer.expert, **constants)
+
+        def weights(mask: Tensor, mode: str, counts: Normalizer) -> Tensor:
+            return row_weights(
+                mask,
+                mode,
+                counts,
+                norm_constant=self.norm_constant,
+                group_ids=batch.group_ids,
+                delta_l_alpha=self.delta_l_alpha,
+            )
+
+        usual = weights(batch.mask & ~expert[:, None], self.loss_agg_mode, normalizer.complement(step_expert))
+        demo = weights(batch.mask & expert[:, None], self.sft_agg_mode, step_expert)
         return torch.where(expert, demo, usual)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:

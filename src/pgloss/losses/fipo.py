@@ -168,6 +168,8 @@ class FIPO(ClippedPolicy):
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         """f = sg[influence]·r·b(r): the clipped token loss's factor times the detached weight."""
         clipped = super().gradient_factor(batch)
+        if clipped.factor is None:
+            return clipped
         token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
         influence, _ = fipo_influence(
             token_log_ratio,

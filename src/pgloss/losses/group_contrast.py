@@ -32,15 +32,16 @@ class GroupContrast(Algorithm):
     def fixed_agg_mode(self) -> str | None:
         return "group-mean-token-mean"
 
-    def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
-        """L_{g(i)} for every row i, `[B]`, from δ `[B, T]` (with gradient) and the batch."""
+    def group_loss(self, delta: Tensor, batch: TokenBatch, group_ids: Tensor) -> Tensor:
+        """L_{g(i)} for every row i, `[B]`, from δ `[B, T]` (with gradient), the batch and its `group_ids`
+        (`batch.group_ids`, checked present)."""
         raise NotImplementedError
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         if batch.group_ids is None:
             raise ValueError(f"{self.name} contrasts the completions of a prompt and needs group_ids=[B] in the call")
         delta = log_ratio(batch.log_prob, batch.old_log_prob)
-        per_row = self.group_loss(delta, batch)
+        per_row = self.group_loss(delta, batch, batch.group_ids)
         ratio = importance_ratio(
             batch.log_prob, batch.old_log_prob, batch.mask, level="token", max_log_ratio=self.max_log_ratio
         )

@@ -79,7 +79,7 @@ class GVPO(GroupContrast):
         super().__post_init__()
         check(self.gvpo_beta > 0, f"gvpo_beta must be > 0, got {self.gvpo_beta}")
 
-    def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
+    def group_loss(self, delta: Tensor, batch: TokenBatch, group_ids: Tensor) -> Tensor:
         implicit = self.gvpo_beta * sequence_log_ratio(
             delta, batch.mask, length_normalized=False, sequence_parallel=batch.sequence_parallel
         ).squeeze(-1)
@@ -87,6 +87,6 @@ class GVPO(GroupContrast):
             implicit,
             batch.row_advantages,
             batch.valid_rows,
-            batch.group_ids,
+            group_ids,
             center_advantages=self.gvpo_center_advantages,
         )

@@ -20,6 +20,7 @@ In the clipped zones the gradient with respect to the ratio is exactly zero.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -214,14 +215,14 @@ class ClippedPolicy(Algorithm):
         """
         m, limit = batch.mask, self.max_log_ratio
         token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
-        clip = dict(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, delta=self.delta)
+        b = functools.partial(
+            clip_factor, clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, delta=self.delta
+        )
         level = self.ratio_level
         if level == "token":
             ratio = importance_ratio(batch.log_prob, batch.old_log_prob, m, level="token", max_log_ratio=limit)
             inside = (token_log_ratio.abs() <= limit).to(ratio.dtype)
-            return GradientFactor(
-                ratio * clip_factor(ratio, batch.advantages, **clip) * inside, "token ratio: f = r·b(r)"
-            )
+            return GradientFactor(ratio * b(ratio, batch.advantages) * inside, "token ratio: f = r·b(r)")
         constant = (batch.advantages == batch.advantages[:, :1]) | ~m
         if not bool(constant.all()):
             return GradientFactor(
@@ -231,7 +232,7 @@ class ClippedPolicy(Algorithm):
         seq_log = sequence_log_ratio(token_log_ratio, m, length_normalized=not product)
         ratio = torch.exp(seq_log.clamp(-limit, limit))
         inside = (seq_log.abs() <= limit).to(ratio.dtype)
-        factor = ratio * clip_factor(ratio, batch.advantages, **clip) * inside
+        factor = ratio * b(ratio, batch.advantages) * inside
         shared = level in ("sequence", "sequence_product")  # sequence_token: the token's own gradient
         if product:
             return GradientFactor(

@@ -71,8 +71,8 @@ class REAL(GroupContrast):
         super().__post_init__()
         check(self.real_tau > 0, f"real_tau must be > 0, got {self.real_tau}")
 
-    def group_loss(self, delta: Tensor, batch: TokenBatch) -> Tensor:
+    def group_loss(self, delta: Tensor, batch: TokenBatch, group_ids: Tensor) -> Tensor:
         seq = sequence_log_ratio(
             delta, batch.mask, length_normalized=True, sequence_parallel=batch.sequence_parallel
         ).squeeze(-1)
-        return real_group_loss(seq, batch.row_advantages, batch.valid_rows, batch.group_ids, tau=self.real_tau)
+        return real_group_loss(seq, batch.row_advantages, batch.valid_rows, group_ids, tau=self.real_tau)

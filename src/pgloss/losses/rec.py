@@ -78,6 +78,10 @@ def rec_weight(ratio: Tensor, sequence_ratio: Tensor | None, advantages: Tensor,
     if weight == "importance_sampling":
         return ratio.detach()
     if weight == "sequence_importance_sampling":
+        if sequence_ratio is None:
+            raise ValueError(
+                "rec_weight='sequence_importance_sampling' weighs by the sequence ratio: pass sequence_ratio"
+            )
         return sequence_ratio.detach().expand_as(ratio)
     if weight == "advantage":
         return torch.exp(advantages / temp).detach()
