@@ -139,7 +139,7 @@ def algorithm(options: dict[str, Any]) -> tuple[Any, bool]:
 def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) -> tuple[float, float]:
     """(relative loss error, relative gradient error w.r.t. the log-probs and entropies) of OpenRLHF's actor
     loss with `options` against pgloss's `algorithm(options)`, on one random float64 batch."""
-    from pgloss.core.aggregate import Normalizer
+    from pgloss.core.normalizer import Normalizer
 
     theirs_code = _namespace()
     data = batch(seed, empty_row=empty_row)

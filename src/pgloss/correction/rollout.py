@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..core.aggregate import Normalizer
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
 from ..core.checks import check_log_prob, check_number
 from ..core.metrics import Stat, effective_sample_size, token_extremes, token_fraction, token_mean
+from ..core.normalizer import Normalizer
 from ..core.sequence_parallel import (
     SequenceParallel,
     data_parallel_group,

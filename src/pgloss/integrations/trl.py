@@ -60,7 +60,7 @@ from torch import Tensor
 import pgloss
 
 from ..algorithms import Algorithm
-from ..core.aggregate import Normalizer
+from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from ..trainer_options.trl import adaptive_entropy, trainer_algorithm
 from .lm_head import head_options

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..algorithms import Algorithm
-from ..core.aggregate import Normalizer
+from ..core.normalizer import Normalizer
 from ..correction.token_masks import entropy_threshold, top_entropy_mask
 
 if TYPE_CHECKING:  # what the mixin reads of the GRPOTrainer it is placed before (it is never used without one)

@@ -43,9 +43,10 @@ from torch import Tensor
 import pgloss
 
 from ..algorithms import Algorithm
-from ..core.aggregate import Normalizer, aggregate, aggregation
+from ..core.aggregate import aggregate, aggregation
 from ..core.inputs import OPTIONAL_INPUTS
 from ..core.metrics import LOSS
+from ..core.normalizer import Normalizer
 from ..trainer_options.verl import PREFIX, VARIANTS, algorithm_from_verl, config_get
 
 __all__ = ["PREFIX", "SUPPORTED", "agg_loss", "policy_loss_fn", "register", "registered_name"]

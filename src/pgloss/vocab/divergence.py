@@ -51,10 +51,11 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ..core.aggregate import Normalizer, aggregate
+from ..core.aggregate import aggregate
 from ..core.batch import check_mask, check_tensor
 from ..core.checks import check_number
 from ..core.metrics import Stat
+from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from . import kernels
 from .banned import BANNED_LOGIT

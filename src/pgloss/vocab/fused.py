@@ -41,9 +41,9 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
-from ..core.aggregate import Normalizer
 from ..core.batch import check_mask, compute_dtype
 from ..core.inputs import OPTIONAL_INPUTS, check_names
+from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from ..kl.corrections import FULL
 from .chunks import ChunkLoop, plan_tiles

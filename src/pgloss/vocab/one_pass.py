@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..core.aggregate import Normalizer
 from ..core.batch import compute_dtype
+from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from .chunks import HeadRows, backward_rows, forward_rows
 from .entropy import LogProbEntropy
