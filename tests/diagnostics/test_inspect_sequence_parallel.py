@@ -1,7 +1,9 @@
 """`pgloss.diagnostics.inspect` under a sequence group (2 gloo ranks, each holding a slice of every sequence):
 its closed form reads the batch the call reads, with whole-sequence statistics, so -Â·f·w equals the call's
-per-token gradient on each rank. The case: GRPO with sequence-level rejections of the rollout correction
-(the mean k3 and the max k2 of a sequence decide on the whole sequence, not on this rank's slice)."""
+per-token gradient on each rank. The cases, in one pair of processes: GRPO with sequence-level rejections of the
+rollout correction (the mean k3 and the max k2 of a sequence decide on the whole sequence, not on this rank's
+slice), and the sequence ratios of GSPO, GSPO-token and sample-level GRPO (s_i, and |y_i|, over the whole
+sequence), and GSPO with token-level correction weights (their mean over the whole sequence)."""
 
 import torch
 from conftest import run_ranks
@@ -26,18 +28,34 @@ def one_rank(rank, world):
     advantages = torch.randn(rows, generator=g, dtype=torch.float64)
     split = SequenceParallel()
     lp, old_lp, rollout_lp, m = (split.shard(v, dim=1) for v in (log_prob, old, rollout, mask))
-    algorithm = pgloss.get(
-        "grpo", kl_coef=0.0, rollout_correction=RolloutCorrection(weight_level=None, rejection=RULES)
-    )
-    normalizer = algorithm.step_normalizer(
-        m, old_log_probs=old_lp, rollout_log_probs=rollout_lp, sequence_parallel=split
-    )
-    result = inspect(algorithm, lp, old_lp, advantages, m, normalizer=normalizer, rollout_log_prob=rollout_lp)
-    return result.policy_grad, result.closed_form, m
+    results = {}
+    for name in CASES:
+        correction = CORRECTIONS.get(name)
+        algorithm = pgloss.get(name.split("+")[0], kl_coef=0.0, rollout_correction=correction)
+        rollout_inputs = {"rollout_log_prob": rollout_lp} if correction else {}
+        normalizer = algorithm.step_normalizer(
+            m,
+            old_log_probs=old_lp,
+            rollout_log_probs=rollout_lp if correction else None,
+            sequence_parallel=split,
+        )
+        result = inspect(algorithm, lp, old_lp, advantages, m, normalizer=normalizer, **rollout_inputs)
+        results[name] = result.policy_grad, result.closed_form, m
+    return results
+
+
+CORRECTIONS = {
+    "grpo": RolloutCorrection(weight_level=None, rejection=RULES),
+    "gspo+token weights": RolloutCorrection(weight_level="token"),  # GSPO's ℓ_i weighs by their sequence mean
+}
+CASES = ("grpo", "gspo", "gspo_token", "sample_grpo", "gspo+token weights")
 
 
 def test_the_closed_form_is_the_gradient_of_the_call_on_each_rank_of_a_sequence_group():
-    for rank, (policy_grad, closed_form, mask) in run_ranks(one_rank, world=2).items():
-        assert closed_form is not None and policy_grad[1:].abs().sum() > 0
-        assert not policy_grad[0].any() and mask[0].any()  # row 0 is rejected on the rank that holds its good half
-        torch.testing.assert_close(closed_form, policy_grad, rtol=1e-10, atol=1e-12, msg=f"rank {rank}")
+    for rank, results in run_ranks(one_rank, world=2).items():
+        assert set(results) == set(CASES)
+        for name, (policy_grad, closed_form, mask) in results.items():
+            assert closed_form is not None and policy_grad[1:].abs().sum() > 0, name
+            if name == "grpo":  # row 0 is rejected on the rank that holds its good half
+                assert not policy_grad[0].any() and mask[0].any()
+            torch.testing.assert_close(closed_form, policy_grad, rtol=1e-10, atol=1e-12, msg=f"{name}, rank {rank}")

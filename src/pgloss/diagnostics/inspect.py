@@ -57,6 +57,7 @@ from ..base import Algorithm
 from ..core.batch import TokenBatch
 from ..core.inputs import check_names
 from ..core.normalizer import Normalizer
+from ..core.sequence_parallel import row_mean
 from ..losses.closed_form import GradientFactor
 
 __all__ = ["TokenGradients", "inspect", "token_gradients"]
@@ -149,8 +150,8 @@ def inspect(
     factor, reason = closed.factor, closed.reason
     if factor is not None:
         if tis is not None:
-            if closed.per_sequence:  # ℓ_i is weighted token by token, then summed over the sequence
-                tis = tis.sum(dim=-1, keepdim=True) / batch.mask.sum(dim=-1, keepdim=True).clamp(min=1)
+            if closed.per_sequence:  # ℓ_i is weighted token by token, then summed over the whole sequence
+                tis = row_mean(torch.where(batch.mask, tis, 0.0), batch.mask, batch.sequence_parallel, keepdim=True)
             factor, reason = factor * tis, reason + ", times the rollout correction's weight"
         factor = torch.where(batch.mask, factor, 0.0)
     return TokenGradients(

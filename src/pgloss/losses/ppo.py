@@ -31,6 +31,7 @@ from ..core.batch import TokenBatch
 from ..core.metrics import clip_metrics, ratio_metrics
 from ..core.output import PolicyTerms, check
 from ..core.ratios import RATIO_LEVELS, importance_ratio, log_ratio, sequence_log_ratio
+from ..core.sequence_parallel import row_lengths
 from ..core.slope import with_slope
 from .closed_form import GradientFactor
 
@@ -229,13 +230,16 @@ class ClippedPolicy(Algorithm):
                 None, f"ratio_level={level!r} with advantages that vary within a sequence: no per-token closed form"
             )
         product = level == "sequence_product"
-        seq_log = sequence_log_ratio(token_log_ratio, m, length_normalized=not product)
+        split = batch.sequence_parallel  # s_i and |y_i| over the whole sequence, not this rank's slice
+        seq_log = sequence_log_ratio(token_log_ratio, m, length_normalized=not product, sequence_parallel=split)
         ratio = torch.exp(seq_log.clamp(-limit, limit))
         inside = (seq_log.abs() <= limit).to(ratio.dtype)
         factor = ratio * b(ratio, batch.advantages) * inside
         shared = level in ("sequence", "sequence_product")  # sequence_token: the token's own gradient
         if product:
             return GradientFactor(
-                factor * m.sum(dim=-1, keepdim=True), "whole-sequence ratio: f = |y_i|·ρ_i·b(ρ_i)", per_sequence=shared
+                factor * row_lengths(m, split, keepdim=True, dtype=factor.dtype),
+                "whole-sequence ratio: f = |y_i|·ρ_i·b(ρ_i)",
+                per_sequence=shared,
             )
         return GradientFactor(factor, "sequence ratio: f = s_i·b(s_i)", per_sequence=shared)
