@@ -1,6 +1,9 @@
-"""A fixed batch for the trainer tests: demonstrations and wrong answers of a few sum problems."""
+"""What the lab's tests share: a tiny policy, a fixed batch (demonstrations and wrong answers of a few sum
+problems), the `pgloss` command and its options for a tiny run."""
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,13 @@ from pgloss.lab.tokenizer import Tokenizer
 from pgloss.lab.trainer import build
 
 TINY = dict(d_model=32, n_layer=1, n_head=2, max_new_tokens=20)
+
+PGLOSS = str(Path(sys.executable).parent / "pgloss")
+"""The `pgloss` command of this environment, run as a user runs it."""
+CLI_TINY = (
+    "--warm-steps 5 --d-model 16 --n-layer 1 --n-head 2 --prompts-per-step 4 --group-size 4 --eval-prompts 4 --samples 2"
+).split()
+"""The command's options for a run of seconds: a one-layer policy, four prompts of four samples a step."""
 
 
 def same_run(a: dict, b: dict) -> bool:

@@ -5,36 +5,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+from lab_helpers import CLI_TINY, PGLOSS, warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 
 from pgloss import cli
 from pgloss.lab import trainer
-
-PGLOSS = str(Path(sys.executable).parent / "pgloss")
-TINY = [
-    "--warm-steps",
-    "5",
-    "--d-model",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--eval-prompts",
-    "4",
-    "--samples",
-    "2",
-]
 
 
 def test_compare_writes_metrics_plots_samples_report_and_config(tmp_path):
@@ -51,7 +29,7 @@ def test_compare_writes_metrics_plots_samples_report_and_config(tmp_path):
         "2",
         "--workers",
         "1",
-        *TINY,
+        *CLI_TINY,
         "--out",
         str(out),
     ]
@@ -110,7 +88,7 @@ def test_a_simulated_mismatch_shows_in_the_report_and_plots(tmp_path):
                 "1",
                 "--workers",
                 "1",
-                *TINY,
+                *CLI_TINY,
                 "--sampler-noise",
                 "0.1",
                 "--rollout-correction",
@@ -194,7 +172,7 @@ def test_a_failing_run_keeps_the_others(tmp_path, monkeypatch, capsys):
                 "1",
                 "--workers",
                 "1",
-                *TINY,
+                *CLI_TINY,
                 "--out",
                 str(out),
             ]
@@ -230,7 +208,7 @@ def test_ctrl_c_and_sigterm_stop_within_seconds_and_write_what_finished(tmp_path
         "1",
         "--workers",
         "2",
-        *TINY,
+        *CLI_TINY,
         "--out",
         str(out),
     ]
@@ -278,7 +256,7 @@ def test_list_shows_no_made_up_norm_constant_for_dr_grpo(capsys):
 def test_sigterm_to_train_alone_records_what_it_made(tmp_path):
     """`docker stop` signals the main process only: train ends as on Ctrl-C, its status recorded."""
     out = tmp_path / "run"
-    cmd = [PGLOSS, "train", "--algorithms", "grpo", "--steps", "200", *TINY, "--out", str(out)]
+    cmd = [PGLOSS, "train", "--algorithms", "grpo", "--steps", "200", *CLI_TINY, "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 240

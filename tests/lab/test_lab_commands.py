@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+from lab_helpers import CLI_TINY, PGLOSS, warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 
 import pgloss
 from pgloss import cli
@@ -16,26 +16,7 @@ from pgloss.lab import trainer, warm
 from pgloss.lab.config import LabConfig
 from pgloss.lab.progress import Progress, clock
 
-PGLOSS = str(Path(sys.executable).parent / "pgloss")
-TINY = [
-    "--warm-steps",
-    "5",
-    "--d-model",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--eval-prompts",
-    "4",
-    "--samples",
-    "2",
-]
-COMPARE = ["compare", "--algorithms", "grpo", "--steps", "1", "--seeds", "1", "--workers", "1", *TINY]
+COMPARE = ["compare", "--algorithms", "grpo", "--steps", "1", "--seeds", "1", "--workers", "1", *CLI_TINY]
 
 
 def _contents(folder: Path) -> dict:
@@ -102,7 +83,7 @@ def test_one_grammar_one_message_for_every_command(argv, tmp_path, capsys):
 
 def test_train_takes_one_spec_of_the_grammar(tmp_path):
     out = tmp_path / "run"
-    assert cli.main(["train", "--algorithms", "dapo:clip_high=0.3", "--steps", "1", *TINY, "--out", str(out)]) == 0
+    assert cli.main(["train", "--algorithms", "dapo:clip_high=0.3", "--steps", "1", *CLI_TINY, "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {r["algorithm"] for r in records} == {"dapo:clip_high=0.3"}
     assert (out / "report.md").read_text().startswith("# pgloss lab: training run")

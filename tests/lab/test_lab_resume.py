@@ -5,39 +5,18 @@ stopped, bit for bit: in ``trainer.train`` (every random state restored), and as
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from lab_helpers import TINY, same_run, warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+from lab_helpers import CLI_TINY, PGLOSS, TINY, same_run, warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 
 from pgloss.lab import checkpoint
 from pgloss.lab.config import LabConfig
 from pgloss.lab.trainer import train
 
-PGLOSS = str(Path(sys.executable).parent / "pgloss")
-SMALL = [
-    "--steps",
-    "4",
-    "--warm-steps",
-    "5",
-    "--d-model",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--eval-prompts",
-    "4",
-    "--samples",
-    "2",
-]
+SMALL = ["--steps", "4", *CLI_TINY]
 
 
 class Stop(Exception):

@@ -6,34 +6,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+from lab_helpers import CLI_TINY, PGLOSS, warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 
 from pgloss.lab.plots import plot_names
 
-PGLOSS = str(Path(sys.executable).parent / "pgloss")
-TINY = [
-    "--warm-steps",
-    "5",
-    "--d-model",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--eval-prompts",
-    "4",
-    "--samples",
-    "2",
-]
 PNGS = [f"{name}.png" for name in plot_names()]
 
 
@@ -71,7 +51,7 @@ def test_a_signal_just_after_the_last_step_keeps_the_run_and_its_report(tmp_path
     are written: the run is finished, the report, plots and samples are all there, one line says so."""
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [PGLOSS, "train", "--algorithm", "grpo", "--steps", "3", *TINY, "--out", str(out)],
+        [PGLOSS, "train", "--algorithm", "grpo", "--steps", "3", *CLI_TINY, "--out", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -101,7 +81,7 @@ def test_signals_while_the_plots_are_drawn_wait_for_them(tmp_path):
         "1",
         "--workers",
         "1",
-        *TINY,
+        *CLI_TINY,
         "--out",
         str(out),
     ]
@@ -132,7 +112,7 @@ def test_a_process_group_signal_as_the_last_workers_end_keeps_every_run(tmp_path
         "1",
         "--workers",
         "2",
-        *TINY,
+        *CLI_TINY,
         "--out",
         str(out),
     ]
@@ -149,7 +129,7 @@ def test_report_rebuilds_a_killed_run_and_a_finished_one(tmp_path):
     that has one, it writes the same report and keeps the earlier files in replaced/."""
     out = tmp_path / "killed"
     proc = subprocess.Popen(
-        [PGLOSS, "train", "--algorithm", "grpo", "--steps", "200", *TINY, "--out", str(out)],
+        [PGLOSS, "train", "--algorithm", "grpo", "--steps", "200", *CLI_TINY, "--out", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -181,7 +161,7 @@ def test_report_rebuilds_a_killed_run_and_a_finished_one(tmp_path):
             "1",
             "--workers",
             "1",
-            *TINY,
+            *CLI_TINY,
             "--out",
             str(finished),
         ],

@@ -10,32 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from lab_helpers import warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
+from lab_helpers import CLI_TINY, PGLOSS, warm_cache  # noqa: F401 (autouse: a warm-start cache of each test's own)
 
 from pgloss import cli
 from pgloss.lab import policy
 
-PGLOSS = str(Path(sys.executable).parent / "pgloss")
-SMALL = [
-    "--steps",
-    "2",
-    "--warm-steps",
-    "5",
-    "--d-model",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--eval-prompts",
-    "4",
-    "--samples",
-    "2",
-]
+SMALL = ["--steps", "2", *CLI_TINY]
 
 
 def _records(out: Path) -> list[dict]:
