@@ -143,11 +143,11 @@ class FIPO(ClippedPolicy):
                 self.fipo_safety_threshold > 0, f"fipo_safety_threshold must be > 0, got {self.fipo_safety_threshold}"
             )
 
-    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
-        terms = super().policy_terms(batch)
-        token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
-        weight, future = fipo_influence(
-            token_log_ratio,
+    def _influence(self, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        """(the detached influence weight, the future KL) of `batch`'s tokens (`fipo_influence`), read by the
+        loss and by its closed-form gradient."""
+        return fipo_influence(
+            log_ratio(batch.log_prob, batch.old_log_prob),
             self.ratio(batch),
             batch.advantages,
             batch.mask,
@@ -159,6 +159,10 @@ class FIPO(ClippedPolicy):
             max_log_ratio=self.max_log_ratio,
             sequence_parallel=batch.sequence_parallel,
         )
+
+    def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
+        terms = super().policy_terms(batch)
+        weight, future = self._influence(batch)
         metrics = terms.metrics | {
             "fipo_weight_mean": token_mean(weight, batch.mask),
             "fipo_future_kl_mean": token_mean(future, batch.mask),
@@ -170,18 +174,5 @@ class FIPO(ClippedPolicy):
         clipped = super().gradient_factor(batch)
         if clipped.factor is None:
             return clipped
-        token_log_ratio = log_ratio(batch.log_prob, batch.old_log_prob)
-        influence, _ = fipo_influence(
-            token_log_ratio,
-            self.ratio(batch),
-            batch.advantages,
-            batch.mask,
-            decay_rate=self.fipo_decay_rate,
-            clip_range=self.fipo_clip_range,
-            clip_high_only=self.fipo_clip_high_only,
-            safety_threshold=self.fipo_safety_threshold,
-            delta=self.delta,
-            max_log_ratio=self.max_log_ratio,
-            sequence_parallel=batch.sequence_parallel,
-        )
+        influence, _ = self._influence(batch)
         return GradientFactor(influence * clipped.factor, "FIPO: f = sg[influence]·r·b(r)")
