@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..core.batch import check_tensor
 from ..core.checks import check_number, check_values, is_integer
-from . import kernels
+from . import head_tile, kernels
 from .banned import BANNED_LOGIT, floored_grad, log_prob_floor
 from .chunks import ChunkLoop, plan_tiles
 
@@ -225,6 +225,13 @@ class LogProbEntropy:
 
     def kernel(self) -> KernelLogProbEntropy:
         return KernelLogProbEntropy(self.targets)
+
+    def head_kernel(
+        self, kind, temperature: float, columns: int, valid: Tensor | None, hidden: Tensor, weight, bias
+    ) -> tuple[Tensor, Tensor]:
+        """Its twin on the head-kernel route (`head_tile.py`): (log π(y), H) [N] of hidden states [N, H] and an LM
+        head, the logits formed inside the kernels, the same state (m, s, a, z_y) and values."""
+        return head_tile.log_prob_entropy(self, kind, temperature, columns, valid, hidden, weight, bias)
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # log π(y), H, shift c, log s
