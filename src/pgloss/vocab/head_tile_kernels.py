@@ -26,10 +26,16 @@ imports triton.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from .triton_kernels import _head, _log_prob_entropy_grad
+
+# Triton's interpreter (3.9) multiplies bfloat16 operands of tl.dot as the integers their bits spell (it holds them
+# as uint16): there they are widened to float32 first, whose products of bfloat16 values are exact, as on the GPU.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -37,6 +43,8 @@ def _dot(a, b, acc):
     """acc + a b in float32: IEEE products for float32 inputs, the tensor cores' default for half precision."""
     if a.dtype == tl.float32:
         acc = tl.dot(a, b, acc, input_precision="ieee")
+    elif _INTERPRETED:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
     return acc
