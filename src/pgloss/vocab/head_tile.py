@@ -60,12 +60,16 @@ def _kernels():
     return head_tile_kernels
 
 
+def gpu_blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_V, BLOCK_K, num_warps) of the kernels on a GPU, for a head of `dtype` (float32's IEEE
+    products take half the steps over H of half precision's)."""
+    return 64, 128, 32 if dtype == torch.float32 else 64, 4
+
+
 def blocks(weight: Tensor) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_V, BLOCK_K, num_warps). Triton's interpreter runs each operation in numpy: small blocks
-    there walk every loop of the kernels (several column blocks, several steps over H) at a test's sizes."""
-    if weight.device.type != "cuda":
-        return 16, 16, 16, 1
-    return 64, 128, 32 if weight.dtype == torch.float32 else 64, 4
+    """`gpu_blocks` on CUDA. Triton's interpreter runs each operation in numpy: small blocks there walk every
+    loop of the kernels (several column blocks, several steps over H) at a test's sizes."""
+    return gpu_blocks(weight.dtype) if weight.device.type == "cuda" else (16, 16, 16, 1)
 
 
 @functools.cache
