@@ -14,7 +14,7 @@ from properties.host_sync import no_host_sync
 from vocab import plain_head
 
 import pgloss
-from pgloss.vocab import kernels
+from pgloss.vocab import head_tile, kernels
 from pgloss.vocab.banned import LOG_PROB_FLOOR
 from pgloss.vocab.entropy import LogProbEntropy
 from pgloss.vocab.full_kl import full_kl_from_hidden
@@ -231,3 +231,16 @@ def test_the_route_builds_nothing_from_the_host():
     with no_host_sync():
         got = run("head-kernel", x, "banned, scale, mask", vocab_block=10)
     assert got[3].abs().sum() > 0
+
+
+def test_the_slab_is_vocab_block_or_what_the_budget_holds():
+    """(tokens, columns per ∂W slab): `vocab_block`, else a float32 [columns, H] slab of `memory_budget` bytes
+    (2²⁵ without one); `chunk_size` is checked and unused; the sizes' rules are every route's."""
+    weight = torch.empty(152064, 3584)
+    assert head_tile.plan(16384, weight, None, None, None) == (16384, 2**25 // (4 * 3584))
+    assert head_tile.plan(16384, weight, 512, None, None) == (16384, 2**25 // (4 * 3584))
+    assert head_tile.plan(16384, weight, None, 4096, None) == (16384, 4096)
+    assert head_tile.plan(16384, weight, None, None, 2**30) == (16384, 2**30 // (4 * 3584))
+    assert head_tile.plan(4, torch.empty(37, 40), None, None, None) == (4, 37)
+    with pytest.raises(ValueError, match="^memory_budget and chunk_size are exclusive"):
+        head_tile.plan(16384, weight, 512, None, 2**30)

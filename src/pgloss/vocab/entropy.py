@@ -33,6 +33,7 @@ from ..core.checks import check_number, check_values, is_integer
 from . import head_tile, kernels
 from .banned import BANNED_LOGIT, floored_grad, log_prob_floor
 from .chunks import ChunkLoop, plan_tiles
+from .head import HeadKind
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -227,7 +228,14 @@ class LogProbEntropy:
         return KernelLogProbEntropy(self.targets)
 
     def head_kernel(
-        self, kind, temperature: float, columns: int, valid: Tensor | None, hidden: Tensor, weight, bias
+        self,
+        kind: HeadKind,
+        temperature: float,
+        columns: int,
+        valid: Tensor | None,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         """Its twin on the head-kernel route (`head_tile.py`): (log π(y), H) [N] of hidden states [N, H] and an LM
         head, the logits formed inside the kernels, the same state (m, s, a, z_y) and values."""

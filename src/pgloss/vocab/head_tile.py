@@ -41,17 +41,16 @@ GRID_Y = 65535  # CUDA's limit on the grid's y axis: the column ranges and the c
 def plan(
     tokens: int, weight: Tensor, chunk_size: int | None, vocab_block: int | None, memory_budget: int | None
 ) -> tuple[int, int]:
-    """(tokens, columns per slab) on the head-kernel route: the kernels take every token at once (an explicit
-    `chunk_size` is checked, then unused) and `vocab_block` columns per ∂W slab and per forward range at most; a
-    `memory_budget` (or 2²⁵ bytes without any size) bounds the float32 slab [columns, H]."""
+    """(tokens, columns per slab) on the head-kernel route, the sizes checked as on every route (`plan_tiles`):
+    the kernels take every token at once (an explicit `chunk_size` is unused), and `vocab_block` columns per ∂W
+    slab and per forward range at most; without it, as many as a float32 slab [columns, H] of `memory_budget`
+    bytes (2²⁵ without one) holds, at least one."""
+    plan_tiles(tokens, weight.shape[0], chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     vocab, size = weight.shape
-    explicit = chunk_size is not None or vocab_block is not None
-    budget = SLAB_BYTES if memory_budget is None and not explicit else memory_budget
-    # a slab is `size` float32 rows of `columns` values: plan_tiles' kernel plan of `size` "tokens"
-    _, columns = plan_tiles(
-        size, vocab, chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=budget, itemsize=4, kernel=True
-    )
-    return max(1, tokens), columns
+    if vocab_block is not None:
+        return max(1, tokens), min(vocab_block, vocab)
+    budget = SLAB_BYTES if memory_budget is None else memory_budget
+    return max(1, tokens), max(1, min(vocab, budget // (4 * max(1, size))))
 
 
 def _kernels():
