@@ -13,7 +13,11 @@ Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
            --memory-budget (bytes), each tile's logits recomputed in backward
   trl      TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py: token chunks of 4096 and
            vocabulary tiles of --trl-chunk columns, torch ops off Triton) for log π and H, then the algorithm
-  liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss)
+  liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss), compiled by
+           torch.compile, warmed up on one sequence as every variant is: the timed batch's shape is new to
+           it, as a trainer's next batch is
+  liger-static  the same warmed up on the timed batch itself, so that torch.compile never meets a new shape:
+           where liger fails and liger-static runs, the failure is the recompilation for a new shape
   lce      torch.nn.functional.linear_cross_entropy (chunked, pgloss's chunk size) for log π, then
            the algorithm (no entropy: that metric is missing)
   cce      Cut Cross-Entropy's linear_cross_entropy (package cut-cross-entropy; Triton, CUDA only; its
@@ -38,7 +42,19 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed
 
-VARIANTS = ("naive", "fused", "fused-torch", "tiled", "trl", "liger", "lce", "cce", "floor", "reference")
+VARIANTS = (
+    "naive",
+    "fused",
+    "fused-torch",
+    "tiled",
+    "trl",
+    "liger",
+    "liger-static",
+    "lce",
+    "cce",
+    "floor",
+    "reference",
+)
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float64": "float64"}
 
 
@@ -269,7 +285,7 @@ def build_variant(name, args, algorithm):
 
         return run
 
-    if name == "liger":
+    if name in ("liger", "liger-static"):
         try:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         except Exception as error:
@@ -406,7 +422,8 @@ def child(args) -> dict:
         return result
     try:
         run = build_variant(args.child, args, algorithm)
-        warm = _head(inputs, 1)  # warm-up on one sequence: thread pools, compilation
+        # warm-up on one sequence (thread pools, compilation); liger-static's on the timed batch
+        warm = inputs if args.child == "liger-static" else _head(inputs, 1)
         run(warm).backward()
         del warm
     except Exception as error:
