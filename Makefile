@@ -124,9 +124,11 @@ bench-step: $(if $(BENCH_PYTHON),,$(STAMP))
 		--wheels $(GPU_WHEELS) $(BENCH_ARGS)
 
 # Only what a GPU image with torch, triton, transformers, accelerate, pyarrow and pandas lacks, for CPython 3.12
-# (all pure Python, about 2 MB): TRL, Liger-Kernel, and datasets (which TRL imports) with the two requirements
-# such an image lacks. datasets 5.0.0 is the newest that accepts pyarrow 21 (5.2 asks for 24).
-STEP_WHEELS := trl==1.16.0 liger-kernel==0.8.5 datasets==5.0.0 dill==0.4.1 multiprocess==0.70.19
+# (all pure Python, about 4.5 MB): TRL, Liger-Kernel, and datasets (which TRL imports) with the two requirements
+# such an image lacks, for the step; Cut Cross-Entropy and verl (its loss is read from its files) for the rest of
+# benchmarks/gpu_session.sh. datasets 5.0.0 is the newest that accepts pyarrow 21 (5.2 asks for 24).
+STEP_WHEELS := trl==1.16.0 liger-kernel==0.8.5 datasets==5.0.0 dill==0.4.1 multiprocess==0.70.19 \
+	cut-cross-entropy==25.1.1 verl==0.9.1
 gpu-step-wheels:
 	$(PYTHON) -m pip download --quiet --no-deps -d $(GPU_WHEELS) $(GPU_PY312) $(STEP_WHEELS)
 

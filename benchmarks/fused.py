@@ -15,7 +15,11 @@ Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
            --memory-budget (bytes), each tile's logits recomputed in backward
   trl      TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py: token chunks of 4096 and
            vocabulary tiles of --trl-chunk columns, torch ops off Triton) for log π and H, then the algorithm
-  liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss)
+  liger    Liger-Kernel's LigerFusedLinearGRPOLoss on the same inputs (its own GRPO/DAPO loss), compiled by
+           torch.compile, warmed up on one sequence as every variant is: the timed batch's shape is new to
+           it, as a trainer's next batch is
+  liger-static  the same warmed up on the timed batch itself, so that torch.compile never meets a new shape:
+           where liger fails and liger-static runs, the failure is the recompilation for a new shape
   lce      torch.nn.functional.linear_cross_entropy (chunked, pgloss's chunk size) for log π, then
            the algorithm (no entropy: that metric is missing)
   cce      Cut Cross-Entropy's linear_cross_entropy (package cut-cross-entropy; Triton, CUDA only; its
@@ -48,6 +52,7 @@ VARIANTS = (
     "tiled",
     "trl",
     "liger",
+    "liger-static",
     "lce",
     "cce",
     "floor",
@@ -283,7 +288,7 @@ def build_variant(name, args, algorithm):
 
         return run
 
-    if name == "liger":
+    if name in ("liger", "liger-static"):
         try:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         except Exception as error:
@@ -420,7 +425,8 @@ def child(args) -> dict:
         return result
     try:
         run = build_variant(args.child, args, algorithm)
-        warm = _head(inputs, 1)  # warm-up on one sequence: thread pools, compilation
+        # warm-up on one sequence (thread pools, compilation); liger-static's on the timed batch
+        warm = inputs if args.child == "liger-static" else _head(inputs, 1)
         run(warm).backward()
         del warm
     except Exception as error:

@@ -9,8 +9,9 @@ Sections (each variant in its own process, run by the benchmark that owns it):
               row's route) and on the head-kernel route (fused-head-kernel; CUDA only), tiled, TRL's
               ChunkedLogProbFunction, torch's linear_cross_entropy, Cut Cross-Entropy and Liger
   plain       the loss from log-probabilities (benchmarks/plain.py), dual-clip PPO on B = 64 x T = 4096
-              in float32, token-mean and seq-mean-token-mean: verl's compute_policy_loss_vanilla (read
-              from its files: ray is not needed), pgloss eager and pgloss under torch.compile
+              and B = 256 x T = 8192 in float32, token-mean and seq-mean-token-mean: verl's
+              compute_policy_loss_vanilla (read from its files: ray is not needed), pgloss eager, under
+              torch.compile, and under CUDA graphs (torch.compile's reduce-overhead mode; CUDA only)
   divergence  the student-teacher JSD(0.5) from hidden states (benchmarks/divergence.py), N = 4096,
               H = 896, V = 151936 in float32: materialised, pgloss fused and tiled, TRL's
               ChunkedDivergenceFunction
@@ -78,16 +79,17 @@ FULL = (
         dict(tokens=4096, seq_len=256, hidden=896, vocab=151936, dtype="bfloat16"),
         repeats=5,
         timeout=45,
-        slow={"liger": (3, 60)},
+        slow={"liger": (3, 60), "liger-static": (3, 60)},
     ),
     Case(
         "hidden",
         dict(tokens=16384, seq_len=256, hidden=3584, vocab=152064, dtype="bfloat16"),
         repeats=3,
         timeout=75,
-        slow={"liger": (1, 90)},
+        slow={"liger": (1, 90), "liger-static": (1, 90)},
     ),
     Case("plain", dict(batch=64, length=4096), repeats=30, timeout=90),
+    Case("plain", dict(batch=256, length=8192), repeats=20, timeout=120),
     Case("divergence", dict(tokens=4096, seq_len=256, hidden=896, vocab=151936), repeats=1, timeout=45),
 )
 QUICK = (
@@ -108,14 +110,19 @@ HIDDEN = (
     "lce",
     "cce",
     "liger",
+    "liger-static",
 )
 """The hidden-state variants in the order they run: the reference and the baselines first, so that every
-later row's ratios and agreement are known when it is printed; the slowest peer last."""
+later row's ratios and agreement are known when it is printed; the slowest peer last (twice: warmed up on
+another shape, as every row is, and on the timed one, which tells a recompilation's failure from Liger's)."""
 DIVERGENCE = ("materialised", "fused", "tiled", "trl")
 PLAIN_MODES = ("token-mean", "seq-mean-token-mean")
+PLAIN_ROWS = {"verl": "verl", "pgloss": "pgloss", "compiled": "pgloss compiled", "graphs": "pgloss CUDA graphs"}
+"""The plain section's rows: plain.py's implementations, by the key of its result."""
 NEEDS = {
     ("hidden", "trl"): "trl",
     ("hidden", "liger"): "liger",
+    ("hidden", "liger-static"): "liger",
     ("hidden", "cce"): "cce",
     ("divergence", "trl"): "trl",
     ("plain", "verl"): "verl",
@@ -381,7 +388,7 @@ def run_plain(case: Case, args, report: Report, clock: Clock) -> None:
         report.section(case.section, shape, "verl", "verl's loss")
         ms = out.get("ms", {})
         verl_ms = ms.get("verl")
-        for key, name in (("verl", "verl"), ("pgloss", "pgloss"), ("compiled", "pgloss compiled")):
+        for key, name in PLAIN_ROWS.items():
             row = {
                 "section": "plain",
                 "shape": shape,
@@ -396,8 +403,10 @@ def run_plain(case: Case, args, report: Report, clock: Clock) -> None:
             }
             if key == "verl" and verl_missing:
                 row.update(status=verl_missing[0], note=verl_missing[1])
-            elif key == "compiled" and args.quick:
+            elif key != "verl" and key != "pgloss" and args.quick:
                 row.update(status="skipped", note="--quick leaves torch.compile out (tens of seconds on a CPU)")
+            elif key == "graphs" and args.device != "cuda":
+                row.update(status="needs CUDA", note="CUDA graphs (torch.compile's reduce-overhead mode) need CUDA")
             elif key not in ms:
                 row.update(status=out.get("status", "failed"), note=out.get("note", ""))
             else:
@@ -408,9 +417,9 @@ def run_plain(case: Case, args, report: Report, clock: Clock) -> None:
                     row.update(loss=out["loss"], grad_error=out["grad_vs_verl"])
                 else:
                     row.update(
-                        loss=out["compiled_loss"],
-                        compiled_vs_eager=out["compiled_vs_eager"],
-                        compiled_grad_vs_eager=out["compiled_grad_vs_eager"],
+                        loss=out[f"{key}_loss"],
+                        compiled_vs_eager=out[f"{key}_vs_eager"],
+                        compiled_grad_vs_eager=out[f"{key}_grad_vs_eager"],
                     )
                 if key != "verl":
                     agreement(row, out["verl_loss"], "verl")

@@ -99,6 +99,8 @@ def test_gpu_quick_hidden_rows(quick_run):
             assert rows[peer]["status"] == "needs CUDA", rows[peer]  # Triton kernels, and this is a CPU run
         else:
             assert rows[peer]["status"] == "measured" and rows[peer]["loss_rel_error"] < 2e-2, rows[peer]
+    # warmed up on the timed batch instead of one sequence: the same peer, the same status here
+    assert rows["liger-static"]["status"] == rows["liger"]["status"], rows["liger-static"]
 
 
 def test_gpu_quick_plain_and_divergence_rows(quick_run):
@@ -106,7 +108,7 @@ def test_gpu_quick_plain_and_divergence_rows(quick_run):
     plain = [row for row in report["rows"] if row["section"] == "plain"]
     assert {row["shape"].rsplit(" ", 1)[-1] for row in plain} == {"token-mean", "seq-mean-token-mean"}
     for row in plain:
-        if row["variant"] == "pgloss compiled":
+        if row["variant"] in ("pgloss compiled", "pgloss CUDA graphs"):
             assert row["status"] == "skipped" and "--quick" in row["note"]
         elif row["variant"] == "verl" and not installed("verl"):
             assert row["status"] == "not installed"
@@ -331,3 +333,28 @@ def test_the_plain_call_launches_fewer_kernels_than_verl_and_within_its_budget()
         assert rows[mode, "pgloss dual_clip_ppo"] <= budget, (mode, rows)
         assert rows[mode, "pgloss dual_clip_ppo"] < rows[mode, "verl"], (mode, rows)
         assert rows[mode, "pgloss ppo"] <= budget, (mode, rows)
+
+
+# -- benchmarks/plain.py: the plain loss's time against verl's, and where a step's time goes -------------------------
+
+
+@pytest.mark.skipif(not installed("verl"), reason="verl's loss is read from its installed files")
+def test_plain_reads_the_metrics_in_one_copy_and_profiles_each_implementation():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "plain.py"), "--batch", "4", "--length", "32", "--repeats", "2"]
+        + ["--modes", "token-mean", "--no-compile", "--read", "once", "--profile"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].endswith("metrics read: once")
+    row = next(line.split() for line in lines if line.startswith("token-mean"))
+    verl_ms, pgloss_ms, loss_vs_verl, grad_vs_verl = float(row[1]), float(row[2]), float(row[4]), float(row[5])
+    assert verl_ms > 0 and pgloss_ms > 0 and loss_vs_verl < 1e-6 and grad_vs_verl < 1e-6
+    profiled = {line.split()[0]: line for line in lines if line.startswith("  ") and " host " in line}
+    assert set(profiled) == {"verl", "pgloss"}  # no compiled row without compile; no CUDA graphs on a CPU
+    for line in profiled.values():  # the host's time, no device kernels on a CPU, the ops that took the host longest
+        assert float(line.split(" host ")[1].split()[0]) > 0 and "0 kernels, device - ms" in line
+        assert line.count("aten::") >= 3

@@ -212,7 +212,7 @@ class AlgorithmFields:
         """The loss_agg_modes a configuration of these field `values` (a field left out: the family's
         default) aggregates with: `loss_agg_mode` (CHORD adds its SFT part's). Read before the algorithm
         is built (`pgloss.algorithms.divides_by_budget`) and after (`aggregation_modes`)."""
-        return (values.get("loss_agg_mode", _field_default(cls, "loss_agg_mode")),)
+        return (values.get("loss_agg_mode", field_default(cls, "loss_agg_mode")),)
 
     def aggregation_modes(self) -> tuple[str, ...]:
         """The loss_agg_modes the loss aggregates with (`modes_of` this configuration)."""
@@ -228,7 +228,7 @@ class AlgorithmFields:
         return dataclasses.asdict(self)
 
 
-def _field_default(cls: type[AlgorithmFields], name: str) -> Any:
+def field_default(cls: type[AlgorithmFields], name: str) -> Any:
     """The default of dataclass field `name` of `cls` (`MISSING` when it has none)."""
     return cls.__dataclass_fields__[name].default
 

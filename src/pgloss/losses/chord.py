@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..algorithm_fields import field_default
 from ..core.aggregate import aggregation, row_weights
 from ..core.batch import TokenBatch
 from ..core.metrics import token_mean
@@ -94,7 +95,7 @@ class CHORD(ClippedPolicy):
     def modes_of(cls, values: dict[str, Any]) -> tuple[str, ...]:
         """(loss_agg_mode, the SFT part's: sft_loss_agg_mode, None: loss_agg_mode)."""
         (mode,) = super().modes_of(values)
-        sft = values.get("sft_loss_agg_mode", cls.__dataclass_fields__["sft_loss_agg_mode"].default)
+        sft = values.get("sft_loss_agg_mode", field_default(cls, "sft_loss_agg_mode"))
         return (mode, mode if sft is None else sft)
 
     def _expert_rows(self, batch: TokenBatch) -> Tensor:
