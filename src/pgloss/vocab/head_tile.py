@@ -61,7 +61,7 @@ def _kernels():
 
 def gpu_blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_V, BLOCK_K, num_warps) of the kernels on a GPU, for a head of `dtype` (float32's IEEE
-    products take half the steps over H of half precision's)."""
+    operands, twice the bytes, take half as many hidden units a step)."""
     return 64, 128, 32 if dtype == torch.float32 else 64, 4
 
 
