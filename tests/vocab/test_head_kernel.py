@@ -253,3 +253,28 @@ def test_a_call_inside_autocast_is_the_call_outside_it(name):
     """A trainer's mixed precision (torch.autocast, bfloat16, backward inside it) changes nothing on the route:
     values and gradients bit for bit (test_autocast.py's check of the other routes)."""
     test_autocast.test_a_call_inside_autocast_is_the_call_outside_it(name, "head-kernel", torch.bfloat16, True)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GPU's blocks (64 rows, 128 columns): the interpreter's are above")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_loop_at_the_gpu_blocks(dtype):
+    """N = 300, H = 200, V = 1000 on CUDA: several row blocks, column blocks, steps over H and (vocab_block 300)
+    forward ranges and ∂W slabs at the blocks a GPU launches, against float64 logits of the same values."""
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(3, 100, 200, generator=gen).to(DEVICE, dtype).requires_grad_()
+    weight = (0.1 * torch.randn(1000, 200, generator=gen)).to(DEVICE, dtype).requires_grad_()
+    targets = torch.randint(0, 1000, (3, 100), generator=gen).to(DEVICE)
+    upstream = torch.randn(3, 100, generator=gen, dtype=torch.float64).to(DEVICE)
+    results = []
+    for route in ("head-kernel", "float64"):
+        h, w = (t.detach().double() if route == "float64" else t.detach() for t in (hidden, weight))
+        h.requires_grad_(), w.requires_grad_()
+        if route == "float64":
+            lp, ent = plain_head.log_prob_entropy(plain_head.logits(h, w, temperature=0.8), targets)
+        else:
+            with kernels.use(route):
+                lp, ent = log_prob_and_entropy_from_hidden(h, w, targets, temperature=0.8, vocab_block=300)
+        (lp * upstream.to(lp.dtype) + ent).sum().backward()
+        results.append([lp, ent, h.grad, w.grad])
+    errors = relative_errors(*results)
+    assert max(errors[:2]) < 2e-6 and max(errors[2:]) < (2e-6 if dtype == torch.float32 else 1e-2)
