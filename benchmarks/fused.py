@@ -9,6 +9,8 @@ Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
   fused    pgloss.vocab.fused.loss_from_hidden on the route the library picks (Triton kernels on CUDA):
            its tiles, or --chunk-size
   fused-torch  the same on the torch route (`pgloss.vocab.kernels.use("torch")`), the kernels' reference
+  fused-head-kernel  the same on the head-kernel route (`kernels.use("head-kernel")`: the logits formed inside
+           Triton kernels, ∂x and ∂W added by them; CUDA, or Triton's interpreter with TRITON_INTERPRET=1)
   tiled    pgloss.vocab.fused.loss_from_hidden, token chunks and vocabulary tiles chosen from
            --memory-budget (bytes), each tile's logits recomputed in backward
   trl      TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py: token chunks of 4096 and
@@ -46,6 +48,7 @@ VARIANTS = (
     "naive",
     "fused",
     "fused-torch",
+    "fused-head-kernel",
     "tiled",
     "trl",
     "liger",
@@ -179,11 +182,11 @@ def build_variant(name, args, algorithm):
 
         return run
 
-    if name in ("fused", "fused-torch"):
+    if name in ("fused", "fused-torch", "fused-head-kernel"):
         from pgloss.vocab import kernels
 
         options = {"chunk_size": args.chunk_size, **fused_options(args.fused_option)}
-        route = "torch" if name == "fused-torch" else "auto"
+        route = {"fused-torch": "torch", "fused-head-kernel": "head-kernel"}.get(name, "auto")
 
         def run(inputs):
             with kernels.use(route):

@@ -6,8 +6,8 @@ Sections (each variant in its own process, run by the benchmark that owns it):
               and N = 16384, H = 3584, V = 152064 (T = 256) in bfloat16: the float64 reference, the matmul
               floor, materialised logits (naive), pgloss fused (the route the library picks: its Triton
               kernels on CUDA), the same on the torch route (fused-torch; on a CPU, skipped: the fused
-              row's route) and tiled, TRL's ChunkedLogProbFunction, torch's linear_cross_entropy, Cut
-              Cross-Entropy and Liger
+              row's route) and on the head-kernel route (fused-head-kernel; CUDA only), tiled, TRL's
+              ChunkedLogProbFunction, torch's linear_cross_entropy, Cut Cross-Entropy and Liger
   plain       the loss from log-probabilities (benchmarks/plain.py), dual-clip PPO on B = 64 x T = 4096
               and B = 256 x T = 8192 in float32, token-mean and seq-mean-token-mean: verl's
               compute_policy_loss_vanilla (read from its files: ray is not needed), pgloss eager, under
@@ -98,7 +98,20 @@ QUICK = (
     Case("divergence", dict(tokens=128, seq_len=64, hidden=32, vocab=1024), repeats=1, timeout=60),
 )
 
-HIDDEN = ("reference", "floor", "naive", "fused", "fused-torch", "tiled", "trl", "lce", "cce", "liger", "liger-static")
+HIDDEN = (
+    "reference",
+    "floor",
+    "naive",
+    "fused",
+    "fused-torch",
+    "fused-head-kernel",
+    "tiled",
+    "trl",
+    "lce",
+    "cce",
+    "liger",
+    "liger-static",
+)
 """The hidden-state variants in the order they run: the reference and the baselines first, so that every
 later row's ratios and agreement are known when it is printed; the slowest peer last (twice: warmed up on
 another shape, as every row is, and on the timed one, which tells a recompilation's failure from Liger's)."""
@@ -120,6 +133,9 @@ TRITON = {"liger", "cce"}
 SAME_ON_CPU = {("hidden", "fused-torch"): "fused"}
 """(section, variant) -> the row that already measures it on a CPU: the library's own route there is the torch
 route (pgloss.vocab.kernels.route), so a second process would time the same computation."""
+CUDA_ONLY = {("hidden", "fused-head-kernel"): "the head-kernel route"}
+"""(section, variant) -> the pgloss route it measures, whose Triton kernels a CPU runs only in Triton's interpreter
+(minutes at --quick's shape)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -264,6 +280,8 @@ def blocked(section: str, variant: str, device: str) -> tuple[str, str] | None:
     same = SAME_ON_CPU.get((section, variant))
     if same is not None and device != "cuda":
         return "skipped", f"on a CPU the library's route is the torch route: the {same} row measures it"
+    if (section, variant) in CUDA_ONLY and device != "cuda":
+        return "needs CUDA", f"{CUDA_ONLY[section, variant]}'s Triton kernels run on CUDA (here only interpreted)"
     name = NEEDS.get((section, variant))
     if name is None:
         return None

@@ -252,7 +252,9 @@ def test_the_route_is_chosen_by_device_and_refused_where_the_kernels_cannot_run(
                 RuntimeError, match="^the kernel route on cpu tensors runs only in Triton's interpreter"
             ):
                 kernels.route(statistic, (kind,), head32)
-    with pytest.raises(ValueError, match=r"^route must be one of \('auto', 'torch', 'kernel'\), got 'triton'"):
+    with pytest.raises(
+        ValueError, match=r"^route must be one of \('auto', 'torch', 'kernel', 'head-kernel'\), got 'triton'"
+    ):
         with kernels.use("triton"):
             pass
 

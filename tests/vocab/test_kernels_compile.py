@@ -4,7 +4,8 @@ Here the other kernel tests run the kernels in Triton's interpreter, which execu
 it: a kernel the compiler refuses passes them. On an H100 with Triton 3.6, `_head`'s two returns of different
 types (a tile's slope, or the scalar scale without a soft-cap) failed every soft-capped head that way. Each kernel
 goes through the compiler's front end for sm_90 with every combination of its flags, and through the whole of
-`triton.compile` to a cubin with every flag on."""
+`triton.compile` to a cubin with every flag on (the head-kernel route's, whose tl.dot differs by dtype, for a
+bfloat16 and a float32 head)."""
 
 import json
 import os
@@ -54,12 +55,19 @@ def test_every_kernel_compiles_for_a_hopper_gpu_with_every_flag(compiled):
     }
     assert refused == {}
     assert sum(label.startswith("pair_backward ") and "cubin" not in label for label in compiled) == 3 * 2**4
-    assert [label.split()[0] for label in compiled if "cubin" in label] == [
-        "log_prob_entropy_forward",
-        "log_prob_entropy_backward",
-        "pair_forward",
-        "jsd_forward",
-        "pair_backward",
+    assert (
+        sum(label.startswith("head_log_prob_entropy_backward ") and "cubin" not in label for label in compiled) == 2**8
+    )
+    assert [" ".join(label.split()[:2]) for label in compiled if "cubin" in label] == [
+        "log_prob_entropy_forward bf16",
+        "log_prob_entropy_backward bf16",
+        "pair_forward bf16",
+        "jsd_forward bf16",
+        "pair_backward bf16",
+        "head_log_prob_entropy_forward bf16",
+        "head_log_prob_entropy_forward fp32",
+        "head_log_prob_entropy_backward bf16",
+        "head_log_prob_entropy_backward fp32",
     ]
 
 
@@ -92,6 +100,8 @@ def test_every_row_offset_in_the_kernels_is_64_bit(compiled_pointers):
         "pair_forward",
         "jsd_forward",
         "pair_backward",
+        "head_log_prob_entropy_forward",
+        "head_log_prob_entropy_backward",
     }
     assert all(lines for lines in kernels.values())
     assert {name: narrow_offsets(lines) for name, lines in kernels.items()} == dict.fromkeys(kernels, [])

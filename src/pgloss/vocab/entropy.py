@@ -30,9 +30,10 @@ from torch import Tensor
 
 from ..core.batch import check_tensor
 from ..core.checks import check_number, check_values, is_integer
-from . import kernels
+from . import head_tile, kernels
 from .banned import BANNED_LOGIT, floored_grad, log_prob_floor
 from .chunks import ChunkLoop, plan_tiles
+from .head import HeadKind
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -225,6 +226,20 @@ class LogProbEntropy:
 
     def kernel(self) -> KernelLogProbEntropy:
         return KernelLogProbEntropy(self.targets)
+
+    def head_kernel(
+        self,
+        kind: HeadKind,
+        temperature: float,
+        columns: int,
+        valid: Tensor | None,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """Its twin on the head-kernel route (`head_tile.py`): (log π(y), H) [N] of hidden states [N, H] and an LM
+        head, the logits formed inside the kernels, the same state (m, s, a, z_y) and values."""
+        return head_tile.log_prob_entropy(self, kind, temperature, columns, valid, hidden, weight, bias)
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # log π(y), H, shift c, log s

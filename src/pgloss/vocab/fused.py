@@ -46,6 +46,7 @@ from ..core.inputs import OPTIONAL_INPUTS, check_names
 from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from ..kl.corrections import FULL
+from . import head_tile
 from .chunks import ChunkLoop, plan_tiles
 from .entropy import LogProbEntropy, check_targets, check_temperature
 from .head import Head, HeadKind, HeadOptions, as_head, refuses_head_keywords
@@ -188,16 +189,12 @@ def _log_prob_and_entropy(
     batch, length, size = hidden.shape
     tiles = head_tiles(batch * length, weight, chunk_size, vocab_block, memory_budget, kind)
     rows = None if valid is None else valid.reshape(-1)
-    log_prob, entropy = ChunkLoop.apply(
-        LogProbEntropy(valid_targets(targets, valid).reshape(-1)),
-        (kind,),
-        temperature,
-        tiles,
-        rows,
-        hidden.reshape(batch * length, size),
-        weight,
-        bias,
-    )
+    statistic = LogProbEntropy(valid_targets(targets, valid).reshape(-1))
+    flat = hidden.reshape(batch * length, size)
+    if route(statistic, (kind,), weight) == "head-kernel":  # the logits formed inside its kernels
+        log_prob, entropy = statistic.head_kernel(kind, temperature, tiles[1], rows, flat, weight, bias)
+    else:
+        log_prob, entropy = ChunkLoop.apply(statistic, (kind,), temperature, tiles, rows, flat, weight, bias)
     log_prob, entropy = log_prob.view(batch, length), entropy.view(batch, length)
     if valid is None:
         return log_prob, entropy
@@ -221,8 +218,11 @@ def head_tiles(
 ) -> tuple[int, int]:
     """`plan_tiles` for one LM head like `weight`: on the torch route a logits buffer in the compute dtype, one
     more for the matmul's output in a half-precision head's own dtype, and one for a soft-cap's slope; on the
-    kernel route the matmul's output alone."""
-    if route(LogProbEntropy, (kind,), weight) == "kernel":
+    kernel route the matmul's output alone; on the head-kernel route the float32 ∂W slab (`head_tile.plan`)."""
+    which = route(LogProbEntropy, (kind,), weight)
+    if which == "head-kernel":
+        return head_tile.plan(tokens, weight, chunk_size, vocab_block, memory_budget)
+    if which == "kernel":
         return plan_tiles(
             tokens,
             weight.shape[0],
@@ -375,8 +375,11 @@ def loss_from_hidden(
     # On-policy with rollout log-probs and no step counts given, the counts may read log π_old = log π (a rollout
     # correction's rejections), known only once log π is: the one pass needs them before its first chunk.
     counted_on_log_prob = normalizer is None and old_log_prob is None and inputs.get("rollout_log_prob") is not None
+    # The head-kernel route holds no logits for a one pass to reuse: its recompute costs the same 8NHV.
+    head_kernel = route(LogProbEntropy, (kind,), weight) == "head-kernel"
     if (
-        not needs_grad
+        head_kernel
+        or not needs_grad
         or length == 0
         or length > chunk_size
         or algorithm.couples_rows

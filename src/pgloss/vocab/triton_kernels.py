@@ -111,6 +111,19 @@ def _online(m, s, z, inside):
 
 
 @triton.jit
+def _log_prob_entropy_grad(z, slope, is_target, shift, log_s, ent, g_lp, g_h):
+    """∂L/∂r of log π(y) and H at the logits z (their slope ∂z/∂r · τ beside them): with log π = (z − c) − log s
+    from the row's shift c and log s, and g_lp, g_H the loss's ∂L/∂log π(y), ∂L/∂H already divided by τ,
+
+        slope · [g_lp (1[v = y] − π) − g_H π (log π + H)]
+
+    (`entropy.chunk_grad_logits`); the row's values as scalars, or as columns broadcast over a block of rows."""
+    log_p = (z - shift) - log_s
+    p = tl.exp(log_p)
+    return (tl.where(is_target, g_lp, 0.0) - g_lp * p - g_h * p * (log_p + ent)) * slope
+
+
+@triton.jit
 def log_prob_entropy_forward(
     R,
     stride,
@@ -194,10 +207,8 @@ def log_prob_entropy_backward(
         cols = start + tl.arange(0, BLOCK)
         inside = cols < width
         z, slope = _tile_logits(R, B, bias_stride, cols, inside, scale, softcap, inv_t, HAS_BIAS, SOFTCAP)
-        log_p = (z - shift) - log_s
-        p = tl.exp(log_p)
-        g = tl.where(cols == y, g_lp, 0.0) - g_lp * p - g_h * p * (log_p + ent)
-        tl.store(R + cols, (g * slope).to(R.dtype.element_ty), mask=inside)
+        g = _log_prob_entropy_grad(z, slope, cols == y, shift, log_s, ent, g_lp, g_h)
+        tl.store(R + cols, g.to(R.dtype.element_ty), mask=inside)
 
 
 @triton.jit
