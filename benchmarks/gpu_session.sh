@@ -62,7 +62,7 @@ for part in $parts; do
     case $part in
     checks)
         run checks 150 "$python" -m pytest -q -p no:cacheprovider $xdist tests/vocab/test_kernels.py \
-            tests/vocab/test_kernels_compile.py
+            tests/vocab/test_head_kernel.py tests/vocab/test_autocast.py tests/vocab/test_kernels_compile.py
         ;;
     plain)
         run plain 90 "$python" benchmarks/plain.py --device cuda --batch 64 --length 4096 --repeats 30 --profile
@@ -72,9 +72,9 @@ for part in $parts; do
         ;;
     hidden)
         run hidden 105 "$python" benchmarks/fused.py --device cuda --dtype bfloat16 "${small[@]}" --repeats 5 \
-            --timeout 40 --variants floor,naive,fused,tiled,trl,cce,liger,liger-static
+            --timeout 40 --variants floor,naive,fused,fused-head-kernel,tiled,trl,cce,liger,liger-static
         run hidden 105 "$python" benchmarks/fused.py --device cuda --dtype bfloat16 "${large[@]}" --repeats 3 \
-            --timeout 45 --variants floor,fused,tiled,cce
+            --timeout 45 --variants floor,fused,fused-head-kernel,tiled,cce
         ;;
     step)
         run step 225 "$python" benchmarks/grpo_step.py --budget 180 --shapes qwen2-1.5b --variants trl,pgloss,fused \

@@ -1,6 +1,7 @@
 """Calls made inside `torch.autocast`, as a trainer with mixed precision makes them (HF Trainer's CPU AMP wraps the
-loss in it; some loops call backward inside it too): every entry point from hidden states, and the plain call, give
-bit for bit what they give outside it, on both vocabulary-loop routes.
+loss in it, and CUDA's for the model is a trainer's usual mixed precision; some loops call backward inside it too):
+every entry point from hidden states, and the plain call, give bit for bit what they give outside it, on both
+vocabulary-loop routes and the head-kernel route. On CUDA where a GPU is, else on the CPU (the kernel route in Triton's interpreter).
 
 Autocast runs a matmul in the lower dtype: a float32 head's logits taken by a plain `x @ Wᵀ` inside it are bfloat16
 (checked below, so that the test shows it could fail). The loop's matmuls write into buffers in the head's dtype
@@ -16,14 +17,16 @@ import pgloss
 from pgloss.vocab import kernels
 
 B, T, H, V = 2, 5, 16, 40
-ROUTES = ("torch", "kernel")
+ROUTES = ("torch", "kernel", "head-kernel")
+HEAD_KERNEL = ("loss_from_hidden", "log_prob_and_entropy")  # the head-kernel route computes log π and H only
 DTYPES = (torch.bfloat16, torch.float16)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel route: CUDA, or Triton's interpreter on CPU
 
 
 def make():
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(B, T, H, generator=gen)
-    return dict(
+    inputs = dict(
         hidden=hidden,
         weight=0.5 * torch.randn(V, H, generator=gen),
         teacher_hidden=hidden + 0.3 * torch.randn(B, T, H, generator=gen),
@@ -32,6 +35,7 @@ def make():
         mask=torch.arange(T)[None, :] < torch.tensor([5, 3])[:, None],
         advantages=torch.randn(B, generator=gen),
     )
+    return {name: value.to(DEVICE) for name, value in inputs.items()}
 
 
 def loss_from_hidden(x, student):
@@ -77,12 +81,14 @@ def run(call, x, route, context, backward_inside):
 
 @pytest.mark.parametrize("backward_inside", [False, True], ids=["backward after", "backward inside"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize(
+    ("name", "route"),
+    [(name, route) for name in CALLS for route in ROUTES if route != "head-kernel" or name in HEAD_KERNEL],
+)
 def test_a_call_inside_autocast_is_the_call_outside_it(name, route, dtype, backward_inside):
     x = make()
     outside = run(CALLS[name], x, route, contextlib.nullcontext(), backward_inside)
-    inside = run(CALLS[name], x, route, torch.autocast("cpu", dtype=dtype), backward_inside)
+    inside = run(CALLS[name], x, route, torch.autocast(DEVICE, dtype=dtype), backward_inside)
     assert outside[0].dtype == inside[0].dtype == torch.float32
     for a, b in zip(outside, inside, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
@@ -92,11 +98,11 @@ def test_a_call_inside_autocast_is_the_call_outside_it(name, route, dtype, backw
 def test_the_plain_call_inside_autocast_is_the_call_outside_it(dtype):
     x = make()
     gen = torch.Generator().manual_seed(1)
-    old = -torch.rand(B, T, generator=gen) * 3
+    old = (-torch.rand(B, T, generator=gen) * 3).to(DEVICE)
+    noise = torch.randn(B, T, generator=gen).to(DEVICE)
     results = []
-    for context in (contextlib.nullcontext(), torch.autocast("cpu", dtype=dtype)):
-        log_prob = (old + 0.2 * torch.randn(B, T, generator=torch.Generator().manual_seed(2))).clamp(max=0)
-        log_prob.requires_grad_(True)
+    for context in (contextlib.nullcontext(), torch.autocast(DEVICE, dtype=dtype)):
+        log_prob = (old + 0.2 * noise).clamp(max=0).requires_grad_(True)
         with context:
             out = pgloss.get("dual_clip_ppo")(log_prob, old, x["advantages"], x["mask"])
             out.loss.backward()
@@ -108,5 +114,5 @@ def test_the_plain_call_inside_autocast_is_the_call_outside_it(dtype):
 def test_autocast_does_lower_a_plain_matmul_here():
     """The context this file tests is live: the same product written plainly comes out in bfloat16."""
     x = make()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         assert (x["hidden"] @ x["weight"].t()).dtype == torch.bfloat16

@@ -7,12 +7,12 @@ vocabulary into four forward ranges and four ∂W slabs.
 Covered: float32 and bfloat16 heads; no bias, a strided bias, an expanded zero bias (stride 0), a −inf in the bias
 (a banned token, one target on it); logit scale, soft-cap, τ; masked rows holding NaN; log π, H and ∂x, ∂W, ∂b;
 `loss_from_hidden` (GRPO with an entropy bonus) on the route; the route's choice and refusals; no host sync; the
-slab's plan; calls inside torch.autocast."""
+slab's plan. Calls inside torch.autocast: test_autocast.py."""
 
 import pytest
 import torch
 from properties.host_sync import no_host_sync
-from vocab import plain_head, test_autocast
+from vocab import plain_head
 
 import pgloss
 from pgloss.vocab import head_tile, kernels
@@ -245,14 +245,6 @@ def test_the_slab_is_vocab_block_or_what_the_budget_holds():
     assert head_tile.plan(4, torch.empty(37, 40), None, None, None) == (4, 37)
     with pytest.raises(ValueError, match="^memory_budget and chunk_size are exclusive"):
         head_tile.plan(16384, weight, 512, None, 2**30)
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="test_autocast.py's CPU tensors: the route runs them interpreted only")
-@pytest.mark.parametrize("name", ["loss_from_hidden", "log_prob_and_entropy"])
-def test_a_call_inside_autocast_is_the_call_outside_it(name):
-    """A trainer's mixed precision (torch.autocast, bfloat16, backward inside it) changes nothing on the route:
-    values and gradients bit for bit (test_autocast.py's check of the other routes)."""
-    test_autocast.test_a_call_inside_autocast_is_the_call_outside_it(name, "head-kernel", torch.bfloat16, True)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the GPU's blocks (64 rows, 128 columns): the interpreter's are above")
