@@ -105,7 +105,10 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor 
     if weight.shape[0] < 1:
         raise ValueError(f"weight must have at least one row (V >= 1), got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
+        raise TypeError(
+            f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}; cast both to one dtype (for a float32 "
+            "head over half-precision hidden states, hidden.float(), as TRL's cast_lm_head_to_fp32 does)"
+        )
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
     if isinstance(targets, Tensor) and targets.device != hidden.device:
