@@ -130,9 +130,13 @@ NEEDS = {
 """(section, variant) -> the peer (peers.PEERS) it measures."""
 TRITON = {"liger", "cce"}
 """The peers whose kernels are Triton's."""
-SAME_ON_CPU = {("hidden", "fused-torch"): "fused"}
-"""(section, variant) -> the row that already measures it on a CPU: the library's own route there is the torch
-route (pgloss.vocab.kernels.route), so a second process would time the same computation."""
+SAME_ON_CPU = {
+    ("hidden", "fused-torch"): ("fused", "the library's route is the torch route"),
+    ("hidden", "liger-static"): ("liger", "inductor's CPU code never meets the recompilation's failure it tells apart"),
+}
+"""(section, variant) -> (the row that already measures it on a CPU, why): a second process would time the same
+computation (the library's own route there is the torch route, pgloss.vocab.kernels.route; Liger's warm-up shape
+matters only to inductor's GPU code)."""
 CUDA_ONLY = {("hidden", "fused-head-kernel"): "the head-kernel route"}
 """(section, variant) -> the pgloss route it measures, whose Triton kernels a CPU runs only in Triton's interpreter
 (minutes at --quick's shape)."""
@@ -279,7 +283,8 @@ def blocked(section: str, variant: str, device: str) -> tuple[str, str] | None:
     CUDA-only peer on a CPU run, or a row that on a CPU measures what another row does; None when it can run."""
     same = SAME_ON_CPU.get((section, variant))
     if same is not None and device != "cuda":
-        return "skipped", f"on a CPU the library's route is the torch route: the {same} row measures it"
+        row, why = same
+        return "skipped", f"on a CPU {why}: the {row} row measures it"
     if (section, variant) in CUDA_ONLY and device != "cuda":
         return "needs CUDA", f"{CUDA_ONLY[section, variant]}'s Triton kernels run on CUDA (here only interpreted)"
     name = NEEDS.get((section, variant))

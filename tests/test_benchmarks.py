@@ -99,8 +99,8 @@ def test_gpu_quick_hidden_rows(quick_run):
             assert rows[peer]["status"] == "needs CUDA", rows[peer]  # Triton kernels, and this is a CPU run
         else:
             assert rows[peer]["status"] == "measured" and rows[peer]["loss_rel_error"] < 2e-2, rows[peer]
-    # warmed up on the timed batch instead of one sequence: the same peer, the same status here
-    assert rows["liger-static"]["status"] == rows["liger"]["status"], rows["liger-static"]
+    # warmed up on the timed batch instead of one sequence: on a CPU the liger row's computation again
+    assert rows["liger-static"]["status"] == "skipped" and "the liger row" in rows["liger-static"]["note"]
 
 
 def test_gpu_quick_plain_and_divergence_rows(quick_run):
