@@ -91,6 +91,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
     )
+    parser.add_argument(
+        "--head-blocks",
+        default=None,
+        metavar="N,V,K,WARPS",
+        help="the fused-head-kernel row's blocks on a GPU (rows, columns, hidden units, warps) in place of "
+        "pgloss.vocab.head_tile.gpu_blocks', to try others before the library's are chosen",
+    )
     parser.add_argument("--timeout", type=int, default=300, help="seconds allowed to one variant's process")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -100,6 +107,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; valid: {VARIANTS}")
+    if args.head_blocks is not None:
+        try:
+            blocks = tuple(int(n) for n in args.head_blocks.split(","))
+        except ValueError:
+            blocks = ()
+        if len(blocks) != 4 or any(n < 1 or n & (n - 1) for n in blocks):
+            parser.error(f"--head-blocks takes four powers of two N,V,K,WARPS, got {args.head_blocks!r}")
+        args.head_blocks = blocks
     return args
 
 
@@ -187,6 +202,10 @@ def build_variant(name, args, algorithm):
 
         options = {"chunk_size": args.chunk_size, **fused_options(args.fused_option)}
         route = {"fused-torch": "torch", "fused-head-kernel": "head-kernel"}.get(name, "auto")
+        if name == "fused-head-kernel" and args.head_blocks is not None:
+            from pgloss.vocab import head_tile
+
+            head_tile.gpu_blocks = lambda dtype: args.head_blocks  # this process only: a trial of other blocks
 
         def run(inputs):
             with kernels.use(route):

@@ -358,3 +358,12 @@ def test_plain_reads_the_metrics_in_one_copy_and_profiles_each_implementation():
     for line in profiled.values():  # the host's time, no device kernels on a CPU, the ops that took the host longest
         assert float(line.split(" host ")[1].split()[0]) > 0 and "0 kernels, device - ms" in line
         assert line.count("aten::") >= 3
+
+
+def test_fused_takes_the_head_kernel_blocks_to_try_as_four_powers_of_two(monkeypatch):
+    fused = benchmark_module("fused", monkeypatch)
+    assert fused.parse_args(["--head-blocks", "128,128,64,8"]).head_blocks == (128, 128, 64, 8)
+    assert fused.parse_args([]).head_blocks is None  # the library's own blocks
+    for wrong in ("128,128,48,8", "128,128,64", "a,b,c,d", "0,128,64,8"):
+        with pytest.raises(SystemExit):
+            fused.parse_args(["--head-blocks", wrong])

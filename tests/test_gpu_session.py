@@ -32,9 +32,9 @@ def test_every_command_of_the_session_is_accepted_and_each_part_keeps_its_log(tm
     scripts = [line.split()[1] for line in checked]
     assert scripts == ["the"] + ["pytest"] + ["benchmarks/plain.py"] * 2 + ["benchmarks/launches.py"] + [
         "benchmarks/fused.py"
-    ] * 2 + ["benchmarks/grpo_step.py"], checked
+    ] * 3 + ["benchmarks/grpo_step.py"], checked
     assert "would install" in done.stdout  # the install step ran, with the installer replaced
-    assert done.stdout.count(": exit 0 (") == 7  # every command passed its check
+    assert done.stdout.count(": exit 0 (") == 8  # every command passed its check
     logs = sorted(path.name for path in (tmp_path / "out").iterdir())
     assert logs == sorted(["setup.log", *(f"{part}.log" for part in PARTS)])
     assert "benchmarks/grpo_step.py" in (tmp_path / "out" / "step.log").read_text()
