@@ -114,10 +114,25 @@ def _head_args(x: Tensor, w: Tensor, bias: Tensor | None, kind: HeadKind) -> tup
     )
 
 
+def _constants(kind: HeadKind, bias: Tensor | None, valid: Tensor | None, sizes: tuple[int, int, int, int]) -> dict:
+    """The compile-time arguments both kernels share: the head's flags, the valid rows' and the blocks (`blocks`)."""
+    block_n, block_v, block_k, warps = sizes
+    return dict(
+        HAS_BIAS=bias is not None,
+        SOFTCAP=kind.softcap is not None,
+        HAS_VALID=valid is not None,
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
+
+
 def _forward(statistic, kind, temperature, columns, valid, x, w, bias) -> list[Tensor]:
     """The combined state (m, s, a, z_y) [N] of every row over the whole vocabulary."""
     (rows, _), vocab = x.shape, w.shape[0]
-    block_n, block_v, block_k, warps = blocks(w)
+    sizes = blocks(w)
+    block_n, block_v = sizes[:2]
     width = _split_width(rows, w, columns, block_n, block_v)
     splits = _cdiv(vocab, width)
     m, s, a, z_y = (torch.empty(rows, splits, dtype=torch.float32, device=x.device) for _ in range(4))
@@ -137,13 +152,7 @@ def _forward(statistic, kind, temperature, columns, valid, x, w, bias) -> list[T
             vocab,
             width,
             1.0 / temperature,
-            HAS_BIAS=bias is not None,
-            SOFTCAP=kind.softcap is not None,
-            HAS_VALID=valid is not None,
-            BLOCK_N=block_n,
-            BLOCK_V=block_v,
-            BLOCK_K=block_k,
-            num_warps=warps,
+            **_constants(kind, bias, valid, sizes),
         )
     top = m.amax(dim=1, keepdim=True)
     step = m - top
@@ -161,7 +170,8 @@ def _backward(statistic, kind, temperature, columns, valid, x, w, bias, upstream
     shift, log_s, entropy, grad_log_prob, grad_entropy = upstream
     needs_x, needs_w, needs_b = needs[0], needs[1], needs[2] and bias is not None
     (rows, size), vocab = x.shape, w.shape[0]
-    block_n, block_v, block_k, warps = blocks(w)
+    sizes = blocks(w)
+    block_n, block_v = sizes[:2]
     columns = min(columns, vocab, GRID_Y * block_v)  # a slab's column blocks on the grid's y axis
     float32 = dict(dtype=torch.float32, device=x.device)
     grad_x = torch.zeros(rows, size, **float32) if needs_x else None
@@ -195,18 +205,12 @@ def _backward(statistic, kind, temperature, columns, valid, x, w, bias, upstream
             col0,
             width,
             1.0 / temperature,
-            HAS_BIAS=bias is not None,
-            SOFTCAP=kind.softcap is not None,
-            HAS_VALID=valid is not None,
+            **_constants(kind, bias, valid, sizes),
             HAS_GLP=grad_log_prob is not None,
             HAS_GENT=grad_entropy is not None,
             NEEDS_X=needs_x,
             NEEDS_W=needs_w,
             NEEDS_B=needs_b,
-            BLOCK_N=block_n,
-            BLOCK_V=block_v,
-            BLOCK_K=block_k,
-            num_warps=warps,
         )
         if grad_w is not None and slab is not None:  # the slab cast into the half-precision gradient, once
             grad_w[col0 : col0 + width].copy_(into)
