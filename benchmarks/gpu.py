@@ -410,8 +410,8 @@ def run_plain(case: Case, args, report: Report, clock: Clock) -> None:
                 row.update(status=verl_missing[0], note=verl_missing[1])
             elif key != "verl" and key != "pgloss" and args.quick:
                 row.update(status="skipped", note="--quick leaves torch.compile out (tens of seconds on a CPU)")
-            elif key == "graphs" and args.device != "cuda":
-                row.update(status="needs CUDA", note="CUDA graphs (torch.compile's reduce-overhead mode) need CUDA")
+            elif key in out.get("absent", {}):  # plain.py says which of its rows need CUDA
+                row.update(status="needs CUDA", note=out["absent"][key])
             elif key not in ms:
                 row.update(status=out.get("status", "failed"), note=out.get("note", ""))
             else:

@@ -51,6 +51,9 @@ MODES = ("token-mean", "seq-mean-token-mean")
 READS = ("each", "once", "none")
 COMPILED = {"compiled": "default", "graphs": "reduce-overhead"}
 """pgloss's compiled implementations: torch.compile's mode for each."""
+CUDA_ONLY = {"graphs": "CUDA graphs (torch.compile's reduce-overhead mode) need CUDA"}
+"""The compiled implementations a CPU run leaves out, with why (a result's `absent`; inductor skips the graphs on a
+CPU, which would time the compiled row again)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -151,12 +154,12 @@ def pgloss_step(mode: str, data: dict, *, compile_mode: str | None = None, read:
 
 def implementations(mode: str, data: dict, args) -> dict:
     """The steps this run compares, by name: verl (where installed), pgloss eager, and with compile pgloss
-    compiled, and on CUDA pgloss under CUDA graphs (inductor skips the graphs on a CPU: the same as compiled)."""
+    compiled, and on CUDA pgloss under CUDA graphs (`CUDA_ONLY`)."""
     steps = {"verl": verl_step(mode, data, read=args.read)} if installed("verl") else {}
     steps["pgloss"] = pgloss_step(mode, data, read=args.read)
     if args.compile:
         for name, compile_mode in COMPILED.items():
-            if name != "graphs" or data["mask"].is_cuda:
+            if name not in CUDA_ONLY or data["mask"].is_cuda:
                 steps[name] = pgloss_step(mode, data, compile_mode=compile_mode, read=args.read)
     return steps
 
@@ -189,6 +192,7 @@ def measure(mode: str, data: dict, args) -> dict:
         "verl_loss": None,
         "loss_vs_verl": None,
         "grad_vs_verl": None,
+        "absent": {name: CUDA_ONLY[name] for name in COMPILED if args.compile and name not in steps},
     }
     if "verl" in results:
         _, verl_loss, verl_grad = results["verl"]

@@ -367,3 +367,30 @@ def test_fused_takes_the_head_kernel_blocks_to_try_as_four_powers_of_two(monkeyp
     for wrong in ("128,128,48,8", "128,128,64", "a,b,c,d", "0,128,64,8"):
         with pytest.raises(SystemExit):
             fused.parse_args(["--head-blocks", wrong])
+
+
+def test_a_cpu_plain_row_left_out_by_plain_py_reads_needs_cuda_with_its_reason(monkeypatch, tmp_path, capsys):
+    """plain.py owns which of its rows need CUDA (`absent`); gpu.py's section says so for each, and measures the rest."""
+    gpu = benchmark_module("gpu", monkeypatch)
+    plain = benchmark_module("plain", monkeypatch)
+    result = {
+        "ms": {"verl": 2.0, "pgloss": 1.5, "compiled": 1.0},
+        "loss": -0.5,
+        "verl_loss": -0.5,
+        "grad_vs_verl": 0.0,
+        "absent": dict(plain.CUDA_ONLY),
+        "compiled_loss": -0.5,
+        "compiled_vs_eager": 0.0,
+        "compiled_grad_vs_eager": 0.0,
+    }
+    monkeypatch.setattr(gpu, "run_variant", lambda script, argv, mode, timeout: result)
+    monkeypatch.setattr(gpu, "blocked", lambda section, variant, device: None)
+    report = gpu.Report(tmp_path / "gpu.json", {})
+    args = gpu.parse_args(["--device", "cpu", "--sections", "plain", "--jobs", "1"])
+    gpu.run_plain(gpu.Case("plain", dict(batch=4, length=32), repeats=1, timeout=60), args, report, gpu.Clock(600))
+    rows = {(row["shape"].rsplit(" ", 1)[-1], row["variant"]): row for row in report.rows}
+    for mode in gpu.PLAIN_MODES:
+        graphs = rows[mode, "pgloss CUDA graphs"]
+        assert graphs["status"] == "needs CUDA" and graphs["note"] == plain.CUDA_ONLY["graphs"], graphs
+        compiled = rows[mode, "pgloss compiled"]
+        assert compiled["status"] == "measured" and compiled["time_ratio"] == pytest.approx(0.5), compiled
