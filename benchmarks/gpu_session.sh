@@ -44,12 +44,9 @@ run() {
     date -u +%Y-%m-%dT%H:%M:%SZ
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
     "$python" - <<'EOF'
-import grpo_step, peers
-wanted = {
-    **grpo_step.STEP_PEERS,
-    "cce": peers.Peer("cut_cross_entropy", "cut-cross-entropy", needs_cuda=True, no_deps=True),
-    "verl": peers.PEERS["verl"],
-}
+import dataclasses, grpo_step, peers
+# the step's peers, and Cut Cross-Entropy (without its requirements, as those) and verl for the other parts
+wanted = {**grpo_step.STEP_PEERS, "cce": dataclasses.replace(peers.PEERS["cce"], no_deps=True), "verl": peers.PEERS["verl"]}
 print("installed from .gpu-wheels:", peers.install_missing(".gpu-wheels", wanted) or "nothing was missing")
 print("versions:", peers.versions())
 EOF
