@@ -239,7 +239,7 @@ class LogProbEntropy:
     ) -> tuple[Tensor, Tensor]:
         """Its twin on the head-kernel route (`head_tile.py`): (log π(y), H) [N] of hidden states [N, H] and an LM
         head, the logits formed inside the kernels, the same state (m, s, a, z_y) and values."""
-        return head_tile.log_prob_entropy(self, kind, temperature, columns, valid, hidden, weight, bias)
+        return head_tile.HeadTileLoop.apply(self, kind, temperature, columns, valid, hidden, weight, bias)
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # log π(y), H, shift c, log s

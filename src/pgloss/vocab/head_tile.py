@@ -29,7 +29,7 @@ from torch import Tensor
 from .chunks import plan_tiles
 from .head import HeadKind
 
-__all__ = ["plan", "log_prob_entropy"]
+__all__ = ["plan", "HeadTileLoop"]
 
 # Without a vocab_block or a memory_budget, the float32 ∂W slab of a half-precision head holds 2²⁵ bytes.
 SLAB_BYTES = 1 << 25
@@ -245,17 +245,3 @@ class HeadTileLoop(torch.autograd.Function):
         upstream = ctx.statistic.upstream(slice(None), values, grads)
         args = (ctx.statistic, ctx.kind, ctx.temperature, ctx.columns, valid, x, w, bias)
         return (None,) * 5 + _backward(*args, upstream, needs)
-
-
-def log_prob_entropy(
-    statistic,
-    kind: HeadKind,
-    temperature: float,
-    columns: int,
-    valid: Tensor | None,
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """`HeadTileLoop`: log π(y) and H [N] of `statistic`'s targets, `columns` vocabulary columns per ∂W slab."""
-    return HeadTileLoop.apply(statistic, kind, temperature, columns, valid, hidden, weight, bias)
