@@ -69,6 +69,37 @@ class Algorithm(AlgorithmFields):
     `rollout_use`, the aggregation modes) and the call that composes its terms; a subclass adds its
     family's hyperparameters and its `policy_terms`."""
 
+    def count_step(
+        self,
+        mask: Tensor | Sequence[Tensor],
+        *,
+        count_rejected: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        reduce: bool = True,
+        sequence_parallel: SequenceParallel | None = None,
+        **inputs: Tensor | Sequence[Tensor] | None,
+    ) -> Normalizer:
+        """The counts of one optimizer step: the one entry point every path counts a step with.
+
+        `mask` and `inputs` are the step's micro-batches as its calls take them, by the same names (one tensor,
+        or one tensor per micro-batch): `old_log_prob`, `rollout_log_prob`, `group_ids`, `scores`, `expert`, and
+        any other input of the call, which the count ignores unless this configuration counts it. Pass the
+        returned `Normalizer` to every micro-batch's call. A collective under torch.distributed: every rank of
+        `process_group` calls it at every step, even with empty micro-batches."""
+        check_names(inputs)
+        return self.step_normalizer(
+            mask,
+            old_log_probs=inputs.get("old_log_prob"),
+            rollout_log_probs=inputs.get("rollout_log_prob"),
+            group_ids=inputs.get("group_ids"),
+            scores=inputs.get("scores"),
+            expert=inputs.get("expert"),
+            count_rejected=count_rejected,
+            process_group=process_group,
+            reduce=reduce,
+            sequence_parallel=sequence_parallel,
+        )
+
     def step_normalizer(
         self,
         masks: Tensor | Sequence[Tensor],
@@ -254,6 +285,8 @@ class Algorithm(AlgorithmFields):
             metrics |= corrected.metrics
             if corrected.weight is not None:
                 per_token = per_token * corrected.weight
+        if batch.rollout_is_weight is not None:  # a weight the trainer computed, before the aggregation too
+            per_token = per_token * batch.rollout_is_weight
         per_token = torch.where(mask, per_token, 0.0)
         rows = self.row_weights(mask, normalizer, batch.group_ids)
 

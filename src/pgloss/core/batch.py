@@ -73,7 +73,7 @@ class TokenBatch:
 
     Token tensors are `[B, T]` in the compute dtype (float32, or float64 for float64 input);
     `advantages` is `[B, T]` (a `[B]` input is broadcast over tokens) and `seq_advantages` keeps
-    the `[B]` form when one was given. The optional inputs (`ref_log_prob` to `expert`) are those
+    the `[B]` form when one was given. The optional inputs (`ref_log_prob` to `rollout_is_weight`) are those
     of core/inputs.py's `OPTIONAL_INPUTS`, None when not given. `sequence_parallel`: the sequence group
     when the rows are slices of longer sequences (`pgloss.core.sequence_parallel`); the row statistics
     (`row_advantages`, `valid_rows`) are then over whole sequences.
@@ -92,6 +92,7 @@ class TokenBatch:
     full_kl: Tensor | None = None
     teacher_log_prob: Tensor | None = None
     expert: Tensor | None = None
+    rollout_is_weight: Tensor | None = None
     sequence_parallel: SequenceParallel | None = None
 
     @property

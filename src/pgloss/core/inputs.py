@@ -58,6 +58,12 @@ OPTIONAL_INPUTS: dict[str, OptionalInput] = {
         OptionalInput(
             "expert", "row", "the flags (bool) of expert (demonstration) rows, for CHORD's SFT term", kind="bool"
         ),
+        OptionalInput(
+            "rollout_is_weight",
+            "token",
+            "an importance weight the trainer computed (verl's rollout_is_weights): it multiplies the policy term "
+            "before the aggregation, detached",
+        ),
     )
 }
 """Every optional input of `Algorithm.__call__`, in the order of its signature."""
