@@ -137,7 +137,7 @@ def test_needs_scores_and_a_counted_normalizer():
     bare = pgloss.Normalizer.count(data["mask"])
     with pytest.raises(ValueError, match="needs a Normalizer counted with scores"):
         call(alg, data, normalizer=bare)
-    few = pgloss.Normalizer.count(data["mask"], scores=torch.zeros(8, **F64))
+    few = alg.count_step(data["mask"], scores=torch.zeros(8, **F64))
     with pytest.raises(ValueError, match="counted 0 tokens of rewarded sequences"):
         call(alg, data, normalizer=few)
     with pytest.raises(ValueError, match="positive_nll_coef must be >= 0"):

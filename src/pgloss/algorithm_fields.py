@@ -1,29 +1,34 @@
-"""The fields every algorithm shares, their checks, and what a configuration implies: the optional inputs
-a call cannot do without (`needs`), what the rollout log-probs do (`rollout_use`, `correction`), the
-`loss_agg_mode`s it aggregates with, whether its loss can be split over a sequence group.
+"""The fields every algorithm shares, their checks, and what a configuration implies: its objective's declared
+terms (`terms`, the fields of `pgloss.terms`), the optional inputs a call cannot do without (`needs`, from the
+family's, the terms', the aggregation's and the correction's declarations), what the rollout log-probs do
+(`rollout_use`, `correction`), how its policy term is aggregated (`policy_parts`) and whether its loss can be
+split over a sequence group.
 
 `pgloss.Algorithm` (base.py) adds the call to these fields; a family subclasses `Algorithm`, adds its
-hyperparameters as fields and declares what it reads (`required_inputs`, `takes_expert`, ...).
+hyperparameters as fields and declares what it reads (`required_inputs`, `policy_parts`, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .core.aggregate import Aggregation, aggregation
 from .core.checks import check_fields
+from .core.inputs import OPTIONAL_INPUTS
 from .core.output import check
+from .core.row_set import Part, RowSet
 from .core.sequence_parallel import SequenceParallel
-from .core.trainer_names import value_hint
 from .correction.rollout import RolloutCorrection
-from .kl.corrections import FULL, KL_CORRECTIONS, KL_OPTIONS
+from .terms import Term, TermOptions
 
 
 @dataclass(frozen=True, kw_only=True)
-class AlgorithmFields:
-    """Fields shared by every algorithm, their checks and what they imply; `pgloss.Algorithm` adds the call."""
+class AlgorithmFields(TermOptions):
+    """Fields shared by every algorithm (the terms' among them: `pgloss.terms`), their checks and what they
+    imply; `pgloss.Algorithm` adds the call."""
 
     name: str = "custom"
     loss_agg_mode: str = "token-mean"
@@ -34,25 +39,8 @@ class AlgorithmFields:
     delta_l_alpha: float = 1.0
     """α of `delta-l-norm`: sequence i's token sum weighs |y_i|^-α / (C·Σ_j |y_j|^-α) (arXiv 2509.07558;
     1 is the minimum-variance weight, 0 is Dr.GRPO). Ignored by the other modes."""
-    kl_coef: float = 0.0
-    """β of the KL loss term β·KL(π_θ‖π_ref); 0 disables it and the reference model."""
-    kl_estimator: str = "k3"
-    """The KL term: k1, abs, k2, k3 on the sampled token; "k1+" ... "k3+": that value with k2's gradient
-    (verl); "full": the exact KL over the vocabulary, passed as `full_kl` (`pgloss.vocab.full_kl`)."""
-    kl_correction: str | None = None
-    """None, "ratio_weighted" (KL·r, r differentiable: TRL's use_bias_correction_kl) or "unbiased_gradient"
-    (value kept, k2's gradient weighted by sg[min(r, kl_correction_cap)]: OpenRLHF); `kl/corrections.py`."""
-    kl_correction_cap: float = 10.0
-    """The cap of the detached ratio weight of kl_correction="unbiased_gradient" (OpenRLHF's 10)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus; the entropy gets a gradient only when this is non-zero."""
-    positive_nll_coef: float = 0.0
-    """μ of VAPO's positive-example NLL (arXiv 2504.05118, eq. 10; NeMo-RL `positive_example_nll_weight`):
-    + μ·(-Σ_{i: s_i>0} Σ_t m log π / N_rew), N_rew the step's tokens of rewarded sequences; needs `scores`."""
     max_log_ratio: float = 20.0
     """Log-ratios are clamped to ±max_log_ratio before exp (zero gradient beyond)."""
-    max_kl: float = 10.0
-    """The k3 estimate is clamped to ±max_kl, as verl does (zero gradient beyond)."""
     rollout_is_cap: float = 2.0
     """Cap of the truncated importance weight min(π_old/π_rollout, cap), used when rollout_log_prob is given
     and there is no rollout_correction: `RolloutCorrection(upper=rollout_is_cap)`."""
@@ -69,9 +57,6 @@ class AlgorithmFields:
     declaration; paths ask `rollout_use`)."""
     required_inputs: ClassVar[tuple[str, ...]] = ()
     """Optional call arguments this family cannot do without (e.g. "scores", "group_ids")."""
-    takes_expert: ClassVar[bool] = False
-    """True when the family reads `expert` (the `[B]` flags of demonstration rows, CHORD): the step's
-    Normalizer then counts the expert rows apart (`Normalizer.expert`)."""
 
     @property
     def fixed_agg_mode(self) -> str | None:
@@ -80,7 +65,7 @@ class AlgorithmFields:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        agg = aggregation(self.loss_agg_mode)
+        self.declared_terms  # noqa: B018  # built once, here: their checks run with the others
         if self.fixed_agg_mode is not None:
             over = "groups" if aggregation(self.fixed_agg_mode).needs_group_ids else "sequences"
             check(
@@ -88,26 +73,10 @@ class AlgorithmFields:
                 f"{self.name} defines its loss over {over} "
                 f"and fixes loss_agg_mode={self.fixed_agg_mode!r}; got {self.loss_agg_mode!r}",
             )
-        self.check_budget(agg)
+        for part in self.policy_parts():
+            self.check_budget(aggregation(part.mode, field=part.field), field=part.field)
         check(self.delta_l_alpha >= 0, f"delta_l_alpha must be >= 0, got {self.delta_l_alpha}")
-        check(
-            self.kl_estimator in KL_OPTIONS,
-            f"kl_estimator must be one of {KL_OPTIONS}, got {self.kl_estimator!r}"
-            + value_hint("kl_estimator", self.kl_estimator),
-        )
-        check(
-            self.kl_correction is None or self.kl_correction in KL_CORRECTIONS,
-            f"kl_correction must be None or one of {KL_CORRECTIONS}, got {self.kl_correction!r}",
-        )
-        check(
-            not (self.kl_estimator == FULL and self.kl_correction is not None),
-            f"kl_estimator='full' is exact and takes no kl_correction, got {self.kl_correction!r}",
-        )
-        check(self.kl_correction_cap > 0, f"kl_correction_cap must be > 0, got {self.kl_correction_cap}")
-        check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
-        check(self.positive_nll_coef >= 0, f"positive_nll_coef must be >= 0, got {self.positive_nll_coef}")
         check(self.max_log_ratio > 0, f"max_log_ratio must be > 0, got {self.max_log_ratio}")
-        check(self.max_kl > 0, f"max_kl must be > 0, got {self.max_kl}")
         check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
             raise TypeError(
@@ -162,38 +131,52 @@ class AlgorithmFields:
             return None
         return RolloutCorrection(upper=self.rollout_is_cap, max_log_ratio=self.max_log_ratio)
 
-    @property
-    def uses_reference(self) -> bool:
-        """True when the loss needs a frozen reference model: its log-probs (`ref_log_prob`), or with
-        kl_estimator="full" the exact KL to it (`full_kl`)."""
-        return self.kl_coef != 0
+    @functools.cached_property
+    def declared_terms(self) -> tuple[Term, ...]:
+        """The objective's terms beside the policy term (`pgloss.terms`), configured by these fields."""
+        return self.terms(self.max_log_ratio)
 
-    @property
-    def uses_full_kl(self) -> bool:
-        """True when the KL term is the exact full-vocabulary KL, passed as `full_kl`."""
-        return self.kl_coef != 0 and self.kl_estimator == FULL
+    def policy_parts(self) -> tuple[Part, ...]:
+        """How the policy term is aggregated (`pgloss.core.row_set`): every row with `loss_agg_mode`. A family
+        whose policy term treats subsets of rows apart (on-policy and demonstration rows) declares its
+        parts; the step's count then counts their rows apart."""
+        return (Part(self.loss_agg_mode),)
+
+    def input_reasons(self) -> dict[str, str]:
+        """The optional inputs this configuration cannot do without -> why, for the error of a call without
+        one: the terms' (`Term.needs`), the family's (`required_inputs`), the aggregation's (group ids of a
+        per-group mode) and the rollout correction's."""
+        reasons: dict[str, str] = {}
+        for term in self.declared_terms:
+            reasons |= term.needs()
+        for name in self.required_inputs:
+            reasons[name] = (
+                "[B], its loss contrasts the rows of a group" if name == "group_ids" else OPTIONAL_INPUTS[name].doc
+            )
+        if self.grouped_mode is not None:
+            reasons["group_ids"] = f"[B], loss_agg_mode={self.grouped_mode!r}"
+        if self.rollout_correction is not None and self.rollout_correction.needs_rollout:
+            reasons["rollout_log_prob"] = "its rollout_correction weighs or rejects on the inference engine's log-probs"
+        return reasons
 
     @property
     def needs(self) -> frozenset[str]:
         """The optional call inputs this configured algorithm cannot do without, read by every path
         (the plain call's checks, `from_hidden`, the adapters, the lab): names of core/inputs.py's
-        `OPTIONAL_INPUTS`. The family declares its own
-        in `required_inputs`; the rest follow from the fields (kl_coef, kl_estimator, entropy_coef,
-        loss_agg_mode, rollout_correction)."""
-        needed = set(self.required_inputs)
-        if self.uses_full_kl:
-            needed.add("full_kl")
-        elif self.uses_reference:
-            needed.add("ref_log_prob")
-        if self.entropy_coef != 0:
-            needed.add("entropy")
-        if self.positive_nll_coef != 0:
-            needed.add("scores")
-        if self.grouped_mode is not None:
-            needed.add("group_ids")
-        if self.rollout_correction is not None and self.rollout_correction.needs_rollout:
-            needed.add("rollout_log_prob")
-        return frozenset(needed)
+        `OPTIONAL_INPUTS`, derived from the declarations (`input_reasons`)."""
+        return frozenset(self.input_reasons())
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The optional inputs the loss reads: those it `needs` and those its aggregation's row sets read when
+        given (the flags of a row set a family's parts declare)."""
+        parts = self.policy_parts() + tuple(p for t in self.declared_terms for p in t.parts() or ())
+        return self.needs | {part.rows.input for part in parts if part.rows is not None}
+
+    def counted_row_sets(self) -> tuple[RowSet, ...]:
+        """The row sets the step's count counts apart: those of the policy's and the terms' parts."""
+        parts = self.policy_parts() + tuple(p for t in self.declared_terms for p in t.parts() or ())
+        return tuple(dict.fromkeys(part.rows for part in parts if part.rows is not None))
 
     def sequence_split_refusal(self) -> str | None:
         """Why this configured loss cannot be computed over sequences split across a sequence group, or None
@@ -207,16 +190,9 @@ class AlgorithmFields:
         if reason is not None:
             raise ValueError(f"{self.name} cannot be computed over sequences split across ranks: {reason}")
 
-    @classmethod
-    def modes_of(cls, values: dict[str, Any]) -> tuple[str, ...]:
-        """The loss_agg_modes a configuration of these field `values` (a field left out: the family's
-        default) aggregates with: `loss_agg_mode` (CHORD adds its SFT part's). Read before the algorithm
-        is built (`pgloss.algorithms.divides_by_budget`) and after (`aggregation_modes`)."""
-        return (values.get("loss_agg_mode", field_default(cls, "loss_agg_mode")),)
-
     def aggregation_modes(self) -> tuple[str, ...]:
-        """The loss_agg_modes the loss aggregates with (`modes_of` this configuration)."""
-        return self.modes_of(vars(self))
+        """The loss_agg_modes the policy term aggregates with (`policy_parts`)."""
+        return tuple(part.mode for part in self.policy_parts())
 
     @property
     def grouped_mode(self) -> str | None:

@@ -330,7 +330,10 @@ def divides_by_budget(name: str, **hyperparameters: Any) -> bool:
     `delta-l-norm`; CHORD's SFT part counts too) and no `norm_constant` is set: `get` then needs
     `generation_budget=` (or `norm_constant=`)."""
     family, values = _resolved(name, hyperparameters)
-    return values.get("norm_constant") is None and any(needs_budget(mode) for mode in family.modes_of(values))
+    if values.get("norm_constant") is not None:
+        return False
+    probe = family(name=name, **{**values, "norm_constant": 1.0})  # a budget of 1 only to read its modes
+    return any(needs_budget(mode) for mode in probe.aggregation_modes())
 
 
 def get(name: str, *, generation_budget: float | None = None, **hyperparameters: Any) -> Algorithm:

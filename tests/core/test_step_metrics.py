@@ -40,7 +40,7 @@ def step_data():
 
 def call(algorithm, log_prob, inputs, part=slice(None), normalizer=None):
     torch.manual_seed(0)  # Clip-Cov draws from the global generator
-    take = {k: v for k, v in inputs.items() if k != "expert" or algorithm.takes_expert}
+    take = {k: v for k, v in inputs.items() if k != "expert" or "expert" in algorithm.reads}
     return algorithm(log_prob[part], **{k: v[part] for k, v in take.items()}, normalizer=normalizer)
 
 

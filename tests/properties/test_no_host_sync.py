@@ -193,7 +193,7 @@ def cpu_inputs(algorithm, seed=0):
         teacher_log_prob=noisy(0.2),
     )
     inputs |= {key: value for key, value in available.items() if key in algorithm.needs}
-    if algorithm.takes_expert:  # CHORD's demonstration rows (an input it reads without needing it)
+    if "expert" in algorithm.reads:  # CHORD's demonstration rows (an input it reads without needing it)
         inputs["expert"] = torch.arange(ROWS) % 3 == 0
     return noisy(0.3), inputs
 

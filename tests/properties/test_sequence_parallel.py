@@ -107,7 +107,7 @@ def call_inputs(algorithm, inputs, kind):
     wanted = set(algorithm.needs) | {"old_log_prob", "advantages", "mask"}
     if kind != "none":
         wanted.add("rollout_log_prob")
-    if algorithm.takes_expert:
+    if "expert" in algorithm.reads:
         wanted.add("expert")
     return {k: v for k, v in inputs.items() if k in wanted}
 

@@ -40,7 +40,7 @@ gradients. A sequence (and, for the group mode, its count n_g) is never split, s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,7 @@ from torch import Tensor
 
 from .checks import check_values, host_reads
 from .normalizer import Normalizer
+from .row_set import Part
 from .sequence_parallel import row_lengths
 
 
@@ -59,15 +60,16 @@ def row_weights(
     norm_constant: float | None = None,
     group_ids: Tensor | None = None,
     delta_l_alpha: float = 1.0,
+    of: str = "",
 ) -> Tensor:
     """c_i with w_{i,t} = m_{i,t}·c_i for `mode` (its row of `AGGREGATIONS`): every mode weighs a row's
     valid tokens alike; `[B]`, float64.
 
     Every denominator is clamped at 1, so an all-masked batch gives a zero loss, never NaN.
     A `normalizer` that counted fewer tokens or non-empty sequences than this call holds was counted
-    on other masks (a value check: `check_counts`).
+    on other masks (a value check: `check_counts`, its message qualified by `of`).
     """
-    check_counts(mask, normalizer)
+    check_counts(mask, normalizer, of)
     agg = aggregation(mode)
     if agg.needs_group_ids and group_ids is None:
         raise ValueError(f"loss_agg_mode {mode!r} needs group_ids")
@@ -136,7 +138,7 @@ def _delta_l_rows(mask: Tensor, normalizer: Normalizer, norm_constant: float, al
     if counts is None:
         raise ValueError(
             "loss_agg_mode 'delta-l-norm' needs a Normalizer that counted the step's lengths "
-            "(Normalizer.count or Algorithm.step_normalizer)"
+            "(Algorithm.count_step or Normalizer.count)"
         )
     lengths = row_lengths(mask, normalizer.sequence_parallel)
     size = counts.shape[0]
@@ -221,39 +223,63 @@ def needs_budget(mode: object) -> bool:
     return isinstance(mode, str) and mode in AGGREGATIONS and AGGREGATIONS[mode].needs_budget
 
 
-def rewarded_row_weights(mask: Tensor, rewarded: Tensor, normalizer: Normalizer) -> Tensor:
-    """c_i = [rewarded_i] / N_rew: the token mean over the step's rewarded sequences (`[B]` bool
-    `rewarded`), N_rew = `normalizer.rewarded_tokens` (clamped at 1: a step without a rewarded token
-    gives 0). The aggregation of VAPO's positive-example NLL (arXiv 2504.05118, eq. 10); `[B]`, float64."""
-    rewarded_tokens = normalizer.rewarded_tokens
-    if rewarded_tokens is None:
-        raise ValueError(
-            "the positive-example NLL term needs a Normalizer counted with scores "
-            "(Algorithm.step_normalizer(..., scores=...) or Normalizer.count(..., scores=...))"
+def parts_row_weights(
+    mask: Tensor,
+    parts: tuple[Part, ...],
+    normalizer: Normalizer,
+    inputs: Mapping[str, Tensor | None],
+    *,
+    owner: str,
+    norm_constant: float | None = None,
+    group_ids: Tensor | None = None,
+    delta_l_alpha: float = 1.0,
+) -> Tensor:
+    """c_i of a term aggregated in `parts` (`pgloss.core.row_set`): each part's rows weighed by its `mode` over
+    their own counts (`normalizer.parts[rows.name]`; every row: the step's counts), `[B]`, float64. `inputs`
+    holds the call's `[B]` inputs the row sets read; `owner` names the loss in a refusal."""
+    rows: Tensor | None = None
+    for part in parts:
+        flags = True if part.rows is None else part.rows.flags(inputs.get(part.rows.input))
+        if flags is False:  # the part holds no row of this call
+            continue
+        counts = normalizer if part.rows is None else normalizer.parts.get(part.rows.name)
+        if counts is None and flags is True:  # every row, and the step did not count the set apart: all of it
+            counts = normalizer
+        if counts is None:
+            assert part.rows is not None
+            raise ValueError(
+                f"{owner} needs a Normalizer counted with {part.rows.input}: the {part.rows.doc} are aggregated "
+                f"over their own counts, so it needs a Normalizer that counted them apart "
+                f"(algorithm.count_step(mask, ..., {part.rows.input}=...))"
+            )
+        held = mask if flags is True else mask & flags[:, None]
+        of = "" if part.rows is None or flags is True else f" of {part.rows.doc}"
+        weights = row_weights(
+            held,
+            part.mode,
+            counts,
+            norm_constant=norm_constant,
+            group_ids=group_ids,
+            delta_l_alpha=delta_l_alpha,
+            of=of,
         )
-    held = torch.where(rewarded, mask.sum(dim=-1, dtype=torch.float64), 0.0).sum()
-    check_values(
-        mask,
-        lambda: held > rewarded_tokens,
-        lambda _: (
-            f"the normalizer counted {int(rewarded_tokens)} tokens of rewarded sequences "
-            f"but this call holds {int(held)}; count the step's Normalizer on every micro-batch's "
-            f"mask and scores"
-        ),
-    )
-    return rewarded.to(torch.float64) / rewarded_tokens.clamp(min=1).to(mask.device)
+        if flags is not True:
+            weights = torch.where(flags, weights, 0.0 if rows is None else rows)
+        rows = weights
+    return torch.zeros(mask.shape[0], dtype=torch.float64, device=mask.device) if rows is None else rows
 
 
-def check_counts(mask: Tensor, normalizer: Normalizer) -> None:
+def check_counts(mask: Tensor, normalizer: Normalizer, of: str = "") -> None:
     """Refuse a `normalizer` that counted fewer valid tokens or non-empty sequences than the bool
     `mask` of one call holds: it was counted on other masks (say, before a token mask was applied),
-    and the loss would be too large. A value check (`pgloss.checks.check_values`)."""
+    and the loss would be too large. A value check (`pgloss.checks.check_values`); `of` qualifies the
+    counts in the message (" of" and the subset of rows a `Part` holds)."""
     if not host_reads(mask):
         return
     lengths = mask.sum(dim=-1)
     for what, counted, held in (
-        ("tokens", normalizer.tokens, lengths.sum()),
-        ("sequences", normalizer.sequences, (lengths > 0).sum()),
+        (f"tokens{of}", normalizer.tokens, lengths.sum()),
+        (f"sequences{of}", normalizer.sequences, (lengths > 0).sum()),
     ):
         if bool(held > counted):
             raise ValueError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 
@@ -68,9 +68,12 @@ OPTIONAL_INPUTS: dict[str, OptionalInput] = {
 }
 """Every optional input of `Algorithm.__call__`, in the order of its signature."""
 
+STEP_INPUTS = ("log_prob", "old_log_prob", "advantages", *OPTIONAL_INPUTS)
+"""The call's arguments a step's count takes by name (`Algorithm.count_step`), besides `mask`."""
 
-def check_names(inputs: Mapping[str, object], allowed: Mapping[str, OptionalInput] = OPTIONAL_INPUTS) -> None:
-    """TypeError naming an argument that is not an optional input, with the closest name."""
+
+def check_names(inputs: Mapping[str, object], allowed: Collection[str] = tuple(OPTIONAL_INPUTS)) -> None:
+    """TypeError naming an argument that is not an optional input (or one of `allowed`), with the closest name."""
     for name in inputs:
         if name not in allowed:
             close = difflib.get_close_matches(name, allowed, n=1)

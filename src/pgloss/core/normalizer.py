@@ -2,16 +2,21 @@
 `Normalizer`, global over the step's micro-batches and data-parallel ranks.
 
 N_tok valid tokens, N_seq non-empty sequences, the sequences per length (ΔL Norm's Σ_j |y_j|^-α), the tokens
-per group n_g (with `group_ids`), the tokens of rewarded sequences (with `scores`, the positive-example NLL)
-and the same counts over the expert rows (with `expert`, CHORD). Counted once per step by `Normalizer.count`
-(a collective under torch.distributed) and passed to every micro-batch's call, so that a micro-batch's loss
-is its exact share of the step's.
+per group n_g (with `group_ids`); the same counts over each subset of rows a term aggregates apart (`parts`, by
+the name of its `RowSet`), and the step-wide sums a rollout correction reads (`sums`). Counted once per step by
+`Normalizer.count` and passed to every micro-batch's call, so that a micro-batch's loss is its exact share of
+the step's. `Algorithm.count_step` is the entry point: it asks the objective which counts it declared and
+counts them here.
+
+Under torch.distributed the count is one packed MAX all-reduce (the widest mask, the largest group id) and one
+packed SUM all-reduce of everything else, over the data-parallel group; under a sequence group, the rows'
+lengths are summed over it first (one all-reduce: a whole sequence's length is what the counts read).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,6 +24,7 @@ from torch import Tensor
 
 from .batch import per_micro_batch
 from .checks import check_values, host_reads, is_integer
+from .row_set import RowSet
 from .sequence_parallel import SequenceParallel, check_sequence_parallel, data_parallel_group
 
 MAX_GROUPS = 1 << 20
@@ -31,15 +37,13 @@ class Normalizer:
 
     `length_counts[L]` is the number of the step's sequences with L valid tokens (L >= 1; index 0
     holds 0), the statistic of `delta-l-norm`; a Normalizer built by hand without it refuses that mode.
-    `rewarded_tokens` (counted when `scores` are given) is the number of valid tokens of the step's
-    sequences whose reward is > 0, the divisor of the positive-example NLL term (`rewarded_row_weights`).
-    `expert` (counted when `expert` flags are given) holds the same counts over the step's expert rows
-    alone (CHORD's SFT rows); `complement(self.expert)` are the other rows' counts.
+    `parts[name]` holds the same counts over the step's rows of one `RowSet` (`pgloss.core.row_set`), for a
+    term that aggregates over those rows alone; `sums[name]` a step-wide sum a correction declared.
 
-    Build it once per optimizer step with `Normalizer.count` over all of the step's micro-batch
-    masks, and pass it to every micro-batch's loss call. When the counts were all-reduced over a
-    data-parallel group of `world_size` ranks, each rank's loss is multiplied by `world_size`, so
-    that the gradient average of DDP and FSDP yields the gradient of the global loss.
+    Build it once per optimizer step (`Algorithm.count_step`) over all of the step's micro-batches, and
+    pass it to every micro-batch's loss call. When the counts were all-reduced over a data-parallel
+    group of `world_size` ranks, each rank's loss is multiplied by `world_size`, so that the gradient
+    average of DDP and FSDP yields the gradient of the global loss.
     """
 
     tokens: Tensor
@@ -47,27 +51,13 @@ class Normalizer:
     group_tokens: Tensor | None = None
     world_size: int = 1
     length_counts: Tensor | None = None
-    rewarded_tokens: Tensor | None = None
-    expert: Normalizer | None = None
     sequence_parallel: SequenceParallel | None = None
     """The sequence group the step's sequences are split over (`pgloss.core.sequence_parallel`): every call
     that takes this Normalizer then computes over whole sequences. None: each call holds whole rows."""
-
-    def complement(self, part: Normalizer | None) -> Normalizer:
-        """The counts of the step's rows outside `part` (a sub-count of the same rows, e.g. `self.expert`):
-        every count minus `part`'s; `self` when `part` is None."""
-        if part is None:
-            return self
-        minus = lambda mine, theirs: None if mine is None or theirs is None else mine - theirs  # noqa: E731
-        return Normalizer(
-            tokens=self.tokens - part.tokens,
-            sequences=self.sequences - part.sequences,
-            group_tokens=minus(self.group_tokens, part.group_tokens),
-            world_size=self.world_size,
-            length_counts=minus(self.length_counts, part.length_counts),
-            rewarded_tokens=minus(self.rewarded_tokens, part.rewarded_tokens),
-            sequence_parallel=self.sequence_parallel,
-        )
+    parts: Mapping[str, Normalizer] = field(default_factory=dict)
+    """The counts over each declared subset of the step's rows, by its `RowSet`'s name."""
+    sums: Mapping[str, Tensor] = field(default_factory=dict)
+    """Step-wide sums (float64), by name: summed over the micro-batches and ranks with the counts."""
 
     @property
     def groups(self) -> Tensor:
@@ -82,31 +72,30 @@ class Normalizer:
         masks: Tensor | Sequence[Tensor],
         *,
         group_ids: Tensor | Sequence[Tensor] | None = None,
-        scores: Tensor | Sequence[Tensor] | None = None,
-        expert: Tensor | Sequence[Tensor] | None = None,
+        row_sets: Mapping[RowSet, Tensor | Sequence[Tensor]] | None = None,
+        sums: Mapping[str, Tensor] | None = None,
         process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
         sequence_parallel: SequenceParallel | None = None,
     ) -> Normalizer:
-        """Count valid tokens, non-empty sequences, sequences per length and (with `group_ids`)
-        tokens per group.
+        """Count valid tokens, non-empty sequences, sequences per length and (with `group_ids`) tokens per group;
+        the same over each of `row_sets`; and carry `sums`. `Algorithm.count_step` calls it with the counts
+        the configured loss declared; call it directly for the counts of masks (and group ids) alone.
 
-        Under torch.distributed this is a collective: every rank of `process_group` must call it
-        at every optimizer step, in the same order, even a rank whose micro-batches are empty. The
-        length counts span the widest mask of the step (a MAX over the ranks' widths, then one SUM
-        of the counts).
+        Under torch.distributed this is a collective: every rank of `process_group` must call it at every
+        optimizer step, in the same order, even a rank whose micro-batches are empty: one MAX all-reduce (the
+        step's widest mask and largest group id) and one SUM all-reduce (every count and sum, packed).
 
         Args:
             masks: the `[B, T]` mask of each micro-batch of the step (or one mask).
             group_ids: the `[B]` integer group (prompt) id of each row, one tensor per micro-batch.
                 Ids are global: the same prompt has the same id on every rank. They number the
                 step's groups from 0 (below `MAX_GROUPS`): the counts are a dense array.
-            scores: the `[B]` sequence rewards of each micro-batch: counts the tokens of the rewarded
-                (reward > 0) sequences, for the positive-example NLL term (`positive_nll_coef`).
-            expert: the `[B]` bool flags of the expert (off-policy demonstration) rows of each micro-batch:
-                the same counts over them alone, in `expert` (CHORD; one more collective of the counts).
+            row_sets: a `RowSet` -> its `[B]` input in each micro-batch (one tensor per micro-batch): the counts of
+                its rows go to `parts[row_set.name]`.
+            sums: name -> a float64 tensor of this rank's partial sums, summed over ranks into `sums[name]`.
             process_group: the data-parallel group (None: the default group).
-            reduce: all-reduce (SUM) the counts when torch.distributed is initialized.
+            reduce: all-reduce the counts when torch.distributed is initialized.
             sequence_parallel: the sequence group when the masks are slices of longer sequences
                 (`pgloss.SequenceParallel`): each row's length is summed over it first (one all-reduce),
                 `process_group` is then the data-parallel group beside it, and `world_size` counts both.
@@ -121,94 +110,94 @@ class Normalizer:
         lengths = [(m != 0).sum(dim=-1).to(torch.float64) for m in mask_list]
         if sequence_parallel is not None:  # each row's whole length: one all-reduce for the step's rows
             lengths = list(sequence_parallel.all_reduce(torch.cat(lengths)).split([len(n) for n in lengths]))
+        flags = {rows.name: _row_flags(rows, values, lengths) for rows, values in (row_sets or {}).items()}
+        ids = None if group_ids is None else _group_ids(group_ids, lengths)
+
         width = max(m.shape[-1] for m in mask_list)  # static: the shapes, never the values
-        if distributed:
-            widest = torch.tensor(width, device=device)
-            dist.all_reduce(widest, op=dist.ReduceOp.MAX, group=process_group)
-            width = int(widest)
+        groups = 0
+        if ids is not None:
+            if distributed or all(host_reads(i) for i in ids):
+                # max id + 1 entries: read on the host, free on the CPU (and a collective is a sync point anyway)
+                groups = max(int(i.max()) + 1 if i.numel() else 0 for i in ids)
+            else:  # ids the host cannot read without a sync (an accelerator, torch.compile): the static bound
+                groups = MAX_GROUPS
+        if distributed:  # the one MAX all-reduce
+            bounds = torch.tensor([width, groups], device=device)
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=process_group)
+            width, groups = int(bounds[0]), int(bounds[1])
         if sequence_parallel is not None:
             width *= sequence_parallel.size  # a whole sequence's positions
-        per_length = torch.zeros(width + 1, dtype=torch.float64, device=device)
-        for length in lengths:
-            per_length.index_add_(0, length.to(device).long(), (length > 0).to(torch.float64))
 
-        def per_row(name: str, values: Tensor | Sequence[Tensor]) -> list[Tensor]:
-            """`values` of each micro-batch, checked to be `[B]` like its mask's rows."""
-            value_list = per_micro_batch(name, values, len(mask_list))
-            for k, (value, length) in enumerate(zip(value_list, lengths, strict=True)):
-                if not isinstance(value, Tensor) or value.shape != length.shape:
-                    raise ValueError(
-                        f"{name}[{k}] must be a tensor of shape {tuple(length.shape)}, got "
-                        f"{tuple(getattr(value, 'shape', ())) or type(value).__name__}"
-                    )
-            return value_list
+        def counts(rows: list[Tensor] | None) -> Tensor:
+            """[N_tok, N_seq, n_L for L = 0..width, n_g for each group] over the rows flagged in `rows` (None: all)."""
+            kept = lengths if rows is None else [torch.where(r, n, 0.0) for r, n in zip(rows, lengths, strict=True)]
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            per_length = torch.zeros(width + 1, dtype=torch.float64, device=device)
+            for n in kept:
+                per_length.index_add_(0, n.to(device).long(), (n > 0).to(torch.float64))
+            parts = [torch.stack([sum((n.sum() for n in kept), zero), sum(((n > 0).sum() for n in kept), zero)])]
+            parts.append(per_length)
+            if ids is not None:
+                per_group = torch.zeros(groups, dtype=torch.float64, device=device)
+                for i, n in zip(ids, kept, strict=True):
+                    per_group.index_add_(0, i.to(device).long(), n.to(device))
+                parts.append(per_group)
+            return torch.cat(parts)
 
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        rewarded = zero
-        if scores is not None:
-            for score, length in zip(per_row("scores", scores), lengths, strict=True):
-                rewarded = rewarded + torch.where(score.to(device) > 0, length.to(device), 0.0).sum()
-        counts = torch.cat(
-            [
-                torch.stack(
-                    [
-                        sum((length.sum() for length in lengths), zero),
-                        sum(((length > 0).sum() for length in lengths), zero),
-                        rewarded,
-                    ]
-                ),
-                per_length,
-            ]
-        )
-        if distributed:
-            dist.all_reduce(counts, group=process_group)
-        group_tokens = None
-        if group_ids is not None:
-            id_list = per_micro_batch("group_ids", group_ids, len(mask_list))
-            for k, (ids, length) in enumerate(zip(id_list, lengths, strict=True)):
-                if not isinstance(ids, Tensor) or ids.shape != length.shape or not is_integer(ids):
-                    raise ValueError(
-                        f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "
-                        f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
-                    )
-                _check_group_ids(f"group_ids[{k}]", ids)
-            if distributed or all(host_reads(ids) for ids in id_list):
-                # max id + 1 entries: read on the host, free on the CPU (and a collective is a sync point anyway)
-                ends = torch.tensor(max(int(ids.max()) + 1 if ids.numel() else 0 for ids in id_list), device=device)
-                if distributed:
-                    dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=process_group)
-                size = int(ends)
-            else:  # ids the host cannot read without a sync (an accelerator, torch.compile): the static bound
-                size = MAX_GROUPS
-            group_tokens = torch.zeros(size, dtype=torch.float64, device=device)
-            for ids, length in zip(id_list, lengths, strict=True):
-                group_tokens.index_add_(0, ids.to(device).long(), length)
-            if distributed:
-                dist.all_reduce(group_tokens, group=process_group)
+        blocks = {"": counts(None)} | {name: counts(rows) for name, rows in flags.items()}
+        blocks |= {f"sum:{name}": value.to(torch.float64).reshape(-1) for name, value in (sums or {}).items()}
+        packed = torch.cat([block.to(device) for block in blocks.values()])
+        if distributed:  # the one SUM all-reduce
+            dist.all_reduce(packed, group=process_group)
+        reduced = dict(zip(blocks, packed.split([len(block) for block in blocks.values()]), strict=True))
         world_size = dist.get_world_size(process_group) if distributed else 1
         if sequence_parallel is not None:
             world_size *= sequence_parallel.size
-        expert_counts = None
-        if expert is not None:
-            flag_list = per_row("expert", expert)
-            expert_counts = cls.count(
-                [m * (f != 0).to(m.device)[:, None] for m, f in zip(mask_list, flag_list, strict=True)],
-                group_ids=group_ids,
-                scores=scores,
-                process_group=process_group,
-                reduce=reduce,
+
+        def normalizer(
+            block: Tensor, parts: Mapping[str, Normalizer] | None = None, sums: Mapping[str, Tensor] | None = None
+        ) -> Normalizer:
+            return cls(
+                tokens=block[0],
+                sequences=block[1],
+                length_counts=block[2 : width + 3],
+                group_tokens=None if ids is None else block[width + 3 :],
+                world_size=world_size,
                 sequence_parallel=sequence_parallel,
+                parts=parts or {},
+                sums=sums or {},
             )
-        return cls(
-            tokens=counts[0],
-            sequences=counts[1],
-            group_tokens=group_tokens,
-            world_size=world_size,
-            length_counts=counts[3:],
-            rewarded_tokens=counts[2] if scores is not None else None,
-            expert=expert_counts,
-            sequence_parallel=sequence_parallel,
+
+        return normalizer(
+            reduced[""],
+            parts={name: normalizer(reduced[name]) for name in flags},
+            sums={name: reduced[f"sum:{name}"].reshape(value.shape) for name, value in (sums or {}).items()},
         )
+
+
+def _row_flags(rows: RowSet, values: Tensor | Sequence[Tensor], lengths: list[Tensor]) -> list[Tensor]:
+    """The rows of `rows` in each micro-batch (bool `[B]`), from its input, checked to be one value per row."""
+    value_list = per_micro_batch(rows.input, values, len(lengths))
+    for k, (value, length) in enumerate(zip(value_list, lengths, strict=True)):
+        if not isinstance(value, Tensor) or value.shape != length.shape:
+            raise ValueError(
+                f"{rows.input}[{k}] must be a tensor of shape {tuple(length.shape)}, got "
+                f"{tuple(getattr(value, 'shape', ())) or type(value).__name__}"
+            )
+    return [rows.select(value).to(length.device) for value, length in zip(value_list, lengths, strict=True)]
+
+
+def _group_ids(group_ids: Tensor | Sequence[Tensor], lengths: list[Tensor]) -> list[Tensor]:
+    """The `[B]` integer group ids of each micro-batch, checked."""
+    id_list = per_micro_batch("group_ids", group_ids, len(lengths))
+    for k, (ids, length) in enumerate(zip(id_list, lengths, strict=True)):
+        if not isinstance(ids, Tensor) or ids.shape != length.shape or not is_integer(ids):
+            raise ValueError(
+                f"group_ids[{k}] must be integers of shape {tuple(length.shape)}, got "
+                f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
+            )
+        _check_group_ids(f"group_ids[{k}]", ids)
+    return id_list
 
 
 def _check_group_ids(name: str, ids: Tensor) -> None:

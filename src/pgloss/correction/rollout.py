@@ -32,16 +32,16 @@ as TRL's off-policy mask does, so the loss does not depend on how the step is cu
 
 Batch normalisation (verl `rollout_is_batch_normalize`): w ← w / mean(w), the mean over the step's
 valid tokens (token level) or non-empty sequences (sequence levels), global over micro-batches and
-ranks through `step_weight_mean`, so the loss stays split-invariant.
+ranks: the step's count carries the sums (`step_sums`, in `Normalizer.sums`), so the loss stays split-invariant.
 
-`RolloutCorrection.normalizer(...)` does the step's counting in one call: a `Normalizer` counted on
-the kept masks (or on the original ones, `count_rejected=True`, as AReaL) that also carries the
-step's weight mean; pass it to every micro-batch's loss call.
+`Algorithm.count_step(...)` counts a step with its correction: a `Normalizer` counted on the kept masks (or on
+the original ones, `count_rejected=True`, as AReaL) that also carries the step's weight sums, in the same two
+all-reduces as every count (`step_count_inputs`); pass it to every micro-batch's loss call.
+`RolloutCorrection.normalizer(...)` is the same count for a correction alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,7 +55,6 @@ from ..core.metrics import Stat, effective_sample_size, token_extremes, token_fr
 from ..core.normalizer import Normalizer
 from ..core.sequence_parallel import (
     SequenceParallel,
-    data_parallel_group,
     row_lengths,
     row_total_and_length,
 )
@@ -75,13 +74,12 @@ class Corrected:
     weight: Tensor | None
     mask: Tensor
     metrics: dict[str, Stat]
+    weight_kl: bool = False
+    """Whether the weight also multiplies the KL term (`RolloutCorrection.weight_kl`)."""
 
 
-@dataclass(frozen=True)
-class CorrectedNormalizer(Normalizer):
-    """A step's `Normalizer` that also carries the step's mean rollout weight (`batch_normalize`)."""
-
-    weight_mean: Tensor | None = None
+WEIGHT_SUM = "rollout_is_weight"
+"""The key of the step's (Σ w, count) in `Normalizer.sums`, for `batch_normalize`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +219,70 @@ class RolloutCorrection:
             keep = keep & rule.keep(log_rho, mask, sequence_parallel)
         return keep
 
+    def step_sums(
+        self,
+        masks: Sequence[Tensor],
+        old_log_probs: Sequence[Tensor],
+        rollout_log_probs: Sequence[Tensor],
+        sequence_parallel: SequenceParallel | None = None,
+    ) -> dict[str, Tensor]:
+        """This rank's share of the step-wide sums the correction reads (`Normalizer.sums`): with
+        `batch_normalize`, (Σ w, n) of the bounded weight (`_weight_totals`); none otherwise."""
+        if not self.batch_normalize:
+            return {}
+        return {WEIGHT_SUM: self._weight_totals(masks, old_log_probs, rollout_log_probs, sequence_parallel)}
+
+    def _weight_totals(
+        self,
+        masks: Sequence[Tensor],
+        old_log_probs: Sequence[Tensor],
+        rollout_log_probs: Sequence[Tensor],
+        sequence_parallel: SequenceParallel | None,
+    ) -> Tensor:
+        """(Σ w, n) of the bounded weight over the valid tokens (token level) or the non-empty sequences
+        (sequence levels) of checked micro-batches (`masks` bool), on this rank, float64."""
+        totals = torch.zeros(2, dtype=torch.float64, device=masks[0].device)
+        for mask, old, rollout in zip(masks, old_log_probs, rollout_log_probs, strict=True):
+            weight, _ = self._bound(
+                self._raw_weight(old.detach().double(), rollout.detach().double(), mask, sequence_parallel)
+            )
+            if self.weight_level == "token":  # per row, then over the sequence group: every token once
+                totals += torch.stack(
+                    row_total_and_length(torch.where(mask, weight, 0.0), mask, sequence_parallel)
+                ).sum(dim=-1)
+            else:  # a sequence weight is the same on every rank of the sequence group: each sequence once
+                rows = row_lengths(mask, sequence_parallel) > 0
+                totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
+        return totals
+
+    def weight_mean(self, normalizer: Normalizer) -> Tensor | None:
+        """The step's mean bounded weight, from the sums the step's count carries (`step_sums`); None without
+        `batch_normalize`, or from a Normalizer that did not count them."""
+        totals = normalizer.sums.get(WEIGHT_SUM) if self.batch_normalize else None
+        return None if totals is None else _mean(totals)
+
+    def step_count_inputs(
+        self,
+        masks: Tensor | Sequence[Tensor],
+        old_log_probs: Tensor | Sequence[Tensor],
+        rollout_log_probs: Tensor | Sequence[Tensor],
+        *,
+        count_rejected: bool = False,
+        sequence_parallel: SequenceParallel | None = None,
+        names: tuple[str, str, str] = ("masks", "old_log_probs", "rollout_log_probs"),
+    ) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """What the step's count reads of this correction: the masks it counts (after the KL-based rejection,
+        known before the step; the original ones with `count_rejected=True`, as AReaL, or in bypass mode) and
+        this rank's `step_sums`. `Algorithm.count_step` passes both to `Normalizer.count`."""
+        parts = _micro_batches(masks, old_log_probs, rollout_log_probs, names=names)
+        mask_list, olds, rollouts = (list(column) for column in zip(*parts, strict=True))
+        counted = (
+            mask_list
+            if count_rejected or self.bypass or not self.rejection
+            else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(mask_list, olds, rollouts, strict=True)]
+        )
+        return counted, self.step_sums(mask_list, olds, rollouts, sequence_parallel)
+
     def step_weight_mean(
         self,
         masks: Tensor | Sequence[Tensor],
@@ -234,27 +296,20 @@ class RolloutCorrection:
         """The mean bounded weight over the step's micro-batches (and, when torch.distributed is
         initialized and `reduce`, all ranks of `process_group`): over valid tokens at token level,
         over non-empty sequences at the sequence levels. A collective, like `Normalizer.count`
-        (`sequence_parallel` as there: each row's part summed over the sequence group first).
-        Pass it to every call of the step as `weight_mean`."""
+        (`sequence_parallel` as there). The step's count carries it (`weight_mean`)."""
         if self.weight_level is None:
             raise ValueError("step_weight_mean needs a weight_level")
         parts = _micro_batches(masks, old_log_probs, rollout_log_probs)
-        process_group, distributed = data_parallel_group(process_group, reduce, sequence_parallel)
-        totals = torch.zeros(2, dtype=torch.float64, device=parts[0][0].device)
-        for mask, old, rollout in parts:
-            weight, _ = self._bound(
-                self._raw_weight(old.detach().double(), rollout.detach().double(), mask, sequence_parallel)
-            )
-            if self.weight_level == "token":  # per row, then over the sequence group: every token once
-                totals += torch.stack(
-                    row_total_and_length(torch.where(mask, weight, 0.0), mask, sequence_parallel)
-                ).sum(dim=-1)
-            else:  # a sequence weight is the same on every rank of the sequence group: each sequence once
-                rows = row_lengths(mask, sequence_parallel) > 0
-                totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
-        if distributed:
-            dist.all_reduce(totals, group=process_group)
-        return totals[0] / totals[1].clamp(min=1)
+        mask_list, olds, rollouts = (list(column) for column in zip(*parts, strict=True))
+        totals = self._weight_totals(mask_list, olds, rollouts, sequence_parallel)
+        counted = Normalizer.count(
+            mask_list,
+            sums={WEIGHT_SUM: totals},
+            process_group=process_group,
+            reduce=reduce,
+            sequence_parallel=sequence_parallel,
+        )
+        return _mean(counted.sums[WEIGHT_SUM])
 
     def normalizer(
         self,
@@ -263,38 +318,26 @@ class RolloutCorrection:
         rollout_log_probs: Tensor | Sequence[Tensor],
         *,
         group_ids: Tensor | Sequence[Tensor] | None = None,
-        scores: Tensor | Sequence[Tensor] | None = None,
-        expert: Tensor | Sequence[Tensor] | None = None,
         count_rejected: bool = False,
         process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
         sequence_parallel: SequenceParallel | None = None,
-    ) -> CorrectedNormalizer:
+    ) -> Normalizer:
         """The step's counts over the masks after the KL-based rejection (`count_rejected=True`, or
-        bypass mode: over the original masks), with the step's weight mean when `batch_normalize`.
-        A collective under torch.distributed, like `Normalizer.count` (and `sequence_parallel` as there)."""
-        masks, olds, rollouts = zip(*_micro_batches(masks, old_log_probs, rollout_log_probs), strict=True)
-        counted = (
-            masks
-            if count_rejected or self.bypass or not self.rejection
-            else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(masks, olds, rollouts, strict=True)]
+        bypass mode: over the original masks), with the step's weight sums when `batch_normalize`
+        (`weight_mean`). A collective under torch.distributed, like `Normalizer.count` (and
+        `sequence_parallel` as there). `Algorithm.count_step` counts the same, with the algorithm's own
+        counts beside."""
+        counted, sums = self.step_count_inputs(
+            masks, old_log_probs, rollout_log_probs, count_rejected=count_rejected, sequence_parallel=sequence_parallel
         )
-        base = Normalizer.count(
+        return Normalizer.count(
             counted,
             group_ids=group_ids,
-            scores=scores,
-            expert=expert,
+            sums=sums,
             process_group=process_group,
             reduce=reduce,
             sequence_parallel=sequence_parallel,
-        )
-        mean = None
-        if self.batch_normalize:
-            mean = self.step_weight_mean(
-                masks, olds, rollouts, process_group=process_group, reduce=reduce, sequence_parallel=sequence_parallel
-            )
-        return CorrectedNormalizer(
-            **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, weight_mean=mean
         )
 
     # -- the call -------------------------------------------------------------------------------
@@ -323,7 +366,7 @@ class RolloutCorrection:
         if self.batch_normalize and weight_mean is None:
             raise ValueError(
                 "batch_normalize needs the step's mean weight: count the step with "
-                "algorithm.step_normalizer(...) and pass that normalizer"
+                "algorithm.count_step(...) (or its alias algorithm.step_normalizer) and pass that normalizer"
             )
         # without rollout log-probs: neither bypass nor a weight (needs_rollout, refused above)
         old = rollout if self.bypass and rollout is not None else old_log_prob.detach()
@@ -353,7 +396,7 @@ class RolloutCorrection:
                 weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
             metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
-        return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics)
+        return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics, weight_kl=self.weight_kl)
 
 
 def _micro_batches(
@@ -385,6 +428,11 @@ def _micro_batches(
             check_log_prob(name, value, mask)
         out.append((mask, old, rollout))
     return out
+
+
+def _mean(totals: Tensor) -> Tensor:
+    """Σ w / max(n, 1) of a (Σ w, n) pair."""
+    return totals[0] / totals[1].clamp(min=1)
 
 
 def _row_max(values: Tensor) -> Tensor:

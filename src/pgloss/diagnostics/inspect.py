@@ -126,9 +126,7 @@ def inspect(
     _check_algorithm(algorithm)
     check_names(inputs)
     policy_inputs = {name: value for name, value in inputs.items() if name not in _TERM_INPUTS}
-    policy_only = algorithm
-    if algorithm.kl_coef != 0 or algorithm.entropy_coef != 0 or algorithm.positive_nll_coef != 0:
-        policy_only = dataclasses.replace(algorithm, kl_coef=0.0, entropy_coef=0.0, positive_nll_coef=0.0)
+    policy_only = algorithm.policy_only()
     with _replayed_draws(algorithm) as rewind:
         grad = token_gradients(algorithm, log_prob, old_log_prob, advantages, mask, normalizer=normalizer, **inputs)
         rewind()
@@ -142,9 +140,7 @@ def inspect(
         )
         batch, normalizer, corrected = algorithm.corrected(batch, normalizer)  # the call's own prelude
         tis = None if corrected is None else corrected.weight
-        rows = algorithm.policy_row_weights(
-            batch, normalizer, algorithm.row_weights(batch.mask, normalizer, batch.group_ids)
-        )
+        rows = algorithm.row_weights(batch, normalizer, algorithm.policy_parts())
         weight = (batch.mask.to(torch.float64) * rows[:, None]).to(batch.log_prob.dtype) * normalizer.world_size
         closed = _closed_form(algorithm, batch)
     factor, reason = closed.factor, closed.reason

@@ -10,8 +10,9 @@ With `expert` the `[B]` flags of the demonstration rows (E) and the others on-po
     ℓ^SFT = −log p                                                  sft_weight="none" (CHORD-μ, plain SFT)
     ℓ^SFT = −sg[p] · log p                                          sft_weight="is" (Trinity's sft_is)
 
-Each part is aggregated over its own rows with the step's counts of those rows (`Normalizer.expert`
-and its complement): Agg_U with `loss_agg_mode`, Agg_E with `sft_loss_agg_mode` (default: the same).
+Each part is aggregated over its own rows with the step's counts of those rows (`policy_parts`: the row sets
+`ON_POLICY` and `EXPERT`, which the step's count counts apart): Agg_U with `loss_agg_mode`, Agg_E with
+`sft_loss_agg_mode` (default: the same).
 φ vanishes at p → 0 and p → 1: it keeps the expert tokens the policy is unsure of and damps both the
 ones it already knows and the ones far from it. With `sft_cutoff_prob` c < 1 (φ only, as Trinity)
 log p is clamped at log c: a token with p > c gets no gradient. ℓ^PPO is `ClippedPolicy`'s (Trinity's
@@ -31,21 +32,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..algorithm_fields import field_default
-from ..core.aggregate import aggregation, row_weights
 from ..core.batch import TokenBatch
 from ..core.metrics import token_mean
-from ..core.normalizer import Normalizer
 from ..core.output import PolicyTerms, check
+from ..core.row_set import Part, RowSet
 from .closed_form import GradientFactor
 from .ppo import ClippedPolicy
 
 SFT_WEIGHTS = ("phi", "none", "is")
+
+EXPERT = RowSet("expert", "expert", "expert rows", lambda flags: flags != 0)
+"""The demonstration rows (E): those flagged in `expert`; none when the call has no flags."""
+ON_POLICY = RowSet("on_policy", "expert", "on-policy rows", lambda flags: flags == 0, absent=True)
+"""The on-policy rows (U): those not flagged in `expert`; every row when the call has no flags."""
 
 
 def sft_per_token(log_prob: Tensor, *, weight: str = "phi", cutoff_prob: float = 1.0) -> Tensor:
@@ -73,8 +76,6 @@ class CHORD(ClippedPolicy):
     sft_loss_agg_mode: str | None = None
     """The SFT part's aggregation over the expert rows (None: `loss_agg_mode`, as Trinity)."""
 
-    takes_expert: ClassVar[bool] = True
-
     def __post_init__(self) -> None:
         super().__post_init__()
         check(0.0 <= self.chord_mu <= 1.0, f"chord_mu must lie in [0, 1], got {self.chord_mu}")
@@ -85,18 +86,12 @@ class CHORD(ClippedPolicy):
             f"sft_cutoff_prob applies to sft_weight='phi' only (Trinity's SFTPhiLossFn), got "
             f"sft_weight={self.sft_weight!r}",
         )
-        self.check_budget(aggregation(self.sft_agg_mode, field="sft_loss_agg_mode"), field="sft_loss_agg_mode")
 
-    @property
-    def sft_agg_mode(self) -> str:
-        return self.aggregation_modes()[1]
-
-    @classmethod
-    def modes_of(cls, values: dict[str, Any]) -> tuple[str, ...]:
-        """(loss_agg_mode, the SFT part's: sft_loss_agg_mode, None: loss_agg_mode)."""
-        (mode,) = super().modes_of(values)
-        sft = values.get("sft_loss_agg_mode", field_default(cls, "sft_loss_agg_mode"))
-        return (mode, mode if sft is None else sft)
+    def policy_parts(self) -> tuple[Part, ...]:
+        """Agg_U over the on-policy rows with `loss_agg_mode`, Agg_E over the expert rows with
+        `sft_loss_agg_mode` (None: the same), each over its own rows' counts."""
+        sft = self.loss_agg_mode if self.sft_loss_agg_mode is None else self.sft_loss_agg_mode
+        return (Part(self.loss_agg_mode, ON_POLICY), Part(sft, EXPERT, "sft_loss_agg_mode"))
 
     def _expert_rows(self, batch: TokenBatch) -> Tensor:
         if batch.expert is None:
@@ -112,33 +107,6 @@ class CHORD(ClippedPolicy):
             metrics["sft_loss"] = token_mean(sft.detach(), batch.mask & expert)
         mu = self.chord_mu
         return PolicyTerms(torch.where(expert, mu * sft, (1.0 - mu) * on_policy.per_token), metrics)
-
-    def policy_row_weights(self, batch: TokenBatch, normalizer: Normalizer, rows: Tensor) -> Tensor:
-        """c_i over the on-policy rows with their counts, over the expert rows with theirs (μ and 1 − μ are
-        in the per-token term); the call's `rows` when neither the call nor the step has expert rows."""
-        step_expert = normalizer.expert
-        if step_expert is None:
-            if batch.expert is None:
-                return rows
-            raise ValueError(
-                f"{self.name} with expert rows needs a Normalizer that counted them apart: "
-                "Algorithm.step_normalizer(..., expert=...) or Normalizer.count(..., expert=...)"
-            )
-        expert = self._expert_rows(batch)
-
-        def weights(mask: Tensor, mode: str, counts: Normalizer) -> Tensor:
-            return row_weights(
-                mask,
-                mode,
-                counts,
-                norm_constant=self.norm_constant,
-                group_ids=batch.group_ids,
-                delta_l_alpha=self.delta_l_alpha,
-            )
-
-        usual = weights(batch.mask & ~expert[:, None], self.loss_agg_mode, normalizer.complement(step_expert))
-        demo = weights(batch.mask & expert[:, None], self.sft_agg_mode, step_expert)
-        return torch.where(expert, demo, usual)
 
     def gradient_factor(self, batch: TokenBatch) -> GradientFactor:
         """(1 − μ) times the clipped family's f on the on-policy rows; none when the call holds expert tokens
