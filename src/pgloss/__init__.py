@@ -41,6 +41,7 @@ from .algorithms import (
     recipe,
     register,
 )
+from .base import PartialGroupWarning  # a row-coupled call given part of a group of its step
 from .controllers import AdaptiveEntropy, MuSchedule  # TRL's adaptive entropy coefficient: state across steps
 from .core import checks
 from .core.aggregate import AGG_MODES, aggregate
@@ -91,6 +92,7 @@ __all__ = [
     "OPD",
     "OPMD",
     "Normalizer",
+    "PartialGroupWarning",
     "REAL",
     "REC",
     "Rejection",
