@@ -20,6 +20,7 @@ FLOORS = {
     "pgloss.advantages": 1,
     "pgloss.correction": 2,
     "pgloss.kl": 3,
+    "pgloss.terms": 4,  # the terms an objective declares beside its policy term (KL penalty, entropy bonus, ...)
     "pgloss.vocab": 4,
     "pgloss.vocab.divergence": 4,  # the student-teacher divergences (distillation), beside full_kl on its loop
     "pgloss.base": 5,

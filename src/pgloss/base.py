@@ -133,7 +133,8 @@ class Algorithm(AlgorithmFields):
 
     def whole_step_normalizer(self, mask: Tensor, old_log_prob: Tensor | None, **inputs: Tensor | None) -> Normalizer:
         """`count_step` of a call that is the whole step (no `normalizer` given): this batch alone, on this process."""
-        return self.count_step(mask, old_log_prob=old_log_prob, reduce=False, **inputs)
+        given: dict[str, Any] = inputs  # the call's optional inputs, none of which is an option of count_step
+        return self.count_step(mask, old_log_prob=old_log_prob, reduce=False, **given)
 
     def corrected(
         self, batch: TokenBatch, normalizer: Normalizer | None
@@ -207,36 +208,23 @@ class Algorithm(AlgorithmFields):
         normalizer: Normalizer | None = None,
         **inputs: Tensor | None,
     ) -> LossOutput:
-        """The loss of one (micro-)batch. Token tensors `[B, T]`, `advantages` `[B]` or `[B, T]`.
-
-        `old_log_prob=None` is on-policy (one gradient step per batch): log π_old is `log_prob` detached, the
-        ratio exactly 1 and the gradient that of the on-policy loss (`TokenBatch.prepare`); `from_hidden` takes
-        it the same way, from the log π of its own pass.
-
-        Pass the step's `Normalizer` (`count_step`) when the step has several micro-batches or ranks; without
-        it this batch is the whole step (counted locally, even under torch.distributed).
-        `inputs` are the optional inputs of `pgloss.core.inputs.OPTIONAL_INPUTS` (`[B, T]` token tensors such as
-        `ref_log_prob`, `entropy`, `rollout_log_prob`, `full_kl` (the exact KL with its gradient from
-        `pgloss.full_kl_from_logits` / `full_kl_from_hidden`), `rollout_is_weight` (a weight the trainer
-        computed); `[B]` row tensors such as `group_ids` and `scores`: the table says each); a call without
-        one the configuration `needs` is refused, saying why, and one it does not read is ignored. The metrics
-        are means over this call's valid tokens; `pgloss.StepMetrics` combines them over a step's micro-batches
-        and ranks.
-        """
+        """The loss of one (micro-)batch: token tensors `[B, T]`, `advantages` `[B]` or `[B, T]`, `old_log_prob`
+        None on-policy (log π_old = sg[log π]); the step's `Normalizer` (`count_step`; none: this batch is the
+        whole step); `inputs` from `pgloss.core.inputs.OPTIONAL_INPUTS` (a missing one the configuration
+        `needs` is refused, saying why; one it does not read is ignored). Metrics are over this call's valid
+        tokens (`pgloss.StepMetrics` combines a step's); the module docstring has the formula."""
         self.check_call(normalizer, inputs)
         split = None if normalizer is None else normalizer.sequence_parallel
         batch = TokenBatch.prepare(log_prob, old_log_prob, advantages, mask, sequence_parallel=split, **inputs)
         batch, normalizer, corrected = self.corrected(batch, normalizer)
         self.check_whole_groups(batch, normalizer)
         terms = self.policy_terms(batch)
-        per_token, metrics = terms.per_token, dict(terms.metrics)
+        per_token, metrics = terms.per_token, terms.metrics | ({} if corrected is None else corrected.metrics)
         for weight in (None if corrected is None else corrected.weight, batch.rollout_is_weight):
             if weight is not None:  # a weight enters before the aggregation
                 per_token = per_token * weight
         per_token = torch.where(batch.mask, per_token, 0.0)
-        metrics |= {} if corrected is None else corrected.metrics
-        plain = self.row_weights(batch, normalizer)
-        policy = self.policy_parts()
+        plain, policy = self.row_weights(batch, normalizer), self.policy_parts()
         rows = plain if policy == (Part(self.loss_agg_mode),) else self.row_weights(batch, normalizer, policy)
         loss = weighted_sum(per_token, rows, normalizer.world_size)
         metrics["pg_loss"] = Stat.loss(loss)
@@ -244,8 +232,7 @@ class Algorithm(AlgorithmFields):
             value = term.evaluate(batch, corrected)
             metrics |= value.metrics
             if value.per_token is not None:
-                parts = term.parts()
-                weights = plain if parts is None else self.row_weights(batch, normalizer, parts)
+                weights = plain if term.parts() is None else self.row_weights(batch, normalizer, term.parts())
                 total = weighted_sum(value.per_token, weights, normalizer.world_size)
                 if term.loss_metric is not None:
                     metrics[term.loss_metric] = Stat.loss(total)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import entropy_bonus, kl_penalty, positive_nll
 from .term import Term, TermValue
@@ -29,7 +29,7 @@ class TermOptions(positive_nll.Options, entropy_bonus.Options, kl_penalty.Option
 
     def policy_only(self: T) -> T:
         """This configuration with every declared term off (their coefficients 0): its policy term alone."""
-        on = {options.coef_field: 0.0 for options in OPTIONS if getattr(self, options.coef_field) != 0}
+        on: dict[str, Any] = {options.coef_field: 0.0 for options in OPTIONS if getattr(self, options.coef_field) != 0}
         return dataclasses.replace(self, **on) if on else self
 
 
