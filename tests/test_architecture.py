@@ -26,6 +26,7 @@ FLOORS = {
     "pgloss.base": 5,
     "pgloss.algorithm_fields": 5,  # the fields every Algorithm shares and what they imply (base.py adds the call)
     "pgloss.losses": 6,
+    "pgloss.step": 6,  # one optimizer step of any Algorithm (counted once, its calls, their metrics): the adapters'
     "pgloss.algorithms": 7,
     "pgloss.controllers": 7,
     "pgloss.trainer_options": 7,  # the trainers' options as an Algorithm: read by pgloss.from_trl / from_verl

@@ -53,6 +53,7 @@ from .correction import m2po, rollout, token_masks
 from .correction.rejection import Rejection
 from .correction.rollout import RolloutCorrection
 from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
+from .step import Step  # one optimizer step: counted once, its micro-batches' losses and metrics
 from .trainer_options.trl import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
 from .trainer_options.verl import from_verl  # verl's actor config as an Algorithm (imports no verl)
 from .vocab.chunks import HeadOptions  # an LM head's bias, logit scale and soft-cap: head=, ref_head=, teacher_head=
@@ -101,6 +102,7 @@ __all__ = [
     "SAPO",
     "SequenceParallel",
     "SPPO",
+    "Step",
     "StepMetrics",
     "TISPG",
     "TOPR",

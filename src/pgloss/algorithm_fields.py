@@ -87,6 +87,7 @@ class AlgorithmFields(TermOptions):
             self.rollout_correction is None or self.takes_rollout_correction(),
             f"{self.name} uses the rollout log-probs in its own weight; it takes no rollout_correction",
         )
+        self.input_reasons  # noqa: B018  # derived once, here, never while a call is traced
 
     def check_budget(self, agg: Aggregation, field: str = "loss_agg_mode") -> None:
         """Refuse a mode that divides by the generation budget (`Aggregation.needs_budget`) without
@@ -142,10 +143,11 @@ class AlgorithmFields(TermOptions):
         parts; the step's count then counts their rows apart."""
         return (Part(self.loss_agg_mode),)
 
+    @functools.cached_property
     def input_reasons(self) -> dict[str, str]:
         """The optional inputs this configuration cannot do without -> why, for the error of a call without
         one: the terms' (`Term.needs`), the family's (`required_inputs`), the aggregation's (group ids of a
-        per-group mode) and the rollout correction's."""
+        per-group mode) and the rollout correction's. Derived once per configuration."""
         reasons: dict[str, str] = {}
         for term in self.declared_terms:
             reasons |= term.needs()
@@ -164,7 +166,7 @@ class AlgorithmFields(TermOptions):
         """The optional call inputs this configured algorithm cannot do without, read by every path
         (the plain call's checks, `from_hidden`, the adapters, the lab): names of core/inputs.py's
         `OPTIONAL_INPUTS`, derived from the declarations (`input_reasons`)."""
-        return frozenset(self.input_reasons())
+        return frozenset(self.input_reasons)
 
     @property
     def reads(self) -> frozenset[str]:

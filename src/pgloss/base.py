@@ -247,7 +247,7 @@ class Algorithm(AlgorithmFields):
                 f"normalizer must be a pgloss.Normalizer (from algorithm.count_step), got {type(normalizer).__name__}"
             )
         check_names(inputs)
-        reasons = self.input_reasons()
+        reasons = self.input_reasons
         for needed in sorted(reasons):
             if inputs.get(needed) is None:
                 raise ValueError(f"{self.name} needs {needed} in the call ({reasons[needed]})")

@@ -211,6 +211,34 @@ def test_metrics_are_verl_keys():
     assert "actor/pg_loss" not in metrics  # ppo_loss records it itself
 
 
+def test_the_algorithm_is_built_once_per_configuration(monkeypatch):
+    """verl calls a policy loss per micro-batch with fresh global counts: the algorithm is built once for a
+    configuration (what `algorithm_from_verl` reads, and the call's loss_agg_mode), again when it changes."""
+    built = []
+    build = adapter._algorithm
+    monkeypatch.setattr(adapter, "_algorithm", lambda *args: built.append(args[2:]) or build(*args))
+    fn = adapter.policy_loss_fn("dapo")
+    batch = make_batch()
+    config = actor_config("pgloss_dapo", clip_ratio_high=0.28)
+
+    def call(config, mode="token-mean", rows=SPLIT[0]):
+        return fn(
+            batch["old"][rows], batch["log_prob"][rows], batch["advantages"][rows], batch["mask"][rows], mode, config
+        )
+
+    for rows in SPLIT:
+        config.global_batch_info.update(dp_size=1, batch_num_tokens=int(batch["mask"].sum()), global_batch_size=ROWS)
+        call(config, rows=rows)
+    assert len(built) == 1
+    call(config, "seq-mean-token-mean")
+    call(actor_config("pgloss_dapo", clip_ratio_high=0.3))
+    call(actor_config("pgloss_dapo", clip_ratio_high=0.28))  # a new object, the same configuration
+    assert len(built) == 3
+    call({"clip_ratio_high": 0.28, "global_batch_info": {}})  # a dict: its keys are part of it
+    with pytest.raises(ValueError, match="clip_ratio_hihg"):
+        call({"clip_ratio_high": 0.28, "global_batch_info": {}, "clip_ratio_hihg": 0.3})
+
+
 def test_unhonourable_modes_are_refused():
     batch = make_batch()
     args = (batch["old"], batch["log_prob"], batch["advantages"], batch["mask"])

@@ -42,6 +42,7 @@ def finite_inputs(seed, mask, per_token_advantages, dtype):
         teacher_log_prob=near(0.3),
         entropy=uniform(0.0, 2.0),
         full_kl=uniform(0.0, 1.0),
+        rollout_is_weight=uniform(0.5, 1.5),
         advantages=torch.randn((ROWS, WIDTH) if per_token_advantages else (ROWS,), generator=g, dtype=torch.float64),
         scores=torch.randn(ROWS, generator=g, dtype=torch.float64),
     )

@@ -8,7 +8,7 @@
 - `pgloss.integrations.lm_head`: a transformers model's LM head as the fused path's options.
 
 Neither adapter is imported by `import pgloss`; the trainers' option translators they share with
-`pgloss.from_trl` / `from_verl` are `pgloss.trainer_options` (a floor below, importing no trainer). An adapter maps a trainer's inputs and counts onto
-`Algorithm.__call__` / `Algorithm.from_hidden` and a `Normalizer`, and adds no loss math of its
-own. See docs/integrations.md.
+`pgloss.from_trl` / `from_verl` are `pgloss.trainer_options` (a floor below, importing no trainer). An adapter maps a trainer's names, options and counts onto
+a `pgloss.Step` (one optimizer step: counted once, its calls of `Algorithm.__call__` / `from_hidden`, their
+metrics), and adds no loss math and no counting of its own. See docs/integrations.md.
 """

@@ -16,10 +16,10 @@ caller set translated onto it (`pgloss.trainer_options.trl`, the one owner of th
 
 Normalisation. For an optimizer step whose micro-batches over every process are W = {(r, j)}
 (the step's `gradient_accumulation_steps` micro-batches, each on every process), the adapter
-counts the step once, at its first micro-batch, with the algorithm's own rule
-`algorithm.step_normalizer(masks, old_log_probs=, rollout_log_probs=, group_ids=)` over W (all-reduced
-over processes: rejections, batch-normalised weights and group counts included), and every
-micro-batch returns its exact share of the algorithm's loss on W:
+builds the step's `pgloss.Step` at its first micro-batch from the buffered micro-batches (their masks, old
+and rollout log-probs, group ids): it counts W once with the algorithm's own rule (`Algorithm.count_step`,
+all-reduced over processes: rejections, batch-normalised weights and group counts included), and every
+micro-batch's call through it returns its exact share of the algorithm's loss on W:
 
     loss_{r,j} = world_size · Σ_{i,t} w_{i,t} ℓ_{i,t},     w from the mode and the counts of W,
 
@@ -60,8 +60,8 @@ from torch import Tensor
 import pgloss
 
 from ..algorithms import Algorithm
-from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
+from ..step import Step
 from ..trainer_options.trl import adaptive_entropy, trainer_algorithm
 from .lm_head import head_options
 from .trl_inputs import MULTIMODAL, TRLInputs, schedule_refusals
@@ -170,7 +170,7 @@ class PGLossMixin(TRLInputs):
         self.fused = fused
         self.chunk_size = chunk_size
         self._pgloss_top = config.top_entropy_quantile if config.top_entropy_quantile < 1 else None
-        self._pgloss_window: tuple[int, int, Normalizer, list[Tensor]] | None = None
+        self._pgloss_window: tuple[int, int, Step] | None = None  # (optimizer step, its first micro-step, Step)
         self._pgloss_steps: dict[str, pgloss.StepMetrics] = {}  # the current step's metrics, by mode
         super().__init__(*args, **kwargs)
         if fused:
@@ -230,18 +230,12 @@ class PGLossMixin(TRLInputs):
             )
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
-        training = self.model.training
-        mode = "train" if training else "eval"
-        if training:
-            normalizer, mask = self._pgloss_step()
-        else:  # eval: the batch is its own step
-            mask = self._pgloss_masks([inputs])[0]
-            normalizer = self._pgloss_count([inputs], [mask], reduce=False)
-        algorithm = self._pgloss_algorithm()
+        mode = "train" if self.model.training else "eval"
+        step, mask = self._pgloss_step(inputs, self._pgloss_algorithm())
         aux = None
         entropy = None
         if self.fused:
-            out = self._pgloss_fused(model, inputs, normalizer, mask, algorithm)
+            out = self._pgloss_fused(model, inputs, step, mask)
         else:
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -256,33 +250,28 @@ class PGLossMixin(TRLInputs):
             )
             log_prob = log_prob.float()
             entropy = None if entropy is None else entropy.float()
-            out = algorithm(
-                log_prob=log_prob,
-                entropy=entropy,
-                normalizer=normalizer,
-                **self._pgloss_arguments(inputs, log_prob, mask),
-            )
+            out = step(log_prob=log_prob, entropy=entropy, **self._pgloss_arguments(inputs, log_prob, mask))
         if self.fused and self.entropy_controller is not None and mode == "train":
             entropy = self._pgloss_forward(inputs)[1]  # the fused path keeps no [B, T] entropy outside its call
         loss = out.loss
-        accumulation = self.current_gradient_accumulation_steps if training else 1
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         if aux is not None and self.aux_loss_enabled:  # TRL's own convention for the MoE router loss
             loss = loss + self.router_aux_loss_coef * aux / accumulation
         self._pgloss_entropy_step(mode, entropy, mask)
-        self._pgloss_log(mode, out, algorithm)
+        self._pgloss_log(mode, step.algorithm)
         return loss
 
-    def _pgloss_log(self, mode: str, out: LossOutput, algorithm: Algorithm) -> None:
+    def _pgloss_log(self, mode: str, algorithm: Algorithm) -> None:
         """The step's metrics, logged as `pgloss/<name>` once per optimizer step (in evaluation, once per
-        batch): each micro-batch's are added to a `pgloss.StepMetrics`, which at the step's last micro-batch
-        (`sync_gradients`) combines them over the step's micro-batches and processes (a mean over the step's
-        tokens; `pg_loss` and `kl_loss` the step's loss terms) in two collectives and one host sync."""
-        step = self._pgloss_steps.setdefault(mode, pgloss.StepMetrics())
-        step.add(out)
+        batch): the `pgloss.Step` adds each micro-batch's to the mode's `pgloss.StepMetrics`, which at the
+        step's last micro-batch (`sync_gradients`) combines them over the step's micro-batches and processes
+        (a mean over the step's tokens; `pg_loss` and `kl_loss` the step's loss terms) in two collectives and
+        one host sync."""
         if mode == "train" and not self.accelerator.sync_gradients:
             return
-        logged = step.as_floats()
-        step.reset()
+        metrics = self._pgloss_metrics(mode)
+        logged = metrics.as_floats()
+        metrics.reset()
         for k, value in logged.items():
             self._metrics[mode][f"pgloss/{k}"].append(value)
         # TRL's own names, where TRL logs them: the mean entropy; with an entropy bonus, the loss before
@@ -312,26 +301,21 @@ class PGLossMixin(TRLInputs):
         """Refuse, at construction, a head whose options `lm_head.head_options` cannot read."""
         head_options(self._pgloss_head_owner(self.model))
 
-    def _pgloss_fused(
-        self, model: torch.nn.Module, inputs: dict[str, Any], normalizer: Normalizer, mask: Tensor, algorithm: Algorithm
-    ) -> LossOutput:
+    def _pgloss_fused(self, model: torch.nn.Module, inputs: dict[str, Any], step: Step, mask: Tensor) -> LossOutput:
         present = [key for key in MULTIMODAL if inputs.get(key) is not None]
         if present:
             raise ValueError(f"fused=True supports text-only models; these inputs need fused=False: {present}")
         unwrapped = self.accelerator.unwrap_model(model)
         # The loss must run inside the wrapper's forward: called beside it, DDP/FSDP/ZeRO-3 hooks do not
         # fire and the gradient is silently wrong (TRL's Liger integration did the same).
-        return _ForwardRedirection()(
-            model, unwrapped, self._pgloss_fused_loss, unwrapped, inputs, normalizer, mask, algorithm
-        )
+        return _ForwardRedirection()(model, unwrapped, self._pgloss_fused_loss, unwrapped, inputs, step, mask)
 
     def _pgloss_fused_loss(
         self,
         unwrapped: torch.nn.Module,
         inputs: dict[str, Any],
-        normalizer: Normalizer,
+        step: Step,
         mask: Tensor,
-        algorithm: Algorithm,
     ) -> LossOutput:
         owner = self._pgloss_head_owner(unwrapped)
         targets = inputs["completion_ids"]
@@ -364,12 +348,11 @@ class PGLossMixin(TRLInputs):
                         chunk_size=self.chunk_size,
                         head=head,
                     )
-            return algorithm.from_hidden(
+            return step.from_hidden(
                 hidden,
                 weight,
                 targets,
                 temperature=self.temperature,
-                normalizer=normalizer,
                 chunk_size=self.chunk_size,
                 head=head,
                 **self._pgloss_arguments(inputs, log_prob, mask),

@@ -1,6 +1,7 @@
 """How the TRL adapter reads an optimizer step of GRPOTrainer (TRL 1.16): the inputs it adds to each generation
 batch (group ids, global over processes, and the raw scores), the loss masks of the step's micro-batches, the old
-and rollout log-probs, and the step's `Normalizer`, counted once over its window of buffered micro-batches.
+and rollout log-probs, and the step itself: a `pgloss.Step` over its window of buffered micro-batches, which
+counts it once.
 
 `TRLInputs` is the base of `pgloss.integrations.trl.PGLossMixin`, which documents the mapping and the counting;
 `schedule_refusals` lists the GRPOConfig schedules whose optimizer step that window cannot hold.
@@ -14,8 +15,9 @@ import torch
 from torch import Tensor
 
 from ..algorithms import Algorithm
-from ..core.normalizer import Normalizer
+from ..core.step_metrics import StepMetrics
 from ..correction.token_masks import entropy_threshold, top_entropy_mask
+from ..step import Step
 
 if TYPE_CHECKING:  # what the mixin reads of the GRPOTrainer it is placed before (it is never used without one)
     from trl import GRPOConfig, GRPOTrainer
@@ -69,7 +71,8 @@ class TRLInputs(_Trainer):
     # the adapter's own, set by PGLossMixin.__init__
     algorithm: Algorithm
     _pgloss_top: float | None
-    _pgloss_window: tuple[int, int, Normalizer, list[Tensor]] | None
+    _pgloss_window: tuple[int, int, Step] | None
+    _pgloss_steps: dict[str, StepMetrics]
     _pgloss_rewards_per_func: Tensor | None
 
     def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -150,25 +153,25 @@ class TRLInputs(_Trainer):
         threshold = entropy_threshold(entropies, masks, top=self._pgloss_top)
         return [top_entropy_mask(e, m, threshold) for e, m in zip(entropies, masks, strict=True)]
 
-    def _pgloss_count(self, batches: list[dict[str, Any]], masks: list[Tensor], *, reduce: bool = True) -> Normalizer:
-        """The algorithm's counts of these micro-batches (a step), over every process (`reduce`)."""
-        olds, rollouts = zip(*(self._pgloss_old_and_rollout(batch, None) for batch in batches), strict=True)
-        with_rollout = all(r is not None for r in rollouts)
-        groups = [batch["group_ids"] for batch in batches] if "group_ids" in self.algorithm.needs else None
-        scores = [batch["scores"] for batch in batches] if "scores" in self.algorithm.needs else None
-        return self.algorithm.step_normalizer(
-            masks,
-            old_log_probs=list(olds) if with_rollout else None,
-            rollout_log_probs=list(rollouts) if with_rollout else None,
-            group_ids=groups,
-            scores=scores,
-            reduce=reduce,
-        )
+    def _pgloss_micro_batches(self, batches: list[dict[str, Any]], masks: list[Tensor]) -> list[dict[str, Any]]:
+        """The micro-batches as the loss call takes them, with what the step's count reads: the masks, the old
+        and rollout log-probs (the latter where the loss gets them), the group ids and scores."""
+        micro_batches: list[dict[str, Any]] = []
+        for batch, mask in zip(batches, masks, strict=True):
+            old, rollout = self._pgloss_old_and_rollout(batch, None)
+            extra: dict[str, Any] = {k: batch[k] for k in ("group_ids", "scores") if k in self.algorithm.needs}
+            micro_batches.append({"mask": mask, "old_log_prob": old, "rollout_log_prob": rollout, **extra})
+        return micro_batches
 
-    def _pgloss_step(self) -> tuple[Normalizer, Tensor]:
-        """This optimizer step's normalizer, counted once per step over its micro-batches on every
-        process, and this micro-batch's mask. A collective: every process reaches it at the same
-        micro-step (TRL's schedule is lock-step)."""
+    def _pgloss_step(self, inputs: dict[str, Any], algorithm: Algorithm) -> tuple[Step, Tensor]:
+        """This micro-batch's `pgloss.Step` and its mask. Training: the optimizer step's, built (and counted,
+        over its micro-batches on every process) at its first micro-batch: a collective, which every process
+        reaches at the same micro-step (TRL's schedule is lock-step). Evaluation: the batch is its own step,
+        counted on this process."""
+        if not self.model.training:
+            mask = self._pgloss_masks([inputs])[0]
+            batches = self._pgloss_micro_batches([inputs], [mask])
+            return Step(algorithm, batches, reduce=False, metrics=self._pgloss_metrics("eval")), mask
         step = self.state.global_step
         if self._pgloss_window is None or self._pgloss_window[0] != step:
             size = self.current_gradient_accumulation_steps
@@ -181,7 +184,11 @@ class TRLInputs(_Trainer):
                     f"num_iterations={self.num_iterations}, gradient_accumulation_steps={size})"
                 )
             window = [self._buffered_inputs[(self._step + j) % per_generation] for j in range(size)]
-            masks = self._pgloss_masks(window)
-            self._pgloss_window = (step, self._step, self._pgloss_count(window, masks), masks)
-        _, first, normalizer, masks = self._pgloss_window
-        return normalizer, masks[self._step - first]
+            batches = self._pgloss_micro_batches(window, self._pgloss_masks(window))
+            self._pgloss_window = (step, self._step, Step(algorithm, batches, metrics=self._pgloss_metrics("train")))
+        _, first, counted = self._pgloss_window
+        return counted, counted.micro_batches[self._step - first]["mask"]
+
+    def _pgloss_metrics(self, mode: str) -> StepMetrics:
+        """The metrics of the current step in `mode` (kept until logged: `PGLossMixin._pgloss_log`)."""
+        return self._pgloss_steps.setdefault(mode, StepMetrics())

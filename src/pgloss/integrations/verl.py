@@ -9,15 +9,16 @@ is all a verl command line needs. `register(name, algorithm)` adds a configured 
 verl's config has no field for (FIPO's δ, say).
 
 verl calls a policy loss once per micro-batch with the step's global counts in
-`config.global_batch_info` (filled by `verl.workers.utils.losses.ppo_loss`); each call builds the
-algorithm from verl's config with `pgloss.trainer_options.verl.algorithm_from_verl` (the translation
-`pgloss.from_verl` uses: every `policy_loss` field, the clip ratios, `clip_ratio_c`, `tau_*`,
-`loss_agg_mode`, `loss_scale_factor`; see that module) and maps the counts:
+`config.global_batch_info` (filled by `verl.workers.utils.losses.ppo_loss`). The algorithm is built from
+verl's config with `pgloss.trainer_options.verl.algorithm_from_verl` (the translation `pgloss.from_verl`
+uses: every `policy_loss` field, the clip ratios, `clip_ratio_c`, `tau_*`, `loss_agg_mode`,
+`loss_scale_factor`; see that module), once per configuration, and each call runs through a `pgloss.Step`
+whose counts are verl's:
 
     global_batch_info {dp_size, batch_num_tokens, global_batch_size}
         -> Normalizer(tokens=batch_num_tokens, sequences=global_batch_size, world_size=dp_size)
-    rollout_is_weights w         -> loss = algorithm.aggregate(w · ℓ)   (ℓ: the algorithm's per-token term,
-                                    aggregated with its own mode and constants: `Algorithm.aggregate`)
+    rollout_is_weights w         -> the call's rollout_is_weight: w · ℓ before the aggregation
+                                    (ℓ: the algorithm's per-token policy term, its only term here)
 
 and returns `(loss, {"actor/<metric>": value})`: the call's metrics except its loss terms (`Stat.reduce ==
 "loss"`: `pg_loss`, which verl records itself). verl reduces them over its micro-batches and dp ranks with its own
@@ -33,7 +34,7 @@ KL and entropy stay verl's: `ppo_loss` adds them after the policy term, so the a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from importlib.metadata import version
 from typing import Any
 
@@ -47,7 +48,8 @@ from ..core.aggregate import aggregate, aggregation
 from ..core.inputs import OPTIONAL_INPUTS
 from ..core.metrics import LOSS
 from ..core.normalizer import Normalizer
-from ..trainer_options.verl import PREFIX, VARIANTS, algorithm_from_verl, config_get
+from ..step import Step
+from ..trainer_options.verl import PREFIX, VARIANTS, algorithm_from_verl, config_get, configuration
 
 __all__ = ["PREFIX", "SUPPORTED", "agg_loss", "policy_loss_fn", "register", "registered_name"]
 
@@ -71,7 +73,8 @@ def registered_name(name: str) -> str:
 
 
 _NOT_PASSED = frozenset(OPTIONAL_INPUTS)
-"""verl passes a policy loss none of the optional inputs (its KL and entropy terms are its own)."""
+"""The optional inputs a loss cannot need in a verl call: verl passes none of them (its KL and entropy terms
+are its own), except its `rollout_is_weights` as the call's `rollout_is_weight`, which no loss needs."""
 
 
 def _algorithm(name: str, base: Algorithm | None, loss_agg_mode: str, config: Any) -> Algorithm:
@@ -97,10 +100,11 @@ GLOBAL_COUNTS = {"tokens": "batch_num_tokens", "sequences": "global_batch_size"}
 """The `Normalizer` counts verl's `global_batch_info` carries -> its key there."""
 
 
-def _normalizer(mask: Tensor, mode: str, info: dict[str, Any]) -> Normalizer | None:
-    """verl's global counts as a Normalizer; None (counted from this call) when verl gave none.
+def _normalizer(mask: Tensor, mode: str, info: Mapping[str, Any], local: Callable[[], Normalizer]) -> Normalizer | None:
+    """verl's global counts as a Normalizer: the one place `global_batch_info` is read. None when verl gave
+    none (the call is the step, counted on itself).
 
-    As verl's `agg_loss`: a count verl did not give is this call's own, which with dp_size > 1 is
+    As verl's `agg_loss`: a count verl did not give is this call's own (`local()`), which with dp_size > 1 is
     refused for the mode that divides by it (the count its `Aggregation` reads: token-mean's
     batch_num_tokens, the seq-mean modes' global_batch_size; token-sum reads none). A mode that reads a
     count verl does not carry (the group and length counts) is refused."""
@@ -118,12 +122,11 @@ def _normalizer(mask: Tensor, mode: str, info: dict[str, Any]) -> Normalizer | N
     key = None if count is None else GLOBAL_COUNTS.get(count)
     if key is not None and info.get(key) is None and world > 1:
         raise ValueError(f"loss_agg_mode {mode!r} with dp_size={world} needs global_batch_info[{key!r}]")
-    local = Normalizer.count(mask, reduce=False)
-    return Normalizer(
-        tokens=local.tokens if tokens is None else tokens,
-        sequences=local.sequences if sequences is None else sequences,
-        world_size=world,
-    )
+    if tokens is None or sequences is None:
+        own = local()
+        tokens = own.tokens if tokens is None else tokens
+        sequences = own.sequences if sequences is None else sequences
+    return Normalizer(tokens=tokens, sequences=sequences, world_size=world)
 
 
 def agg_loss(
@@ -141,13 +144,38 @@ def agg_loss(
     info = dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
     mask = loss_mask.bool()
     norm_constant = None if loss_scale_factor is None else float(loss_scale_factor)
-    return aggregate(
-        loss_mat, mask, loss_agg_mode, normalizer=_normalizer(mask, loss_agg_mode, info), norm_constant=norm_constant
+    # no algorithm here (verl aggregates its KL, entropy and value terms with it): the mask's own counts
+    normalizer = _normalizer(mask, loss_agg_mode, info, lambda: Normalizer.count(mask, reduce=False))
+    return aggregate(loss_mat, mask, loss_agg_mode, normalizer=normalizer, norm_constant=norm_constant)
+
+
+def _step(algorithm: Algorithm, call: dict[str, Any], info: Mapping[str, Any]) -> Step:
+    """The `pgloss.Step` one call of verl's belongs to: verl's global counts (`global_batch_info`, `_normalizer`)
+    as its Normalizer, a count verl left out taken from this call; none given, this call is the step."""
+
+    normalizer = _normalizer(
+        call["mask"], algorithm.loss_agg_mode, info, lambda: Step(algorithm, [call], reduce=False).normalizer
     )
+    return Step(algorithm, [call], reduce=False) if normalizer is None else Step(algorithm, normalizer=normalizer)
 
 
 def policy_loss_fn(name: str, algorithm: Algorithm | None = None) -> Callable[..., tuple[Tensor, dict[str, Any]]]:
-    """A verl `PolicyLossFn` computing `algorithm` (default: `pgloss.get(name)`) with verl's config."""
+    """A verl `PolicyLossFn` computing `algorithm` (default: `pgloss.get(name)`) with verl's config.
+
+    The algorithm is built once per configuration: under what `algorithm_from_verl` reads of the config
+    (`pgloss.trainer_options.verl.configuration`) and the call's loss_agg_mode, not at every micro-batch."""
+    built: dict[Hashable, Algorithm] = {}
+
+    def configured(loss_agg_mode: str, config: Any) -> Algorithm:
+        key = configuration(config)
+        if key is None:  # a value that cannot be a key: build it for this call
+            return _algorithm(name, algorithm, loss_agg_mode, config)
+        key = (loss_agg_mode, key)
+        if key not in built:
+            if len(built) >= _CONFIGURATIONS:
+                built.clear()
+            built[key] = _algorithm(name, algorithm, loss_agg_mode, config)
+        return built[key]
 
     def fn(
         old_log_prob: Tensor,
@@ -158,33 +186,30 @@ def policy_loss_fn(name: str, algorithm: Algorithm | None = None) -> Callable[..
         config: Any = None,
         rollout_is_weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Any]]:
-        alg = _algorithm(name, algorithm, loss_agg_mode, config)
+        alg = configured(loss_agg_mode, config)
         info = dict(config_get(config, "global_batch_info", None) or {}) if config is not None else {}
         dtype = torch.promote_types(log_prob.dtype, torch.float32)
-        normalizer = _normalizer(response_mask, alg.loss_agg_mode, info)
-        if normalizer is None:  # this call is the step: the algorithm's own count of it, as its call would make
-            normalizer = alg.whole_step_normalizer(response_mask, old_log_prob.to(dtype))
-        out = alg(
+        # verl's own rollout correction weighs the policy term before its aggregation: an input of the call
+        call = dict(
             log_prob=log_prob.to(dtype),
             old_log_prob=old_log_prob.to(dtype),
             advantages=advantages,
             mask=response_mask,
-            normalizer=normalizer,
+            rollout_is_weight=rollout_is_weights,
         )
-        loss = out.loss
-        if (
-            rollout_is_weights is not None
-        ):  # verl's own rollout correction weighs the policy term before its aggregation
-            weighted = out.per_token * rollout_is_weights.detach().to(out.per_token.dtype)
-            loss = alg.aggregate(weighted, response_mask, normalizer)
+        out = _step(alg, call, info)(**call)
         # The call's metrics; verl reduces them over its micro-batches and dp ranks itself. Loss terms (pg_loss)
         # are not returned: verl records the policy loss as actor/pg_loss, summed over micro-batches.
         metrics = {f"actor/{key}": stat.value for key, stat in out.stats.items() if stat.reduce != LOSS}
-        return loss, metrics
+        return out.loss, metrics
 
     fn.__name__ = fn.__qualname__ = f"pgloss_{name}_policy_loss"
     fn.__doc__ = f"pgloss's {name!r} as a verl policy loss (pgloss.integrations.verl)."
     return fn
+
+
+_CONFIGURATIONS = 64
+"""The most configurations a policy loss keeps an algorithm for (a run has one or a few)."""
 
 
 def register(name: str, algorithm: Algorithm | None = None, *, overwrite: bool = False) -> str:

@@ -26,7 +26,7 @@ same values are used here. Options pgloss cannot compute are refused by name (Va
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from ..algorithms import NAMED, Algorithm, get, names
@@ -41,6 +41,7 @@ __all__ = [
     "VARIANTS",
     "algorithm_from_verl",
     "config_get",
+    "configuration",
     "from_verl",
     "rollout_correction_from_verl",
 ]
@@ -371,6 +372,43 @@ def algorithm_from_verl(
         return get(base, **values)
     except ValueError as error:  # the algorithm's own check, named in verl's words
         raise ValueError(f"{label} with verl's config: {error}") from None
+
+
+_ABSENT = object()
+
+
+def configuration(config: Any) -> Hashable | None:
+    """What `algorithm_from_verl` reads of verl's actor `config`, as one hashable value: the values of
+    `READ_KEYS` in it and in its `policy_loss` (absent keys apart from None), and the keys of a dict-like part
+    (a key a typo away from a read one is refused). Equal values build equal algorithms, so an adapter keeps
+    the one it built under this key. None when a value read cannot be hashed (then build each time)."""
+    policy = config_get(config, "policy_loss", None)
+    parts = []
+    for part, where in ((config, "actor"), (policy, "policy_loss")):
+        read = tuple(_frozen(config_get(part, key, _ABSENT)) for key in READ_KEYS[where] if key != "policy_loss")
+        dict_like = isinstance(part, Mapping) and not dataclasses.is_dataclass(part)
+        parts.append((read, frozenset(part) if dict_like else None))
+    key = (config is None, tuple(parts))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _frozen(value: Any) -> Any:
+    """`value` with its mappings, sequences and dataclasses as tuples (a nested config read whole)."""
+    if isinstance(value, (str, bytes, int, float, bool)):
+        return (type(value).__name__, value)  # True == 1 == 1.0, but verl's config may refuse one of them
+    if value is None or value is _ABSENT:
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping) or (hasattr(value, "items") and hasattr(value, "keys")):
+        return (type(value).__name__, tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and hasattr(value, "__len__")):
+        return (type(value).__name__, tuple(_frozen(v) for v in value))
+    return value
 
 
 def from_verl(actor_config: Any, *, rollout_correction: Any = None) -> Algorithm:
