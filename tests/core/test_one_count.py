@@ -137,3 +137,9 @@ def test_a_call_with_part_of_a_group_warns_and_whole_groups_do_not(name):
         warnings.simplefilter("error", pgloss.PartialGroupWarning)  # strict: the user's choice makes it an error
         with pytest.raises(pgloss.PartialGroupWarning, match="Put whole groups in each micro-batch"):
             split_call(algorithm, batch["log_prob"], parts, normalizer, **inputs)
+
+
+def test_the_old_spelling_of_a_declared_count_is_refused_with_the_new_one():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match=r"algorithm.count_step\(mask, scores=..., expert=...\)"):
+        pgloss.Normalizer.count(mask, scores=torch.ones(2), expert=torch.zeros(2, dtype=torch.bool))

@@ -77,6 +77,7 @@ class Normalizer:
         process_group: dist.ProcessGroup | None = None,
         reduce: bool = True,
         sequence_parallel: SequenceParallel | None = None,
+        **inputs: object,
     ) -> Normalizer:
         """Count valid tokens, non-empty sequences, sequences per length and (with `group_ids`) tokens per group;
         the same over each of `row_sets`; and carry `sums`. `Algorithm.count_step` calls it with the counts
@@ -100,6 +101,12 @@ class Normalizer:
                 (`pgloss.SequenceParallel`): each row's length is summed over it first (one all-reduce),
                 `process_group` is then the data-parallel group beside it, and `world_size` counts both.
         """
+        if inputs:  # a configured loss's own counts (its row sets, its correction's) are the algorithm's to declare
+            given = ", ".join(f"{name}=..." for name in inputs)
+            raise TypeError(
+                f"Normalizer.count counts masks and group ids alone; count the step with "
+                f"algorithm.count_step(mask, {given}), which counts what the algorithm reads of them"
+            )
         mask_list = per_micro_batch("masks", masks)
         for k, mask in enumerate(mask_list):
             if not isinstance(mask, Tensor) or mask.ndim != 2:
