@@ -1,4 +1,4 @@
-"""The one-pass route of `fused.loss_from_hidden`: the loss's gradients formed while its logits are at hand.
+"""The one-pass route of `loss.loss_from_hidden`: the loss's gradients formed while its logits are at hand.
 
 When whole sequences fit in a chunk (T ≤ chunk_size), chunks of whole rows are walked once. Every aggregation
 weight depends only on the mask and the step's global counts, and every sequence-level coupling (GSPO's ratio,
@@ -14,7 +14,7 @@ recomputed for the gradient). `AttachGradients` hands them to autograd when the 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -22,16 +22,17 @@ from torch import Tensor
 from ..core.batch import compute_dtype
 from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
-from .chunks import HeadRows, backward_rows, forward_rows
-from .entropy import LogProbEntropy
-from .head import HeadKind
-from .kernels import route
+from ..vocab.backends import Plan
+from ..vocab.chunks import HeadRows, backward_rows, forward_rows
+from ..vocab.entropy import LogProbEntropy
+from ..vocab.head import HeadKind
 
-__all__ = ["FusedAlgorithm", "AttachGradients", "loss_one_pass"]
+__all__ = ["FusedAlgorithm", "AttachGradients", "OnePass", "loss_one_pass"]
 
 
 class FusedAlgorithm(Protocol):
-    """What the fused path reads of a `pgloss.Algorithm` (vocab/ sits below base.py, which hands itself in)."""
+    """What the driver reads of a `pgloss.Algorithm` (base.py calls the driver and hands itself in: a module on
+    base.py's floor that imported it back would close a circle)."""
 
     @property
     def name(self) -> str: ...
@@ -87,6 +88,15 @@ def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
     return None if value is None else value[rows]
 
 
+class OnePass(NamedTuple):
+    """What the one pass gives: the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or
+    None)."""
+
+    log_prob: Tensor
+    entropy: Tensor
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None]
+
+
 def loss_one_pass(
     algorithm: FusedAlgorithm,
     hidden: Tensor,
@@ -95,25 +105,23 @@ def loss_one_pass(
     kind: HeadKind,
     targets: Tensor,
     temperature: float,
-    chunk_rows: int,
-    vocab_block: int,
+    tiles: Plan,
     normalizer: Normalizer,
     batch: dict[str, Any],
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """`algorithm`'s loss over row chunks of `chunk_rows` whole sequences, each chunk's call given the step's
+) -> OnePass:
+    """`algorithm`'s loss over row chunks of whole sequences (as many as the plan's chunk holds, on its backend),
+    each chunk's call given the step's
     `normalizer` and its rows of `batch` (the call's other inputs; `old_log_prob` None: on-policy, each chunk's
     log π_old its own detached log π). With vocabulary tiles (`vocab_block` < V) no chunk's logits outlive
     their tile, and each tile is recomputed for the gradient (8NHV).
 
-    Returns the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or None).
+    Returns the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or None): `OnePass`.
     """
     n_rows, length, size = hidden.shape
+    chunk_rows, vocab_block, backend = tiles.chunk_size // length, tiles.vocab_block, tiles.backend
     dtype = compute_dtype(weight.dtype)
     x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
     statistic = LogProbEntropy(y_all)
-    kernel = route(statistic, (kind,), weight) == "kernel"
-    if kernel:  # its Triton twin, on the head's raw tiles
-        statistic = statistic.kernel()
     source = HeadRows(
         x_all,
         weight.detach(),
@@ -122,7 +130,7 @@ def loss_one_pass(
         dtype,
         vocab_block,
         kind,
-        kernel,
+        backend.raw_tiles,
         valid=batch["mask"].reshape(-1),
     )
     source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
@@ -132,7 +140,7 @@ def loss_one_pass(
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
         tokens = slice(start * length, (start + chunk_rows) * length)
-        zs = forward_rows(statistic, [source], tokens, temperature, vocab_block, values)
+        zs = forward_rows(backend, statistic, [source], tokens, temperature, vocab_block, values)
         shape = (min(n_rows, start + chunk_rows) - start, length)
         with torch.enable_grad():
             lp_leaf = values[0][tokens].view(shape).detach().requires_grad_()
@@ -144,7 +152,10 @@ def loss_one_pass(
         if grad_entropy is not None:  # no entropy gradient without the bonus
             grad_entropy[tokens] = chunk_grads[1].reshape(-1)
         grads = (grad_log_prob, grad_entropy)
-        backward_rows(statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs)
+        backward_rows(
+            backend, statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs
+        )
     grad_hidden, grad_weight, grad_bias = source.gradients()
     grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
-    return values[0].view(n_rows, length), values[1].view(n_rows, length), grad_hidden, grad_weight, grad_bias
+    params = (grad_hidden, grad_weight, grad_bias)
+    return OnePass(values[0].view(n_rows, length), values[1].view(n_rows, length), params)
