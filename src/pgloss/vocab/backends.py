@@ -6,7 +6,7 @@ state over vocabulary tiles and its gradient. A backend says how, and holds the 
 
 - `TORCH` ("torch"; the reference, and the route on CPU): each tile of logits is formed in float32 by torch ops
   (`head.HeadKind.transform_`) and walked by the statistic's own torch code. It runs every statistic.
-- `TRITON_TILES` ("kernel"; chosen automatically for LM heads on CUDA when Triton is installed): the
+- `TRITON_TILES` ("kernel"; chosen automatically for LM heads on CUDA with a Triton that runs the kernels): the
   tile is the matmul's own output r = x Wᵀ in the head's dtype (`kernels.RawTile`), and one Triton kernel per tile
   applies the head (bias, logit scale, soft-cap, τ) in registers and reads the tile once: forward, the statistic's
   running sums; backward, ∂L/∂r written over the tile, which the two gradient matmuls take as it is
@@ -17,14 +17,16 @@ state over vocabulary tiles and its gradient. A backend says how, and holds the 
 `choose(...)` decides for every loop, once per call (`plan.plan` calls it and hands the backend down);
 `use("torch" | "kernel" | "head-kernel" | "auto")` overrides it for a block of code (a test of the kernels on CPU
 tensors under `TRITON_INTERPRET=1`, or the torch route on CUDA to compare). float64 heads always take the torch
-route; "auto" never takes the head-kernel route.
+route; "auto" never takes the head-kernel route, nor the kernels on a Triton older than `MIN_TRITON`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -37,14 +39,42 @@ ROUTES = ("auto", "torch", "kernel", "head-kernel")
 _chosen = {"route": "auto"}  # a plain global, which torch.compile can read (it guards on its value)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-TRITON = importlib.util.find_spec("triton") is not None  # read once: compiled code reads a constant
+# The oldest Triton whose compiler takes the kernels. Triton 3.0 and 3.1 refuse them ("arange's arguments must be
+# of type tl.constexpr": a block size handed on as a tl.constexpr argument); 3.2, 3.3, 3.4 and 3.6 run them, each
+# measured on this package's kernels (both Triton routes, log π and H, the exact KL) in Triton's interpreter.
+MIN_TRITON = (3, 2)
+
+
+def _triton_version() -> tuple[int, ...] | None:
+    """The installed Triton's (major, minor, patch), read from its package metadata (Triton itself is imported
+    only by a route that launches its kernels), or None without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    for name in ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu"):
+        try:
+            text = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+    import triton  # a Triton without package metadata (a source checkout): its own word
+
+    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:3])
+
+
+TRITON_VERSION = _triton_version()  # read once: compiled code reads a constant
+TRITON = TRITON_VERSION is not None
+
+
+def _version(version: tuple[int, ...]) -> str:
+    return ".".join(str(part) for part in version)
 
 
 @contextlib.contextmanager
 def use(which: str) -> Iterator[None]:
     """Within the block, the vocabulary loop takes route `which`: "kernel" (Triton; refused where it cannot
     run), "head-kernel" (the logits formed inside Triton kernels: log π(y) and H of one LM head; refused
-    elsewhere), "torch", or "auto" (the kernel route for LM heads on CUDA with Triton installed, else torch)."""
+    elsewhere), "torch", or "auto" (the kernel route for LM heads on CUDA with a Triton that runs the kernels,
+    else torch)."""
     if which not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {which!r}")
     before, _chosen["route"] = _chosen["route"], which
@@ -174,6 +204,12 @@ class Plan(NamedTuple):
     backend: Backend = TORCH
 
 
+def triton_runs(device: torch.device) -> bool:
+    """Whether the automatic choice takes Triton's kernels on `device`: a CUDA device, and a Triton at least
+    `MIN_TRITON` installed."""
+    return device.type == "cuda" and TRITON_VERSION is not None and TRITON_VERSION >= MIN_TRITON
+
+
 def choose(statistic: object, kinds: tuple, weight: Tensor) -> Backend:
     """The backend of a loop of `statistic` (or its class) over sources of `kinds` (a `head.HeadKind` each, or
     "logits"), the trained model's source defined by `weight` (its LM head; its logits for a logits source): its
@@ -195,7 +231,7 @@ def choose(statistic: object, kinds: tuple, weight: Tensor) -> Backend:
         return TRITON_HEAD
     possible = heads and TRITON_TILES.runs(statistic)
     if chosen == "auto":
-        return TRITON_TILES if possible and device.type == "cuda" and TRITON else TORCH
+        return TRITON_TILES if possible and triton_runs(device) else TORCH
     if not possible:
         raise ValueError(
             f"the kernel route runs LM-head sources in float32, bfloat16 or float16 with a statistic "
@@ -215,9 +251,16 @@ def _name(statistic: object) -> str:
 
 
 def _runnable(which: str, device: torch.device) -> None:
-    """RuntimeError unless Triton is installed and `device` is CUDA, or Triton's interpreter runs the kernels."""
-    if not TRITON:
+    """RuntimeError unless a Triton of at least `MIN_TRITON` is installed and `device` is CUDA, or Triton's
+    interpreter runs the kernels."""
+    if TRITON_VERSION is None:
         raise RuntimeError(f"the {which} route needs Triton (pip install triton)")
+    if TRITON_VERSION < MIN_TRITON:
+        raise RuntimeError(
+            f"the {which} route needs Triton >= {_version(MIN_TRITON)}, found Triton {_version(TRITON_VERSION)}, "
+            f"whose compiler refuses the kernels: pip install 'triton>={_version(MIN_TRITON)}' (or take the torch "
+            'route: use("torch"), or "auto")'
+        )
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             f"the {which} route on {device.type} tensors runs only in Triton's interpreter: set "
