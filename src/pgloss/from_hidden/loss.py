@@ -246,6 +246,8 @@ def loss_from_hidden(
         result = loss_one_pass(
             algorithm, hidden, weight, bias, kind, safe_targets, temperature, call.tiles, step, batch
         )
-        out = algorithm(log_prob=result.log_prob, entropy=result.entropy, normalizer=step, **batch)
+        out = result.output
+        if out is None:  # several row chunks: the batch's value and metrics from one call on its log π and H
+            out = algorithm(log_prob=result.log_prob, entropy=result.entropy, normalizer=step, **batch)
     loss = AttachGradients.apply(out.loss, hidden, weight, bias, *result.grads)
     return dataclasses.replace(out, loss=loss)

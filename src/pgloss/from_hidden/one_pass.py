@@ -14,6 +14,7 @@ recomputed for the gradient). `AttachGradients` hands them to autograd when the 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -89,12 +90,14 @@ def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
 
 
 class OnePass(NamedTuple):
-    """What the one pass gives: the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or
-    None)."""
+    """What the one pass gives: the [B, T] log π and H (detached), the gradients of hidden, weight and bias (or
+    None), and the loss's output when one row chunk held the batch (its call was the batch's call: per_token
+    detached), else None."""
 
     log_prob: Tensor
     entropy: Tensor
     grads: tuple[Tensor | None, Tensor | None, Tensor | None]
+    output: LossOutput | None
 
 
 def loss_one_pass(
@@ -115,7 +118,9 @@ def loss_one_pass(
     log π_old its own detached log π). With vocabulary tiles (`vocab_block` < V) no chunk's logits outlive
     their tile, and each tile is recomputed for the gradient (8NHV).
 
-    Returns the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or None): `OnePass`.
+    The loss is called once per row chunk. With one chunk (the kernel route takes every token at once, up to 2¹⁵)
+    that call is the batch's and its output is returned; with several, a sum of their losses would round otherwise
+    than the batch's call, so the caller makes that call for the value and the metrics (`OnePass`).
     """
     n_rows, length, size = hidden.shape
     chunk_rows, vocab_block, backend = tiles.chunk_size // length, tiles.vocab_block, tiles.backend
@@ -137,6 +142,7 @@ def loss_one_pass(
     values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
     grad_log_prob, grad_entropy = torch.empty_like(values[0]), torch.empty_like(values[1]) if with_entropy else None
+    output = None
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
         tokens = slice(start * length, (start + chunk_rows) * length)
@@ -148,6 +154,8 @@ def loss_one_pass(
             chunk: dict[str, Any] = {key: _rows(value, rows) for key, value in batch.items()}
             out = algorithm(log_prob=lp_leaf, entropy=ent_leaf, normalizer=normalizer, **chunk)
             chunk_grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
+        if chunk_rows >= n_rows:  # the only chunk: its call is the batch's
+            output = dataclasses.replace(out, loss=out.loss.detach(), per_token=out.per_token.detach())
         grad_log_prob[tokens] = chunk_grads[0].reshape(-1)
         if grad_entropy is not None:  # no entropy gradient without the bonus
             grad_entropy[tokens] = chunk_grads[1].reshape(-1)
@@ -158,4 +166,4 @@ def loss_one_pass(
     grad_hidden, grad_weight, grad_bias = source.gradients()
     grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
     params = (grad_hidden, grad_weight, grad_bias)
-    return OnePass(values[0].view(n_rows, length), values[1].view(n_rows, length), params)
+    return OnePass(values[0].view(n_rows, length), values[1].view(n_rows, length), params, output)
