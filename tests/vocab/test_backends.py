@@ -51,3 +51,39 @@ def test_the_minimum_and_newer_tritons_take_the_kernels_on_cuda(monkeypatch):
     assert not backends.triton_runs(torch.device("cuda"))
     with backends.use("kernel"), pytest.raises(RuntimeError, match=r"^the kernel route needs Triton \(pip install"):
         backends.choose(LogProbEntropy, (PLAIN,), torch.zeros(4, 2))
+
+
+@pytest.mark.parametrize("chunk_size", [4, 15], ids=["recompute", "one_pass"])
+def test_a_call_from_hidden_states_chooses_its_backend_once(monkeypatch, chunk_size):
+    """`plan.plan` is the only caller of `choose`, once per loop of a call: the loss from hidden states on either
+    path, and once more for the exact KL's own loop (another statistic)."""
+    import pgloss
+    from pgloss.vocab import plan
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0])
+        return backends.choose(*args)
+
+    monkeypatch.setattr(plan, "choose", counted)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(37, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    targets, mask = torch.randint(0, 37, (3, 5), generator=g), torch.ones(3, 5, dtype=torch.bool)
+    kw = dict(old_log_prob=None, advantages=torch.randn(3, generator=g, dtype=torch.float64), mask=mask)
+    pgloss.get("grpo", kl_coef=0.0).from_hidden(hidden, weight, targets, chunk_size=chunk_size, **kw).loss.backward()
+    assert calls == [LogProbEntropy]
+    calls.clear()
+    exact = pgloss.get("grpo", kl_estimator="full", kl_coef=0.1)
+    exact.from_hidden(hidden, weight, targets, ref_hidden=hidden, ref_weight=weight, chunk_size=chunk_size, **kw)
+    assert [getattr(c, "__name__", type(c).__name__) for c in calls] == ["LogProbEntropy", "FullKL"]
+
+
+def test_the_moved_driver_is_refused_at_its_old_path_with_the_new_one_named():
+    import pgloss
+    import pgloss.from_hidden
+
+    with pytest.raises(ImportError, match=r"^pgloss\.vocab\.fused\.loss_from_hidden moved to pgloss\.from_hidden\."):
+        from pgloss.vocab.fused import loss_from_hidden  # noqa: F401
+    assert pgloss.loss_from_hidden is pgloss.from_hidden.loss_from_hidden
