@@ -6,12 +6,12 @@ allocated; the peak reported is the high-water mark above that baseline.
 
 Variants (forward + backward to hidden and weight, the loss of `--algorithm`):
   naive    logits = hidden @ weightᵀ materialised, log_softmax + gather, then the algorithm
-  fused    pgloss.vocab.fused.loss_from_hidden on the route the library picks (Triton kernels on CUDA):
+  fused    pgloss.from_hidden.loss_from_hidden on the route the library picks (Triton kernels on CUDA):
            its tiles, or --chunk-size
   fused-torch  the same on the torch route (`pgloss.vocab.kernels.use("torch")`), the kernels' reference
   fused-head-kernel  the same on the head-kernel route (`kernels.use("head-kernel")`: the logits formed inside
            Triton kernels, ∂x and ∂W added by them; CUDA, or Triton's interpreter with TRITON_INTERPRET=1)
-  tiled    pgloss.vocab.fused.loss_from_hidden, token chunks and vocabulary tiles chosen from
+  tiled    pgloss.from_hidden.loss_from_hidden, token chunks and vocabulary tiles chosen from
            --memory-budget (bytes), each tile's logits recomputed in backward
   trl      TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py: token chunks of 4096 and
            vocabulary tiles of --trl-chunk columns, torch ops off Triton) for log π and H, then the algorithm
@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a keyword of pgloss.vocab.fused.loss_from_hidden for the fused variant (repeatable; "
+        help="a keyword of pgloss.from_hidden.loss_from_hidden for the fused variant (repeatable; "
         "the value is read as a Python literal, else kept as a string)",
     )
     parser.add_argument(
@@ -170,7 +170,7 @@ def build_variant(name, args, algorithm):
     import torch
     import torch.nn.functional as F
 
-    from pgloss.vocab.fused import loss_from_hidden
+    from pgloss.from_hidden import loss_from_hidden
 
     tau = args.temperature
 
@@ -356,7 +356,7 @@ def fused_options(pairs: list[str]) -> dict:
     import ast
     import inspect
 
-    from pgloss.vocab.fused import loss_from_hidden
+    from pgloss.from_hidden import loss_from_hidden
 
     accepted = inspect.signature(loss_from_hidden).parameters
     options = {}

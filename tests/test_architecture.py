@@ -25,6 +25,7 @@ FLOORS = {
     "pgloss.vocab.divergence": 4,  # the student-teacher divergences (distillation), beside full_kl on its loop
     "pgloss.base": 5,
     "pgloss.algorithm_fields": 5,  # the fields every Algorithm shares and what they imply (base.py adds the call)
+    "pgloss.from_hidden": 5,  # the loss from hidden states: drives vocab/'s loop for the Algorithm beside it
     "pgloss.losses": 6,
     "pgloss.step": 6,  # one optimizer step of any Algorithm (counted once, its calls, their metrics): the adapters'
     "pgloss.algorithms": 7,

@@ -52,6 +52,7 @@ from .core.step_metrics import StepMetrics  # a step's metrics over micro-batche
 from .correction import m2po, rollout, token_masks
 from .correction.rejection import Rejection
 from .correction.rollout import RolloutCorrection
+from .from_hidden import loss_from_hidden
 from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 from .step import Step  # one optimizer step: counted once, its micro-batches' losses and metrics
 from .trainer_options.trl import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
@@ -60,7 +61,7 @@ from .vocab.chunks import HeadOptions  # an LM head's bias, logit scale and soft
 from .vocab.divergence import divergence_from_hidden, divergence_from_logits
 from .vocab.entropy import log_prob_and_entropy
 from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
-from .vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
+from .vocab.fused import log_prob_and_entropy_from_hidden
 
 try:
     __version__ = version("pgloss")

@@ -131,11 +131,6 @@ class Algorithm(AlgorithmFields):
         """`count_step` under the names of its first release (plural): kept for the documented API."""
         return self.count_step(masks, old_log_prob=old_log_probs, rollout_log_prob=rollout_log_probs, **options)
 
-    def whole_step_normalizer(self, mask: Tensor, old_log_prob: Tensor | None, **inputs: Tensor | None) -> Normalizer:
-        """`count_step` of a call that is the whole step (no `normalizer` given): this batch alone, on this process."""
-        given: dict[str, Any] = inputs  # the call's optional inputs, none of which is an option of count_step
-        return self.count_step(mask, old_log_prob=old_log_prob, reduce=False, **given)
-
     def corrected(
         self, batch: TokenBatch, normalizer: Normalizer | None
     ) -> tuple[TokenBatch, Normalizer, Corrected | None]:
@@ -144,8 +139,8 @@ class Algorithm(AlgorithmFields):
         (`correction`) applied, its corrected old log-probs and rejections in the batch.
         Returns (batch, normalizer, the correction's output or None)."""
         if normalizer is None:
-            given = {name: getattr(batch, name) for name in OPTIONAL_INPUTS}
-            normalizer = self.whole_step_normalizer(batch.mask, batch.old_log_prob, **given)
+            given: dict[str, Any] = {name: getattr(batch, name) for name in OPTIONAL_INPUTS}
+            normalizer = self.count_step(batch.mask, old_log_prob=batch.old_log_prob, reduce=False, **given)
         correction = self.correction(batch.rollout_log_prob is not None)
         if correction is None:
             return batch, normalizer, None
@@ -273,8 +268,8 @@ class Algorithm(AlgorithmFields):
 
     def from_hidden(self, hidden: Tensor, weight: Tensor, targets: Tensor, **kwargs: Any) -> LossOutput:
         """The same loss computed from hidden states `[B, T, H]` and the output projection `[V, H]`
-        without materialising the logits; see `pgloss.vocab.fused.loss_from_hidden` for the arguments."""
-        from .vocab.fused import loss_from_hidden
+        without materialising the logits; see `pgloss.from_hidden.loss_from_hidden` for the arguments."""
+        from .from_hidden import loss_from_hidden
 
         return loss_from_hidden(self, hidden, weight, targets, **kwargs)
 

@@ -17,10 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pgloss
+from pgloss.from_hidden import loss_from_hidden
 from pgloss.vocab import kernels
 from pgloss.vocab.divergence import divergence_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()

@@ -23,9 +23,9 @@ from pgloss.core.inputs import OPTIONAL_INPUTS
 from pgloss.correction import m2po, token_masks
 from pgloss.correction.rejection import REJECTION_OPTIONS, Rejection
 from pgloss.correction.rollout import WEIGHT_LEVELS, WEIGHT_MODES, RolloutCorrection
+from pgloss.from_hidden import PASSED_INPUTS as PASSED_TO_FROM_HIDDEN
 from pgloss.kl.corrections import KL_CORRECTIONS, KL_OPTIONS
 from pgloss.losses.ppo import ClippedPolicy
-from pgloss.vocab.fused import PASSED_INPUTS as PASSED_TO_FROM_HIDDEN
 
 CORRECTIONS = {
     "none": None,

@@ -1,4 +1,4 @@
-"""pgloss.vocab.fused: the loss from hidden states equals the loss on materialised logits."""
+"""pgloss.from_hidden: the loss from hidden states equals the loss on materialised logits."""
 
 import pytest
 import torch
@@ -6,7 +6,8 @@ from properties.micro_batches import cut, micro_batches
 
 import pgloss
 import pgloss.vocab.entropy
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
+from pgloss.from_hidden import loss_from_hidden
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 
 B, T, H, V = 3, 5, 8, 37  # N = 15 tokens; chunk_size 4 divides neither N nor V
 LENGTHS = [5, 3, 1]

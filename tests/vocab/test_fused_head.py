@@ -12,8 +12,9 @@ import torch
 from vocab.head_checks import assert_compiles_like_eager, assert_refuses_bad_head, records, with_biases
 
 import pgloss
+from pgloss.from_hidden import loss_from_hidden
 from pgloss.vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 
 B, T, H, H_REF, V = 3, 5, 8, 6, 37  # N = 15 tokens
 TAU = 0.7

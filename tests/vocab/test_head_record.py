@@ -11,6 +11,7 @@ import torch
 from vocab.head_checks import assert_refuses_removed_keywords
 
 import pgloss
+from pgloss import from_hidden
 from pgloss.vocab import divergence, full_kl, fused, head
 
 B, T, H, H_OTHER, V = 3, 5, 8, 6, 37
@@ -141,7 +142,7 @@ def test_the_removed_keywords_are_refused_with_the_record_that_replaces_them(nam
 
 PUBLIC = {  # each public call from hidden states: the prefixes of the heads it takes
     fused.log_prob_and_entropy_from_hidden: ("",),
-    fused.loss_from_hidden: ("", "ref_"),
+    from_hidden.loss_from_hidden: ("", "ref_"),
     full_kl.full_kl_from_hidden: ("", "ref_"),
     divergence.divergence_from_hidden: ("", "teacher_"),
 }

@@ -11,10 +11,11 @@ import torch
 
 import pgloss
 import pgloss.vocab.entropy
+from pgloss.from_hidden import loss_from_hidden
 from pgloss.vocab.chunks import ChunkLoop, plan_tiles, tileable
 from pgloss.vocab.entropy import LogProbEntropy, log_prob_and_entropy
 from pgloss.vocab.full_kl import FullKL, full_kl_from_hidden, full_kl_from_logits
-from pgloss.vocab.fused import log_prob_and_entropy_from_hidden, loss_from_hidden
+from pgloss.vocab.fused import log_prob_and_entropy_from_hidden
 
 B, T, H, V = 3, 5, 8, 37
 # (tokens per chunk, vocabulary columns per tile): tiles of 10 leave a short last one (7 columns),

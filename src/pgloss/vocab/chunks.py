@@ -9,10 +9,12 @@ import torch
 from torch import Tensor
 
 from ..core.batch import compute_dtype
+from .backends import Backend, Plan
 from .banned import clamp_banned_
 from .head import PLAIN, HeadKind, HeadOptions  # noqa: F401 (HeadOptions: still importable from here)
 from .head_chunks import HeadChunks, head_grad_buffer
-from .kernels import RawTile, route
+from .kernels import RawTile
+from .statistic import Statistic
 
 # ---------------------------------------------------------------------------------------
 # The one chunk loop. A *source* gives a chunk's tempered logits z [rows, V] and takes the
@@ -157,10 +159,10 @@ def tempered(chunk: Tensor, temperature: float, out: Tensor) -> Tensor:
 
 
 def tileable(statistic) -> bool:
-    """Whether `statistic` has the per-tile interface (`tile_forward`, `tile_finish`, `tile_grad`):
-    its values accumulate over vocabulary blocks with an online max. Without it, the loop runs
+    """Whether `statistic` is a `statistic.Statistic` (the tile interface: its values accumulate over vocabulary
+    blocks with an online max). Any other object with `allocate`, `forward`, `grad` and `outputs` runs
     whole-vocabulary token chunks."""
-    return all(hasattr(statistic, name) for name in ("tile_forward", "tile_finish", "tile_grad"))
+    return isinstance(statistic, Statistic)
 
 
 def _columns(vocab: int, vocab_block: int):
@@ -169,9 +171,15 @@ def _columns(vocab: int, vocab_block: int):
 
 
 def forward_rows(
-    statistic, sources: list, rows: slice, temperature: float, vocab_block: int, values: list[Tensor]
+    backend: Backend,
+    statistic,
+    sources: list,
+    rows: slice,
+    temperature: float,
+    vocab_block: int,
+    values: list[Tensor],
 ) -> list[Tensor] | None:
-    """The statistic's per-token values for one chunk of tokens, into `values[...][rows]`.
+    """The statistic's per-token values for one chunk of tokens, into `values[...][rows]`, run by `backend`.
 
     Untiled (`vocab_block` >= V): one [chunk, V] block per source, returned (a caller may reuse it
     for the gradient). Tiled: vocabulary blocks of `vocab_block` columns, the statistic's running
@@ -180,16 +188,18 @@ def forward_rows(
     vocab = sources[0].vocab
     if vocab_block >= vocab:
         zs = [s.chunk(rows, temperature) for s in sources]
-        statistic.forward(zs, rows, values)
+        backend.forward(statistic, zs, rows, values)
         return zs
     state = None
     for cols, _ in _columns(vocab, vocab_block):
-        state = statistic.tile_forward([s.chunk(rows, temperature, cols=cols) for s in sources], rows, cols, state)
-    statistic.tile_finish(state, rows, values)
+        zs = [s.chunk(rows, temperature, cols=cols) for s in sources]
+        state = backend.tile_forward(statistic, zs, rows, cols, state)
+    backend.tile_finish(statistic, state, rows, values)
     return None
 
 
 def backward_rows(
+    backend: Backend,
     statistic,
     sources: list,
     rows: slice,
@@ -208,13 +218,13 @@ def backward_rows(
             zs = [sources[0].chunk(rows, temperature, for_grad=True)] + [
                 s.chunk(rows, temperature) for s in sources[1:]
             ]
-        sources[0].send(rows, statistic.grad(zs, rows, values, grads, temperature), first=first)
+        sources[0].send(rows, backend.grad(statistic, zs, rows, values, grads, temperature), first=first)
         return
     for cols, first_col in _columns(vocab, vocab_block):
         zs = [sources[0].chunk(rows, temperature, for_grad=True, cols=cols)] + [
             s.chunk(rows, temperature, cols=cols) for s in sources[1:]
         ]
-        grad = statistic.tile_grad(zs, rows, cols, values, grads, temperature)
+        grad = backend.tile_grad(statistic, zs, rows, cols, values, grads, temperature)
         sources[0].send(rows, grad, first=first, cols=cols, first_col=first_col)
 
 
@@ -223,33 +233,34 @@ class ChunkLoop(torch.autograd.Function):
 
     `kinds` names each source ("logits", or a `HeadKind` for an LM head); `tensors` are their inputs in
     order (one for logits; hidden, weight and bias, or None, for a head). `valid` (bool [N], or None) are the
-    rows that count: a head source reads the others as zeros (`HeadRows`), whatever they hold. `tiles` is
-    (tokens per chunk, vocabulary columns per tile) from `plan_tiles`; a statistic without the per-tile interface runs
+    rows that count: a head source reads the others as zeros (`HeadRows`), whatever they hold. `plan` is the
+    call's `backends.Plan` (tokens per chunk, vocabulary columns per tile, the backend; from `plan.plan`); a bare
+    (chunk, block) pair runs on the torch backend; an object that is not a `statistic.Statistic` runs
     whole-vocabulary chunks whatever the second number. Only the first source is differentiated (the others, a
     reference or a teacher, are detached by the caller). Saves the inputs and the statistic's
     per-token values, never a [N, V] tensor; backward recomputes each tile's logits.
 
-    `kernels.route` picks the route: on the kernel route the statistic's Triton twin (`statistic.kernel()`)
-    walks the heads' raw tiles (`kernels.RawTile`); the loop, the tiles and the gradients' matmuls are the same.
+    The plan's backend runs the statistic (`backends.py`): on `TRITON_TILES` the head sources hand out the matmul's
+    raw tiles (`kernels.RawTile`) to the statistic's kernels; the loop, the tiles and the gradients' matmuls are
+    the same.
     """
 
     @staticmethod
-    def forward(ctx, statistic, kinds, temperature, tiles, valid, *tensors):
-        chunk_size, vocab_block = tiles
+    def forward(ctx, statistic, kinds, temperature, plan, valid, *tensors):
+        chunk_size, vocab_block, backend = plan if isinstance(plan, Plan) else Plan(*plan)
         head = isinstance(kinds[0], HeadKind)
         dtype = compute_dtype(tensors[1].dtype if head else tensors[0].dtype)
         if not tileable(statistic):  # whole-vocabulary token chunks
             vocab_block = tensors[1].shape[0] if head else tensors[0].shape[1]
-        kernel = route(statistic, kinds, tensors[1] if head else tensors[0]) == "kernel"
-        if kernel:  # the statistic's Triton twin, on the heads' raw tiles
-            statistic = statistic.kernel()
-        sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype, kernel, valid)
+        sources = _sources(kinds, tensors, chunk_size, vocab_block, dtype, backend.raw_tiles, valid)
         n = tensors[0].shape[0]
         values = statistic.allocate(n, sources[0].dtype, tensors[0].device)
         for start in range(0, n, chunk_size):
-            forward_rows(statistic, sources, slice(start, start + chunk_size), temperature, vocab_block, values)
-        ctx.statistic, ctx.kinds, ctx.temperature, ctx.tiles = statistic, kinds, temperature, (chunk_size, vocab_block)
-        ctx.arity, ctx.kernel = sources[0].arity, kernel
+            rows = slice(start, start + chunk_size)
+            forward_rows(backend, statistic, sources, rows, temperature, vocab_block, values)
+        ctx.statistic, ctx.kinds, ctx.temperature = statistic, kinds, temperature
+        ctx.plan = Plan(chunk_size, vocab_block, backend)
+        ctx.arity = sources[0].arity
         ctx.save_for_backward(valid, *tensors, *values)
         ctx.set_materialize_grads(False)
         return statistic.outputs(values)
@@ -257,7 +268,8 @@ class ChunkLoop(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        statistic, kinds, temperature, (chunk_size, vocab_block) = ctx.statistic, ctx.kinds, ctx.temperature, ctx.tiles
+        statistic, kinds, temperature = ctx.statistic, ctx.kinds, ctx.temperature
+        chunk_size, vocab_block, backend = ctx.plan
         valid, *saved = ctx.saved_tensors
         n_inputs = sum(source_class(k).arity for k in kinds)
         tensors, values = saved[:n_inputs], saved[n_inputs:]
@@ -265,10 +277,11 @@ class ChunkLoop(torch.autograd.Function):
         nothing = (None,) * (5 + n_inputs)
         if all(g is None for g in grads) or not any(needs):
             return nothing
-        sources = _sources(kinds, tensors, chunk_size, vocab_block, values[0].dtype, ctx.kernel, valid)
+        sources = _sources(kinds, tensors, chunk_size, vocab_block, values[0].dtype, backend.raw_tiles, valid)
         sources[0].begin_backward(needs)
         for start in range(0, tensors[0].shape[0], chunk_size):
             backward_rows(
+                backend,
                 statistic,
                 sources,
                 slice(start, start + chunk_size),

@@ -58,12 +58,15 @@ from ..core.metrics import Stat
 from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from . import kernels
+from .backends import TRITON_TILES, Plan, TileOps
 from .banned import BANNED_LOGIT
 from .chunks import ChunkLoop
 from .entropy import _blocks, check_temperature
-from .full_kl import FullKL, KernelFullKL
+from .full_kl import KERNEL_OPS, FullKL, kernel_tile_forward
 from .head import HeadOptions, as_head, refuses_head_keywords
-from .pair import check_logit_pair, head_pair, pair_tiles
+from .pair import check_logit_pair, head_pair
+from .plan import plan
+from .statistic import Statistic
 
 __all__ = ["divergence_from_logits", "divergence_from_hidden"]
 
@@ -84,9 +87,6 @@ class ForwardKL(FullKL):
 
     `FullKL`'s sums with the two sources swapped (its values: KL, lse_T, lse_S); the gradient to the
     student's logits is (g/τ)(p_S − p_T), 0 where the student bans the token (`banned.py`)."""
-
-    def kernel(self) -> KernelForwardKL:
-        return KernelForwardKL()
 
     def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
         super().forward(zs[::-1], rows, values)
@@ -111,31 +111,33 @@ class ForwardKL(FullKL):
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse
 
 
-class KernelForwardKL(KernelFullKL):
-    """`ForwardKL` on the kernel route: `KernelFullKL`'s sums with the sources swapped, the gradient (g/τ)(p_S − p_T)."""
+# Its Triton kernels (`backends.TRITON_TILES`): `FullKL`'s sums with the sources swapped, the gradient (g/τ)(p_S − p_T).
 
-    def tile_forward(self, zs: list, rows: slice, cols: slice, state):
-        return super().tile_forward(zs[::-1], rows, cols, state)
 
-    def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        kl, lse_teacher, lse = (v[rows] for v in values)
-        tile, teacher = zs
-        return kernels.pair_backward(tile, teacher, lse, lse_teacher, kl, grads[0][rows], mode=kernels.FORWARD_KL)
+def _forward_kl_tile_forward(statistic: ForwardKL, zs: list, rows: slice, cols: slice, state):
+    return kernel_tile_forward(statistic, zs[::-1], rows, cols, state)
+
+
+def _forward_kl_tile_grad(
+    statistic: ForwardKL, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
+) -> Tensor:
+    kl, lse_teacher, lse = (v[rows] for v in values)
+    tile, teacher = zs
+    return kernels.pair_backward(tile, teacher, lse, lse_teacher, kl, grads[0][rows], mode=kernels.FORWARD_KL)
+
+
+TRITON_TILES.add(ForwardKL, TileOps(_forward_kl_tile_forward, _forward_kl_tile_grad))
 
 
 class Normalisers(FullKL):
     """Statistic of `chunks.ChunkLoop` giving (lse(z_S), lse(z_T)) per token: `FullKL`'s first pass,
     run without gradient before JSD(β) over vocabulary tiles."""
 
-    def kernel(self) -> KernelNormalisers:
-        return KernelNormalisers()
-
     def outputs(self, values: list[Tensor]) -> tuple[Tensor, Tensor]:
         return values[1], values[2]
 
 
-class KernelNormalisers(KernelFullKL, Normalisers):
-    """`Normalisers` on the kernel route: `KernelFullKL`'s pass, its two log-normalisers as outputs."""
+TRITON_TILES.add(Normalisers, KERNEL_OPS)  # `FullKL`'s kernels: the same pass, its two log-normalisers as outputs
 
 
 def jsd_sums(z: Tensor, z_teacher: Tensor, lse: Tensor, lse_teacher: Tensor, beta: float) -> tuple[Tensor, Tensor]:
@@ -154,7 +156,7 @@ def jsd_sums(z: Tensor, z_teacher: Tensor, lse: Tensor, lse_teacher: Tensor, bet
     return kl_teacher, kl_student
 
 
-class GeneralisedJSD:
+class GeneralisedJSD(Statistic):
     """Statistic of `chunks.ChunkLoop`: JSD(β) = β KL(p_T‖m) + (1 − β) KL(p_S‖m) per token, 0 < β < 1,
     the student the first source; its values: JSD, lse_S, lse_T and KL(p_S‖m) (the gradient's shift).
 
@@ -164,9 +166,6 @@ class GeneralisedJSD:
 
     def __init__(self, beta: float, normalisers: tuple[Tensor, Tensor] | None = None) -> None:
         self.beta, self.normalisers = beta, normalisers
-
-    def kernel(self) -> KernelJSD:
-        return KernelJSD(self.beta, self.normalisers)
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # JSD, lse_S, lse_T, KL(p_S‖m)
@@ -228,43 +227,47 @@ class GeneralisedJSD:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse and KL(p_S‖m)
 
 
-class KernelJSD(GeneralisedJSD):
-    """`GeneralisedJSD` on the kernel route (`kernels.py`): the same values, each tile of the two heads' raw
-    outputs one Triton launch for the sums and one for the gradient. A whole-vocabulary chunk takes one more
-    launch first, `KernelFullKL`'s, for its two log-normalisers."""
+# Its Triton kernels (`backends.TRITON_TILES`): the same values, each tile of the two heads' raw outputs one launch
+# for the sums and one for the gradient. A whole-vocabulary chunk takes one more launch first, `FullKL`'s, for its
+# two log-normalisers.
 
-    def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
-        state = kernels.start_state(zs[0], maxima=2, sums=3)
-        tile, teacher = zs
-        kernels.pair_forward(tile, teacher, state)
-        m, m_teacher, s, s_teacher, _ = state
-        lse, lse_teacher = m + torch.log(s), m_teacher + torch.log(s_teacher)
-        sums = kernels.start_state(zs[0], maxima=0, sums=2)
-        kernels.jsd_forward(tile, teacher, lse, lse_teacher, sums, self.beta)
-        self._store(rows, values, lse, lse_teacher, *sums)
 
-    def tile_forward(self, zs: list, rows: slice, cols: slice, state):
-        tile, teacher = zs
-        state = kernels.start_state(tile, maxima=0, sums=2) if state is None else state
-        kernels.jsd_forward(tile, teacher, *self.given_normalisers(rows), state, self.beta)
-        return state
+def _jsd_forward(statistic: GeneralisedJSD, zs: list, rows: slice, values: list[Tensor]) -> None:
+    state = kernels.start_state(zs[0], maxima=2, sums=3)
+    tile, teacher = zs
+    kernels.pair_forward(tile, teacher, state)
+    m, m_teacher, s, s_teacher, _ = state
+    lse, lse_teacher = m + torch.log(s), m_teacher + torch.log(s_teacher)
+    sums = kernels.start_state(zs[0], maxima=0, sums=2)
+    kernels.jsd_forward(tile, teacher, lse, lse_teacher, sums, statistic.beta)
+    statistic._store(rows, values, lse, lse_teacher, *sums)
 
-    def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        _, lse, lse_teacher, kl_student = (v[rows] for v in values)
-        tile, teacher = zs
-        return kernels.pair_backward(
-            tile, teacher, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD, beta=self.beta
-        )
 
-    def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        return self.grad(zs, rows, values, grads, temperature)
+def _jsd_tile_forward(statistic: GeneralisedJSD, zs: list, rows: slice, cols: slice, state):
+    tile, teacher = zs
+    state = kernels.start_state(tile, maxima=0, sums=2) if state is None else state
+    kernels.jsd_forward(tile, teacher, *statistic.given_normalisers(rows), state, statistic.beta)
+    return state
+
+
+def _jsd_tile_grad(
+    statistic: GeneralisedJSD, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
+) -> Tensor:
+    _, lse, lse_teacher, kl_student = (v[rows] for v in values)
+    tile, teacher = zs
+    return kernels.pair_backward(
+        tile, teacher, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD, beta=statistic.beta
+    )
+
+
+TRITON_TILES.add(GeneralisedJSD, TileOps(_jsd_tile_forward, _jsd_tile_grad, forward=_jsd_forward))
 
 
 def _divergence(
     beta: float,
     kinds: tuple,
     temperature: float,
-    tiles: tuple[int, int],
+    tiles: Plan,
     vocab: int,
     student: tuple[Tensor | None, ...],
     teacher: tuple[Tensor | None, ...],
@@ -350,24 +353,10 @@ def divergence_from_logits(
     mask = check_mask(mask, student_logits.shape[:2], student_logits.device, "student_logits")
     beta, temperature = check_beta(beta), check_temperature(temperature)
     batch, length, vocab = student_logits.shape
-    tiles = pair_tiles(
-        batch * length,
-        vocab,
-        student_logits.dtype,
-        head=False,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-    )
-    per_token = _divergence(
-        beta,
-        ("logits", "logits"),
-        temperature,
-        tiles,
-        vocab,
-        (student_logits.reshape(-1, vocab),),
-        (teacher_logits.reshape(-1, vocab),),
-    )
+    student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+    sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+    tiles = plan(FullKL, ("logits", "logits"), student, batch * length, **sizes)  # the torch backend, or refused
+    per_token = _divergence(beta, ("logits", "logits"), temperature, tiles, vocab, (student,), (teacher,))
     return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
 
 
@@ -431,7 +420,7 @@ def divergence_from_hidden(
     """
     check_tensor("mask", mask, ndim=(2,), floating=False)  # required here (None would mean every position)
     kinds, tiles, student, teacher, valid = head_pair(
-        FullKL,  # every statistic of `_divergence` has a kernel twin: the heads choose the route
+        FullKL,  # every statistic of `_divergence` is in the same backends' tables: the heads choose the route
         hidden,
         weight,
         teacher_hidden,

@@ -16,7 +16,7 @@ tokens at a time: the forward pass keeps two floats per token (a shift c and log
 log π = (z − c) − log s: `LogProbEntropy`), and the backward pass recomputes the softmax of
 each chunk from the saved logits, so no second [N, V] tensor (log-softmax, softmax or their
 gradients) is ever held besides the logits gradient itself.
-The per-chunk helpers are shared with the fused hidden-state path (`pgloss.vocab.fused`).
+The per-chunk helpers are shared with the fused hidden-state path (`pgloss.vocab.fused`, `pgloss.from_hidden`).
 
 Temperature-scaled sampling and its log-probabilities: Ackley, Hinton & Sejnowski (1985);
 the entropy bonus in policy gradients: Williams & Peng (1991); Mnih et al., "Asynchronous
@@ -31,9 +31,11 @@ from torch import Tensor
 from ..core.batch import check_tensor
 from ..core.checks import check_number, check_values, is_integer
 from . import head_tile, kernels
+from .backends import TRITON_HEAD, TRITON_TILES, TileOps
 from .banned import BANNED_LOGIT, floored_grad, log_prob_floor
-from .chunks import ChunkLoop, plan_tiles
-from .head import HeadKind
+from .chunks import ChunkLoop
+from .plan import plan
+from .statistic import Statistic
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -90,7 +92,7 @@ def check_targets(targets: Tensor, shape: torch.Size, vocab_size: int, valid: Te
 
 
 # ---------------------------------------------------------------------------------------
-# Per-chunk math, shared with pgloss.vocab.fused. `z` is an [n, V] buffer holding the tempered
+# Per-chunk math, shared with pgloss.vocab.fused and pgloss.from_hidden. `z` is an [n, V] buffer holding the tempered
 # logits in the compute dtype (finite: callers clamp −inf). The math walks `z` in blocks of a
 # few rows so that its temporaries stay in cache: one pass over `z` in memory rather than one
 # per elementwise operation, and O(block · V) extra memory.
@@ -200,7 +202,7 @@ def tile_exp_sums(z: Tensor, shift: Tensor, *others: Tensor) -> list[Tensor]:
     return sums
 
 
-class LogProbEntropy:
+class LogProbEntropy(Statistic):
     """Statistic of `chunks.ChunkLoop`: (log π(y), H) per token of one source, saving for backward a pair
     (shift c, log s) per token such that log πᵥ = (zᵥ − c) − log s.
 
@@ -223,23 +225,6 @@ class LogProbEntropy:
 
     def __init__(self, targets: Tensor) -> None:
         self.targets = targets
-
-    def kernel(self) -> KernelLogProbEntropy:
-        return KernelLogProbEntropy(self.targets)
-
-    def head_kernel(
-        self,
-        kind: HeadKind,
-        temperature: float,
-        columns: int,
-        valid: Tensor | None,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        """Its twin on the head-kernel route (`head_tile.py`): (log π(y), H) [N] of hidden states [N, H] and an LM
-        head, the logits formed inside the kernels, the same state (m, s, a, z_y) and values."""
-        return head_tile.HeadTileLoop.apply(self, kind, temperature, columns, valid, hidden, weight, bias)
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # log π(y), H, shift c, log s
@@ -301,25 +286,27 @@ class LogProbEntropy:
         return chunk_grad_logits(zs[0], local, *self.upstream(rows, values, grads), temperature, hit)
 
 
-class KernelLogProbEntropy(LogProbEntropy):
-    """`LogProbEntropy` on the kernel route (`kernels.py`): the same running state (m, s, a, z_y) and values,
-    each tile of raw head outputs (`kernels.RawTile`) one Triton launch forward and one backward."""
+# Its Triton kernels (`backends.TRITON_TILES`): the same running state (m, s, a, z_y) and values, each tile of raw
+# head outputs (`kernels.RawTile`) one launch forward and one backward.
 
-    def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
-        self.tile_finish(self.tile_forward(zs, rows, slice(0, zs[0].r.shape[1]), None), rows, values)
 
-    def tile_forward(self, zs: list, rows: slice, cols: slice, state):
-        state = kernels.start_state(zs[0], maxima=1, sums=3) if state is None else state
-        kernels.log_prob_entropy_forward(zs[0], self.targets[rows], cols.start, state)
-        return state
+def _kernel_tile_forward(statistic: LogProbEntropy, zs: list, rows: slice, cols: slice, state):
+    state = kernels.start_state(zs[0], maxima=1, sums=3) if state is None else state
+    kernels.log_prob_entropy_forward(zs[0], statistic.targets[rows], cols.start, state)
+    return state
 
-    def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        return self.tile_grad(zs, rows, slice(0, zs[0].r.shape[1]), values, grads, temperature)
 
-    def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        return kernels.log_prob_entropy_backward(
-            zs[0], self.targets[rows], cols.start, *self.upstream(rows, values, grads)
-        )
+def _kernel_tile_grad(
+    statistic: LogProbEntropy, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
+) -> Tensor:
+    upstream = statistic.upstream(rows, values, grads)
+    return kernels.log_prob_entropy_backward(zs[0], statistic.targets[rows], cols.start, *upstream)
+
+
+TRITON_TILES.add(LogProbEntropy, TileOps(_kernel_tile_forward, _kernel_tile_grad))
+# The head kernels (`backends.TRITON_HEAD`, `head_tile.py`): (log π(y), H) [N] of hidden states [N, H] and an LM
+# head, the logits formed inside the kernels, the same state and values.
+TRITON_HEAD.add(LogProbEntropy, head_tile.HeadTileLoop.apply)
 
 
 def log_prob_and_entropy(
@@ -367,17 +354,11 @@ def log_prob_and_entropy(
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
-    tiles = plan_tiles(
-        logits.numel() // vocab,
-        vocab,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-        itemsize=8 if logits.dtype == torch.float64 else 4,
-    )
-    log_prob, entropy = ChunkLoop.apply(
-        LogProbEntropy(targets.reshape(-1).long()), ("logits",), temperature, tiles, None, logits.reshape(-1, vocab)
-    )
+    flat = logits.reshape(-1, vocab)
+    statistic = LogProbEntropy(targets.reshape(-1).long())
+    sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+    tiles = plan(statistic, ("logits",), flat, flat.shape[0], **sizes)
+    log_prob, entropy = ChunkLoop.apply(statistic, ("logits",), temperature, tiles, None, flat)
     return log_prob.view(lead), entropy.view(lead)
 
 

@@ -29,9 +29,11 @@ import torch
 from torch import Tensor
 
 from . import kernels
+from .backends import TRITON_TILES, TileOps
 from .entropy import _blocks, online_max
 from .head import HeadOptions, as_head, refuses_head_keywords
 from .pair import pair_from_hidden, pair_from_logits
+from .statistic import Statistic
 
 __all__ = ["full_kl_from_logits", "full_kl_from_hidden"]
 
@@ -80,7 +82,7 @@ def tile_kl_sums(z: Tensor, z_ref: Tensor, m: Tensor, m_ref: Tensor) -> tuple[Te
     return s, s_ref, d
 
 
-class FullKL:
+class FullKL(Statistic):
     """Statistic of `chunks.ChunkLoop`: KL(π‖ρ) per token between its two sources, saving both lse.
 
     Per tile of the vocabulary, with running maxima m, m_ref (online max), each row keeps
@@ -88,9 +90,6 @@ class FullKL:
     m', m_ref' rescale them (D ← e^{m−m'} (D + s ((m − m') + (m_ref' − m_ref)))). At the end
 
         KL = D / s − log s + log s_ref,   lse = m + log s,   lse_ref = m_ref + log s_ref."""
-
-    def kernel(self) -> KernelFullKL:
-        return KernelFullKL()
 
     def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
         return [torch.empty(n, dtype=dtype, device=device) for _ in range(3)]  # KL, lse, lse_ref
@@ -133,26 +132,27 @@ class FullKL:
         return self.grad(zs, rows, values, grads, temperature)  # elementwise given lse, lse_ref and KL
 
 
-class KernelFullKL(FullKL):
-    """`FullKL` on the kernel route (`kernels.py`): the same running state (m, m_ref, s, s_ref, D) and values,
-    each tile of the two heads' raw outputs (`kernels.RawTile`) one Triton launch forward and one backward."""
+# Its Triton kernels (`backends.TRITON_TILES`): the same running state (m, m_ref, s, s_ref, D) and values, each tile
+# of the two heads' raw outputs (`kernels.RawTile`) one launch forward and one backward.
 
-    def forward(self, zs: list, rows: slice, values: list[Tensor]) -> None:
-        self.tile_finish(self.tile_forward(zs, rows, slice(0, zs[0].r.shape[1]), None), rows, values)
 
-    def tile_forward(self, zs: list, rows: slice, cols: slice, state):
-        state = kernels.start_state(zs[0], maxima=2, sums=3) if state is None else state
-        tile, other = zs
-        kernels.pair_forward(tile, other, state)
-        return state
+def kernel_tile_forward(statistic: FullKL, zs: list, rows: slice, cols: slice, state):
+    state = kernels.start_state(zs[0], maxima=2, sums=3) if state is None else state
+    tile, other = zs
+    kernels.pair_forward(tile, other, state)
+    return state
 
-    def grad(self, zs: list, rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        kl, lse, lse_other = (v[rows] for v in values)
-        tile, other = zs
-        return kernels.pair_backward(tile, other, lse, lse_other, kl, grads[0][rows], mode=kernels.REVERSE_KL)
 
-    def tile_grad(self, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        return self.grad(zs, rows, values, grads, temperature)
+def _kernel_tile_grad(
+    statistic: FullKL, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
+) -> Tensor:
+    kl, lse, lse_other = (v[rows] for v in values)
+    tile, other = zs
+    return kernels.pair_backward(tile, other, lse, lse_other, kl, grads[0][rows], mode=kernels.REVERSE_KL)
+
+
+KERNEL_OPS = TileOps(kernel_tile_forward, _kernel_tile_grad)
+TRITON_TILES.add(FullKL, KERNEL_OPS)
 
 
 def full_kl_from_logits(

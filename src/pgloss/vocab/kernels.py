@@ -1,107 +1,21 @@
-"""Which route the vocabulary loop takes, and the launches of its Triton kernels.
+"""The launches of the vocabulary loop's Triton kernels (`triton_kernels.py`), on raw tiles of head outputs.
 
-Two routes compute the same statistics (log π(y) and H, the exact KL, the distillation divergences):
-
-- torch (the reference, and the route on CPU): each tile of logits is formed in float32 by torch ops
-  (`head.HeadKind.transform_`), then walked by the statistic's torch code;
-- kernel (chosen automatically for LM heads on CUDA when Triton is installed): the tile is the matmul's own
-  output r = x Wᵀ in the head's dtype, and one Triton kernel per tile applies the head (bias, logit scale,
-  soft-cap, τ) in registers and reads the tile once: forward, the statistic's running sums; backward,
-  ∂L/∂r written over the tile, which the two gradient matmuls take as it is (`triton_kernels.py`).
-
-- head-kernel (opt-in, `use("head-kernel")`; log π(y) and H of one LM head only): no tile of logits at all. Each
-  kernel forms its block of x Wᵀ with tl.dot inside it (`head_tile_kernels.py`): forward, the running sums per
-  (row block, column range), combined here; backward, the block recomputed and ∂x, ∂W, ∂b added into float32
-  buffers by atomic adds (`head_tile.py` holds the autograd function and the buffers).
-
-`route(...)` decides, for every caller of the loop (`chunks.ChunkLoop`, the one-pass loss of `fused.py`);
-`use("torch" | "kernel" | "head-kernel" | "auto")` overrides it for a block of code (a test of the kernels on CPU
-tensors under `TRITON_INTERPRET=1`, or the torch route on CUDA to compare). float64 heads always take the torch
-route; "auto" never takes the head-kernel route.
+The backend that calls them (`backends.TRITON_TILES`) and the choice of a backend for a loop (`backends.choose`)
+live in `backends.py`; `use` and `route`, documented here first, are the same functions.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .backends import route, use
 from .head import HeadKind
 
 __all__ = ["use", "route", "RawTile"]
-
-ROUTES = ("auto", "torch", "kernel", "head-kernel")
-_chosen = {"route": "auto"}  # a plain global, which torch.compile can read (it guards on its value)
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@contextlib.contextmanager
-def use(which: str):
-    """Within the block, the vocabulary loop takes route `which`: "kernel" (Triton; refused where it cannot
-    run), "head-kernel" (the logits formed inside Triton kernels: log π(y) and H of one LM head; refused
-    elsewhere), "torch", or "auto" (the kernel route for LM heads on CUDA with Triton installed, else torch)."""
-    if which not in ROUTES:
-        raise ValueError(f"route must be one of {ROUTES}, got {which!r}")
-    before, _chosen["route"] = _chosen["route"], which
-    try:
-        yield
-    finally:
-        _chosen["route"] = before
-
-
-TRITON = importlib.util.find_spec("triton") is not None  # read once: compiled code reads a constant
-
-
-def route(statistic, kinds, weight: Tensor) -> str:
-    """ "kernel", "head-kernel" or "torch" for a loop of `statistic` (or its class) over sources of `kinds` (a
-    `head.HeadKind` each, or "logits"), the trained model's source defined by `weight` (its LM head; its logits
-    for a logits source): its device and dtype. The kernel route needs LM-head sources, a statistic with a kernel
-    twin (its `kernel` method) and a float32 or half-precision head; the head-kernel route (only when chosen by
-    `use`) one LM-head source and a statistic with a head-kernel twin (its `head_kernel` method)."""
-    chosen = _chosen["route"]
-    if chosen == "torch":
-        return "torch"
-    device, dtype = weight.device, weight.dtype
-    heads = all(kind != "logits" for kind in kinds) and dtype in KERNEL_DTYPES
-    if chosen == "head-kernel":
-        if not (heads and len(kinds) == 1 and hasattr(statistic, "head_kernel")):
-            raise ValueError(
-                f"the head-kernel route runs log π(y) and H of one LM-head source in float32, bfloat16 or "
-                f"float16 (a statistic with a head_kernel twin); got {_name(statistic)} on {kinds} in {dtype}: "
-                f'take the kernel route (use("kernel")) for it'
-            )
-        _runnable("head-kernel", device)
-        return "head-kernel"
-    possible = heads and hasattr(statistic, "kernel")
-    if chosen == "auto":
-        return "kernel" if possible and device.type == "cuda" and TRITON else "torch"
-    if not possible:
-        raise ValueError(
-            f"the kernel route runs LM-head sources in float32, bfloat16 or float16 with a statistic "
-            f"that has a kernel twin; got {_name(statistic)} on {kinds} in {dtype}"
-        )
-    _runnable("kernel", device)
-    return "kernel"
-
-
-def _name(statistic) -> str:
-    return statistic.__name__ if isinstance(statistic, type) else type(statistic).__name__
-
-
-def _runnable(which: str, device: torch.device) -> None:
-    """RuntimeError unless Triton is installed and `device` is CUDA, or Triton's interpreter runs the kernels."""
-    if not TRITON:
-        raise RuntimeError(f"the {which} route needs Triton (pip install triton)")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            f"the {which} route on {device.type} tensors runs only in Triton's interpreter: set "
-            "TRITON_INTERPRET=1 before triton is imported"
-        )
 
 
 @dataclass

@@ -13,12 +13,13 @@ import torch
 from torch import Tensor
 
 from ..core.batch import check_mask, compute_dtype
-from . import kernels
-from .chunks import ChunkLoop, plan_tiles
+from .backends import Plan
+from .chunks import ChunkLoop
 from .entropy import check_temperature
 from .head import Head, HeadKind
+from .plan import plan
 
-__all__ = ["check_logit_pair", "check_head_pair", "pair_tiles", "pair_from_logits", "head_pair", "pair_from_hidden"]
+__all__ = ["check_logit_pair", "check_head_pair", "pair_from_logits", "head_pair", "pair_from_hidden"]
 
 
 def _floating(label: str, value: object, rank: int | None) -> Tensor:
@@ -76,46 +77,6 @@ def check_head_pair(hidden: object, weight: object, other_hidden: object, other_
         )
 
 
-def pair_tiles(
-    tokens: int,
-    vocab: int,
-    dtype: torch.dtype,
-    *,
-    head: bool,
-    chunk_size: int | None,
-    vocab_block: int | None,
-    memory_budget: int | None,
-    softcap: bool = False,
-    kernel: bool = False,
-) -> tuple[int, int]:
-    """`chunks.plan_tiles` for a loop over two sources (the trained model and a frozen one) whose first
-    input has `dtype`: given logits, or an LM head (`head`), whose half-precision parameters add a
-    matmul buffer per source; a soft-capped trained head (`softcap`) adds its slope's buffer. On the kernel
-    route (`kernel`) the two heads' raw tiles in `dtype` are the buffers."""
-    if kernel:
-        return plan_tiles(
-            tokens,
-            vocab,
-            chunk_size=chunk_size,
-            vocab_block=vocab_block,
-            memory_budget=memory_budget,
-            buffers=2,
-            itemsize=torch.finfo(dtype).bits // 8,
-            kernel=True,
-        )
-    compute = compute_dtype(dtype)
-    buffers = 2 * (2 if head and dtype != compute else 1) + int(softcap)
-    return plan_tiles(
-        tokens,
-        vocab,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-        buffers=buffers,
-        itemsize=torch.finfo(compute).bits // 8,
-    )
-
-
 def pair_from_logits(
     statistic: object,
     logits: Tensor,
@@ -131,24 +92,10 @@ def pair_from_logits(
     check_logit_pair(logits, other_logits, names=("logits", f"{other}_logits"))
     temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
-    tiles = pair_tiles(
-        logits.numel() // vocab,
-        vocab,
-        logits.dtype,
-        head=False,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-    )
-    values = ChunkLoop.apply(
-        statistic,
-        ("logits", "logits"),
-        temperature,
-        tiles,
-        None,
-        logits.reshape(-1, vocab),
-        other_logits.detach().reshape(-1, vocab),
-    )
+    flat, other_flat = logits.reshape(-1, vocab), other_logits.detach().reshape(-1, vocab)
+    sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+    tiles = plan(statistic, ("logits", "logits"), flat, flat.shape[0], **sizes)
+    values = ChunkLoop.apply(statistic, ("logits", "logits"), temperature, tiles, None, flat, other_flat)
     return values.view(logits.shape[:-1])
 
 
@@ -166,28 +113,19 @@ def head_pair(
     chunk_size: int | None,
     vocab_block: int | None,
     memory_budget: int | None,
-) -> tuple[tuple[HeadKind, HeadKind], tuple[int, int], tuple, tuple, Tensor | None]:
-    """The two heads of a loop of `statistic` (an instance or its class: the route asks for its kernel twin), each
+) -> tuple[tuple[HeadKind, HeadKind], Plan, tuple, tuple, Tensor | None]:
+    """The two heads of a loop of `statistic` (an instance or its class: the backend is chosen for it), each
     as its call gave it (`head.as_head`), checked (`check_head_pair`, then each head's options by
-    `head.Head.check` against its weight, the other's named `{other}_weight`): their kinds, the tiles
-    (`pair_tiles`, on the route `kernels.route` picks), each model's loop inputs (hidden states as [N, H] rows, weight, bias), the
-    other's detached, and the mask checked (`core.batch.check_mask`; None for None)."""
+    `head.Head.check` against its weight, the other's named `{other}_weight`): their kinds, the loop's plan
+    (`plan.plan`: the backend and its tiles), each model's loop inputs (hidden states as [N, H] rows, weight, bias),
+    the other's detached, and the mask checked (`core.batch.check_mask`; None for None)."""
     check_head_pair(hidden, weight, other_hidden, other_weight, other=other)
     valid = None if mask is None else check_mask(mask, hidden.shape[:2], hidden.device, "hidden")
     kinds = (head.check(weight), other_head.check(other_weight, f"{other}_weight"))
     bias, other_bias = head.bias, other_head.bias
     tokens = hidden.shape[0] * hidden.shape[1]
-    tiles = pair_tiles(
-        tokens,
-        weight.shape[0],
-        weight.dtype,
-        head=True,
-        chunk_size=chunk_size,
-        vocab_block=vocab_block,
-        memory_budget=memory_budget,
-        softcap=kinds[0].softcap is not None,
-        kernel=kernels.route(statistic, kinds, weight) == "kernel",
-    )
+    sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
+    tiles = plan(statistic, kinds, weight, tokens, **sizes)
     first = (hidden.reshape(tokens, hidden.shape[-1]), weight, bias)
     second = (
         other_hidden.detach().reshape(tokens, other_hidden.shape[-1]),

@@ -1,4 +1,4 @@
-"""The one-pass route of `fused.loss_from_hidden`: the loss's gradients formed while its logits are at hand.
+"""The one-pass route of `loss.loss_from_hidden`: the loss's gradients formed while its logits are at hand.
 
 When whole sequences fit in a chunk (T ≤ chunk_size), chunks of whole rows are walked once. Every aggregation
 weight depends only on the mask and the step's global counts, and every sequence-level coupling (GSPO's ratio,
@@ -14,24 +14,29 @@ recomputed for the gradient). `AttachGradients` hands them to autograd when the 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..core.batch import compute_dtype
 from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
-from .chunks import HeadRows, backward_rows, forward_rows
-from .entropy import LogProbEntropy
-from .head import HeadKind
-from .kernels import route
+from ..core.sequence_parallel import SequenceParallel
+from ..vocab.backends import Plan
+from ..vocab.chunks import HeadRows, backward_rows, forward_rows
+from ..vocab.entropy import LogProbEntropy
+from ..vocab.head import HeadKind
 
-__all__ = ["FusedAlgorithm", "AttachGradients", "loss_one_pass"]
+__all__ = ["FusedAlgorithm", "AttachGradients", "OnePass", "loss_one_pass"]
 
 
 class FusedAlgorithm(Protocol):
-    """What the fused path reads of a `pgloss.Algorithm` (vocab/ sits below base.py, which hands itself in)."""
+    """What the driver reads of a `pgloss.Algorithm` (base.py calls the driver and hands itself in: a module on
+    base.py's floor that imported it back would close a circle)."""
 
     @property
     def name(self) -> str: ...
@@ -48,8 +53,15 @@ class FusedAlgorithm(Protocol):
     @property
     def couples_rows(self) -> bool: ...
 
-    def whole_step_normalizer(
-        self, mask: Tensor, old_log_prob: Tensor | None, **inputs: Tensor | None
+    def count_step(
+        self,
+        mask: Tensor | Sequence[Tensor],
+        *,
+        count_rejected: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        reduce: bool = True,
+        sequence_parallel: SequenceParallel | None = None,
+        **inputs: Tensor | Sequence[Tensor] | None,
     ) -> Normalizer: ...
 
     def __call__(
@@ -87,6 +99,17 @@ def _rows(value: Tensor | None, rows: slice) -> Tensor | None:
     return None if value is None else value[rows]
 
 
+class OnePass(NamedTuple):
+    """What the one pass gives: the [B, T] log π and H (detached), the gradients of hidden, weight and bias (or
+    None), and the loss's output when one row chunk held the batch (its call was the batch's call: per_token
+    detached), else None."""
+
+    log_prob: Tensor
+    entropy: Tensor
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None]
+    output: LossOutput | None
+
+
 def loss_one_pass(
     algorithm: FusedAlgorithm,
     hidden: Tensor,
@@ -95,25 +118,25 @@ def loss_one_pass(
     kind: HeadKind,
     targets: Tensor,
     temperature: float,
-    chunk_rows: int,
-    vocab_block: int,
+    tiles: Plan,
     normalizer: Normalizer,
     batch: dict[str, Any],
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """`algorithm`'s loss over row chunks of `chunk_rows` whole sequences, each chunk's call given the step's
+) -> OnePass:
+    """`algorithm`'s loss over row chunks of whole sequences (as many as the plan's chunk holds, on its backend),
+    each chunk's call given the step's
     `normalizer` and its rows of `batch` (the call's other inputs; `old_log_prob` None: on-policy, each chunk's
     log π_old its own detached log π). With vocabulary tiles (`vocab_block` < V) no chunk's logits outlive
     their tile, and each tile is recomputed for the gradient (8NHV).
 
-    Returns the [B, T] log π and H (detached) and the gradients of hidden, weight and bias (or None).
+    The loss is called once per row chunk. With one chunk (the kernel route takes every token at once, up to 2¹⁵)
+    that call is the batch's and its output is returned; with several, a sum of their losses would round otherwise
+    than the batch's call, so the caller makes that call for the value and the metrics (`OnePass`).
     """
     n_rows, length, size = hidden.shape
+    chunk_rows, vocab_block, backend = tiles.chunk_size // length, tiles.vocab_block, tiles.backend
     dtype = compute_dtype(weight.dtype)
     x_all, y_all = hidden.detach().reshape(-1, size), targets.reshape(-1)
     statistic = LogProbEntropy(y_all)
-    kernel = route(statistic, (kind,), weight) == "kernel"
-    if kernel:  # its Triton twin, on the head's raw tiles
-        statistic = statistic.kernel()
     source = HeadRows(
         x_all,
         weight.detach(),
@@ -122,17 +145,18 @@ def loss_one_pass(
         dtype,
         vocab_block,
         kind,
-        kernel,
+        backend.raw_tiles,
         valid=batch["mask"].reshape(-1),
     )
     source.begin_backward((hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad))
     values = statistic.allocate(x_all.shape[0], dtype, x_all.device)
     with_entropy = algorithm.entropy_coef != 0
     grad_log_prob, grad_entropy = torch.empty_like(values[0]), torch.empty_like(values[1]) if with_entropy else None
+    output = None
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
         tokens = slice(start * length, (start + chunk_rows) * length)
-        zs = forward_rows(statistic, [source], tokens, temperature, vocab_block, values)
+        zs = forward_rows(backend, statistic, [source], tokens, temperature, vocab_block, values)
         shape = (min(n_rows, start + chunk_rows) - start, length)
         with torch.enable_grad():
             lp_leaf = values[0][tokens].view(shape).detach().requires_grad_()
@@ -140,11 +164,16 @@ def loss_one_pass(
             chunk: dict[str, Any] = {key: _rows(value, rows) for key, value in batch.items()}
             out = algorithm(log_prob=lp_leaf, entropy=ent_leaf, normalizer=normalizer, **chunk)
             chunk_grads = torch.autograd.grad(out.loss, [lp_leaf, ent_leaf] if with_entropy else [lp_leaf])
+        if chunk_rows >= n_rows:  # the only chunk: its call is the batch's
+            output = dataclasses.replace(out, loss=out.loss.detach(), per_token=out.per_token.detach())
         grad_log_prob[tokens] = chunk_grads[0].reshape(-1)
         if grad_entropy is not None:  # no entropy gradient without the bonus
             grad_entropy[tokens] = chunk_grads[1].reshape(-1)
         grads = (grad_log_prob, grad_entropy)
-        backward_rows(statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs)
+        backward_rows(
+            backend, statistic, [source], tokens, temperature, vocab_block, values, grads, first=start == 0, zs=zs
+        )
     grad_hidden, grad_weight, grad_bias = source.gradients()
     grad_hidden = None if grad_hidden is None else grad_hidden.view(hidden.shape)
-    return values[0].view(n_rows, length), values[1].view(n_rows, length), grad_hidden, grad_weight, grad_bias
+    params = (grad_hidden, grad_weight, grad_bias)
+    return OnePass(values[0].view(n_rows, length), values[1].view(n_rows, length), params, output)
