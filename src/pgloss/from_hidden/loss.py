@@ -241,7 +241,8 @@ def loss_from_hidden(
 
     step = normalizer
     if step is None:  # this batch is the whole step: counted once for every chunk, as the call counts it
-        step = algorithm.count_step(valid, old_log_prob=batch["old_log_prob"], reduce=False, **inputs)
+        given: dict[str, Any] = inputs  # the call's optional inputs: none is an option of count_step
+        step = algorithm.count_step(valid, old_log_prob=batch["old_log_prob"], reduce=False, **given)
     with torch.no_grad():
         result = loss_one_pass(
             algorithm, hidden, weight, bias, kind, safe_targets, temperature, call.tiles, step, batch
