@@ -152,9 +152,10 @@ def gigpo_advantages(
 
     Trinity-RFT 0.6.0 `algorithm/advantage_fn/gigpo_advantage.py` `GiGPOAdvantageFn` (ω = 1, γ = 1,
     fnorm "none", ε = 1e-6 as there, ε added to F = 1 too; ε = 0 gives the paper's F_norm = 1). Trinity
-    keys the anchor groups by the state hash over the whole batch; the paper forms them among the
-    trajectories of one task group: give `state_ids` that tell tasks apart for that. A group of one
-    episode: A_E = 0 (`singleton="zero"`) or Trinity's μ = 0, F = 1 (`"raw"`: A_E = R_e / (1 + ε)).
+    keys the anchor groups by the state hash over the whole batch; the paper's code forms them within each
+    task group (verl-agent `gigpo/core_gigpo.py` `build_step_group`): give `state_ids` that tell tasks
+    apart for that. A group of one episode: A_E = 0 (`singleton="zero"`) or Trinity's μ = 0, F = 1
+    (`"raw"`: A_E = R_e / (1 + ε)).
     """
     omega = check_number("omega", omega)
     if fnorm not in FNORMS:
