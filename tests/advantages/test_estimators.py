@@ -217,6 +217,7 @@ def _global_statistics(rows):
         "rpp": est.reinforce_pp_advantages(rewards[p], mask[p], gamma=0.95)[0],
         "rppb": est.reinforce_pp_baseline_advantages(scores[p], ids[p], mask[p]),
         "gdpo": est.gdpo_advantages(torch.stack([scores[p], scores[p].abs()], 1), ids[p]),
+        "flash": est.flash_reinforce_advantages(scores[p], mask[p], token_rewards=rewards[p]),
     }
 
 
@@ -232,6 +233,7 @@ def check_ranks(results):
     # a per-rank statistic would differ: the comparison can fail
     local = _global_statistics(ROWS[0])
     assert not torch.allclose(local["rpp"], whole["rpp"][:4]) and not torch.allclose(local["gpg"], whole["gpg"][:4])
+    assert not torch.allclose(local["flash"], whole["flash"][:4])
 
 
 def otb_inputs(seed=15):

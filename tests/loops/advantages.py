@@ -1,5 +1,6 @@
 """Advantage estimators: GAE, GRPO's group advantages, RLOO, REINFORCE++, OPO, GPG, pass@k, GDPO, the optimal token baseline
-(single- and multi-turn), MaxRL, AsymRE, OPMD, RAE's role baseline, and the Clip_B / Clip_V token masks.
+(single- and multi-turn), MaxRL, AsymRE, OPMD, RAE's role baseline, the Clip_B / Clip_V token masks, and the
+multi-step ones (step-wise GRPO, GiGPO) and FlashREINFORCE.
 
 Nothing here imports pgloss: these are the independent references the tests compare against, written
 in Python floats (float64). Inputs are nested lists; `mask[i][t]` is a bool.
@@ -312,3 +313,82 @@ def clipv_mask(log_prob, entropy, necs, adv, mask, mu, max_frac, *, trinity=Fals
         worst = sorted(negative, key=lambda it: -D[it[0]][it[1]])[:k]
         clipped = (test - negative) | set(worst)
     return [[bool(mask[i][t]) and (i, t) not in clipped for t in range(T)] for i in range(B)]
+
+
+# -- multi-step episodes: one row per step; an episode's rows in order are its steps ------------------------
+
+
+def _episode_rows(episodes):
+    out: dict[int, list[int]] = {}
+    for i, e in enumerate(episodes):
+        out.setdefault(e, []).append(i)
+    return out
+
+
+def _relative(xs, x, *, std, eps):
+    """(x - mean) / (F + eps) within xs, F the Bessel std or 1."""
+    mean = sum(xs) / len(xs)
+    return (x - mean) / ((_std(xs) if std else 1.0) + eps)
+
+
+def step_wise_grpo(scores, groups, episodes, *, eps=1e-6, scale="group", step_norm=False, singleton="zero"):
+    """Each episode's last score R_e, normalised among its group's episodes, on each of its steps."""
+    rows = _episode_rows(episodes)
+    final = {e: scores[r[-1]] for e, r in rows.items()}
+    group_of = {e: groups[r[0]] for e, r in rows.items()}
+    everything = list(final.values())
+    batch = _std(everything) if len(everything) > 1 else 1.0
+    out = [0.0] * len(scores)
+    for e, r in rows.items():
+        mine = [final[f] for f in rows if group_of[f] == group_of[e]]
+        if len(mine) == 1:
+            adv = final[e] / ((1.0 if scale == "group" else batch) + eps) if singleton == "raw" else 0.0
+        else:
+            sigma = _std(mine) if scale == "group" else batch
+            adv = (final[e] - sum(mine) / len(mine)) / (sigma + eps)
+        for i in r:
+            out[i] = adv / len(r) if step_norm else adv
+    return out
+
+
+def gigpo(
+    rewards, groups, episodes, states, *, omega=1.0, gamma=1.0, fnorm="none", eps=1e-6, singleton="zero", anchored=None
+):
+    """A = A_E + ω A_S: A_E the episode return Σ_t r_t normalised among its group's episodes; A_S the step's
+    discounted return Σ_{k≥t} γ^(k-t) r_k normalised among the anchored steps of the same state."""
+    rows = _episode_rows(episodes)
+    ret = {e: sum(rewards[i] for i in r) for e, r in rows.items()}
+    group_of = {e: groups[r[0]] for e, r in rows.items()}
+    step_return = [0.0] * len(rewards)
+    for r in rows.values():
+        for k, i in enumerate(r):
+            step_return[i] = sum(gamma ** (j - k) * rewards[r[j]] for j in range(k, len(r)))
+    out = [0.0] * len(rewards)
+    for e, r in rows.items():
+        mine = [ret[f] for f in rows if group_of[f] == group_of[e]]
+        if len(mine) == 1:
+            a_e = ret[e] / (1.0 + eps) if singleton == "raw" else 0.0
+        else:
+            a_e = _relative(mine, ret[e], std=fnorm == "std", eps=eps)
+        for i in r:
+            same = [j for j in range(len(rewards)) if states[j] == states[i] and (anchored is None or anchored[j])]
+            a_s = 0.0
+            if (anchored is None or anchored[i]) and len(same) > 1:
+                a_s = _relative([step_return[j] for j in same], step_return[i], std=fnorm == "std", eps=eps)
+            out[i] = a_e + omega * a_s
+    return out
+
+
+def flash_reinforce(scores, mask, *, token_rewards=None, count_empty=False):
+    """s_i minus the batch's mean score on the last valid token, plus the token rewards, summed to go (γ = 1)."""
+    counted = [i for i in range(len(scores)) if count_empty or any(mask[i])]
+    mean = sum(scores[i] for i in counted) / len(counted)
+    out = []
+    for i, row in enumerate(mask):
+        valid = [t for t, m in enumerate(row) if m]
+        adv = [0.0] * len(row)
+        for t in valid:
+            later = [u for u in valid if u >= t]
+            adv[t] = (scores[i] - mean) + (sum(token_rewards[i][u] for u in later) if token_rewards else 0.0)
+        out.append(adv)
+    return out

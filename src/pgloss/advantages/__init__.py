@@ -4,13 +4,14 @@
                                dynamic sampling and overlong penalty
     gae.py                     generalised advantage estimation (with a critic)
     returns.py                 the discounted return-to-go and the whitening over the batch's tokens
-    reinforce.py               REINFORCE++, its group-baseline variant, ReMax
+    reinforce.py               REINFORCE++, its group-baseline variant, ReMax, FlashREINFORCE (the batch mean)
     group_baselines.py         RLOO, OPO, GPG, AsymRE, OPMD: the reward minus a baseline from its group
     maxrl.py                   MaxRL
     gdpo.py                    GDPO (several rewards per response)
     passk.py                   pass@k training
     optimal_token_baseline.py  the optimal token baseline, single- and multi-turn
     role_baseline.py           RAE's per-role running baseline, the one estimator with state across steps
+    multi_step.py              multi-step (agentic) episodes, one row per step: step-wise GRPO, GiGPO
 
 Sequence-level estimators take one score per sequence, `scores` `[B]`, and integer `group_ids`
 `[B]` (the prompt of each sequence; every member of a group must be in the call, as in every
@@ -46,9 +47,16 @@ from .group_baselines import (
     rloo_advantages,
 )
 from .maxrl import MAXRL_CONVENTIONS, maxrl_advantages
+from .multi_step import FNORMS, gigpo_advantages, step_wise_grpo_advantages, step_wise_grpo_keep
 from .optimal_token_baseline import optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages
 from .passk import passk_advantages
-from .reinforce import reinforce_pp_advantages, reinforce_pp_baseline_advantages, remax_advantages
+from .reinforce import (
+    FLASH_REINFORCE_CONVENTIONS,
+    flash_reinforce_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    remax_advantages,
+)
 from .returns import discounted_returns, whiten
 from .role_baseline import RoleBaseline
 
@@ -82,4 +90,10 @@ __all__ = [
     "OPMD_BASELINES",
     "opmd_advantages",
     "RoleBaseline",
+    "FLASH_REINFORCE_CONVENTIONS",
+    "flash_reinforce_advantages",
+    "step_wise_grpo_advantages",
+    "step_wise_grpo_keep",
+    "FNORMS",
+    "gigpo_advantages",
 ]

@@ -117,13 +117,16 @@ def _std(centered_sq_sum: Tensor, count: Tensor, bessel: bool) -> Tensor:
     return (centered_sq_sum / (count - 1 if bessel else count).clamp(min=1)).sqrt()
 
 
-def group_index(group_ids: object, n: int, device: torch.device, reference: str = "scores") -> tuple[Tensor, int]:
+def group_index(
+    group_ids: object, n: int, device: torch.device, reference: str = "scores", *, name: str = "group_ids"
+) -> tuple[Tensor, int]:
     """The `[n]` integer `group_ids` renumbered 0..G-1 in id order, and G. Advantages are computed
-    once per step, before the loss: reading G on the host is their one sync."""
-    ids = check_tensor("group_ids", group_ids, ndim=(1,), floating=False)
+    once per step, before the loss: reading G on the host is their one sync. `name` is the argument's
+    name in the errors (the multi-step estimators number episodes and states with it too)."""
+    ids = check_tensor(name, group_ids, ndim=(1,), floating=False)
     if ids.shape[0] != n or not is_integer(ids):
-        raise ValueError(f"group_ids must be integers of shape [{n}], got {ids.dtype} {tuple(ids.shape)}")
-    check_device("group_ids", ids, device, reference)
+        raise ValueError(f"{name} must be integers of shape [{n}], got {ids.dtype} {tuple(ids.shape)}")
+    check_device(name, ids, device, reference)
     _, index = torch.unique(ids, return_inverse=True)
     return index, (int(index.max()) + 1 if n else 0)
 

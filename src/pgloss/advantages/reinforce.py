@@ -1,5 +1,6 @@
 """REINFORCE-style estimators from the return-to-go, `[B, T]`: REINFORCE++ (whitened returns), its
-group-baseline variant, and ReMax (the greedy response's reward as the baseline)."""
+group-baseline variant, ReMax (the greedy response's reward as the baseline) and FlashREINFORCE (the
+batch's mean reward as the baseline)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..core.batch import check_device, check_mask, check_tensor
+from ..core.distributed import all_reduce
 from .group import _group_center, _scores, group_index
 from .returns import discounted_returns, whiten
 
@@ -63,3 +65,53 @@ def remax_advantages(token_rewards: Tensor, mask: Tensor, baseline: Tensor) -> t
     valid = check_mask(mask, returns.shape, returns.device, "token_rewards")
     adv = torch.where(valid, returns - baseline.detach().to(returns.dtype)[:, None], 0.0)
     return adv, returns
+
+
+FLASH_REINFORCE_CONVENTIONS = ("pgloss", "openrlhf")
+
+
+def flash_reinforce_advantages(
+    scores: Tensor,
+    mask: Tensor,
+    *,
+    token_rewards: Tensor | None = None,
+    convention: str = "pgloss",
+    process_group=None,
+    reduce: bool = True,
+) -> Tensor:
+    """FlashREINFORCE's advantage (OpenRLHF 0.11.2 `advantage.estimator="flash_reinforce"`), `[B, T]`: the
+    score minus the mean score of the whole rollout batch, with no prompt groups and no whitening, on
+    every valid token (the undiscounted return-to-go of a reward on the last valid token):
+
+        Â_{i,t} = s_i - (1/B) Σ_j s_j                       + Σ_{t' ≥ t} k_{i,t'}  with `token_rewards` k
+
+    OpenRLHF `trainer/ppo_utils/experience_maker.py` `compute_advantages_and_returns` (`rewards -
+    rewards.mean()`, then `compute_reward` and `get_cumulative_returns` with γ = 1; advantages = returns).
+    It is the estimator for one sample per prompt (`n_samples_per_prompt=1`), where a group baseline has
+    no group. `token_rewards` (`[B, T]`) adds per-token rewards before the return-to-go, as OpenRLHF's
+    KL-in-reward `-kl_coef · KL`; OpenRLHF also clamps the centred score to `reward.clip_range` (default
+    (-10, 10)) first, which pgloss leaves to the caller. The mean is over all ranks (`process_group`).
+
+    `convention`: "pgloss" leaves a row without a valid token out of the mean (it gets 0); "openrlhf"
+    counts its score, as OpenRLHF does (it gets 0 through the mask either way)."""
+    if convention not in FLASH_REINFORCE_CONVENTIONS:
+        raise ValueError(f"convention must be one of {FLASH_REINFORCE_CONVENTIONS}, got {convention!r}")
+    scores = _scores(scores)
+    work = scores.to(torch.float64)
+    mask = check_tensor("mask", mask, ndim=(2,), floating=False)
+    if mask.shape[0] != work.shape[0]:
+        raise ValueError(f"mask must have {work.shape[0]} rows (one per score), got {tuple(mask.shape)}")
+    valid = check_mask(mask, mask.shape, work.device, "scores")
+    counted = torch.ones_like(valid[:, 0]) if convention == "openrlhf" else valid.any(dim=-1)
+    totals = all_reduce(
+        torch.stack([torch.where(counted, work, 0.0).sum(), counted.sum().to(work.dtype)]), process_group, reduce
+    )
+    centered = work - totals[0] / totals[1].clamp(min=1)
+    adv = torch.where(valid, centered[:, None], 0.0)  # the return-to-go (γ = 1) of the score on the last token
+    if token_rewards is not None:
+        token_rewards = check_tensor("token_rewards", token_rewards, ndim=(2,))
+        if token_rewards.shape != valid.shape:
+            raise ValueError(f"token_rewards must have shape {tuple(valid.shape)}, got {tuple(token_rewards.shape)}")
+        check_device("token_rewards", token_rewards, work.device, "scores")
+        adv = adv + discounted_returns(token_rewards.detach().to(torch.float64), valid, gamma=1.0)
+    return adv.to(scores.dtype)
