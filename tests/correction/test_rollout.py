@@ -79,6 +79,8 @@ def test_kl_rejection_matches_verl_loop(option):
     )
     if option.startswith("seq_max"):
         bounds = dict(upper=1.6, lower=0.5) if option.endswith("k1") else dict(upper=0.2)
+    if option == "seq_min_k1":  # SkyRL outlier_token_is_threshold_high = H: lower = 1/H
+        bounds = dict(upper=None, lower=1 / 1.5)
     out = apply(RolloutCorrection(weight_level=None, rejection=(Rejection(option, **bounds),)), data)
     keep = loops.kl_rejection_keep(
         data["old_log_prob"].tolist(),

@@ -84,6 +84,8 @@ def kl_rejection_keep(train, rollout, mask, option, upper, lower=None):
                 seq = sum(valid)
             elif level == "seq_mean":
                 seq = sum(valid) / len(valid)
+            elif level == "seq_min":
+                seq = min(valid)
             else:
                 seq = max(valid)
             keep[i] = [passes(seq)] * T

@@ -4,7 +4,10 @@ KL-based rejection (verl `rollout_rs`), chainable (AND, each rule's statistic ov
 as verl), with k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ per token, at token level or as a
 sequence's sum, mean or max: a `Rejection` keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
 exp(statistic) (a ratio π_rollout/π_train, lower defaulting to 1/upper), for k2 and k3 on the
-statistic (upper only). Off-policy sequence masking (the DeepSeek-V3.2 technical report; TRL
+statistic (upper only). `seq_min_k1` with `lower` = 1/H drops a sequence when any token's ρ_t > H (SkyRL
+`outlier_token_is_threshold_high`); `seq_max_k1` with `upper` = 1/L and `lower` = 0+ (a tiny ratio: its default 1/upper would also drop the rows whose
+every ρ_t > 1/L), when any ρ_t < L (`outlier_token_is_threshold_low`). Off-policy sequence masking (the DeepSeek-V3.2
+technical report; TRL
 `off_policy_mask_threshold`, ms-swift `off_policy_sequence_mask_delta`) drops sequence i when
 Â_i < 0 and (1/|y_i|) Σ_t (log π_behave - sg log π_θ) > δ, π_behave = π_rollout (π_old without one).
 
@@ -27,7 +30,8 @@ __all__ = ["KL_STATISTICS", "REJECTION_LEVELS", "REJECTION_OPTIONS", "Rejection"
 
 KL_STATISTICS = ("k1", "k2", "k3")
 REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
-REJECTION_OPTIONS = tuple(f"{level}_{k}" for level in REJECTION_LEVELS for k in KL_STATISTICS)
+REJECTION_OPTIONS = (*(f"{level}_{k}" for level in REJECTION_LEVELS for k in KL_STATISTICS), "seq_min_k1")
+"""The options; `seq_min_k1` (k1 only) bounds the sequence's smallest -log ρ, its largest ratio ρ = π_train/π_rollout."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,10 @@ class Rejection:
             stat = row_sum(stat, sequence_parallel, keepdim=True)
         elif level == "seq_mean":
             stat = row_mean(stat, mask, sequence_parallel, keepdim=True)
+        elif level == "seq_min":  # the smallest -log ρ_t: exp(stat) ≥ lower ⇔ every ρ_t ≤ 1/lower
+            stat = -row_max(torch.where(mask, -stat, -torch.inf), sequence_parallel, keepdim=True).clamp(
+                min=-torch.finfo(stat.dtype).max
+            )
         elif level == "seq_max":
             stat = row_max(torch.where(mask, stat, -torch.inf), sequence_parallel, keepdim=True).clamp(
                 min=-torch.finfo(stat.dtype).max
