@@ -18,6 +18,7 @@ from .core.aggregate import needs_budget
 from .core.checks import check_number
 from .core.output import LossOutput, PolicyTerms
 from .core.trainer_names import closest, field_hint
+from .correction.rollout import RolloutCorrection
 from .losses.ce_gppo import CEGPPO
 from .losses.chord import CHORD
 from .losses.cispo import CISPO
@@ -27,6 +28,7 @@ from .losses.dro import DRO
 from .losses.fipo import FIPO
 from .losses.gmpo import GMPO
 from .losses.gvpo import GVPO
+from .losses.importance_sampling import ImportanceSampling
 from .losses.kl_cov import KLCov
 from .losses.luspo import LUSPO
 from .losses.opd import OPD
@@ -136,6 +138,15 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
     ("clip_cov", ClipCov, "Cui et al. 2025, arXiv 2505.22617; verl clip_cov (trainer/ppo/core_algos.py)", dict()),
     ("kl_cov", KLCov, "Cui et al. 2025, arXiv 2505.22617; verl kl_cov (trainer/ppo/core_algos.py)", dict()),
     ("gpg", GPG, "Chu et al. 2025, arXiv 2504.02546; verl gpg (trainer/ppo/core_algos.py)", dict()),
+    (
+        "rollout_is",
+        GPG,
+        "GLM-5 report, arXiv 2602.15763; SkyRL rollout_is_policy_loss (skyrl/backends/skyrl_train/utils/ppo_utils.py)",
+        dict(
+            loss_agg_mode=TOK,
+            rollout_correction=RolloutCorrection(weight_mode="mask", lower=0.8, upper=1.2, bypass=True),
+        ),
+    ),
     ("tis_pg", TISPG, "ROLL tis (roll/pipeline/rlvr/actor_pg_worker.py)", dict()),
     ("topr", TOPR, "Le Roux et al. 2025, arXiv 2503.14286; ROLL topr (roll/pipeline/rlvr/actor_pg_worker.py)", dict()),
     ("dppo_tv", DPPO, "arXiv 2602.04879; verl dppo_tv (trainer/ppo/core_algos.py)", dict(divergence="tv")),
@@ -185,6 +196,19 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
         CHORD,
         "CHORD, arXiv 2508.11408; Trinity-RFT mix_chord (trinity/algorithm/policy_loss_fn/chord_policy_loss.py)",
         dict(loss_agg_mode=TOK, dual_clip=3.0),
+    ),
+    (
+        "importance_sampling",
+        ImportanceSampling,
+        "Tinker importance_sampling (tinker-cookbook rl/train.py); SkyRL importance_sampling_loss "
+        "(skyrl/backends/skyrl_train/utils/ppo_utils.py)",
+        dict(loss_agg_mode="token-sum"),
+    ),
+    (
+        "ipo",
+        ImportanceSampling,
+        "prime-rl ipo_loss_fn (src/prime_rl/trainer/rl/loss.py)",
+        dict(loss_agg_mode=TOK, ipo_threshold=0.1, ipo_kl_tau=1e-3),
     ),
 ]
 

@@ -435,3 +435,25 @@ def opd(
             row.append(0.0 if dropped else -surrogate_t * advantages[i][t])
         out.append(row)
     return out
+
+
+# Importance sampling (Tinker, SkyRL), prime-rl's IPO and SkyRL's rollout_is (the GLM-5 report, arXiv 2602.15763).
+def importance_sampling(lp, old, adv, mask, *, threshold=None, kl_tau=0.0):
+    """-keep·A·r + τ·(log r)² per token, keep = |π_θ - π_old| ≤ δ (prime-rl ipo_loss_fn; δ None: keep all)."""
+
+    def f(p, o, a, i):
+        keep = threshold is None or abs(math.exp(p) - math.exp(o)) <= threshold
+        return (-a * math.exp(p - o) if keep else 0.0) + kl_tau * (p - o) ** 2
+
+    return per_token(f, lp, old, adv, mask)
+
+
+def rollout_is(lp, rollout, adv, mask, *, eps_low=0.2, eps_high=0.2):
+    """-sg[r·1(1 - ε_l ≤ r ≤ 1 + ε_h)]·A·log π_θ per token, r = π_θ/π_rollout (SkyRL rollout_is_policy_loss)."""
+
+    def f(p, q, a, i):
+        r = math.exp(p - q)
+        return -(r if 1 - eps_low <= r <= 1 + eps_high else 0.0) * a * p
+
+    return per_token(f, lp, rollout, adv, mask)
+
