@@ -19,6 +19,7 @@ from .core.checks import check_number
 from .core.output import LossOutput, PolicyTerms
 from .core.trainer_names import closest, field_hint
 from .correction.rollout import RolloutCorrection
+from .losses.a2po import A2PO
 from .losses.ce_gppo import CEGPPO
 from .losses.chord import CHORD
 from .losses.cispo import CISPO
@@ -209,6 +210,12 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
         ImportanceSampling,
         "prime-rl ipo_loss_fn (src/prime_rl/trainer/rl/loss.py)",
         dict(loss_agg_mode=TOK, ipo_threshold=0.1, ipo_kl_tau=1e-3),
+    ),
+    (
+        "a2po",
+        A2PO,
+        "A*-PO, arXiv 2505.20686; TRL a2po (trl/experimental/a2po/a2po_trainer.py)",
+        dict(loss_agg_mode=SEQ),
     ),
 ]
 

@@ -437,7 +437,8 @@ def opd(
     return out
 
 
-# Importance sampling (Tinker, SkyRL), prime-rl's IPO and SkyRL's rollout_is (the GLM-5 report, arXiv 2602.15763).
+# Importance sampling (Tinker, SkyRL), prime-rl's IPO, SkyRL's rollout_is (the GLM-5 report, arXiv 2602.15763) and
+# A*-PO (arXiv 2505.20686, TRL trl/experimental/a2po).
 def importance_sampling(lp, old, adv, mask, *, threshold=None, kl_tau=0.0):
     """-keep·A·r + τ·(log r)² per token, keep = |π_θ - π_old| ≤ δ (prime-rl ipo_loss_fn; δ None: keep all)."""
 
@@ -457,3 +458,18 @@ def rollout_is(lp, rollout, adv, mask, *, eps_low=0.2, eps_high=0.2):
 
     return per_token(f, lp, rollout, adv, mask)
 
+
+def a2po_value(rewards, *, beta1=0.5):
+    """V* = β₁·log((1/N) Σ_j exp(r_j/β₁)) for one prompt's N reference rewards."""
+    return beta1 * math.log(sum(math.exp(r / beta1) for r in rewards) / len(rewards))
+
+
+def a2po(lp, ref, adv, mask, *, beta2=1e-3):
+    """mean over rows with a valid token of (β₂·Σ_t (log π - log π_ref) - Â_i)², Â_i the row's mean advantage."""
+    rows = []
+    for i in range(len(lp)):
+        valid = [t for t in range(len(lp[i])) if mask[i][t]]
+        if valid:
+            a = sum(adv[i][t] for t in valid) / len(valid)
+            rows.append((beta2 * sum(lp[i][t] - ref[i][t] for t in valid) - a) ** 2)
+    return sum(rows) / max(len(rows), 1)
