@@ -18,7 +18,6 @@ from .core.aggregate import needs_budget
 from .core.checks import check_number
 from .core.output import LossOutput, PolicyTerms
 from .core.trainer_names import closest, field_hint
-from .correction.rollout import RolloutCorrection
 from .losses.a2po import A2PO
 from .losses.ce_gppo import CEGPPO
 from .losses.chord import CHORD
@@ -139,15 +138,6 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
     ("clip_cov", ClipCov, "Cui et al. 2025, arXiv 2505.22617; verl clip_cov (trainer/ppo/core_algos.py)", dict()),
     ("kl_cov", KLCov, "Cui et al. 2025, arXiv 2505.22617; verl kl_cov (trainer/ppo/core_algos.py)", dict()),
     ("gpg", GPG, "Chu et al. 2025, arXiv 2504.02546; verl gpg (trainer/ppo/core_algos.py)", dict()),
-    (
-        "rollout_is",
-        GPG,
-        "GLM-5 report, arXiv 2602.15763; SkyRL rollout_is_policy_loss (skyrl/backends/skyrl_train/utils/ppo_utils.py)",
-        dict(
-            loss_agg_mode=TOK,
-            rollout_correction=RolloutCorrection(weight_mode="mask", lower=0.8, upper=1.2, bypass=True),
-        ),
-    ),
     ("tis_pg", TISPG, "ROLL tis (roll/pipeline/rlvr/actor_pg_worker.py)", dict()),
     ("topr", TOPR, "Le Roux et al. 2025, arXiv 2503.14286; ROLL topr (roll/pipeline/rlvr/actor_pg_worker.py)", dict()),
     ("dppo_tv", DPPO, "arXiv 2602.04879; verl dppo_tv (trainer/ppo/core_algos.py)", dict(divergence="tv")),
@@ -170,6 +160,12 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
         "Yao et al. 2025, arXiv 2509.24203; Trinity-RFT rec REC-Ring-NoIS "
         "(trinity/algorithm/policy_loss_fn/rec_policy_loss.py)",
         dict(rec_clip_mode="ring", ring_low=0.6, ring_high=2.0),
+    ),
+    (
+        "rollout_is",
+        REC,
+        "GLM-5 report, arXiv 2602.15763; SkyRL rollout_is_policy_loss (skyrl/backends/skyrl_train/utils/ppo_utils.py)",
+        dict(rec_clip_mode="two-side", rec_weight="importance_sampling"),
     ),
     (
         "opmd",

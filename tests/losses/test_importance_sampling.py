@@ -1,5 +1,5 @@
-"""`importance_sampling`, `ipo` (losses/importance_sampling.py) and `rollout_is` (gpg with a bypass IcePop
-correction) against the float64 loops of tests/loops/losses.py, with gradcheck, and against the trainers' own
+"""`importance_sampling`, `ipo` (losses/importance_sampling.py) and `rollout_is` (REC's two-side rule with the
+importance weight, on the rollout's ratio) against the float64 loops of tests/loops/losses.py, with gradcheck, and against the trainers' own
 functions, read from their sources (trainer_sources.py; each test skips when its source is absent):
 
     SkyRL 0.4.0 importance_sampling_loss      (skyrl/backends/skyrl_train/utils/ppo_utils.py): the loss within
@@ -90,11 +90,23 @@ def test_importance_sampling_gradient_is_the_unclipped_ratio_times_reinforce():
     torch.testing.assert_close(x.grad, torch.where(data["mask"], -data["advantages"] * r, 0.0), rtol=1e-14, atol=0)
 
 
-def rollout_is_call(data, lp=None):
+def rollout_is_call(data, lp=None, **kw):
+    """SkyRL's ratio is to the rollout's log-probs: they are the call's old_log_prob."""
     lp = data["log_prob"] if lp is None else lp
-    return pgloss.get("rollout_is")(
-        lp, data["old_log_prob"], data["advantages"], data["mask"], rollout_log_prob=data["rollout_log_prob"]
+    return pgloss.get("rollout_is", **kw)(lp, data["rollout_log_prob"], data["advantages"], data["mask"])
+
+
+def test_rollout_is_with_both_log_probs_and_a_bypass_correction_is_the_same_loss():
+    data = with_rollout(2)
+    bypass = pgloss.get("rollout_is", rollout_correction=pgloss.RolloutCorrection(weight_level=None, bypass=True))
+    out = bypass(
+        data["log_prob"],
+        data["old_log_prob"],
+        data["advantages"],
+        data["mask"],
+        rollout_log_prob=data["rollout_log_prob"],
     )
+    torch.testing.assert_close(out.loss, rollout_is_call(data).loss, rtol=0, atol=1e-16)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -102,7 +114,7 @@ def test_rollout_is_matches_loop(seed):
     data = with_rollout(seed)
     lp, _, adv, mask = loops.lists(data)
     per_token = loops.rollout_is(lp, data["rollout_log_prob"].tolist(), adv, mask)
-    # IcePop's mask is a rule known only with π_θ: its tokens stay in the count (as SkyRL's advantages are scaled)
+    # the band's zeroed tokens stay in the count (as SkyRL's scaled advantages keep them)
     expected = sum(sum(row) for row in per_token) / data["mask"].sum().item()
     assert rollout_is_call(data).loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-14)
     r = (data["log_prob"] - data["rollout_log_prob"]).exp()[data["mask"]]
