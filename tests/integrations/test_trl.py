@@ -41,6 +41,10 @@ def test_trains_and_window_gradient_is_one_call(tmp_path, model_dir, name, overr
         with pytest.raises(ValueError, match=f"cannot honour: {name}, which needs teacher_log_prob"):
             train(str(tmp_path), algorithm, fused=fused)
         return
+    if "ref_log_prob" in type(algorithm).required_inputs and algorithm.kl_coef == 0:  # no reference without beta
+        with pytest.raises(ValueError, match=f"cannot honour: {name}, which needs ref_log_prob with kl_coef = 0"):
+            train(str(tmp_path), algorithm, fused=fused)
+        return
     # A sequence ratio compounds the first step's change over the sequence (and GSPO's band is 3e-4):
     # a smaller first step keeps some sequences unclipped, else the second step's gradient is 0.
     rate = 2e-2 if getattr(algorithm, "ratio_level", "token") == "token" else 1e-6

@@ -125,7 +125,8 @@ def inspect(
     """
     _check_algorithm(algorithm)
     check_names(inputs)
-    policy_inputs = {name: value for name, value in inputs.items() if name not in _TERM_INPUTS}
+    own = type(algorithm).required_inputs  # a family's own input stays (A*-PO's ref_log_prob)
+    policy_inputs = {name: value for name, value in inputs.items() if name not in _TERM_INPUTS or name in own}
     policy_only = algorithm.policy_only()
     with _replayed_draws(algorithm) as rewind:
         grad = token_gradients(algorithm, log_prob, old_log_prob, advantages, mask, normalizer=normalizer, **inputs)

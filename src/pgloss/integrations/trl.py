@@ -133,6 +133,11 @@ class PGLossMixin(TRLInputs):
                 f"{algorithm.name}, which needs {', '.join(missing)} in each call (GRPOTrainer passes "
                 f"{', '.join(sorted(_PASSED))})"
             )
+        if "ref_log_prob" in type(algorithm).required_inputs and algorithm.kl_coef == 0:  # A*-PO
+            refused.append(
+                f"{algorithm.name}, which needs ref_log_prob with kl_coef = 0 (GRPOTrainer computes the reference "
+                "log-probs only when beta != 0)"
+            )
         if refused:
             raise ValueError("PGLossGRPOTrainer cannot honour: " + "; ".join(refused))
         config = copy.copy(config)  # the caller's config stays as it was
