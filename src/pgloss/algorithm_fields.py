@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,6 +58,8 @@ class AlgorithmFields(TermOptions):
     declaration; paths ask `rollout_use`)."""
     required_inputs: ClassVar[tuple[str, ...]] = ()
     """Optional call arguments this family cannot do without (e.g. "scores", "group_ids")."""
+    required_input_reasons: ClassVar[Mapping[str, str]] = {}
+    """Why the family reads one of its `required_inputs`, where the input's own description does not say."""
 
     @property
     def fixed_agg_mode(self) -> str | None:
@@ -152,7 +155,7 @@ class AlgorithmFields(TermOptions):
         for term in self.declared_terms:
             reasons |= term.needs()
         for name in self.required_inputs:
-            reasons[name] = (
+            reasons[name] = self.required_input_reasons.get(name) or (
                 "[B], its loss contrasts the rows of a group" if name == "group_ids" else OPTIONAL_INPUTS[name].doc
             )
         if self.grouped_mode is not None:

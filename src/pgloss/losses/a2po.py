@@ -68,6 +68,9 @@ class A2PO(Algorithm):
     """β₂, the scale of the implicit reward β₂·log(π_θ/π_ref) (TRL `beta2`); β₁ belongs to V* (`a2po_optimal_value`)."""
 
     required_inputs = ("ref_log_prob",)
+    required_input_reasons = {
+        "ref_log_prob": "log π_ref(y_t), the reference model's: A*-PO fits β₂·Σ_t log(π_θ/π_ref) to r - V*"
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
