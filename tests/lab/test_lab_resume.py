@@ -151,3 +151,17 @@ def test_resume_refuses_other_settings_a_finished_run_and_no_out(tmp_path):
     assert _run("train", *SMALL, "--out", str(out), "--resume").returncode == 0
     again = _run("train", *SMALL, "--out", str(out), "--resume")
     assert again.returncode == 2 and "is finished, nothing to continue" in again.stderr
+
+
+def test_the_resume_command_is_the_run_s_own_with_out_and_resume(tmp_path):
+    from pgloss.lab.resume import resume_command
+
+    out = tmp_path / "my runs"
+    line = "pgloss compare --algorithms grpo dapo --steps 30 --overwrite --out=elsewhere --seeds 2"
+    assert resume_command({"command": line}, out) == (
+        f"pgloss compare --algorithms grpo dapo --steps 30 --seeds 2 --out '{out}' --resume"
+    )
+    assert resume_command({"command": "pgloss train --out a --resume --steps 5"}, out) == (
+        f"pgloss train --steps 5 --out '{out}' --resume"
+    )
+    assert resume_command({"command": "pgloss train", "world_size": 2}, out) is None  # torchrun keeps no checkpoint
