@@ -21,7 +21,8 @@ VERSIONS = (
 
 
 def counts(report: Path) -> tuple[int, int, int]:
-    """(passed, failed, skipped) from pytest's JUnit XML: a failure or an error counts as failed."""
+    """(passed, failed, skipped) from pytest's JUnit XML: a failure or an error counts as failed, an expected
+    failure (xfail) as skipped, as the XML records it."""
     passed = failed = skipped = 0
     for case in ET.parse(report).iter("testcase"):
         tags = {child.tag for child in case}
