@@ -72,8 +72,9 @@ test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER)
 # Each venv holds a CUDA build of torch with its CUDA libraries (the package index has no CPU build for Linux
 # x86-64; torch's libraries link them even on a CPU): about 3 GB to download and 6 GB on disk apiece, built once
 # (delete the folder to rebuild). The machine's pip configuration caps torch below its newest release; the venvs'
-# installs set PIP_CONSTRAINT to an empty file, which lifts that cap for those commands alone. Building the two
-# venvs took 3.5 and 3 minutes here (downloads at about 40 MB/s).
+# installs set PIP_CONSTRAINT to an empty file, which lifts that cap for those commands alone. Time on 2 cores:
+# 25 minutes from an empty $(MATRIX) (building both venvs about 4 of them, the floor's tests 9.6 minutes and the
+# newest's 11.5), measured with other test runs on the machine; with `make test`'s 15, within CI's 90.
 MATRIX := .venv-matrix
 MATRIX_FLOOR := 2.9.1
 MATRIX_NEWEST := 2.15.0
