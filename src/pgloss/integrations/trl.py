@@ -62,7 +62,7 @@ import pgloss
 from ..algorithms import Algorithm
 from ..core.output import LossOutput
 from ..step import Step
-from ..trainer_options.trl import adaptive_entropy, trainer_algorithm
+from ..trainer_options.trl import adaptive_entropy, reference_model_refusal, trainer_algorithm
 from .lm_head import head_options
 from .trl_inputs import MULTIMODAL, TRLInputs, schedule_refusals
 
@@ -127,6 +127,9 @@ class PGLossMixin(TRLInputs):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         algorithm = trainer_algorithm(config, algorithm)
         refused = schedule_refusals(config)
+        no_reference = reference_model_refusal(kwargs.get("model", args[0] if args else None), algorithm)
+        if no_reference:
+            refused.append(no_reference)
         missing = sorted(algorithm.needs - _PASSED)
         if missing:  # e.g. on-policy distillation's teacher_log_prob: GRPOTrainer has no teacher
             refused.append(

@@ -45,7 +45,15 @@ from ..losses.ppo import ClippedPolicy
 from ..losses.sapo import SAPO
 from ..losses.vespo import VESPO
 
-__all__ = ["LOSS_TYPES", "GRPOOptions", "adaptive_entropy", "from_trl", "rollout_correction", "trainer_algorithm"]
+__all__ = [
+    "LOSS_TYPES",
+    "GRPOOptions",
+    "adaptive_entropy",
+    "from_trl",
+    "reference_model_refusal",
+    "rollout_correction",
+    "trainer_algorithm",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -348,7 +356,9 @@ def trainer_algorithm(config: Any, algorithm: str | Algorithm | None) -> Algorit
     - a name: that algorithm with its own defaults, and TRL's loss options the caller set (away from
       GRPOConfig's defaults) translated onto it: `epsilon`, `epsilon_high`, `delta`,
       `importance_sampling_level`, `sapo_temperature_*`, `vespo_*`, `beta` (with
-      `use_bias_correction_kl`), `entropy_coef`; `loss_type` set to another name is refused.
+      `use_bias_correction_kl`), `entropy_coef`; `loss_type` set to another name is refused. The KL term is
+      TRL's `beta` even at its default (0, TRL 1.16's): `algorithm="grpo"` has no KL term and TRL loads no
+      reference model unless `beta` is set (or `pgloss.get("grpo")`, with the paper's kl_coef=0.04, is passed).
     - an Algorithm: as given; a TRL loss option set to a value the algorithm does not have is refused.
 
     Then TRL's vLLM importance sampling and off-policy mask become the algorithm's rollout correction
@@ -375,6 +385,17 @@ def trainer_algorithm(config: Any, algorithm: str | Algorithm | None) -> Algorit
         ]
         if _is_set(config, "beta"):
             fields |= _kl_fields(config)
+        elif configured(algorithm).get("kl_coef"):  # TRL's beta (0) is kept: no reference model unasked
+            fields |= _kl_fields(config)
+            _log.info(
+                "%s: TRL's beta=%s is kept (kl_coef=0, no reference model); for %s's KL term set GRPOConfig(beta=%s) "
+                "or pass algorithm=pgloss.get(%r).",
+                algorithm,
+                config.beta,
+                algorithm,
+                configured(algorithm)["kl_coef"],
+                algorithm,
+            )
         if config.entropy_coef != 0:
             fields["entropy_coef"] = config.entropy_coef
         if problems:
@@ -387,6 +408,25 @@ def trainer_algorithm(config: Any, algorithm: str | Algorithm | None) -> Algorit
     else:
         raise TypeError(f"algorithm must be None, a name or a pgloss.Algorithm, got {type(algorithm).__name__}")
     return _with_rollout_correction(config, algorithm)
+
+
+def reference_model_refusal(model: Any, algorithm: Algorithm) -> str | None:
+    """Why TRL cannot build the reference model `algorithm`'s KL term needs from `model`, or None.
+
+    TRL 1.16's GRPOTrainer takes no reference model: with `beta != 0` it loads one from the policy's
+    `config._name_or_path`, which a model built in memory (from a config, not `from_pretrained`) leaves empty, and
+    the hub's loader then fails on the empty id. A PEFT model needs none (its adapter is switched off)."""
+    if algorithm.kl_coef == 0 or isinstance(model, str) or hasattr(model, "peft_config"):
+        return None
+    path: Any = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if path is None or path != "":  # no transformers model, or one TRL can load again
+        return None
+    return (
+        f"{algorithm.name} with kl_coef={algorithm.kl_coef} on a model built in memory (its config has no "
+        "_name_or_path): TRL's GRPOTrainer takes no ref_model and loads the reference from that path. Save the "
+        "model (model.save_pretrained(path)) and pass model=path, or drop the KL term "
+        f"(algorithm=pgloss.get({algorithm.name!r}, kl_coef=0), GRPOConfig(beta=0))"
+    )
 
 
 def _conflicts(config: Any, algorithm: Algorithm) -> list[str]:
