@@ -3,18 +3,18 @@ p_rollout = exp(log π_rollout) of the sampled token, beside the ratio rules of 
 
 Per valid token, with π_train = π_old (decoupled mode) or sg(π_θ) (bypass mode):
 
-    statistic   per token                                                       source
-    binary_kl   p_r log(p_r / p_t) + (1 − p_r) log((1 − p_r) / (1 − p_t))       OpenRLHF `is_correction_gating="binary_kl"`
-    tv          |p_r − p_t|                                                     OpenRLHF `is_correction_gating="tv"`
-    diff        p_t − p_r                                                       ROLL `diff_enabled` filters
+    statistic   per token                                                   source
+    binary_kl   p_r log(p_r / p_t) + (1 − p_r) log((1 − p_r) / (1 − p_t))   OpenRLHF `is_correction_gating="binary_kl"`
+    tv          |p_r − p_t|                                                 OpenRLHF `is_correction_gating="tv"`
+    diff        p_t − p_r                                                   ROLL `diff_enabled` filters
 
 with p_r = clamp(p_rollout, 1e-6, 1 − 1e-6) and p_t = clamp(p_train, 1e-6, 1 − 1e-6) for binary_kl and tv (OpenRLHF's
 clamp keeps the logs finite), the raw probabilities for diff (ROLL). At level
 
     token         the token's own statistic
-    seq_mean      the mean over the sequence's valid tokens      (OpenRLHF `is_correction_level="seq"`, ROLL `geometric`)
-    seq_sum       the sum over the sequence's valid tokens       (ROLL `sequence`)
-    segment_mean  the mean over the token's segment               (ROLL `segment`)
+    seq_mean      the mean over the sequence's valid tokens   (OpenRLHF `is_correction_level="seq"`, ROLL `geometric`)
+    seq_sum       the sum over the sequence's valid tokens    (ROLL `sequence`)
+    segment_mean  the mean over the token's segment           (ROLL `segment`)
 
 a `Gate` keeps a token (a whole sequence, a whole segment) when lower ≤ statistic ≤ upper (either bound may be None).
 A segment is a maximal run of consecutive valid tokens of the mask (a turn of a multi-turn response whose tool and

@@ -2,8 +2,9 @@
 
 KL-based rejection (verl `rollout_rs`), chainable (AND, each rule's statistic over the original mask,
 as verl), with k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ per token, at token level, as a
-sequence's sum, mean or max, or as a segment's mean (`segment_mean`: a maximal run of consecutive valid tokens, a
-turn, as ROLL's `segment` level; `pgloss.correction.gating.segment_mean`): a `Rejection` keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
+sequence's sum, mean or max, or as a segment's mean (`segment_mean`: over a maximal run of consecutive
+valid tokens, a turn, as ROLL's `segment` level; `pgloss.correction.gating.segment_mean`): a `Rejection`
+keeps a token (or the whole sequence, or segment) when the statistic passes; for k1 the bounds are on
 exp(statistic) (a ratio π_rollout/π_train, lower defaulting to 1/upper), for k2 and k3 on the
 statistic (upper only). Off-policy sequence masking (the DeepSeek-V3.2 technical report; TRL
 `off_policy_mask_threshold`, ms-swift `off_policy_sequence_mask_delta`) drops sequence i when
@@ -35,7 +36,8 @@ REJECTION_OPTIONS = tuple(f"{level}_{k}" for level in REJECTION_LEVELS for k in 
 @dataclass(frozen=True)
 class Rejection:
     """One KL-based rejection rule: `option` is `<level>_<k>` with level token, seq_sum, seq_mean,
-    seq_max or segment_mean and k k1, k2 or k3 (verl's `rollout_rs` names; segment_mean: ROLL's per-turn level). For k1, keep lower ≤ exp(stat) ≤ upper
+    seq_max or segment_mean and k k1, k2 or k3 (verl's `rollout_rs` names; segment_mean: ROLL's per-turn
+    level). For k1, keep lower ≤ exp(stat) ≤ upper
     (either bound may be None, lower defaults to 1/upper); for k2 and k3, keep stat ≤ upper."""
 
     option: str

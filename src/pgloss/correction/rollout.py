@@ -9,8 +9,10 @@ log-ratio of a valid token is log ρ_t = clamp(log π_train - log π_rollout, ±
 
     weight level        w                                            used by
     token               ρ_t                                          verl `rollout_is=token`, TRL/ms-swift `token_*`
-    sequence_product    exp(clamp(Σ_t log ρ_t, ±max_log_ratio))      verl `rollout_is=sequence`, TRL `sequence_*`
-    sequence_geometric  exp(Σ_t log ρ_t / |y_i|)                     ms-swift `sequence_*`, OpenRLHF `seq`, ROLL `geometric`
+    sequence_product    exp(clamp(Σ_t log ρ_t, ±max_log_ratio))      verl `rollout_is=sequence`, TRL `sequence_*`,
+                                                                     ROLL `sequence`
+    sequence_geometric  exp(Σ_t log ρ_t / |y_i|)                     ms-swift `sequence_*`, OpenRLHF `seq`,
+                                                                     ROLL `geometric`
     segment_geometric   exp(Σ_{t∈s} log ρ_t / |s|), s the token's    ROLL `segment` (`weight_type`)
                         segment (a run of consecutive valid tokens)
 
@@ -23,8 +25,8 @@ detached. The sequence weight is a separate choice from GSPO's sequence ratio: a
 ratios collapses or explodes on long sequences, the geometric mean does not.
 
 Rejected tokens (the KL-based rejection and the off-policy sequence mask: `pgloss.correction.rejection`;
-the probability gates: `pgloss.correction.gating`) leave the effective mask: the loss's numerator and every metric. The normaliser
-counts what the caller counted. Rejections known before the step (the KL rules and the gates in decoupled mode,
+the probability gates: `pgloss.correction.gating`) leave the effective mask: the loss's numerator and every
+metric. The normaliser counts what the caller counted. Rejections known before the step (the KL rules and the gates in decoupled mode,
 on π_old and π_rollout) can leave it too: without a `Normalizer` the call counts the mask after
 them (verl: the response mask is multiplied), and so does a step's `Normalizer` counted on
 `keep_mask(...)` (`RolloutCorrection.normalizer`); one counted on the original masks keeps them in
@@ -60,8 +62,8 @@ from ..core.sequence_parallel import (
     row_lengths,
     row_total_and_length,
 )
-from .mismatch import mismatch_metrics
 from .gating import Gate, segment_mean
+from .mismatch import mismatch_metrics
 from .rejection import Rejection, off_policy_sequence_mask
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric", "segment_geometric")
@@ -228,8 +230,8 @@ class RolloutCorrection:
     def kept(
         self, train: Tensor, rollout: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None
     ) -> Tensor:
-        """The tokens the KL-based rejection and the gates keep, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n, where
-        every rule (and gate) computes its statistic over the original `mask` (a sequence rule after a token rule
+        """The tokens the KL-based rejection and the gates keep, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n,
+        where every rule (and gate) computes its statistic over the original `mask` (a sequence rule after a token rule
         averages over the sequence's valid tokens, not over the ones the token rule kept), as verl's
         `compute_rollout_rejection_mask`. The one rule the step's count (`keep_mask`) and the call
         (`apply`) use."""
