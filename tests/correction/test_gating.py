@@ -365,3 +365,46 @@ def test_roll_compute_train_infer_correction_agrees(agg, kind):
         assert 0 < int(their_mask.sum()) < int(mask.sum())
         want = torch.where(their_mask, their_weight, 0.0)
         torch.testing.assert_close(ours.weight, want, rtol=ROLL_TOLERANCE, atol=0)
+
+
+EVERY_RULE = RolloutCorrection(
+    weight_level="segment_geometric",
+    upper=1.5,
+    rejection=(Rejection("segment_mean_k3", 0.05),),
+    gates=tuple(Gate(s, level, lower=-0.5, upper=0.5) for s in GATE_STATISTICS for level in GATE_LEVELS),
+)
+
+
+def test_every_gate_runs_on_meta_tensors_with_the_step_count():
+    meta = torch.device("meta")
+    alg = pgloss.get("grpo", kl_coef=0.0, rollout_correction=EVERY_RULE)
+    shape = (4, 6)
+    log_prob = torch.empty(shape, device=meta, requires_grad=True)
+    inputs = dict(
+        old_log_prob=torch.empty(shape, device=meta),
+        advantages=torch.empty(4, device=meta),
+        mask=torch.empty(shape, dtype=torch.bool, device=meta),
+        rollout_log_prob=torch.empty(shape, device=meta),
+    )
+    step = alg.count_step(
+        inputs["mask"], old_log_prob=inputs["old_log_prob"], rollout_log_prob=inputs["rollout_log_prob"]
+    )
+    out = alg(log_prob, **inputs, normalizer=step)
+    out.loss.backward()
+    assert out.loss.device == meta and log_prob.grad.shape == shape
+
+
+@pytest.mark.compile
+def test_every_gate_compiles_whole_forward_and_backward():
+    d = turns(seed=9)
+    alg = pgloss.get("grpo", kl_coef=0.0, rollout_correction=EVERY_RULE)
+    inputs = {k: d[k] for k in ("old_log_prob", "advantages", "mask", "rollout_log_prob")}
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda lp, **kw: alg(lp, **kw).loss, fullgraph=True, backend="inductor")
+    x, y = d["log_prob"].clone().requires_grad_(), d["log_prob"].clone().requires_grad_()
+    loss = compiled(x, **inputs)
+    loss.backward()
+    expected = alg(y, **inputs).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-14)
