@@ -408,3 +408,24 @@ def test_every_gate_compiles_whole_forward_and_backward():
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_non_finite_values_at_masked_positions_never_reach_the_gates():
+    d = turns(seed=11)
+    alg = pgloss.get("grpo", kl_coef=0.0, rollout_correction=EVERY_RULE)
+
+    def loss_and_grad(poison):
+        given = {
+            k: d[k] if poison is None else torch.where(d["mask"], d[k], poison)
+            for k in ("log_prob", "old_log_prob", "rollout_log_prob")
+        }
+        lp = given.pop("log_prob").clone().requires_grad_(True)
+        out = alg(lp, advantages=d["advantages"], mask=d["mask"], **given)
+        out.loss.backward()
+        return out.loss.detach(), lp.grad
+
+    clean = loss_and_grad(None)
+    for poison in (math.nan, math.inf, -math.inf):
+        loss, grad = loss_and_grad(poison)
+        torch.testing.assert_close(loss, clean[0], rtol=0, atol=0)
+        torch.testing.assert_close(grad, clean[1], rtol=0, atol=0)
