@@ -1,8 +1,10 @@
 """What a rollout correction takes out of the loss's mask: KL-based rejection and off-policy sequence masking.
 
 KL-based rejection (verl `rollout_rs`), chainable (AND, each rule's statistic over the original mask,
-as verl), with k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ per token, at token level or as a
-sequence's sum, mean or max: a `Rejection` keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
+as verl), with k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ per token, at token level, as a
+sequence's sum, mean or max, or as a segment's mean (`segment_mean`: over a maximal run of consecutive
+valid tokens, a turn, as ROLL's `segment` level; `pgloss.correction.gating.segment_mean`): a `Rejection`
+keeps a token (or the whole sequence, or segment) when the statistic passes; for k1 the bounds are on
 exp(statistic) (a ratio π_rollout/π_train, lower defaulting to 1/upper), for k2 and k3 on the
 statistic (upper only). Off-policy sequence masking (the DeepSeek-V3.2 technical report; TRL
 `off_policy_mask_threshold`, ms-swift `off_policy_sequence_mask_delta`) drops sequence i when
@@ -22,18 +24,20 @@ from torch import Tensor
 
 from ..core.checks import check_number
 from ..core.sequence_parallel import SequenceParallel, row_max, row_mean, row_sum
+from .gating import segment_mean
 
 __all__ = ["KL_STATISTICS", "REJECTION_LEVELS", "REJECTION_OPTIONS", "Rejection", "off_policy_sequence_mask"]
 
 KL_STATISTICS = ("k1", "k2", "k3")
-REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max", "segment_mean")
 REJECTION_OPTIONS = tuple(f"{level}_{k}" for level in REJECTION_LEVELS for k in KL_STATISTICS)
 
 
 @dataclass(frozen=True)
 class Rejection:
-    """One KL-based rejection rule: `option` is `<level>_<k>` with level token, seq_sum, seq_mean or
-    seq_max and k k1, k2 or k3 (verl's `rollout_rs` names). For k1, keep lower ≤ exp(stat) ≤ upper
+    """One KL-based rejection rule: `option` is `<level>_<k>` with level token, seq_sum, seq_mean,
+    seq_max or segment_mean and k k1, k2 or k3 (verl's `rollout_rs` names; segment_mean: ROLL's per-turn
+    level). For k1, keep lower ≤ exp(stat) ≤ upper
     (either bound may be None, lower defaults to 1/upper); for k2 and k3, keep stat ≤ upper."""
 
     option: str
@@ -77,6 +81,8 @@ class Rejection:
             stat = row_sum(stat, sequence_parallel, keepdim=True)
         elif level == "seq_mean":
             stat = row_mean(stat, mask, sequence_parallel, keepdim=True)
+        elif level == "segment_mean":
+            stat = segment_mean(stat, mask, sequence_parallel)
         elif level == "seq_max":
             stat = row_max(torch.where(mask, stat, -torch.inf), sequence_parallel, keepdim=True).clamp(
                 min=-torch.finfo(stat.dtype).max

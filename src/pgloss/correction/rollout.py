@@ -9,8 +9,12 @@ log-ratio of a valid token is log ρ_t = clamp(log π_train - log π_rollout, ±
 
     weight level        w                                            used by
     token               ρ_t                                          verl `rollout_is=token`, TRL/ms-swift `token_*`
-    sequence_product    exp(clamp(Σ_t log ρ_t, ±max_log_ratio))      verl `rollout_is=sequence`, TRL `sequence_*`
-    sequence_geometric  exp(Σ_t log ρ_t / |y_i|)                     ms-swift `sequence_*`, OpenRLHF `seq`
+    sequence_product    exp(clamp(Σ_t log ρ_t, ±max_log_ratio))      verl `rollout_is=sequence`, TRL `sequence_*`,
+                                                                     ROLL `sequence`
+    sequence_geometric  exp(Σ_t log ρ_t / |y_i|)                     ms-swift `sequence_*`, OpenRLHF `seq`,
+                                                                     ROLL `geometric`
+    segment_geometric   exp(Σ_{t∈s} log ρ_t / |s|), s the token's    ROLL `segment` (`weight_type`)
+                        segment (a run of consecutive valid tokens)
 
 then, with bounds [lower, upper] (either may be None: unbounded),
 
@@ -20,9 +24,9 @@ then, with bounds [lower, upper] (either may be None: unbounded),
 detached. The sequence weight is a separate choice from GSPO's sequence ratio: a product of
 ratios collapses or explodes on long sequences, the geometric mean does not.
 
-Rejected tokens (the KL-based rejection and the off-policy sequence mask: `pgloss.correction.rejection`)
-leave the effective mask: the loss's numerator and every metric. The normaliser
-counts what the caller counted. Rejections known before the step (the KL rules in decoupled mode,
+Rejected tokens (the KL-based rejection and the off-policy sequence mask: `pgloss.correction.rejection`;
+the probability gates: `pgloss.correction.gating`) leave the effective mask: the loss's numerator and every
+metric. The normaliser counts what the caller counted. Rejections known before the step (the KL rules and the gates in decoupled mode,
 on π_old and π_rollout) can leave it too: without a `Normalizer` the call counts the mask after
 them (verl: the response mask is multiplied), and so does a step's `Normalizer` counted on
 `keep_mask(...)` (`RolloutCorrection.normalizer`); one counted on the original masks keeps them in
@@ -31,7 +35,7 @@ mode) cannot be counted before the step: their tokens get zero weight but stay i
 as TRL's off-policy mask does, so the loss does not depend on how the step is cut.
 
 Batch normalisation (verl `rollout_is_batch_normalize`): w ← w / mean(w), the mean over the step's
-valid tokens (token level) or non-empty sequences (sequence levels), global over micro-batches and
+valid tokens (token and segment levels) or non-empty sequences (sequence levels), global over micro-batches and
 ranks: the step's count carries the sums (`step_sums`, in `Normalizer.sums`), so the loss stays split-invariant.
 
 `Algorithm.count_step(...)` counts a step with its correction: a `Normalizer` counted on the kept masks (or on
@@ -58,10 +62,13 @@ from ..core.sequence_parallel import (
     row_lengths,
     row_total_and_length,
 )
+from .gating import Gate, segment_mean
 from .mismatch import mismatch_metrics
 from .rejection import Rejection, off_policy_sequence_mask
 
-WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
+WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric", "segment_geometric")
+PER_TOKEN_LEVELS = ("token", "segment_geometric")
+"""Weight levels whose weight varies along a row: counted per valid token (`batch_normalize`, metrics)."""
 WEIGHT_MODES = ("truncate", "mask")
 
 
@@ -90,7 +97,7 @@ class RolloutCorrection:
     """
 
     weight_level: str | None = "token"
-    """token | sequence_product | sequence_geometric; None: no importance weight (masks only)."""
+    """token | sequence_product | sequence_geometric | segment_geometric; None: no importance weight (masks only)."""
     weight_mode: str = "truncate"
     """truncate (TIS: clamp to the bounds) or mask (IcePop: zero outside the bounds)."""
     lower: float | None = None
@@ -99,6 +106,9 @@ class RolloutCorrection:
     """Upper bound of the weight; None: unbounded above."""
     rejection: tuple[Rejection, ...] = ()
     """KL-based rejection rules, all applied (AND)."""
+    gates: tuple[Gate, ...] = ()
+    """Probability gates (binary KL, total variation, probability difference: `pgloss.correction.gating`), all
+    applied (AND) with the rejection rules."""
     off_policy_mask: float | None = None
     """δ of off-policy sequence masking (DeepSeek-V3.2); None disables it."""
     bypass: bool = False
@@ -126,6 +136,9 @@ class RolloutCorrection:
         rejection = tuple(self.rejection) if isinstance(self.rejection, (list, tuple)) else self.rejection
         if not isinstance(rejection, tuple) or not all(isinstance(r, Rejection) for r in rejection):
             raise TypeError(f"rejection must be a tuple of pgloss.Rejection, got {self.rejection!r}")
+        gates = tuple(self.gates) if isinstance(self.gates, (list, tuple)) else self.gates
+        if not isinstance(gates, tuple) or not all(isinstance(g, Gate) for g in gates):
+            raise TypeError(f"gates must be a tuple of pgloss.correction.gating.Gate, got {self.gates!r}")
         delta = check_number("off_policy_mask", self.off_policy_mask, optional=True)
         if delta is not None and delta < 0:
             raise ValueError(f"off_policy_mask must be >= 0 (a KL threshold), got {delta}")
@@ -146,6 +159,7 @@ class RolloutCorrection:
             ("lower", lower),
             ("upper", upper),
             ("rejection", rejection),
+            ("gates", gates),
             ("off_policy_mask", delta),
             ("max_log_ratio", max_log_ratio),
         ):
@@ -154,7 +168,12 @@ class RolloutCorrection:
     @property
     def needs_rollout(self) -> bool:
         """True when the correction needs `rollout_log_prob` (everything but a lone off-policy mask)."""
-        return self.weight_level is not None or bool(self.rejection) or self.bypass
+        return self.weight_level is not None or self.rejects or self.bypass
+
+    @property
+    def rejects(self) -> bool:
+        """True when the correction has rejection rules or gates (`kept`)."""
+        return bool(self.rejection) or bool(self.gates)
 
     # -- the pieces -------------------------------------------------------------------------------
 
@@ -168,6 +187,9 @@ class RolloutCorrection:
         sequence under a `sequence_parallel` group)."""
         if self.weight_level == "token":
             return torch.exp(self._log_rho(train, rollout, mask))
+        if self.weight_level == "segment_geometric":
+            mean = segment_mean(torch.where(mask, train - rollout, 0.0), mask, sequence_parallel)
+            return torch.exp(mean.clamp(-self.max_log_ratio, self.max_log_ratio))
         total, length = row_total_and_length(
             torch.where(mask, train - rollout, 0.0), mask, sequence_parallel, keepdim=True
         )
@@ -197,7 +219,7 @@ class RolloutCorrection:
     ) -> Tensor:
         """The mask after the KL-based rejection, known before the step (decoupled mode): count a
         step's `Normalizer` on these to leave rejected tokens out of the denominator."""
-        if self.bypass and self.rejection:
+        if self.bypass and self.rejects:
             raise ValueError("with bypass the rejection depends on π_θ; count the Normalizer on the original masks")
         ((mask, old_log_prob, rollout_log_prob),) = _micro_batches(
             mask, old_log_prob, rollout_log_prob, names=("mask", "old_log_prob", "rollout_log_prob")
@@ -208,8 +230,8 @@ class RolloutCorrection:
     def kept(
         self, train: Tensor, rollout: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None
     ) -> Tensor:
-        """The tokens the KL-based rejection keeps, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n, where
-        every rule computes its statistic over the original `mask` (a sequence rule after a token rule
+        """The tokens the KL-based rejection and the gates keep, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n,
+        where every rule (and gate) computes its statistic over the original `mask` (a sequence rule after a token rule
         averages over the sequence's valid tokens, not over the ones the token rule kept), as verl's
         `compute_rollout_rejection_mask`. The one rule the step's count (`keep_mask`) and the call
         (`apply`) use."""
@@ -217,6 +239,8 @@ class RolloutCorrection:
         keep = mask
         for rule in self.rejection:
             keep = keep & rule.keep(log_rho, mask, sequence_parallel)
+        for gate in self.gates:
+            keep = keep & gate.keep(train, rollout, mask, sequence_parallel)
         return keep
 
     def step_sums(
@@ -246,7 +270,7 @@ class RolloutCorrection:
             weight, _ = self._bound(
                 self._raw_weight(old.detach().double(), rollout.detach().double(), mask, sequence_parallel)
             )
-            if self.weight_level == "token":  # per row, then over the sequence group: every token once
+            if self.weight_level in PER_TOKEN_LEVELS:  # per row, then over the sequence group: every token once
                 totals += torch.stack(
                     row_total_and_length(torch.where(mask, weight, 0.0), mask, sequence_parallel)
                 ).sum(dim=-1)
@@ -278,7 +302,7 @@ class RolloutCorrection:
         mask_list, olds, rollouts = (list(column) for column in zip(*parts, strict=True))
         counted = (
             mask_list
-            if count_rejected or self.bypass or not self.rejection
+            if count_rejected or self.bypass or not self.rejects
             else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(mask_list, olds, rollouts, strict=True)]
         )
         return counted, self.step_sums(mask_list, olds, rollouts, sequence_parallel)
@@ -376,7 +400,7 @@ class RolloutCorrection:
         count = mask.sum()
         if rollout is not None:
             metrics |= mismatch_metrics(train, rollout, mask, sequence_parallel)
-            if self.rejection:
+            if self.rejects:
                 effective = self.kept(train, rollout, mask, sequence_parallel)
                 metrics["rollout_rejected_frac"] = token_fraction(~effective, mask, count)
         if self.off_policy_mask is not None:
@@ -395,7 +419,7 @@ class RolloutCorrection:
             if weight_mean is not None:  # batch_normalize (checked above)
                 weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
-            metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
+            metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level not in PER_TOKEN_LEVELS)
         return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics, weight_kl=self.weight_kl)
 
 
