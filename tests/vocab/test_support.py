@@ -1,0 +1,185 @@
+"""Sampling-support replay (`pgloss.vocab.support`): log π(y) and H over the rollout's recorded support per
+position, from logits and from hidden states, against a float64 loop (logits outside the support set to −inf,
+log-softmax: slime's `_build_topp_keep_mask` rule) and SkyRL 0.4.0's own `sample_support_scores`
+(`skyrl/backends/skyrl_train/utils/sample_support_replay.py`, read through PGLOSS_SKYRL_SRC)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import pgloss
+from pgloss.conformance import sources
+from pgloss.vocab import backends
+
+B, T, V, H, K = 2, 5, 37, 8, 6
+
+
+def batch(seed: int, dtype=torch.float64):
+    """Logits, targets and a support holding each target once and k − 1 other distinct ids; row (0, 1) padded
+    after 3 ids, row (1, 2) with no id at all."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g, dtype=dtype) * 3
+    targets = torch.randint(0, V, (B, T), generator=g)
+    others = torch.stack([torch.randperm(V - 1, generator=g)[: K - 1] for _ in range(B * T)]).view(B, T, K - 1)
+    support = torch.cat([targets[..., None], (targets[..., None] + 1 + others) % V], dim=-1)
+    support[0, 1, 3:] = -1
+    support[1, 2, :] = -1
+    return logits, targets, support
+
+
+def reference(logits: torch.Tensor, targets: torch.Tensor, support: torch.Tensor, temperature: float = 1.0):
+    """The float64 loop: per position, logits outside the support set to −inf, log-softmax, log π(y) and
+    H = −Σ π log π over the support; a position with no id: 0, 0."""
+    log_probs, entropies = [], []
+    flat, ys, rows = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), support.reshape(-1, support.shape[-1])
+    for z, y, ids in zip(flat, ys, rows, strict=True):
+        ids = ids[ids >= 0]
+        if ids.numel() == 0:
+            log_probs.append((z * 0).sum())
+            entropies.append((z * 0).sum())
+            continue
+        keep = torch.zeros_like(z, dtype=torch.bool)
+        keep[ids] = True
+        log_pi = torch.log_softmax((z / temperature).masked_fill(~keep, float("-inf")), dim=-1)
+        log_probs.append(log_pi[y])
+        entropies.append(-(log_pi[ids].exp() * log_pi[ids]).sum())
+    shape = logits.shape[:-1]
+    return torch.stack(log_probs).view(shape), torch.stack(entropies).view(shape)
+
+
+@pytest.mark.parametrize("vocab_block", [None, 7, 16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logits_value_and_gradient_match_the_loop(vocab_block, temperature):
+    logits, targets, support = batch(0)
+    ours = logits.clone().requires_grad_()
+    theirs = logits.clone().requires_grad_()
+    log_prob, entropy = pgloss.log_prob_and_entropy(
+        ours, targets, support=support, temperature=temperature, vocab_block=vocab_block, chunk_size=3
+    )
+    ref_lp, ref_h = reference(theirs, targets, support, temperature)
+    torch.testing.assert_close(log_prob, ref_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, ref_h, rtol=0, atol=1e-12)
+    w1, w2 = torch.randn(B, T, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    (log_prob * w1 + entropy * w2).sum().backward()
+    (ref_lp * w1 + ref_h * w2).sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-12)
+    assert ours.grad[1, 2].abs().max() == 0  # no support id: no gradient
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[support[0, 0]] = False
+    assert ours.grad[0, 0, outside].abs().max() == 0  # nothing reaches a column outside the support
+
+
+def test_log_prob_only_gradient_and_float32():
+    logits, targets, support = batch(1)
+    ours = logits.float().requires_grad_()
+    theirs = logits.clone().requires_grad_()
+    log_prob, _ = pgloss.log_prob_and_entropy(ours, targets, support=support)
+    log_prob.sum().backward()
+    reference(theirs, targets, support)[0].sum().backward()
+    torch.testing.assert_close(log_prob.double(), reference(logits, targets, support)[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=0, atol=2e-6)
+
+
+def test_a_whole_vocabulary_support_is_the_plain_call():
+    logits, targets, _ = batch(2)
+    every = torch.arange(V).expand(B, T, V)
+    plain = pgloss.log_prob_and_entropy(logits, targets)
+    replay = pgloss.log_prob_and_entropy(logits, targets, support=every)
+    for a, b in zip(plain, replay, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+def test_a_target_outside_the_support_reads_its_logit():
+    """As SkyRL's function: z_y − lse over the support, with no mask on the target (log π may exceed 0)."""
+    logits, targets, support = batch(3)
+    support[0, 0, 0] = (targets[0, 0] + K + 3) % V  # drop the target, keep the ids distinct
+    support[0, 0] = torch.where(support[0, 0] == targets[0, 0], -1, support[0, 0])
+    log_prob, _ = pgloss.log_prob_and_entropy(logits, targets, support=support)
+    ids = support[0, 0][support[0, 0] >= 0]
+    expected = logits[0, 0, targets[0, 0]] - torch.logsumexp(logits[0, 0, ids], dim=-1)
+    torch.testing.assert_close(log_prob[0, 0], expected, rtol=0, atol=1e-13)
+
+
+def test_bad_support_is_named():
+    logits, targets, support = batch(0)
+    bad = support.clone()
+    bad[1, 0, 2] = V
+    with pytest.raises(ValueError, match=r"support must hold token ids in \[0, 37\).*got 37 at \(1, 0, 2\)"):
+        pgloss.log_prob_and_entropy(logits, targets, support=bad)
+    bad[1, 0, 2] = -2
+    with pytest.raises(ValueError, match="got -2"):
+        pgloss.log_prob_and_entropy(logits, targets, support=bad)
+    with pytest.raises(ValueError, match=r"support must have shape \[2, 5, k\]"):
+        pgloss.log_prob_and_entropy(logits, targets, support=support[:, :4])
+    with pytest.raises(ValueError, match=r"support must have shape"):
+        pgloss.log_prob_and_entropy(logits, targets, support=support[..., 0])
+    with pytest.raises(TypeError, match="support must hold integer token ids"):
+        pgloss.log_prob_and_entropy(logits, targets, support=support.double())
+    with pytest.raises(TypeError, match="support must be a Tensor"):
+        pgloss.log_prob_and_entropy(logits, targets, support=support.tolist())
+
+
+def test_the_kernel_routes_refuse_it_by_name():
+    logits, targets, support = batch(0)
+    with backends.use("kernel"), pytest.raises(ValueError, match="SupportLogProbEntropy"):
+        pgloss.log_prob_and_entropy(logits.float(), targets, support=support)
+    assert not backends.TRITON_TILES.runs(pgloss.vocab.support.SupportLogProbEntropy)
+    assert not backends.TRITON_HEAD.runs(pgloss.vocab.support.SupportLogProbEntropy)
+
+
+# -- SkyRL 0.4.0's own function -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSupportScores:  # SkyRL's dataclass (its decorator is not executed by `sources.load`)
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    valid_mask: torch.Tensor
+
+
+def skyrl():
+    root = os.environ.get("PGLOSS_SKYRL_SRC")
+    if not root:
+        pytest.skip("PGLOSS_SKYRL_SRC is not set (the root of the trainer's source)")
+    path = Path(root) / "skyrl/backends/skyrl_train/utils/sample_support_replay.py"
+    if not path.is_file():
+        pytest.skip(f"PGLOSS_SKYRL_SRC={root} holds no {path.name}")
+    namespace = {"torch": torch, "SampleSupportScores": SampleSupportScores, "SAMPLE_SUPPORT_TORCH_DTYPE": torch.int32}
+    names = (
+        "_project_pair_chunk",
+        "_ChunkedCandidateProjection",
+        "_project_candidate_pairs",
+        "_selected_hidden_projection",
+        "sample_support_scores",
+    )
+    return sources.load(path, names, namespace)["sample_support_scores"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_logits_match_skyrl(seed):
+    scores = skyrl()
+    logits, targets, support = batch(seed)
+    ours = logits.clone().requires_grad_()
+    theirs = logits.clone().requires_grad_()
+    log_prob, entropy = pgloss.log_prob_and_entropy(ours, targets, support=support, vocab_block=16)
+    out = scores(
+        theirs,
+        targets,
+        support.to(torch.int32),
+        vocab_start_index=0,
+        vocab_end_index=V,
+        tp_group=None,
+        compute_entropy=True,
+        entropy_requires_grad=True,
+    )
+    torch.testing.assert_close(log_prob, out.logprobs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, out.entropy, rtol=0, atol=1e-12)
+    w1, w2 = torch.randn(B, T, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    (log_prob * w1 + entropy * w2).sum().backward()
+    (out.logprobs * w1 + out.entropy * w2).sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-12)
