@@ -183,3 +183,102 @@ def test_logits_match_skyrl(seed):
     (log_prob * w1 + entropy * w2).sum().backward()
     (out.logprobs * w1 + out.entropy * w2).sum().backward()
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-12)
+
+
+# -- from hidden states -------------------------------------------------------------------------------------------
+
+
+def hidden_batch(seed: int):
+    g = torch.Generator().manual_seed(seed + 100)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    _, targets, support = batch(seed)
+    return hidden, weight, targets, support
+
+
+@pytest.mark.parametrize("vocab_block", [None, 7])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hidden_value_and_gradient_match_the_loop(vocab_block, temperature):
+    hidden, weight, targets, support = hidden_batch(0)
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    x_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    log_prob, entropy = pgloss.log_prob_and_entropy_from_hidden(
+        x, w, targets, support=support, temperature=temperature, vocab_block=vocab_block, chunk_size=3
+    )
+    ref_lp, ref_h = reference(x_ref @ w_ref.T, targets, support, temperature)
+    torch.testing.assert_close(log_prob, ref_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, ref_h, rtol=0, atol=1e-12)
+    w1, w2 = torch.randn(B, T, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    (log_prob * w1 + entropy * w2).sum().backward()
+    (ref_lp * w1 + ref_h * w2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=0, atol=1e-12)
+
+
+def test_hidden_masked_positions_reach_nothing():
+    """NaN hidden states, -100 targets and out-of-range support ids under the mask change no value or gradient."""
+    hidden, weight, targets, support = hidden_batch(1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 3:] = False
+    dirty_h, dirty_y, dirty_s = hidden.clone(), targets.clone(), support.clone()
+    dirty_h[0, 3:] = float("nan")
+    dirty_y[0, 3:] = -100
+    dirty_s[0, 3:] = V + 5
+    clean_s = support.clone()
+    clean_s[0, 3:] = -1
+    results = []
+    for h, y, s in ((dirty_h, dirty_y, dirty_s), (hidden, targets, clean_s)):
+        x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        log_prob, entropy = pgloss.log_prob_and_entropy_from_hidden(x, w, y, support=s, mask=mask, vocab_block=7)
+        (log_prob + 0.3 * entropy).sum().backward()
+        results.append((log_prob, entropy, x.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert results[0][2][0, 3:].abs().max() == 0
+    assert (results[0][0][0, 3:] == 0).all() and (results[0][1][0, 3:] == 0).all()
+
+
+def test_hidden_bad_support_is_named():
+    hidden, weight, targets, support = hidden_batch(0)
+    bad = support.clone()
+    bad[0, 4, 1] = V + 1
+    with pytest.raises(ValueError, match=r"support must hold token ids in \[0, 37\).*got 38 at \(0, 4, 1\)"):
+        pgloss.log_prob_and_entropy_from_hidden(hidden, weight, targets, support=bad)
+    with pytest.raises(ValueError, match=r"support must have shape \[2, 5, k\]"):
+        pgloss.log_prob_and_entropy_from_hidden(hidden, weight, targets, support=support[:1])
+    with backends.use("head-kernel"), pytest.raises(ValueError, match="SupportLogProbEntropy"):
+        pgloss.log_prob_and_entropy_from_hidden(hidden.float(), weight.float(), targets, support=support)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hidden_matches_skyrl(temperature):
+    """SkyRL's hidden-state path writes its projected logits into float32 whatever the inputs' dtype
+    (`_project_candidate_pairs`), so both run on float32 inputs here."""
+    scores = skyrl()
+    hidden, weight, targets, support = (t.float() if t.is_floating_point() else t for t in hidden_batch(2))
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    x_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    log_prob, entropy = pgloss.log_prob_and_entropy_from_hidden(
+        x, w, targets, support=support, temperature=temperature, vocab_block=16
+    )
+    out = scores(
+        x_ref,
+        targets,
+        support.to(torch.int32),
+        vocab_start_index=0,
+        vocab_end_index=V,
+        tp_group=None,
+        compute_entropy=True,
+        entropy_requires_grad=True,
+        lm_head_weight=w_ref,
+        temperature=temperature,
+        chunk_size=4,
+    )
+    torch.testing.assert_close(log_prob, out.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, out.entropy, rtol=0, atol=1e-5)
+    w1, w2 = torch.randn(B, T), torch.randn(B, T)
+    (log_prob * w1 + entropy * w2).sum().backward()
+    (out.logprobs * w1 + out.entropy * w2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
