@@ -282,3 +282,63 @@ def test_hidden_matches_skyrl(temperature):
     (out.logprobs * w1 + out.entropy * w2).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+# -- the loss from hidden states ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo"])
+@pytest.mark.parametrize("vocab_block", [None, 7])
+def test_from_hidden_is_the_plain_call_on_the_support(name, vocab_block):
+    """`algorithm.from_hidden(support=)` is `algorithm(log_prob=log π_S, entropy=H_S, ...)` in value and in the
+    gradients of hidden and weight; NaN hidden states and bad ids under the mask reach nothing."""
+    algorithm = pgloss.get(name, entropy_coef=0.01, kl_coef=0.0)
+    hidden, weight, targets, support = hidden_batch(3)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[1, 2] = False  # the row without a support id
+    g = torch.Generator().manual_seed(7)
+    old_log_prob = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    advantages = torch.randn(B, generator=g, dtype=torch.float64)
+    dirty_h, dirty_s, dirty_y = hidden.clone(), support.clone(), targets.clone()
+    dirty_h[1, 3:] = float("nan")
+    dirty_s[1, 3:] = -7
+    dirty_y[1, 3:] = -100
+    x, w = dirty_h.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = algorithm.from_hidden(
+        x,
+        w,
+        dirty_y,
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        mask=mask,
+        support=dirty_s,
+        vocab_block=vocab_block,
+        temperature=0.8,
+    )
+    out.loss.backward()
+    x_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    log_prob, entropy = reference(x_ref @ w_ref.T, targets, support, 0.8)
+    ref = algorithm(
+        log_prob=torch.where(mask, log_prob, 0.0),
+        entropy=torch.where(mask, entropy, 0.0),
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        mask=mask,
+    )
+    ref.loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=0, atol=1e-12)
+    assert x.grad[1, 2:].abs().max() == 0
+
+
+def test_from_hidden_without_support_is_unchanged():
+    """No support: the one pass, bit for bit as before (the support's reason to recompute is not taken)."""
+    algorithm = pgloss.get("grpo", kl_coef=0.0)
+    hidden, weight, targets, _ = hidden_batch(4)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    kwargs = dict(old_log_prob=-torch.rand(B, T, dtype=torch.float64), advantages=torch.randn(B, dtype=torch.float64))
+    a = algorithm.from_hidden(hidden, weight, targets, mask=mask, **kwargs)
+    b = algorithm.from_hidden(hidden, weight, targets, mask=mask, support=None, **kwargs)
+    assert torch.equal(a.loss, b.loss)
