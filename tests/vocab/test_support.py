@@ -342,3 +342,48 @@ def test_from_hidden_without_support_is_unchanged():
     a = algorithm.from_hidden(hidden, weight, targets, mask=mask, **kwargs)
     b = algorithm.from_hidden(hidden, weight, targets, mask=mask, support=None, **kwargs)
     assert torch.equal(a.loss, b.loss)
+
+
+@pytest.mark.parametrize("vocab_block", [None, 7])
+def test_meta_tensors(vocab_block):
+    """Forward and backward on meta tensors, from logits and from hidden states: nothing reads a value on the
+    host."""
+    meta = lambda *s: torch.empty(*s, device="meta")  # noqa: E731
+    targets = torch.zeros(B, T, dtype=torch.long, device="meta")
+    support = torch.zeros(B, T, K, dtype=torch.long, device="meta")
+    logits = meta(B, T, V).requires_grad_()
+    log_prob, entropy = pgloss.log_prob_and_entropy(logits, targets, support=support, vocab_block=vocab_block)
+    (log_prob + entropy).sum().backward()
+    assert logits.grad.shape == logits.shape
+    hidden, weight = meta(B, T, H).requires_grad_(), meta(V, H).requires_grad_()
+    mask = torch.ones(B, T, dtype=torch.bool, device="meta")
+    log_prob, entropy = pgloss.log_prob_and_entropy_from_hidden(
+        hidden, weight, targets, support=support, mask=mask, vocab_block=vocab_block
+    )
+    (log_prob + entropy).sum().backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+
+
+@pytest.mark.compile
+def test_compiles_whole_forward_and_backward():
+    """torch.compile(fullgraph=True) of the call from hidden states over vocabulary tiles, with the eager value
+    and gradients (a host read or an untraceable call would fail here)."""
+    hidden, weight, targets, support = (t.float() if t.is_floating_point() else t for t in hidden_batch(5))
+    mask = torch.ones(B, T, dtype=torch.bool)
+
+    def call(h, w):
+        log_prob, entropy = pgloss.log_prob_and_entropy_from_hidden(
+            h, w, targets, support=support, mask=mask, chunk_size=4, vocab_block=16
+        )
+        return (log_prob + 0.1 * entropy).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend="inductor")
+    (h1, w1), (h2, w2) = [(hidden.clone().requires_grad_(), weight.clone().requires_grad_()) for _ in range(2)]
+    loss = compiled(h1, w1)
+    loss.backward()
+    expected = call(h2, w2)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-6)
