@@ -387,3 +387,70 @@ def test_compiles_whole_forward_and_backward():
     torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-6)
+
+
+# -- slime's own functions (a checkout: PGLOSS_SLIME_SRC) ---------------------------------------------------------
+
+
+def slime():
+    """slime's `calculate_log_probs_and_entropy` (`slime/utils/ppo_utils.py`, with its `_VocabParallelLogProbEntropy`)
+    and `_build_topp_keep_mask` (`slime/backends/megatron_utils/loss.py`), read from a checkout of THUDM/slime
+    (PGLOSS_SLIME_SRC; tested at commit 624b824a), on one rank: a stand-in for Megatron's `mpu`."""
+    root = os.environ.get("PGLOSS_SLIME_SRC")
+    if not root:
+        pytest.skip("PGLOSS_SLIME_SRC is not set (the root of a slime checkout)")
+    ppo, loss = Path(root) / "slime/utils/ppo_utils.py", Path(root) / "slime/backends/megatron_utils/loss.py"
+    if not (ppo.is_file() and loss.is_file()):
+        pytest.skip(f"PGLOSS_SLIME_SRC={root} holds no slime/utils/ppo_utils.py and megatron_utils/loss.py")
+
+    class OneRank:  # Megatron's mpu without parallelism
+        get_context_parallel_world_size = staticmethod(lambda: 1)
+        get_tensor_model_parallel_rank = staticmethod(lambda: 0)
+
+    namespace = {"torch": torch, "dist": torch.distributed, "mpu": OneRank}
+    names = (
+        "_maybe_all_reduce",
+        "_get_vocab_parallel_rank_size",
+        "_VocabParallelLogProbEntropy",
+        "_calculate_log_probs_and_entropy_chunk",
+        "calculate_log_probs_and_entropy",
+    )
+    sources.load(ppo, names, namespace)
+    return sources.load(loss, ("_fill_topp_mask_rows", "_build_topp_keep_mask"), namespace)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_logits_match_slime(seed):
+    """One packed sample (prompt 3 tokens, response 6): slime's keep mask from its ragged ids and offsets (each
+    nucleus holding the sampled token, as a rollout's does), its log π over the response rows, against ours on
+    the same rows with the nucleus as a [R, k] support padded with -1; float32 (slime's compute dtype)."""
+    ns = slime()
+    g = torch.Generator().manual_seed(seed)
+    prompt, response = 3, 6
+    total = prompt + response
+    tokens = torch.randint(0, V, (total,), generator=g)
+    sizes = [1 + int(n) for n in torch.randint(0, K, (response,), generator=g)]
+    nuclei = []
+    for r, size in enumerate(sizes):
+        others = (tokens[prompt + r] + 1 + torch.randperm(V - 1, generator=g)[: size - 1]) % V
+        nuclei.append([int(tokens[prompt + r])] + others.tolist())
+    ids = [i for nucleus in nuclei for i in nucleus]
+    offsets = [0]
+    for nucleus in nuclei:
+        offsets.append(offsets[-1] + len(nucleus))
+    keep = ns["_build_topp_keep_mask"](total, V, torch.device("cpu"), [ids], [offsets], [total], [response], False)
+    logits = torch.randn(total, V, generator=g) * 3
+    shifted = torch.cat([tokens[1:], tokens[:1]])  # row i predicts token i + 1 (the last row's is not read)
+    theirs = logits.clone().requires_grad_()
+    log_prob, _ = ns["calculate_log_probs_and_entropy"](theirs, shifted, None, log_prob_keep_mask=keep)
+    rows = slice(prompt - 1, total - 1)
+    support = torch.full((response, K), -1)
+    for r, nucleus in enumerate(nuclei):
+        support[r, : len(nucleus)] = torch.tensor(nucleus)
+    ours = logits.clone().requires_grad_()
+    mine, _ = pgloss.log_prob_and_entropy(ours[rows], shifted[rows], support=support)
+    torch.testing.assert_close(mine, log_prob.squeeze(-1)[rows], rtol=0, atol=2e-6)
+    weights = torch.randn(response, generator=g)
+    (mine * weights).sum().backward()
+    (log_prob.squeeze(-1)[rows] * weights).sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=2e-6)

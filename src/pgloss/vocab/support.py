@@ -14,9 +14,11 @@ before the log-softmax) both record ids, not a threshold to recompute.
 
 Following SkyRL's function: z_y is read at the target even when y is not in S_t (no mask on it); an id listed twice
 counts twice; a position whose row holds no id (all −1) has log π = 0 and H = 0 and passes no gradient (SkyRL
-refuses it where the loss mask is on; mask such positions). slime differs in two places: its rows without a
-recorded nucleus keep the whole vocabulary, and its entropy is that of the whole vocabulary (the plain
-`log_prob_and_entropy` gives it). SkyRL clamps H_S at 0 from below; here H_S is a sum of non-negative terms.
+refuses it where the loss mask is on; mask such positions). slime differs in three places: its rows without a
+recorded nucleus keep the whole vocabulary, its entropy is that of the whole vocabulary (the plain
+`log_prob_and_entropy` gives it), and its mask keeps the target's own logit (`slime/utils/ppo_utils.py`,
+`_VocabParallelLogProbEntropy`: lse over S_t ∪ {y}; the same wherever y is in S_t, as in every rollout). SkyRL
+clamps H_S at 0 from below; here H_S is a sum of non-negative terms.
 
 `SupportLogProbEntropy` is a statistic of the one chunk loop (`chunks.ChunkLoop`), run by the torch backend only
 (the Triton backends' tables do not hold it: the automatic choice takes torch, and `use("kernel")` /
