@@ -14,7 +14,8 @@ pytest.importorskip("trl")
 
 from trl import GRPOConfig
 
-from pgloss.trainer_options.trl import adaptive_entropy, reference_model_refusal, rollout_correction, trainer_algorithm
+from pgloss.trainer_options.trl import adaptive_entropy, rollout_correction
+from pgloss.trainer_options.trl_trainer import reference_model_refusal, trainer_algorithm
 
 
 def config(**options):

@@ -36,7 +36,7 @@ as TRL's off-policy mask does, so the loss does not depend on how the step is cu
 
 Batch normalisation (verl `rollout_is_batch_normalize`): w ← w / mean(w), the mean over the step's
 valid tokens (token and segment levels) or non-empty sequences (sequence levels), global over micro-batches and
-ranks: the step's count carries the sums (`step_sums`, in `Normalizer.sums`), so the loss stays split-invariant.
+ranks: the step's count carries the sums (`step_count_inputs`, in `Normalizer.sums`), so the loss stays split-invariant.
 
 `Algorithm.count_step(...)` counts a step with its correction: a `Normalizer` counted on the kept masks (or on
 the original ones, `count_rejected=True`, as AReaL) that also carries the step's weight sums, in the same two
@@ -55,7 +55,7 @@ from torch import Tensor
 
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
 from ..core.checks import check_log_prob, check_number
-from ..core.metrics import Stat, effective_sample_size, token_extremes, token_fraction, token_mean
+from ..core.metrics import Stat, token_fraction
 from ..core.normalizer import Normalizer
 from ..core.sequence_parallel import (
     SequenceParallel,
@@ -65,6 +65,7 @@ from ..core.sequence_parallel import (
 from .gating import Gate, segment_mean
 from .mismatch import mismatch_metrics
 from .rejection import Rejection, off_policy_sequence_mask
+from .weight_stats import mean_of, row_max, weight_metrics
 
 WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric", "segment_geometric")
 PER_TOKEN_LEVELS = ("token", "segment_geometric")
@@ -243,19 +244,6 @@ class RolloutCorrection:
             keep = keep & gate.keep(train, rollout, mask, sequence_parallel)
         return keep
 
-    def step_sums(
-        self,
-        masks: Sequence[Tensor],
-        old_log_probs: Sequence[Tensor],
-        rollout_log_probs: Sequence[Tensor],
-        sequence_parallel: SequenceParallel | None = None,
-    ) -> dict[str, Tensor]:
-        """This rank's share of the step-wide sums the correction reads (`Normalizer.sums`): with
-        `batch_normalize`, (Σ w, n) of the bounded weight (`_weight_totals`); none otherwise."""
-        if not self.batch_normalize:
-            return {}
-        return {WEIGHT_SUM: self._weight_totals(masks, old_log_probs, rollout_log_probs, sequence_parallel)}
-
     def _weight_totals(
         self,
         masks: Sequence[Tensor],
@@ -276,14 +264,14 @@ class RolloutCorrection:
                 ).sum(dim=-1)
             else:  # a sequence weight is the same on every rank of the sequence group: each sequence once
                 rows = row_lengths(mask, sequence_parallel) > 0
-                totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
+                totals += torch.stack([torch.where(rows, row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
         return totals
 
     def weight_mean(self, normalizer: Normalizer) -> Tensor | None:
-        """The step's mean bounded weight, from the sums the step's count carries (`step_sums`); None without
-        `batch_normalize`, or from a Normalizer that did not count them."""
+        """The step's mean bounded weight, from the sums the step's count carries (`step_count_inputs`); None
+        without `batch_normalize`, or from a Normalizer that did not count them."""
         totals = normalizer.sums.get(WEIGHT_SUM) if self.batch_normalize else None
-        return None if totals is None else _mean(totals)
+        return None if totals is None else mean_of(totals)
 
     def step_count_inputs(
         self,
@@ -297,7 +285,8 @@ class RolloutCorrection:
     ) -> tuple[list[Tensor], dict[str, Tensor]]:
         """What the step's count reads of this correction: the masks it counts (after the KL-based rejection,
         known before the step; the original ones with `count_rejected=True`, as AReaL, or in bypass mode) and
-        this rank's `step_sums`. `Algorithm.count_step` passes both to `Normalizer.count`."""
+        this rank's share of the step-wide sums (with `batch_normalize`, (Σ w, n) of the bounded weight).
+        `Algorithm.count_step` passes both to `Normalizer.count`."""
         parts = _micro_batches(masks, old_log_probs, rollout_log_probs, names=names)
         mask_list, olds, rollouts = (list(column) for column in zip(*parts, strict=True))
         counted = (
@@ -305,7 +294,9 @@ class RolloutCorrection:
             if count_rejected or self.bypass or not self.rejects
             else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(mask_list, olds, rollouts, strict=True)]
         )
-        return counted, self.step_sums(mask_list, olds, rollouts, sequence_parallel)
+        if not self.batch_normalize:
+            return counted, {}
+        return counted, {WEIGHT_SUM: self._weight_totals(mask_list, olds, rollouts, sequence_parallel)}
 
     def step_weight_mean(
         self,
@@ -333,7 +324,7 @@ class RolloutCorrection:
             reduce=reduce,
             sequence_parallel=sequence_parallel,
         )
-        return _mean(counted.sums[WEIGHT_SUM])
+        return mean_of(counted.sums[WEIGHT_SUM])
 
     def normalizer(
         self,
@@ -452,31 +443,3 @@ def _micro_batches(
             check_log_prob(name, value, mask)
         out.append((mask, old, rollout))
     return out
-
-
-def _mean(totals: Tensor) -> Tensor:
-    """Σ w / max(n, 1) of a (Σ w, n) pair."""
-    return totals[0] / totals[1].clamp(min=1)
-
-
-def _row_max(values: Tensor) -> Tensor:
-    """Each row's largest value, `[B, 1]` (0 for rows of width 0)."""
-    if values.shape[-1] == 0:
-        return values.new_zeros(values.shape[0], 1)
-    return values.amax(dim=-1, keepdim=True)
-
-
-def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Stat]:
-    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over valid tokens,
-    or over non-empty sequences for a per-sequence weight. NaN over nothing."""
-    if per_sequence:
-        mask = mask.any(dim=-1, keepdim=True)
-        weight = _row_max(weight)  # one value per row (0 at masked positions, w >= 0)
-    count = mask.sum()
-    low, high = token_extremes(weight, mask, count)
-    return {
-        "rollout_is_weight_min": low,
-        "rollout_is_weight_mean": token_mean(weight, mask, count),
-        "rollout_is_weight_max": high,
-        "rollout_is_ess": effective_sample_size(weight, mask, count),
-    }
