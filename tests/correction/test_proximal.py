@@ -87,6 +87,16 @@ def test_detached_and_ppo_gradient_against_a_loop():
     torch.testing.assert_close(grad, want, rtol=0, atol=1e-12)
 
 
+def test_compiles_without_a_graph_break_and_runs_on_meta():
+    data = make_batch(batch=3, length=5, seed=2, dtype=torch.float32)
+    versions = _versions((3, 5), 3, 2)
+    args = (data["old_log_prob"], data["log_prob"], versions)
+    compiled = torch.compile(lambda b, lp, v: proximal_log_prob(b, lp, v, 3), fullgraph=True)
+    torch.testing.assert_close(compiled(*args), proximal_log_prob(*args, 3), rtol=0, atol=0)
+    on_meta = proximal_log_prob(*(a.to("meta") for a in args), 3)
+    assert on_meta.device.type == "meta" and on_meta.shape == (3, 5)
+
+
 def test_float32_stays_float32():
     data = make_batch(batch=3, length=4, seed=1, dtype=torch.float32)
     versions = torch.zeros(3, 4, dtype=torch.int64)
