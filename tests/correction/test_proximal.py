@@ -145,7 +145,9 @@ def areal():
     sources.load(
         constants, ("ProxLogpMethod", "ProxApproxMethod", *logp, *methods, "PROX_APPROX_METHODS_ALL"), namespace
     )
-    return sources.load(actor, ("compute_prox_logp_approximations", "_resolve_proximal_logp"), namespace)
+    sources.load(actor, ("compute_prox_logp_approximations", "_resolve_proximal_logp"), namespace)
+    functional = Path(root) / "areal" / "utils" / "functional" / "functional.py"
+    return sources.load(functional, ("ppo_actor_loss_fn",), namespace)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -153,7 +155,7 @@ def areal():
 def test_matches_areal(areal, dtype, seed):
     """Every approximation AReaL computes, and the one its loss uses under `prox_logp_method="loglinear"`.
     AReaL computes α in float32 (`versions.float()`), pgloss in float64: in float64 the two differ by α's
-    float32 rounding (at most 2^-24·α·|log π_θ - log π_behave|, measured up to about 2e-8), and agree to 1e-12
+    float32 rounding (at most 2^-24·α·|log π_θ - log π_behave|, measured up to 4e-8), and agree to 1e-12
     where α is exact in float32 (`test_matches_areal_exactly`)."""
     data = make_batch(batch=6, length=11, seed=seed, spread=0.8, dtype=dtype)
     current = 2 + seed
@@ -193,3 +195,40 @@ def test_matches_areal_exactly(areal, seed):
     for method in METHODS:
         ours = proximal_log_prob(behave, lp, versions, current, method=method)
         torch.testing.assert_close(ours, theirs[method], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decoupled_ppo_without_recompute_matches_areal(areal, seed):
+    """AReaL's loss under prox_logp_method="loglinear" (its π_prox, then `ppo_actor_loss_fn`: the clipped
+    ratio against π_prox, dual clip c = 3, token mean, no rejection) against pgloss's `dual_clip_ppo`, token-mean,
+    called with `old_log_prob=proximal_log_prob(...)`: value and gradient within α's float32 rounding."""
+    data = make_batch(batch=6, length=11, seed=seed, spread=0.8, per_token_adv=True)
+    current = 5
+    versions = _versions(data["mask"].shape, current, seed)
+    behave, mask, adv = data["old_log_prob"], data["mask"], data["advantages"]
+    leaf = data["log_prob"].clone().requires_grad_(True)
+    prox = areal["_resolve_proximal_logp"](
+        prox_logp_gt=None,
+        prox_logp_method="loglinear",
+        old_logp=behave,
+        logprobs=leaf.detach(),
+        versions=versions,
+        current_version=current,
+    )
+    theirs, _ = areal["ppo_actor_loss_fn"](
+        logprobs=leaf,
+        proximal_logprobs=prox,
+        old_logprobs=behave,
+        advantages=adv,
+        eps_clip=0.2,
+        loss_mask=mask,
+        c_clip=3.0,
+    )
+    (want,) = torch.autograd.grad(theirs, leaf)
+    leaf2 = data["log_prob"].clone().requires_grad_(True)
+    ours = pgloss.get("dual_clip_ppo", loss_agg_mode="token-mean")(
+        leaf2, proximal_log_prob(behave, leaf2, versions, current), adv, mask
+    ).loss
+    (grad,) = torch.autograd.grad(ours, leaf2)
+    torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=1e-12)
+    torch.testing.assert_close(grad, want, rtol=1e-7, atol=1e-12)
