@@ -43,7 +43,8 @@ WHEEL_torchrl := torchrl==0.14.1 --python-version 3.12 --platform manylinux_2_28
 WHEEL_skyrl   := skyrl==0.4.0 --python-version 3.12 --only-binary=:all:
 WHEEL_ms_swift := ms-swift==4.6.0
 WHEEL_openrlhf := openrlhf==$(OPENRLHF_VERSION)
-TRAINER_SOURCES := $(foreach name,trinity tinker torchrl skyrl ms_swift openrlhf,$(SOURCES)/$(name)/.unpacked)
+WHEEL_areal   := areal==1.0.4
+TRAINER_SOURCES := $(foreach name,trinity tinker torchrl skyrl ms_swift openrlhf areal,$(SOURCES)/$(name)/.unpacked)
 $(SOURCES)/%/.unpacked: | $(STAMP)
 	rm -rf $(SOURCES)/$* $(SOURCES)/$*-wheel
 	$(PY) -m pip download --quiet --no-deps $(WHEEL_$*) -d $(SOURCES)/$*-wheel
@@ -60,7 +61,7 @@ $(LIGER): | $(STAMP)
 test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER)
 	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} PGLOSS_TINKER_SRC=$${PGLOSS_TINKER_SRC:-$(SOURCES)/tinker} \
 	PGLOSS_TORCHRL_SRC=$${PGLOSS_TORCHRL_SRC:-$(SOURCES)/torchrl} PGLOSS_SKYRL_SRC=$${PGLOSS_SKYRL_SRC:-$(SOURCES)/skyrl} \
-	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} \
+	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} PGLOSS_AREAL_SRC=$${PGLOSS_AREAL_SRC:-$(SOURCES)/areal} \
 	PGLOSS_OPENRLHF_SRC=$${PGLOSS_OPENRLHF_SRC:-$(SOURCES)/openrlhf/openrlhf-$(OPENRLHF_VERSION).data/purelib} \
 	$(PY) -m pytest -n 2 --durations=15 tests
 
