@@ -11,7 +11,7 @@ INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"  # the trl extra's, for the GPU wheels below
 VERL_PIN := "verl>=0.9.1,<0.10"
 
-.PHONY: setup test lint peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
+.PHONY: setup test matrix lint peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,8 @@ WHEEL_torchrl := torchrl==0.14.1 --python-version 3.12 --platform manylinux_2_28
 WHEEL_skyrl   := skyrl==0.4.0 --python-version 3.12 --only-binary=:all:
 WHEEL_ms_swift := ms-swift==4.6.0
 WHEEL_openrlhf := openrlhf==$(OPENRLHF_VERSION)
-TRAINER_SOURCES := $(foreach name,trinity tinker torchrl skyrl ms_swift openrlhf,$(SOURCES)/$(name)/.unpacked)
+WHEEL_areal   := areal==1.0.4
+TRAINER_SOURCES := $(foreach name,trinity tinker torchrl skyrl ms_swift openrlhf areal,$(SOURCES)/$(name)/.unpacked)
 $(SOURCES)/%/.unpacked: | $(STAMP)
 	rm -rf $(SOURCES)/$* $(SOURCES)/$*-wheel
 	$(PY) -m pip download --quiet --no-deps $(WHEEL_$*) -d $(SOURCES)/$*-wheel
@@ -60,9 +61,44 @@ $(LIGER): | $(STAMP)
 test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER)
 	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} PGLOSS_TINKER_SRC=$${PGLOSS_TINKER_SRC:-$(SOURCES)/tinker} \
 	PGLOSS_TORCHRL_SRC=$${PGLOSS_TORCHRL_SRC:-$(SOURCES)/torchrl} PGLOSS_SKYRL_SRC=$${PGLOSS_SKYRL_SRC:-$(SOURCES)/skyrl} \
-	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} \
+	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} PGLOSS_AREAL_SRC=$${PGLOSS_AREAL_SRC:-$(SOURCES)/areal} \
 	PGLOSS_OPENRLHF_SRC=$${PGLOSS_OPENRLHF_SRC:-$(SOURCES)/openrlhf/openrlhf-$(OPENRLHF_VERSION).data/purelib} \
 	$(PY) -m pytest -n 2 --durations=15 tests
+
+# The supported range, tested (`.ci/run` runs it after `make test`): the core, property and kernel-interpreter tests
+# under the floor torch (pyproject.toml's, on the oldest Python pgloss supports) and under the newest torch release
+# (on the newest Python here), each in its own venv in $(MATRIX)/ with only the `test` extra, as a user installs
+# pgloss; tests/matrix.py prints one table (torch, Python, Triton, passed, failed). The floor is torch 2.9.1, the
+# oldest the trainers pin today (AReaL 1.0.4: >= 2.9.1, < 2.11; verl 0.9.1's extras: 2.11.0; SkyRL 0.4: 2.13.0).
+# Each venv holds a CUDA build of torch with its CUDA libraries (the package index has no CPU build for Linux
+# x86-64; torch's libraries link them even on a CPU): about 3 GB to download and 6 GB on disk apiece, built once
+# (delete the folder to rebuild). The machine's pip configuration caps torch below its newest release; the venvs'
+# installs set PIP_CONSTRAINT to an empty file, which lifts that cap for those commands alone. Time on 2 cores:
+# 25 minutes from an empty $(MATRIX) (building both venvs about 4 of them, the floor's tests 9.6 minutes and the
+# newest's 11.5), measured with other test runs on the machine; with `make test`'s 15, within CI's 90.
+MATRIX := .venv-matrix
+MATRIX_FLOOR := 2.9.1
+MATRIX_NEWEST := 2.15.0
+MATRIX_PYTHON_$(MATRIX_FLOOR) := 3.10
+MATRIX_PYTHON_$(MATRIX_NEWEST) := 3.13
+MATRIX_TESTS := tests/core tests/properties tests/vocab/test_kernels.py tests/vocab/test_head_kernel.py \
+	tests/vocab/test_kernel_inputs.py
+MATRIX_ARGS ?= -n 2
+# pythonX.Y where it runs (pyenv's shims answer only for the versions a machine enables, so pyenv's own
+# installs are tried too), else $(PYTHON): the matrix then says which Python it ran on.
+python_for = $(firstword $(foreach p,python$(1) $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python$(1)),\
+	$(shell $(p) -c 'print("$(p)")' 2>/dev/null)) $(PYTHON))
+$(MATRIX)/torch-%/.installed: pyproject.toml
+	rm -rf $(MATRIX)/torch-$*
+	$(call python_for,$(MATRIX_PYTHON_$*)) -m venv $(MATRIX)/torch-$*
+	echo > $(MATRIX)/no-constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(MATRIX)/no-constraints.txt $(MATRIX)/torch-$*/bin/python -m pip install --quiet \
+		torch==$* pytest-xdist -e ".[test]"
+	touch $@
+
+matrix: $(MATRIX)/torch-$(MATRIX_FLOOR)/.installed $(MATRIX)/torch-$(MATRIX_NEWEST)/.installed
+	$(PYTHON) tests/matrix.py $(MATRIX)/torch-$(MATRIX_FLOOR) $(MATRIX)/torch-$(MATRIX_NEWEST) -- \
+		$(MATRIX_ARGS) $(MATRIX_TESTS)
 
 # The code's own checks (pyproject.toml configures them); `make test` runs them too (tests/test_lint.py).
 lint: $(STAMP)
@@ -145,4 +181,4 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(MATRIX) build src/*.egg-info

@@ -90,7 +90,8 @@ def train_step(policy, optimizer, algorithm, batch: dict, micro_batches: int, ma
     loss: no division by the number of micro-batches."""
     groups = batch["group_ids"].unique().tensor_split(micro_batches)
     micros = [{k: v[torch.isin(batch["group_ids"], part)] for k, v in batch.items()} for part in groups]
-    normalizer = pgloss.Normalizer.count([m["mask"] for m in micros])  # once per optimizer step
+    # once per optimizer step; the group ids are counted when the loss needs them
+    normalizer = algorithm.count_step([m["mask"] for m in micros], group_ids=[m["group_ids"] for m in micros])
     optimizer.zero_grad(set_to_none=True)
     metrics = []
     for m in micros:

@@ -104,3 +104,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The count line at every verbosity, `-qq` included, where pytest prints none of its own."""
+    if config.get_verbosity() >= -1:
+        return
+    stats = terminalreporter.stats
+    count = {key: len(stats.get(key, ())) for key in ("passed", "failed", "skipped", "error")}
+    extra = "".join(f", {count[key]} {key}" for key in ("skipped", "error") if count[key])
+    terminalreporter.write_line(f"{count['passed']} passed, {count['failed']} failed{extra}")

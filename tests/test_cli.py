@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import pgloss
 import pgloss.cli
 from pgloss.algorithms import _TABLE
@@ -89,6 +91,36 @@ def test_an_option_of_another_command_gets_that_commands_usage_and_a_hint():
         "pgloss train: error: unrecognized arguments: --seeds 1 "
         "(did you mean --seed? --seeds is an option of pgloss compare and pgloss experiment)"
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "typed", "meant"),
+    [
+        ("train", "--learning-rate", "--lr"),
+        ("compare", "--learning-rate", "--lr"),
+        ("train", "--algoritm", "--algorithm"),
+    ],
+)
+def test_an_unknown_flag_gets_the_one_it_most_likely_means(command, typed, meant):
+    """A long name for an option spelt short (and a misspelling) gets a did-you-mean, as a loss name does, under a
+    one-line usage rather than the command's whole option list."""
+    done = subprocess.run(PGLOSS + [command, typed, "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        f"usage: pgloss {command} [options] (pgloss {command} --help lists them)",
+        f"pgloss {command}: error: unrecognized arguments: {typed} 3 (did you mean {meant}?)",
+    ], done.stderr
+
+
+def test_closest_option_reads_initials_both_ways():
+    from pgloss.cli import closest_option
+
+    options = ["--lr", "--max-grad-norm", "--seed", "-h", "--help"]
+    assert closest_option("--learning-rate", options) == "--lr"
+    assert closest_option("--mgn", options) == "--max-grad-norm"
+    assert closest_option("--sed", options) == "--seed"
+    assert closest_option("--temperature", options) is None
 
 
 def test_help_describes_every_command_in_the_users_words():

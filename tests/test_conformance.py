@@ -53,8 +53,8 @@ def test_openrlhf_as_a_user_runs_it():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "OpenRLHF:"
-    assert lines[-2] == "  OpenRLHF: 22 agree, 3 differs as documented, 0 DIFFERS"
-    assert lines[-1] == "pgloss conformance: 22 agree, 3 differ as documented, 0 DIFFER"
+    assert lines[-2] == "  OpenRLHF: 27 agree, 3 differs as documented, 0 DIFFERS"
+    assert lines[-1] == "pgloss conformance: 27 agree, 3 differ as documented, 0 DIFFER"
     assert sum("'Conformance with OpenRLHF'" in line for line in lines) == 3  # each reason printed under its case
 
 

@@ -1,5 +1,5 @@
-"""The README's examples (its ten-line example, the "Use" snippet) and examples/plain_pytorch.py, run as a user
-runs them."""
+"""The documentation's examples (the README's ten-line example, the guide's "Use" snippet, the hidden-states page's
+Hugging Face example) and examples/plain_pytorch.py, run as a user runs them."""
 
 import copy
 import importlib.util
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import pgloss
@@ -15,11 +16,11 @@ import pgloss
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_python(start: str, end: str | None = None) -> str:
-    """The first Python block of the README after `start` (and before `end`)."""
-    readme = (ROOT / "README.md").read_text()
+def readme_python(start: str, end: str | None = None, page: str = "README.md", language: str = "python") -> str:
+    """The first `language` block of `page` (the README) after `start` (and before `end`)."""
+    readme = (ROOT / page).read_text()
     part = readme[readme.index(start) : None if end is None else readme.index(end)]
-    return re.search(r"```python\n(.*?)```", part, re.S).group(1)
+    return re.search(rf"```{language}\n(.*?)```", part, re.S).group(1)
 
 
 def run_as_written(code: str, tmp_path) -> str:
@@ -31,9 +32,9 @@ def run_as_written(code: str, tmp_path) -> str:
     return done.stdout
 
 
-def test_the_readme_use_snippet_runs_as_written(tmp_path):
-    """The first Python block of the README's "## Use" section."""
-    lines = run_as_written(readme_python("\n## Use\n"), tmp_path).strip().splitlines()
+def test_the_guides_use_snippet_runs_as_written(tmp_path):
+    """The first Python block of the guide's "## Use" section (docs/guide.md: a whole optimizer step)."""
+    lines = run_as_written(readme_python("\n## Use\n", page="docs/guide.md"), tmp_path).strip().splitlines()
     assert len(lines) == 2 and all("'pg_loss'" in line and "'ppo_kl'" in line for line in lines), lines
 
 
@@ -41,8 +42,18 @@ def test_the_readme_ten_line_example_runs_as_written(tmp_path):
     """The README's first-screen example: the block between its snippet markers (the site's home page includes
     the same block)."""
     out = run_as_written(readme_python("[start:example]", "[end:example]"), tmp_path)
+    assert out == readme_python("[start:example]", "[end:example]", language="text")  # seeded: what it shows
     found = re.fullmatch(r"loss (-?\d+\.\d{4}), gradient norm (\d+\.\d{4})\n", out)
     assert found and float(found.group(2)) > 0, out
+
+
+def test_the_hugging_face_example_of_the_hidden_states_page_prints_what_it_shows(tmp_path):
+    """docs/api/vocabulary.md: hidden states from a transformers causal LM (output_hidden_states, the shift, the
+    tied head's weight) give the loss and the head's gradient of the materialised logits."""
+    pytest.importorskip("transformers", reason="the example builds a transformers model (the trl extra)")
+    page = "docs/api/vocabulary.md"
+    out = run_as_written(readme_python("## From a Hugging Face causal LM", page=page), tmp_path)
+    assert out == readme_python("## From a Hugging Face causal LM", page=page, language="text"), out
 
 
 def _example():

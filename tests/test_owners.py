@@ -23,6 +23,7 @@ from pgloss.core import aggregate as agg
 from pgloss.core.aggregate import AGGREGATIONS, Aggregation, row_weights
 from pgloss.core.normalizer import Normalizer
 from pgloss.trainer_options import trl as trl_config
+from pgloss.trainer_options import trl_trainer
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
 IDS = torch.tensor([0, 0, 1, 1, 2])
@@ -90,7 +91,7 @@ def test_each_mode_passes_both_translators(mode):
         with pytest.raises(ValueError, match="needs actor.loss_scale_factor"):
             pgloss.from_verl(dict(loss_agg_mode=mode, policy_loss=dict(loss_mode="pgloss_dapo")))
     given = pgloss.get("dapo", loss_agg_mode=mode, generation_budget=BUDGET)
-    assert trl_config.trainer_algorithm(trl_config.grpo_options({}), given) == given
+    assert trl_trainer.trainer_algorithm(trl_config.grpo_options({}), given) == given
 
 
 def _half_token_sum(mask, normalizer, **_):
@@ -129,7 +130,7 @@ def test_a_mode_added_to_the_table_is_all_it_takes(monkeypatch):
         )
         assert (from_verl.loss_agg_mode, from_verl.norm_constant) == (mode, constant)
         given = pgloss.get("dapo", loss_agg_mode=mode, generation_budget=BUDGET)
-        assert trl_config.trainer_algorithm(trl_config.grpo_options({}), given) == given
+        assert trl_trainer.trainer_algorithm(trl_config.grpo_options({}), given) == given
 
     verl = pytest.importorskip("pgloss.integrations.verl")
     # dp_size 2 with no counts at all: a mode that reads no count needs none of verl's

@@ -49,7 +49,8 @@ from .core.checks import detect_anomaly
 from .core.normalizer import Normalizer
 from .core.sequence_parallel import SequenceParallel  # sequences split over a sequence/context group
 from .core.step_metrics import StepMetrics  # a step's metrics over micro-batches and ranks
-from .correction import m2po, rollout, token_masks
+from .correction import m2po, proximal, rollout, token_masks
+from .correction.gating import Gate  # a rollout correction's rule on probabilities (binary KL, TV, difference)
 from .correction.rejection import Rejection
 from .correction.rollout import RolloutCorrection
 from .from_hidden import loss_from_hidden
@@ -98,6 +99,7 @@ __all__ = [
     "REAL",
     "REC",
     "Rejection",
+    "Gate",
     "RoleBaseline",
     "RolloutCorrection",
     "SAPO",
@@ -128,6 +130,7 @@ __all__ = [
     "loss_from_hidden",
     "m2po",
     "names",
+    "proximal",
     "recipe",
     "register",
     "rollout",

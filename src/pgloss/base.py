@@ -268,7 +268,7 @@ class Algorithm(AlgorithmFields):
 
     def from_hidden(self, hidden: Tensor, weight: Tensor, targets: Tensor, **kwargs: Any) -> LossOutput:
         """The same loss computed from hidden states `[B, T, H]` and the output projection `[V, H]`
-        without materialising the logits; see `pgloss.from_hidden.loss_from_hidden` for the arguments."""
+        without materialising the logits; see [`pgloss.loss_from_hidden`][] for the arguments."""
         from .from_hidden import loss_from_hidden
 
         return loss_from_hidden(self, hidden, weight, targets, **kwargs)

@@ -161,14 +161,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _initials(option: str) -> str:
+    """`--learning-rate` -> `--lr`: how a long option is shortened (an option of one word is itself)."""
+    words = option.lstrip("-").split("-")
+    return "--" + "".join(word[:1] for word in words) if len(words) > 1 else option
+
+
+def closest_option(name: str, options: list[str]) -> str | None:
+    """The option of `options` that `name` most likely means: a near spelling (difflib), else the one whose
+    initials `name` is or that `name`'s initials are (`--learning-rate` and `--lr`, `--max-grad-norm` and
+    `--mgn`); None when nothing is close."""
+    close = difflib.get_close_matches(name, options, n=1)
+    if close:
+        return close[0]
+    long = [option for option in options if option.startswith("--")]
+    return next((o for o in long if o == _initials(name)), None) or next(
+        (o for o in long if _initials(o) == name and o != name), None
+    )
+
+
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
-    """Exit 2 with `command`'s own usage (not the top-level one) naming the options it does not take, the
-    closest one it does, and the other commands that take the option as spelt (train's --seed, compare's --seeds)."""
+    """Exit 2 naming the options `command` does not take, the closest one it does, and the other commands that
+    take the option as spelt (train's --seed, compare's --seeds), under a one-line usage of `command` (its
+    --help lists the options)."""
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     chosen = commands[command]
     hints = []
     for name in dict.fromkeys(arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")):
-        close = difflib.get_close_matches(name, list(chosen._option_string_actions), n=1)
+        close = [option] if (option := closest_option(name, list(chosen._option_string_actions))) else []
         elsewhere = [
             f"pgloss {other}" for other, p in commands.items() if other != command and name in p._option_string_actions
         ]
@@ -176,7 +196,10 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list
             [f"{name} is an option of {' and '.join(elsewhere)}"] if elsewhere else []
         )
         hints += [" ".join(hint)] if hint else []
-    chosen.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+    message = f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else "")
+    chosen.exit(
+        2, f"usage: {chosen.prog} [options] ({chosen.prog} --help lists them)\n{chosen.prog}: error: {message}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,12 +14,12 @@ def test_every_case_agrees_or_is_documented(cases):
     assert len(documented) == 3 and all("docs/reference.md" in c.reason for c in documented.values())
     # the KL (or entropy) term as a token mean beside a sequence-mean policy term: small but real
     assert all(1e-5 < c.loss_error < 1e-2 and 1e-4 < c.grad_error < 5e-2 for c in documented.values())
-    assert sum(c.status == AGREE for c in cases) == 22
+    assert sum(c.status == AGREE for c in cases) == 27
 
 
 def test_coverage(cases):
-    """PPO and GSPO, the dual clip, both aggregations, every ratio gate pgloss has, every KL estimator with and
-    without the unbiased gradient, and the entropy bonus."""
+    """PPO and GSPO, the dual clip, both aggregations, every ratio gate, the binary-KL and TV gates at token and
+    sequence level, every KL estimator with and without the unbiased gradient, and the entropy bonus."""
     agree = [c for c in cases if c.status == AGREE]
     assert {c.algorithm for c in agree} == {"ppo", "gspo"}
     settings = " ".join(c.setting for c in agree)
@@ -29,6 +29,11 @@ def test_coverage(cases):
         "is_correction_mode='clip'",
         "is_correction_level='seq'",
         "entropy_coef=0.01",
+        *(
+            f"is_correction_level='{level}', is_correction_gating='{gating}'"
+            for level in ("token", "seq")
+            for gating in ("binary_kl", "tv")
+        ),
     ):
         assert piece in settings
     kl = {c.setting for c in agree if c.function.endswith("compute_approx_kl")}

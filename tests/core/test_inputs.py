@@ -9,7 +9,6 @@ import torch
 import pgloss
 from pgloss.core.batch import TokenBatch
 from pgloss.core.inputs import OPTIONAL_INPUTS
-from pgloss.integrations import verl
 
 
 def batch(rows: int = 3, length: int = 4) -> dict[str, torch.Tensor]:
@@ -78,4 +77,7 @@ def test_from_hidden_takes_the_inputs_it_does_not_compute():
 
 
 def test_verl_refuses_a_loss_that_needs_any_input():
+    pytest.importorskip("verl", reason="the verl adapter needs verl (the verl extra)")
+    from pgloss.integrations import verl
+
     assert verl._NOT_PASSED == frozenset(OPTIONAL_INPUTS)

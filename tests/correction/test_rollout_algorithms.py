@@ -14,6 +14,7 @@ from conftest import log_probs, make_batch
 from properties.micro_batches import cut, split_call
 
 import pgloss
+from pgloss.correction.gating import Gate
 from pgloss.correction.rejection import Rejection
 from pgloss.correction.rollout import RolloutCorrection
 
@@ -157,6 +158,12 @@ CORRECTIONS = [
     ),
     RolloutCorrection(weight_level="sequence_product", weight_mode="mask", lower=0.3, upper=3.0, batch_normalize=True),
     RolloutCorrection(weight_level="sequence_geometric", off_policy_mask=0.0, rejection=(Rejection("token_k1", 1.5),)),
+    RolloutCorrection(
+        weight_level="segment_geometric",
+        upper=1.3,
+        batch_normalize=True,
+        gates=(Gate("binary_kl", "seq_mean", upper=0.06), Gate("diff", "token", lower=-0.1, upper=0.1)),
+    ),
 ]
 
 

@@ -127,11 +127,33 @@ def test_caller_config_is_not_mutated_and_beta_follows_kl_coef(tmp_path, model_d
         reward_funcs=trl_tiny.digits,
         train_dataset=trl_tiny.make_dataset(),
         args=config,
-        algorithm="grpo",
+        algorithm=pgloss.get("grpo"),
     )
     assert trainer.beta == 0.04 and trainer.ref_model is not None  # grpo's kl_coef switches on TRL's reference
     assert config.beta == 0.0  # TRL's default, untouched
     assert trainer.algorithm == pgloss.get("grpo")  # no divisor: grpo does not divide by a budget
+
+
+def test_grpo_by_name_loads_no_reference_model(tmp_path, model_dir):
+    """TRL's beta (0 by default) is kept for a name: no second model, and a model built in memory runs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    in_memory = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
+    in_memory.config._name_or_path = ""  # as a model built from a config has it
+    kwargs = dict(
+        reward_funcs=trl_tiny.digits,
+        train_dataset=trl_tiny.make_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    trainer = PGLossGRPOTrainer(
+        model=in_memory, args=trl_tiny.config(str(tmp_path / "a"), max_steps=1), algorithm="grpo", **kwargs
+    )
+    assert trainer.beta == 0.0 and trainer.ref_model is None and trainer.algorithm.kl_coef == 0.0
+    trainer.train()
+    with pytest.raises(ValueError, match=r"kl_coef=0.04 on a model built in memory.*ref_model.*kl_coef=0"):
+        PGLossGRPOTrainer(
+            model=in_memory, args=trl_tiny.config(str(tmp_path / "b")), algorithm=pgloss.get("grpo"), **kwargs
+        )
 
 
 def test_a_step_spanning_two_generations_is_refused(tmp_path):

@@ -14,7 +14,8 @@ pytest.importorskip("trl")
 
 from trl import GRPOConfig
 
-from pgloss.trainer_options.trl import adaptive_entropy, rollout_correction, trainer_algorithm
+from pgloss.trainer_options.trl import adaptive_entropy, rollout_correction
+from pgloss.trainer_options.trl_trainer import reference_model_refusal, trainer_algorithm
 
 
 def config(**options):
@@ -111,8 +112,8 @@ def test_a_names_trl_options_are_translated_onto_it():
     assert trainer_algorithm(config(epsilon_high=0.4), "dapo") == pgloss.get("dapo", clip_high=0.4)
     assert trainer_algorithm(config(epsilon=0.3), "dapo") == pgloss.get("dapo", clip_low=0.3, clip_high=0.3)
     assert trainer_algorithm(config(delta=2.0, importance_sampling_level="sequence"), "grpo") == pgloss.get(
-        "grpo", delta=2.0, ratio_level="sequence"
-    )
+        "grpo", delta=2.0, ratio_level="sequence", kl_coef=0.0
+    )  # TRL's beta (0) is kept
     assert trainer_algorithm(config(sapo_temperature_neg=2.0), "sapo") == pgloss.get("sapo", tau_neg=2.0)
     assert trainer_algorithm(config(epsilon_high=5.0), "cispo") == pgloss.get(
         "cispo", clip_high=5.0, cispo_convention="absolute"
@@ -124,6 +125,39 @@ def test_a_names_trl_options_are_translated_onto_it():
     assert trainer_algorithm(config(use_vllm=True), "dapo").rollout_correction == RolloutCorrection(
         weight_level="sequence_product", weight_mode="mask", upper=3.0
     )  # TRL's default under vLLM
+
+
+def test_a_name_keeps_trls_beta_unless_the_caller_sets_it(caplog):
+    """TRL 1.16's beta defaults to 0 (no reference model): algorithm="grpo" keeps it, with one line saying how
+    to get grpo's KL term; a beta the caller sets, or an Algorithm that carries kl_coef, is the KL term."""
+    with caplog.at_level("INFO", logger="pgloss.trainer_options.trl"):
+        assert trainer_algorithm(config(), "grpo") == pgloss.get("grpo", kl_coef=0.0)
+    assert "TRL's beta=0.0 is kept" in caplog.text and "GRPOConfig(beta=0.04)" in caplog.text
+    assert trainer_algorithm(config(beta=0.04, use_bias_correction_kl=False), "grpo") == pgloss.get("grpo")
+    assert trainer_algorithm(config(), pgloss.get("grpo")).kl_coef == 0.04  # asked for, by the Algorithm
+
+
+class _Config:
+    def __init__(self, name_or_path):
+        self._name_or_path = name_or_path
+
+
+class _Model:
+    def __init__(self, name_or_path=""):
+        self.config = _Config(name_or_path)
+
+
+def test_a_kl_term_on_a_model_built_in_memory_names_the_fix():
+    grpo = pgloss.get("grpo")
+    message = reference_model_refusal(_Model(), grpo)
+    assert "ref_model" in message and "kl_coef" in message and "save_pretrained" in message
+    assert "pgloss.get('grpo', kl_coef=0)" in message
+    assert reference_model_refusal(_Model(), pgloss.get("grpo", kl_coef=0.0)) is None  # no KL term: no reference
+    assert reference_model_refusal(_Model("some/model"), grpo) is None  # TRL loads the reference from its path
+    assert reference_model_refusal("some/model", grpo) is None
+    peft = _Model()
+    peft.peft_config = {}
+    assert reference_model_refusal(peft, grpo) is None  # the adapter switched off is the reference
 
 
 def refusal(options, algorithm=None):

@@ -228,8 +228,11 @@ def test_ctrl_c_and_sigterm_stop_within_seconds_and_write_what_finished(tmp_path
     assert "Traceback" not in err and "leaked semaphore" not in err
     ours = [line for line in err.splitlines() if line.startswith("pgloss compare")]
     assert len(ours) == 1 and re.match(r"pgloss compare: interrupted; [12] of 5 runs finished", ours[0]), err[-3000:]
+    resume = f"pgloss compare {' '.join(cmd[2:-2])} --out {out} --resume"  # the command line, continued
+    assert ours[0].endswith(f"; continue it with: {resume}"), ours[0]
     report = (out / "report.md").read_text()
     assert "was interrupted" in report and ": interrupted after" in report and ": not started" in report
+    assert f"Continue it, each run from its last checkpoint: `{resume}`" in report
     finished = {
         r["algorithm"] for r in json.loads((out / "config.json").read_text())["runs"] if r["status"] == "finished"
     }
@@ -269,6 +272,7 @@ def test_sigterm_to_train_alone_records_what_it_made(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert re.search(r"pgloss train: interrupted; 0 of 1 runs finished", err), err[-3000:]
+    assert err.strip().splitlines()[-1].endswith(f"--out {out} --resume"), err[-3000:]
     config = json.loads((out / "config.json").read_text())
     assert config["status"] == "interrupted" and config["runs"][0]["status"] == "interrupted"
     assert config["runs"][0]["steps_done"] >= 2

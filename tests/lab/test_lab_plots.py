@@ -3,13 +3,15 @@ whole steps on the axis of a short run. Synthetic records, so no training is nee
 
 import random
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import pytest
 
 import pgloss
-from pgloss.lab import plots
+
+matplotlib = pytest.importorskip("matplotlib", reason="the lab's plots need matplotlib (the lab extra)")
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
+
+from pgloss.lab import plots  # noqa: E402 (plots imports matplotlib)
 
 
 def _records(names, steps=2):

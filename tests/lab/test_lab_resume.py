@@ -3,6 +3,7 @@ stopped, bit for bit: in ``trainer.train`` (every random state restored), and as
 ``pgloss train`` / ``pgloss compare`` stopped by SIGTERM once a chosen step's line is in metrics.jsonl."""
 
 import json
+import shlex
 import signal
 import subprocess
 import time
@@ -91,8 +92,8 @@ def _run(*args, timeout=240):
     return subprocess.run([PGLOSS, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def _stop_at(args, metrics: Path, line: str, seconds: float = 240) -> None:
-    """Start ``pgloss ARGS``, wait for `line` in `metrics`, then SIGTERM it; it exits with 130."""
+def _stop_at(args, metrics: Path, line: str, seconds: float = 240) -> str:
+    """Start ``pgloss ARGS``, wait for `line` in `metrics`, then SIGTERM it; it exits with 130. Its stderr."""
     proc = subprocess.Popen([PGLOSS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + seconds
     while time.time() < deadline and proc.poll() is None:
@@ -103,6 +104,7 @@ def _stop_at(args, metrics: Path, line: str, seconds: float = 240) -> None:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
+    return err
 
 
 def _policies(out: Path) -> dict:
@@ -116,9 +118,11 @@ def _same_policies(a: dict, b: dict) -> bool:
 def test_a_train_stopped_by_sigterm_resumes_to_the_same_result(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert _run("train", *SMALL, "--out", str(whole)).returncode == 0
-    _stop_at(["train", *SMALL, "--out", str(part)], part / "metrics.jsonl", '"step": 2,')
+    err = _stop_at(["train", *SMALL, "--out", str(part)], part / "metrics.jsonl", '"step": 2,')
     assert json.loads((part / "config.json").read_text())["status"] == "interrupted"
-    done = _run("train", *SMALL, "--out", str(part), "--resume")
+    resume = err.strip().splitlines()[-1].split("; continue it with: ")[1]  # the command its last line gives
+    assert resume == shlex.join(["pgloss", "train", *SMALL, "--out", str(part), "--resume"])
+    done = _run(*shlex.split(resume)[1:])
     assert done.returncode == 0, done.stderr[-3000:]
     assert (part / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()
     assert (part / "samples.md").read_text() == (whole / "samples.md").read_text()
@@ -151,3 +155,17 @@ def test_resume_refuses_other_settings_a_finished_run_and_no_out(tmp_path):
     assert _run("train", *SMALL, "--out", str(out), "--resume").returncode == 0
     again = _run("train", *SMALL, "--out", str(out), "--resume")
     assert again.returncode == 2 and "is finished, nothing to continue" in again.stderr
+
+
+def test_the_resume_command_is_the_run_s_own_with_out_and_resume(tmp_path):
+    from pgloss.lab.resume import resume_command
+
+    out = tmp_path / "my runs"
+    line = "pgloss compare --algorithms grpo dapo --steps 30 --overwrite --out=elsewhere --seeds 2"
+    assert resume_command({"command": line}, out) == (
+        f"pgloss compare --algorithms grpo dapo --steps 30 --seeds 2 --out '{out}' --resume"
+    )
+    assert resume_command({"command": "pgloss train --out a --resume --steps 5"}, out) == (
+        f"pgloss train --steps 5 --out '{out}' --resume"
+    )
+    assert resume_command({"command": "pgloss train", "world_size": 2}, out) is None  # torchrun keeps no checkpoint

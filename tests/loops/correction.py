@@ -13,6 +13,20 @@ def _valid(row, mask_row):
     return [v for v, m in zip(row, mask_row, strict=True) if m]
 
 
+def segments(mask_row):
+    """The maximal runs of consecutive valid positions of a row, as lists of positions (ROLL's segments)."""
+    runs, run = [], []
+    for t, m in enumerate(mask_row):
+        if m:
+            run.append(t)
+        elif run:
+            runs.append(run)
+            run = []
+    if run:
+        runs.append(run)
+    return runs
+
+
 # -- rollout correction ------------------------------------------------------------------------
 
 
@@ -26,9 +40,15 @@ def rollout_weights(train, rollout, mask, *, level, mode, lower, upper, max_log_
             s = max(-max_log_ratio, min(max_log_ratio, sum(diffs)))
         elif level == "sequence_geometric":
             s = max(-max_log_ratio, min(max_log_ratio, sum(diffs) / max(len(diffs), 1)))
+        per_segment = {}
+        for run in segments(mask[i]):
+            mean = sum(train[i][t] - rollout[i][t] for t in run) / len(run)
+            per_segment.update({t: mean for t in run})
         for t in range(T):
             if level == "token":
                 s = max(-max_log_ratio, min(max_log_ratio, train[i][t] - rollout[i][t]))
+            elif level == "segment_geometric" and mask[i][t]:
+                s = max(-max_log_ratio, min(max_log_ratio, per_segment[t]))
             raw[i][t] = math.exp(s) if mask[i][t] else 0.0
     weight = [[0.0] * T for _ in range(B)]
     out = [[False] * T for _ in range(B)]
@@ -48,7 +68,7 @@ def rollout_weights(train, rollout, mask, *, level, mode, lower, upper, max_log_
                     w = min(w, upper)
                 weight[i][t] = w
     if batch_normalize:
-        if level == "token":
+        if level in ("token", "segment_geometric"):
             vals = [weight[i][t] for i in range(B) for t in range(T) if mask[i][t]]
         else:
             vals = [next(weight[i][t] for t in range(T) if mask[i][t]) for i in range(B) if any(mask[i])]
@@ -77,6 +97,12 @@ def kl_rejection_keep(train, rollout, mask, option, upper, lower=None):
 
         if level == "token":
             keep[i] = [passes(s) for s in stats]
+        elif level == "segment_mean":
+            keep[i] = [True] * T
+            for run in segments(mask[i]):
+                seg = sum(stats[t] for t in run) / len(run)
+                for t in run:
+                    keep[i][t] = passes(seg)
         else:
             if not valid:
                 seq = 0.0
@@ -88,6 +114,41 @@ def kl_rejection_keep(train, rollout, mask, option, upper, lower=None):
                 seq = min(valid)
             else:
                 seq = max(valid)
+            keep[i] = [passes(seq)] * T
+    return keep
+
+
+def gate_keep(train, rollout, mask, statistic, level, *, lower=None, upper=None):
+    """A probability gate's keep flags per token: OpenRLHF's binary_kl / tv (probabilities clamped to
+    [1e-6, 1 - 1e-6]) and ROLL's difference p_train - p_rollout, at token, sequence mean, sequence sum or
+    segment mean level, kept when lower <= statistic <= upper."""
+    B, T = len(mask), len(mask[0])
+    keep = [[True] * T for _ in range(B)]
+
+    def token_stat(a, b):
+        pt, pr = math.exp(a), math.exp(b)
+        if statistic == "diff":
+            return pt - pr
+        q, p = min(max(pt, 1e-6), 1 - 1e-6), min(max(pr, 1e-6), 1 - 1e-6)
+        if statistic == "tv":
+            return abs(p - q)
+        return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+    def passes(s):
+        return (lower is None or s >= lower) and (upper is None or s <= upper)
+
+    for i in range(B):
+        stats = [token_stat(train[i][t], rollout[i][t]) for t in range(T)]
+        valid = _valid(stats, mask[i])
+        if level == "token":
+            keep[i] = [passes(s) for s in stats]
+        elif level == "segment_mean":
+            for run in segments(mask[i]):
+                seg = sum(stats[t] for t in run) / len(run)
+                for t in run:
+                    keep[i][t] = passes(seg)
+        else:
+            seq = sum(valid) if level == "seq_sum" else sum(valid) / max(len(valid), 1)
             keep[i] = [passes(seq)] * T
     return keep
 

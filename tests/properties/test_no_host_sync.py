@@ -21,6 +21,7 @@ from pgloss.core.aggregate import AGG_MODES
 from pgloss.core.checks import anomaly_enabled
 from pgloss.core.inputs import OPTIONAL_INPUTS
 from pgloss.correction import m2po, token_masks
+from pgloss.correction.gating import GATE_LEVELS, GATE_STATISTICS, Gate
 from pgloss.correction.rejection import REJECTION_OPTIONS, Rejection
 from pgloss.correction.rollout import WEIGHT_LEVELS, WEIGHT_MODES, RolloutCorrection
 from pgloss.from_hidden import PASSED_INPUTS as PASSED_TO_FROM_HIDDEN
@@ -397,6 +398,14 @@ OPTIONS = {  # the options no name takes by default, each on one name
             ),
         )
         for option in REJECTION_OPTIONS
+    },
+    **{
+        f"gate {statistic} {level}": (
+            "grpo",
+            dict(rollout_correction=RolloutCorrection(gates=(Gate(statistic, level, lower=-0.5, upper=0.5),))),
+        )
+        for statistic in GATE_STATISTICS
+        for level in GATE_LEVELS
     },
     "correction bypass, weighing the KL": (
         "grpo",

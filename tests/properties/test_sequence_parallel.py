@@ -323,9 +323,14 @@ def host_syncs(split):
 def torch_layouts():
     """{layout: whether SequenceParallel(layout=).shard cuts positions as torch's context-parallel sharding does}:
     plain Shard(seq_dim), and the head-tail load balancer that torch's `context_parallel` (accelerate's cp_size)
-    applies to causal attention by default."""
+    applies to causal attention by default. None where torch has no such sharding to compare with (torch 2.9's
+    context parallelism has no `_context_parallel_shard`)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _HeadTailLoadBalancer
+
+    try:
+        from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _HeadTailLoadBalancer
+    except ImportError:
+        return None
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     positions = torch.arange(ROWS * WIDTH, dtype=torch.float64).view(ROWS, WIDTH)
@@ -433,7 +438,8 @@ def test_two_ranks_of_one_sequence_group_give_one_process_loss_and_gradients(exp
         "fipo": ({"all_gather": 1}, {}),
     }
     assert "clip_cov cannot be computed over sequences split across ranks" in side["refusal"]
-    assert side["layouts"] == {"contiguous": True, "load_balanced": True}
+    if side["layouts"] is not None or tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13):
+        assert side["layouts"] == {"contiguous": True, "load_balanced": True}  # compared from make test's torch on
     assert side["host syncs"] == {}
     hidden, weight, _, targets, inputs = data()
     lp, _ = log_probs_and_entropy(hidden, weight, targets)

@@ -22,9 +22,8 @@ sequences, as `get_loss_batch_info` counts them). OpenRLHF's options in pgloss's
 | `actor.entropy_coef` | `entropy_coef` |
 | `is_correction_level="token"`, mode clip / mask, gating ratio, threshold [lo, hi] | `RolloutCorrection(weight_level="token", weight_mode="truncate"/"mask", lower=lo, upper=hi)` |
 | `is_correction_level="seq"`, mode mask, gating ratio | a token weight ρ_t with `Rejection("seq_mean_k1", lower=1/hi, upper=1/lo)`, counted on the original masks (`count_rejected=True`): the rejected tokens stay in OpenRLHF's token count |
+| `is_correction_level` token / seq, mode mask, gating `binary_kl` / `tv`, threshold [0, δ] | a token weight ρ_t (untruncated) with `Gate("binary_kl"/"tv", level="token"/"seq_mean", lower=0, upper=δ)`, counted on the original masks |
 | gspo with `is_correction_level` on | gspo against the rollout policy: `old_log_prob` = the rollout log-probs |
-
-The `binary_kl` and `tv` gates have no pgloss rule and are not checked.
 """
 
 from __future__ import annotations
@@ -101,6 +100,7 @@ def algorithm(options: dict[str, Any]) -> tuple[Any, bool]:
     """The pgloss algorithm for OpenRLHF's `options` (PolicyLoss's arguments and kl_coef, kl_estimator,
     unbiased_gradient, entropy_coef), and whether its rollout rejection is counted on the original masks."""
     import pgloss
+    from pgloss.correction.gating import Gate
     from pgloss.correction.rejection import Rejection
     from pgloss.correction.rollout import RolloutCorrection
 
@@ -120,11 +120,14 @@ def algorithm(options: dict[str, Any]) -> tuple[Any, bool]:
         fields["loss_agg_mode"] = "token-mean" if options.get("token_level_loss", True) else "seq-mean-token-mean"
     counted = False
     if level != "off" and not gspo:
-        if options.get("is_correction_gating", "ratio") != "ratio":
-            raise ValueError("OpenRLHF's binary_kl and tv gates have no pgloss rule")
+        gating = options.get("is_correction_gating", "ratio")
         low, high = options.get("is_correction_threshold", (0.5, 5.0))
         mode = options.get("is_correction_mode", "mask")
-        if level == "token":
+        if gating != "ratio":  # mask mode (OpenRLHF refuses clip): kept tokens keep their untruncated ρ_t
+            gate = Gate(gating, level="token" if level == "token" else "seq_mean", lower=low, upper=high)
+            fields["rollout_correction"] = RolloutCorrection(weight_level="token", upper=None, gates=(gate,))
+            counted = True
+        elif level == "token":
             fields["rollout_correction"] = RolloutCorrection(
                 weight_level="token", lower=low, upper=high, weight_mode="truncate" if mode == "clip" else "mask"
             )
@@ -198,6 +201,16 @@ _IS = [
     for level, mode in (("token", "clip"), ("token", "mask"), ("seq", "mask"))
     for band in ((0.5, 5.0), (0.8, 1.25))
 ]
+_GATES = [
+    dict(is_correction_level=level, is_correction_gating=gating, is_correction_threshold=(0.0, delta))
+    for level, gating, delta in (
+        ("token", "binary_kl", 0.02),
+        ("token", "tv", 0.08),
+        ("seq", "binary_kl", 0.04),
+        ("seq", "tv", 0.1),
+    )
+]
+"""Bounds that keep about half the tokens (rows) of the random batches."""
 
 _AGREE: list[dict[str, Any]] = [
     dict(),
@@ -211,6 +224,8 @@ _AGREE: list[dict[str, Any]] = [
     dict(_IS[0], token_level_loss=False),
     dict(_IS[4], token_level_loss=False),
     dict(entropy_coef=0.01),
+    *[dict(o) for o in _GATES],
+    dict(_GATES[2], token_level_loss=False),
 ]
 _KL: list[dict[str, Any]] = [
     dict(kl_coef=0.01, kl_estimator=kind, unbiased_gradient=unbiased)
@@ -236,7 +251,8 @@ _DOCUMENTED: list[tuple[dict[str, Any], str]] = [
 
 
 def cases() -> Iterator[Case]:
-    """PPO (token and sequence aggregation, clip-higher, dual clip), GSPO, the ratio-gated IS corrections,
+    """PPO (token and sequence aggregation, clip-higher, dual clip), GSPO, the ratio-, binary-KL- and TV-gated
+    IS corrections,
     the entropy bonus, and each KL estimator with and without the unbiased gradient, each on a random batch."""
 
     def one(options: dict[str, Any], seed: int, reason: str | None, tolerance: float) -> Case:

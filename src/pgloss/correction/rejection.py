@@ -1,8 +1,10 @@
 """What a rollout correction takes out of the loss's mask: KL-based rejection and off-policy sequence masking.
 
 KL-based rejection (verl `rollout_rs`), chainable (AND, each rule's statistic over the original mask,
-as verl), with k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ per token, at token level or as a
-sequence's sum, mean or max: a `Rejection` keeps a token (or the whole sequence) when the statistic passes; for k1 the bounds are on
+as verl), with k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ per token, at token level, as a
+sequence's sum, mean or max, or as a segment's mean (`segment_mean`: over a maximal run of consecutive
+valid tokens, a turn, as ROLL's `segment` level; `pgloss.correction.gating.segment_mean`): a `Rejection`
+keeps a token (or the whole sequence, or segment) when the statistic passes; for k1 the bounds are on
 exp(statistic) (a ratio π_rollout/π_train, lower defaulting to 1/upper), for k2 and k3 on the
 statistic (upper only). `seq_min_k1` with `lower` = 1/H drops a sequence when any token's ρ_t > H (SkyRL
 `outlier_token_is_threshold_high`); `seq_max_k1` with `upper` = 1/L and `lower` = 0+ (a tiny ratio: its default 1/upper would also drop the rows whose
@@ -25,19 +27,21 @@ from torch import Tensor
 
 from ..core.checks import check_number
 from ..core.sequence_parallel import SequenceParallel, row_max, row_mean, row_sum
+from .gating import segment_mean
 
 __all__ = ["KL_STATISTICS", "REJECTION_LEVELS", "REJECTION_OPTIONS", "Rejection", "off_policy_sequence_mask"]
 
 KL_STATISTICS = ("k1", "k2", "k3")
-REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max", "segment_mean")
 REJECTION_OPTIONS = (*(f"{level}_{k}" for level in REJECTION_LEVELS for k in KL_STATISTICS), "seq_min_k1")
 """The options; `seq_min_k1` (k1 only) bounds the sequence's smallest -log ρ, its largest ratio ρ = π_train/π_rollout."""
 
 
 @dataclass(frozen=True)
 class Rejection:
-    """One KL-based rejection rule: `option` is `<level>_<k>` with level token, seq_sum, seq_mean or
-    seq_max and k k1, k2 or k3 (verl's `rollout_rs` names). For k1, keep lower ≤ exp(stat) ≤ upper
+    """One KL-based rejection rule: `option` is `<level>_<k>` with level token, seq_sum, seq_mean,
+    seq_max or segment_mean and k k1, k2 or k3 (verl's `rollout_rs` names; segment_mean: ROLL's per-turn
+    level). For k1, keep lower ≤ exp(stat) ≤ upper
     (either bound may be None, lower defaults to 1/upper); for k2 and k3, keep stat ≤ upper."""
 
     option: str
@@ -85,6 +89,8 @@ class Rejection:
             stat = -row_max(torch.where(mask, -stat, -torch.inf), sequence_parallel, keepdim=True).clamp(
                 min=-torch.finfo(stat.dtype).max
             )
+        elif level == "segment_mean":
+            stat = segment_mean(stat, mask, sequence_parallel)
         elif level == "seq_max":
             stat = row_max(torch.where(mask, stat, -torch.inf), sequence_parallel, keepdim=True).clamp(
                 min=-torch.finfo(stat.dtype).max

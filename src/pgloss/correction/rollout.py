@@ -9,8 +9,12 @@ log-ratio of a valid token is log ρ_t = clamp(log π_train - log π_rollout, ±
 
     weight level        w                                            used by
     token               ρ_t                                          verl `rollout_is=token`, TRL/ms-swift `token_*`
-    sequence_product    exp(clamp(Σ_t log ρ_t, ±max_log_ratio))      verl `rollout_is=sequence`, TRL `sequence_*`
-    sequence_geometric  exp(Σ_t log ρ_t / |y_i|)                     ms-swift `sequence_*`, OpenRLHF `seq`
+    sequence_product    exp(clamp(Σ_t log ρ_t, ±max_log_ratio))      verl `rollout_is=sequence`, TRL `sequence_*`,
+                                                                     ROLL `sequence`
+    sequence_geometric  exp(Σ_t log ρ_t / |y_i|)                     ms-swift `sequence_*`, OpenRLHF `seq`,
+                                                                     ROLL `geometric`
+    segment_geometric   exp(Σ_{t∈s} log ρ_t / |s|), s the token's    ROLL `segment` (`weight_type`)
+                        segment (a run of consecutive valid tokens)
 
 then, with bounds [lower, upper] (either may be None: unbounded),
 
@@ -20,9 +24,9 @@ then, with bounds [lower, upper] (either may be None: unbounded),
 detached. The sequence weight is a separate choice from GSPO's sequence ratio: a product of
 ratios collapses or explodes on long sequences, the geometric mean does not.
 
-Rejected tokens (the KL-based rejection and the off-policy sequence mask: `pgloss.correction.rejection`)
-leave the effective mask: the loss's numerator and every metric. The normaliser
-counts what the caller counted. Rejections known before the step (the KL rules in decoupled mode,
+Rejected tokens (the KL-based rejection and the off-policy sequence mask: `pgloss.correction.rejection`;
+the probability gates: `pgloss.correction.gating`) leave the effective mask: the loss's numerator and every
+metric. The normaliser counts what the caller counted. Rejections known before the step (the KL rules and the gates in decoupled mode,
 on π_old and π_rollout) can leave it too: without a `Normalizer` the call counts the mask after
 them (verl: the response mask is multiplied), and so does a step's `Normalizer` counted on
 `keep_mask(...)` (`RolloutCorrection.normalizer`); one counted on the original masks keeps them in
@@ -31,8 +35,8 @@ mode) cannot be counted before the step: their tokens get zero weight but stay i
 as TRL's off-policy mask does, so the loss does not depend on how the step is cut.
 
 Batch normalisation (verl `rollout_is_batch_normalize`): w ← w / mean(w), the mean over the step's
-valid tokens (token level) or non-empty sequences (sequence levels), global over micro-batches and
-ranks: the step's count carries the sums (`step_sums`, in `Normalizer.sums`), so the loss stays split-invariant.
+valid tokens (token and segment levels) or non-empty sequences (sequence levels), global over micro-batches and
+ranks: the step's count carries the sums (`step_count_inputs`, in `Normalizer.sums`), so the loss stays split-invariant.
 
 `Algorithm.count_step(...)` counts a step with its correction: a `Normalizer` counted on the kept masks (or on
 the original ones, `count_rejected=True`, as AReaL) that also carries the step's weight sums, in the same two
@@ -51,17 +55,21 @@ from torch import Tensor
 
 from ..core.batch import check_device, check_mask, check_tensor, compute_dtype, per_micro_batch
 from ..core.checks import check_log_prob, check_number
-from ..core.metrics import Stat, effective_sample_size, token_extremes, token_fraction, token_mean
+from ..core.metrics import Stat, token_fraction
 from ..core.normalizer import Normalizer
 from ..core.sequence_parallel import (
     SequenceParallel,
     row_lengths,
     row_total_and_length,
 )
+from .gating import Gate, segment_mean
 from .mismatch import mismatch_metrics
 from .rejection import Rejection, off_policy_sequence_mask
+from .weight_stats import mean_of, row_max, weight_metrics
 
-WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric")
+WEIGHT_LEVELS = ("token", "sequence_product", "sequence_geometric", "segment_geometric")
+PER_TOKEN_LEVELS = ("token", "segment_geometric")
+"""Weight levels whose weight varies along a row: counted per valid token (`batch_normalize`, metrics)."""
 WEIGHT_MODES = ("truncate", "mask")
 
 
@@ -90,7 +98,7 @@ class RolloutCorrection:
     """
 
     weight_level: str | None = "token"
-    """token | sequence_product | sequence_geometric; None: no importance weight (masks only)."""
+    """token | sequence_product | sequence_geometric | segment_geometric; None: no importance weight (masks only)."""
     weight_mode: str = "truncate"
     """truncate (TIS: clamp to the bounds) or mask (IcePop: zero outside the bounds)."""
     lower: float | None = None
@@ -99,6 +107,9 @@ class RolloutCorrection:
     """Upper bound of the weight; None: unbounded above."""
     rejection: tuple[Rejection, ...] = ()
     """KL-based rejection rules, all applied (AND)."""
+    gates: tuple[Gate, ...] = ()
+    """Probability gates (binary KL, total variation, probability difference: `pgloss.correction.gating`), all
+    applied (AND) with the rejection rules."""
     off_policy_mask: float | None = None
     """δ of off-policy sequence masking (DeepSeek-V3.2); None disables it."""
     bypass: bool = False
@@ -126,6 +137,9 @@ class RolloutCorrection:
         rejection = tuple(self.rejection) if isinstance(self.rejection, (list, tuple)) else self.rejection
         if not isinstance(rejection, tuple) or not all(isinstance(r, Rejection) for r in rejection):
             raise TypeError(f"rejection must be a tuple of pgloss.Rejection, got {self.rejection!r}")
+        gates = tuple(self.gates) if isinstance(self.gates, (list, tuple)) else self.gates
+        if not isinstance(gates, tuple) or not all(isinstance(g, Gate) for g in gates):
+            raise TypeError(f"gates must be a tuple of pgloss.correction.gating.Gate, got {self.gates!r}")
         delta = check_number("off_policy_mask", self.off_policy_mask, optional=True)
         if delta is not None and delta < 0:
             raise ValueError(f"off_policy_mask must be >= 0 (a KL threshold), got {delta}")
@@ -146,6 +160,7 @@ class RolloutCorrection:
             ("lower", lower),
             ("upper", upper),
             ("rejection", rejection),
+            ("gates", gates),
             ("off_policy_mask", delta),
             ("max_log_ratio", max_log_ratio),
         ):
@@ -154,7 +169,12 @@ class RolloutCorrection:
     @property
     def needs_rollout(self) -> bool:
         """True when the correction needs `rollout_log_prob` (everything but a lone off-policy mask)."""
-        return self.weight_level is not None or bool(self.rejection) or self.bypass
+        return self.weight_level is not None or self.rejects or self.bypass
+
+    @property
+    def rejects(self) -> bool:
+        """True when the correction has rejection rules or gates (`kept`)."""
+        return bool(self.rejection) or bool(self.gates)
 
     # -- the pieces -------------------------------------------------------------------------------
 
@@ -168,6 +188,9 @@ class RolloutCorrection:
         sequence under a `sequence_parallel` group)."""
         if self.weight_level == "token":
             return torch.exp(self._log_rho(train, rollout, mask))
+        if self.weight_level == "segment_geometric":
+            mean = segment_mean(torch.where(mask, train - rollout, 0.0), mask, sequence_parallel)
+            return torch.exp(mean.clamp(-self.max_log_ratio, self.max_log_ratio))
         total, length = row_total_and_length(
             torch.where(mask, train - rollout, 0.0), mask, sequence_parallel, keepdim=True
         )
@@ -197,7 +220,7 @@ class RolloutCorrection:
     ) -> Tensor:
         """The mask after the KL-based rejection, known before the step (decoupled mode): count a
         step's `Normalizer` on these to leave rejected tokens out of the denominator."""
-        if self.bypass and self.rejection:
+        if self.bypass and self.rejects:
             raise ValueError("with bypass the rejection depends on π_θ; count the Normalizer on the original masks")
         ((mask, old_log_prob, rollout_log_prob),) = _micro_batches(
             mask, old_log_prob, rollout_log_prob, names=("mask", "old_log_prob", "rollout_log_prob")
@@ -208,8 +231,8 @@ class RolloutCorrection:
     def kept(
         self, train: Tensor, rollout: Tensor, mask: Tensor, sequence_parallel: SequenceParallel | None = None
     ) -> Tensor:
-        """The tokens the KL-based rejection keeps, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n, where
-        every rule computes its statistic over the original `mask` (a sequence rule after a token rule
+        """The tokens the KL-based rejection and the gates keep, bool `[B, T]`: mask ∧ keep_1 ∧ … ∧ keep_n,
+        where every rule (and gate) computes its statistic over the original `mask` (a sequence rule after a token rule
         averages over the sequence's valid tokens, not over the ones the token rule kept), as verl's
         `compute_rollout_rejection_mask`. The one rule the step's count (`keep_mask`) and the call
         (`apply`) use."""
@@ -217,20 +240,9 @@ class RolloutCorrection:
         keep = mask
         for rule in self.rejection:
             keep = keep & rule.keep(log_rho, mask, sequence_parallel)
+        for gate in self.gates:
+            keep = keep & gate.keep(train, rollout, mask, sequence_parallel)
         return keep
-
-    def step_sums(
-        self,
-        masks: Sequence[Tensor],
-        old_log_probs: Sequence[Tensor],
-        rollout_log_probs: Sequence[Tensor],
-        sequence_parallel: SequenceParallel | None = None,
-    ) -> dict[str, Tensor]:
-        """This rank's share of the step-wide sums the correction reads (`Normalizer.sums`): with
-        `batch_normalize`, (Σ w, n) of the bounded weight (`_weight_totals`); none otherwise."""
-        if not self.batch_normalize:
-            return {}
-        return {WEIGHT_SUM: self._weight_totals(masks, old_log_probs, rollout_log_probs, sequence_parallel)}
 
     def _weight_totals(
         self,
@@ -246,20 +258,20 @@ class RolloutCorrection:
             weight, _ = self._bound(
                 self._raw_weight(old.detach().double(), rollout.detach().double(), mask, sequence_parallel)
             )
-            if self.weight_level == "token":  # per row, then over the sequence group: every token once
+            if self.weight_level in PER_TOKEN_LEVELS:  # per row, then over the sequence group: every token once
                 totals += torch.stack(
                     row_total_and_length(torch.where(mask, weight, 0.0), mask, sequence_parallel)
                 ).sum(dim=-1)
             else:  # a sequence weight is the same on every rank of the sequence group: each sequence once
                 rows = row_lengths(mask, sequence_parallel) > 0
-                totals += torch.stack([torch.where(rows, _row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
+                totals += torch.stack([torch.where(rows, row_max(weight)[:, 0], 0.0).sum(), rows.sum().double()])
         return totals
 
     def weight_mean(self, normalizer: Normalizer) -> Tensor | None:
-        """The step's mean bounded weight, from the sums the step's count carries (`step_sums`); None without
-        `batch_normalize`, or from a Normalizer that did not count them."""
+        """The step's mean bounded weight, from the sums the step's count carries (`step_count_inputs`); None
+        without `batch_normalize`, or from a Normalizer that did not count them."""
         totals = normalizer.sums.get(WEIGHT_SUM) if self.batch_normalize else None
-        return None if totals is None else _mean(totals)
+        return None if totals is None else mean_of(totals)
 
     def step_count_inputs(
         self,
@@ -273,15 +285,18 @@ class RolloutCorrection:
     ) -> tuple[list[Tensor], dict[str, Tensor]]:
         """What the step's count reads of this correction: the masks it counts (after the KL-based rejection,
         known before the step; the original ones with `count_rejected=True`, as AReaL, or in bypass mode) and
-        this rank's `step_sums`. `Algorithm.count_step` passes both to `Normalizer.count`."""
+        this rank's share of the step-wide sums (with `batch_normalize`, (Σ w, n) of the bounded weight).
+        `Algorithm.count_step` passes both to `Normalizer.count`."""
         parts = _micro_batches(masks, old_log_probs, rollout_log_probs, names=names)
         mask_list, olds, rollouts = (list(column) for column in zip(*parts, strict=True))
         counted = (
             mask_list
-            if count_rejected or self.bypass or not self.rejection
+            if count_rejected or self.bypass or not self.rejects
             else [self.keep_mask(m, o, r, sequence_parallel) for m, o, r in zip(mask_list, olds, rollouts, strict=True)]
         )
-        return counted, self.step_sums(mask_list, olds, rollouts, sequence_parallel)
+        if not self.batch_normalize:
+            return counted, {}
+        return counted, {WEIGHT_SUM: self._weight_totals(mask_list, olds, rollouts, sequence_parallel)}
 
     def step_weight_mean(
         self,
@@ -309,7 +324,7 @@ class RolloutCorrection:
             reduce=reduce,
             sequence_parallel=sequence_parallel,
         )
-        return _mean(counted.sums[WEIGHT_SUM])
+        return mean_of(counted.sums[WEIGHT_SUM])
 
     def normalizer(
         self,
@@ -376,7 +391,7 @@ class RolloutCorrection:
         count = mask.sum()
         if rollout is not None:
             metrics |= mismatch_metrics(train, rollout, mask, sequence_parallel)
-            if self.rejection:
+            if self.rejects:
                 effective = self.kept(train, rollout, mask, sequence_parallel)
                 metrics["rollout_rejected_frac"] = token_fraction(~effective, mask, count)
         if self.off_policy_mask is not None:
@@ -395,7 +410,7 @@ class RolloutCorrection:
             if weight_mean is not None:  # batch_normalize (checked above)
                 weight = weight / weight_mean.to(weight.dtype).clamp(min=torch.finfo(weight.dtype).tiny)
             weight = torch.where(effective, weight, 0.0).detach()
-            metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level != "token")
+            metrics |= weight_metrics(weight, effective, per_sequence=self.weight_level not in PER_TOKEN_LEVELS)
         return Corrected(old_log_prob=old, weight=weight, mask=effective, metrics=metrics, weight_kl=self.weight_kl)
 
 
@@ -428,31 +443,3 @@ def _micro_batches(
             check_log_prob(name, value, mask)
         out.append((mask, old, rollout))
     return out
-
-
-def _mean(totals: Tensor) -> Tensor:
-    """Σ w / max(n, 1) of a (Σ w, n) pair."""
-    return totals[0] / totals[1].clamp(min=1)
-
-
-def _row_max(values: Tensor) -> Tensor:
-    """Each row's largest value, `[B, 1]` (0 for rows of width 0)."""
-    if values.shape[-1] == 0:
-        return values.new_zeros(values.shape[0], 1)
-    return values.amax(dim=-1, keepdim=True)
-
-
-def weight_metrics(weight: Tensor, mask: Tensor, *, per_sequence: bool) -> dict[str, Stat]:
-    """min / mean / max of the weight and its effective sample size (Σw)² / (n Σw²) ∈ (0, 1], over valid tokens,
-    or over non-empty sequences for a per-sequence weight. NaN over nothing."""
-    if per_sequence:
-        mask = mask.any(dim=-1, keepdim=True)
-        weight = _row_max(weight)  # one value per row (0 at masked positions, w >= 0)
-    count = mask.sum()
-    low, high = token_extremes(weight, mask, count)
-    return {
-        "rollout_is_weight_min": low,
-        "rollout_is_weight_mean": token_mean(weight, mask, count),
-        "rollout_is_weight_max": high,
-        "rollout_is_ess": effective_sample_size(weight, mask, count),
-    }

@@ -55,6 +55,7 @@ from ..vocab.fused import check_inputs, full_head, log_prob_and_entropy_on_plan,
 from ..vocab.head import HeadOptions, as_head, refuses_head_keywords
 from ..vocab.pair import pair_from_hidden
 from ..vocab.plan import plan
+from ..vocab.support import SupportLogProbEntropy, check_support
 from .one_pass import AttachGradients, FusedAlgorithm, loss_one_pass
 
 __all__ = ["loss_from_hidden", "LossPlan", "plan_call", "PASSED_INPUTS"]
@@ -82,6 +83,7 @@ def plan_call(
     needs_grad: bool,
     exact_kl: bool,
     counted_on_log_prob: bool,
+    support: bool = False,
 ) -> LossPlan:
     """The call's `LossPlan` on the loop's `tiles`: the one pass, unless one of these holds (the first named)."""
     reasons = {
@@ -96,6 +98,8 @@ def plan_call(
         # On-policy with rollout log-probs and no step counts given, the counts may read log π_old = log π (a
         # rollout correction's rejections), known only once log π is: the one pass needs them before its first chunk.
         "the step's counts read log π": counted_on_log_prob,
+        # The one pass forms the gradients of log π over the whole vocabulary (`vocab.support`: torch tiles only).
+        "the rollout's support is replayed": support,
     }
     return LossPlan(tiles, next((why for why, holds in reasons.items() if holds), None))
 
@@ -123,6 +127,7 @@ def loss_from_hidden(
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
+    support: Tensor | None = None,
     **inputs: Tensor | None,
 ) -> LossOutput:
     """`algorithm`'s loss on the LM head's tempered logits, computed without materialising them:
@@ -172,6 +177,10 @@ def loss_from_hidden(
             each tile's logits are recomputed for the gradient (8NHV flops on either route).
         memory_budget: bytes for the loop's logits buffers, exclusive with chunk_size and
             vocab_block; the chunk and tile are chosen from it (`pgloss.vocab.chunks.plan_tiles`).
+        support: [B, T, k] integer token ids, the support the rollout sampled each position from (its top-k
+            ids or top-p nucleus, padded with -1; SkyRL's `enable_sample_support_replay`): log π and H are
+            those of the logits restricted to it (`pgloss.vocab.support`), on the torch tiles and the
+            recompute route (8NHV); ids are checked at valid positions only. None: the whole vocabulary.
         **inputs: the optional inputs of `algorithm(...)` but `entropy` and `full_kl` (computed here);
             floating tensors are cast to the compute dtype (float32, or float64 for float64 parameters).
     """
@@ -184,7 +193,13 @@ def loss_from_hidden(
     temperature = check_temperature(temperature)
     tokens = hidden.shape[0] * hidden.shape[1]
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
-    tiles = plan(LogProbEntropy, (kind,), weight, tokens, **sizes)  # the one choice of the route for the call
+    ids = None
+    if support is not None:
+        if isinstance(support, Tensor) and support.device != hidden.device:
+            raise ValueError(f"support is on {support.device} but hidden is on {hidden.device}")
+        ids = check_support(support, hidden.shape[:-1], weight.shape[0], valid)
+    statistic = LogProbEntropy if ids is None else SupportLogProbEntropy
+    tiles = plan(statistic, (kind,), weight, tokens, **sizes)  # the one choice of the route for the call
     safe_targets = valid_targets(targets, valid)
     dtype = compute_dtype(weight.dtype)
 
@@ -232,10 +247,11 @@ def loss_from_hidden(
         needs_grad=needs_grad,
         exact_kl=exact_kl,
         counted_on_log_prob=counted_on_log_prob,
+        support=ids is not None,
     )
     if not call.one_pass:  # log π and H by token chunks, one call for the batch, logits recomputed in backward
         log_prob, entropy = log_prob_and_entropy_on_plan(
-            hidden, weight, safe_targets, bias, kind, temperature, valid, call.tiles
+            hidden, weight, safe_targets, bias, kind, temperature, valid, call.tiles, ids
         )
         return algorithm(log_prob=log_prob, entropy=entropy, normalizer=normalizer, **batch)
 

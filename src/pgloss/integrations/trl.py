@@ -62,7 +62,8 @@ import pgloss
 from ..algorithms import Algorithm
 from ..core.output import LossOutput
 from ..step import Step
-from ..trainer_options.trl import adaptive_entropy, trainer_algorithm
+from ..trainer_options.trl import adaptive_entropy
+from ..trainer_options.trl_trainer import reference_model_refusal, trainer_algorithm
 from .lm_head import head_options
 from .trl_inputs import MULTIMODAL, TRLInputs, schedule_refusals
 
@@ -103,7 +104,7 @@ class PGLossMixin(TRLInputs):
             and soft-cap as the model's forward applies them (`pgloss.integrations.lm_head`).
         chunk_size: tokens per chunk of the fused path (None: pgloss's default).
 
-    What is translated and what is refused: `pgloss.trainer_options.trl.trainer_algorithm`.
+    What is translated and what is refused: `pgloss.trainer_options.trl_trainer.trainer_algorithm`.
     """
 
     def __init__(
@@ -127,6 +128,9 @@ class PGLossMixin(TRLInputs):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         algorithm = trainer_algorithm(config, algorithm)
         refused = schedule_refusals(config)
+        no_reference = reference_model_refusal(kwargs.get("model", args[0] if args else None), algorithm)
+        if no_reference:
+            refused.append(no_reference)
         missing = sorted(algorithm.needs - _PASSED)
         if missing:  # e.g. on-policy distillation's teacher_log_prob: GRPOTrainer has no teacher
             refused.append(

@@ -9,6 +9,9 @@ of KL(π_θ‖π_ref) on a sample from π_θ:
     ratio_weighted     k_X · r, r differentiable               value and gradient weighted by r
                        (TRL `use_bias_correction_kl` with token ratios, trl/trainer/grpo_trainer.py;
                        Liger ×exp(log_importance_weights); slime `--use-unbiased-kl`)
+    ratio_clamped      k_X · min(r, cap), r differentiable       value and gradient weighted by r capped
+                       (no gradient through r where r > cap)
+                       (Trinity-RFT `corrected_k3`: k3, r clamped to [0, 2], trinity/algorithm/kl_fn/kl_fn.py)
     unbiased_gradient  sg[k_X] + w·k2 - sg[w·k2],  w = sg[min(r, cap)], cap 10
                        value k_X, gradient w·d·∇log π_θ
                        (OpenRLHF `compute_approx_kl(..., unbiased_gradient)`, openrlhf/models/utils.py)
@@ -27,7 +30,7 @@ from torch import Tensor
 
 from .estimators import KL_ESTIMATORS, kl_estimate
 
-KL_CORRECTIONS = ("ratio_weighted", "unbiased_gradient")
+KL_CORRECTIONS = ("ratio_weighted", "ratio_clamped", "unbiased_gradient")
 STRAIGHT_THROUGH = tuple(f"{name}+" for name in KL_ESTIMATORS)
 """verl's suffix: "k3+" is k3's value with k2's gradient."""
 FULL = "full"
@@ -46,6 +49,11 @@ def straight_through(value: Tensor, log_prob: Tensor, ref_log_prob: Tensor, weig
 def ratio_weighted(value: Tensor, token_log_ratio: Tensor, *, max_log_ratio: float) -> Tensor:
     """k · r with r = exp(clip(log r, ±max_log_ratio)) differentiable, `[B, T]`."""
     return value * torch.exp(token_log_ratio.clamp(-max_log_ratio, max_log_ratio))
+
+
+def ratio_clamped(value: Tensor, token_log_ratio: Tensor, *, cap: float, max_log_ratio: float) -> Tensor:
+    """k · min(r, cap) with r = exp(clip(log r, ±max_log_ratio)) differentiable below the cap, `[B, T]`."""
+    return value * torch.exp(token_log_ratio.clamp(-max_log_ratio, max_log_ratio)).clamp(max=cap)
 
 
 def unbiased_gradient(
@@ -80,6 +88,8 @@ def kl_term(
     token_log_ratio = log_prob - old_log_prob
     if correction == "ratio_weighted":
         return ratio_weighted(value, token_log_ratio, max_log_ratio=max_log_ratio)
+    if correction == "ratio_clamped":
+        return ratio_clamped(value, token_log_ratio, cap=correction_cap, max_log_ratio=max_log_ratio)
     if correction == "unbiased_gradient":
         return unbiased_gradient(
             value, log_prob, ref_log_prob, token_log_ratio, cap=correction_cap, max_log_ratio=max_log_ratio

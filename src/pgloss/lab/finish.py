@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .config import LabConfig, mismatched
+from .resume import resume_command
 from .runner import Held, Sink
 
 
@@ -153,9 +154,16 @@ def outcome(cfg: LabConfig, result: dict | None, sink: Sink) -> dict:
 
 
 def _summary_line(
-    command: str, runs: list[dict], report: Path, seconds: float, interrupted: bool, signalled: bool = False
+    command: str,
+    runs: list[dict],
+    report: Path,
+    seconds: float,
+    interrupted: bool,
+    signalled: bool = False,
+    resume: str | None = None,
 ) -> str:
-    """The command's last line; `signalled`: a signal came after every run ended (the report is complete)."""
+    """The command's last line; `signalled`: a signal came after every run ended (the report is complete);
+    `resume`: the command that continues an interrupted run."""
     done = sum(r["status"] == "finished" for r in runs)
     failed = [f"{r['algorithm']} seed {r['seed']}" for r in runs if r["status"] == "failed"]
     text = f"pgloss {command}: " + ("interrupted; " if interrupted else "")
@@ -164,6 +172,8 @@ def _summary_line(
         text += f"; failed: {', '.join(failed)} (see errors.log)"
     if signalled:
         text += "; a signal came after the last run ended: the report was written in full first"
+    if interrupted and resume:
+        text += f"; continue it with: {resume}"
     return text
 
 
@@ -179,7 +189,8 @@ def conclude(
         config["status"] = "finished" if ended else "interrupted"
         report = finish(out, runs, config, command)
         signalled = interrupted or bool(held.received)
-        line = _summary_line(command, runs, report, config["seconds"], not ended, signalled and ended)
+        resume = None if ended else resume_command(config, out)
+        line = _summary_line(command, runs, report, config["seconds"], not ended, signalled and ended, resume)
         print(line, file=sys.stderr if signalled else sys.stdout)
     if signalled:
         return 130

@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 
 from .intervals import interval
+from .resume import resume_command
 
 TAIL = 5  # rollout statistics at the end are means over the last TAIL steps (fewer in a shorter run)
 
@@ -365,6 +366,11 @@ def write_report(out: Path, runs: list[dict], config: dict, plots: list[Path], t
             "finished.** The tables and "
             "plots show the finished runs only.",
             "",
+        ]
+        resume = resume_command(config, out) if config.get("status") == "interrupted" else None
+        if resume and config.get("command", "").startswith(("pgloss train", "pgloss compare")):
+            lines += [f"Continue it, each run from its last checkpoint: `{resume}`", ""]
+        lines += [
             *lost,
             "",
         ]

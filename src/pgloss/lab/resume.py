@@ -6,6 +6,7 @@ and the records its checkpoints keep (``lab/checkpoint.py``).
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from .config import LabConfig
@@ -66,3 +67,22 @@ def kept_records(out: Path, runs: list[LabConfig]) -> tuple[list[dict], set[tupl
             kept += saved["metrics"]
             resumable.add((cfg.algorithm, cfg.seed))
     return kept, resumable
+
+
+def resume_command(config: dict, out: Path) -> str | None:
+    """The command line that continues the interrupted run in `out`: its own (config.json's `command`, the same
+    settings, which ``--resume`` requires) with ``--out OUT --resume``, without ``--overwrite``. None for a run
+    under torchrun, which keeps no checkpoint."""
+    if config.get("world_size", 1) > 1:
+        return None
+    words, kept = shlex.split(config["command"]), []
+    skip = False
+    for word in words:
+        if skip or word in ("--overwrite", "--resume") or word.startswith("--out="):
+            skip = False
+            continue
+        if word == "--out":
+            skip = True
+            continue
+        kept.append(word)
+    return shlex.join([*kept, "--out", str(out), "--resume"])

@@ -38,10 +38,11 @@ class Options:
     """The KL term: k1, abs, k2, k3 on the sampled token; "k1+" ... "k3+": that value with k2's gradient
     (verl); "full": the exact KL over the vocabulary, passed as `full_kl` (`pgloss.vocab.full_kl`)."""
     kl_correction: str | None = None
-    """None, "ratio_weighted" (KL·r, r differentiable: TRL's use_bias_correction_kl) or "unbiased_gradient"
-    (value kept, k2's gradient weighted by sg[min(r, kl_correction_cap)]: OpenRLHF); `kl/corrections.py`."""
+    """None, "ratio_weighted" (KL·r, r differentiable: TRL's use_bias_correction_kl), "ratio_clamped" (KL·min(r,
+    kl_correction_cap): Trinity-RFT's corrected_k3 with cap 2) or "unbiased_gradient" (value kept, k2's gradient
+    weighted by sg[min(r, kl_correction_cap)]: OpenRLHF); `kl/corrections.py`."""
     kl_correction_cap: float = 10.0
-    """The cap of the detached ratio weight of kl_correction="unbiased_gradient" (OpenRLHF's 10)."""
+    """The ratio's cap of kl_correction="unbiased_gradient" (OpenRLHF's 10) and "ratio_clamped" (Trinity's 2)."""
     max_kl: float = 10.0
     """The k3 estimate is clamped to ±max_kl, as verl does (zero gradient beyond)."""
 

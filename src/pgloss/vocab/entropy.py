@@ -36,6 +36,7 @@ from .banned import BANNED_LOGIT, floored_grad, log_prob_floor
 from .chunks import ChunkLoop
 from .plan import plan
 from .statistic import Statistic
+from .support import SupportLogProbEntropy, check_support
 
 __all__ = ["log_prob_and_entropy", "default_chunk_size"]
 
@@ -317,6 +318,7 @@ def log_prob_and_entropy(
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
+    support: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Target log-probabilities and entropies of tempered logits, chunked over tokens.
 
@@ -338,6 +340,10 @@ def log_prob_and_entropy(
         vocab_block: vocabulary columns per tile (None: the whole vocabulary); below V, lse,
             log π(y) and H accumulate over tiles with an online max.
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
+        support: [..., k] integer token ids, the support the rollout sampled each position from (its top-k ids or
+            top-p nucleus, padded with -1), or None (the whole vocabulary). Given, log π(y) and H are those of
+            softmax(z) restricted to the support (`pgloss.vocab.support`: SkyRL's sample-support replay); a
+            position with no id gives 0 and no gradient. Torch route only.
 
     Returns:
         (log_prob, entropy), each [...] in float32 (float64 for float64 logits).
@@ -355,7 +361,14 @@ def log_prob_and_entropy(
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, vocab)
-    statistic = LogProbEntropy(targets.reshape(-1).long())
+    statistic: Statistic
+    if support is None:
+        statistic = LogProbEntropy(targets.reshape(-1).long())
+    else:
+        if isinstance(support, Tensor) and support.device != logits.device:
+            raise ValueError(f"support must be on {logits.device}, got {support.device}")
+        ids = check_support(support, lead, vocab)
+        statistic = SupportLogProbEntropy(targets.reshape(-1).long(), ids.reshape(flat.shape[0], ids.shape[-1]))
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
     tiles = plan(statistic, ("logits",), flat, flat.shape[0], **sizes)
     log_prob, entropy = ChunkLoop.apply(statistic, ("logits",), temperature, tiles, None, flat)

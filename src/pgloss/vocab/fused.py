@@ -29,6 +29,7 @@ from .chunks import ChunkLoop
 from .entropy import LogProbEntropy, check_targets, check_temperature
 from .head import HeadKind, HeadOptions, as_head, refuses_head_keywords
 from .plan import plan
+from .support import SupportLogProbEntropy, check_support
 
 __all__ = ["log_prob_and_entropy_from_hidden", "full_head", "check_inputs", "valid_targets"]
 
@@ -117,6 +118,7 @@ def log_prob_and_entropy_from_hidden(
     chunk_size: int | None = None,
     vocab_block: int | None = None,
     memory_budget: int | None = None,
+    support: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log π(y) and H of the tempered logits z / τ, each [B, T], without the [B, T, V] logits, where
 
@@ -140,6 +142,11 @@ def log_prob_and_entropy_from_hidden(
             log π(y) and H accumulate over tiles with an online max (`chunks.plan_tiles`).
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block:
             the tiles are chosen from it (`chunks.plan_tiles`; a soft-cap adds one buffer, its slope).
+        support: [B, T, k] integer token ids, the support the rollout sampled each position from (its top-k ids
+            or top-p nucleus, padded with -1), or None (the whole vocabulary). Given, log π(y) and H are those of
+            softmax(z) restricted to the support (`pgloss.vocab.support`: SkyRL's sample-support replay); a
+            position with no id gives 0 and no gradient. Ids are checked at valid positions only. Torch route
+            only (the kernel routes refuse it by name).
 
     Returns:
         (log_prob, entropy) [B, T] in float32 (float64 for float64 inputs), with gradients to
@@ -152,8 +159,14 @@ def log_prob_and_entropy_from_hidden(
     kind = policy.check(weight)
     temperature = check_temperature(temperature)
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
-    tiles = plan(LogProbEntropy, (kind,), weight, hidden.shape[0] * hidden.shape[1], **sizes)
-    return log_prob_and_entropy_on_plan(hidden, weight, targets, policy.bias, kind, temperature, valid, tiles)
+    ids = None
+    if support is not None:
+        if isinstance(support, Tensor) and support.device != hidden.device:
+            raise ValueError(f"support is on {support.device} but hidden is on {hidden.device}")
+        ids = check_support(support, hidden.shape[:-1], weight.shape[0], valid)
+    statistic = LogProbEntropy if ids is None else SupportLogProbEntropy
+    tiles = plan(statistic, (kind,), weight, hidden.shape[0] * hidden.shape[1], **sizes)
+    return log_prob_and_entropy_on_plan(hidden, weight, targets, policy.bias, kind, temperature, valid, tiles, ids)
 
 
 def log_prob_and_entropy_on_plan(
@@ -165,12 +178,18 @@ def log_prob_and_entropy_on_plan(
     temperature: float,
     valid: Tensor | None,
     tiles: Plan,
+    support: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`log_prob_and_entropy_from_hidden` on inputs already checked (the head gathered, `valid` the mask as bool
-    or None), on the call's plan (`plan.plan`)."""
+    or None, `support` None or the int64 ids of `support.check_support`), on the call's plan (`plan.plan`)."""
     batch, length, size = hidden.shape
     rows = None if valid is None else valid.reshape(-1)
-    statistic = LogProbEntropy(valid_targets(targets, valid).reshape(-1))
+    y = valid_targets(targets, valid).reshape(-1)
+    statistic: LogProbEntropy | SupportLogProbEntropy
+    if support is None:
+        statistic = LogProbEntropy(y)
+    else:
+        statistic = SupportLogProbEntropy(y, support.reshape(batch * length, support.shape[-1]))
     flat = hidden.reshape(batch * length, size)
     if tiles.backend is TRITON_HEAD:  # the logits formed inside its kernels
         log_prob, entropy = TRITON_HEAD.run(statistic, kind, temperature, tiles.vocab_block, rows, flat, weight, bias)
