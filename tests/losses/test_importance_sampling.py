@@ -8,7 +8,7 @@ functions, read from their sources (trainer_sources.py; each test skips when its
                                               gives it as the same -Σ r·A, a sum over the tokens (token-sum).
     SkyRL 0.4.0 rollout_is_policy_loss        the loss within 1.2e-8, its gradient 2.9e-9, 3 seeds: SkyRL
                                               computes the ratio in float32 (`safe_exp_delta`); with that one
-                                              function in float64, 5.6e-17 and 1.4e-17. Its token_mean (the advantages
+                                              function in float64, 3.8e-17 and 1.4e-17. Its token_mean (the advantages
                                               divided by the mini-batch's token count) is pgloss's token-mean.
     prime-rl ipo_loss_fn + compute_loss       (src/prime_rl/trainer/rl/loss.py, commit 559b44772, through
                                               PGLOSS_PRIME_RL_SRC): the step's loss within 7e-18, its gradient
