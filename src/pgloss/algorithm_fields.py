@@ -155,9 +155,7 @@ class AlgorithmFields(TermOptions):
         for term in self.declared_terms:
             reasons |= term.needs()
         for name in self.required_inputs:
-            reasons[name] = self.required_input_reasons.get(name) or (
-                "[B], its loss contrasts the rows of a group" if name == "group_ids" else OPTIONAL_INPUTS[name].doc
-            )
+            reasons[name] = self.required_input_reasons.get(name, OPTIONAL_INPUTS[name].doc)
         if self.grouped_mode is not None:
             reasons["group_ids"] = f"[B], loss_agg_mode={self.grouped_mode!r}"
         if self.rollout_correction is not None and self.rollout_correction.needs_rollout:

@@ -27,6 +27,7 @@ class GroupContrast(Algorithm):
 
     couples_rows = True
     required_inputs = ("group_ids",)
+    required_input_reasons = {"group_ids": "[B], its loss contrasts the rows of a group"}
 
     @property
     def fixed_agg_mode(self) -> str | None:
