@@ -1,9 +1,9 @@
-"""The one-file reading of GRPO (tests/loops/grpo.py, shown on docs/contributing.md) is what `pgloss.get("grpo")`
+"""The one-file reading of GRPO (tests/loops/what_grpo_computes.py, shown on docs/contributing.md) is what `pgloss.get("grpo")`
 computes: the same value and, by central differences of the loop, the same gradient, in float64."""
 
 import pytest
 from conftest import make_batch
-from loops.grpo import grpo_loss
+from loops.what_grpo_computes import grpo_loss
 
 import pgloss
 

@@ -20,12 +20,12 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
-from pgloss.vocab import head_tile, head_tile_kernels, triton_kernels
+from pgloss.vocab import backends, head_tile, head_tile_kernels, triton_kernels
 from pgloss.vocab import kernels as route
 
 TARGET = GPUTarget("cuda", 90, 32)
 HEAD_DTYPES = tuple(
-    {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype] for dtype in route.KERNEL_DTYPES
+    {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype] for dtype in backends.KERNEL_DTYPES
 )
 """the LM head's dtypes the kernel route takes, in Triton's names, cycled over a kernel's flag combinations"""
 HEAD_POINTERS = {"R", "B", "R2", "B2", "X", "W"}  # the head's outputs, bias, hidden states and weight: its dtype
