@@ -23,7 +23,7 @@ def test_the_hidden_states_page_defines_the_types_of_its_signatures():
     """docs/api/vocabulary.md renders FusedAlgorithm (the type of loss_from_hidden's `algorithm`) and links the rest;
     mkdocs links each type in a signature to its page (signature_crossrefs)."""
     page = (ROOT / "docs" / "api" / "vocabulary.md").read_text()
-    assert "::: pgloss.vocab.one_pass.FusedAlgorithm" in page and "::: pgloss.HeadOptions" in page
+    assert "::: pgloss.from_hidden.FusedAlgorithm" in page and "::: pgloss.HeadOptions" in page
     assert all(f"[`pgloss.{name}`][]" in page for name in ("Normalizer", "LossOutput", "Algorithm"))
     assert "signature_crossrefs: true" in (ROOT / "mkdocs.yml").read_text()
 

@@ -2,7 +2,7 @@
 
 `Algorithm.needs` says which of them a configured loss cannot do without; the call refuses a
 missing one (base.py), `TokenBatch.prepare` checks and masks those given (core/batch.py),
-`from_hidden` passes them through (vocab/fused.py), and an adapter refuses a loss that needs one
+`from_hidden` passes them through (`pgloss.from_hidden`), and an adapter refuses a loss that needs one
 its trainer never passes (integrations/verl.py). A new input is one row here and one field of
 `TokenBatch`.
 """
