@@ -27,8 +27,9 @@ from torch import Tensor
 
 DEFAULT_ALGORITHMS = ("grpo", "bnpo", "dr_grpo", "sample_grpo", "gspo")
 BATCH_KEYS = ("log_prob", "old_log_prob", "advantages", "mask")
-EXTRA_KEYS = ("scores", "group_ids", "teacher_log_prob")
-"""What some losses also need (TOPR the raw rewards, REAL the groups, OPD a teacher); a batch may hold them."""
+EXTRA_KEYS = ("scores", "group_ids", "teacher_log_prob", "ref_log_prob")
+"""What some losses also need (TOPR the raw rewards, REAL the groups, OPD a teacher, A*-PO the reference, whose
+log-ratio its policy term fits); a batch may hold them."""
 
 
 def synthetic_batch(
@@ -72,7 +73,7 @@ def synthetic_batch(
 
 def load_batch(path: str | Path) -> dict[str, Tensor]:
     """A batch saved with ``torch.save({"log_prob": ..., "old_log_prob": ..., "advantages": ..., "mask": ...})``
-    (and, optionally, ``scores`` and ``group_ids``), read without running code from it (`torch_files.load_tensors`)."""
+    (and, optionally, ``scores``, ``group_ids``, ``teacher_log_prob`` and ``ref_log_prob``), read without running code from it (`torch_files.load_tensors`)."""
     from .torch_files import load_tensors
 
     data = load_tensors(path, "--batch")
@@ -98,7 +99,7 @@ def gradient_table(algorithms, batch: dict[str, Tensor], *, norm_constant: float
     table = {}
     for name in algorithms:
         spec = parse_spec(name)
-        # the policy term alone (inspect separates the KL term anyway; the batch has no reference);
+        # the policy term alone (inspect separates the KL term anyway; a reference reaches a family that needs it);
         # a fixed divisor is the padded width unless given
         algorithm = spec.build(norm_constant or mask.shape[1], kl_coef=0.0)
         extra = {k: batch[k] for k in algorithm.needs if k in EXTRA_KEYS and k in batch}
