@@ -159,16 +159,8 @@ class Algorithm(AlgorithmFields):
     def row_weights(self, batch: TokenBatch, normalizer: Normalizer, parts: tuple[Part, ...] | None = None) -> Tensor:
         """c_i of the aggregation `parts` (None: the plain one, every row with `loss_agg_mode`) with this
         algorithm's constants, `[B]`: the one place the call and `inspect` take the aggregation weights from."""
-        return parts_row_weights(
-            batch.mask,
-            (Part(self.loss_agg_mode),) if parts is None else parts,
-            normalizer,
-            {name: getattr(batch, name) for name, spec in OPTIONAL_INPUTS.items() if spec.per == "row"},
-            owner=self.name,
-            norm_constant=self.norm_constant,
-            group_ids=batch.group_ids,
-            delta_l_alpha=self.delta_l_alpha,
-        )
+        rows = {name: getattr(batch, name) for name, spec in OPTIONAL_INPUTS.items() if spec.per == "row"}
+        return self._weights(batch.mask, normalizer, batch.group_ids, rows, parts)
 
     def aggregate(
         self, values: Tensor, mask: Tensor, normalizer: Normalizer, group_ids: Tensor | None = None
@@ -177,17 +169,28 @@ class Algorithm(AlgorithmFields):
         aggregated as the call aggregates its KL and entropy terms (every row, `loss_agg_mode`), over the
         step's counts."""
         mask = mask.bool()
-        rows = parts_row_weights(
+        rows = self._weights(mask, normalizer, group_ids, {}, None)
+        return weighted_sum(torch.where(mask, values, 0.0), rows, normalizer.world_size)
+
+    def _weights(
+        self,
+        mask: Tensor,
+        normalizer: Normalizer,
+        group_ids: Tensor | None,
+        inputs: dict[str, Tensor | None],
+        parts: tuple[Part, ...] | None,
+    ) -> Tensor:
+        """`parts_row_weights` with this algorithm's constants (`parts` None: every row with `loss_agg_mode`)."""
+        return parts_row_weights(
             mask,
-            (Part(self.loss_agg_mode),),
+            (Part(self.loss_agg_mode),) if parts is None else parts,
             normalizer,
-            {},
+            inputs,
             owner=self.name,
             norm_constant=self.norm_constant,
             group_ids=group_ids,
             delta_l_alpha=self.delta_l_alpha,
         )
-        return weighted_sum(torch.where(mask, values, 0.0), rows, normalizer.world_size)
 
     def policy_terms(self, batch: TokenBatch) -> PolicyTerms:
         """The per-token policy term ℓ_{i,t} (zero at masked positions is not required) and its metrics."""
