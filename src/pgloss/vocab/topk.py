@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..core.checks import check_values, is_integer
+from .entropy import online_max, tile_exp_sums
 from .statistic import Statistic
 from .support import PADDING, _members
 
@@ -114,21 +115,16 @@ class SupportLogProbs(Statistic):
         z = zs[0]
         index, inside = _members(self.ids[rows], cols)
         picked = z.gather(-1, index)
-        tile_max = z.amax(dim=-1)
         if state is None:
-            m, s, a = tile_max, z.new_zeros(z.shape[:1]), z.new_zeros(z.shape[:1])
-            gathered = torch.where(inside, picked, 0.0)
-        else:
-            m, s, a, gathered = state
-            gathered = torch.where(inside, picked, gathered)
-        new = torch.maximum(m, tile_max)
-        scale = torch.exp(m - new)
-        d = z - new.unsqueeze(-1)
-        e = torch.exp(d)
-        if self.entropy:
-            a = scale * (a + (m - new) * s) + (e * d).sum(dim=-1)
-        s = scale * s + e.sum(dim=-1)
-        return new, s, a, gathered
+            m = z.amax(dim=-1)
+            s, a = tile_exp_sums(z, m)  # cache-sized blocks: no [chunk, V] temporary
+            return m, s, a, torch.where(inside, picked, 0.0)
+        m, s, a, gathered = state
+        new, scale = online_max(m, z)
+        s_tile, a_tile = tile_exp_sums(z, new)
+        a = scale * (a + (m - new) * s) + a_tile
+        s = scale * s + s_tile
+        return new, s, a, torch.where(inside, picked, gathered)
 
     def tile_finish(self, state, rows: slice, values: list[Tensor]) -> None:
         log_p, lse, negentropy = values
