@@ -57,21 +57,22 @@ def check_topk_ids(
         )
     if ids.device != device:
         raise ValueError(f"{name} is on {ids.device}, not on {device} with the model's inputs")
+    given: Tensor = ids
 
     def outside() -> Tensor:
-        bad = (ids < PADDING) | (ids >= vocab_size)
+        bad = (given < PADDING) | (given >= vocab_size)
         return bad if valid is None else bad & valid.unsqueeze(-1)
 
     check_values(
-        ids,
+        given,
         outside,
         lambda at: (
             f"{name} must hold token ids in [0, {vocab_size}) or the padding {PADDING} at valid positions, "
-            f"got {int(ids[tuple(at)])} at {tuple(at.tolist())}"
+            f"got {int(given[tuple(at)])} at {tuple(at.tolist())}"
         ),
     )
-    ids = ids.long()
-    return ids if valid is None else torch.where(valid.unsqueeze(-1), ids, PADDING)
+    long = given.long()
+    return long if valid is None else torch.where(valid.unsqueeze(-1), long, PADDING)
 
 
 def check_topk_log_probs(name: str, log_probs: object, ids: Tensor, dtype: torch.dtype) -> Tensor:
