@@ -120,8 +120,12 @@ def topk_divergence_from_logits(
             adding the reverse side's tail Σ_{v ∉ top-k} p_S (log p_S − c); tail "drop" only. None: nothing.
         value_range: (lo, hi) clamping D (verl: (0, 10)), or None.
         temperature: τ > 0, dividing the student's logits.
-        loss_agg_mode, normalizer, norm_constant: as `pgloss.divergence_from_logits`.
-        chunk_size, vocab_block, memory_budget: the loop's tiles, as `pgloss.divergence_from_logits`.
+        loss_agg_mode: how `per_token` becomes `loss` (`pgloss.aggregate`; default the token-mean).
+        normalizer: the step's counts (`Normalizer.count` over every micro-batch's mask); None: this call is the step.
+        norm_constant: C of the budget modes.
+        chunk_size: positions per chunk (None: about 2²⁷ / V).
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary).
+        memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
 
     Returns:
         `LossOutput`: `per_token` [B, T] (0 at masked positions and at positions without an id), `loss` its
@@ -174,11 +178,23 @@ def topk_divergence_from_hidden(
     Args:
         hidden: [B, T, H] student hidden states; read only at `mask` positions (NaN and inf allowed elsewhere).
         weight: [V, H] student output projection, the dtype and device of `hidden`.
-        teacher_ids, teacher_log_probs, mask, beta, blend, tail, log_prob_min, outside_log_prob, value_range,
-            temperature: as `topk_divergence_from_logits`.
+        teacher_ids: as `topk_divergence_from_logits`.
+        teacher_log_probs: as `topk_divergence_from_logits`.
+        mask: as `topk_divergence_from_logits`.
+        beta: as `topk_divergence_from_logits`.
+        blend: as `topk_divergence_from_logits`.
+        tail: as `topk_divergence_from_logits`.
+        log_prob_min: as `topk_divergence_from_logits`.
+        outside_log_prob: as `topk_divergence_from_logits`.
+        value_range: as `topk_divergence_from_logits`.
+        temperature: as `topk_divergence_from_logits`.
         head: the student head's bias, logit scale and soft-cap, a `pgloss.HeadOptions` (None: the plain head).
-        loss_agg_mode, normalizer, norm_constant, chunk_size, vocab_block, memory_budget: as
-            `pgloss.divergence_from_hidden`.
+        loss_agg_mode: as `topk_divergence_from_logits`.
+        normalizer: as `topk_divergence_from_logits`.
+        norm_constant: as `topk_divergence_from_logits`.
+        chunk_size: as `topk_divergence_from_logits`.
+        vocab_block: as `topk_divergence_from_logits`.
+        memory_budget: as `topk_divergence_from_logits`.
 
     Returns:
         `LossOutput` as `topk_divergence_from_logits`; gradients to `hidden`, `weight` and `bias`.
@@ -247,10 +263,18 @@ def student_topk_divergence_from_logits(
         teacher_logits: [B, T, V] teacher logits, never differentiated.
         mask: [B, T] bool or 0/1, the positions that count.
         k: the support's size, 1 <= k <= V (SDFT: 100).
-        beta, blend, tail, log_prob_min, value_range: as `topk_divergence_from_logits`.
+        beta: as `topk_divergence_from_logits`.
+        blend: as `topk_divergence_from_logits`.
+        tail: as `topk_divergence_from_logits`.
+        log_prob_min: as `topk_divergence_from_logits`.
+        value_range: as `topk_divergence_from_logits`.
         temperature: τ > 0, dividing both models' logits.
-        loss_agg_mode, normalizer, norm_constant, chunk_size, vocab_block, memory_budget: as
-            `pgloss.divergence_from_logits`.
+        loss_agg_mode: as `topk_divergence_from_logits`.
+        normalizer: as `topk_divergence_from_logits`.
+        norm_constant: as `topk_divergence_from_logits`.
+        chunk_size: as `topk_divergence_from_logits`.
+        vocab_block: as `topk_divergence_from_logits`.
+        memory_budget: as `topk_divergence_from_logits`.
 
     Returns:
         `LossOutput` as `topk_divergence_from_logits`; gradients to `logits` only.
@@ -300,13 +324,26 @@ def student_topk_divergence_from_hidden(
     top-k ids and the teacher's log-probs at them without gradient, then the student's log-probs at them.
 
     Args:
-        hidden, weight: [B, T, H] student hidden states, [V, H] its head.
-        teacher_hidden, teacher_weight: [B, T, H'] and [V, H'], the teacher's; never differentiated.
-        mask, k, beta, blend, tail, log_prob_min, value_range, temperature: as
-            `student_topk_divergence_from_logits`.
-        head, teacher_head: each head's options, a `pgloss.HeadOptions` (None: the plain head).
-        loss_agg_mode, normalizer, norm_constant, chunk_size, vocab_block, memory_budget: as
-            `pgloss.divergence_from_hidden`.
+        hidden: [B, T, H] student hidden states.
+        weight: [V, H] student output projection, the dtype and device of `hidden`.
+        teacher_hidden: [B, T, H'] teacher hidden states; never differentiated.
+        teacher_weight: [V, H'] teacher output projection; never differentiated.
+        mask: as `student_topk_divergence_from_logits`.
+        k: as `student_topk_divergence_from_logits`.
+        beta: as `student_topk_divergence_from_logits`.
+        blend: as `student_topk_divergence_from_logits`.
+        tail: as `student_topk_divergence_from_logits`.
+        log_prob_min: as `student_topk_divergence_from_logits`.
+        value_range: as `student_topk_divergence_from_logits`.
+        temperature: as `student_topk_divergence_from_logits`.
+        head: the student head's options, a `pgloss.HeadOptions` (None: the plain head).
+        teacher_head: the teacher head's options, as `head`.
+        loss_agg_mode: as `topk_divergence_from_logits`.
+        normalizer: as `topk_divergence_from_logits`.
+        norm_constant: as `topk_divergence_from_logits`.
+        chunk_size: as `topk_divergence_from_logits`.
+        vocab_block: as `topk_divergence_from_logits`.
+        memory_budget: as `topk_divergence_from_logits`.
 
     Returns:
         `LossOutput` as `topk_divergence_from_logits`; gradients to `hidden`, `weight` and `bias`.
