@@ -274,3 +274,27 @@ def test_bad_input_is_named():
         pgloss.topk_divergence_from_hidden(hidden, weight.float(), ids, lp, MASK, beta=0.0)
     with pytest.raises(TypeError, match="head=pgloss.HeadOptions"):
         pgloss.topk_divergence_from_hidden(hidden, weight, ids, lp, MASK, beta=0.0, bias=weight[:, 0])
+
+
+@pytest.mark.parametrize("name", ["verl", "nemo_rl_zero_outside_topk", "trl_jsd_bucket"])
+@pytest.mark.parametrize("vocab_block", [None, 10])
+def test_meta_tensors_read_no_value_on_the_host(name, vocab_block):
+    """Every entry point, forward and backward, on meta tensors: no `.item()`, `bool(tensor)` or tensor-indexed
+    slicing (each raises there, where an accelerator would wait for the host)."""
+    meta = lambda *s: torch.empty(*s, device="meta")  # noqa: E731
+    hidden, weight, bias = meta(B, T, H).requires_grad_(), meta(V, H).requires_grad_(), meta(V).requires_grad_()
+    ids = torch.zeros(B, T, K, dtype=torch.long, device="meta")
+    mask = torch.ones(B, T, dtype=torch.bool, device="meta")
+    sizes = dict(chunk_size=4, vocab_block=vocab_block)
+    out = pgloss.topk_divergence_from_hidden(
+        hidden, weight, ids, meta(B, T, K), mask, head=pgloss.HeadOptions(bias, softcap=3.0), **PRESETS[name], **sizes
+    )
+    out.loss.backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape and bias.grad.shape == bias.shape
+    logits = meta(B, T, V).requires_grad_()
+    pgloss.topk_divergence_from_logits(logits, ids, meta(B, T, K), mask, **PRESETS[name], **sizes).loss.backward()
+    assert logits.grad.shape == logits.shape
+    student = pgloss.student_topk_divergence_from_hidden(
+        hidden, weight, meta(B, T, 5), meta(V, 5), mask, k=K, beta=0.5, tail="bucket", **sizes
+    )
+    student.loss.backward()
