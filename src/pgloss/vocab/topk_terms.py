@@ -84,7 +84,7 @@ def check_topk_options(
     return beta, str(blend), str(tail), floor, outside, bounds
 
 
-def _with_tail(x: Tensor, slots: Tensor) -> Tensor:
+def _with_tail(x: Tensor) -> Tensor:
     """x [N, k] (padding at _PAD) with TRL's tail bucket appended: log(1 − e^{min(lse x, −10⁻⁷)})."""
     lse = torch.logsumexp(x, dim=-1, keepdim=True).clamp(max=TAIL_CLAMP)
     return torch.cat([x, torch.log(-torch.expm1(lse))], dim=-1)
@@ -120,7 +120,7 @@ def topk_divergence(
         s = s - torch.logsumexp(s, dim=-1, keepdim=True)
         t = t - torch.logsumexp(t, dim=-1, keepdim=True)
     elif tail == "bucket":
-        s, t = _with_tail(s, slots), _with_tail(t, slots)
+        s, t = _with_tail(s), _with_tail(t)
         slots = torch.cat([slots, some.unsqueeze(-1)], dim=-1)
     if log_prob_min is not None:
         s, t = s.clamp(min=log_prob_min), t.clamp(min=log_prob_min)
