@@ -7,6 +7,9 @@
 - TRL 1.16 `trl/experimental/async_distillation/async_distillation_trainer.py` `_jsd_loss_chunk` (imported; from
   hidden states and an LM head with bias, scale and soft-cap; its head runs in float32), with the β > 0 support of
   `_narrow_top1_actual_support` ({teacher top-1, sampled token});
+- TRL 1.16 `trl/experimental/server_distillation/server_distillation_trainer.py` `ServerDistillationTrainer`:
+  `_compute_server_forward_kl_loss` (β = 0, the teacher's top-k) and `_compute_sparse_top_1_divergence_loss` (β > 0,
+  {teacher top-1, sampled token}), called on a stand-in trainer; float64, 1e-10;
 - TRL 1.16 `trl/experimental/sdpo/loss_utils.py` `compute_topk_self_distillation_loss` (imported; SDPO and SDFT;
   it runs in the logits' dtype: float64, 1e-10);
 - ms-swift 4.6.0 `swift/rlhf_trainers/gkd_loss.py` `gkd_loss` (`TeacherOutput` in top-k mode), cut from its source
@@ -141,6 +144,67 @@ def test_trl_sdpo_topk_self_distillation(k, alpha, tail):
     torch.testing.assert_close(ours.per_token[MASK], theirs[MASK], rtol=0, atol=1e-10)
     (g_theirs,) = torch.autograd.grad((theirs * MASK).sum(), theirs_z)
     (g_ours,) = torch.autograd.grad(ours.per_token.sum(), ours_z)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=0, atol=1e-10)
+
+
+def _server():
+    module = pytest.importorskip("trl.experimental.server_distillation.server_distillation_trainer")
+    return module.ServerDistillationTrainer
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_trl_server_distillation_forward_kl_over_the_teacher_top_k(tail):
+    """`_compute_server_forward_kl_loss` (β = 0): the server's top-k padded with log-prob −inf (id 0 there)."""
+    trainer = _server()
+    ids, lp, g = teacher_topk(5)
+    lp[1, 3, 2:] = float("-inf")  # fewer candidates from the server
+    logits, tau = student_logits(g), 0.8
+    standin = SimpleNamespace(loss_add_tail=tail, _reduce_divergence_loss=trainer._reduce_divergence_loss)
+    theirs_z = logits.clone().requires_grad_()
+    result = {"topk_logprobs": lp, "topk_token_ids": torch.where(torch.isinf(lp), 0, ids)}
+    labels = torch.where(MASK, 1, -100)
+    theirs = trainer._compute_server_forward_kl_loss(standin, result, torch.log_softmax(theirs_z / tau, -1), labels)
+    ours_z = logits.clone().requires_grad_()
+    ours = pgloss.topk_divergence_from_logits(
+        ours_z, torch.where(torch.isinf(lp), -1, ids), lp, MASK, beta=0.0, tail="bucket" if tail else "renormalise",
+        temperature=tau, chunk_size=5, vocab_block=16,
+    )  # fmt: skip
+    torch.testing.assert_close(ours.loss, theirs, rtol=0, atol=1e-10)
+    (g_theirs,) = torch.autograd.grad(theirs, theirs_z)
+    (g_ours,) = torch.autograd.grad(ours.loss, ours_z)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("beta", [0.5, 0.9, 1.0])
+def test_trl_server_distillation_top_1_and_the_sampled_token(tail, beta):
+    """`_compute_sparse_top_1_divergence_loss` (β > 0): the support {teacher top-1, sampled token}, the sampled
+    token alone at β = 1, a duplicate counted once: here its ids, the duplicate marked −1."""
+    trainer = _server()
+    ids, lp, g = teacher_topk(6)
+    logits, tau = student_logits(g), 1.0
+    sampled = torch.randint(0, V, (B, T), generator=g)
+    sampled[0, 1], sampled[1, 2] = ids[0, 1, 0], ids[1, 2, 0]  # the teacher's top-1 sampled
+    actual_lp = torch.randn(B, T, generator=g, dtype=torch.float64).abs().neg() - 1.0
+    actual_lp = torch.where(sampled == ids[..., 0], lp[..., 0], actual_lp)
+    standin = SimpleNamespace(beta=beta, loss_add_tail=tail, _reduce_divergence_loss=trainer._reduce_divergence_loss)
+    theirs_z = logits.clone().requires_grad_()
+    labels = torch.where(MASK, 1, -100)
+    theirs = trainer._compute_sparse_top_1_divergence_loss(
+        standin, torch.log_softmax(theirs_z / tau, -1), ids[..., 0], lp[..., 0], sampled, actual_lp, labels
+    )
+    if beta == 1.0:
+        support, support_lp = sampled[..., None], actual_lp[..., None]
+    else:
+        support = torch.stack([ids[..., 0], torch.where(sampled == ids[..., 0], -1, sampled)], dim=-1)
+        support_lp = torch.stack([lp[..., 0], actual_lp], dim=-1)
+    ours_z = logits.clone().requires_grad_()
+    ours = pgloss.topk_divergence_from_logits(
+        ours_z, support, support_lp, MASK, beta=beta, tail="bucket" if tail else "renormalise", chunk_size=5
+    )
+    torch.testing.assert_close(ours.loss, theirs, rtol=0, atol=1e-10)
+    (g_theirs,) = torch.autograd.grad(theirs, theirs_z)
+    (g_ours,) = torch.autograd.grad(ours.loss, ours_z)
     torch.testing.assert_close(g_ours, g_theirs, rtol=0, atol=1e-10)
 
 
