@@ -298,3 +298,21 @@ def test_meta_tensors_read_no_value_on_the_host(name, vocab_block):
         hidden, weight, meta(B, T, 5), meta(V, 5), mask, k=K, beta=0.5, tail="bucket", **sizes
     )
     student.loss.backward()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["nemo_rl_zero_outside_topk", "trl_jsd_bucket"])
+def test_compiles_whole_forward_and_backward(name):
+    """torch.compile(fullgraph=True) over vocabulary tiles with a bias, scale and soft-cap: the eager loss and
+    gradients (a host read would be a graph break, which fullgraph refuses)."""
+    from vocab.head_checks import assert_compiles_like_eager
+
+    hidden, weight, bias, ids, lp = make(12, dtype=torch.float32)
+
+    def call(h, w, b):
+        head = pgloss.HeadOptions(b, logit_scale=1.2, softcap=3.0)
+        return pgloss.topk_divergence_from_hidden(
+            h, w, ids, lp, MASK, head=head, chunk_size=4, vocab_block=10, **PRESETS[name]
+        ).loss
+
+    assert_compiles_like_eager(call, [hidden, weight, bias])
