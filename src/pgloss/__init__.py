@@ -63,6 +63,12 @@ from .vocab.divergence import divergence_from_hidden, divergence_from_logits
 from .vocab.entropy import log_prob_and_entropy
 from .vocab.full_kl import full_kl_from_hidden, full_kl_from_logits
 from .vocab.fused import log_prob_and_entropy_from_hidden
+from .vocab.topk_divergence import (
+    student_topk_divergence_from_hidden,
+    student_topk_divergence_from_logits,
+    topk_divergence_from_hidden,
+    topk_divergence_from_logits,
+)
 
 try:
     __version__ = version("pgloss")
@@ -134,5 +140,9 @@ __all__ = [
     "recipe",
     "register",
     "rollout",
+    "student_topk_divergence_from_hidden",
+    "student_topk_divergence_from_logits",
     "token_masks",
+    "topk_divergence_from_hidden",
+    "topk_divergence_from_logits",
 ]

@@ -7,3 +7,4 @@ from .divergence import *  # noqa: F403
 from .kl import *  # noqa: F403
 from .losses import *  # noqa: F403
 from .terms import *  # noqa: F403
+from .topk import *  # noqa: F403

@@ -12,7 +12,7 @@ from vocab.head_checks import assert_refuses_removed_keywords
 
 import pgloss
 from pgloss import from_hidden
-from pgloss.vocab import divergence, full_kl, fused, head
+from pgloss.vocab import divergence, full_kl, fused, head, topk_divergence
 
 B, T, H, H_OTHER, V = 3, 5, 8, 6, 37
 TAU = 0.7
@@ -35,6 +35,11 @@ def make(seed=0):
         targets=torch.randint(0, V, (B, T), generator=gen),
         advantages=r(B),
     )
+
+
+TOP_LOG_PROBS, TOP_IDS = torch.log_softmax(
+    torch.randn(B, T, V, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), -1
+).topk(4, dim=-1)
 
 
 def grpo_inputs(x):
@@ -106,6 +111,22 @@ CALLS = {
             ).loss
         ),
     ),
+    "topk_divergence_from_hidden": (
+        None,
+        lambda x, h, w, kw: (
+            pgloss.topk_divergence_from_hidden(
+                h, w, TOP_IDS, TOP_LOG_PROBS, MASK, beta=0.0, temperature=TAU, chunk_size=4, vocab_block=10, **kw
+            ).loss
+        ),
+    ),
+    "student_topk_divergence_from_hidden": (
+        "teacher_",
+        lambda x, h, w, kw: (
+            pgloss.student_topk_divergence_from_hidden(
+                h, w, x["other_hidden"], x["other_weight"], MASK, k=4, beta=0.5, temperature=TAU, chunk_size=4, **kw
+            ).loss
+        ),
+    ),
 }
 
 
@@ -145,6 +166,8 @@ PUBLIC = {  # each public call from hidden states: the prefixes of the heads it 
     from_hidden.loss_from_hidden: ("", "ref_"),
     full_kl.full_kl_from_hidden: ("", "ref_"),
     divergence.divergence_from_hidden: ("", "teacher_"),
+    topk_divergence.topk_divergence_from_hidden: ("",),
+    topk_divergence.student_topk_divergence_from_hidden: ("", "teacher_"),
 }
 
 
@@ -165,6 +188,6 @@ def test_every_call_from_hidden_takes_the_record_alone_and_converts_at_one_place
             assert not any(f"{prefix}{option}" in parameters for option in options)
             assert f"as_head({prefix}head" in source  # the record becomes one Head at the entry
     # no other module of the package reads a head's options one by one
-    for module in (fused, full_kl, divergence):
+    for module in (fused, full_kl, divergence, topk_divergence):
         source = inspect.getsource(module)
         assert "check_head(" not in source and "other_softcap" not in source
