@@ -72,7 +72,10 @@ def choose(divergence: object, beta: object, skew: object, mu: object) -> Choice
     parameter given to a divergence that does not take it, TypeError / ValueError naming a bad one."""
     if divergence is None:
         if beta is None:
-            raise TypeError(f"pass beta= (the JSD(β) family) or divergence= (one of {DIVERGENCES})")
+            raise TypeError(
+                f"beta must be a real number in [0, 1] (the JSD(β) family), got None; or pass divergence= (one of "
+                f"{DIVERGENCES})"
+            )
         divergence = "jsd"
     if not isinstance(divergence, str):
         raise TypeError(f"divergence must be a str, one of {DIVERGENCES}, got {type(divergence).__name__}")
