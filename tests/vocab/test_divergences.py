@@ -1,7 +1,7 @@
 """The divergences beside JSD(β) (vocab/skewed.py, vocab/adaptive_kl.py): DistiLLM's skewed forward and reverse KL and
 AKL, through `divergence_from_logits` / `divergence_from_hidden` with `divergence=`, against the float64 loops from the
 papers (loops/divergences.py), gradcheck, the materialised logits, tiles against whole rows, micro-batches, and ROLL's
-own functions (test_divergences_roll.py).
+own functions (test_divergences_roll.py); AKL's head search over tiles in test_adaptive_kl.py.
 """
 
 import math
@@ -32,11 +32,6 @@ CASES = [
 SKEWED = [case for case in CASES if case[0] != "adaptive"]
 # (tokens per chunk, vocabulary columns per tile): neither divides N = 15 nor V = 37; None is the whole vocabulary.
 TILES = [(4, None), (4, 10), (7, 13), (15, 1)]
-
-
-def tiles_of(name):
-    """AKL runs whole-vocabulary rows only."""
-    return [t for t in TILES if t[1] is None or name != "adaptive"]
 
 
 def make(seed=0, dtype=torch.float64):
@@ -74,7 +69,7 @@ def test_from_logits_matches_the_loop(case, temperature):
     x = make(seed=1)
     student = (2.0 * x["hidden"] @ x["weight"].t()).requires_grad_()  # sharper: the terms differ more
     teacher = 2.0 * x["teacher_hidden"] @ x["teacher_weight"].t()
-    for chunk, block in tiles_of(name):
+    for chunk, block in TILES:
         out = divergence_from_logits(
             student,
             teacher,
@@ -206,7 +201,7 @@ def test_from_hidden_equals_from_logits(case, options):
     )
     expected = divergence_from_logits(logits, teacher, MASK, divergence=name, temperature=0.7, **params)
     (expected.per_token * x["upstream"]).sum().backward()
-    for chunk, block in tiles_of(name):
+    for chunk, block in TILES:
         h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
         out = divergence_from_hidden(
             h,
@@ -235,7 +230,7 @@ def test_micro_batches_with_a_normalizer_add_up_to_one_call(case):
     x = make(seed=6)
     args = (x["weight"], x["teacher_hidden"], x["teacher_weight"])
     hidden = x["hidden"].clone().requires_grad_()
-    block = None if name == "adaptive" else 10
+    block = 10
     whole = divergence_from_hidden(hidden, *args, MASK, divergence=name, chunk_size=4, vocab_block=block, **params)
     (g_whole,) = torch.autograd.grad(whole.loss, hidden)
     parts = [slice(0, 2), slice(2, 3)]
@@ -263,7 +258,7 @@ def test_micro_batches_with_a_normalizer_add_up_to_one_call(case):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_memory_budget_meta_tensors_and_nothing_n_by_v_saved(case):
-    """A budget that would tile the vocabulary gives the whole-row values (AKL: whole rows of fewer tokens); the call
+    """A budget that tiles the vocabulary gives the whole-row values; the call
     runs on meta tensors (no value read on the host); nothing of N x V is saved for backward; float32 computes in
     float32 within its rounding of float64."""
     name, params = case
@@ -297,7 +292,7 @@ def test_banned_tokens():
     banned_s, banned_t = student.clone(), teacher.clone()
     banned_s[..., :3], banned_t[..., :3] = -torch.inf, -torch.inf
     for name, params in CASES:
-        for block in [None] if name == "adaptive" else [None, 10]:
+        for block in (None, 10):
             out = divergence_from_logits(banned_s, banned_t, MASK, divergence=name, vocab_block=block, **params)
             expected = divergence_from_logits(student[..., 3:], teacher[..., 3:], MASK, divergence=name, **params)
             torch.testing.assert_close(out.per_token, expected.per_token, rtol=0, atol=1e-13)
@@ -340,8 +335,6 @@ def test_bad_input_names_the_argument():
         call(divergence="jsd")
     with pytest.raises(TypeError, match="beta must be a real number"):
         call()
-    with pytest.raises(ValueError, match="vocab_block must be None or at least V = 37 here: AdaptiveKL"):
-        call(divergence="adaptive", vocab_block=10)
     hidden_args = (x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], MASK)
     for name in ("skewed_forward", "adaptive"):  # no kernel holds them: the kernel route refuses them by name
         with backends.use("kernel"), pytest.raises(ValueError, match="SkewedKL|AdaptiveKL"):

@@ -51,12 +51,12 @@ import torch
 from torch import Tensor
 
 from ..core.aggregate import aggregate
-from ..core.batch import check_mask, check_tensor
+from ..core.batch import check_mask, check_tensor, compute_dtype
 from ..core.metrics import Stat
 from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from . import kernels
-from .adaptive_kl import AdaptiveKL
+from .adaptive_kl import AdaptiveKL, HeadSearch, levels, logit_of_key
 from .backends import TRITON_TILES, Plan, TileOps
 from .banned import BANNED_LOGIT
 from .chunks import ChunkLoop
@@ -140,9 +140,9 @@ STATISTICS = {
 }
 
 
-def _statistic(choice: Choice, normalisers: tuple[Tensor, Tensor] | None = None):
+def _statistic(choice: Choice, normalisers: tuple[Tensor, Tensor] | None = None, threshold: Tensor | None = None):
     """The loop's statistic of `choice` (`divergence_choice.choose`), given the first pass's log-normalisers where it
-    has one."""
+    has one, and AKL's head threshold over vocabulary tiles."""
     if choice.name == "forward":
         return ForwardKL()
     if choice.name == "reverse":
@@ -150,7 +150,7 @@ def _statistic(choice: Choice, normalisers: tuple[Tensor, Tensor] | None = None)
     if choice.name == "jsd":
         return GeneralisedJSD(cast(float, choice.beta), normalisers)
     if choice.name == "adaptive":
-        return AdaptiveKL(cast(float, choice.mu))
+        return AdaptiveKL(cast(float, choice.mu), normalisers, threshold)
     return SkewedKL(choice.name == "skewed_forward", cast(float, choice.skew), normalisers)
 
 
@@ -165,16 +165,32 @@ def _divergence(
     valid: Tensor | None = None,
 ) -> Tensor:
     """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached; hidden states read only
-    at `valid` rows (None: all). A `TwoPass` statistic over vocabulary tiles takes both log-normalisers first."""
+    at `valid` rows (None: all). A `TwoPass` statistic over vocabulary tiles takes both log-normalisers first, AKL
+    then its head's threshold (`adaptive_kl.HeadSearch`: one run of the loop a level, over the teacher alone when
+    both models' logits are formed in one dtype)."""
     teacher = _detached(teacher)
-    normalisers = None
+    normalisers, threshold = None, None
     if issubclass(STATISTICS[choice.name], TwoPass) and tiles[1] < vocab:
         with torch.no_grad():
             normalisers = ChunkLoop.apply(
                 Normalisers(), kinds, temperature, tiles, valid, *_detached(student), *teacher
             )
-    statistic = _statistic(choice, normalisers)
+            if choice.name == "adaptive":
+                dtype = _dtype(kinds[0], student)
+                alone = dtype == _dtype(kinds[1], teacher)
+                run = (kinds[1:], teacher) if alone else (kinds, (*_detached(student), *teacher))
+                prefix = None
+                for shift in levels(dtype):
+                    search = HeadSearch(normalisers[1], cast(float, choice.mu), shift, prefix)
+                    prefix = ChunkLoop.apply(search, run[0], temperature, tiles, valid, *run[1])
+                threshold = logit_of_key(cast(Tensor, prefix), dtype)
+    statistic = _statistic(choice, normalisers, threshold)
     return ChunkLoop.apply(statistic, kinds, temperature, tiles, valid, *student, *teacher)
+
+
+def _dtype(kind, tensors: tuple[Tensor | None, ...]) -> torch.dtype:
+    """The dtype a loop forms a source's logits in (`chunks.ChunkLoop`: its weight's, or its logits', compute dtype)."""
+    return compute_dtype(cast(Tensor, tensors[0] if kind == "logits" else tensors[1]).dtype)
 
 
 def _detached(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:

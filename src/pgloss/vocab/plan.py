@@ -12,7 +12,6 @@ from . import head_tile
 from .backends import TRITON_HEAD, TRITON_TILES, Plan, choose
 from .chunks import plan_tiles
 from .head import HeadKind
-from .statistic import Statistic
 
 __all__ = ["plan"]
 
@@ -32,11 +31,7 @@ def plan(
 
     The buffers that `memory_budget` bounds, by backend: on the torch one, a logits tile per source in the compute
     dtype, one more per half-precision head for its matmul's output, and one for a soft-capped trained head's slope;
-    on Triton's tiles, the raw tile of each head in its own dtype; on the head kernels, the float32 ∂W slab.
-
-    A computation that is not a `statistic.Statistic` (`adaptive_kl.AdaptiveKL`: its values need whole rows) runs
-    whole-vocabulary rows: a `vocab_block` below V is refused, and a budget that would tile the vocabulary gives
-    the chunk of whole rows that holds as many values."""
+    on Triton's tiles, the raw tile of each head in its own dtype; on the head kernels, the float32 ∂W slab."""
     backend = choose(statistic, kinds, weight)
     if backend is TRITON_HEAD:
         return Plan(*head_tile.plan(tokens, weight, chunk_size, vocab_block, memory_budget), backend)
@@ -59,13 +54,4 @@ def plan(
         itemsize=itemsize,
         kernel=kernel,
     )
-    whole = not issubclass(statistic if isinstance(statistic, type) else type(statistic), Statistic)
-    if whole and tiles[1] < vocab:
-        if vocab_block is not None:
-            name = statistic.__name__ if isinstance(statistic, type) else type(statistic).__name__
-            raise ValueError(
-                f"vocab_block must be None or at least V = {vocab} here: {name} runs over whole-vocabulary rows, "
-                f"got vocab_block={vocab_block}"
-            )
-        tiles = (max(1, tiles[0] * tiles[1] // vocab), vocab)
     return Plan(*tiles, backend)
