@@ -1,6 +1,8 @@
 """The student-teacher divergence over the whole vocabulary, per position: forward KL, reverse KL and
-the generalised Jensen-Shannon divergence JSD(β) of on-policy distillation, from logits or fused from
-both models' hidden states and LM heads.
+the generalised Jensen-Shannon divergence JSD(β) of on-policy distillation, and beside them DistiLLM's skewed
+forward and reverse KL and the adaptive KL (AKL), from logits or fused from both models' hidden states and LM heads.
+`divergence=` names one (`divergence_choice.choose`, the one owner of the choice and its parameters); `beta=` alone
+names the JSD(β) family as before.
 
 With the student's and the teacher's tempered logits z_S = logits_S / τ, z_T = logits_T / τ at one
 position, p_S = softmax(z_S), p_T = softmax(z_T) and the mixture m = β p_T + (1 − β) p_S:
@@ -41,6 +43,17 @@ two log-normalisers (no gradient), then for JSD(β) given them; whole-vocabulary
 Every path runs `chunks.ChunkLoop`: memory beyond the inputs and their gradients is one
 [chunk, vocab_block] buffer per model (and, in backward, one for a soft-capped student's slope), never
 the N x V logits; backward recomputes each tile.
+
+The others (their formulas, sources and ROLL's conventions in their modules):
+
+    divergence="skewed_forward", skew=λ    KL(p_T‖λ p_T + (1 − λ) p_S)            `skewed.SkewedKL` (arXiv 2402.03898)
+    divergence="skewed_reverse", skew=λ    KL(p_S‖λ p_S + (1 − λ) p_T)            `skewed.SkewedKL`
+    divergence="adaptive", mu=μ            w_head KL(p_T‖p_S) + w_tail KL(p_S‖p_T)  `adaptive_kl.AdaptiveKL` (2404.02657)
+
+λ defaults to 0.1 and μ to 0.5 (ROLL's defaults). The skewed KLs take JSD(β)'s two passes over vocabulary tiles
+(both log-normalisers first); AKL takes them and, for its teacher's head, 4 (float32) or 8 (float64) more passes over
+the teacher alone, without gradient (`adaptive_kl.HeadSearch`). None of them has Triton kernels: the automatic choice
+takes torch, and `use("kernel")` refuses them by name.
 """
 
 from __future__ import annotations
@@ -311,7 +324,10 @@ def divergence_from_hidden(
         teacher_weight: [V, H'] teacher output projection, the dtype of `teacher_hidden`; never differentiated.
         mask: [B, T] bool or 0/1, the positions that count; neither model's hidden states are read elsewhere
             (NaN and inf allowed: `chunks.HeadRows`).
-        beta, divergence, skew, mu: the divergence, as `divergence_from_logits`.
+        beta: β of JSD(β), as `divergence_from_logits`.
+        divergence: the divergence's name, as `divergence_from_logits`.
+        skew: λ of the skewed KLs, as `divergence_from_logits`.
+        mu: μ of AKL, as `divergence_from_logits`.
         temperature: τ > 0, dividing both models' logits.
         head: the student head's bias b ([V], the dtype and device of `weight`; a half-precision bias is added to
             the float32 logits), logit scale s > 0 (Cohere's `logit_scale`; Granite's `logits_scaling` is 1/s)
