@@ -10,6 +10,7 @@ import loops
 import pytest
 import torch
 from properties.micro_batches import cut, micro_batches
+from vocab.head_checks import assert_compiles_like_eager
 
 import pgloss
 from pgloss.core.normalizer import Normalizer
@@ -359,3 +360,29 @@ def test_named_ends_are_the_old_betas():
         torch.testing.assert_close(
             skewed, divergence_from_logits(student, teacher, MASK, beta=plain).per_token, rtol=1e-6, atol=0
         )
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["skewed_reverse", "adaptive"])
+def test_compiles_whole_forward_and_backward(name):
+    """torch.compile(fullgraph=True) over vocabulary tiles with every head option (AKL's head search included), with
+    the eager loss and gradients."""
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask = (t.float() for t in small(7))
+    teacher_head = pgloss.HeadOptions(teacher_bias, logit_scale=0.7, softcap=2.0)
+
+    def call(h, w, b):
+        head = pgloss.HeadOptions(b, logit_scale=1.3, softcap=1.5)
+        return divergence_from_hidden(
+            h,
+            w,
+            teacher_hidden,
+            teacher_weight,
+            mask,
+            divergence=name,
+            head=head,
+            teacher_head=teacher_head,
+            chunk_size=4,
+            vocab_block=4,
+        ).loss
+
+    assert_compiles_like_eager(call, [hidden, weight, bias])
