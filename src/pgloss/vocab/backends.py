@@ -1,8 +1,9 @@
 """The backends that run a vocabulary statistic, and the one choice of a backend for a loop.
 
 A statistic (`statistic.Statistic`: `entropy.LogProbEntropy`, `support.SupportLogProbEntropy` (torch only),
-`full_kl.FullKL`, `divergence.ForwardKL`, `divergence.Normalisers`, `divergence.GeneralisedJSD`) says what a loop computes: its per-token values, its running
-state over vocabulary tiles and its gradient. A backend says how, and holds the table of the statistics it runs:
+`full_kl.FullKL`, `divergence.ForwardKL`, `divergence.Normalisers`, `jsd.GeneralisedJSD`, and torch only
+`skewed.SkewedKL`, `adaptive_kl.AdaptiveKL`, `adaptive_kl.HeadSearch`) says what a loop computes: its per-token
+values, its running state over vocabulary tiles and its gradient. A backend says how, and holds the table of the statistics it runs:
 
 - `TORCH` ("torch"; the reference, and the route on CPU): each tile of logits is formed in float32 by torch ops
   (`head.HeadKind.transform_`) and walked by the statistic's own torch code. It runs every statistic.

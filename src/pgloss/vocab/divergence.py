@@ -1,6 +1,8 @@
 """The student-teacher divergence over the whole vocabulary, per position: forward KL, reverse KL and
-the generalised Jensen-Shannon divergence JSD(β) of on-policy distillation, from logits or fused from
-both models' hidden states and LM heads.
+the generalised Jensen-Shannon divergence JSD(β) of on-policy distillation, and beside them DistiLLM's skewed
+forward and reverse KL and the adaptive KL (AKL), from logits or fused from both models' hidden states and LM heads.
+`divergence=` names one (`divergence_choice.choose`, the one owner of the choice and its parameters); `beta=` alone
+names the JSD(β) family as before.
 
 With the student's and the teacher's tempered logits z_S = logits_S / τ, z_T = logits_T / τ at one
 position, p_S = softmax(z_S), p_T = softmax(z_T) and the mixture m = β p_T + (1 − β) p_S:
@@ -41,45 +43,46 @@ two log-normalisers (no gradient), then for JSD(β) given them; whole-vocabulary
 Every path runs `chunks.ChunkLoop`: memory beyond the inputs and their gradients is one
 [chunk, vocab_block] buffer per model (and, in backward, one for a soft-capped student's slope), never
 the N x V logits; backward recomputes each tile.
+
+The others (their formulas, sources and ROLL's conventions in their modules):
+
+    divergence="skewed_forward", skew=λ    KL(p_T‖λ p_T + (1 − λ) p_S)            `skewed.SkewedKL` (arXiv 2402.03898)
+    divergence="skewed_reverse", skew=λ    KL(p_S‖λ p_S + (1 − λ) p_T)            `skewed.SkewedKL`
+    divergence="adaptive", mu=μ            w_head KL(p_T‖p_S) + w_tail KL(p_S‖p_T)  `adaptive_kl.AdaptiveKL` (2404.02657)
+
+λ defaults to 0.1 and μ to 0.5 (ROLL's defaults). The skewed KLs take JSD(β)'s two passes over vocabulary tiles
+(both log-normalisers first); AKL takes them and, for its teacher's head, 4 (float32) or 8 (float64) more passes over
+the teacher alone, without gradient (`adaptive_kl.HeadSearch`). None of them has Triton kernels: the automatic choice
+takes torch, and `use("kernel")` refuses them by name.
 """
 
 from __future__ import annotations
 
-import math
 from typing import cast
 
 import torch
 from torch import Tensor
 
 from ..core.aggregate import aggregate
-from ..core.batch import check_mask, check_tensor
-from ..core.checks import check_number
+from ..core.batch import check_mask, check_tensor, compute_dtype
 from ..core.metrics import Stat
 from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from . import kernels
+from .adaptive_kl import AdaptiveKL, HeadSearch, levels, logit_of_key
 from .backends import TRITON_TILES, Plan, TileOps
 from .banned import BANNED_LOGIT
 from .chunks import ChunkLoop
+from .divergence_choice import Choice, check_beta, choose
 from .entropy import _blocks, check_temperature
 from .full_kl import KERNEL_OPS, FullKL, kernel_tile_forward
 from .head import HeadOptions, as_head, refuses_head_keywords
+from .jsd import GeneralisedJSD, jsd_sums  # noqa: F401 (jsd_sums: still importable from here)
 from .pair import check_logit_pair, head_pair
 from .plan import plan
-from .statistic import Statistic
+from .skewed import SkewedKL, TwoPass
 
-__all__ = ["divergence_from_logits", "divergence_from_hidden"]
-
-
-def check_beta(beta: object) -> float:
-    """β as a float in [0, 1]: TypeError for a non-number, ValueError outside the interval."""
-    beta = check_number("beta", beta)
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(
-            f"beta must be in [0, 1] (0: forward KL(teacher‖student), 1: reverse KL(student‖teacher), "
-            f"between: the generalised JSD), got {beta}"
-        )
-    return beta
+__all__ = ["divergence_from_logits", "divergence_from_hidden", "check_beta"]
 
 
 class ForwardKL(FullKL):
@@ -140,131 +143,32 @@ class Normalisers(FullKL):
 TRITON_TILES.add(Normalisers, KERNEL_OPS)  # `FullKL`'s kernels: the same pass, its two log-normalisers as outputs
 
 
-def jsd_sums(z: Tensor, z_teacher: Tensor, lse: Tensor, lse_teacher: Tensor, beta: float) -> tuple[Tensor, Tensor]:
-    """Per row of tempered logits (a whole row or a vocabulary tile), given both log-normalisers:
-    Σᵥ p_T (log p_T − log m) and Σᵥ p_S (log p_S − log m), m = β p_T + (1 − β) p_S; inputs unchanged."""
-    n = z.shape[0]
-    kl_teacher, kl_student = z.new_empty(n), z.new_empty(n)
-    log_keep, log_beta = math.log1p(-beta), math.log(beta)
-    for rows, (log_p, log_q, log_m) in _blocks(z, 3):
-        torch.sub(z[rows], lse[rows].unsqueeze(-1), out=log_p)
-        torch.sub(z_teacher[rows], lse_teacher[rows].unsqueeze(-1), out=log_q)
-        torch.logaddexp(log_p + log_keep, log_q + log_beta, out=log_m)
-        kl_student[rows] = (log_p - log_m).mul_(log_p.exp()).sum(dim=-1)
-        log_p.copy_(log_q).exp_()  # p_T (log p_S is spent)
-        kl_teacher[rows] = log_q.sub_(log_m).mul_(log_p).sum(dim=-1)
-    return kl_teacher, kl_student
+STATISTICS = {
+    "forward": ForwardKL,
+    "reverse": FullKL,
+    "jsd": GeneralisedJSD,
+    "skewed_forward": SkewedKL,
+    "skewed_reverse": SkewedKL,
+    "adaptive": AdaptiveKL,
+}
 
 
-class GeneralisedJSD(Statistic):
-    """Statistic of `chunks.ChunkLoop`: JSD(β) = β KL(p_T‖m) + (1 − β) KL(p_S‖m) per token, 0 < β < 1,
-    the student the first source; its values: JSD, lse_S, lse_T and KL(p_S‖m) (the gradient's shift).
-
-    Whole-vocabulary chunks compute both log-normalisers and the sums in one pass. Over vocabulary
-    tiles, `normalisers` (lse_S, lse_T of every token, from a first run of the loop with `Normalisers`)
-    must be given: each tile adds its terms of both sums."""
-
-    def __init__(self, beta: float, normalisers: tuple[Tensor, Tensor] | None = None) -> None:
-        self.beta, self.normalisers = beta, normalisers
-
-    def allocate(self, n: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-        return [torch.empty(n, dtype=dtype, device=device) for _ in range(4)]  # JSD, lse_S, lse_T, KL(p_S‖m)
-
-    def _store(
-        self,
-        rows: slice,
-        values: list[Tensor],
-        lse: Tensor,
-        lse_teacher: Tensor,
-        kl_teacher: Tensor,
-        kl_student: Tensor,
-    ) -> None:
-        jsd, lse_out, lse_teacher_out, kl_student_out = values
-        jsd[rows] = self.beta * kl_teacher + (1.0 - self.beta) * kl_student
-        lse_out[rows], lse_teacher_out[rows], kl_student_out[rows] = lse, lse_teacher, kl_student
-
-    def forward(self, zs: list[Tensor], rows: slice, values: list[Tensor]) -> None:
-        z, z_teacher = zs
-        lse, lse_teacher = torch.logsumexp(z, dim=-1), torch.logsumexp(z_teacher, dim=-1)
-        self._store(rows, values, lse, lse_teacher, *jsd_sums(z, z_teacher, lse, lse_teacher, self.beta))
-
-    def given_normalisers(self, rows: slice) -> tuple[Tensor, Tensor]:
-        """The first pass's (lse_S, lse_T) of `rows`: over vocabulary tiles they must be given."""
-        if self.normalisers is None:
-            raise RuntimeError("GeneralisedJSD over vocabulary tiles needs the log-normalisers of a first pass")
-        lse, lse_teacher = self.normalisers
-        return lse[rows], lse_teacher[rows]
-
-    def tile_forward(self, zs: list[Tensor], rows: slice, cols: slice, state):
-        z, z_teacher = zs
-        sums = jsd_sums(z, z_teacher, *self.given_normalisers(rows), self.beta)
-        return sums if state is None else (state[0] + sums[0], state[1] + sums[1])
-
-    def tile_finish(self, state, rows: slice, values: list[Tensor]) -> None:
-        self._store(rows, values, *self.given_normalisers(rows), *state)
-
-    def outputs(self, values: list[Tensor]) -> Tensor:
-        return values[0]
-
-    def grad(self, zs: list[Tensor], rows: slice, values: list[Tensor], grads, temperature: float) -> Tensor:
-        """(g/τ)(1 − β) p_S (log p_S − log m − KL(p_S‖m)), written into the student's `z` (the teacher's
-        tile is scratch)."""
-        z, z_teacher = zs
-        _, lse, lse_teacher, kl_student = (v[rows] for v in values)
-        scale = (grads[0][rows] * ((1.0 - self.beta) / temperature)).unsqueeze(-1)
-        log_keep, log_beta = math.log1p(-self.beta), math.log(self.beta)
-        for block, (log_m,) in _blocks(z, 1):
-            log_p = z[block].sub_(lse[block].unsqueeze(-1))
-            log_q = z_teacher[block].sub_(lse_teacher[block].unsqueeze(-1)).add_(log_beta)
-            torch.logaddexp(log_p + log_keep, log_q, out=log_m)
-            shift = log_m.sub_(log_p).neg_().sub_(kl_student[block].unsqueeze(-1))  # log p_S − log m − KL(p_S‖m)
-            log_p.exp_().mul_(shift).mul_(scale[block])
-        return z
-
-    def tile_grad(
-        self, zs: list[Tensor], rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
-    ) -> Tensor:
-        return self.grad(zs, rows, values, grads, temperature)  # elementwise given both lse and KL(p_S‖m)
-
-
-# Its Triton kernels (`backends.TRITON_TILES`): the same values, each tile of the two heads' raw outputs one launch
-# for the sums and one for the gradient. A whole-vocabulary chunk takes one more launch first, `FullKL`'s, for its
-# two log-normalisers.
-
-
-def _jsd_forward(statistic: GeneralisedJSD, zs: list, rows: slice, values: list[Tensor]) -> None:
-    state = kernels.start_state(zs[0], maxima=2, sums=3)
-    tile, teacher = zs
-    kernels.pair_forward(tile, teacher, state)
-    m, m_teacher, s, s_teacher, _ = state
-    lse, lse_teacher = m + torch.log(s), m_teacher + torch.log(s_teacher)
-    sums = kernels.start_state(zs[0], maxima=0, sums=2)
-    kernels.jsd_forward(tile, teacher, lse, lse_teacher, sums, statistic.beta)
-    statistic._store(rows, values, lse, lse_teacher, *sums)
-
-
-def _jsd_tile_forward(statistic: GeneralisedJSD, zs: list, rows: slice, cols: slice, state):
-    tile, teacher = zs
-    state = kernels.start_state(tile, maxima=0, sums=2) if state is None else state
-    kernels.jsd_forward(tile, teacher, *statistic.given_normalisers(rows), state, statistic.beta)
-    return state
-
-
-def _jsd_tile_grad(
-    statistic: GeneralisedJSD, zs: list, rows: slice, cols: slice, values: list[Tensor], grads, temperature: float
-) -> Tensor:
-    _, lse, lse_teacher, kl_student = (v[rows] for v in values)
-    tile, teacher = zs
-    return kernels.pair_backward(
-        tile, teacher, lse, lse_teacher, kl_student, grads[0][rows], mode=kernels.JSD, beta=statistic.beta
-    )
-
-
-TRITON_TILES.add(GeneralisedJSD, TileOps(_jsd_tile_forward, _jsd_tile_grad, forward=_jsd_forward))
+def _statistic(choice: Choice, normalisers: tuple[Tensor, Tensor] | None = None, threshold: Tensor | None = None):
+    """The loop's statistic of `choice` (`divergence_choice.choose`), given the first pass's log-normalisers where it
+    has one, and AKL's head threshold over vocabulary tiles."""
+    if choice.name == "forward":
+        return ForwardKL()
+    if choice.name == "reverse":
+        return FullKL()
+    if choice.name == "jsd":
+        return GeneralisedJSD(cast(float, choice.beta), normalisers)
+    if choice.name == "adaptive":
+        return AdaptiveKL(cast(float, choice.mu), normalisers, threshold)
+    return SkewedKL(choice.name == "skewed_forward", cast(float, choice.skew), normalisers)
 
 
 def _divergence(
-    beta: float,
+    choice: Choice,
     kinds: tuple,
     temperature: float,
     tiles: Plan,
@@ -274,22 +178,32 @@ def _divergence(
     valid: Tensor | None = None,
 ) -> Tensor:
     """The per-token divergence [N] through `ChunkLoop`, the teacher's inputs detached; hidden states read only
-    at `valid` rows (None: all)."""
+    at `valid` rows (None: all). A `TwoPass` statistic over vocabulary tiles takes both log-normalisers first, AKL
+    then its head's threshold (`adaptive_kl.HeadSearch`: one run of the loop a level, over the teacher alone when
+    both models' logits are formed in one dtype)."""
     teacher = _detached(teacher)
-    statistic: FullKL | GeneralisedJSD
-    if beta == 1.0:
-        statistic = FullKL()
-    elif beta == 0.0:
-        statistic = ForwardKL()
-    elif tiles[1] < vocab:  # vocabulary tiles: the two log-normalisers first
+    normalisers, threshold = None, None
+    if issubclass(STATISTICS[choice.name], TwoPass) and tiles[1] < vocab:
         with torch.no_grad():
             normalisers = ChunkLoop.apply(
                 Normalisers(), kinds, temperature, tiles, valid, *_detached(student), *teacher
             )
-        statistic = GeneralisedJSD(beta, normalisers)
-    else:
-        statistic = GeneralisedJSD(beta)
+            if choice.name == "adaptive":
+                dtype = _dtype(kinds[0], student)
+                alone = dtype == _dtype(kinds[1], teacher)
+                run = (kinds[1:], teacher) if alone else (kinds, (*_detached(student), *teacher))
+                prefix = None
+                for shift in levels(dtype):
+                    search = HeadSearch(normalisers[1], cast(float, choice.mu), shift, prefix)
+                    prefix = ChunkLoop.apply(search, run[0], temperature, tiles, valid, *run[1])
+                threshold = logit_of_key(cast(Tensor, prefix), dtype)
+    statistic = _statistic(choice, normalisers, threshold)
     return ChunkLoop.apply(statistic, kinds, temperature, tiles, valid, *student, *teacher)
+
+
+def _dtype(kind, tensors: tuple[Tensor | None, ...]) -> torch.dtype:
+    """The dtype a loop forms a source's logits in (`chunks.ChunkLoop`: its weight's, or its logits', compute dtype)."""
+    return compute_dtype(cast(Tensor, tensors[0] if kind == "logits" else tensors[1]).dtype)
 
 
 def _detached(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
@@ -311,7 +225,10 @@ def divergence_from_logits(
     teacher_logits: Tensor,
     mask: Tensor,
     *,
-    beta: float,
+    beta: float | None = None,
+    divergence: str | None = None,
+    skew: float | None = None,
+    mu: float | None = None,
     temperature: float = 1.0,
     loss_agg_mode: str = "token-mean",
     normalizer: Normalizer | None = None,
@@ -320,17 +237,23 @@ def divergence_from_logits(
     vocab_block: int | None = None,
     memory_budget: int | None = None,
 ) -> LossOutput:
-    """The student-teacher divergence D_β (module docstring) per position from both models' logits.
+    """The student-teacher divergence D (module docstring) per position from both models' logits.
 
     β = 0: KL(p_T‖p_S); β = 1: KL(p_S‖p_T) (= `full_kl_from_logits(student, teacher)`);
     0 < β < 1: JSD(β) = β KL(p_T‖m) + (1 − β) KL(p_S‖m), m = β p_T + (1 − β) p_S (GKD, arXiv
-    2306.13649, Eq. 1; TRL 1.16 `GKDTrainer.generalized_jsd_loss`).
+    2306.13649, Eq. 1; TRL 1.16 `GKDTrainer.generalized_jsd_loss`). `divergence=` names the others: the
+    skewed forward / reverse KL (DistiLLM, `skewed.py`) and AKL (`adaptive_kl.py`; whole-vocabulary rows).
 
     Args:
         student_logits: [B, T, V] student logits (any float dtype; the math runs in float32, float64 stays).
         teacher_logits: [B, T, V] teacher logits, never differentiated.
         mask: [B, T] bool or 0/1, the positions that count. Logits at masked positions need only be finite.
-        beta: β in [0, 1], the weight of the teacher's side (above).
+        beta: β in [0, 1], the weight of the teacher's side (above); alone, it names the divergence.
+        divergence: "forward", "reverse", "jsd" (with `beta`), "skewed_forward", "skewed_reverse" (with `skew`)
+            or "adaptive" (with `mu`); None: by `beta` (`divergence_choice.choose`, which refuses a parameter
+            given to a divergence that does not take it).
+        skew: λ in (0, 1) of the skewed KLs, the weight of the first distribution in the mixture (None: 0.1).
+        mu: μ in (0, 1) of AKL, the teacher's cumulative mass its head reaches (None: 0.5).
         temperature: τ > 0, dividing both models' logits.
         loss_agg_mode: how `per_token` becomes `loss` (`pgloss.aggregate`); "token-mean", the default, is
             TRL's reduction: Σ D / (valid tokens), over the step's tokens with a `normalizer`
@@ -339,7 +262,7 @@ def divergence_from_logits(
             is the whole step.
         norm_constant: C of the budget modes (`seq-mean-token-sum-norm`, `delta-l-norm`).
         chunk_size: positions per chunk (`chunks.plan_tiles`); None picks about 2²⁷ / V.
-        vocab_block: vocabulary columns per tile (None: the whole vocabulary).
+        vocab_block: vocabulary columns per tile (None: the whole vocabulary); "adaptive" refuses one below V.
         memory_budget: bytes for the loop's buffers, exclusive with chunk_size and vocab_block.
 
     Returns:
@@ -351,12 +274,13 @@ def divergence_from_logits(
     if student_logits.dim() != 3:
         raise ValueError(f"student_logits must have shape [B, T, V], got {tuple(student_logits.shape)}")
     mask = check_mask(mask, student_logits.shape[:2], student_logits.device, "student_logits")
-    beta, temperature = check_beta(beta), check_temperature(temperature)
+    choice, temperature = choose(divergence, beta, skew, mu), check_temperature(temperature)
     batch, length, vocab = student_logits.shape
     student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
     sizes = dict(chunk_size=chunk_size, vocab_block=vocab_block, memory_budget=memory_budget)
-    tiles = plan(FullKL, ("logits", "logits"), student, batch * length, **sizes)  # the torch backend, or refused
-    per_token = _divergence(beta, ("logits", "logits"), temperature, tiles, vocab, (student,), (teacher,))
+    kinds = ("logits", "logits")
+    tiles = plan(STATISTICS[choice.name], kinds, student, batch * length, **sizes)  # torch, or refused
+    per_token = _divergence(choice, kinds, temperature, tiles, vocab, (student,), (teacher,))
     return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
 
 
@@ -368,7 +292,10 @@ def divergence_from_hidden(
     teacher_weight: Tensor,
     mask: Tensor,
     *,
-    beta: float,
+    beta: float | None = None,
+    divergence: str | None = None,
+    skew: float | None = None,
+    mu: float | None = None,
     temperature: float = 1.0,
     head: HeadOptions | None = None,
     teacher_head: HeadOptions | None = None,
@@ -397,7 +324,10 @@ def divergence_from_hidden(
         teacher_weight: [V, H'] teacher output projection, the dtype of `teacher_hidden`; never differentiated.
         mask: [B, T] bool or 0/1, the positions that count; neither model's hidden states are read elsewhere
             (NaN and inf allowed: `chunks.HeadRows`).
-        beta: β in [0, 1], the weight of the teacher's side (as `divergence_from_logits`).
+        beta: β of JSD(β), as `divergence_from_logits`.
+        divergence: the divergence's name, as `divergence_from_logits`.
+        skew: λ of the skewed KLs, as `divergence_from_logits`.
+        mu: μ of AKL, as `divergence_from_logits`.
         temperature: τ > 0, dividing both models' logits.
         head: the student head's bias b ([V], the dtype and device of `weight`; a half-precision bias is added to
             the float32 logits), logit scale s > 0 (Cohere's `logit_scale`; Granite's `logits_scaling` is 1/s)
@@ -419,8 +349,9 @@ def divergence_from_hidden(
         requires grad), none to the teacher's inputs.
     """
     check_tensor("mask", mask, ndim=(2,), floating=False)  # required here (None would mean every position)
+    choice = choose(divergence, beta, skew, mu)
     kinds, tiles, student, teacher, valid = head_pair(
-        FullKL,  # every statistic of `_divergence` is in the same backends' tables: the heads choose the route
+        STATISTICS[choice.name],  # the route is chosen for its statistic (torch for those no kernel holds)
         hidden,
         weight,
         teacher_hidden,
@@ -434,6 +365,6 @@ def divergence_from_hidden(
         memory_budget=memory_budget,
     )
     valid = cast(Tensor, valid)  # the mask as head_pair checked it: a mask given, never None
-    beta, temperature = check_beta(beta), check_temperature(temperature)
-    per_token = _divergence(beta, kinds, temperature, tiles, weight.shape[0], student, teacher, valid.reshape(-1))
+    temperature = check_temperature(temperature)
+    per_token = _divergence(choice, kinds, temperature, tiles, weight.shape[0], student, teacher, valid.reshape(-1))
     return _output(per_token.view(hidden.shape[:2]), valid, loss_agg_mode, normalizer, norm_constant)
