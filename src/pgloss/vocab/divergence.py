@@ -210,9 +210,11 @@ def _detached(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
     return tuple(None if t is None else t.detach() for t in tensors)
 
 
-def _output(
+def divergence_output(
     per_token: Tensor, mask: Tensor, loss_agg_mode: str, normalizer: Normalizer | None, norm_constant: float | None
 ) -> LossOutput:
+    """A per-token divergence as a `LossOutput`: 0 under the mask, aggregated with the step's counts, its mean
+    over the valid tokens as the metric `divergence` (every divergence entry point's, the top-k ones too)."""
     per_token = torch.where(mask, per_token, 0.0)
     loss = aggregate(per_token, mask, loss_agg_mode, normalizer=normalizer, norm_constant=norm_constant)
     count = mask.sum()
@@ -281,7 +283,7 @@ def divergence_from_logits(
     kinds = ("logits", "logits")
     tiles = plan(STATISTICS[choice.name], kinds, student, batch * length, **sizes)  # torch, or refused
     per_token = _divergence(choice, kinds, temperature, tiles, vocab, (student,), (teacher,))
-    return _output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
+    return divergence_output(per_token.view(batch, length), mask, loss_agg_mode, normalizer, norm_constant)
 
 
 @refuses_head_keywords("", "teacher_")
@@ -367,4 +369,4 @@ def divergence_from_hidden(
     valid = cast(Tensor, valid)  # the mask as head_pair checked it: a mask given, never None
     temperature = check_temperature(temperature)
     per_token = _divergence(choice, kinds, temperature, tiles, weight.shape[0], student, teacher, valid.reshape(-1))
-    return _output(per_token.view(hidden.shape[:2]), valid, loss_agg_mode, normalizer, norm_constant)
+    return divergence_output(per_token.view(hidden.shape[:2]), valid, loss_agg_mode, normalizer, norm_constant)

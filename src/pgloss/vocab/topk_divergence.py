@@ -20,7 +20,7 @@ from ..core.batch import check_mask, check_tensor, compute_dtype
 from ..core.normalizer import Normalizer
 from ..core.output import LossOutput
 from .chunks import ChunkLoop
-from .divergence import _output
+from .divergence import divergence_output
 from .entropy import check_temperature
 from .fused import check_inputs, full_head
 from .head import HeadOptions, as_head, refuses_head_keywords
@@ -145,7 +145,7 @@ def topk_divergence_from_logits(
     per_token = _divergence(
         ("logits",), temperature, tiles, None, (flat,), ids.view(-1, k), teacher.view(-1, k), options
     )
-    return _output(per_token.view(batch, length), valid, loss_agg_mode, normalizer, norm_constant)
+    return divergence_output(per_token.view(batch, length), valid, loss_agg_mode, normalizer, norm_constant)
 
 
 @refuses_head_keywords("")
@@ -217,7 +217,7 @@ def topk_divergence_from_hidden(
     per_token = _divergence(
         (kind,), temperature, tiles, valid.reshape(-1), tensors, ids.view(-1, k), teacher.view(-1, k), options
     )
-    return _output(per_token.view(batch, length), valid, loss_agg_mode, normalizer, norm_constant)
+    return divergence_output(per_token.view(batch, length), valid, loss_agg_mode, normalizer, norm_constant)
 
 
 def _student_topk(kinds: tuple, temperature: float, tiles, rows, student: tuple, teacher: tuple, k: int, valid):
@@ -292,7 +292,7 @@ def student_topk_divergence_from_logits(
     kinds = ("logits", "logits")
     ids, teacher = _student_topk(kinds, temperature, tiles, None, (flat,), (teacher_flat,), k, valid)
     per_token = _divergence(kinds[:1], temperature, tiles, None, (flat,), ids, teacher, options)
-    return _output(per_token.view(batch, length), valid, loss_agg_mode, normalizer, norm_constant)
+    return divergence_output(per_token.view(batch, length), valid, loss_agg_mode, normalizer, norm_constant)
 
 
 @refuses_head_keywords("", "teacher_")
@@ -370,4 +370,4 @@ def student_topk_divergence_from_hidden(
     rows = valid.reshape(-1)
     ids, teacher_lp = _student_topk(kinds, temperature, tiles, rows, student, teacher, k, valid)
     per_token = _divergence(kinds[:1], temperature, tiles, rows, student, ids, teacher_lp, options)
-    return _output(per_token.view(hidden.shape[:2]), valid, loss_agg_mode, normalizer, norm_constant)
+    return divergence_output(per_token.view(hidden.shape[:2]), valid, loss_agg_mode, normalizer, norm_constant)

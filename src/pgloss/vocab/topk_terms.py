@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..core.checks import check_number
-from .divergence import check_beta
+from .divergence_choice import check_beta
 
 __all__ = ["topk_divergence", "check_topk_options", "TAILS", "BLENDS"]
 
