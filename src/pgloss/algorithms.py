@@ -189,6 +189,19 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
         dict(loss_agg_mode=TOK, opd_position_gamma=0.5, opd_surrogate="log_prob"),
     ),
     (
+        "distill_ppo",
+        ClippedPolicy,
+        "verl 0.9.1 distillation with use_policy_gradient (verl/trainer/distillation/losses.py distillation_ppo_loss; "
+        "verl/workers/config/distillation.py)",
+        dict(loss_agg_mode=TOK, dual_clip=3.0, distill_coef=1.0),
+    ),
+    (
+        "sdpo",
+        ClippedPolicy,
+        "SDPO, arXiv 2601.20802; TRL sdpo (trl/experimental/sdpo/sdpo_trainer.py _compute_self_distillation_loss)",
+        dict(loss_agg_mode=TOK, policy_coef=0.0, self_distill_coef=1.0),
+    ),
+    (
         "chord",
         CHORD,
         "CHORD, arXiv 2508.11408; Trinity-RFT mix_chord (trinity/algorithm/policy_loss_fn/chord_policy_loss.py)",
