@@ -103,7 +103,7 @@ def test_total_is_task_plus_coefficient_times_term():
 
 
 def test_bad_options_are_named():
-    with pytest.raises(ValueError, match="distill_estimator"):
+    with pytest.raises(ValueError, match="distill_estimator.*did you mean 'k3'"):
         pgloss.get("distill_ppo", distill_estimator="low_var_kl")
     with pytest.raises(ValueError, match="distill_policy_gradient"):
         pgloss.get("distill_ppo", distill_estimator="k1", distill_policy_gradient=False)

@@ -34,6 +34,7 @@ from ..core.metrics import token_mean
 from ..core.output import check
 from ..core.ratios import importance_ratio
 from ..core.row_set import Part
+from ..core.trainer_names import value_hint
 from ..correction.rollout import Corrected
 from ..kl.estimators import KL_ESTIMATORS, kl_estimate
 from .term import TermValue
@@ -69,7 +70,8 @@ class Options:
         check(self.distill_coef >= 0, f"distill_coef must be >= 0, got {self.distill_coef}")
         check(
             self.distill_estimator in KL_ESTIMATORS,
-            f"distill_estimator must be one of {KL_ESTIMATORS}, got {self.distill_estimator!r}",
+            f"distill_estimator must be one of {KL_ESTIMATORS}, got {self.distill_estimator!r}"
+            + value_hint("kl_estimator", self.distill_estimator),  # verl's loss_mode takes kl_penalty's names
         )
         check(
             self.distill_clamp is None or self.distill_clamp > 0,
