@@ -3,7 +3,7 @@ float64 loop (tests/loops/distillation.py) with a gradient check, and against ve
 `verl/trainer/distillation/losses.py` `distillation_loss` (with `compute_distillation_loss_reverse_kl_estimator`)
 beside its `vanilla` policy loss, imported from the installed package.
 
-verl's `distillation_loss` reads padded tensors through `no_padding_2_padding` (a layout helper): the test passes
+verl's `distillation_loss` reads padded tensors through `no_padding_2_padding` (a layout function): the test passes
 padded `[B, T]` tensors and replaces it by the identity. Measured (float64, 3 seeds, B = 6, T = 7, one empty row,
 the four estimators, clamp 10 and None, use_policy_gradient True and False, coefficient 1 and 0.5): |Δ loss| ≤ 4.5e-16,
 |Δ ∂/∂log π| ≤ 1.2e-16 (asserted 1e-12).
