@@ -67,8 +67,27 @@ def reference_loss(alg, data):
     def agg(values):
         return loops.aggregate(values, mask, alg.loss_agg_mode, norm_constant=alg.norm_constant, group_ids=group_ids)
 
-    loss = agg(reference_policy(alg, data))
+    loss = alg.policy_coef * agg(reference_policy(alg, data))
     lp, ref, ent = data["log_prob"].tolist(), data["ref_log_prob"].tolist(), data["entropy"].tolist()
+    old, teacher = data["old_log_prob"].tolist(), data["teacher_log_prob"].tolist()
+    if alg.distill_coef:
+        values, _ = loops.distill_pg(
+            lp,
+            old,
+            teacher,
+            estimator=alg.distill_estimator,
+            clamp=alg.distill_clamp,
+            clip_low=alg.distill_clip_low,
+            clip_high=alg.distill_clip_high,
+            dual_clip=alg.distill_dual_clip,
+        )
+        loss += alg.distill_coef * agg(values)
+    if alg.self_distill_coef:
+        values, _ = loops.sdpo(lp, old, teacher, cap=alg.self_distill_is_cap)
+        loss += alg.self_distill_coef * loops.aggregate(values, mask, "seq-mean-token-mean")
+    if alg.sdar_coef:
+        values, _ = loops.sdar(lp, teacher, gate_beta=alg.sdar_gate_beta)
+        loss += alg.sdar_coef * loops.aggregate(values, mask, "token-mean")
     if alg.kl_coef:
         loss += alg.kl_coef * agg(
             [
@@ -90,6 +109,7 @@ def call(alg, data, **extra):
         ref_log_prob=data["ref_log_prob"],
         entropy=data["entropy"],
         group_ids=data["group_ids"],
+        teacher_log_prob=data["teacher_log_prob"],
         **extra,
     )
 
@@ -258,3 +278,17 @@ def test_the_recipe_is_not_a_field_of_the_loss():
     assert "scale_rewards" not in pgloss.get("dr_grpo", norm_constant=1.0).describe()
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
         pgloss.recipe("nope")
+
+
+@pytest.mark.parametrize("name", ["grpo", "cispo", "sapo", "gspo"])
+def test_teacher_terms_on_any_family_match_loop(name):
+    """The three teachers' terms (verl's distillation, SDPO's, SDAR's) and a policy weight on families that do
+    not name them: each adds its own aggregate, the family's term is weighed."""
+    data = make_batch(seed=5, spread=0.5)
+    alg = algorithm(
+        name, distill_coef=0.3, distill_estimator="k2", self_distill_coef=0.2, sdar_coef=0.1, policy_coef=0.5
+    )
+    out = call(alg, data)
+    assert out.loss.item() == pytest.approx(reference_loss(alg, data), rel=1e-10, abs=1e-12)
+    for metric in ("distill_loss", "self_distill_loss", "sdar_loss"):
+        assert out.metrics[metric].item() != 0.0

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from .core.aggregate import Aggregation, aggregation
 from .core.checks import check_fields
@@ -24,6 +24,8 @@ from .core.row_set import Part, RowSet
 from .core.sequence_parallel import SequenceParallel
 from .correction.rollout import RolloutCorrection
 from .terms import Term, TermOptions
+
+F = TypeVar("F", bound="AlgorithmFields")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,11 @@ class AlgorithmFields(TermOptions):
     delta_l_alpha: float = 1.0
     """α of `delta-l-norm`: sequence i's token sum weighs |y_i|^-α / (C·Σ_j |y_j|^-α) (arXiv 2509.07558;
     1 is the minimum-variance weight, 0 is Dr.GRPO). Ignored by the other modes."""
+    policy_coef: float = 1.0
+    """The weight of the policy term, L = policy_coef·Agg(w·ℓ) + Σ_k c_k·Agg_k(v_k): 1 - w of a blend with a
+    distillation term (TRL SDPO's `distillation_weight` w), 0 for the terms alone (verl's distillation with
+    `use_task_rewards=False`). The metric `pg_loss`, `per_token` and `inspect`'s closed form are the policy
+    term's at weight 1."""
     max_log_ratio: float = 20.0
     """Log-ratios are clamped to ±max_log_ratio before exp (zero gradient beyond)."""
     rollout_is_cap: float = 2.0
@@ -79,6 +86,7 @@ class AlgorithmFields(TermOptions):
         for part in self.policy_parts():
             self.check_budget(aggregation(part.mode, field=part.field), field=part.field)
         check(self.delta_l_alpha >= 0, f"delta_l_alpha must be >= 0, got {self.delta_l_alpha}")
+        check(self.policy_coef >= 0, f"policy_coef must be >= 0, got {self.policy_coef}")
         check(self.max_log_ratio > 0, f"max_log_ratio must be > 0, got {self.max_log_ratio}")
         check(self.rollout_is_cap > 0, f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
@@ -134,6 +142,12 @@ class AlgorithmFields(TermOptions):
         if not has_rollout or use == "own weight":
             return None
         return RolloutCorrection(upper=self.rollout_is_cap, max_log_ratio=self.max_log_ratio)
+
+    def policy_only(self: F) -> F:
+        """This configuration's policy term alone, at weight 1: every declared term off (`TermOptions.policy_only`)
+        and `policy_coef` = 1."""
+        alone = super().policy_only()
+        return dataclasses.replace(alone, policy_coef=1.0) if alone.policy_coef != 1 else alone
 
     @functools.cached_property
     def declared_terms(self) -> tuple[Term, ...]:

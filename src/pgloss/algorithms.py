@@ -119,6 +119,19 @@ _TABLE: list[tuple[str, type[Algorithm], str, dict[str, Any]]] = [
     ("dapo", ClippedPolicy, "Yu et al. 2025, arXiv 2503.14476", dict(loss_agg_mode=TOK, clip_low=0.2, clip_high=0.28)),
     ("bnpo", ClippedPolicy, "TRL / ms-swift loss_type=bnpo", dict(loss_agg_mode=TOK)),
     ("dr_grpo", ClippedPolicy, "Liu et al. 2025, arXiv 2503.20783", dict(loss_agg_mode="seq-mean-token-sum-norm")),
+    (
+        "distill_ppo",
+        ClippedPolicy,
+        "verl 0.9.1 distillation with use_policy_gradient (verl/trainer/distillation/losses.py distillation_ppo_loss; "
+        "verl/workers/config/distillation.py)",
+        dict(loss_agg_mode=TOK, dual_clip=3.0, distill_coef=1.0),
+    ),
+    (
+        "sdpo",
+        ClippedPolicy,
+        "SDPO, arXiv 2601.20802; TRL sdpo (trl/experimental/sdpo/sdpo_trainer.py _compute_self_distillation_loss)",
+        dict(loss_agg_mode=TOK, policy_coef=0.0, self_distill_coef=1.0),
+    ),
     ("cispo", CISPO, "MiniMax-M1, arXiv 2506.13585", dict(loss_agg_mode=TOK)),
     ("sapo", SAPO, "Gao et al. 2025, arXiv 2511.20347", dict(loss_agg_mode=SEQ)),
     (

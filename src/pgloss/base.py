@@ -7,7 +7,8 @@
        correction (`pgloss.RolloutCorrection`): its weight w before the aggregation and its rejections in
        the mask; with only `rollout_log_prob`, truncated importance sampling;
     3. the policy term ℓ_{i,t} of its family (`policy_terms`, defined in `losses/<family>.py`), aggregated
-       in its `policy_parts` (every row with `loss_agg_mode`, unless the family declares subsets of rows);
+       in its `policy_parts` (every row with `loss_agg_mode`, unless the family declares subsets of rows),
+       weighed by `policy_coef` (1);
     4. each declared term of `pgloss.terms` (the KL penalty, the entropy bonus, the positive-example NLL):
        its per-token value v_k aggregated in its own parts, times its coefficient c_k.
 
@@ -226,6 +227,7 @@ class Algorithm(AlgorithmFields):
         rows = plain if policy == (Part(self.loss_agg_mode),) else self.row_weights(batch, normalizer, policy)
         loss = weighted_sum(per_token, rows, normalizer.world_size)
         metrics["pg_loss"] = Stat.loss(loss)
+        loss = self.policy_coef * loss
         for term in self.declared_terms:
             value = term.evaluate(batch, corrected)
             metrics |= value.metrics

@@ -3,6 +3,7 @@
 from .advantages import *  # noqa: F403
 from .aggregate import *  # noqa: F403
 from .correction import *  # noqa: F403
+from .distillation import *  # noqa: F403
 from .divergence import *  # noqa: F403
 from .divergences import *  # noqa: F403
 from .kl import *  # noqa: F403

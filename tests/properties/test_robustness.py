@@ -59,7 +59,7 @@ def test_bfloat16_inputs_agree_with_float32(name):
     torch.testing.assert_close(lp_bf.grad.float(), lp_32.grad, rtol=1e-2, atol=1e-3)  # grad rounded to bf16
 
 
-LOSS_METRICS = {"pg_loss", "kl_loss"}  # loss values: 0 over no tokens; every other metric is a token mean
+LOSS_METRICS = {"pg_loss", "kl_loss"}  # loss values: 0 over no tokens (and each declared term's); the rest are means
 
 
 def empty_batches():
@@ -76,13 +76,15 @@ def empty_batches():
 def test_empty_and_all_masked_batches_give_zero_loss_and_nan_metrics(name):
     for label, data in empty_batches():
         log_prob = data["log_prob"].clone().requires_grad_(True)
-        out = call(algorithm(name, kl_coef=0.1, entropy_coef=0.1), data, log_prob, group_ids=data["group_ids"])
+        alg = algorithm(name, kl_coef=0.1, entropy_coef=0.1)
+        out = call(alg, data, log_prob, group_ids=data["group_ids"])
         out.loss.backward()
         assert out.loss.item() == 0.0, label
         assert (log_prob.grad == 0).all(), label
         assert out.per_token.shape == data["mask"].shape
+        losses = LOSS_METRICS | {term.loss_metric for term in alg.declared_terms}
         for key, value in out.metrics.items():
-            if key in LOSS_METRICS:
+            if key in losses:
                 assert value.item() == 0.0, (label, key)
             else:  # a mean over no tokens is undefined, never a made-up 0
                 assert torch.isnan(value), (label, key, value)

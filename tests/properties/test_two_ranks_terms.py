@@ -1,6 +1,7 @@
 """The step-level terms over two real gloo ranks: ΔL Normalization at α ≠ 1 (its length counts), VAPO's
 positive-example NLL (the step's rewarded-token count), CHORD (the step's counts of its expert and
-on-policy rows apart, the expert rows on both ranks); each rank computes its share with the
+on-policy rows apart, the expert rows on both ranks), the teachers' terms (verl's distillation, SDPO's, SDAR's,
+each aggregated in its own mode); each rank computes its share with the
 all-reduced step counts, and DDP's gradient average equals one process's gradient. The adaptive
 entropy controller, stepped on each rank from its own micro-batches, moves as on one process."""
 
@@ -27,6 +28,10 @@ def cases():
         "chord_seq": (
             pgloss.get("chord", chord_mu=0.6, loss_agg_mode="seq-mean-token-mean", sft_weight="none"),
             {"expert": EXPERT},
+        ),
+        "teachers": (
+            pgloss.get("grpo", policy_coef=0.5, distill_coef=0.3, self_distill_coef=0.2, sdar_coef=0.1),
+            {"teacher_log_prob": data()["teacher_log_prob"]},
         ),
     }
 

@@ -12,6 +12,7 @@
     optimal_token_baseline.py  the optimal token baseline, single- and multi-turn
     role_baseline.py           RAE's per-role running baseline, the one estimator with state across steps
     multi_step.py              multi-step (agentic) episodes, one row per step: step-wise GRPO, GiGPO
+    distillation.py            from a teacher's log-probs: Trinity's JSD advantage, RLSD's reweighting and its λ
 
 Sequence-level estimators take one score per sequence, `scores` `[B]`, and integer `group_ids`
 `[B]` (the prompt of each sequence; every member of a group must be in the call, as in every
@@ -25,6 +26,7 @@ with `process_group` (or the default group, when torch.distributed is initialize
 whole rollout on one process.
 """
 
+from .distillation import jsd_advantages, rlsd_advantages, rlsd_lambda
 from .gae import gae
 from .gdpo import GDPO_EPS, gdpo_advantages
 from .group import (
@@ -96,4 +98,7 @@ __all__ = [
     "step_wise_grpo_keep",
     "FNORMS",
     "gigpo_advantages",
+    "jsd_advantages",
+    "rlsd_advantages",
+    "rlsd_lambda",
 ]

@@ -10,22 +10,43 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from . import entropy_bonus, kl_penalty, positive_nll
+from . import distillation, entropy_bonus, kl_penalty, positive_nll, sdar, self_distillation
 from .term import Term, TermValue
 
 T = TypeVar("T", bound="TermOptions")
 
-OPTIONS = (kl_penalty.Options, entropy_bonus.Options, positive_nll.Options)
+OPTIONS = (
+    kl_penalty.Options,
+    entropy_bonus.Options,
+    positive_nll.Options,
+    distillation.Options,
+    self_distillation.Options,
+    sdar.Options,
+)
 """Each term's fields, in the order the loss adds the terms."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class TermOptions(positive_nll.Options, entropy_bonus.Options, kl_penalty.Options):
+class TermOptions(
+    sdar.Options,
+    self_distillation.Options,
+    distillation.Options,
+    positive_nll.Options,
+    entropy_bonus.Options,
+    kl_penalty.Options,
+):
     """The fields of every declared term."""
 
     def terms(self, max_log_ratio: float) -> tuple[Term, ...]:
         """The configured terms (their checks run as they are built), in the order of `OPTIONS`."""
-        return (self.kl_penalty(max_log_ratio), self.entropy_bonus(), self.positive_nll())
+        return (
+            self.kl_penalty(max_log_ratio),
+            self.entropy_bonus(),
+            self.positive_nll(),
+            self.distillation(max_log_ratio),
+            self.self_distillation(max_log_ratio),
+            self.sdar(),
+        )
 
     def policy_only(self: T) -> T:
         """This configuration with every declared term off (their coefficients 0): its policy term alone."""
