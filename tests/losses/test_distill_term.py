@@ -182,3 +182,37 @@ def test_against_verl(seed, estimator, clamp, policy_gradient):
     (grad,) = torch.autograd.grad(out.loss, lp)
     assert abs(out.loss.item() - expected.item()) <= 1e-12
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("task", [True, False])
+def test_from_verl_reads_verl_distillation_config(estimator, task):
+    """`pgloss.from_verl(actor, distillation=)` maps verl's own `DistillationLossConfig` (trainer_options/
+    verl_distillation.py) to the configuration that gives verl's total: the vanilla task loss + coef × distillation,
+    or the distillation alone (coefficient 1, as verl's `distillation_ppo_loss` takes it) without task rewards."""
+    pytest.importorskip("verl.trainer.distillation.losses")
+    from verl.workers.config import DistillationLossConfig
+
+    batch = data(1)
+    loss = DistillationLossConfig(loss_mode=VERL_MODES[estimator], distillation_loss_coef=0.5, use_task_rewards=task)
+    actor = {"policy_loss": {"loss_mode": "vanilla"}, "loss_agg_mode": "token-mean", "clip_ratio_c": 3.0}
+    # verl's `distillation` section: its own loss config (a DistillationConfig with enabled=True needs teachers)
+    alg = pgloss.from_verl(actor, distillation={"enabled": True, "distillation_loss": loss})
+    expected, expected_grad = verl_loss(batch, estimator=estimator, clamp=10.0, policy_gradient=True, coef=0.5)
+    if not task:  # verl's total is then the distillation loss alone: its part of the total above, over 0.5
+        task_only, task_grad = verl_loss(batch, estimator=estimator, clamp=10.0, policy_gradient=True, coef=0.0)
+        expected, expected_grad = (expected - task_only) / 0.5, (expected_grad - task_grad) / 0.5
+    lp = batch["log_prob"].clone().requires_grad_(True)
+    out = alg(lp, batch["old_log_prob"], batch["advantages"], batch["mask"], teacher_log_prob=batch["teacher_log_prob"])
+    (grad,) = torch.autograd.grad(out.loss, lp)
+    assert abs(out.loss.item() - expected.item()) <= 1e-12
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+
+
+def test_from_verl_refuses_what_the_policy_loss_cannot_take():
+    actor = {"policy_loss": {"loss_mode": "vanilla"}}
+    with pytest.raises(ValueError, match="topk_divergence_from_logits"):
+        pgloss.from_verl(actor, distillation={"distillation_loss": {"loss_mode": "forward_kl_topk"}})
+    with pytest.raises(ValueError, match="no pgloss estimator"):
+        pgloss.from_verl(actor, distillation={"distillation_loss": {"loss_mode": "jsd"}})
+    assert pgloss.from_verl(actor, distillation={"enabled": False}) == pgloss.from_verl(actor)

@@ -34,6 +34,7 @@ from ..core.aggregate import needs_budget
 from ..core.trainer_names import VALUES, closest, refuse_misspelt, translate_value
 from ..correction.rejection import Rejection
 from ..correction.rollout import RolloutCorrection
+from .verl_distillation import distillation_fields
 
 __all__ = [
     "LOSS_MODES",
@@ -411,7 +412,7 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def from_verl(actor_config: Any, *, rollout_correction: Any = None) -> Algorithm:
+def from_verl(actor_config: Any, *, rollout_correction: Any = None, distillation: Any = None) -> Algorithm:
     """The pgloss `Algorithm` that computes what verl's actor config computes, or a ValueError naming
     the verl option pgloss has no equivalent for.
 
@@ -421,7 +422,8 @@ def from_verl(actor_config: Any, *, rollout_correction: Any = None) -> Algorithm
     correction verl's trainer applies before the loss (decoupled mode: the weights on π_old /
     π_rollout and the rejections; bypass_mode: the loss verl then runs). Loss, KL (`use_kl_loss`,
     `kl_loss_coef`, `kl_loss_type`) and entropy (`entropy_coeff`) terms are included, aggregated as
-    verl's `ppo_loss` does.
+    verl's `ppo_loss` does. `distillation`: verl's `distillation` config, whose term (verl's distillation through
+    the policy loss) is then added (`verl_distillation.distillation_fields`: the option map).
 
         algorithm = pgloss.from_verl(config.actor_rollout_ref.actor)
 
@@ -441,4 +443,5 @@ def from_verl(actor_config: Any, *, rollout_correction: Any = None) -> Algorithm
     """
     if actor_config is None:
         raise TypeError("actor_config must be verl's actor config (ActorConfig, DictConfig or dict), got None")
-    return algorithm_from_verl(actor_config, rollout_correction=rollout_correction)
+    algorithm = algorithm_from_verl(actor_config, rollout_correction=rollout_correction)
+    return algorithm if distillation is None else dataclasses.replace(algorithm, **distillation_fields(distillation))
