@@ -60,15 +60,17 @@ try:
     import swift
     from packaging.specifiers import SpecifierSet
     from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
+    from swift.rlhf_trainers.utils import get_even_process_data
     from swift.trainers.trainer_factory import TrainerFactory
     from accelerate.utils import gather_object
+    from trl.models.utils import _ForwardRedirection
 except ImportError as error:  # pragma: no cover - exercised without ms-swift
     raise ImportError("pgloss.integrations.swift needs ms-swift: pip install 'ms-swift>=4.6,<4.7' msgspec") from error
 
 if swift.__version__ not in SpecifierSet(",".join(SUPPORTED)):
     raise ImportError(f"pgloss.integrations.swift supports ms-swift {SUPPORTED[0]}, found {swift.__version__}")
 
-_PASSED = frozenset({"ref_log_prob", "entropy", "rollout_log_prob", "group_ids"})
+_PASSED = frozenset({"ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores"})
 """The optional inputs (core/inputs.py) the adapter gives the loss from ms-swift's GRPOBatch."""
 
 TRAINER = "pgloss.integrations.swift.PGLossSwiftGRPOTrainer"
@@ -152,14 +154,19 @@ class PGLossSwiftMixin:
     def _postprocess_batch(self, samples: list[Any], batch_encoded_inputs: list[dict[str, Any]]) -> None:
         super()._postprocess_batch(samples, batch_encoded_inputs)  # type: ignore[misc]
         # Group ids: ms-swift's prompt_id numbered in the order of the generation batch over every process.
+        # Scores: the weighted sum of the reward functions (ms-swift's `reward`), this process's rows.
         prompts = gather_object([sample.prompt_id for sample in samples])
         number = {prompt: i for i, prompt in enumerate(dict.fromkeys(prompts))}
+        rewards = self._rewards_per_func  # type: ignore[attr-defined]
+        weights = self.reward_weights.to(rewards.device).unsqueeze(0)  # type: ignore[attr-defined]
+        scores = get_even_process_data(self, (rewards * weights).nansum(dim=1))
+        score = {id(sample): value for sample, value in zip(samples, scores, strict=True)}
         chunks = self.split_by_mini_batches(samples)  # type: ignore[attr-defined]
         for chunk, encoded in zip(chunks, batch_encoded_inputs, strict=True):
             batch = encoded["grpo_batch"]
-            batch.pgloss_group_ids = torch.tensor(
-                [number[sample.prompt_id] for sample in chunk], device=batch.completion_mask.device
-            )
+            device = batch.completion_mask.device
+            batch.pgloss_group_ids = torch.tensor([number[sample.prompt_id] for sample in chunk], device=device)
+            batch.pgloss_scores = torch.stack([score[id(sample)] for sample in chunk]).float().to(device)
 
     def _pgloss_mask(self, batch: Any) -> Tensor:
         mask = batch.completion_mask.bool()
@@ -195,7 +202,8 @@ class PGLossSwiftMixin:
     def _pgloss_inputs(self, batch: Any, mask: Tensor) -> dict[str, Any]:
         """A micro-batch's call arguments besides the current log-probs, under pgloss's names."""
         ref = batch.ref_per_token_logps if "ref_log_prob" in self.algorithm.needs else None
-        group = getattr(batch, "pgloss_group_ids", None) if "group_ids" in self.algorithm.needs else None
+        needs = self.algorithm.needs
+        extra = {key: getattr(batch, f"pgloss_{key}", None) for key in ("group_ids", "scores") if key in needs}
         inputs = dict(
             old_log_prob=None if batch.old_per_token_logps is None else batch.old_per_token_logps.float(),
             advantages=batch.advantages.float(),
@@ -203,9 +211,7 @@ class PGLossSwiftMixin:
             ref_log_prob=None if ref is None else ref.float(),
             rollout_log_prob=self._pgloss_rollout(batch),
         )
-        if group is not None:
-            inputs["group_ids"] = group
-        return inputs
+        return inputs | {key: value for key, value in extra.items() if value is not None}
 
     def _pgloss_step(self, model_inputs: dict[str, Any], batch: Any) -> tuple[Step, Tensor]:
         """This micro-batch's `pgloss.Step` and mask: in training the optimizer step's, counted at its first
@@ -304,7 +310,7 @@ class PGLossSwiftMixin:
             )
 
         # inside the wrapper's forward, as ms-swift's Liger path: DDP's hooks fire
-        return self._forward_redirection(model, unwrapped, loss, **model_inputs)  # type: ignore[attr-defined]
+        return _ForwardRedirection()(model, unwrapped, loss, **model_inputs)
 
 
 class PGLossSwiftGRPOTrainer(PGLossSwiftMixin, GRPOTrainer):
