@@ -8,6 +8,9 @@ import pytest
 pytest.importorskip("swift.rlhf_trainers")
 
 import copy
+import json
+import math
+import types
 from pathlib import Path
 
 import swift_window as sw
@@ -71,3 +74,111 @@ def test_step_gradient_is_one_call_for_every_name(built, fused):
         checked.append(f"{name} {error:.1e}")
     print(f"fused={fused}: {len(checked)} names checked; refused: {refused}")
     assert len(checked) >= len(names(fused)) - 2, refused
+
+
+def _theirs_and_ours(trainer, initial, batches, options, number):
+    """The step's gradient under ms-swift's own `GRPOTrainer._compute_loss_and_metrics` and through the adapter
+    (`from_swift`: the algorithm of ms-swift's loss_type and options), both through ms-swift's training_step."""
+    from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
+
+    from pgloss.trainer_options.swift import counts_rejected, from_swift
+
+    config = copy.copy(trainer.args)
+    for key, value in options.items():
+        setattr(config, key, value)
+    saved = trainer.args
+    trainer.args = config
+    trainer._prepare_algorithm_params()  # ms-swift's own attributes from its arguments
+    trainer.beta = config.beta
+    # Without vLLM ms-swift switches its rollout importance sampling off (it is for vLLM >= 0.10.2's log-probs,
+    # which the recorded rollout log-probs stand for): on, as with vLLM.
+    trainer.disable_rollout_importance_sampling = False
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    grads = []
+    try:
+        for side in ("ms-swift", "pgloss"):
+            model.load_state_dict(initial)
+            if side == "ms-swift":
+                trainer._compute_loss_and_metrics = types.MethodType(GRPOTrainer._compute_loss_and_metrics, trainer)
+                # ms-swift 4.6.0 sets _has_teacher without a teacher (its dynamic self-distillation capability), and
+                # its loss then refuses fipo, real and off_policy_sequence_mask_delta: run it as without that flag
+                trainer._has_teacher = False
+            else:
+                del trainer._compute_loss_and_metrics
+                trainer._pgloss_count_rejected = counts_rejected(config)
+            grads.append(sw.drive_step(trainer, from_swift(config), batches, number)[0])
+        assert sum(float(g.norm()) for g in grads[0].values()) > 0, options
+    finally:
+        trainer.__dict__.pop("_compute_loss_and_metrics", None)
+        trainer.args = saved
+        trainer._prepare_algorithm_params()
+        trainer._pgloss_count_rejected = False
+        trainer._has_teacher = True
+    return sw.relative_error(grads[1], grads[0])
+
+
+SHARED = [
+    dict(loss_type="grpo"),  # ms-swift's defaults: beta = 0.04
+    dict(loss_type="dr_grpo"),
+    dict(loss_type="dapo", epsilon_high=0.28),
+    dict(loss_type="cispo", epsilon_high=5.0),
+    dict(loss_type="sapo", tau_pos=2.0, tau_neg=0.5),
+    dict(loss_type="fipo", beta=0.0),
+    dict(loss_type="real", beta=0.0),
+    dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+    dict(loss_type="grpo", importance_sampling_level="sequence_token", epsilon=3e-4, epsilon_high=4e-4),
+    dict(loss_type="grpo", delta=1.5, beta=0.0),
+    dict(loss_type="dapo", rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2),
+    dict(loss_type="dapo", rollout_importance_sampling_mode="sequence_mask", rollout_importance_sampling_threshold=1.2),
+    dict(loss_type="grpo", rollout_importance_sampling_mode="sequence_truncate"),
+    dict(loss_type="grpo", off_policy_sequence_mask_delta=0.02, beta=0.0),
+]
+
+
+def test_ms_swifts_loss_types_give_its_own_step_gradient(built):
+    """Each ms-swift loss_type pgloss also has: the optimizer step (GA = 2, off-policy, rollout log-probs) through
+    the adapter applies ms-swift's own gradient (`GRPOTrainer._compute_loss_and_metrics` in the same trainer)."""
+    trainer, initial, batches = built
+    errors = {str(o): _theirs_and_ours(trainer, initial, batches, o, 100 + i) for i, o in enumerate(SHARED)}
+    print(errors)
+    assert all(error < 2e-5 for error in errors.values()), errors
+
+
+def test_ms_swift_refuses_its_own_fipo_without_a_teacher(built):
+    """Documented (docs/integrations.md, ms-swift): in ms-swift 4.6.0 plain GRPO sets `_has_teacher` (the dynamic
+    self-distillation capability), so its own loss raises for fipo, real and off_policy_sequence_mask_delta; the
+    adapter computes them."""
+    trainer, _, _ = built
+    assert trainer._has_teacher and not trainer._has_teacher_explicit()
+
+
+def test_bnpo_is_ms_swifts_per_micro_batch_and_pgloss_the_steps(built):
+    """Documented difference (docs/integrations.md, ms-swift): ms-swift's bnpo divides each micro-batch by its own
+    tokens (then by GA), pgloss's by the step's tokens. One micro-batch: the same; two of unequal token counts:
+    not."""
+    trainer, initial, batches = built
+    assert _theirs_and_ours(trainer, initial, batches[:1], dict(loss_type="bnpo"), 200) < 2e-5
+    tokens = [float(b["grpo_batch"].completion_mask.sum()) for b in batches]
+    assert tokens[0] != tokens[1]
+    assert _theirs_and_ours(trainer, initial, batches, dict(loss_type="bnpo"), 201) > 1e-3
+
+
+def test_two_steps_from_the_command_lines_plugin_with_a_loss_ms_swift_lacks(tmp_path):
+    """ms-swift's entry point (`rlhf_main`, what `swift rlhf` runs) with the plugin file `pgloss swift-plugin`
+    prints and `--loss_type pgloss:clip_cov,...`: two optimizer steps, each logging pgloss's metrics."""
+    import subprocess
+    import sys
+
+    from swift import rlhf_main
+
+    plugin = subprocess.run(
+        [sys.executable, "-m", "pgloss.cli", "swift-plugin"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert Path(plugin).name == "swift_plugin.py"
+    args = sw.arguments(tmp_path, plugins=(plugin,), loss_type="pgloss:clip_cov,clip_cov_ratio=0.01", num_iterations=2)
+    rlhf_main(args)
+    (log,) = Path(args.output_dir).glob("**/logging.jsonl")
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [row for row in rows if "pgloss/pg_loss" in row]
+    assert len(steps) == 2 and all(math.isfinite(float(row["pgloss/pg_loss"])) for row in steps)
+    assert "pgloss/clip_cov_fraction" in steps[-1] and float(steps[-1]["pgloss/ppo_kl"]) != 0  # off-policy 2nd step
