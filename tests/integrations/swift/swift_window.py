@@ -224,3 +224,9 @@ def named_algorithm(args, name: str):
 
 
 __all__ = ["pgloss"]
+
+
+def tiny_model(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

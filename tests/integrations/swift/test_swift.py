@@ -182,3 +182,42 @@ def test_two_steps_from_the_command_lines_plugin_with_a_loss_ms_swift_lacks(tmp_
     steps = [row for row in rows if "pgloss/pg_loss" in row]
     assert len(steps) == 2 and all(math.isfinite(float(row["pgloss/pg_loss"])) for row in steps)
     assert "pgloss/clip_cov_fraction" in steps[-1] and float(steps[-1]["pgloss/ppo_kl"]) != 0  # off-policy 2nd step
+
+
+def test_two_gloo_ranks_step_gradient_is_one_call(tmp_path):
+    """Two processes (torchrun, gloo): each rank's step through ms-swift's training_step on the DDP-wrapped model
+    applies the gradient of one plain call on both ranks' micro-batches (the count is over processes; group ids
+    global), for a spread of names with ms-swift's rollout importance sampling."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from swift_ddp_worker import NAMES, ROLLOUT
+
+    from pgloss.trainer_options.swift import swift_algorithm
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    command += ["--master_port", str(port), str(here / "swift_ddp_worker.py"), str(tmp_path)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    model = sw.tiny_model(str(tmp_path / "work" / "model"))
+    options = dict(loss_type="grpo", beta=0.04, max_completion_length=8, **ROLLOUT)
+    for name in NAMES:
+        algorithm = swift_algorithm(options, name)
+        model.load_state_dict(ranks[0]["initial"])
+        recorded = [record for rank in ranks for record in rank["results"][name]["records"]]
+        reference, metrics = sw.window_gradient(model, recorded, algorithm, ranks[0]["temperature"])
+        for rank in ranks:  # DDP's average: every rank holds the step's gradient
+            assert sw.relative_error(rank["results"][name]["grads"], reference) < 2e-5, name
+        logged = ranks[0]["results"][name]["logged"]
+        for key in ("pg_loss", "ppo_kl"):
+            if key in metrics:
+                assert logged[f"pgloss/{key}"] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), (name, key)
