@@ -58,11 +58,12 @@ _log = logging.getLogger(__name__)
 
 try:
     import swift
+    from accelerate.utils import gather_object
     from packaging.specifiers import SpecifierSet
     from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
     from swift.rlhf_trainers.utils import get_even_process_data
     from swift.trainers.trainer_factory import TrainerFactory
-    from accelerate.utils import gather_object
+    from transformers import PreTrainedModel
     from trl.models.utils import _ForwardRedirection
 except ImportError as error:  # pragma: no cover - exercised without ms-swift
     raise ImportError("pgloss.integrations.swift needs ms-swift: pip install 'ms-swift>=4.6,<4.7' msgspec") from error
@@ -119,7 +120,9 @@ class PGLossSwiftMixin:
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         algorithm = swift_algorithm(config, algorithm)
-        refused = [f"{key} (OPD-RL's teacher: not yet mapped onto pgloss)" for key in ("teacher_model",) if kwargs.get(key)]
+        refused = [
+            f"{key} (OPD-RL's teacher: not yet mapped onto pgloss)" for key in ("teacher_model",) if kwargs.get(key)
+        ]
         missing = sorted(algorithm.needs - _PASSED)
         if missing:  # e.g. distillation's teacher_log_prob, a family's raw scores: ms-swift passes neither
             refused.append(f"{algorithm.name}, which needs {', '.join(missing)} (the adapter passes {sorted(_PASSED)})")
@@ -218,7 +221,9 @@ class PGLossSwiftMixin:
         micro-batch over every process (a collective, reached in lock-step); in evaluation the batch's own."""
         if not self.model.training:
             mask = self._pgloss_masks([{"model_inputs": model_inputs, "grpo_batch": batch}])[0]
-            return Step(self.algorithm, [self._pgloss_inputs(batch, mask)], reduce=False, metrics=self._metrics_of("eval")), mask
+            return Step(
+                self.algorithm, [self._pgloss_inputs(batch, mask)], reduce=False, metrics=self._metrics_of("eval")
+            ), mask
         number = self.state.global_step
         if self._pgloss_window is None or self._pgloss_window[0] != number:
             size = self.current_gradient_accumulation_steps
@@ -283,10 +288,14 @@ class PGLossSwiftMixin:
 
     # -- the fused path ----------------------------------------------------------------------------
 
-    def _pgloss_head_owner(self, unwrapped: torch.nn.Module) -> torch.nn.Module:
+    def _pgloss_head_owner(self, unwrapped: torch.nn.Module) -> PreTrainedModel:
+        """The transformers model whose backbone and LM head the fused path calls (under PEFT, its base model)."""
         from accelerate.utils import is_peft_model
 
-        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped  # type: ignore[operator]
+        owner = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped  # type: ignore[operator]
+        if not isinstance(owner, PreTrainedModel):
+            raise TypeError(f"fused=True needs a transformers PreTrainedModel, got {type(owner).__name__}")
+        return owner
 
     def _pgloss_fused(self, model: torch.nn.Module, model_inputs: dict[str, Any], batch: Any, step: Step, inputs: dict):
         unwrapped = self.accelerator.unwrap_model(model)

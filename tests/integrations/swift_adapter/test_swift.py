@@ -128,7 +128,9 @@ SHARED = [
     dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
     dict(loss_type="grpo", importance_sampling_level="sequence_token", epsilon=3e-4, epsilon_high=4e-4),
     dict(loss_type="grpo", delta=1.5, beta=0.0),
-    dict(loss_type="dapo", rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2),
+    dict(
+        loss_type="dapo", rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2
+    ),
     dict(loss_type="dapo", rollout_importance_sampling_mode="sequence_mask", rollout_importance_sampling_threshold=1.2),
     dict(loss_type="grpo", rollout_importance_sampling_mode="sequence_truncate"),
     dict(loss_type="grpo", off_policy_sequence_mask_delta=0.02, beta=0.0),

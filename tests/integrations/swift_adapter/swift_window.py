@@ -15,11 +15,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
-import trl_tiny  # noqa: E402
+import trl_tiny
 
-import pgloss  # noqa: E402
+import pgloss
 
-REWARD_PLUGIN = '''
+REWARD_PLUGIN = """
 from swift.rewards import ORM, orms
 
 
@@ -29,7 +29,7 @@ class Digits(ORM):
 
 
 orms["pgloss_digits"] = Digits
-'''
+"""
 
 
 def workspace(root: Path) -> dict[str, str]:
@@ -107,12 +107,14 @@ def off_policy(trainer, seed: int = 0, *, rollout: bool = False) -> list[dict]:
     for micro in batches:
         batch = micro["grpo_batch"]
         log_prob = batch.old_per_token_logps
-        noise = lambda: torch.randn(log_prob.shape, generator=generator)  # noqa: E731
-        batch.old_per_token_logps = log_prob + 0.3 * noise()
-        batch.ref_per_token_logps = log_prob + 0.2 * noise()
+        shape = log_prob.shape
+        batch.old_per_token_logps = log_prob + 0.3 * torch.randn(shape, generator=generator)
+        batch.ref_per_token_logps = log_prob + 0.2 * torch.randn(shape, generator=generator)
         rows = torch.randn(log_prob.shape[0], 1, generator=generator)
         batch.advantages = rows.expand_as(log_prob).contiguous()
-        batch.rollout_per_token_logps = batch.old_per_token_logps + 0.3 * noise() if rollout else None
+        batch.rollout_per_token_logps = (
+            batch.old_per_token_logps + 0.3 * torch.randn(shape, generator=generator) if rollout else None
+        )
     return batches
 
 
@@ -221,9 +223,6 @@ def named_algorithm(args, name: str):
 
     view = {key: getattr(args, key) for key in dir(args) if not key.startswith("_")}
     return swift_algorithm(view | {"loss_type": "grpo"}, name)
-
-
-__all__ = ["pgloss"]
 
 
 def tiny_model(path: str) -> torch.nn.Module:
