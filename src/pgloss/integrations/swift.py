@@ -156,19 +156,27 @@ class PGLossSwiftMixin:
 
     def _postprocess_batch(self, samples: list[Any], batch_encoded_inputs: list[dict[str, Any]]) -> None:
         super()._postprocess_batch(samples, batch_encoded_inputs)  # type: ignore[misc]
-        # Group ids: ms-swift's prompt_id numbered in the order of the generation batch over every process.
+        # Group ids as ms-swift's advantages group the generation batch gathered over every process: consecutive
+        # blocks of num_generations rows, or (multi-turn, `dynamic_num_samples`) the rows of one prompt_id.
         # Scores: the weighted sum of the reward functions (ms-swift's `reward`), this process's rows.
-        prompts = gather_object([sample.prompt_id for sample in samples])
-        number = {prompt: i for i, prompt in enumerate(dict.fromkeys(prompts))}
         rewards = self._rewards_per_func  # type: ignore[attr-defined]
+        rows = get_even_process_data(self, torch.arange(rewards.shape[0], device=rewards.device))
+        size = self.num_generations if self.model.training else self.num_generations_eval  # type: ignore[attr-defined]
+        if getattr(self, "dynamic_num_samples", False):
+            prompts = gather_object([sample.prompt_id for sample in samples])
+            number = {prompt: i for i, prompt in enumerate(dict.fromkeys(prompts))}
+            groups = [number[sample.prompt_id] for sample in samples]
+        else:
+            groups = [int(row) // size for row in rows]
         weights = self.reward_weights.to(rewards.device).unsqueeze(0)  # type: ignore[attr-defined]
         scores = get_even_process_data(self, (rewards * weights).nansum(dim=1))
+        group = {id(sample): value for sample, value in zip(samples, groups, strict=True)}
         score = {id(sample): value for sample, value in zip(samples, scores, strict=True)}
         chunks = self.split_by_mini_batches(samples)  # type: ignore[attr-defined]
         for chunk, encoded in zip(chunks, batch_encoded_inputs, strict=True):
             batch = encoded["grpo_batch"]
             device = batch.completion_mask.device
-            batch.pgloss_group_ids = torch.tensor([number[sample.prompt_id] for sample in chunk], device=device)
+            batch.pgloss_group_ids = torch.tensor([group[id(sample)] for sample in chunk], device=device)
             batch.pgloss_scores = torch.stack([score[id(sample)] for sample in chunk]).float().to(device)
 
     def _pgloss_mask(self, batch: Any) -> Tensor:

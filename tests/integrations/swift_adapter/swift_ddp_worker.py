@@ -9,7 +9,7 @@ import swift_window as sw
 import torch
 import torch.distributed as dist
 
-NAMES = ("dapo", "grpo", "clip_cov", "gmpo", "real", "topr", "sppo")
+NAMES = ("dapo", "clip_cov", "real", "topr")
 ROLLOUT = dict(rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.2)
 
 

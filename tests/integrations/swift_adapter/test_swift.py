@@ -32,7 +32,7 @@ def built(tmp_path_factory):
     return trainer, initial, batches
 
 
-FUSED = ("grpo", "dapo", "gspo", "clip_cov", "cispo", "vespo", "real", "chord")
+FUSED = ("grpo", "gspo", "clip_cov", "vespo", "real")
 """The fused path on a spread of families (every name through it costs about a minute on the CPU; every name's
 fused loss is pgloss's own tests' concern, the adapter's wiring is this one)."""
 
