@@ -21,8 +21,6 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-swift: $(SWIFT)
-
 $(INTEGRATIONS): $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0 -e ".[dev,trl,verl]"
 	$(PY) -m pip install --quiet --no-deps $(VERL_PIN)
@@ -30,18 +28,18 @@ $(INTEGRATIONS): $(STAMP)
 
 # ms-swift's adapter (pgloss.integrations.swift) is tested inside ms-swift 4.6.0's own GRPOTrainer, which needs its
 # own TRL (ms-swift 4.6.0 requires trl<1.0: 0.29.1 resolves, with transformers 5.19) beside the TRL 1.16 above: a
-# venv of its own, torch==2.13.0 pinned so pip reuses the CPU wheel, msgspec added (ms-swift imports it without
-# declaring it), pgloss editable without its requirements. tests/integrations/test_swift_env.py runs
-# tests/integrations/swift_adapter in it (skipped where it is absent). About 2 minutes to build on 2 cores.
+# venv of its own with pyproject.toml's swift extra (ms-swift, msgspec, pytest), torch==2.13.0 pinned so pip reuses
+# the CPU wheel. tests/integrations/test_swift_env.py runs tests/integrations/swift_adapter in it (skipped where it
+# is absent). About 2 minutes to build on 2 cores.
 SWIFT_VENV := .venv-swift
 SWIFT := $(SWIFT_VENV)/.installed
-SWIFT_PINS := torch==2.13.0 ms-swift==4.6.0 msgspec pytest
 $(SWIFT): pyproject.toml
 	rm -rf $(SWIFT_VENV)
 	$(PYTHON) -m venv $(SWIFT_VENV)
-	$(SWIFT_VENV)/bin/python -m pip install --quiet $(SWIFT_PINS)
-	$(SWIFT_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(SWIFT_VENV)/bin/python -m pip install --quiet torch==2.13.0 -e ".[swift]"
 	touch $@
+
+swift: $(SWIFT)
 
 # The parity tests read some trainers' loss code from their released source, without installing it
 # (their package imports pull in whole training stacks, and torchrl 0.14 wants a tensordict that verl's pin

@@ -261,7 +261,13 @@ def swift_algorithm(args: Any, algorithm: str | Algorithm | None = None) -> Algo
     trl = _trl_options(args, only_set=True) | dict(
         beta=_kl(args)["kl_coef"], use_bias_correction_kl=False, max_completion_length=budget
     )
-    ours = _sequence_token(args, trainer_algorithm(grpo_options(trl), algorithm))
+    try:  # TRL's translation of the options the two trainers share, its message in ms-swift's names
+        ours = _sequence_token(args, trainer_algorithm(grpo_options(trl), algorithm))
+    except ValueError as error:
+        message = str(error).replace("PGLossGRPOTrainer cannot honour", "pgloss's ms-swift adapter cannot honour")
+        for theirs, swift_name in (("sapo_temperature_pos", "tau_pos"), ("sapo_temperature_neg", "tau_neg")):
+            message = message.replace(theirs, swift_name)
+        raise ValueError(message) from error
     if fields:  # the loss_type's own fields over what ms-swift's options made of the name's defaults
         plain = get(algorithm, generation_budget=float(budget))
         changed = {
