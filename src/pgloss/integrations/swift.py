@@ -121,7 +121,9 @@ class PGLossSwiftMixin:
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         algorithm = swift_algorithm(config, algorithm)
         refused = [
-            f"{key} (OPD-RL's teacher: not yet mapped onto pgloss)" for key in ("teacher_model",) if kwargs.get(key)
+            f"{key} (OPD-RL's teacher: not yet mapped onto pgloss)"
+            for key in ("teacher_model", "teacher_model_server")
+            if kwargs.get(key)
         ]
         missing = sorted(algorithm.needs - _PASSED)
         if missing:  # e.g. distillation's teacher_log_prob, a family's raw scores: ms-swift passes neither

@@ -76,7 +76,7 @@ def test_step_gradient_is_one_call_for_every_name(built, fused):
     assert len(checked) >= len(names(fused)) - 2, refused
 
 
-def _theirs_and_ours(trainer, initial, batches, options, number):
+def _theirs_and_ours(trainer, initial, batches, options, number, scale=1.0):
     """The step's gradient under ms-swift's own `GRPOTrainer._compute_loss_and_metrics` and through the adapter
     (`from_swift`: the algorithm of ms-swift's loss_type and options), both through ms-swift's training_step."""
     from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
@@ -90,6 +90,7 @@ def _theirs_and_ours(trainer, initial, batches, options, number):
     trainer.args = config
     trainer._prepare_algorithm_params()  # ms-swift's own attributes from its arguments
     trainer.beta = config.beta
+    trainer.compute_entropy = config.log_entropy or config.top_entropy_quantile < 1  # as its _prepare_metrics
     # Without vLLM ms-swift switches its rollout importance sampling off (it is for vLLM >= 0.10.2's log-probs,
     # which the recorded rollout log-probs stand for): on, as with vLLM.
     trainer.disable_rollout_importance_sampling = False
@@ -114,7 +115,7 @@ def _theirs_and_ours(trainer, initial, batches, options, number):
         trainer._prepare_algorithm_params()
         trainer._pgloss_count_rejected = False
         trainer._has_teacher = True
-    return sw.relative_error(grads[1], grads[0])
+    return sw.relative_error(grads[1], {key: scale * value for key, value in grads[0].items()})
 
 
 SHARED = [
@@ -152,6 +153,21 @@ def test_ms_swift_refuses_its_own_fipo_without_a_teacher(built):
     adapter computes them."""
     trainer, _, _ = built
     assert trainer._has_teacher and not trainer._has_teacher_explicit()
+
+
+def test_overlong_filter_and_entropy_mask_as_ms_swift_applies_them(built):
+    """`top_entropy_quantile` keeps the tokens of top entropy (dr_grpo on one micro-batch, where ms-swift's
+    per-micro-batch quantile is the step's): ms-swift's gradient. `overlong_filter` drops the truncated rows from the
+    mask; documented difference (docs/integrations.md): ms-swift still counts them as rows (dr_grpo divides by every
+    row), pgloss counts the rows its mask keeps, so pgloss's gradient is ms-swift's times rows / rows kept."""
+    trainer, initial, batches = built
+    entropy = dict(loss_type="dr_grpo", beta=0.0, top_entropy_quantile=0.5)
+    assert _theirs_and_ours(trainer, initial, batches[:1], entropy, 300) < 2e-5
+    truncated = batches[0]["grpo_batch"].truncated_mask.bool()
+    assert 0 < int(truncated.sum()) < len(truncated)  # some rows to drop, some kept
+    scale = len(truncated) / int((~truncated).sum())
+    overlong = dict(loss_type="dr_grpo", beta=0.0, overlong_filter=True)
+    assert _theirs_and_ours(trainer, initial, batches[:1], overlong, 301, scale=scale) < 2e-5
 
 
 def test_bnpo_is_ms_swifts_per_micro_batch_and_pgloss_the_steps(built):
