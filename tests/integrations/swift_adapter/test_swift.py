@@ -215,15 +215,18 @@ def test_two_gloo_ranks_step_gradient_is_one_call(tmp_path):
 
     from pgloss.trainer_options.swift import swift_algorithm
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    command += ["--master_port", str(port), str(here / "swift_ddp_worker.py"), str(tmp_path)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    for _attempt in range(2):  # a free port found here may be taken by another process before torchrun binds it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr"]
+        command += ["127.0.0.1", "--master_port", str(port), str(here / "swift_ddp_worker.py"), str(tmp_path)]
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        if run.returncode == 0 or "address already in use" not in run.stderr.lower():
+            break
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     model = sw.tiny_model(str(tmp_path / "work" / "model"))
