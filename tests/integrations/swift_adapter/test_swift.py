@@ -215,6 +215,7 @@ def test_two_gloo_ranks_step_gradient_is_one_call(tmp_path):
 
     from pgloss.trainer_options.swift import swift_algorithm
 
+    sw.workspace(tmp_path / "work")  # made once here: the two ranks would write the same files at once
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     env["OMP_NUM_THREADS"] = "1"
