@@ -11,7 +11,7 @@ INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"  # the trl extra's, for the GPU wheels below
 VERL_PIN := "verl>=0.9.1,<0.10"
 
-.PHONY: setup test matrix lint peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
+.PHONY: setup swift test matrix lint peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,21 @@ $(INTEGRATIONS): $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0 -e ".[dev,trl,verl]"
 	$(PY) -m pip install --quiet --no-deps $(VERL_PIN)
 	touch $(INTEGRATIONS)
+
+# ms-swift's adapter (pgloss.integrations.swift) is tested inside ms-swift 4.6.0's own GRPOTrainer, which needs its
+# own TRL (ms-swift 4.6.0 requires trl<1.0: 0.29.1 resolves, with transformers 5.19) beside the TRL 1.16 above: a
+# venv of its own with pyproject.toml's swift extra (ms-swift, msgspec, pytest), torch==2.13.0 pinned so pip reuses
+# the CPU wheel. tests/integrations/test_swift_env.py runs tests/integrations/swift_adapter in it (skipped where it
+# is absent). About 2 minutes to build on 2 cores.
+SWIFT_VENV := .venv-swift
+SWIFT := $(SWIFT_VENV)/.installed
+$(SWIFT): pyproject.toml
+	rm -rf $(SWIFT_VENV)
+	$(PYTHON) -m venv $(SWIFT_VENV)
+	$(SWIFT_VENV)/bin/python -m pip install --quiet torch==2.13.0 -e ".[swift]"
+	touch $@
+
+swift: $(SWIFT)
 
 # The parity tests read some trainers' loss code from their released source, without installing it
 # (their package imports pull in whole training stacks, and torchrl 0.14 wants a tensordict that verl's pin
@@ -58,7 +73,7 @@ $(LIGER): | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(LIGER_PIN)
 	touch $@
 
-test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER)
+test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER) $(SWIFT)
 	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} PGLOSS_TINKER_SRC=$${PGLOSS_TINKER_SRC:-$(SOURCES)/tinker} \
 	PGLOSS_TORCHRL_SRC=$${PGLOSS_TORCHRL_SRC:-$(SOURCES)/torchrl} PGLOSS_SKYRL_SRC=$${PGLOSS_SKYRL_SRC:-$(SOURCES)/skyrl} \
 	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} PGLOSS_AREAL_SRC=$${PGLOSS_AREAL_SRC:-$(SOURCES)/areal} \
@@ -181,4 +196,4 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 
 clean:
-	rm -rf $(VENV) $(MATRIX) build src/*.egg-info
+	rm -rf $(VENV) $(MATRIX) $(SWIFT_VENV) build src/*.egg-info

@@ -127,6 +127,23 @@ def add_basic_commands(sub) -> None:
     losses.set_defaults(func=cmd_losses)
 
 
+def cmd_swift_plugin(args: argparse.Namespace) -> int:
+    """Print the path of the ms-swift plugin file (for `swift rlhf --external_plugins`), without importing swift."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pgloss.integrations.swift_plugin")
+    assert spec is not None and spec.origin is not None  # a file of this package
+    print(spec.origin)
+    return 0
+
+
+def add_swift_plugin_command(sub) -> None:
+    """``swift-plugin``: the plugin file that puts pgloss's losses into ms-swift's GRPO trainer."""
+    sub.add_parser(
+        "swift-plugin", help="print the path of the plugin file for `swift rlhf --external_plugins`"
+    ).set_defaults(func=cmd_swift_plugin)
+
+
 # The command table: each entry is (module, function) and the function adds its subcommands to the
 # parser. A new command is one line here; its module is imported only when the parser is built.
 COMMANDS = (
@@ -136,6 +153,7 @@ COMMANDS = (
     ("pgloss.experiments.command", "add_report_command"),  # report RUN_DIR
     ("pgloss.lab.grads", "add_grads_command"),  # grads
     ("pgloss.conformance.run", "register"),  # conformance
+    ("pgloss.cli", "add_swift_plugin_command"),  # swift-plugin
 )
 
 
@@ -143,7 +161,8 @@ DESCRIPTION = (
     "Policy-gradient losses for reinforcement learning of language models: list them (list), run each on "
     "one batch (losses), train a tiny policy with one (train) or compare several over seeds (compare), test "
     "a published claim (experiment), write a run's report again (report), draw the per-token gradient "
-    "(grads), and check pgloss against the trainers' own losses (conformance). `pgloss COMMAND --help` "
+    "(grads), check pgloss against the trainers' own losses (conformance), and print the path of the plugin file "
+    "that puts pgloss's losses into ms-swift's GRPO trainer (swift-plugin). `pgloss COMMAND --help` "
     "gives a command's options; Ctrl-C or SIGTERM stops any of them."
 )
 

@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-from ..losses.ppo import ClippedPolicy
 from .case import LENGTH, ROWS, Case, batch, flat_grad, relative
 from .sources import load, locate_all
 
@@ -170,77 +169,12 @@ def _arguments(defaults: dict, options: dict[str, Any]) -> SimpleNamespace:
 
 
 def algorithm(args: SimpleNamespace) -> tuple[Any, bool]:
-    """The pgloss algorithm for ms-swift's GRPO arguments `args` (see the module's table), and whether its
-    rollout rejection is counted on the original masks (sequence_mask keeps its rows in ms-swift's counts)."""
-    from trl import GRPOConfig
+    """The pgloss algorithm for ms-swift's GRPO arguments `args` (`pgloss.trainer_options.swift.from_swift`, the one
+    owner of that mapping, which the ms-swift adapter runs too), and whether its rollout rejection is counted on the
+    original masks (sequence_mask keeps its rows in ms-swift's counts)."""
+    from ..trainer_options.swift import counts_rejected, from_swift
 
-    import pgloss
-
-    from ..correction.rejection import Rejection
-    from ..correction.rollout import RolloutCorrection
-    from ..trainer_options.trl import LOSS_TYPES
-
-    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    kl = dict(kl_coef=args.beta, kl_estimator="k3")
-    if args.loss_type in LOSS_TYPES:
-        level = args.importance_sampling_level
-        config = GRPOConfig(
-            output_dir="pgloss-conformance",
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            loss_type=args.loss_type,
-            epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            delta=args.delta,
-            importance_sampling_level="token" if level == "sequence_token" else level,
-            beta=args.beta,
-            use_bias_correction_kl=False,
-            sapo_temperature_pos=args.tau_pos,
-            sapo_temperature_neg=args.tau_neg,
-            max_completion_length=args.max_completion_length,
-        )
-        ours = pgloss.from_trl(config)
-        if level == "sequence_token":  # ms-swift's GSPO-token: the ratio level of the clipped-ratio family
-            if not isinstance(ours, ClippedPolicy):
-                raise TypeError(
-                    f"importance_sampling_level='sequence_token' needs a clipped-ratio loss, got {ours.name}"
-                )
-            ours = dataclasses.replace(ours, ratio_level="sequence_token")
-    elif args.loss_type == "fipo":
-        ours = pgloss.get(
-            "fipo",
-            clip_low=args.epsilon,
-            clip_high=high,
-            delta=args.delta,
-            fipo_decay_rate=args.fipo_decay_rate,
-            fipo_clip_range=args.fipo_clip_range,
-            fipo_clip_high_only=args.fipo_clip_high_only,
-            fipo_safety_threshold=args.fipo_safety_threshold,
-            **kl,
-        )
-    elif args.loss_type == "real":
-        ours = pgloss.get("real", real_tau=args.real_tau, **kl)
-    else:
-        raise ValueError(f"loss_type={args.loss_type!r}: not one of ms-swift's losses pgloss computes")
-    mode, cap = args.rollout_importance_sampling_mode, args.rollout_importance_sampling_threshold
-    weights = {
-        None: dict(weight_level=None),
-        "token_truncate": dict(weight_level="token", upper=cap),
-        "token_mask": dict(weight_level="token", weight_mode="mask", upper=cap),
-        "sequence_truncate": dict(weight_level="sequence_geometric", upper=cap),
-        "sequence_mask": dict(
-            weight_level="token", upper=None, rejection=(Rejection("seq_mean_k1", upper=None, lower=1 / cap),)
-        ),
-    }[mode]
-    if mode is not None or args.off_policy_sequence_mask_delta is not None:
-        ours = dataclasses.replace(
-            ours,
-            rollout_correction=RolloutCorrection(
-                off_policy_mask=args.off_policy_sequence_mask_delta, weight_kl=True, **weights
-            ),
-        )
-    return ours, mode == "sequence_mask"
+    return from_swift(vars(args)), counts_rejected(vars(args))
 
 
 def compare(options: dict[str, Any], *, seed: int = 0, empty_row: bool = False) -> tuple[float, float]:
