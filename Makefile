@@ -11,7 +11,7 @@ INTEGRATIONS := $(VENV)/.integrations
 INTEGRATION_PINS := "transformers>=5.5.3,<5.11,!=5.6.0"  # the trl extra's, for the GPU wheels below
 VERL_PIN := "verl>=0.9.1,<0.10"
 
-.PHONY: setup swift test matrix lint peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
+.PHONY: setup swift test-envs test matrix lint peers demo list docs clean bench-gpu gpu-check gpu-wheels bench-step gpu-step-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,7 +73,13 @@ $(LIGER): | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(LIGER_PIN)
 	touch $@
 
-test: $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER) $(SWIFT)
+# The environments `make test` needs, built side by side (ms-swift's venv is independent of the main one; the
+# trainers' sources wait for the main venv's pip): on a fresh clone about 3 minutes instead of 5.
+TEST_ENVS := $(STAMP) $(INTEGRATIONS) $(TRAINER_SOURCES) $(LIGER) $(SWIFT)
+test-envs: $(TEST_ENVS)
+
+test:
+	$(MAKE) -j4 test-envs
 	PGLOSS_TRINITY_SRC=$${PGLOSS_TRINITY_SRC:-$(SOURCES)/trinity} PGLOSS_TINKER_SRC=$${PGLOSS_TINKER_SRC:-$(SOURCES)/tinker} \
 	PGLOSS_TORCHRL_SRC=$${PGLOSS_TORCHRL_SRC:-$(SOURCES)/torchrl} PGLOSS_SKYRL_SRC=$${PGLOSS_SKYRL_SRC:-$(SOURCES)/skyrl} \
 	PGLOSS_MS_SWIFT_SRC=$${PGLOSS_MS_SWIFT_SRC:-$(SOURCES)/ms_swift} PGLOSS_AREAL_SRC=$${PGLOSS_AREAL_SRC:-$(SOURCES)/areal} \
