@@ -227,7 +227,8 @@ class Algorithm(AlgorithmFields):
         rows = plain if policy == (Part(self.loss_agg_mode),) else self.row_weights(batch, normalizer, policy)
         loss = weighted_sum(per_token, rows, normalizer.world_size)
         metrics["pg_loss"] = Stat.loss(loss)
-        loss = self.policy_coef * loss
+        if self.policy_coef != 1:  # a blend's weight; at 1 no kernel is launched for it
+            loss = self.policy_coef * loss
         for term in self.declared_terms:
             value = term.evaluate(batch, corrected)
             metrics |= value.metrics
