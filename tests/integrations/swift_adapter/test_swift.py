@@ -260,6 +260,7 @@ def _teacher_generation(trainer, initial, options, seed):
         for parameter in teacher.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
     trainer.accelerator.unwrap_model(trainer.model).load_state_dict(initial)
+    torch.manual_seed(seed)  # the sampling: the same completions whichever tests ran before
     saved = trainer.args
     trainer.args = copy.copy(saved)
     for key, value in options.items():
@@ -293,6 +294,7 @@ def test_sdar_is_ms_swifts_on_one_micro_batch_and_one_call_on_two(built):
     from pgloss.trainer_options.swift import from_swift
 
     trainer, initial, _ = built
+    trainer.fused = False  # the unfused path first (the every-name test leaves it as its last case set it)
     options = dict(loss_type="grpo", sdar_loss_coef=0.5, sdar_gate_beta=3.0)
     batches = _teacher_generation(trainer, initial, options, 400)
     one = _theirs_and_ours(trainer, initial, batches[:1], options, 400)
@@ -309,6 +311,12 @@ def test_sdar_is_ms_swifts_on_one_micro_batch_and_one_call_on_two(built):
         trainer.temperature,
     )
     two = sw.relative_error(grads, reference)
+    trainer.fused = True  # the teacher's log-probs through the fused path too
+    try:
+        model.load_state_dict(initial)
+        fused = sw.relative_error(sw.drive_step(trainer, algorithm, batches, 403)[0], reference)
+    finally:
+        trainer.fused = False
     tokens = [float(b["grpo_batch"].completion_mask.sum()) for b in batches]
     apart = _theirs_and_ours(trainer, initial, batches, options, 402) if tokens[0] != tokens[1] else None
     print(
@@ -317,9 +325,10 @@ def test_sdar_is_ms_swifts_on_one_micro_batch_and_one_call_on_two(built):
             "two vs one call": two,
             "SDAR's share": sw.relative_error(without, reference),
             "two vs ms-swift": apart,
+            "fused two vs one call": fused,
         }
     )
-    assert one < 2e-5 and two < 2e-5
+    assert one < 2e-5 and two < 2e-5 and fused < 2e-5
     assert sw.relative_error(without, reference) > 1e-3  # the term moves the gradient
     assert logged["pgloss/sdar_loss"] == pytest.approx(metrics["sdar_loss"], rel=1e-4)
     assert apart is None or apart > 1e-4
