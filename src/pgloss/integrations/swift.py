@@ -221,14 +221,14 @@ class PGLossSwiftMixin:
         extra: dict[str, Any] = {
             key: getattr(batch, f"pgloss_{key}", None) for key in ("group_ids", "scores") if key in needs
         }
-        teacher = None
         if "teacher_log_prob" in needs:
             teacher = batch.teacher_per_token_logps
-            if teacher is None:
+            if teacher is None:  # ms-swift's own loss would skip SDAR here: say so rather than drop the term
+                why = f"sdar_coef={self.algorithm.sdar_coef}" if self.algorithm.sdar_coef else "its distillation loss"
                 raise ValueError(
-                    f"{self.algorithm.name} needs teacher_log_prob (e.g. sdar_coef={self.algorithm.sdar_coef}) and "
-                    "ms-swift computed no teacher log-probs for this batch: set teacher_model or "
-                    "teacher_model_server, or give the dataset a teacher_prompt column (self-distillation)"
+                    f"{self.algorithm.name} needs teacher_log_prob ({why}) and ms-swift computed no teacher "
+                    "log-probs for this batch: set teacher_model or teacher_model_server, or give the dataset a "
+                    "teacher_prompt column (self-distillation)"
                 )
             extra["teacher_log_prob"] = teacher.float()
         inputs = dict(

@@ -370,7 +370,7 @@ def test_a_term_that_reads_the_teacher_without_its_log_probs_is_refused_by_name(
     saved = trainer.algorithm
     trainer.algorithm = from_swift(dict(sdar_loss_coef=0.1))
     try:
-        with pytest.raises(ValueError, match=r"needs teacher_log_prob \(e.g. sdar_coef=0.1\)"):
+        with pytest.raises(ValueError, match=r"needs teacher_log_prob \(sdar_coef=0.1\)"):
             trainer._pgloss_inputs(batch, trainer._pgloss_mask(batch))
     finally:
         trainer.algorithm = saved
