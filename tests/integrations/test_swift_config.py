@@ -68,12 +68,26 @@ def test_loss_type_names_any_pgloss_algorithm_with_its_fields():
     assert swift_algorithm({}, given) is given
 
 
+def test_sdar_and_the_teachers_advantages():
+    """SDAR's arguments are its term's fields, on ms-swift's losses and on a named one; RLSD and OPD-RL (a teacher,
+    teacher_kl_coef) change ms-swift's advantages only, so the algorithm is the one without them."""
+    sdar = dict(sdar_loss_coef=0.1, sdar_gate_beta=3.0)
+    for algorithm in (from_swift(sdar), swift_algorithm(sdar | dict(loss_type="dapo")), swift_algorithm(sdar, "gspo")):
+        assert (algorithm.sdar_coef, algorithm.sdar_gate_beta) == (0.1, 3.0)
+        assert "teacher_log_prob" in algorithm.needs
+    assert swift_algorithm(dict(loss_type="pgloss:grpo,sdar_coef=0.2")).sdar_coef == 0.2
+    assert swift_algorithm(dict(sdar_loss_coef=0.2), pgloss.get("grpo", sdar_coef=0.2)).sdar_coef == 0.2
+    assert from_swift({}).sdar_coef == 0 and "teacher_log_prob" not in from_swift({}).needs
+    teacher = dict(advantage_reweight="rlsd", rlsd_lambda=0.8, teacher_model="some/teacher", teacher_kl_coef=0.5)
+    assert swift_algorithm(teacher) == from_swift({})
+    assert swift_algorithm(teacher | dict(teacher_model=None, teacher_model_server="http://x:8000")) == from_swift({})
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        (dict(advantage_reweight="rlsd"), "advantage_reweight='rlsd' (RLSD"),
-        (dict(sdar_loss_coef=0.1), "sdar_loss_coef=0.1 (SDAR"),
-        (dict(teacher_model="some/teacher"), "teacher_model='some/teacher'"),
+        (dict(advantage_reweight="other"), "advantage_reweight='other'"),
+        (dict(loss_type="pgloss:grpo,sdar_coef=0.2", sdar_loss_coef=0.1), "sdar_loss_coef=0.1 with the algorithm's"),
         (dict(chord_sft_dataset=["x.jsonl"]), "chord_sft_dataset"),
         (dict(use_liger_kernel=True), "use_liger_kernel=True"),
         (dict(sequence_parallel_size=2), "sequence_parallel_size=2"),

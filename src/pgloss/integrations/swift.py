@@ -22,6 +22,12 @@ Each micro-batch's loss is then its exact share of the algorithm's loss on the s
 that transformers' `Trainer.training_step` divides it by: the step's summed gradient is that of one call on all its
 micro-batches, for every name and loss_agg_mode.
 
+Teacher (ms-swift's OPD-RL, RLSD and SDAR: `teacher_model`, `teacher_model_server` or self-distillation's
+`teacher_prompt`): ms-swift's `teacher_per_token_logps` (the sampled tokens' log-probs under the teacher) are the
+call's `teacher_log_prob` where the algorithm needs them (`sdar_loss_coef` > 0: SDAR's term, a distillation name);
+OPD-RL's teacher_kl_coef·(log π_T - log π_old) and RLSD's reweighting are in ms-swift's per-token advantages,
+passed as they are.
+
 Inputs: the mask is `completion_mask` (without the truncated rows with `overlong_filter`; with
 `top_entropy_quantile < 1`, the top-entropy tokens of the step, `pgloss.correction.token_masks`); `advantages`,
 `old_per_token_logps`, `ref_per_token_logps` (computed by ms-swift iff `beta != 0`, so `beta` is the algorithm's
@@ -71,7 +77,7 @@ except ImportError as error:  # pragma: no cover - exercised without ms-swift
 if swift.__version__ not in SpecifierSet(",".join(SUPPORTED)):
     raise ImportError(f"pgloss.integrations.swift supports ms-swift {SUPPORTED[0]}, found {swift.__version__}")
 
-_PASSED = frozenset({"ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores"})
+_PASSED = frozenset({"ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores", "teacher_log_prob"})
 """The optional inputs (core/inputs.py) the adapter gives the loss from ms-swift's GRPOBatch."""
 
 TRAINER = "pgloss.integrations.swift.PGLossSwiftGRPOTrainer"
@@ -120,13 +126,9 @@ class PGLossSwiftMixin:
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         algorithm = swift_algorithm(config, algorithm)
-        refused = [
-            f"{key} (OPD-RL's teacher: not yet mapped onto pgloss)"
-            for key in ("teacher_model", "teacher_model_server")
-            if kwargs.get(key)
-        ]
+        refused = []
         missing = sorted(algorithm.needs - _PASSED)
-        if missing:  # e.g. distillation's teacher_log_prob, a family's raw scores: ms-swift passes neither
+        if missing:  # an input ms-swift's GRPOBatch does not hold
             refused.append(f"{algorithm.name}, which needs {', '.join(missing)} (the adapter passes {sorted(_PASSED)})")
         in_reward = bool(getattr(config, "kl_in_reward", False))
         if "ref_log_prob" in type(algorithm).required_inputs and algorithm.kl_coef == 0 and not in_reward:
@@ -216,7 +218,19 @@ class PGLossSwiftMixin:
         """A micro-batch's call arguments besides the current log-probs, under pgloss's names."""
         ref = batch.ref_per_token_logps if "ref_log_prob" in self.algorithm.needs else None
         needs = self.algorithm.needs
-        extra = {key: getattr(batch, f"pgloss_{key}", None) for key in ("group_ids", "scores") if key in needs}
+        extra: dict[str, Any] = {
+            key: getattr(batch, f"pgloss_{key}", None) for key in ("group_ids", "scores") if key in needs
+        }
+        if "teacher_log_prob" in needs:
+            teacher = batch.teacher_per_token_logps
+            if teacher is None:  # ms-swift's own loss would skip SDAR here: say so rather than drop the term
+                why = f"sdar_coef={self.algorithm.sdar_coef}" if self.algorithm.sdar_coef else "its distillation loss"
+                raise ValueError(
+                    f"{self.algorithm.name} needs teacher_log_prob ({why}) and ms-swift computed no teacher "
+                    "log-probs for this batch: set teacher_model or teacher_model_server, or give the dataset a "
+                    "teacher_prompt column (self-distillation)"
+                )
+            extra["teacher_log_prob"] = teacher.float()
         inputs = dict(
             old_log_prob=None if batch.old_per_token_logps is None else batch.old_per_token_logps.float(),
             advantages=batch.advantages.float(),

@@ -18,10 +18,17 @@ ms-swift 4.6.0 (`swift/rlhf_trainers/grpo_trainer.py`, `GRPOTrainer._compute_los
 | `rollout_importance_sampling_mode`, `_threshold` | `RolloutCorrection` (`rollout_correction`) | `weight_kl=True`: ms-swift weighs the KL term too |
 | `off_policy_sequence_mask_delta` | `RolloutCorrection(off_policy_mask=)` | |
 | `top_entropy_quantile`, `overlong_filter` | masks (`pgloss.correction.token_masks`; the truncated rows) | applied by the adapter, not fields |
+| `sdar_loss_coef`, `sdar_gate_beta` | `sdar_coef`, `sdar_gate_beta` (SDAR's term, `pgloss.terms.sdar`) | on the teacher's log-probs: `teacher_log_prob` |
+| `teacher_model`, `teacher_model_server`, `teacher_kl_coef` (OPD-RL) | ms-swift's per-token advantages, kept | its teacher's sampled-token log-probs are the adapter's `teacher_log_prob` |
+| `advantage_reweight="rlsd"`, `rlsd_*` | ms-swift's per-token advantages, kept (= `pgloss.advantages.rlsd_advantages`) | |
 
-Refused, naming the argument (`refusals`): `advantage_reweight="rlsd"`, `sdar_loss_coef > 0` and a teacher
-(`teacher_model`, `teacher_model_server`: OPD-RL) are not yet mapped; `chord_sft_dataset` (CHORD's SFT mix, which
-ms-swift adds outside the loss), `use_liger_kernel` (ms-swift's fused loss replaces the one pgloss computes),
+ms-swift computes OPD-RL's A_t + teacher_kl_coef·(log π_T - log π_old) and RLSD's reweighting into
+`grpo_batch.advantages` before the loss (`GRPOTrainer._postprocess_batch`); the adapter passes those per-token
+advantages as they are. ms-swift's teacher (local model, self-distillation or server) gives the sampled token's
+log-prob only (`topk=0`), which is all SDAR and pgloss's distillation names read.
+
+Refused, naming the argument (`refusals`): `advantage_reweight` other than "rlsd"; `chord_sft_dataset` (CHORD's SFT
+mix, which ms-swift adds outside the loss), `use_liger_kernel` (ms-swift's fused loss replaces the one pgloss computes),
 `sequence_parallel_size > 1` and `rlhf_type` other than grpo. ms-swift options of the rollout, the rewards and
 the advantages (`scale_rewards`, `advantage_estimator`, `dynamic_sample`, ...) are ms-swift's and kept.
 """
@@ -37,6 +44,7 @@ from ..algorithms import NAMED, Algorithm, get
 from ..correction.rejection import Rejection
 from ..correction.rollout import RolloutCorrection
 from ..losses.ppo import ClippedPolicy
+from ..terms.sdar import Options as SDAROptions
 from .trl import LOSS_TYPES, from_trl, grpo_options
 from .trl_trainer import trainer_algorithm
 
@@ -68,6 +76,7 @@ DEFAULTS: dict[str, Any] = dict(
     off_policy_sequence_mask_delta=None,
     advantage_reweight=None,
     sdar_loss_coef=0.0,
+    sdar_gate_beta=5.0,
     chord_sft_dataset=(),
     use_liger_kernel=False,
     sequence_parallel_size=1,
@@ -75,12 +84,8 @@ DEFAULTS: dict[str, Any] = dict(
 """The arguments pgloss reads, at ms-swift 4.6.0's GRPO defaults (`beta`: RLHFArguments' 0.04 for grpo)."""
 
 _SHARED = ("epsilon", "epsilon_high", "delta", "importance_sampling_level", "tau_pos", "tau_neg")
-_NOT_YET = {
-    "advantage_reweight": "RLSD's advantage reweighting",
-    "sdar_loss_coef": "SDAR's distillation term",
-    "teacher_model": "OPD-RL's teacher",
-    "teacher_model_server": "OPD-RL's teacher",
-}
+_SDAR = {"sdar_loss_coef": "sdar_coef", "sdar_gate_beta": "sdar_gate_beta"}
+"""ms-swift's SDAR arguments and the fields of pgloss's SDAR term (`pgloss.terms.sdar.Options`)."""
 
 
 def _get(args: Any, name: str) -> Any:
@@ -118,11 +123,9 @@ def parse_loss_type(loss_type: Any) -> tuple[str, dict[str, Any]] | None:
 
 def refusals(args: Any) -> list[str]:
     """The ms-swift arguments pgloss's loss cannot honour, each named with its value."""
-    refused = [
-        f"{name}={_get(args, name)!r} ({what}: not yet mapped onto pgloss)"
-        for name, what in _NOT_YET.items()
-        if (_get(args, name) not in (None, 0.0, "", [], ()))
-    ]
+    refused = []
+    if _get(args, "advantage_reweight") not in (None, "rlsd"):
+        refused.append(f"advantage_reweight={_get(args, 'advantage_reweight')!r} (ms-swift 4.6.0's is 'rlsd')")
     if _is_set(args, "chord_sft_dataset"):
         refused.append("chord_sft_dataset (CHORD's SFT term is added outside the loss: use loss_type='pgloss:chord')")
     if _get(args, "use_liger_kernel"):
@@ -155,6 +158,21 @@ def _trl_options(args: Any, *, only_set: bool) -> dict[str, Any]:
     if only_set:
         values = {key: value for key, value in values.items() if _is_set(args, names.get(key, key))}
     return values
+
+
+def _sdar(args: Any, algorithm: Algorithm) -> Algorithm:
+    """ms-swift's SDAR arguments on the algorithm's SDAR fields (the one owner of that map): `sdar_loss_coef` is
+    `sdar_coef`, `sdar_gate_beta` is `sdar_gate_beta`. A field the algorithm already sets (`loss_type`'s
+    `pgloss:<name>,sdar_coef=...`, or an Algorithm given) away from its default and from ms-swift's is a conflict."""
+    set_here: dict[str, Any] = {field: float(_get(args, n)) for n, field in _SDAR.items() if _is_set(args, n)}
+    if not set_here:
+        return algorithm
+    plain = SDAROptions()
+    for name, field in _SDAR.items():
+        ours = getattr(algorithm, field)
+        if field in set_here and ours != getattr(plain, field) and ours != set_here[field]:
+            raise ValueError(f"{name}={set_here[field]} with the algorithm's {field}={ours}: give one")
+    return dataclasses.replace(algorithm, **set_here)
 
 
 def _sequence_token(args: Any, algorithm: Algorithm) -> Algorithm:
@@ -230,6 +248,7 @@ def from_swift(args: Any) -> Algorithm:
     else:
         raise ValueError(f"loss_type={name!r}: not one of ms-swift's losses (or {PREFIX}<name> for pgloss's)")
     correction = rollout_correction(args)
+    ours = _sdar(args, ours)
     return ours if correction is None else dataclasses.replace(ours, rollout_correction=correction)
 
 
@@ -248,7 +267,7 @@ def swift_algorithm(args: Any, algorithm: str | Algorithm | None = None) -> Algo
     if isinstance(algorithm, Algorithm):
         if spec is not None:
             raise ValueError(f"loss_type={_get(args, 'loss_type')!r} with algorithm={algorithm.name}: give one")
-        return algorithm
+        return _sdar(args, algorithm)
     fields: dict[str, Any] = {}
     if algorithm is None:
         assert spec is not None
@@ -279,6 +298,7 @@ def swift_algorithm(args: Any, algorithm: str | Algorithm | None = None) -> Algo
             ours = get(algorithm, generation_budget=float(budget), **(changed | fields))
         except (TypeError, ValueError) as error:
             raise ValueError(f"loss_type={_get(args, 'loss_type')!r}: {error}") from error
+    ours = _sdar(args, ours)
     correction = rollout_correction(args)
     if correction is not None:
         if not type(ours).takes_rollout_correction():

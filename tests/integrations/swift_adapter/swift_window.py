@@ -100,7 +100,8 @@ def build_trainer(args, trainer_cls=None):
 def off_policy(trainer, seed: int = 0, *, rollout: bool = False) -> list[dict]:
     """One generation of ms-swift (its rollout, rewards, advantages and old log-probs), made off-policy so that
     clipping, weights and signs all occur: old = log π + 0.3·N(0, 1), Â ~ N(0, 1) per row, ref = log π + 0.2·N,
-    and with `rollout` vLLM-like rollout log-probs = old + 0.3·N."""
+    and with `rollout` vLLM-like rollout log-probs = old + 0.3·N; a teacher's log-probs = log π + 0.25·N (for the
+    names that read `teacher_log_prob`; ms-swift's own losses read them only with `sdar_loss_coef` > 0)."""
     trainer.model.train()
     batches = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
     generator = torch.Generator().manual_seed(seed)
@@ -115,13 +116,14 @@ def off_policy(trainer, seed: int = 0, *, rollout: bool = False) -> list[dict]:
         batch.rollout_per_token_logps = (
             batch.old_per_token_logps + 0.3 * torch.randn(shape, generator=generator) if rollout else None
         )
+        batch.teacher_per_token_logps = log_prob + 0.25 * torch.randn(shape, generator=generator)
     return batches
 
 
 def drive_step(trainer, algorithm, batches: list[dict], number: int):
     """One optimizer step of `trainer` over `batches` (its micro-batches, GA = len(batches)) through its own
     `training_step` (ms-swift's, TRL's and transformers': the loss scaling and backward), from zero gradients;
-    returns the accumulated gradients and the step's logged pgloss metrics."""
+    returns the accumulated gradients and the step's logged pgloss metrics (and `step_loss`)."""
     trainer.algorithm = algorithm
     trainer._pgloss_window = None
     trainer._buffered_inputs = batches
@@ -133,11 +135,11 @@ def drive_step(trainer, algorithm, batches: list[dict], number: int):
     model = trainer.model_wrapped
     model.zero_grad(set_to_none=True)
     trainer._metrics["train"].clear()
-    for micro in batches:
-        trainer.training_step(model, micro)
+    loss = sum(float(trainer.training_step(model, micro)) for micro in batches)
     unwrapped = trainer.accelerator.unwrap_model(model)
     grads = {k: p.grad.detach().clone() for k, p in unwrapped.named_parameters() if p.grad is not None}
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("pgloss/")}
+    logged["step_loss"] = loss  # the summed losses training_step returns (what the Trainer logs)
     return grads, logged
 
 
@@ -163,6 +165,7 @@ def records(trainer, batches: list[dict]) -> list[dict]:
             advantages=batch.advantages,
             group_ids=batch.pgloss_group_ids,
             scores=batch.pgloss_scores,
+            teacher=batch.teacher_per_token_logps,
         )
         record["rollout"] = trainer._pgloss_rollout(batch)  # where the adapter passes them (the algorithm's use)
         out.append({k: v.detach().clone() for k, v in record.items() if v is not None})
@@ -190,6 +193,8 @@ def window_gradient(model: torch.nn.Module, recorded: list[dict], algorithm, tem
         )
         if "ref_log_prob" in algorithm.needs:
             call["ref_log_prob"] = record["ref"]
+        if "teacher_log_prob" in algorithm.needs:
+            call["teacher_log_prob"] = record["teacher"]
         for key in ("group_ids", "scores"):
             if key in algorithm.needs:
                 call[key] = record[key]

@@ -57,7 +57,7 @@ def test_step_gradient_is_one_call_for_every_name(built, fused):
         except ValueError as error:
             refused.append((name, str(error)))
             continue
-        if algorithm.needs - {"ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores"}:
+        if algorithm.needs - {"ref_log_prob", "entropy", "rollout_log_prob", "group_ids", "scores", "teacher_log_prob"}:
             config = copy.copy(trainer.args)
             config.loss_type = "grpo"
             with pytest.raises(ValueError, match=f"cannot honour: {name}, which needs"):
@@ -76,7 +76,7 @@ def test_step_gradient_is_one_call_for_every_name(built, fused):
     assert len(checked) >= len(names(fused)) - 2, refused
 
 
-def _theirs_and_ours(trainer, initial, batches, options, number, scale=1.0):
+def _theirs_and_ours(trainer, initial, batches, options, number, scale=1.0, losses=None):
     """The step's gradient under ms-swift's own `GRPOTrainer._compute_loss_and_metrics` and through the adapter
     (`from_swift`: the algorithm of ms-swift's loss_type and options), both through ms-swift's training_step."""
     from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
@@ -107,7 +107,10 @@ def _theirs_and_ours(trainer, initial, batches, options, number, scale=1.0):
             else:
                 del trainer._compute_loss_and_metrics
                 trainer._pgloss_count_rejected = counts_rejected(config)
-            grads.append(sw.drive_step(trainer, from_swift(config), batches, number)[0])
+            step_grads, logged = sw.drive_step(trainer, from_swift(config), batches, number)
+            grads.append(step_grads)
+            if losses is not None:
+                losses.append(logged["step_loss"])
         assert sum(float(g.norm()) for g in grads[0].values()) > 0, options
     finally:
         trainer.__dict__.pop("_compute_loss_and_metrics", None)
@@ -243,3 +246,131 @@ def test_two_gloo_ranks_step_gradient_is_one_call(tmp_path):
         for key in ("pg_loss", "ppo_kl"):
             if key in metrics:
                 assert logged[f"pgloss/{key}"] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), (name, key)
+
+
+def _teacher_generation(trainer, initial, options, seed):
+    """One generation by ms-swift with a local OPD-RL teacher (`teacher_model`): a tiny Qwen2 made as the policy is,
+    its weights moved by 0.05·N(0, 1). ms-swift computes the teacher's log-probs of the sampled tokens and, with
+    `options` set (`advantage_reweight`, `teacher_kl_coef`, `sdar_loss_coef`), its per-token advantages in
+    `_postprocess_batch` from per-row base advantages N(0, 1) (the tiny model's rewards are mostly 0); the old
+    log-probs are then moved by 0.3·N so that clipping occurs."""
+    generator = torch.Generator().manual_seed(seed)
+    teacher = sw.tiny_model(trainer.accelerator.unwrap_model(trainer.model).config.name_or_path)
+    with torch.no_grad():
+        for parameter in teacher.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    trainer.accelerator.unwrap_model(trainer.model).load_state_dict(initial)
+    torch.manual_seed(seed)  # the sampling: the same completions whichever tests ran before
+    saved = trainer.args
+    trainer.args = copy.copy(saved)
+    for key, value in options.items():
+        setattr(trainer.args, key, value)
+    trainer._prepare_algorithm_params()
+    trainer.teacher_kl_coef = trainer.args.teacher_kl_coef
+    trainer._teacher_model = trainer.teacher_model = teacher.eval()
+    trainer._compute_advantages = lambda samples, *_: torch.randn(len(samples), generator=generator)
+    try:
+        trainer.model.train()
+        batches = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    finally:
+        del trainer._compute_advantages
+        trainer._teacher_model = trainer.teacher_model = None
+        trainer.args = saved
+        trainer._prepare_algorithm_params()
+    for micro in batches:
+        batch = micro["grpo_batch"]
+        assert batch.teacher_per_token_logps is not None and batch.advantages.dim() == 2
+        batch.old_per_token_logps = batch.old_per_token_logps + 0.3 * torch.randn(
+            batch.old_per_token_logps.shape, generator=generator
+        )
+    return batches
+
+
+def test_sdar_is_ms_swifts_on_one_micro_batch_and_one_call_on_two(built):
+    """`sdar_loss_coef` > 0 (SDAR's term, `sdar_coef`), ms-swift's teacher log-probs as `teacher_log_prob`: one
+    micro-batch gives ms-swift's own step gradient; two give one plain pgloss call's (SDAR's token mean over the
+    step). Documented difference: ms-swift's SDAR mean is per micro-batch, so on two of unequal token counts its
+    gradient differs."""
+    from pgloss.trainer_options.swift import from_swift
+
+    trainer, initial, _ = built
+    trainer.fused = False  # the unfused path first (the every-name test leaves it as its last case set it)
+    options = dict(loss_type="grpo", sdar_loss_coef=0.5, sdar_gate_beta=3.0)
+    batches = _teacher_generation(trainer, initial, options, 400)
+    one = _theirs_and_ours(trainer, initial, batches[:1], options, 400)
+    algorithm = from_swift(dict(vars(trainer.args)) | options)
+    assert (algorithm.sdar_coef, algorithm.sdar_gate_beta) == (0.5, 3.0)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    model.load_state_dict(initial)
+    grads, logged = sw.drive_step(trainer, algorithm, batches, 401)
+    reference, metrics = sw.window_gradient(model, sw.records(trainer, batches), algorithm, trainer.temperature)
+    without, _ = sw.window_gradient(
+        model,
+        sw.records(trainer, batches),
+        from_swift(dict(vars(trainer.args)) | options | dict(sdar_loss_coef=0.0)),
+        trainer.temperature,
+    )
+    two = sw.relative_error(grads, reference)
+    trainer.fused = True  # the teacher's log-probs through the fused path too
+    try:
+        model.load_state_dict(initial)
+        fused = sw.relative_error(sw.drive_step(trainer, algorithm, batches, 403)[0], reference)
+    finally:
+        trainer.fused = False
+    tokens = [float(b["grpo_batch"].completion_mask.sum()) for b in batches]
+    apart = _theirs_and_ours(trainer, initial, batches, options, 402) if tokens[0] != tokens[1] else None
+    print(
+        {
+            "one micro-batch vs ms-swift": one,
+            "two vs one call": two,
+            "SDAR's share": sw.relative_error(without, reference),
+            "two vs ms-swift": apart,
+            "fused two vs one call": fused,
+        }
+    )
+    assert one < 2e-5 and two < 2e-5 and fused < 2e-5
+    assert sw.relative_error(without, reference) > 1e-3  # the term moves the gradient
+    assert logged["pgloss/sdar_loss"] == pytest.approx(metrics["sdar_loss"], rel=1e-4)
+    assert apart is None or apart > 1e-4
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(loss_type="grpo", advantage_reweight="rlsd", rlsd_lambda=0.8, rlsd_reweight_clip_range=0.3),
+        dict(loss_type="dapo", teacher_kl_coef=0.7),
+    ],
+    ids=["rlsd", "opd-rl"],
+)
+def test_rlsd_and_opd_rl_advantages_give_ms_swifts_step(built, options):
+    """RLSD's reweighting and OPD-RL's teacher term are in ms-swift's per-token advantages, which the adapter
+    passes as they are: the step (GA = 2) applies ms-swift's own gradient."""
+    trainer, initial, _ = built
+    batches = _teacher_generation(trainer, initial, options, 500)
+    for micro in batches:  # per-token advantages that vary along each row: the teacher's evidence is in them
+        batch = micro["grpo_batch"]
+        mask = batch.completion_mask.bool()
+        spread = (batch.advantages - batch.advantages[:, :1]).abs().masked_fill(~mask, 0)
+        assert float(spread.max()) > 1e-3
+    losses = []
+    error = _theirs_and_ours(trainer, initial, batches, options, 500, losses=losses)
+    print(options, error, losses)
+    assert error < 2e-5
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+
+
+def test_a_term_that_reads_the_teacher_without_its_log_probs_is_refused_by_name(built):
+    """ms-swift skips SDAR on a batch without teacher log-probs (no teacher, no teacher_prompt); the adapter says
+    so instead of training without the configured term."""
+    from pgloss.trainer_options.swift import from_swift
+
+    trainer, _, batches = built
+    batch = copy.copy(batches[0]["grpo_batch"])
+    batch.teacher_per_token_logps = None
+    saved = trainer.algorithm
+    trainer.algorithm = from_swift(dict(sdar_loss_coef=0.1))
+    try:
+        with pytest.raises(ValueError, match=r"needs teacher_log_prob \(sdar_coef=0.1\)"):
+            trainer._pgloss_inputs(batch, trainer._pgloss_mask(batch))
+    finally:
+        trainer.algorithm = saved
