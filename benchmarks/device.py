@@ -103,6 +103,54 @@ def timed(fn, device) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def measure_from_hidden(args, make_inputs, build_variant) -> dict:
+    """One variant of a from-hidden-states benchmark, in its child process (`--child <variant>`): the inputs of
+    `make_inputs(args, torch, device)` (a `hidden` and a `weight` among them), the gradients' room set aside as the
+    memory baseline, a warm-up on one sequence, then one forward and backward of `build_variant(args.child, args)`
+    timed, with its peak above the baseline, its loss and ‖∂W‖; a variant that fails to build or warm up is
+    reported skipped, with its reason."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    device = resolve_device(args.device)
+    result = {"variant": args.child, "time_s": None, "cpu_s": None, "peak_mib": None, "loss": None, "note": ""}
+    inputs = make_inputs(args, torch, device)
+    memory = Memory(device)
+    placeholders = [torch.ones_like(inputs["hidden"]), torch.ones_like(inputs["weight"])]  # the gradients' room
+    memory.set_baseline()
+    del placeholders
+    try:
+        run = build_variant(args.child, args)
+        warm = {
+            k: (v[:1].detach().requires_grad_() if k == "hidden" else v if "weight" in k else v[:1])
+            for k, v in inputs.items()
+        }
+        run(warm).backward()  # warm-up on one sequence: thread pools, allocator
+        del warm
+    except Exception as error:
+        result["note"] = f"skipped: {str(error).splitlines()[0][:150]}"
+        return result
+    inputs["weight"].grad = None
+    out = {}
+
+    def step():
+        loss = run(inputs)
+        loss.backward()
+        out["loss"] = float(loss.detach())
+
+    seconds, cpu = timed(step, device)
+    result.update(
+        time_s=seconds,
+        cpu_s=cpu,
+        peak_mib=memory.peak_above_baseline(),
+        loss=out["loss"],
+        grad_w_norm=float(inputs["weight"].grad.norm()),
+    )
+    return result
+
+
 def run_variant(script: str, argv: list[str], variant: str, timeout: float) -> dict:
     """One variant in its own process (`script` with `argv` and `--child <variant>`), so that its peak
     memory is its own: the JSON line it prints, or a note saying why there is none (with `status`

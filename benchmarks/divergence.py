@@ -26,7 +26,7 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device import Memory, add_device_argument, cell, describe, resolve_device, run_variants, timed
+from device import add_device_argument, cell, describe, measure_from_hidden, resolve_device, run_variants
 
 VARIANTS = ("materialised", "gkd", "fused", "tiled", "trl")
 
@@ -169,53 +169,10 @@ def build_variant(name, args):
     raise ValueError(name)
 
 
-def child(args) -> dict:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    device = resolve_device(args.device)
-    result = {"variant": args.child, "time_s": None, "cpu_s": None, "peak_mib": None, "loss": None, "note": ""}
-    inputs = make_inputs(args, torch, device)
-    memory = Memory(device)
-    placeholders = [torch.ones_like(inputs["hidden"]), torch.ones_like(inputs["weight"])]  # the gradients' room
-    memory.set_baseline()
-    del placeholders
-    try:
-        run = build_variant(args.child, args)
-        warm = {
-            k: (v[:1].detach().requires_grad_() if k == "hidden" else v if "weight" in k else v[:1])
-            for k, v in inputs.items()
-        }
-        run(warm).backward()  # warm-up on one sequence: thread pools, allocator
-        del warm
-    except Exception as error:
-        result["note"] = f"skipped: {str(error).splitlines()[0][:150]}"
-        return result
-    inputs["weight"].grad = None
-    out = {}
-
-    def step():
-        loss = run(inputs)
-        loss.backward()
-        out["loss"] = float(loss.detach())
-
-    seconds, cpu = timed(step, device)
-    result.update(
-        time_s=seconds,
-        cpu_s=cpu,
-        peak_mib=memory.peak_above_baseline(),
-        loss=out["loss"],
-        grad_w_norm=float(inputs["weight"].grad.norm()),
-    )
-    return result
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
-        print(json.dumps(child(args)))
+        print(json.dumps(measure_from_hidden(args, make_inputs, build_variant)))
         return
     import torch
 
