@@ -56,6 +56,7 @@ from .correction.rollout import RolloutCorrection
 from .from_hidden import loss_from_hidden
 from .kl.estimators import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_penalized_rewards
 from .step import Step  # one optimizer step: counted once, its micro-batches' losses and metrics
+from .trainer_options.swift import from_swift  # ms-swift's GRPO arguments as an Algorithm (imports no swift)
 from .trainer_options.trl import from_trl  # TRL's GRPOConfig as an Algorithm (imports no trl)
 from .trainer_options.verl import from_verl  # verl's actor config as an Algorithm (imports no verl)
 from .vocab.chunks import HeadOptions  # an LM head's bias, logit scale and soft-cap: head=, ref_head=, teacher_head=
@@ -123,6 +124,7 @@ __all__ = [
     "divergence_from_hidden",
     "divergence_from_logits",
     "families",
+    "from_swift",
     "from_trl",
     "from_verl",
     "full_kl_from_hidden",
