@@ -62,7 +62,7 @@ def test_bad_numbers_and_unknown_trainers_get_one_line_as_a_user_runs_them():
         text=True,
         timeout=120,
     )
-    choices = "'liger', 'ms_swift', 'openrlhf', 'trl', 'trl_sdpo', 'verl', 'verl_distillation'"
+    choices = "'liger', 'ms_swift', 'ms_swift_sdar', 'openrlhf', 'trl', 'trl_sdpo', 'verl', 'verl_distillation'"
     assert done.returncode == 2 and f"invalid choice: 'nemo_rl' (choose from {choices})" in done.stderr
     assert "Traceback" not in done.stderr and "install" not in done.stderr + done.stdout
 
