@@ -194,7 +194,8 @@ def test_dr_grpo_with_divisor_equal_to_token_count_is_token_mean():
 
 
 def test_sample_grpo_uses_the_whole_sequence_ratio():
-    # Seed 003: ρ_i = exp(Σ_t log π_θ - Σ_t log π_old), not the length-normalised GSPO ratio.
+    # "OpenR1 in practice (6): sample-level vs token-level loss" (2025-06-04): ρ_i = exp(Σ_t log π_θ - Σ_t log π_old),
+    # not the length-normalised GSPO ratio.
     old = torch.full((1, 4), -1.0, dtype=torch.float64)
     lp = old + torch.tensor([[0.05, 0.05, 0.05, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True, True, False]])
