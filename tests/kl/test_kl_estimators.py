@@ -26,7 +26,7 @@ def test_estimators_match_loop(estimator):
 
 
 def test_k3_is_nonnegative_and_unbiased_on_a_small_categorical():
-    """Seed 000's proof, numerically: E_{x~p}[q/p - log(q/p) - 1] = KL(p‖q) when q sums to one."""
+    """The proof in the blog post on PPO/GRPO/GSPO/DAPO losses (2025-10-21), numerically: E_{x~p}[q/p - log(q/p) - 1] = KL(p‖q) when q sums to one."""
     gen = torch.Generator().manual_seed(1)
     p = torch.softmax(torch.randn(6, generator=gen, dtype=torch.float64), 0)
     q = torch.softmax(torch.randn(6, generator=gen, dtype=torch.float64), 0)

@@ -52,7 +52,7 @@ def test_ratio_one_gives_the_reinforce_gradient(name):
     w = weights(alg, data)
     if name == "sample_grpo":
         # ∂ρ_i/∂log π_t = ρ_i = 1 for every token: the per-sequence loss sums over tokens
-        # (seq-mean-token-sum), which is seed 003's point about sample-level losses.
+        # (seq-mean-token-sum), which is the point of "OpenR1 in practice (6): sample-level vs token-level loss" (2025-06-04).
         w = data["mask"] / data["mask"].any(dim=1).sum()
     torch.testing.assert_close(log_prob.grad, -adv * w, rtol=1e-12, atol=1e-15)
 
