@@ -14,13 +14,13 @@ factor B/(B - 1)).
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import loops
 import pytest
 import torch
 
 import pgloss
+from pgloss.conformance import trl_sdpo
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 F64 = dict(dtype=torch.float64)
@@ -76,38 +76,12 @@ def test_term_matches_loop(seed, cap):
 
 
 def trl_loss(batch, *, cap, weight, on_policy=False, has_teacher=None):
-    """TRL's SDPO loss, (1 - w)·_compute_policy_loss + w·_compute_self_distillation_loss (as `compute_loss`;
-    w = 1: the distillation loss alone), and its gradient with respect to the student's logits."""
-    sdpo = pytest.importorskip("trl.experimental.sdpo.sdpo_trainer")
-    from collections import defaultdict
-
-    args = SimpleNamespace(
-        distillation_mode="sampled_token", distillation_alpha=1.0, distillation_is_clip=cap, distillation_weight=weight
-    )
-    model = SimpleNamespace(training=True)
-    trainer = SimpleNamespace(
-        args=args,
-        model=model,
-        accelerator=SimpleNamespace(gather=lambda x: x),
-        _log_self_distillation_metric=lambda mode, value: None,
-        _metrics={"train": defaultdict(list)},
-        importance_sampling_level="token",
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        loss_type="dapo",
-    )
-    logits = batch["student"].clone().requires_grad_(True)
-    mask = batch["mask"].double()
-    loss_mask = mask if has_teacher is None else mask * has_teacher.double()[:, None]
-    distillation = sdpo.DistillationLogits(batch["ids"], mask, loss_mask, logits, batch["teacher"])
-    inputs = {"completion_ids": batch["ids"], "completion_mask": mask, "advantages": batch["advantages"]}
-    if not on_policy:
-        inputs["old_per_token_logps"] = batch["old"]
-    loss = weight * sdpo.SDPOTrainer._compute_self_distillation_loss(trainer, model, inputs, distillation)
-    if weight != 1.0:
-        loss = loss + (1 - weight) * sdpo.SDPOTrainer._compute_policy_loss(trainer, inputs, logits)
-    (grad,) = torch.autograd.grad(loss, logits)
-    return loss.detach(), grad
+    """TRL's SDPO loss and its gradient to the student's logits, as `pgloss conformance` runs it
+    (`pgloss.conformance.trl_sdpo.trl_loss`: TRL's two methods on a stand-in trainer)."""
+    pytest.importorskip("trl.experimental.sdpo.sdpo_trainer")
+    if has_teacher is None:
+        has_teacher = torch.ones(len(batch["mask"]), dtype=torch.bool)
+    return trl_sdpo.trl_loss(batch, has_teacher, cap=cap, weight=weight, on_policy=on_policy)
 
 
 CASES = [

@@ -19,7 +19,7 @@ import torch
 
 from .case import Case, relative
 
-__all__ = ["TRAINER", "available", "cases"]
+__all__ = ["TRAINER", "available", "cases", "trl_loss"]
 
 TRAINER = "TRL"
 TOLERANCE = 1e-12
@@ -66,7 +66,11 @@ def _sampled(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
 
 
-def _trl(batch: dict, has_teacher: torch.Tensor, *, cap: float | None, weight: float, on_policy: bool):
+def trl_loss(batch: dict, has_teacher: torch.Tensor, *, cap: float | None, weight: float, on_policy: bool):
+    """TRL's SDPO loss on `batch` (student and teacher logits, sampled ids, mask, old log-probs, advantages), rows
+    without a teacher where `has_teacher` is False: (1 − w)·`_compute_policy_loss` + w·`_compute_self_distillation_loss`
+    as its `compute_loss` combines them (w = 1: the distillation loss alone), and its gradient to the student's
+    logits."""
     from trl.experimental.sdpo import sdpo_trainer as sdpo
 
     args = SimpleNamespace(
@@ -107,7 +111,7 @@ def _case(setting: dict[str, Any], seed: int) -> Case:
     has_teacher = torch.ones(len(batch["mask"]), dtype=torch.bool)
     if setting.get("no_teacher_row"):
         has_teacher[1] = False
-    theirs, their_grad = _trl(batch, has_teacher, cap=cap, weight=weight, on_policy=on_policy)
+    theirs, their_grad = trl_loss(batch, has_teacher, cap=cap, weight=weight, on_policy=on_policy)
     algorithm = get("sdpo", self_distill_is_cap=cap, self_distill_coef=weight, policy_coef=1 - weight)
     logits = batch["student"].clone().requires_grad_(True)
     log_prob = _sampled(logits, batch["ids"])
