@@ -41,7 +41,7 @@ from .core.normalizer import Normalizer
 from .core.output import LossOutput, PolicyTerms
 from .core.row_set import Part
 from .core.sequence_parallel import SequenceParallel
-from .correction.rollout import Corrected
+from .correction.rollout import Corrected, weighted
 
 
 class PartialGroupWarning(UserWarning):
@@ -219,10 +219,7 @@ class Algorithm(AlgorithmFields):
         self.check_whole_groups(batch, normalizer)
         terms = self.policy_terms(batch)
         per_token, metrics = terms.per_token, terms.metrics | ({} if corrected is None else corrected.metrics)
-        for weight in (None if corrected is None else corrected.weight, batch.rollout_is_weight):
-            if weight is not None:  # a weight enters before the aggregation
-                per_token = per_token * weight
-        per_token = torch.where(batch.mask, per_token, 0.0)
+        per_token = torch.where(batch.mask, weighted(per_token, corrected, batch.rollout_is_weight), 0.0)
         plain, policy = self.row_weights(batch, normalizer), self.policy_parts()
         rows = plain if policy == (Part(self.loss_agg_mode),) else self.row_weights(batch, normalizer, policy)
         loss = weighted_sum(per_token, rows, normalizer.world_size)

@@ -35,7 +35,7 @@ from ..core.output import check
 from ..core.ratios import importance_ratio
 from ..core.row_set import Part
 from ..core.trainer_names import value_hint
-from ..correction.rollout import Corrected
+from ..correction.rollout import Corrected, weighted
 from ..kl.estimators import KL_ESTIMATORS, kl_estimate
 from .term import TermValue
 
@@ -144,8 +144,5 @@ class Distillation:
         surrogate = clipped_surrogate(
             ratio, -d.detach(), clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip
         )
-        per_token = surrogate.loss
-        for weight in (None if corrected is None else corrected.weight, batch.rollout_is_weight):
-            if weight is not None:  # as on the policy term (verl passes rollout_is_weights to both)
-                per_token = per_token * weight
+        per_token = weighted(surrogate.loss, corrected, batch.rollout_is_weight)  # verl weighs both losses alike
         return TermValue(metrics, torch.where(batch.mask, per_token, 0.0))
