@@ -41,7 +41,8 @@ from .core.normalizer import Normalizer
 from .core.output import LossOutput, PolicyTerms
 from .core.row_set import Part
 from .core.sequence_parallel import SequenceParallel
-from .correction.rollout import Corrected, weighted
+from .correction.rollout import Corrected
+from .correction.weighting import weighted
 
 
 class PartialGroupWarning(UserWarning):

@@ -86,16 +86,6 @@ class Corrected:
     """Whether the weight also multiplies the KL term (`RolloutCorrection.weight_kl`)."""
 
 
-def weighted(per_token: Tensor, corrected: Corrected | None, rollout_is_weight: Tensor | None) -> Tensor:
-    """A surrogate's per-token value times the weights that enter before the aggregation: the correction's weight
-    and the trainer's given `rollout_is_weight` (each where present). The policy term and verl's distillation term
-    (which verl weighs as its policy loss) both call it."""
-    for weight in (None if corrected is None else corrected.weight, rollout_is_weight):
-        if weight is not None:
-            per_token = per_token * weight
-    return per_token
-
-
 WEIGHT_SUM = "rollout_is_weight"
 """The key of the step's (Σ w, count) in `Normalizer.sums`, for `batch_normalize`."""
 

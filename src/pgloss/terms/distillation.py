@@ -35,7 +35,8 @@ from ..core.output import check
 from ..core.ratios import importance_ratio
 from ..core.row_set import Part
 from ..core.trainer_names import value_hint
-from ..correction.rollout import Corrected, weighted
+from ..correction.rollout import Corrected
+from ..correction.weighting import weighted
 from ..kl.estimators import KL_ESTIMATORS, kl_estimate
 from .term import TermValue
 

@@ -81,6 +81,17 @@ def check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor |
 def check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor | None) -> Tensor | None:
     """Types, shapes, dtypes and devices; token ids in [0, V) where `mask` is valid (everywhere
     when None). Returns the mask as bool (None without a mask)."""
+    check_head_inputs(hidden, weight)
+    if isinstance(targets, Tensor) and targets.device != hidden.device:
+        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+    valid = None if mask is None else check_mask(mask, hidden.shape[:-1], hidden.device)
+    check_targets(targets, hidden.shape[:-1], weight.shape[0], valid)
+    return valid
+
+
+def check_head_inputs(hidden: Tensor, weight: Tensor) -> None:
+    """hidden [B, T, H] and weight [V, H]: types, shapes, dtypes and devices (`check_inputs` without token ids and
+    mask, for a call that reads no token ids: the top-k divergence)."""
     for name, value, rank in (("hidden", hidden, 3), ("weight", weight, 2)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(value).__name__}")
@@ -99,11 +110,6 @@ def check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor |
         )
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
-    if isinstance(targets, Tensor) and targets.device != hidden.device:
-        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
-    valid = None if mask is None else check_mask(mask, hidden.shape[:-1], hidden.device)
-    check_targets(targets, hidden.shape[:-1], weight.shape[0], valid)
-    return valid
 
 
 @refuses_head_keywords("")

@@ -22,7 +22,7 @@ from ..core.output import LossOutput
 from .chunks import ChunkLoop
 from .divergence import divergence_output
 from .entropy import check_temperature
-from .fused import check_inputs, full_head
+from .fused import check_head_inputs, full_head
 from .head import HeadOptions, as_head, refuses_head_keywords
 from .pair import check_logit_pair, head_pair
 from .plan import plan
@@ -203,7 +203,8 @@ def topk_divergence_from_hidden(
     policy = as_head(head)
     policy = policy.with_bias(full_head(policy.bias))
     check_tensor("hidden", hidden, ndim=(3,))
-    valid = check_inputs(hidden, weight, hidden.new_zeros(hidden.shape[:-1], dtype=torch.long), mask)
+    check_head_inputs(hidden, weight)
+    valid = check_mask(mask, hidden.shape[:-1], hidden.device)
     kind = policy.check(weight)
     batch, length, size = hidden.shape
     ids = check_topk_ids("teacher_ids", teacher_ids, hidden.shape[:2], weight.shape[0], valid, hidden.device)
